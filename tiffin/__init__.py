@@ -1,0 +1,1 @@
+"""tiffin: a vLLM-class LLM engine packaged as a BentoML backend."""
