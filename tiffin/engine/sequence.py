@@ -1,0 +1,62 @@
+"""One sequence being generated: a request with n samples holds n of them."""
+
+import itertools
+from enum import Enum, auto
+
+import torch
+
+from tiffin.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    """Token ids are the prompt followed by the outputs; `num_computed_tokens` of them have KV in the cache.
+
+    A sequence whose computed tokens have caught up with all but the newest token samples next step."""
+
+    _ids = itertools.count()
+
+    def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams):
+        self.seq_id = next(Sequence._ids)
+        self.request_id = request_id
+        self.index = index
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache on first admission
+        self.block_table: list[int] = []
+        self.params = params
+        seed = None if params.seed is None else params.seed + index
+        self.generator = None if seed is None else torch.Generator().manual_seed(seed)
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason, self.stop_reason = reason, stop_reason
