@@ -21,7 +21,15 @@ class Sequence:
 
     _ids = itertools.count()
 
-    def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(
+        self,
+        request_id: str,
+        index: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ):
         self.seq_id = next(Sequence._ids)
         self.request_id = request_id
         self.index = index
@@ -30,7 +38,12 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache on first admission
         self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # hash chain of full blocks, filled by the BlockManager
+        self.num_hashed_blocks = 0  # leading blocks of block_table that are in the prefix cache
+        self.cache_key = b""  # extra prefix-cache key (e.g. the LoRA adapter's identity)
         self.params = params
+        self.max_tokens = max_tokens  # params.max_tokens, or what the context leaves when that is None
+        self.eos_token_ids = eos_token_ids
         seed = None if params.seed is None else params.seed + index
         self.generator = None if seed is None else torch.Generator().manual_seed(seed)
         self.status = SequenceStatus.WAITING

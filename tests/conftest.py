@@ -1,0 +1,19 @@
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """`tiny_model(arch)` -> path of the built-in tiny checkpoint for that architecture, written once."""
+    from tiffin.tiny import make_tiny_model
+
+    paths = {}
+
+    def get(arch: str = "llama"):
+        if arch not in paths:
+            paths[arch] = make_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch=arch)
+        return paths[arch]
+
+    return get

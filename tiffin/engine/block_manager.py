@@ -1,0 +1,116 @@
+"""KV-cache block bookkeeping: a pool of fixed-size blocks, per-sequence block tables, and prefix caching.
+
+Invariants kept here:
+- A block is either referenced (ref_cnt > 0, in at least one block table) or in the free queue, never both.
+- A block carries a hash only once every token slot in it is filled (it is "full"); a hashed block is never
+  written again, so sequences may share it. Block tables are append-only while a sequence holds its blocks.
+- Freed hashed blocks stay findable in the free queue, oldest-freed evicted first; unhashed ones are reused
+  before them. A hash leaves the map only when its block is reallocated.
+- The last token of a sequence is always recomputed: a prefix-cache hit never covers it, since its logits
+  are needed.
+"""
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+from tiffin.engine.sequence import Sequence
+
+
+def hash_block(parent: bytes, token_ids: list[int], extra_key: bytes = b"") -> bytes:
+    """Identity of a full block: its tokens, everything before it (the parent's hash), and extra keys such
+    as the LoRA adapter it was computed with."""
+    return hashlib.sha256(parent + array("q", token_ids).tobytes() + extra_key).digest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_cnt = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # hash -> block id
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, seq: Sequence) -> list[int]:
+        """The blocks of the longest cached full-block prefix of `seq`, stopping short of its last token."""
+        if not self.enable_prefix_caching:
+            return []
+        blocks = []
+        for block_hash in self._hashes(seq, (seq.num_tokens - 1) // self.block_size):
+            block = self.cached.get(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
+        """Extend `seq`'s block table to hold its computed tokens, `computed_blocks` (prefix-cache hits for a
+        sequence being admitted) and `num_new_tokens` more. False, changing nothing, if the pool is short."""
+        num_tokens = max(seq.num_computed_tokens, len(computed_blocks) * self.block_size) + num_new_tokens
+        num_new_blocks = self.blocks_needed(num_tokens) - len(seq.block_table) - len(computed_blocks)
+        reclaimed = sum(1 for b in computed_blocks if self.ref_cnt[b] == 0)
+        if num_new_blocks > len(self.free) - reclaimed:
+            return False
+        for block in computed_blocks:
+            if self.ref_cnt[block] == 0:
+                del self.free[block]
+            self.ref_cnt[block] += 1
+        seq.block_table.extend(computed_blocks)
+        for _ in range(max(num_new_blocks, 0)):
+            seq.block_table.append(self._pop_free())
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(seq, num_tokens // self.block_size)
+        return True
+
+    def free_seq(self, seq: Sequence) -> None:
+        """Release `seq`'s blocks, tail first, so that under LRU its prefix outlives its suffix."""
+        for block in reversed(seq.block_table):
+            self.ref_cnt[block] -= 1
+            if self.ref_cnt[block] == 0:
+                self.free[block] = None
+                if self.block_hash[block] is None:
+                    self.free.move_to_end(block, last=False)
+        seq.block_table = []
+        seq.num_hashed_blocks = 0
+
+    def _pop_free(self) -> int:
+        block, _ = self.free.popitem(last=False)
+        old = self.block_hash[block]
+        if old is not None:
+            self.block_hash[block] = None
+            if self.cached.get(old) == block:
+                del self.cached[old]
+        self.ref_cnt[block] = 1
+        return block
+
+    def _cache_full_blocks(self, seq: Sequence, num_full_blocks: int) -> None:
+        hashes = self._hashes(seq, num_full_blocks)
+        for i in range(seq.num_hashed_blocks, num_full_blocks):
+            block = seq.block_table[i]
+            if self.block_hash[block] is None and hashes[i] not in self.cached:
+                self.block_hash[block] = hashes[i]
+                self.cached[hashes[i]] = block
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full_blocks)
+
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """Hash chain of `seq`'s first `num_blocks` full blocks, memoised on the sequence."""
+        hashes, size = seq.block_hashes, self.block_size
+        for i in range(len(hashes), num_blocks):
+            parent = hashes[-1] if hashes else b""
+            hashes.append(hash_block(parent, seq.token_ids[i * size : (i + 1) * size], seq.cache_key))
+        return hashes[:num_blocks]

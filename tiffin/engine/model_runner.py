@@ -1,0 +1,116 @@
+"""Turns a SchedulerOutput into one flattened forward pass, then samples."""
+
+import os
+
+import numpy as np
+import torch
+
+from tiffin import kernels
+from tiffin.engine.config import EngineConfig, ModelConfig
+from tiffin.engine.models.loader import build_model
+from tiffin.engine.sampler import Sampler, SamplerOutput
+from tiffin.engine.scheduler import SchedulerOutput
+
+CPU_KV_CACHE_CAP = 4 << 30  # bytes; like vLLM's CPU backend default
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
+                 eos_token_ids: set[int], linear_method=None):
+        self.config, self.model_config = config, model_config
+        self.device = config.torch_device
+        self.block_size = config.block_size
+        self.backend = kernels.resolve_backend(config.kernel_backend, self.device)
+        self.model = build_model(model_config, config.model, self.device, max_model_len, self.backend, linear_method)
+        self.sampler = Sampler(eos_token_ids, config.seed)
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        self.num_blocks = self._num_kv_blocks()
+        self._allocate_kv_cache()
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> SamplerOutput:
+        input_ids, positions, md, logits_indices = self._prepare(sched)
+        hidden = self.model(input_ids, positions, md)
+        logits = self.model.compute_logits(hidden[logits_indices]).float()
+        return self.sampler(logits, [s for s, samples in zip(sched.seqs, sched.sampling) if samples])
+
+    def _prepare(self, sched: SchedulerOutput):
+        seqs, counts = sched.seqs, np.array(sched.num_scheduled_tokens)
+        starts = np.array([s.num_computed_tokens for s in seqs])
+        seq_lens = starts + counts
+        query_start_loc = np.concatenate([[0], np.cumsum(counts)])
+        # token i of the batch belongs to request req[i] at position positions[i]
+        req = np.repeat(np.arange(len(seqs)), counts)
+        positions = np.arange(query_start_loc[-1]) - query_start_loc[req] + starts[req]
+        input_ids = []
+        for seq, start, count in zip(seqs, starts, counts):
+            input_ids.extend(seq.token_ids[start : start + count])
+        width = max(len(s.block_table) for s in seqs)
+        block_tables = np.zeros((len(seqs), width), dtype=np.int32)
+        for i, seq in enumerate(seqs):
+            block_tables[i, : len(seq.block_table)] = seq.block_table
+        slots = block_tables[req, positions // self.block_size].astype(np.int64) * self.block_size
+        slots += positions % self.block_size
+        to = lambda a, dtype: torch.from_numpy(np.ascontiguousarray(a)).to(self.device, dtype)  # noqa: E731
+        md = kernels.AttentionMetadata(
+            slot_mapping=to(slots, torch.int64),
+            query_start_loc=to(query_start_loc, torch.int32),
+            seq_lens=to(seq_lens, torch.int32),
+            block_tables=to(block_tables, torch.int32),
+            query_start_loc_cpu=query_start_loc.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+            max_query_len=int(counts.max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+        sampling = np.array(sched.sampling)
+        logits_indices = query_start_loc[1:][sampling] - 1
+        return to(np.array(input_ids), torch.int64), to(positions, torch.int64), md, to(logits_indices, torch.int64)
+
+    def _bytes_per_block(self) -> int:
+        mc = self.model_config
+        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * mc.dtype.itemsize
+
+    def _num_kv_blocks(self) -> int:
+        """`num_kv_blocks`, else what `kv_cache_memory` holds, else a default share of the device's memory;
+        never more than max_num_seqs sequences of max_model_len could use."""
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        memory = self.config.kv_cache_memory
+        if memory is None:
+            memory = self._default_kv_memory()
+        blocks = min(memory // self._bytes_per_block(), self.config.max_num_seqs * self.max_blocks_per_seq)
+        if blocks < 1:
+            raise ValueError(f"KV cache memory of {memory} bytes holds no block of {self._bytes_per_block()} bytes")
+        return int(blocks)
+
+    def _default_kv_memory(self) -> int:
+        if self.device.type == "cuda":
+            return self._profile_cuda_memory()
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return min(CPU_KV_CACHE_CAP, available // 4)
+
+    def _profile_cuda_memory(self) -> int:
+        """What `gpu_memory_utilization` of the GPU leaves after the weights and a forward of the largest step."""
+        torch.cuda.reset_peak_memory_stats()
+        tokens = min(self.config.max_num_batched_tokens, self.max_blocks_per_seq * self.block_size)
+        self.num_blocks = self.max_blocks_per_seq
+        self._allocate_kv_cache()
+        from tiffin.engine.sequence import Sequence  # a throwaway sequence only to shape the profiling batch
+        from tiffin.engine.sampling_params import SamplingParams
+
+        seq = Sequence("profile", 0, [0] * tokens, SamplingParams(temperature=0), 1)
+        seq.block_table = list(range(-(-tokens // self.block_size)))
+        self.execute(SchedulerOutput([seq], [tokens], [True]))
+        peak = torch.cuda.max_memory_allocated()
+        del self.kv_cache
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return max(int(total * self.config.gpu_memory_utilization) - peak, 0)
+
+    def _allocate_kv_cache(self) -> None:
+        """Zeroed, so that slots never written hold finite values: masked-out attention weights multiply them."""
+        mc = self.model_config
+        shape = (2, mc.num_layers, self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=mc.dtype, device=self.device)
+        for i, attn in enumerate(self.model.layers_kv()):
+            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]

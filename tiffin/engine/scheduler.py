@@ -1,0 +1,122 @@
+"""Iteration-level scheduling: each step spends a token budget on running sequences, then waiting ones.
+
+A scheduled sequence computes `num_scheduled_tokens` tokens starting at its `num_computed_tokens`; prefill
+chunks and single decode tokens share one forward. A sequence samples when this step brings its computed
+tokens up to all of its tokens. When blocks run out, the most recently admitted running sequence is
+preempted by recompute: its blocks are freed and it goes back to the head of the waiting queue.
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tiffin.engine.block_manager import BlockManager
+from tiffin.engine.config import EngineConfig
+from tiffin.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    sampling: list[bool] = field(default_factory=list)  # whether each sequence samples a token this step
+
+    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.num_scheduled_tokens.append(num_new_tokens)
+        self.sampling.append(seq.num_computed_tokens + num_new_tokens == seq.num_tokens)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int):
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out, budget = SchedulerOutput(), self.max_num_batched_tokens
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate_slots(seq, num_new):
+                preempted = True
+                victim = self.running.pop()
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                out.add(seq, num_new)
+                budget -= num_new
+                i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            cached = self.block_manager.get_computed_blocks(seq)
+            num_cached = len(cached) * self.block_manager.block_size
+            num_new = min(seq.num_tokens - num_cached, budget)
+            if not self.block_manager.allocate_slots(seq, num_new, cached):
+                break
+            self.waiting.popleft()
+            self._count_cache_lookup(seq, num_cached)
+            seq.num_computed_tokens = num_cached
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.add(seq, num_new)
+            budget -= num_new
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
+        """Advance the scheduled sequences past this step; append the sampled tokens (one per sampling
+        sequence, in order). Returns the sequences that got a token."""
+        got_token, tokens = [], iter(sampled)
+        for seq, num_new, samples in zip(out.seqs, out.num_scheduled_tokens, out.sampling):
+            seq.num_computed_tokens += num_new
+            if samples:
+                token = next(tokens)
+                if not seq.finished:  # aborted while its step ran
+                    seq.token_ids.append(token)
+                    got_token.append(seq)
+                    self._check_stop(seq)
+        return got_token
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """End `seq` (stopped, aborted, or failed) and free its blocks at once."""
+        seq.finish(reason, stop_reason)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free_seq(seq)
+
+    def _check_stop(self, seq: Sequence) -> None:
+        token, params = seq.token_ids[-1], seq.params
+        if seq.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in seq.eos_token_ids:
+                return self.finish(seq, "stop", None)
+            if token in params.stop_token_ids:
+                return self.finish(seq, "stop", token)
+        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            self.finish(seq, "length")
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free_seq(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _count_cache_lookup(self, seq: Sequence, num_cached: int) -> None:
+        if seq.num_output_tokens == 0:  # first admission, not a readmission after preemption
+            seq.num_cached_tokens = num_cached
+        self.block_manager.prefix_cache_queries += seq.num_tokens
+        self.block_manager.prefix_cache_hits += num_cached
