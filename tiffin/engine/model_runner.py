@@ -1,6 +1,8 @@
 """Turns a SchedulerOutput into one flattened forward pass, then samples."""
 
+import ctypes
 import os
+import sys
 
 import numpy as np
 import torch
@@ -19,6 +21,8 @@ class ModelRunner:
                  eos_token_ids: set[int], linear_method=None):
         self.config, self.model_config = config, model_config
         self.device = config.torch_device
+        if self.device.type == "cpu":
+            _keep_freed_memory_mapped()
         self.block_size = config.block_size
         self.backend = kernels.resolve_backend(config.kernel_backend, self.device)
         self.model = build_model(model_config, config.model, self.device, max_model_len, self.backend, linear_method)
@@ -114,3 +118,16 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=mc.dtype, device=self.device)
         for i, attn in enumerate(self.model.layers_kv()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
+
+def _keep_freed_memory_mapped() -> None:
+    """glibc serves large allocations with fresh mmaps and unmaps them on free, so every step's activations
+    page-fault in anew; raising its thresholds keeps freed memory for reuse (the effect vLLM's CPU backend
+    gets by preloading tcmalloc)."""
+    if sys.platform == "linux":
+        try:
+            libc = ctypes.CDLL("libc.so.6")
+        except OSError:
+            return
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: glibc's maximum
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD

@@ -13,6 +13,9 @@ import torch
 import torch.nn.functional as F
 
 
+DECODE_GROUP = 16
+
+
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token, -1 = skip
@@ -37,8 +40,9 @@ def write_kv_torch(key, value, k_cache, v_cache, slot_mapping) -> None:
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
     """Blocks of each row of `block_tables` as one contiguous `[B, num_kv_heads, length, head_dim]` tensor."""
     num_blocks = -(-length // cache.shape[1])
-    kv = cache[block_tables[:, :num_blocks]].flatten(1, 2)[:, :length]
-    return kv.transpose(1, 2)
+    index = block_tables[:, :num_blocks].reshape(-1)
+    kv = cache.index_select(0, index).view(block_tables.shape[0], -1, *cache.shape[2:])
+    return kv[:, :length].transpose(1, 2)
 
 
 def paged_attention_torch(query, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -61,18 +65,24 @@ def paged_attention_torch(query, k_cache, v_cache, md: AttentionMetadata, scale:
 
 
 def _decode(query, k_cache, v_cache, md, scale, decodes, out) -> None:
-    index = torch.tensor(decodes, device=query.device)
-    rows = md.query_start_loc[:-1][index].long()
-    lens = md.seq_lens[index]
-    longest = max(md.seq_lens_cpu[i] for i in decodes)
-    tables = md.block_tables[index]
-    k, v = _gather(k_cache, tables, longest), _gather(v_cache, tables, longest)
-    mask = torch.arange(longest, device=query.device) < lens[:, None]
-    q = query[rows].unsqueeze(2)  # [b, H, 1, D]
-    o = F.scaled_dot_product_attention(
-        q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
-    )
-    out[rows] = o.squeeze(2)
+    """Decode rows sorted by context length and run in groups, each padded only to its own longest context:
+    gathering K/V dominates the cost, and one group padded to the batch's longest would read far more."""
+    decodes = sorted(decodes, key=md.seq_lens_cpu.__getitem__)
+    for first in range(0, len(decodes), DECODE_GROUP):
+        group = decodes[first : first + DECODE_GROUP]
+        lens = [md.seq_lens_cpu[i] for i in group]
+        rows = torch.tensor([md.query_start_loc_cpu[i] for i in group], device=query.device)
+        tables = md.block_tables[torch.tensor(group, device=query.device)]
+        k, v = _gather(k_cache, tables, lens[-1]), _gather(v_cache, tables, lens[-1])
+        mask = None
+        if lens[0] != lens[-1]:
+            mask = torch.arange(lens[-1], device=query.device) < torch.tensor(lens, device=query.device)[:, None]
+            mask = mask[:, None, None, :]
+        q = query[rows].unsqueeze(2)  # [b, H, 1, D]
+        o = F.scaled_dot_product_attention(
+            q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        out[rows] = o.squeeze(2)
 
 
 def _prefill(query, k_cache, v_cache, block_table, seq_len, scale) -> torch.Tensor:

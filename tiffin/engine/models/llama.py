@@ -47,9 +47,13 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.arange(max_positions).float()[:, None] * inv_freq[None, :]
         self.register_buffer("cos", torch.cat([freqs, freqs], -1).cos(), persistent=False)
         self.register_buffer("sin", torch.cat([freqs, freqs], -1).sin(), persistent=False)
+        self._positions = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos, sin = self.cos[positions].to(q.dtype)[:, None], self.sin[positions].to(q.dtype)[:, None]
+        if positions is not self._positions:  # every layer of a step shares one positions tensor
+            self._positions = positions
+            self._cos_sin = self.cos[positions].to(q.dtype)[:, None], self.sin[positions].to(q.dtype)[:, None]
+        cos, sin = self._cos_sin
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
