@@ -1,9 +1,25 @@
 """tiffin: a vLLM-class LLM engine packaged as a BentoML backend."""
 
-from tiffin.engine.config import EngineConfig
-from tiffin.engine.llm import LLM
-from tiffin.engine.llm_engine import LLMEngine
-from tiffin.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from tiffin.engine.sampling_params import SamplingParams
+import importlib
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+# Resolved on first access, so that `import tiffin.plugin.service` (which `bentoml build` does) and
+# `import tiffin.tiny` do not pull in torch and transformers.
+_EXPORTS = {
+    "LLM": "tiffin.engine.llm",
+    "LLMEngine": "tiffin.engine.llm_engine",
+    "AsyncLLMEngine": "tiffin.engine.async_llm_engine",
+    "EngineConfig": "tiffin.engine.config",
+    "SamplingParams": "tiffin.engine.sampling_params",
+    "RequestOutput": "tiffin.engine.outputs",
+    "CompletionOutput": "tiffin.engine.outputs",
+    "Logprob": "tiffin.engine.outputs",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'tiffin' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,47 @@
+"""The OpenAI layer in-process (no BentoML): an engine failure after a stream started reaches the client as an
+error event followed by `data: [DONE]`, and the engine keeps serving."""
+
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+from fastapi.testclient import TestClient  # noqa: E402
+
+from tiffin import AsyncLLMEngine  # noqa: E402
+from tiffin.plugin.openai_api import OpenAIServing, create_app  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def app(tiny_model):
+    engine = AsyncLLMEngine.from_engine_args(tiny_model("llama"), num_kv_blocks=64)
+    app = create_app()
+    app.state.serving = OpenAIServing(engine, "tiny")
+    yield app
+    engine.shutdown()
+
+
+def test_failure_mid_stream_sends_error_event_then_done(app, monkeypatch):
+    runner = app.state.serving.engine.engine.model_runner
+    execute, calls = runner.execute, []
+
+    def flaky(sched):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("device lost")
+        return execute(sched)
+
+    monkeypatch.setattr(runner, "execute", flaky)
+    body = {"prompt": "Hello", "max_tokens": 50, "ignore_eos": True, "stream": True}
+    with TestClient(app) as client, client.stream("POST", "/completions", json=body) as r:
+        assert r.status_code == 200
+        events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all("choices" in c for c in chunks[:-1]) and len(chunks) > 1  # tokens arrived before the failure
+    assert "device lost" in chunks[-1]["error"]["message"] and chunks[-1]["error"]["type"] == "server_error"
+    monkeypatch.undo()
+    with TestClient(app) as client:
+        done = client.post("/completions", json={"prompt": "Hello", "max_tokens": 3, "ignore_eos": True}).json()
+    assert done["usage"]["completion_tokens"] == 3

@@ -1,0 +1,224 @@
+"""The Bento end to end: one real `bentoml serve` process on a loopback port, driven by the official `openai`
+client, raw HTTP and `bentoml.SyncHTTPClient`; results checked against the offline `LLM` on the same weights.
+
+The server runs with no model configured, so it serves the embedded default (the built-in tiny llama,
+written into a scratch BentoML model store on first start), which is byte-identical to the `tiny_model`
+fixture's checkpoint. Loading waits on a gate file, so /readyz is seen answering 503 before the weights load.
+"""
+
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+bentoml = pytest.importorskip("bentoml")
+
+from bento_server import BentoServer  # noqa: E402
+from tiffin import LLM, SamplingParams  # noqa: E402
+
+NUM_KV_BLOCKS = 256  # passed as `--arg`; the kv total gauge shows it arrived
+MODEL = "tiffin-tiny-llama"
+CONTEXT = 1024  # the tiny model's max_position_embeddings
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve")
+    gate = tmp / "load-gate"
+    srv = BentoServer(tmp, "tiffin.plugin.service:Tiffin", args={"num_kv_blocks": NUM_KV_BLOCKS},
+                      env={"TIFFIN_LOAD_GATE": str(gate), "TIFFIN_MAX_NUM_SEQS": "16"})
+    try:
+        srv.wait("/livez", 200, timeout=90)
+        time.sleep(0.5)  # the loader is parked on the gate: readiness must not flip by itself
+        srv.before_load = (srv.status("/readyz"), srv.http.get("/v1/models"))
+        gate.touch()
+        srv.wait("/readyz", 200, timeout=120)
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    return LLM(tiny_model("llama"), num_kv_blocks=NUM_KV_BLOCKS)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def greedy(llm, prompt, **kw):
+    return llm.generate(prompt, SamplingParams(temperature=0, **kw), use_tqdm=False)[0]
+
+
+def test_readyz_503_until_weights_load(server):
+    status, models = server.before_load
+    assert status == 503
+    assert models.status_code == 503 and "loading" in models.json()["error"]["message"]
+    assert server.status("/readyz") == 200 and server.status("/livez") == 200
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_greedy_completion_equals_offline_llm(client, llm):
+    ref = greedy(llm, "Hello, tiffin", max_tokens=24)
+    resp = client.completions.create(model=MODEL, prompt="Hello, tiffin", max_tokens=24, temperature=0)
+    assert resp.choices[0].text == ref.outputs[0].text
+    assert resp.choices[0].finish_reason == ref.outputs[0].finish_reason
+    assert resp.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert resp.usage.completion_tokens == len(ref.outputs[0].token_ids)
+    # token-id prompts, several prompts, n > 1: choice i*n + j is sample j of prompt i
+    prompts = [ref.prompt_token_ids, "The quick brown fox"]
+    resp = client.completions.create(model=MODEL, prompt=[prompts[1]], max_tokens=9, temperature=0, n=2)
+    assert [c.text for c in resp.choices] == [greedy(llm, prompts[1], max_tokens=9).outputs[0].text] * 2
+    resp = client.completions.create(model=MODEL, prompt=[ref.prompt_token_ids, [5, 6, 7]], max_tokens=8,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    texts = [greedy(llm, p, max_tokens=8, ignore_eos=True).outputs[0].text for p in (ref.prompt_token_ids, [5, 6, 7])]
+    assert [c.index for c in resp.choices] == [0, 1] and [c.text for c in resp.choices] == texts
+    assert resp.usage.completion_tokens == 16
+
+
+def test_completion_stream_with_stop_and_usage(client, llm):
+    free = greedy(llm, "The quick brown fox", max_tokens=40).outputs[0].text
+    stop = free[10:13]
+    ref = greedy(llm, "The quick brown fox", max_tokens=40, stop=[stop])
+    chunks = list(client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=40, temperature=0,
+                                            stop=[stop], stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == ref.outputs[0].text == free[: free.index(stop)]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.outputs[0].token_ids)
+
+
+def test_chat_completions_stream_and_non_stream(client, llm):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a fruit."}]
+    ref = llm.chat(messages, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
+    resp = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=20, temperature=0)
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].message.content == ref.outputs[0].text
+    assert resp.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert resp.usage.total_tokens == len(ref.prompt_token_ids) + len(ref.outputs[0].token_ids)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.outputs[0].text
+    assert chunks[-1].usage.completion_tokens == len(ref.outputs[0].token_ids)
+
+
+def test_logprobs_match_offline(client, llm):
+    ref = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=6, logprobs=3), use_tqdm=False)[0].outputs[0]
+    resp = client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=0, logprobs=3)
+    lp = resp.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx([d[t].logprob for t, d in zip(ref.token_ids, ref.logprobs)], abs=1e-5)
+    assert lp.tokens == [d[t].decoded_token for t, d in zip(ref.token_ids, ref.logprobs)]
+    for top, d in zip(lp.top_logprobs, ref.logprobs):
+        best = sorted(d.values(), key=lambda x: x.rank)[:3]
+        assert top == pytest.approx({x.decoded_token: x.logprob for x in best}, abs=1e-5)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2).choices[0].logprobs.content
+    assert len(chat) == 4 and all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in chat)
+
+
+MALFORMED = [  # (endpoint, body, status, param)
+    ("completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ("completions", {"prompt": "x", "max_tokens": 2.5}, 400, "max_tokens"),
+    ("completions", {"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("completions", {"prompt": "x", "temperature": -0.5}, 400, "temperature"),
+    ("completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ("completions", {"prompt": "x", "n": 0}, 400, "n"),
+    ("completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    ("completions", {"prompt": "x", "model": "gpt-4o"}, 404, "model"),
+    ("completions", {"max_tokens": 5}, 400, "prompt"),
+    ("completions", {"prompt": [-3, 5]}, 400, "prompt"),
+    ("completions", {"prompt": [5, 10**6]}, 400, "prompt"),
+    ("completions", {"prompt": []}, 400, "prompt"),
+    ("completions", {"prompt": [7] * (CONTEXT + 10)}, 400, "prompt"),
+    ("completions", {"prompt": [7] * (CONTEXT - 10), "max_tokens": 50}, 400, None),
+    ("completions", {"prompt": 123}, 400, "prompt"),
+    ("completions", {"prompt": "x", "stop": 5}, 400, "stop"),
+    ("completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ("completions", {"prompt": "x", "seed": "abc"}, 400, "seed"),
+    ("completions", {"prompt": "x", "top_k": -5}, 400, "top_k"),
+    ("completions", {"prompt": "x", "min_p": 2}, 400, "min_p"),
+    ("completions", {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("completions", {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
+    ("completions", {"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ("completions", {"prompt": "x", "min_tokens": 9, "max_tokens": 4}, 400, "min_tokens"),
+    ("completions", {"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ("completions", b'{"prompt": "x",', 400, None),
+    ("completions", b"[1, 2]", 400, None),
+    ("chat/completions", {"messages": []}, 400, "messages"),
+    ("chat/completions", {"messages": "hello"}, 400, "messages"),
+    ("chat/completions", {"messages": [{"content": "no role"}]}, 400, "messages"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 30},
+     400, "logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, 400,
+     "max_tokens"),
+]
+
+
+def test_malformed_requests_get_openai_errors(server):
+    for endpoint, body, status, param in MALFORMED:
+        raw = isinstance(body, bytes)
+        kw = {"content": body, "headers": {"content-type": "application/json"}} if raw else {"json": body}
+        r = server.http.post(f"/v1/{endpoint}", **kw)
+        assert r.status_code == status, (body, r.text)
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"], (body, error)
+        assert error["param"] == param, (body, error)
+    assert len(MALFORMED) >= 15
+    assert server.status("/readyz") == 200
+    assert server.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_disconnects_abort_and_free_kv_blocks(server):
+    body = {"prompt": "The quick brown fox", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        streams = [http.stream("POST", "/v1/completions", json=body) for _ in range(3)]
+        responses = [s.__enter__() for s in streams]
+        assert [r.status_code for r in responses] == [200] * 3
+        readers = [r.iter_lines() for r in responses]  # keep them: dropping a reader closes its connection
+        for lines in readers:
+            assert all(next(line for line in lines if line.startswith("data: ")) for _ in range(3))
+        busy = server.metrics()
+        for s in streams:
+            s.__exit__(None, None, None)
+    assert busy["tiffin_requests_running"] == 3 and busy["tiffin_kv_cache_blocks_used"] > 0
+    assert busy["tiffin_kv_cache_blocks_total"] == NUM_KV_BLOCKS
+    _assert_idle_soon(server)
+    # a non-streamed request whose client gives up is aborted too
+    with pytest.raises(httpx.TimeoutException):
+        server.http.post("/v1/completions", json={**body, "stream": False}, timeout=1.0)
+    _assert_idle_soon(server)
+
+
+def _assert_idle_soon(server, within: float = 5.0):
+    deadline = time.monotonic() + within
+    while (m := server.metrics())["tiffin_requests_running"] or m["tiffin_kv_cache_blocks_used"]:
+        assert time.monotonic() < deadline, m
+        time.sleep(0.1)
+
+
+def test_sync_http_client(server, llm):
+    ref = greedy(llm, "Hello, tiffin", max_tokens=16).outputs[0].text
+    with bentoml.SyncHTTPClient(server.url) as c:
+        assert c.generate(prompt="Hello, tiffin", max_tokens=16, temperature=0) == ref
+        assert "".join(c.generate_stream(prompt="Hello, tiffin", max_tokens=16, temperature=0)) == ref
+        with pytest.raises(bentoml.exceptions.BentoMLException, match="temperature"):
+            c.generate(prompt="x", temperature=-1)
+
+
+def test_metrics(server, client):
+    before = server.metrics()
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    after = server.metrics()
+    assert after["tiffin_generation_tokens_total"] - before["tiffin_generation_tokens_total"] == 5
+    assert after["tiffin_prompt_tokens_total"] > before["tiffin_prompt_tokens_total"]
+    for name in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
+        assert after[f"tiffin_{name}_count"] == before[f"tiffin_{name}_count"] + 1
+    assert "tiffin_preemptions_total" in after and after["tiffin_requests_waiting"] == 0

@@ -1,0 +1,272 @@
+"""The serving engine: `LLMEngine.step()` in a background thread, one async stream of outputs per request.
+
+The LLMEngine is not thread-safe, so only the engine thread touches it: callers post `add` / `abort` to a
+thread-safe inbox that the thread drains between steps, and the thread hands outputs back to each request's
+asyncio loop with `call_soon_threadsafe`. Torch releases the GIL inside kernels, so the event loop keeps
+serving HTTP while a step runs.
+
+Outputs are cumulative and safe to show: a text tail that could still become a (removed) stop string is held
+back until it resolves, so each output's text extends the previous one and deltas are plain suffixes.
+"""
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from tiffin.engine.config import EngineConfig
+from tiffin.engine.llm_engine import LLMEngine, PromptType
+from tiffin.engine.outputs import CompletionOutput, RequestOutput
+from tiffin.engine.sampling_params import SamplingParams
+from tiffin.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """The engine failed while running a request (not the request's fault)."""
+
+
+class RequestStream:
+    """Async iterator over one request's outputs. Leaving it early (cancellation, `close()`) aborts the
+    request, which frees its KV blocks before the next step."""
+
+    def __init__(self, request_id: str, abort: Callable[[str, bool], None]):
+        self.request_id = request_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self._abort = abort
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            item = await self.queue.get()
+        except asyncio.CancelledError:
+            self.close()
+            raise
+        # Outputs are cumulative: a consumer that fell behind only needs the newest one.
+        while not self.queue.empty() and not isinstance(item, BaseException):
+            item = self.queue.get_nowait()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if self.first_token_time is None and any(o.token_ids for o in item.outputs):
+            self.first_token_time = time.monotonic()
+        self.finished = item.finished
+        return item
+
+    def close(self, wake: bool = True) -> None:
+        """Abort the request unless it already finished; safe to call more than once."""
+        if not self.finished:
+            self.finished = True
+            self._abort(self.request_id, wake)
+
+    def __del__(self) -> None:
+        # Dropped unread. The garbage collector may run this on the engine thread inside a lock that waking
+        # it takes: only queue the abort (an unfinished request keeps the thread stepping, so it is seen).
+        self.close(wake=False)
+
+
+@dataclass
+class _Active:
+    stream: RequestStream
+    loop: asyncio.AbstractEventLoop
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+
+
+class AsyncLLMEngine:
+    """`await add_request(...)` or `async for out in generate(...)`; `stats()` for monitoring. `on_stats`
+    is called in the engine thread with `LLMEngine.stats()` after every step and every inbox batch."""
+
+    def __init__(self, engine: LLMEngine, on_stats: Callable[[dict], None] | None = None):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self._on_stats = on_stats
+        self._inbox: deque[tuple] = deque()
+        self._wakeup = threading.Event()
+        self._active: dict[str, _Active] = {}
+        self._stats = engine.stats()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="tiffin-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, model: str, on_stats: Callable[[dict], None] | None = None,
+                         **kwargs) -> "AsyncLLMEngine":
+        """Build the LLMEngine from `EngineConfig` fields (the same keywords as `LLM`)."""
+        return cls(LLMEngine(EngineConfig(model=str(model), **kwargs)), on_stats)
+
+    async def add_request(self, request_id: str, prompt: PromptType,
+                          params: SamplingParams | None = None) -> RequestStream:
+        """Queue a request and return its stream once the engine accepted it; ValueError if it was refused
+        (bad prompt, too long for the context, duplicate id), raised before any output."""
+        if self._closed:
+            raise EngineError("the engine is shut down")
+        loop = asyncio.get_running_loop()
+        accepted = loop.create_future()
+        stream = RequestStream(request_id, self.abort)
+        self._post(("add", request_id, prompt, params or SamplingParams(), stream, loop, accepted))
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            stream.close()
+            raise
+        except BaseException:
+            stream.finished = True  # refused: there is nothing to abort
+            raise
+        return stream
+
+    async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """vLLM's `AsyncLLMEngine.generate`: cumulative outputs until the request finishes."""
+        stream = await self.add_request(request_id or uuid.uuid4().hex, prompt, params)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str, wake: bool = True) -> None:
+        """Thread-safe; the request's stream (if still read) ends with finish_reason "abort". `wake=False`
+        only queues it, taking no lock (for finalizers)."""
+        self._inbox.append(("abort", request_id))
+        if wake:
+            self._wakeup.set()
+
+    def stats(self) -> dict:
+        """`LLMEngine.stats()` as of the last step or inbox batch."""
+        return self._stats
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Fail the requests in flight and stop the engine thread."""
+        self._closed = True
+        self._post(("shutdown",))
+        self._thread.join(timeout)
+
+    def _post(self, op: tuple) -> None:
+        self._inbox.append(op)
+        self._wakeup.set()
+
+    # --- engine thread ---
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            if not engine.has_unfinished_requests():
+                self._wakeup.wait()
+            self._wakeup.clear()
+            if not self._drain_inbox():
+                return
+            if not engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as e:  # a bad step must not end the loop: fail what was in flight
+                logger.exception("engine step failed")
+                self._fail_all(EngineError(f"engine step failed: {type(e).__name__}: {e}"))
+                continue
+            self._publish_stats()  # first, so a client that sees its last token also sees it counted
+            for out in outputs:
+                self._emit(out.request_id)
+
+    def _drain_inbox(self) -> bool:
+        """Apply queued adds and aborts; False once shutdown was requested."""
+        if not self._inbox:
+            return True
+        while self._inbox:
+            op = self._inbox.popleft()
+            if op[0] == "add":
+                self._add(*op[1:])
+            elif op[0] == "abort":
+                self._abort(op[1])
+            else:
+                self._fail_all(EngineError("the engine is shut down"))
+                return False
+        self._publish_stats()
+        return True
+
+    def _add(self, request_id, prompt, params, stream, loop, accepted) -> None:
+        try:
+            self.engine.add_request(request_id, prompt, params)
+        except Exception as e:
+            _call(loop, _resolve, accepted, e)
+            return
+        request = self.engine.requests[request_id]
+        self._active[request_id] = _Active(stream, loop, request.prompt, request.prompt_token_ids, request.seqs)
+        _call(loop, _resolve, accepted, None)
+
+    def _abort(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)
+        active = self._active.pop(request_id, None)
+        if active is not None:
+            self._push(active, self._snapshot(request_id, active))
+
+    def _emit(self, request_id: str) -> None:
+        active = self._active.get(request_id)
+        if active is None:
+            return
+        out = self._snapshot(request_id, active)
+        if out.finished:
+            del self._active[request_id]
+        self._push(active, out)
+
+    def _fail_all(self, error: EngineError) -> None:
+        for request_id, active in list(self._active.items()):
+            self.engine.abort_request(request_id)
+            self._push(active, error)
+        self._active.clear()
+        self._publish_stats()
+
+    def _push(self, active: _Active, item) -> None:
+        if not _call(active.loop, active.stream.queue.put_nowait, item):
+            self.engine.abort_request(active.stream.request_id)  # its event loop is gone
+            self._active.pop(active.stream.request_id, None)
+
+    @staticmethod
+    def _snapshot(request_id: str, active: _Active) -> RequestOutput:
+        """A copy the event loop may read while the engine thread moves on."""
+        outputs = [
+            CompletionOutput(s.index, s.detokenizer.stream_text(s.finished), s.output_token_ids, s.finish_reason,
+                             s.stop_reason, None if s.logprobs is None else list(s.logprobs))
+            for s in active.seqs
+        ]
+        return RequestOutput(request_id, active.prompt, active.prompt_token_ids, outputs,
+                             all(s.finished for s in active.seqs), active.seqs[0].num_cached_tokens)
+
+    def _publish_stats(self) -> None:
+        self._stats = self.engine.stats()
+        if self._on_stats is not None:
+            try:
+                self._on_stats(self._stats)
+            except Exception:
+                logger.exception("on_stats callback failed")
+
+
+def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+        return True
+    except RuntimeError:  # the loop is closed
+        return False
+
+
+def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():  # the caller was cancelled meanwhile
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

@@ -1,0 +1,424 @@
+"""The OpenAI-compatible protocol over `AsyncLLMEngine`: request models, validation into SamplingParams,
+responses and SSE chunks, OpenAI-shaped errors.
+
+No BentoML here: `create_app()` returns the FastAPI app and the service sets `app.state.serving` to an
+`OpenAIServing` once the weights are loaded (503 until then). Nothing heavy is imported at module level."""
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, Strict
+from starlette.exceptions import HTTPException
+
+from tiffin.engine.sampling_params import SamplingParams
+
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]  # accepts JSON integers, not strings or booleans
+Bool = Annotated[bool, Strict()]
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# --- requests ---
+
+class StreamOptions(BaseModel):
+    include_usage: Bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by /completions and /chat/completions (null means the default)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    n: Int | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
+    stop: str | list[str] | None = None
+    seed: Int | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    stream: Bool | None = None
+    stream_options: StreamOptions | None = None
+    # vLLM extras
+    top_k: Int | None = None
+    min_p: Float | None = None
+    repetition_penalty: Float | None = None
+    ignore_eos: Bool | None = None
+    min_tokens: Int | None = None
+    stop_token_ids: list[Int] | None = None
+    include_stop_str_in_output: Bool | None = None
+    skip_special_tokens: Bool | None = None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        given = {k: v for k, v in self.model_dump(include=_SAMPLING_FIELDS).items() if v is not None}
+        try:
+            return SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs)
+        except ValueError as e:
+            raise bad_request(e) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+_SAMPLING_FIELDS = {
+    "n", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+    "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output",
+    "skip_special_tokens",
+}
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[Int] | list[list[Int]]
+    max_tokens: Int | None = 16  # null: up to the context length
+    logprobs: Int | None = None
+    echo: Bool | None = None
+    suffix: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... reach the chat template
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
+    logprobs: Bool | None = None
+    top_logprobs: Int | None = None
+    add_generation_prompt: Bool = True
+
+
+def bad_request(e: ValueError) -> APIError:
+    """SamplingParams and the engine start their ValueErrors with the offending parameter's name."""
+    message = str(e)
+    word = message.split(" ", 1)[0]
+    param = word if word in CompletionRequest.model_fields or word in ChatCompletionRequest.model_fields else None
+    return APIError(400, message, param=param)
+
+
+# --- serving ---
+
+class OpenAIServing:
+    def __init__(self, engine, model_name: str, on_finished=None):
+        """`engine`: an AsyncLLMEngine. `on_finished(stream, output)` is called for each finished request
+        (metrics)."""
+        self.engine = engine
+        self.model_name = model_name
+        self.created = int(time.time())
+        self.on_finished = on_finished
+
+    def models(self) -> dict:
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "tiffin",
+                "max_model_len": self.engine.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    async def completions(self, req: CompletionRequest, raw: Request):
+        self._check_model(req.model)
+        if req.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        if req.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        prompts = _prompts(req.prompt)
+        params = req.sampling_params(req.max_tokens, req.logprobs)
+        fmt = _Format("cmpl", "text_completion", "text_completion", self.model_name, params.n, req.logprobs)
+        return await self._serve(req, raw, fmt, prompts, params)
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request):
+        self._check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = req.sampling_params(max_tokens, logprobs)
+        fmt = _Format("chatcmpl", "chat.completion", "chat.completion.chunk", self.model_name, params.n, logprobs)
+        return await self._serve(req, raw, fmt, [self._render_chat(req)], params)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    def _render_chat(self, req: ChatCompletionRequest) -> dict:
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        for m in messages:
+            if isinstance(m.get("content"), list) and any(p.get("type") != "text" for p in m["content"]):
+                raise APIError(400, "only text content parts are supported", param="messages")
+        tokenizer = self.engine.tokenizer
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                                 add_generation_prompt=req.add_generation_prompt)
+        except Exception as e:  # a template may raise on roles or content it does not accept
+            raise APIError(400, f"messages: the chat template failed: {e}", param="messages") from None
+        # The template writes the special tokens itself.
+        return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+    async def _serve(self, req: _SamplingRequest, raw: Request, fmt: "_Format", prompts: list, params):
+        streams = await self._open(prompts, params, fmt.id)
+        if req.stream:
+            return StreamingResponse(self._sse(streams, fmt, req.include_usage), media_type="text/event-stream")
+        finals = await _unless_disconnected(raw, self._collect(streams))
+        return fmt.response(finals)
+
+    async def _open(self, prompts: list, params: SamplingParams, request_id: str) -> list:
+        """Queue every prompt; a refused one aborts those already queued and becomes a 400."""
+        streams = []
+        try:
+            for i, prompt in enumerate(prompts):
+                streams.append(await self.engine.add_request(f"{request_id}-{i}", prompt, params))
+        except ValueError as e:
+            raise bad_request(e) from None
+        finally:
+            if len(streams) < len(prompts):
+                for s in streams:
+                    s.close()
+        return streams
+
+    async def _collect(self, streams: list) -> list:
+        finals = [None] * len(streams)
+        async for i, out in self._merge(streams):
+            finals[i] = out
+        return finals
+
+    async def _sse(self, streams: list, fmt: "_Format", include_usage: bool) -> AsyncIterator[str]:
+        finals = [None] * len(streams)
+        try:
+            for chunk in fmt.first_chunks():
+                yield _event(chunk)
+            async for i, out in self._merge(streams):
+                finals[i] = out
+                for chunk in fmt.delta_chunks(i, out):
+                    yield _event(chunk)
+            if include_usage:
+                yield _event(fmt.chunk([], usage=_usage(finals)))
+        except Exception as e:  # the status line is sent already: report in-band
+            yield _event(APIError(500, f"generation failed: {e}", type="server_error").body())
+        yield "data: [DONE]\n\n"
+
+    async def _merge(self, streams: list) -> AsyncIterator[tuple[int, Any]]:
+        """(prompt index, newest output) from several request streams. Outputs are cumulative, so a slow
+        reader skips intermediate ones. Leaving early aborts every unfinished request."""
+        latest: dict[int, Any] = {}
+        ready = asyncio.Event()
+
+        async def pump(i: int, stream) -> None:
+            try:
+                async for out in stream:
+                    latest[i] = out
+                    ready.set()
+            except Exception as e:
+                latest[i] = e
+                ready.set()
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        pending = set(range(len(streams)))
+        try:
+            while pending:
+                await ready.wait()
+                ready.clear()
+                for i in list(latest):
+                    item = latest.pop(i)
+                    if isinstance(item, Exception):
+                        raise item
+                    if item.finished:
+                        pending.discard(i)
+                        if self.on_finished is not None:
+                            self.on_finished(streams[i], item)
+                    yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            for s in streams:
+                s.close()
+
+
+def _prompts(prompt) -> list:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    return [prompt] if isinstance(prompt[0], int) else prompt
+
+
+async def _unless_disconnected(raw: Request, coro):
+    """Await `coro`, cancelling it (so its requests abort) if the client hangs up first."""
+    task = asyncio.ensure_future(coro)
+
+    async def disconnected() -> None:
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise APIError(499, "client disconnected")
+    return task.result()
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _usage(finals: list) -> dict:
+    prompt = sum(len(f.prompt_token_ids) for f in finals if f is not None)
+    completion = sum(len(o.token_ids) for f in finals if f is not None for o in f.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+@dataclass
+class _Sent:
+    """What a stream choice has been sent so far."""
+
+    chars: int = 0
+    tokens: int = 0
+    text_offset: int = 0  # completions logprobs: where the next token's text starts
+    closed: bool = False
+
+
+class _Format:
+    """Response and chunk shapes of one endpoint, and the progress of each streamed choice."""
+
+    def __init__(self, prefix: str, obj: str, chunk_obj: str, model: str, n: int, logprobs: int | None):
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.chat = prefix == "chatcmpl"
+        self.obj, self.chunk_obj, self.model, self.n, self.logprobs = obj, chunk_obj, model, n, logprobs
+        self.created = int(time.time())
+        self.sent: dict[int, _Sent] = {}
+
+    def response(self, finals: list) -> dict:
+        choices = []
+        for i, final in enumerate(finals):
+            for o in final.outputs:
+                lp = self._logprobs(o, _Sent())
+                if self.chat:
+                    choice = {"message": {"role": "assistant", "content": o.text}, "logprobs": lp}
+                else:
+                    choice = {"text": o.text, "logprobs": lp}
+                choices.append({"index": i * self.n + o.index, **choice, "finish_reason": o.finish_reason,
+                                "stop_reason": o.stop_reason})
+        return {"id": self.id, "object": self.obj, "created": self.created, "model": self.model,
+                "choices": choices, "usage": _usage(finals)}
+
+    def chunk(self, choices: list, usage: dict | None = None) -> dict:
+        return {"id": self.id, "object": self.chunk_obj, "created": self.created, "model": self.model,
+                "choices": choices, "usage": usage}
+
+    def first_chunks(self) -> list[dict]:
+        """Chat streams open each choice with the assistant role."""
+        if not self.chat:
+            return []
+        return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}]) for i in range(self.n)]
+
+    def delta_chunks(self, prompt_index: int, out) -> list[dict]:
+        chunks = []
+        for o in out.outputs:
+            index = prompt_index * self.n + o.index
+            sent = self.sent.setdefault(index, _Sent())
+            text = o.text[sent.chars:]
+            new_tokens = len(o.token_ids) > sent.tokens
+            if sent.closed or not (text or o.finished or (new_tokens and self.logprobs is not None)):
+                continue
+            lp = self._logprobs(o, sent)
+            sent.chars, sent.tokens, sent.closed = len(o.text), len(o.token_ids), o.finished
+            body = {"delta": {"content": text}} if self.chat else {"text": text}
+            chunks.append(self.chunk([{"index": index, **body, "logprobs": lp,
+                                       "finish_reason": o.finish_reason if o.finished else None,
+                                       "stop_reason": o.stop_reason if o.finished else None}]))
+        return chunks
+
+    def _logprobs(self, o, sent: _Sent) -> dict | None:
+        """Logprobs of the tokens after `sent.tokens` (advancing `sent.text_offset`)."""
+        if self.logprobs is None or o.logprobs is None:
+            return None
+        entries = []
+        for token_id, alternatives in zip(o.token_ids[sent.tokens:], o.logprobs[sent.tokens:]):
+            top = sorted(alternatives.values(), key=lambda lp: lp.rank)[: self.logprobs]
+            entries.append((alternatives[token_id], top))
+        if self.chat:
+            item = lambda lp: {"token": lp.decoded_token, "logprob": lp.logprob,  # noqa: E731
+                               "bytes": list(lp.decoded_token.encode())}
+            return {"content": [{**item(s), "top_logprobs": [item(t) for t in top]} for s, top in entries]}
+        offsets = []
+        for s, _ in entries:
+            offsets.append(sent.text_offset)
+            sent.text_offset += len(s.decoded_token)
+        return {"tokens": [s.decoded_token for s, _ in entries], "token_logprobs": [s.logprob for s, _ in entries],
+                "top_logprobs": [{t.decoded_token: t.logprob for t in top} for _, top in entries],
+                "text_offset": offsets}
+
+
+# --- app ---
+
+def create_app() -> FastAPI:
+    app = FastAPI(title="tiffin OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.serving = None
+
+    def serving(raw: Request) -> OpenAIServing:
+        if raw.app.state.serving is None:
+            raise APIError(503, "the model is still loading", type="service_unavailable")
+        return raw.app.state.serving
+
+    @app.get("/models")
+    async def models(raw: Request):
+        return serving(raw).models()
+
+    @app.post("/completions")
+    async def completions(req: CompletionRequest, raw: Request):
+        return await serving(raw).completions(req, raw)
+
+    @app.post("/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request):
+        return await serving(raw).chat(req, raw)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, e: RequestValidationError):
+        err = e.errors()[0]
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        if err.get("type") == "json_invalid":
+            return JSONResponse(APIError(400, f"invalid JSON body: {err.get('msg')}").body(), status_code=400)
+        field = loc[0] if loc else None
+        where = ".".join(loc) or "body"
+        return JSONResponse(APIError(400, f"{where}: {err.get('msg')}", param=field).body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def server_error(_: Request, e: Exception):
+        return JSONResponse(APIError(500, f"{type(e).__name__}: {e}", type="server_error").body(), status_code=500)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, e: HTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(e.status_code, str(e.detail), type=kind).body(), status_code=e.status_code)
+
+    return app
