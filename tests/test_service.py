@@ -177,7 +177,8 @@ def test_malformed_requests_get_openai_errors(server):
 
 
 def test_disconnects_abort_and_free_kv_blocks(server):
-    body = {"prompt": "The quick brown fox", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    body = {"prompt": "The quick brown fox", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    generated = server.metrics()["tiffin_generation_tokens_total"]
     with httpx.Client(base_url=server.url, timeout=30) as http:
         streams = [http.stream("POST", "/v1/completions", json=body) for _ in range(3)]
         responses = [s.__enter__() for s in streams]
@@ -190,18 +191,21 @@ def test_disconnects_abort_and_free_kv_blocks(server):
             s.__exit__(None, None, None)
     assert busy["tiffin_requests_running"] == 3 and busy["tiffin_kv_cache_blocks_used"] > 0
     assert busy["tiffin_kv_cache_blocks_total"] == NUM_KV_BLOCKS
-    _assert_idle_soon(server)
+    idle = _assert_idle_soon(server)
+    assert idle["tiffin_generation_tokens_total"] - generated < 3 * body["max_tokens"]  # cut short, not finished
     # a non-streamed request whose client gives up is aborted too
     with pytest.raises(httpx.TimeoutException):
         server.http.post("/v1/completions", json={**body, "stream": False}, timeout=1.0)
-    _assert_idle_soon(server)
+    after = _assert_idle_soon(server)
+    assert after["tiffin_generation_tokens_total"] - idle["tiffin_generation_tokens_total"] < body["max_tokens"]
 
 
-def _assert_idle_soon(server, within: float = 5.0):
+def _assert_idle_soon(server, within: float = 5.0) -> dict:
     deadline = time.monotonic() + within
     while (m := server.metrics())["tiffin_requests_running"] or m["tiffin_kv_cache_blocks_used"]:
         assert time.monotonic() < deadline, m
         time.sleep(0.1)
+    return m
 
 
 def test_sync_http_client(server, llm):
