@@ -33,7 +33,7 @@ def test_failure_mid_stream_sends_error_event_then_done(app, monkeypatch):
         return execute(sched)
 
     monkeypatch.setattr(runner, "execute", flaky)
-    body = {"prompt": "Hello", "max_tokens": 50, "ignore_eos": True, "stream": True}
+    body = {"prompt": "Hello", "max_tokens": 50, "ignore_eos": True, "stream": True, "temperature": 0}
     with TestClient(app) as client, client.stream("POST", "/completions", json=body) as r:
         assert r.status_code == 200
         events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
