@@ -18,6 +18,9 @@ class LinearMethod:
     def load(self, layer: "Linear", name: str, tensor: torch.Tensor, shard: int | None) -> None:
         load_along_output(layer, getattr(layer, name), tensor, shard, dim=0)
 
+    def process_weights_after_loading(self, layer: "Linear") -> None:
+        """Repack once every shard is in (e.g. act-order rows sorted by group); plain weights need nothing."""
+
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x, layer.weight)
 

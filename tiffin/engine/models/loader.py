@@ -30,6 +30,9 @@ def build_model(config: ModelConfig, path: str | Path, device: torch.device, max
     with torch.device(device):
         model = MODELS[config.architecture](config, max_positions, backend, linear)
     load_weights(model, path)
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.method.process_weights_after_loading(module)
     return model.eval()
 
 

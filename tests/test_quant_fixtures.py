@@ -1,0 +1,133 @@
+"""Real AutoAWQ and GPTQModel checkpoints (tests/fixtures/quant, written by the tools through `tiffin quantize`;
+see regenerate.py there): tiffin's unpacking equals each tool's own dequantization bit for bit, greedy
+generation at float32 equals a transformers model holding those dequantized weights (tokens identical,
+per-step logprobs within 1e-3), and 4-bit layers take <= 0.3x of their fp16 size. (The Triton kernel on
+these layers: test_quant_kernels.py.)"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from tiffin import LLM, SamplingParams
+from tiffin.engine.config import EngineConfig, ModelConfig
+from tiffin.engine.models.linear import Linear
+from tiffin.engine.models.loader import MODELS, build_model
+from tiffin.quant import get_quant_config, linear_method_factory
+
+FIXTURES = Path(__file__).parent / "fixtures" / "quant"
+REFERENCE = "reference/dequantized.safetensors"  # each tool's own dequantized weights [out, in]
+NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / REFERENCE).exists())
+QUANT_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx")
+NEW_TOKENS = 24
+PROMPT_LENS = (1, 6, 19, 40)
+
+
+def test_every_fixture_is_present():
+    assert set(NAMES) == {"awq-g64", "awq-g32-skip-o_proj", "gptq-4bit-g64-actorder-sym", "gptq-8bit-perchannel-sym",
+                          "gptq-4bit-g32-asym", "gptq-4bit-g128-actorder-asym-v2"}  # fmt: skip
+
+
+def load_tiffin_model(path: Path, kernel_backend: str = "torch"):
+    config = ModelConfig.from_pretrained(path)
+    config.dtype = torch.float32
+    quant = get_quant_config(path, config.raw)
+    factory = linear_method_factory(quant, MODELS[config.architecture].stacked_modules, kernel_backend)
+    return build_model(config, path, torch.device("cpu"), 64, "torch", factory)
+
+
+def checkpoint_names(model, module_name: str, linear: Linear) -> list[str]:
+    parent, _, leaf = module_name.rpartition(".")
+    shards = sorted((i, ck) for ck, (fused, i) in model.stacked_modules.items() if fused == leaf)
+    return [f"{parent}.{ck}" for _, ck in shards] or [module_name]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_unpacking_equals_the_tools_dequantization(name):
+    path = FIXTURES / name
+    reference = load_file(path / REFERENCE)
+    model = load_tiffin_model(path)
+    seen = set()
+    with safe_open(path / "model.safetensors", framework="pt") as ckpt:
+        for module_name, module in model.named_modules():
+            if not isinstance(module, Linear):
+                continue
+            names = checkpoint_names(model, module_name, module)
+            if not hasattr(module.method, "dequantize"):  # left unquantized (modules_to_not_convert)
+                for shard, ck in zip(module.weight.split(module.output_sizes), names):
+                    assert torch.equal(shard, ckpt.get_tensor(ck + ".weight").float()), ck
+                    assert ck + ".weight" not in reference
+                continue
+            weight = module.method.dequantize(module)
+            assert weight.dtype == torch.float16
+            for shard, ck in zip(weight.split(module.output_sizes), names):
+                assert torch.equal(shard, reference[ck + ".weight"]), f"{ck} differs from the tool's dequantization"
+                seen.add(ck + ".weight")
+    assert seen == set(reference)
+    if "skip" in name:
+        assert not any("o_proj" in key for key in seen) and len(seen) == 12
+
+
+def reference_model(path: Path):
+    """transformers float32 model: the checkpoint's unquantized tensors plus the tool's dequantized weights."""
+    raw = json.loads((path / "config.json").read_text())
+    raw.pop("quantization_config")
+    config = AutoConfig.for_model(**raw)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = {k: v.float() for k, v in load_file(path / REFERENCE).items()}
+    state.update({k: v.float() for k, v in load_file(path / "model.safetensors").items() if not k.endswith(QUANT_SUFFIXES)})
+    hf.load_state_dict(state, strict=True)
+    hf.generation_config.eos_token_id = None
+    return hf.eval()
+
+
+def reference_generate(hf, prompt: list[int]) -> tuple[list[int], list[float]]:
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+                      output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    logprobs = [torch.log_softmax(logits[0].float(), -1)[t].item() for logits, t in zip(out.logits, tokens)]
+    return tokens, logprobs
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_matches_transformers_with_the_tools_weights(name):
+    path = FIXTURES / name
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    g = torch.Generator().manual_seed(len(name))
+    prompts = [torch.randint(4, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    with torch.inference_mode():
+        hf = reference_model(path)
+        expected = [reference_generate(hf, p) for p in prompts]
+    llm = LLM(str(path), dtype="float32", kernel_backend="torch")
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out, (tokens, logprobs) in zip(prompts, outs, expected):
+        got = out.outputs[0]
+        assert got.token_ids == tokens, f"prompt of {len(prompt)} tokens"
+        got_lp = [step[t].logprob for step, t in zip(got.logprobs, got.token_ids)]
+        assert max(abs(a - b) for a, b in zip(got_lp, logprobs)) < 1e-3
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if "8bit" not in n])
+def test_weight_memory(name):
+    """4-bit linears (packed weights, zeros, scales, act-order perm) <= 0.3x their fp16 size; the engine
+    reports the model's weight bytes."""
+    path = FIXTURES / name
+    llm = LLM(str(path), dtype="float16", kernel_backend="torch", num_kv_blocks=8)
+    engine = llm.llm_engine
+    model = engine.model_runner.model
+    quant_bytes = fp16_bytes = 0
+    for module in model.modules():
+        if isinstance(module, Linear) and hasattr(module.method, "dequantize"):
+            quant_bytes += sum(p.nbytes for p in module.parameters())
+            fp16_bytes += 2 * module.input_size * module.output_size
+    assert 0 < quant_bytes <= 0.3 * fp16_bytes, quant_bytes / fp16_bytes
+    assert engine.stats()["weight_bytes"] == sum(p.nbytes for p in model.parameters())
+    plain = sum(2 * v.numel() for v in load_file(path / REFERENCE).values()) + sum(
+        v.numel() * 2 for k, v in load_file(path / "model.safetensors").items() if not k.endswith(QUANT_SUFFIXES))
+    assert engine.stats()["weight_bytes"] < plain
