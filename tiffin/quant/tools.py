@@ -6,6 +6,7 @@ to the tools as token ids: AutoAWQ silently drops any sample longer than its `ma
 raw text lines can leave it nothing to calibrate on.
 """
 
+import importlib
 import os
 import shutil
 from pathlib import Path
@@ -63,8 +64,15 @@ def _check_args(method, bits, group_size, checkpoint_format, modules_to_not_conv
         raise ValueError("modules_to_not_convert is an AWQ option")
 
 
+def _require(module: str, package: str):
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(f"tiffin quantize needs {package}: pip install 'tiffin[quantize]' ({e})") from e
+
+
 def _autoawq(model: Path, output: Path, tokenizer, samples, group_size, modules_to_not_convert, seq_len) -> None:
-    from awq import AutoAWQForCausalLM
+    AutoAWQForCausalLM = _require("awq", "autoawq").AutoAWQForCausalLM
 
     awq_model = AutoAWQForCausalLM.from_pretrained(str(model), device_map="cpu")
     quant_config = {"zero_point": True, "q_group_size": group_size, "w_bit": 4, "version": "GEMM",
@@ -79,7 +87,9 @@ def _gptqmodel(model: Path, output: Path, samples, bits, group_size, desc_act, s
     # GPTQModel sizes its CPU worker pool from this; unset, it can stall on a machine with few cores
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(os.cpu_count() or 1))
     import torch
-    from gptqmodel import GPTQModel, QuantizeConfig
+
+    gptqmodel = _require("gptqmodel", "gptqmodel")
+    GPTQModel, QuantizeConfig = gptqmodel.GPTQModel, gptqmodel.QuantizeConfig
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     # GPTQModel turns on group-aware reordering (GAR) by default, which needs groups and excludes act-order
