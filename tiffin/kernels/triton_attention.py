@@ -1,0 +1,441 @@
+"""Triton KV-cache write and paged attention (the GPU path of `write_kv` / `paged_attention`).
+
+One attention kernel, two tile shapes. A program owns `BLOCK_M` query rows: `block_q` consecutive tokens of one
+request times `heads` query heads that share one KV head (GQA without repeating K/V; a group larger than the
+tile is spread over several programs). It walks the request's KV through its block table `BLOCK_N` tokens a
+step with an online softmax, skipping the causal mask on steps every row fully sees.
+- Prefill tiles (`DECODE=False`, 64-128 rows) serve requests with several query tokens: chunked prefills with
+  a cached prefix as well as fresh prompts. Each program finds its request by binary search over
+  `query_start_loc`.
+- Decode tiles (`DECODE=True`, 16 rows, one token) serve the requests with one query token, one program per
+  request and KV head. A mixed batch launches both; each program skips the other kind's requests, so decode
+  rows never pay for prefill-sized tiles. In decode-only batches where requests x KV heads cannot fill the GPU,
+  each request's KV range is split across programs ("flash decoding") and a merge kernel combines the partial
+  softmaxes.
+
+Host code never reads device tensors: grids come from the host-side ints in `AttentionMetadata`.
+
+On CPU tensors the kernels run under Triton's interpreter when TRITON_INTERPRET=1 at call time (see
+`Launch`), whatever the variable was at import. The interpreter's bf16 math is wrong, so there bf16 operands
+are upcast to fp32 (`UPCAST`); fp16 keeps the GPU's exact code path (fp16 operands, fp32 accumulation).
+"""
+
+import contextlib
+import functools
+import math
+import sys
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton import knobs
+
+from tiffin.kernels.attention import AttentionMetadata
+from tiffin.kernels.compile_check import CompileCase, register
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
+MAX_SPLITS = 16  # KV splits per decode request; the merge kernel reads them as one padded tile
+MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it adds
+WRITE_BLOCK = 1024  # elements of one token's [num_kv_heads * head_dim] row copied per program
+
+
+@dataclass(frozen=True)
+class AttentionTile:
+    block_m: int  # query rows per program: tokens x query heads of one KV head
+    block_n: int  # KV tokens per inner-loop step
+    num_warps: int
+    num_stages: int
+
+
+def attention_tile(head_dim: int, dtype: torch.dtype, decode: bool) -> AttentionTile:
+    """Tile for one launch, chosen so that every configuration compiles without register spills for sm_80 and
+    sm_90 (compile_check verifies)."""
+    d = _pad_head_dim(head_dim)
+    if dtype == torch.float32:  # 3xTF32 keeps hi/lo halves of each operand in registers: small tiles, 8 warps
+        return AttentionTile(16 if decode or d > 128 else 32, 32, 8, 2)
+    if decode:  # memory-bound: 16 rows (the GQA group) is the smallest MMA; wide KV steps keep loads in flight
+        block_m, block_n = 16, (128 if d <= 32 else 64 if d <= 128 else 32)
+    else:
+        block_m, block_n = (128, 64) if d <= 128 else (64, 32)
+    return AttentionTile(block_m, block_n, 4 if block_m * d < 8192 else 8, 2)
+
+
+def _pad_head_dim(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    stride_key, stride_value, row_size,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token)
+    if slot < 0:  # padding token
+        return
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < row_size
+    dst = slot * row_size + offs
+    tl.store(k_cache_ptr + dst, tl.load(key_ptr + token * stride_key + offs, mask=mask), mask=mask)
+    tl.store(v_cache_ptr + dst, tl.load(value_ptr + token * stride_value + offs, mask=mask), mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_heads", "group", "heads", "block_q", "block_shift",
+                             "stride_bt"])  # fmt: skip
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    qk_scale, num_seqs, num_tokens, num_heads, group, heads, block_q, block_shift,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DECODE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    # Program (tile, kv_head x head chunk, split).
+    tile, split = tl.program_id(0), tl.program_id(2)
+    chunks = tl.cdiv(group, heads)
+    kv_head, chunk = tl.program_id(1) // chunks, tl.program_id(1) % chunks
+
+    if DECODE:  # tile = request; multi-token requests belong to the prefill launch
+        seq = tile
+        q_start = tl.load(query_start_loc_ptr + seq)
+        q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+        first = 0
+        skip = q_len != 1
+    else:
+        # Request i owns the tiles from query_start_loc[i] // block_q + i on: room for its ceil(q_len / block_q)
+        # tiles. Decode requests (one token) belong to the decode launch.
+        lo, hi = 0, num_seqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if tl.load(query_start_loc_ptr + mid) // block_q + mid <= tile:
+                lo = mid + 1
+            else:
+                hi = mid
+        seq = lo - 1
+        q_start = tl.load(query_start_loc_ptr + seq)
+        q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+        first = (tile - q_start // block_q - seq) * block_q  # the tile's first query token, request-local
+        skip = (q_len == 1) | (first >= q_len)
+    if skip:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    q_pos0 = seq_len - q_len + first  # cache position of the tile's first query token
+
+    rows = tl.arange(0, BLOCK_M)
+    row_tok = rows // heads
+    head_in_group = chunk * heads + rows % heads
+    row_ok = (row_tok < block_q) & (first + row_tok < q_len) & (head_in_group < group)
+    row_pos = q_pos0 + row_tok
+    token = q_start + first + row_tok
+    head = kv_head * group + head_in_group
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = d < HEAD_DIM
+    q_off = token * stride_qt + head * stride_qh
+    q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # This tile's keys end at its last query's position; SPLIT cuts them into BLOCK_N-aligned equal ranges.
+    kv_end = tl.minimum(q_pos0 + block_q, seq_len)
+    if SPLIT:
+        per_split = tl.cdiv(tl.cdiv(kv_end, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        kv_lo = split * per_split
+        kv_hi = tl.minimum(kv_lo + per_split, kv_end)
+    else:
+        kv_lo = 0
+        kv_hi = kv_end
+    # Keys before q_pos0 + 1 are visible to every row: whole BLOCK_N steps there skip the causal mask.
+    unmasked_end = kv_lo + tl.maximum(tl.minimum(q_pos0 + 1, kv_hi) - kv_lo, 0) // BLOCK_N * BLOCK_N
+
+    bt_row = block_tables_ptr + seq * stride_bt
+    block_mask = (1 << block_shift) - 1
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    for phase in tl.static_range(2):
+        if phase == 0:
+            start_n = kv_lo
+            end_n = unmasked_end
+        else:
+            start_n = unmasked_end
+            end_n = kv_hi
+        for n0 in range(start_n, end_n, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            n_ok = n < kv_hi
+            block = tl.load(bt_row + (n >> block_shift), mask=n_ok, other=0).to(tl.int64)
+            in_block = n & block_mask
+            k_off = block * stride_kb + in_block * stride_ks + kv_head * stride_kh
+            v_off = block * stride_vb + in_block * stride_vs + kv_head * stride_vh
+            k = tl.load(k_cache_ptr + k_off[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+            v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # log2 domain
+            if phase == 1:
+                s = tl.where((n[None, :] <= row_pos[:, None]) & n_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row may see no key in this range
+            p = tl.math.exp2(s - m_safe[:, None])
+            alpha = tl.math.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+            m_i = m_new
+
+    if SPLIT:  # unnormalized partial [splits, T, H, HEAD_DIM_PAD] and its (max, sum) [splits, T, H, 2]
+        part_row = (split * num_tokens + token) * num_heads + head
+        tl.store(part_ptr + part_row[:, None] * HEAD_DIM_PAD + d[None, :], acc, mask=row_ok[:, None])
+        tl.store(stats_ptr + part_row * 2, m_i, mask=row_ok)
+        tl.store(stats_ptr + part_row * 2 + 1, l_i, mask=row_ok)
+    else:
+        o_off = token * stride_ot + head * stride_oh
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + o_off[:, None] + d[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_splits", "num_tokens"])
+def _merge_splits_kernel(
+    out_ptr, part_ptr, stats_ptr, num_splits, num_tokens, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr,
+):  # fmt: skip
+    token, head = tl.program_id(0), tl.program_id(1)
+    s = tl.arange(0, MAX_SPLITS)
+    s_ok = s < num_splits
+    part_row = (s * num_tokens + token) * tl.num_programs(1) + head
+    m = tl.load(stats_ptr + part_row * 2, mask=s_ok, other=float("-inf"))
+    l = tl.load(stats_ptr + part_row * 2 + 1, mask=s_ok, other=0.0)
+    # Split 0 always holds key 0, which every query sees, so the max is finite; empty splits weigh 0.
+    w = tl.math.exp2(m - tl.max(m, 0))
+    d = tl.arange(0, HEAD_DIM_PAD)
+    part = tl.load(part_ptr + part_row[:, None] * HEAD_DIM_PAD + d[None, :], mask=s_ok[:, None], other=0.0)
+    out = tl.sum(part * w[:, None], 0) / tl.sum(l * w, 0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + d, out, mask=d < HEAD_DIM)
+
+
+@dataclass
+class Launch:
+    """One kernel launch, as built by the dispatcher; compile_check compiles the same objects."""
+
+    kernel: object  # a @triton.jit function
+    grid: tuple[int, ...]
+    args: tuple
+    kwargs: dict  # constexprs and launch options (num_warps, num_stages)
+
+    def __call__(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            self.kernel[self.grid](*self.args, **self.kwargs)
+        elif device.type == "cpu" and knobs.runtime.interpret:
+            with _interpreting(self.kernel.fn):
+                _interpreted(self.kernel.fn)[self.grid](*self.args, **self.kwargs)
+        else:
+            raise ValueError(
+                f"kernel_backend='triton' needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1), got {device}"
+            )
+
+
+@functools.cache
+def _interpreted(fn):
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return InterpretedFunction(fn)
+
+
+@contextlib.contextmanager
+def _interpreting(fn):
+    """Let an interpreted kernel call @triton.jit helpers: its own module's and triton.language's (tl.max,
+    tl.sum, tl.cdiv, ...). Those are compiled-only JITFunctions when TRITON_INTERPRET was unset at import;
+    swapping them for interpreted twins is what lets the variable be set at call time, in any import order.
+    Every name is restored afterwards, including what the interpreter patches for nested calls and never
+    restores, so compiled kernels in the same process see a clean triton.language. (Names the interpreter adds
+    to a kernel's globals stay: its cached rewritten functions look them up there.)"""
+    from triton.runtime.jit import JITFunction
+
+    language = [m for name, m in list(sys.modules.items()) if name.split(".")[:2] == ["triton", "language"]]
+    namespaces = [vars(m) for m in language] + [fn.__globals__]
+    saved = [dict(ns) for ns in namespaces]
+    for ns in namespaces:
+        for name, obj in list(ns.items()):
+            if isinstance(obj, JITFunction):
+                ns[name] = _interpreted(obj.fn)
+    try:
+        yield
+    finally:
+        for ns, before in zip(namespaces, saved):
+            ns.update(before)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: small, so that tests exercise the split-KV path
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def num_kv_splits(programs: int, max_seq_len: int, num_sms: int) -> int:
+    """KV splits per decode tile: enough programs for two waves, each split at least MIN_SPLIT_TOKENS long."""
+    if programs >= 2 * num_sms:
+        return 1
+    return max(1, min(MAX_SPLITS, triton.cdiv(2 * num_sms, programs), triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS)))
+
+
+def _empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def write_kv_triton(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """Scatter `key`/`value` `[T, num_kv_heads, head_dim]` into the paged caches; slot -1 is skipped."""
+    if key.shape[0]:
+        write_kv_launch(key, value, k_cache, v_cache, slot_mapping)(key.device)
+
+
+def write_kv_launch(key, value, k_cache, v_cache, slot_mapping) -> Launch:
+    num_tokens = key.shape[0]
+    if key.shape != value.shape or key.shape[1:] != k_cache.shape[2:] or k_cache.shape != v_cache.shape:
+        raise ValueError(f"write_kv: key {tuple(key.shape)} / value {tuple(value.shape)} do not fit caches "
+                         f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}")  # fmt: skip
+    if slot_mapping.shape != (num_tokens,) or slot_mapping.dtype != torch.int64:
+        raise ValueError(f"write_kv: slot_mapping must be int64 [{num_tokens}], got {slot_mapping.dtype} "
+                         f"{tuple(slot_mapping.shape)}")  # fmt: skip
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.dtype != v_cache.dtype:
+        raise ValueError("write_kv: k_cache and v_cache must be contiguous and of one dtype")
+    row_size = key.shape[1] * key.shape[2]
+    # Rows are usually strided views of a fused qkv output; reshape copies only if a row is not contiguous.
+    key = key.to(k_cache.dtype).reshape(num_tokens, row_size)
+    value = value.to(v_cache.dtype).reshape(num_tokens, row_size)
+    return Launch(
+        _write_kv_kernel, (num_tokens, triton.cdiv(row_size, WRITE_BLOCK)),
+        (key, value, k_cache, v_cache, slot_mapping, key.stride(0), value.stride(0), row_size),
+        dict(BLOCK=WRITE_BLOCK),
+    )  # fmt: skip
+
+
+def paged_attention_triton(query, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+    """`query` `[T, num_heads, head_dim]` -> `[T, num_heads, head_dim]`, reading K/V through `md.block_tables`."""
+    out = _empty(query.shape, query.dtype, query.device)
+    if query.shape[0]:
+        for launch in paged_attention_launches(query, k_cache, v_cache, md, scale, out):
+            launch(query.device)
+    return out
+
+
+def paged_attention_launches(
+    query, k_cache, v_cache, md: AttentionMetadata, scale: float, out, splits: int | None = None
+) -> list[Launch]:
+    """The launches for one call: prefill tiles unless every request decodes, and decode tiles. Decode-only
+    batches may split KV `splits` ways (None: the dispatcher's choice), adding the merge."""
+    _check_attention_args(query, k_cache, v_cache, md)
+    decode = _attention(query, k_cache, v_cache, md, scale, out, decode=True)
+    if md.max_query_len > 1:
+        return [_attention(query, k_cache, v_cache, md, scale, out, decode=False), decode]
+    if splits is None:
+        splits = num_kv_splits(math.prod(decode.grid), md.max_seq_len, _num_sms(query.device))
+    if splits == 1:
+        return [decode]
+    num_tokens, num_heads, head_dim = query.shape
+    d_pad = _pad_head_dim(head_dim)
+    part = _empty((splits, num_tokens, num_heads, d_pad), torch.float32, query.device)
+    stats = _empty((splits, num_tokens, num_heads, 2), torch.float32, query.device)
+    merge = Launch(
+        _merge_splits_kernel, (num_tokens, num_heads),
+        (out, part, stats, splits, num_tokens, out.stride(0), out.stride(1)),
+        dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, MAX_SPLITS=MAX_SPLITS),
+    )  # fmt: skip
+    return [_attention(query, k_cache, v_cache, md, scale, out, True, splits, part, stats), merge]
+
+
+def _attention(query, k_cache, v_cache, md, scale, out, decode, splits=1, part=None, stats=None) -> Launch:
+    num_tokens, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1:3]
+    num_seqs, group = md.seq_lens.shape[0], num_heads // num_kv_heads
+    tile = attention_tile(head_dim, query.dtype, decode)
+    heads = min(group, tile.block_m)
+    block_q = 1 if decode else tile.block_m // heads
+    num_tiles = num_seqs if decode else num_tokens // block_q + num_seqs
+    return Launch(
+        _paged_attention_kernel, (num_tiles, num_kv_heads * triton.cdiv(group, heads), splits),
+        (query, k_cache, v_cache, out, out if part is None else part, out if stats is None else stats,
+         md.query_start_loc, md.seq_lens, md.block_tables, scale * math.log2(math.e),
+         num_seqs, num_tokens, num_heads, group, heads, block_q, block_size.bit_length() - 1,
+         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+         *k_cache.stride()[:3], *v_cache.stride()[:3], md.block_tables.stride(0)),
+        dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=_pad_head_dim(head_dim), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+             DECODE=decode, SPLIT=splits > 1, UPCAST=query.device.type == "cpu" and query.dtype == torch.bfloat16,
+             DOT_PRECISION=_dot_precision(query.dtype), num_warps=tile.num_warps, num_stages=tile.num_stages),
+    )  # fmt: skip
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 keeps fp32 accuracy on tensor cores with 3xTF32 (plain TF32 has a 10-bit mantissa, and "ieee" runs
+    # on FMA units, which replicate operands across threads and spill); 16-bit dots ignore the setting.
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def _check_attention_args(query, k_cache, v_cache, md: AttentionMetadata) -> None:
+    _, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if v_cache.shape != k_cache.shape or cache_head_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"paged_attention: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit "
+                         f"query {tuple(query.shape)}")  # fmt: skip
+    if query.dtype not in DTYPES or k_cache.dtype != query.dtype or v_cache.dtype != query.dtype:
+        raise ValueError(f"paged_attention: query/cache dtypes must match and be one of {DTYPES}, got "
+                         f"{query.dtype}/{k_cache.dtype}/{v_cache.dtype}")  # fmt: skip
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"paged_attention: head_dim {head_dim} not supported by the Triton kernel ({HEAD_DIMS})")
+    if block_size & (block_size - 1):
+        raise ValueError(f"paged_attention: block_size must be a power of two, got {block_size}")
+    if query.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("paged_attention: head_dim must be the contiguous dimension of query and caches")
+    for name in ("query_start_loc", "seq_lens", "block_tables"):
+        t = getattr(md, name)
+        if t.dtype != torch.int32 or t.device != query.device:
+            raise ValueError(f"paged_attention: md.{name} must be int32 on {query.device}, got {t.dtype} on {t.device}")
+    if md.block_tables.stride(1) != 1:
+        raise ValueError("paged_attention: md.block_tables rows must be contiguous")
+
+
+@register("paged_attention")
+def _compile_cases():
+    """Every launch the dispatchers can make: each dtype and head dim, the prefill tile, the decode tile with
+    and without KV splits, the merge, and the KV write. Block size, GQA ratio and batch shape are runtime
+    arguments that do not change the binary."""
+    for dtype in DTYPES:
+        name = str(dtype).removeprefix("torch.")
+        for head_dim in HEAD_DIMS:
+            seen = set()
+            for decode_only, splits in ((False, None), (True, 1), (True, 2)):
+                inputs = _example_inputs(dtype, head_dim, decode_only)
+                for launch in paged_attention_launches(*inputs, splits=splits):
+                    kind = "merge" if launch.kernel is _merge_splits_kernel else (
+                        "prefill" if not launch.kwargs["DECODE"] else
+                        "decode split" if launch.kwargs["SPLIT"] else "decode")  # fmt: skip
+                    if kind not in seen:
+                        seen.add(kind)
+                        yield CompileCase(launch.kernel, f"{name} d={head_dim} {kind}", launch.args, launch.kwargs)
+        key = torch.empty(2, 2, 64, dtype=dtype, device="meta")
+        cache = torch.empty(4, 16, 2, 64, dtype=dtype, device="meta")
+        slots = torch.empty(2, dtype=torch.int64, device="meta")
+        launch = write_kv_launch(key, key, cache, cache, slots)
+        yield CompileCase(launch.kernel, f"{name} write_kv", launch.args, launch.kwargs)
+
+
+def _example_inputs(dtype: torch.dtype, head_dim: int, decode: bool):
+    """Shape-only ("meta") arguments for `paged_attention_launches`: only dtypes, constexprs and the
+    16-divisibility of pointers and strides reach the compiler, and those match any engine batch."""
+    num_kv_heads, group, block_size, num_blocks = 2, 4, 16, 8
+    num_tokens = 2 if decode else 8
+    meta = dict(device="meta")
+    query = torch.empty(num_tokens, num_kv_heads * group, head_dim, dtype=dtype, **meta)
+    cache = torch.empty(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, **meta)
+    starts = [0, 1, 2] if decode else [0, 3, 8]
+    md = AttentionMetadata(
+        slot_mapping=torch.empty(num_tokens, dtype=torch.int64, **meta),
+        query_start_loc=torch.empty(3, dtype=torch.int32, **meta),
+        seq_lens=torch.empty(2, dtype=torch.int32, **meta),
+        block_tables=torch.empty(2, 4, dtype=torch.int32, **meta),
+        query_start_loc_cpu=starts, seq_lens_cpu=[40, 64], max_query_len=1 if decode else 5, max_seq_len=64,
+    )  # fmt: skip
+    return query, cache, cache, md, head_dim**-0.5, torch.empty_like(query)
