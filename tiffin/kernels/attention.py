@@ -7,7 +7,7 @@ last `query_len` tokens of its `seq_len` tokens of context (cached prefix + this
 causally.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,7 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
+    torch_plan: tuple | None = field(default=None, repr=False)  # the torch path's per-step work, shared by layers
 
 
 def write_kv_torch(key, value, k_cache, v_cache, slot_mapping) -> None:
@@ -37,64 +38,75 @@ def write_kv_torch(key, value, k_cache, v_cache, slot_mapping) -> None:
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
-    """Blocks of each row of `block_tables` as one contiguous `[B, num_kv_heads, length, head_dim]` tensor."""
-    num_blocks = -(-length // cache.shape[1])
-    index = block_tables[:, :num_blocks].reshape(-1)
-    kv = cache.index_select(0, index).view(block_tables.shape[0], -1, *cache.shape[2:])
-    return kv[:, :length].transpose(1, 2)
+@dataclass
+class _Span:
+    """Query rows that attend to the first `length` slots of the same number of block tables."""
+
+    rows: torch.Tensor | slice
+    blocks: torch.Tensor  # block ids to gather, table after table
+    count: int  # how many tables
+    length: int
+    mask: torch.Tensor | None  # None: every row sees all `length` keys (decode) or plain causal (prefill)
+
+
+def _gather(cache: torch.Tensor, span: _Span) -> torch.Tensor:
+    """The span's blocks as one contiguous `[count, num_kv_heads, length, head_dim]` tensor."""
+    kv = cache.index_select(0, span.blocks).view(span.count, -1, *cache.shape[2:])
+    return kv[:, : span.length].transpose(1, 2)
+
+
+def _plan(md: AttentionMetadata, block_size: int, device) -> tuple[list[_Span], list[_Span]]:
+    """Decode groups and prefill chunks of a step, built once and shared by every layer.
+
+    Decode rows run sorted by context length in groups, each padded only to its own longest context: gathering
+    K/V dominates the cost, and one group padded to the batch's longest would read far more. Each prefill
+    chunk runs on its own, since padding queries of very different lengths together wastes most of the work.
+    """
+    if md.torch_plan is not None:
+        return md.torch_plan
+    starts, seq_lens = md.query_start_loc_cpu, md.seq_lens_cpu
+    tables = md.block_tables
+    blocks = lambda rows, length: tables[rows, : -(-length // block_size)].reshape(-1)  # noqa: E731
+    decodes = sorted((i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1), key=seq_lens.__getitem__)
+    groups = []
+    for first in range(0, len(decodes), DECODE_GROUP):
+        group = decodes[first : first + DECODE_GROUP]
+        lens = torch.tensor([seq_lens[i] for i in group], device=device)
+        length = seq_lens[group[-1]]
+        mask = None
+        if seq_lens[group[0]] != length:
+            mask = (torch.arange(length, device=device) < lens[:, None])[:, None, None, :]
+        index = torch.tensor(group, device=device)
+        rows = torch.tensor([starts[i] for i in group], device=device)
+        groups.append(_Span(rows, blocks(index, length), len(group), length, mask))
+    prefills = []
+    for i, (length, n) in enumerate((seq_lens[i], starts[i + 1] - starts[i]) for i in range(len(seq_lens))):
+        if n > 1:
+            mask = None  # no cached prefix: plain causal
+            if n != length:  # query j sits at position length - n + j and sees keys up to it
+                pos = torch.arange(length - n, length, device=device)
+                mask = torch.arange(length, device=device) <= pos[:, None]
+            prefills.append(_Span(slice(starts[i], starts[i + 1]), blocks(slice(i, i + 1), length), 1, length, mask))
+    md.torch_plan = groups, prefills
+    return md.torch_plan
 
 
 def paged_attention_torch(query, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
-    """`query` `[T, num_heads, head_dim]` -> `[T, num_heads, head_dim]`.
-
-    Decode rows (one query token) run as one padded batch; each prefill chunk runs on its own, since padding
-    queries of very different lengths together would waste most of the work.
-    """
+    """`query` `[T, num_heads, head_dim]` -> `[T, num_heads, head_dim]`."""
     out = torch.empty_like(query)
-    starts, seq_lens = md.query_start_loc_cpu, md.seq_lens_cpu
-    query_lens = [b - a for a, b in zip(starts, starts[1:])]
-    decodes = [i for i, n in enumerate(query_lens) if n == 1]
-    if decodes:
-        _decode(query, k_cache, v_cache, md, scale, decodes, out)
-    for i, n in enumerate(query_lens):
-        if n > 1:
-            rows = slice(starts[i], starts[i + 1])
-            out[rows] = _prefill(query[rows], k_cache, v_cache, md.block_tables[i : i + 1], seq_lens[i], scale)
-    return out
-
-
-def _decode(query, k_cache, v_cache, md, scale, decodes, out) -> None:
-    """Decode rows sorted by context length and run in groups, each padded only to its own longest context:
-    gathering K/V dominates the cost, and one group padded to the batch's longest would read far more."""
-    decodes = sorted(decodes, key=md.seq_lens_cpu.__getitem__)
-    for first in range(0, len(decodes), DECODE_GROUP):
-        group = decodes[first : first + DECODE_GROUP]
-        lens = [md.seq_lens_cpu[i] for i in group]
-        rows = torch.tensor([md.query_start_loc_cpu[i] for i in group], device=query.device)
-        tables = md.block_tables[torch.tensor(group, device=query.device)]
-        k, v = _gather(k_cache, tables, lens[-1]), _gather(v_cache, tables, lens[-1])
-        mask = None
-        if lens[0] != lens[-1]:
-            mask = torch.arange(lens[-1], device=query.device) < torch.tensor(lens, device=query.device)[:, None]
-            mask = mask[:, None, None, :]
-        q = query[rows].unsqueeze(2)  # [b, H, 1, D]
+    groups, prefills = _plan(md, k_cache.shape[1], query.device)
+    for g in groups:
+        q = query[g.rows].unsqueeze(2)  # [b, H, 1, D]
         o = F.scaled_dot_product_attention(
-            q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
+            q, _gather(k_cache, g).to(q.dtype), _gather(v_cache, g).to(q.dtype), attn_mask=g.mask, scale=scale,
+            enable_gqa=True,
         )
-        out[rows] = o.squeeze(2)
-
-
-def _prefill(query, k_cache, v_cache, block_table, seq_len, scale) -> torch.Tensor:
-    q = query.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-    k, v = _gather(k_cache, block_table, seq_len), _gather(v_cache, block_table, seq_len)
-    n = query.shape[0]
-    if n == seq_len:
-        mask, causal = None, True
-    else:  # query i sits at position seq_len - n + i and sees keys up to it
-        pos = torch.arange(seq_len - n, seq_len, device=query.device)
-        mask, causal = torch.arange(seq_len, device=query.device) <= pos[:, None], False
-    o = F.scaled_dot_product_attention(
-        q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
-    )
-    return o.squeeze(0).transpose(0, 1)
+        out[g.rows] = o.squeeze(2)
+    for p in prefills:
+        q = query[p.rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        o = F.scaled_dot_product_attention(
+            q, _gather(k_cache, p).to(q.dtype), _gather(v_cache, p).to(q.dtype), attn_mask=p.mask,
+            is_causal=p.mask is None, scale=scale, enable_gqa=True,
+        )
+        out[p.rows] = o.squeeze(0).transpose(0, 1)
+    return out
