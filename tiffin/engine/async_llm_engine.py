@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from tiffin.engine.config import EngineConfig
 from tiffin.engine.llm_engine import LLMEngine, PromptType
+from tiffin.engine.lora import LoRARequest
 from tiffin.engine.outputs import CompletionOutput, RequestOutput
 from tiffin.engine.sampling_params import SamplingParams
 from tiffin.engine.sequence import Sequence
@@ -98,6 +99,7 @@ class AsyncLLMEngine:
         self._inbox: deque[tuple] = deque()
         self._wakeup = threading.Event()
         self._active: dict[str, _Active] = {}
+        self._lora_ids: frozenset[int] = frozenset()  # the engine's cached adapters, as of its last change
         self._stats = engine.stats()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="tiffin-engine", daemon=True)
@@ -109,16 +111,19 @@ class AsyncLLMEngine:
         """Build the LLMEngine from `EngineConfig` fields (the same keywords as `LLM`)."""
         return cls(LLMEngine(EngineConfig(model=str(model), **kwargs)), on_stats)
 
-    async def add_request(self, request_id: str, prompt: PromptType,
-                          params: SamplingParams | None = None) -> RequestStream:
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
         """Queue a request and return its stream once the engine accepted it; ValueError if it was refused
-        (bad prompt, too long for the context, duplicate id), raised before any output."""
+        (bad prompt, too long for the context, duplicate id, an adapter that cannot load), raised before any
+        output. An adapter not yet cached is loaded first, off the engine thread."""
         if self._closed:
             raise EngineError("the engine is shut down")
+        if lora_request is not None and lora_request.lora_int_id not in self._lora_ids:
+            await self.add_lora(lora_request)
         loop = asyncio.get_running_loop()
         accepted = loop.create_future()
         stream = RequestStream(request_id, self.abort)
-        self._post(("add", request_id, prompt, params or SamplingParams(), stream, loop, accepted))
+        self._post(("add", request_id, prompt, params or SamplingParams(), lora_request, stream, loop, accepted))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -130,14 +135,36 @@ class AsyncLLMEngine:
         return stream
 
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """vLLM's `AsyncLLMEngine.generate`: cumulative outputs until the request finishes."""
-        stream = await self.add_request(request_id or uuid.uuid4().hex, prompt, params)
+        stream = await self.add_request(request_id or uuid.uuid4().hex, prompt, params, lora_request)
         try:
             async for out in stream:
                 yield out
         finally:
             stream.close()
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter (read and checked in a worker thread: steps go on meanwhile), then cache it in the
+        engine. False if it was cached already; ValueError if it cannot be served."""
+        lora = await asyncio.to_thread(self.engine.load_lora, lora_request)
+        return await self._lora_call("add_lora", lora)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop an adapter; requests already using it finish with it."""
+        return await self._lora_call("remove_lora", lora_int_id)
+
+    async def list_loras(self) -> set[int]:
+        return await self._lora_call("list_loras")
+
+    async def _lora_call(self, method: str, *args):
+        if self._closed:
+            raise EngineError("the engine is shut down")
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._post(("lora", method, args, loop, done))
+        return await done
 
     def abort(self, request_id: str, wake: bool = True) -> None:
         """Thread-safe; the request's stream (if still read) ends with finish_reason "abort". `wake=False`
@@ -192,21 +219,34 @@ class AsyncLLMEngine:
                 self._add(*op[1:])
             elif op[0] == "abort":
                 self._abort(op[1])
+            elif op[0] == "lora":
+                self._lora(*op[1:])
             else:
                 self._fail_all(EngineError("the engine is shut down"))
                 return False
         self._publish_stats()
         return True
 
-    def _add(self, request_id, prompt, params, stream, loop, accepted) -> None:
+    def _add(self, request_id, prompt, params, lora_request, stream, loop, accepted) -> None:
         try:
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_request(request_id, prompt, params, lora_request)
         except Exception as e:
             _call(loop, _resolve, accepted, e)
             return
+        if lora_request is not None:
+            self._lora_ids = frozenset(self.engine.list_loras())
         request = self.engine.requests[request_id]
         self._active[request_id] = _Active(stream, loop, request.prompt, request.prompt_token_ids, request.seqs)
         _call(loop, _resolve, accepted, None)
+
+    def _lora(self, method: str, args: tuple, loop, done) -> None:
+        try:
+            result = getattr(self.engine, method)(*args)
+            self._lora_ids = frozenset(self.engine.list_loras())
+        except Exception as e:
+            _call(loop, _settle, done, None, e)
+            return
+        _call(loop, _settle, done, result, None)
 
     def _abort(self, request_id: str) -> None:
         self.engine.abort_request(request_id)
@@ -261,6 +301,15 @@ def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
         return True
     except RuntimeError:  # the loop is closed
         return False
+
+
+def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+    if future.done():  # the caller was cancelled meanwhile
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)
 
 
 def _resolve(future: asyncio.Future, error: BaseException | None) -> None:

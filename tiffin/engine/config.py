@@ -26,6 +26,10 @@ class EngineConfig:
     kernel_backend: str = "auto"
     enable_prefix_caching: bool = True
     seed: int = 0
+    enable_lora: bool = False
+    max_loras: int = 4  # adapters resident at once in device slots: the most one step may mix
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters cached in host memory (LRU); default max_loras
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -35,6 +39,11 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {list(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
 
     @property
     def torch_device(self) -> torch.device:

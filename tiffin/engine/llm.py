@@ -4,6 +4,7 @@ from tqdm.auto import tqdm
 
 from tiffin.engine.config import EngineConfig
 from tiffin.engine.llm_engine import LLMEngine, PromptType
+from tiffin.engine.lora import LoRARequest
 from tiffin.engine.outputs import RequestOutput
 from tiffin.engine.sampling_params import SamplingParams
 
@@ -21,20 +22,25 @@ class LLM:
         prompts: PromptType | list[PromptType],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in input order. An invalid prompt raises ValueError
-        before any request is queued."""
+        """Generate for every prompt; outputs come back in input order. `lora_request`: one adapter for all
+        prompts or one (or None: the base model) per prompt. An invalid prompt raises ValueError before any
+        request is queued."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")
         engine, ids = self.llm_engine, []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, lora in zip(prompts, params, loras):
                 ids.append(str(self._counter))
                 self._counter += 1
-                engine.add_request(ids[-1], prompt, p or SamplingParams())
+                engine.add_request(ids[-1], prompt, p or SamplingParams(), lora)
         except ValueError as e:
             engine.abort_request(ids)
             raise ValueError(f"prompt {len(ids) - 1}: {e}") from e

@@ -10,6 +10,7 @@ from transformers import AutoTokenizer
 from tiffin.engine.block_manager import BlockManager
 from tiffin.engine.config import DTYPES, EngineConfig, ModelConfig
 from tiffin.engine.detokenizer import IncrementalDetokenizer
+from tiffin.engine.lora import LoRAManager, LoRAModel, LoRARequest
 from tiffin.engine.model_runner import ModelRunner
 from tiffin.engine.models.loader import MODELS
 from tiffin.engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -54,16 +55,20 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.num_prompt_tokens = self.num_generation_tokens = 0
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
-        """Queue a request. Raises ValueError, leaving the engine untouched, if the request is invalid or can
-        never fit in the context or the KV cache."""
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
+        """Queue a request, run with the adapter of `lora_request` if given (loaded now unless cached). Raises
+        ValueError, leaving the engine untouched, if the request is invalid or can never fit in the context or
+        the KV cache."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = params or SamplingParams()
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._check_lengths(len(token_ids), params)
+        lora = None if lora_request is None else self._lora_manager().resolve(lora_request)
         seqs = [Sequence(request_id, i, token_ids, params, max_tokens, self.eos_token_ids) for i in range(params.n)]
         for seq in seqs:
+            seq.lora, seq.cache_key = lora, b"" if lora is None else lora.identity
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params)
             seq.logprobs = [] if params.logprobs is not None else None
             self.scheduler.add(seq)
@@ -90,6 +95,28 @@ class LLMEngine:
             for seq in request.seqs if request else []:
                 if not seq.finished:
                     self.scheduler.finish(seq, "abort")
+
+    def add_lora(self, lora: LoRARequest | LoRAModel) -> bool:
+        """Cache an adapter (a request is loaded now; a `load_lora` result is taken as is) ahead of its
+        requests. False if it was already cached; ValueError if it cannot be served or its id or name is taken."""
+        return self._lora_manager().add(lora)
+
+    def load_lora(self, lora_request: LoRARequest) -> LoRAModel:
+        """Read and check an adapter without touching engine state: safe from any thread, so a server can load
+        adapters while the engine steps, then `add_lora` the result."""
+        return self._lora_manager().load(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop an adapter from the cache; its requests in flight finish with it. False if it was not cached."""
+        return self._lora_manager().remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return self._lora_manager().lora_ids()
+
+    def _lora_manager(self) -> LoRAManager:
+        if self.model_runner.lora_manager is None:
+            raise ValueError("LoRA adapters need an engine built with enable_lora=True")
+        return self.model_runner.lora_manager
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

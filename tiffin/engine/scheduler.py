@@ -32,6 +32,7 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = max_model_len
         self.block_manager = block_manager
+        self.max_loras = config.max_loras if config.enable_lora else None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -59,8 +60,12 @@ class Scheduler:
                 out.add(seq, num_new)
                 budget -= num_new
                 i += 1
+        adapters, skipped = self._running_adapters(), []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
+            if not self._lora_fits(seq, adapters):  # every adapter slot is taken: let others pass meanwhile
+                skipped.append(self.waiting.popleft())
+                continue
             cached = self.block_manager.get_computed_blocks(seq)
             num_cached = len(cached) * self.block_manager.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
@@ -73,6 +78,7 @@ class Scheduler:
             self.running.append(seq)
             out.add(seq, num_new)
             budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
         return out
 
     def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
@@ -107,6 +113,22 @@ class Scheduler:
                 return self.finish(seq, "stop", token)
         if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             self.finish(seq, "length")
+
+    def _running_adapters(self) -> set[bytes] | None:
+        """Distinct LoRA adapters among running sequences (None: LoRA off). Keeping them within max_loras keeps
+        every step's adapters within the device slots, since a step only runs running sequences."""
+        if self.max_loras is None:
+            return None
+        return {s.lora.identity for s in self.running if s.lora is not None}
+
+    def _lora_fits(self, seq: Sequence, adapters: set[bytes] | None) -> bool:
+        """Whether admitting `seq` keeps the running adapters within max_loras; counts it in if so."""
+        if adapters is None or seq.lora is None or seq.lora.identity in adapters:
+            return True
+        if len(adapters) >= self.max_loras:
+            return False
+        adapters.add(seq.lora.identity)
+        return True
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free_seq(seq)

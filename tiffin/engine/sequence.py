@@ -41,6 +41,7 @@ class Sequence:
         self.block_hashes: list[bytes] = []  # hash chain of full blocks, filled by the BlockManager
         self.num_hashed_blocks = 0  # leading blocks of block_table that are in the prefix cache
         self.cache_key = b""  # extra prefix-cache key (e.g. the LoRA adapter's identity)
+        self.lora = None  # the LoRAModel this sequence runs with; None: the base model
         self.params = params
         self.max_tokens = max_tokens  # params.max_tokens, or what the context leaves when that is None
         self.eos_token_ids = eos_token_ids

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, Strict
 from starlette.exceptions import HTTPException
 
@@ -111,6 +111,15 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: Bool = True
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    lora_name: Annotated[str, Strict()]
+    lora_path: Annotated[str, Strict()]
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    lora_name: Annotated[str, Strict()]
+
+
 def bad_request(e: ValueError) -> APIError:
     """SamplingParams and the engine start their ValueErrors with the offending parameter's name."""
     message = str(e)
@@ -122,43 +131,52 @@ def bad_request(e: ValueError) -> APIError:
 # --- serving ---
 
 class OpenAIServing:
-    def __init__(self, engine, model_name: str, on_finished=None):
+    def __init__(self, engine, model_name: str, on_finished=None, lora=None):
         """`engine`: an AsyncLLMEngine. `on_finished(stream, output)` is called for each finished request
-        (metrics)."""
+        (metrics). `lora`: a `tiffin.plugin.lora.LoRAServing` when adapters are enabled."""
         self.engine = engine
         self.model_name = model_name
         self.created = int(time.time())
         self.on_finished = on_finished
+        self.lora = lora
 
     def models(self) -> dict:
         card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "tiffin",
                 "max_model_len": self.engine.max_model_len}
-        return {"object": "list", "data": [card]}
+        adapters = self.lora.cards(self.engine.max_model_len) if self.lora else []
+        return {"object": "list", "data": [card, *adapters]}
 
     async def completions(self, req: CompletionRequest, raw: Request):
-        self._check_model(req.model)
+        lora = self._check_model(req.model)
         if req.echo:
             raise APIError(400, "echo is not supported", param="echo")
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         prompts = _prompts(req.prompt)
         params = req.sampling_params(req.max_tokens, req.logprobs)
-        fmt = _Format("cmpl", "text_completion", "text_completion", self.model_name, params.n, req.logprobs)
-        return await self._serve(req, raw, fmt, prompts, params)
+        fmt = _Format("cmpl", "text_completion", "text_completion", req.model or self.model_name, params.n,
+                      req.logprobs)  # fmt: skip
+        return await self._serve(req, raw, fmt, prompts, params, lora)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request):
-        self._check_model(req.model)
+        lora = self._check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = req.sampling_params(max_tokens, logprobs)
-        fmt = _Format("chatcmpl", "chat.completion", "chat.completion.chunk", self.model_name, params.n, logprobs)
-        return await self._serve(req, raw, fmt, [self._render_chat(req)], params)
+        fmt = _Format("chatcmpl", "chat.completion", "chat.completion.chunk", req.model or self.model_name,
+                      params.n, logprobs)  # fmt: skip
+        return await self._serve(req, raw, fmt, [self._render_chat(req)], params, lora)
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+    def _check_model(self, model: str | None):
+        """The LoRARequest for an adapter's name, None for the base model; 404 for any other name."""
+        if model is None or model == self.model_name:
+            return None
+        lora = self.lora.get(model) if self.lora else None
+        if lora is None:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        return lora
 
     def _render_chat(self, req: ChatCompletionRequest) -> dict:
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
@@ -174,19 +192,19 @@ class OpenAIServing:
         # The template writes the special tokens itself.
         return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
-    async def _serve(self, req: _SamplingRequest, raw: Request, fmt: "_Format", prompts: list, params):
-        streams = await self._open(prompts, params, fmt.id)
+    async def _serve(self, req: _SamplingRequest, raw: Request, fmt: "_Format", prompts: list, params, lora=None):
+        streams = await self._open(prompts, params, fmt.id, lora)
         if req.stream:
             return StreamingResponse(self._sse(streams, fmt, req.include_usage), media_type="text/event-stream")
         finals = await _unless_disconnected(raw, self._collect(streams))
         return fmt.response(finals)
 
-    async def _open(self, prompts: list, params: SamplingParams, request_id: str) -> list:
+    async def _open(self, prompts: list, params: SamplingParams, request_id: str, lora=None) -> list:
         """Queue every prompt; a refused one aborts those already queued and becomes a 400."""
         streams = []
         try:
             for i, prompt in enumerate(prompts):
-                streams.append(await self.engine.add_request(f"{request_id}-{i}", prompt, params))
+                streams.append(await self.engine.add_request(f"{request_id}-{i}", prompt, params, lora))
         except ValueError as e:
             raise bad_request(e) from None
         finally:
@@ -397,6 +415,20 @@ def create_app() -> FastAPI:
     @app.post("/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         return await serving(raw).chat(req, raw)
+
+    def lora(raw: Request):
+        lora = serving(raw).lora
+        if lora is None:
+            raise APIError(400, "LoRA adapters are not enabled on this server (set TIFFIN_LORA_ROOTS)")
+        return lora
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(req: LoadLoRAAdapterRequest, raw: Request):
+        return PlainTextResponse(await lora(raw).load(req.lora_name, req.lora_path))
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(req: UnloadLoRAAdapterRequest, raw: Request):
+        return PlainTextResponse(await lora(raw).unload(req.lora_name))
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError):

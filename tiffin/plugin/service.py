@@ -3,7 +3,8 @@
 Configuration: environment variables TIFFIN_<SETTING> or `bentoml serve ... --arg <setting>=<value>` (the
 argument wins); see `Settings`. With no model set, the Bento serves the built-in tiny model, created in the
 BentoML model store on first start. Weights load in a background thread: /livez answers at once, /readyz is
-503 until the engine is up. The OpenAI-compatible API (tiffin.plugin.openai_api) is mounted at /v1.
+503 until the engine is up. The OpenAI-compatible API (tiffin.plugin.openai_api) is mounted at /v1; with
+TIFFIN_LORA_ROOTS set it serves LoRA adapters too (tiffin.plugin.lora).
 
 Torch and the engine are imported inside the loader thread, so `bentoml build` imports this module quickly.
 """
@@ -49,6 +50,10 @@ class Settings(BaseModel):
     seed: int = 0
     timeout: float = 600.0  # seconds to the first byte of a response (BentoML traffic timeout)
     load_gate: str | None = None  # test hook: weight loading waits until this path exists
+    lora_roots: str | None = None  # directories adapters may load from (os.pathsep-separated); set: LoRA on
+    max_loras: int = 4  # adapters one step may mix (device slots)
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters kept parsed in host memory; default max_loras
 
     @model_validator(mode="before")
     @classmethod
@@ -68,7 +73,8 @@ class Settings(BaseModel):
         return int(float(m[1]) * (1024 if m[3] else 1000) ** " kmgt".index(m[2] or " "))
 
     def engine_kwargs(self) -> dict:
-        return self.model_dump(exclude={"model", "served_model_name", "timeout", "load_gate"})
+        return {**self.model_dump(exclude={"model", "served_model_name", "timeout", "load_gate", "lora_roots"}),
+                "enable_lora": self.lora_roots is not None}
 
 
 settings = bentoml.use_arguments(Settings)
@@ -112,8 +118,14 @@ class Tiffin:
             started = time.monotonic()
             engine = AsyncLLMEngine.from_engine_args(path, on_stats=self.metrics.on_stats,
                                                      **settings.engine_kwargs())
-            openai_app.state.serving = OpenAIServing(engine, settings.served_model_name or name,
-                                                     on_finished=self.metrics.on_finished)
+            served = settings.served_model_name or name
+            lora = None
+            if settings.lora_roots is not None:
+                from tiffin.plugin.lora import LoRAServing
+
+                lora = LoRAServing(engine, settings.lora_roots, served)
+            openai_app.state.serving = OpenAIServing(engine, served, on_finished=self.metrics.on_finished,
+                                                     lora=lora)  # fmt: skip
             self.engine = engine
             logger.info("tiffin: %s loaded from %s in %.1fs", name, path, time.monotonic() - started)
         except Exception as e:  # /livez turns 503 so that an orchestrator restarts the replica

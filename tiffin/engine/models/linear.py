@@ -48,6 +48,7 @@ class Linear(nn.Module):
         self.method = method or LinearMethod()
         self.method.create_weights(self, dtype)
         self.bias = nn.Parameter(torch.empty(self.output_size, dtype=dtype), requires_grad=False) if bias else None
+        self.lora = None  # a LoRALayer (tiffin.engine.lora) adds its adapters' delta to the output
 
     def load(self, name: str, tensor: torch.Tensor, shard: int | None) -> None:
         if name == "bias":
@@ -56,4 +57,5 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.method.apply(self, x)
-        return y if self.bias is None else y + self.bias
+        y = y if self.bias is None else y + self.bias
+        return y if self.lora is None else self.lora(x, y)

@@ -1,0 +1,142 @@
+"""Multi-LoRA shrink / expand: the torch path and the Triton kernels (under the interpreter) against a
+per-adapter reference loop in float64; compile_check for sm_80/sm_90.
+
+Interpreter setup as in test_kernels_attention.py: TRITON_INTERPRET=1 only while this module's kernel tests
+run (the launcher reads it at call time); compile_check runs in a subprocess without it."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from tiffin.kernels import triton_lora as tlora
+from tiffin.kernels.lora import LoRAMetadata, lora_expand, lora_shrink
+
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 8e-2}
+
+
+@pytest.fixture(scope="module")
+def interpreter():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        yield
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every buffer the Triton path allocates (shrink output, split partials) starts as NaN."""
+    monkeypatch.setattr(tlora, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
+                                                                                   device=device))
+
+
+def make_case(token_slots, hidden, rank, slice_sizes, num_slots, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t, n, o = len(token_slots), len(slice_sizes) * rank, sum(slice_sizes)
+    x = torch.randn(t, hidden, generator=g).to(dtype)
+    a = (torch.randn(num_slots, n, hidden, generator=g) / hidden**0.5).to(dtype)
+    b = (torch.randn(num_slots, rank, o, generator=g) / rank**0.5).to(dtype)
+    y = torch.randn(t, o, generator=g).to(dtype)
+    offsets = [0, *np.cumsum(slice_sizes).tolist()]
+    return x, a, b, y, offsets, LoRAMetadata.build(np.array(token_slots), torch.device("cpu"), dtype)
+
+
+def reference(x, a, b, y, offsets, token_slots):
+    """float64, one adapter at a time: its tokens' rows through its A, then each slice through its B."""
+    x, a, b, y = x.double(), a.double(), b.double(), y.double().clone()
+    r = b.shape[1]
+    slots = torch.tensor(token_slots)
+    h = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float64)
+    for s in sorted(set(token_slots) - {-1}):
+        rows = slots == s
+        h[rows] = x[rows] @ a[s].T
+        for i, (lo, hi) in enumerate(zip(offsets, offsets[1:])):
+            y[rows, lo:hi] += h[rows, i * r : (i + 1) * r] @ b[s, :, lo:hi]
+    return h, y, slots >= 0
+
+
+CASES = {
+    # name: (token slots, hidden, rank, slice sizes, slots)
+    "decode-mixed": ([0, -1, 2, 0, 1, -1, 2, 2], 64, 16, [64, 32, 32], 4),
+    "one-slot": ([1] * 5, 96, 8, [48], 2),
+    "prefill-groups": ([3] * 40 + [-1] * 7 + [0] * 19 + [3] * 5 + [1] * 70, 128, 16, [80, 80], 4),
+    "odd-sizes": ([0, 1, -1, 1, 0, 0, 1], 40, 4, [24, 8, 8], 3),
+    "skewed": ([2] * 60 + [0, 1, -1, 0], 64, 16, [64, 32, 32], 3),  # torch path: one GEMM per group
+}
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_shrink_expand_match_per_adapter_loop(case, dtype, backend, interpreter, poisoned):
+    token_slots, hidden, rank, slices, num_slots = CASES[case]
+    x, a, b, y, offsets, md = make_case(token_slots, hidden, rank, slices, num_slots, dtype)
+    assert md.padded == (case != "skewed")
+    h_ref, y_ref, adapted = reference(x, a, b, y, offsets, token_slots)
+    h = lora_shrink(x, a, md, backend)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(h[adapted].double(), h_ref[adapted], rtol=tol, atol=tol)
+    base_rows = y[~adapted].clone()
+    out = lora_expand(h_ref.to(dtype), b, y, offsets, md, backend)
+    assert out is y
+    torch.testing.assert_close(y.double(), y_ref, rtol=tol, atol=tol)
+    assert torch.equal(y[~adapted], base_rows)  # base-model tokens are never touched
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3])
+def test_shrink_split_k(splits, interpreter, poisoned):
+    token_slots = [0, 1, 1, -1, 0]
+    x, a, _, _, _, md = make_case(token_slots, 384, 16, [32, 32], 2, torch.float32, seed=3)
+    out = torch.empty(x.shape[0], a.shape[1])
+    launch, partial = tlora.shrink_launch(x, a, out, md, splits=splits)
+    assert (partial is None) == (splits == 1) and launch.grid[1] == splits
+    launch(x.device)
+    if partial is not None:
+        out.copy_(partial.sum(0))
+    h_ref = reference(x, a, torch.zeros(2, 16, 64), torch.zeros(5, 64), [0, 32, 64], token_slots)[0]
+    rows = torch.tensor(token_slots) >= 0
+    torch.testing.assert_close(out[rows].double(), h_ref[rows], rtol=1e-4, atol=1e-4)
+
+
+def test_bf16_torch_path():
+    token_slots = [0, -1, 1, 1]
+    x, a, b, y, offsets, md = make_case(token_slots, 64, 16, [64], 2, torch.bfloat16)
+    h_ref, y_ref, _ = reference(x, a, b, y, offsets, token_slots)
+    lora_expand(lora_shrink(x, a, md), b, y, offsets, md)
+    torch.testing.assert_close(y.double(), y_ref, rtol=0.1, atol=0.1)
+
+
+def test_metadata_groups_tokens_by_slot():
+    md = LoRAMetadata.build(np.array([2, -1, 0, 2, -1, 0, 0]), torch.device("cpu"), torch.float32)
+    assert md.num_slots == 3 and md.max_slot_tokens == 3
+    assert md.slot_counts.tolist() == [3, 0, 2] and md.slot_starts.tolist() == [0, 3, 3]
+    assert md.sorted_tokens.tolist() == [2, 5, 6, 0, 3]
+    assert md.groups == [(0, 0, 3), (2, 3, 5)] and md.padded and md.active_slots.tolist() == [0, 2]
+    assert md.padded_tokens.tolist() == [2, 5, 6, 0, 3, 3] and md.padded_real.tolist() == [0, 1, 2, 3, 4]
+    assert md.pad_mask.flatten().tolist() == [1, 1, 1, 1, 1, 0]
+    skewed = LoRAMetadata.build(np.array([0] * 9 + [1, 2]), torch.device("cpu"), torch.float32)
+    assert not skewed.padded and skewed.groups == [(0, 0, 9), (1, 9, 10), (2, 10, 11)]
+    with pytest.raises(ValueError, match="at least one token"):
+        LoRAMetadata.build(np.array([-1, -1]), torch.device("cpu"), torch.float32)
+
+
+def test_bad_shapes_rejected():
+    x, a, b, y, offsets, md = make_case([0, 1], 32, 8, [16, 16], 2, torch.float32)
+    with pytest.raises(ValueError, match="lora_shrink"):
+        lora_shrink(x[:, :16], a, md)
+    with pytest.raises(ValueError, match="slice_offsets"):
+        lora_expand(torch.zeros(2, 16), b, y, [0, 16, 24], md)
+    with pytest.raises(ValueError, match="slots"):
+        lora_shrink(x, a[:1], md)
+
+
+def test_compile_check_sm80_sm90():
+    """Every registered LoRA configuration compiles for real GPU targets without register spills."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import sys; from tiffin.kernels import compile_check as c; "
+            "rs = [c.compile_case(n, case, arch) for n, case in c.collect() if n.startswith('lora_') "
+            "for arch in (80, 90)]; print(c.format_table(rs)); sys.exit(0 if rs and all(r.ok for r in rs) else 1)")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

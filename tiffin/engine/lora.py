@@ -1,0 +1,361 @@
+"""Multi-LoRA serving: PEFT adapters loaded from local directories, held in a host LRU cache, installed into a
+fixed number of device slots, and applied per token as a delta on each base projection's output.
+
+- `LoRARequest` (vLLM's shape) names an adapter per request. `LoRAModel` is a parsed, validated adapter; its
+  `identity` is a hash of the files' content, used for device slots, the scheduler's adapter count and the
+  prefix-cache key, so a name re-pointed at new weights can never reuse stale KV or slots.
+- `LoRALayer` sits on a `Linear` (`linear.lora`) and adds `B[slot] A[slot] x` after the base method ran, so it
+  serves plain and quantized (AWQ/GPTQ) bases alike. Fused layers keep one A block per checkpoint slice.
+- `LoRAManager` (owned by the ModelRunner) registers adapters and, each step, puts the step's adapters into
+  slots and builds the token -> slot metadata that every LoRALayer reads.
+
+Removing an adapter only drops it from the cache: sequences already running hold their `LoRAModel` and
+finish with it; its slot is reused once no step needs it.
+"""
+
+import hashlib
+import json
+import math
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load as load_safetensors
+
+from tiffin.engine.models.linear import Linear
+from tiffin.kernels.lora import LoRAMetadata, lora_expand, lora_shrink
+
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
+# adapter_config.json settings that change the forward pass in ways plain LoRA does not: refused when set
+UNSUPPORTED = {
+    "use_dora": "DoRA", "modules_to_save": "modules_to_save (fully trained extra modules)",
+    "lora_bias": "LoRA bias", "trainable_token_indices": "trainable token embeddings",
+    "target_parameters": "LoRA on raw parameters", "layer_replication": "layer replication",
+    "alora_invocation_tokens": "activated LoRA", "use_qalora": "QA-LoRA", "use_bdlora": "block-diagonal LoRA",
+    "arrow_config": "Arrow routing", "velora_config": "VeLoRA", "kasa_config": "KaSA",
+    "monteclora_config": "MonteCLoRA",
+}
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<kind>[AB])\.weight$")
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """An adapter for a request: a unique positive `lora_int_id`, a name, and the PEFT directory to load."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise ValueError(f"lora_name must be a non-empty string, got {self.lora_name!r}")
+        if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool) or self.lora_int_id < 1:
+            raise ValueError(f"lora_int_id must be a positive integer, got {self.lora_int_id!r}")
+        if not isinstance(self.lora_path, (str, Path)):
+            raise ValueError(f"lora_path must be a path string, got {self.lora_path!r}")
+
+    @property
+    def name(self) -> str:
+        return self.lora_name
+
+    @property
+    def path(self) -> str:
+        return str(self.lora_path)
+
+
+@dataclass(eq=False)
+class LoRAModel:
+    """One adapter, validated against the base model. `layers[name][i]` is `(A [r, in], B [out_i, r])` for slice
+    i of our layer `name` (None where the adapter leaves that slice alone), with the scaling folded into B."""
+
+    name: str
+    int_id: int
+    path: str
+    identity: bytes  # sha256 of adapter_config.json and the weights file
+    rank: int
+    layers: dict[str, list[tuple[torch.Tensor, torch.Tensor] | None]] = field(repr=False)
+
+
+def load_lora_model(request: LoRARequest, layers: dict[str, Linear], stacked_modules: dict[str, tuple[str, int]],
+                    max_rank: int, dtype: torch.dtype) -> LoRAModel:
+    """Read and check a PEFT LoRA directory against the base model's `layers` (our module name -> Linear).
+    ValueError naming the problem for anything it cannot serve exactly. Touches no engine state."""
+    path = Path(request.lora_path).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"LoRA adapter {request.lora_name!r}: {path} is not a directory")
+    config_bytes, weights_bytes = _read_files(path)
+    config = _parse_config(config_bytes, max_rank)
+    try:
+        tensors = load_safetensors(weights_bytes)
+    except Exception as e:
+        raise ValueError(f"{WEIGHTS_FILE} is not a valid safetensors file: {e}") from None
+    pairs = _lora_pairs(tensors)
+    targets = {module: _our_layer(module, layers, stacked_modules) for module in sorted(pairs)}
+    _refuse_other_tensors(tensors)
+    if not pairs:
+        raise ValueError(f"{WEIGHTS_FILE} holds no lora_A/lora_B weights")
+    out: dict[str, list] = {}
+    rank = 0
+    for module, (ours, slices) in targets.items():
+        a, b = pairs[module]
+        layer = layers[ours]
+        r = _pattern_value(config.get("rank_pattern") or {}, module, config["r"])
+        alpha = _pattern_value(config.get("alpha_pattern") or {}, module, config["lora_alpha"])
+        widths = [layer.output_sizes[i] for i in slices]
+        _check_shapes(module, a, b, r, layer.input_size, sum(widths), max_rank)
+        scale = alpha / (math.sqrt(r) if config.get("use_rslora") else r)
+        b = (b.double() * scale).to(dtype)
+        entry = out.setdefault(ours, [None] * len(layer.output_sizes))
+        for i, piece in zip(slices, b.split(widths)):
+            if entry[i] is not None:
+                raise ValueError(f"{module} sets a slice of {ours} that another tensor of the adapter sets too")
+            entry[i] = (a.to(dtype), piece.contiguous())
+        rank = max(rank, r)
+    identity = hashlib.sha256(config_bytes + b"\0" + weights_bytes).digest()
+    return LoRAModel(request.lora_name, request.lora_int_id, str(path), identity, rank, out)
+
+
+def _read_files(path: Path) -> tuple[bytes, bytes]:
+    if not (path / CONFIG_FILE).is_file():
+        raise ValueError(f"{path} has no {CONFIG_FILE}; a PEFT LoRA adapter directory is expected")
+    if not (path / WEIGHTS_FILE).is_file():
+        pickled = [p.name for p in path.glob("adapter_model*") if p.suffix in (".bin", ".pt", ".pth", ".pkl")]
+        if pickled:
+            raise ValueError(f"{path} has {pickled[0]} but no {WEIGHTS_FILE}: only safetensors adapters are "
+                             f"loaded (pickle files can run code)")  # fmt: skip
+        raise ValueError(f"{path} has no {WEIGHTS_FILE}")
+    return (path / CONFIG_FILE).read_bytes(), (path / WEIGHTS_FILE).read_bytes()
+
+
+def _parse_config(data: bytes, max_rank: int) -> dict:
+    try:
+        config = json.loads(data)
+    except ValueError as e:
+        raise ValueError(f"{CONFIG_FILE} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{CONFIG_FILE} must hold a JSON object")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{CONFIG_FILE}: peft_type {config['peft_type']!r} is not LORA")
+    for key, what in UNSUPPORTED.items():
+        if config.get(key):
+            raise ValueError(f"{CONFIG_FILE} sets {key}: {what} is not supported")
+    if config.get("bias", "none") != "none":
+        raise ValueError(f"{CONFIG_FILE}: bias {config['bias']!r} is not supported (only 'none': LoRA bias "
+                         f"terms would change the base layers)")  # fmt: skip
+    ranks = [config.get("r"), *(config.get("rank_pattern") or {}).values()]
+    alphas = [config.get("lora_alpha"), *(config.get("alpha_pattern") or {}).values()]
+    if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in ranks):
+        raise ValueError(f"{CONFIG_FILE}: r and rank_pattern values must be positive integers, got {ranks}")
+    if not all(isinstance(a, (int, float)) and not isinstance(a, bool) and math.isfinite(a) for a in alphas):
+        raise ValueError(f"{CONFIG_FILE}: lora_alpha and alpha_pattern values must be numbers, got {alphas}")
+    if max(ranks) > max_rank:
+        raise ValueError(f"adapter rank {max(ranks)} exceeds max_lora_rank {max_rank}")
+    return config
+
+
+def _lora_pairs(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    _refuse_other_tensors(tensors, specific_only=True)
+    found: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        m = _KEY.match(key)
+        if m is None:
+            continue
+        if not tensor.is_floating_point() or tensor.dim() != 2:
+            raise ValueError(f"{WEIGHTS_FILE}: {key} must be a 2-D floating-point tensor, got {tensor.dtype} "
+                             f"{tuple(tensor.shape)}")  # fmt: skip
+        found.setdefault(m["module"], {})[m["kind"]] = tensor
+    for module, ab in found.items():
+        if len(ab) != 2:
+            have = next(iter(ab))
+            raise ValueError(f"{WEIGHTS_FILE}: {module} has lora_{have} but no lora_{'B' if have == 'A' else 'A'}")
+    return {module: (ab["A"], ab["B"]) for module, ab in found.items()}
+
+
+_UNSUPPORTED_TENSORS = (
+    "LoRA on embeddings is not supported", "DoRA is not supported", "LoRA bias is not supported",
+    "only lora_A / lora_B weights are; modules_to_save and other trained modules are not",
+)
+
+
+def _refuse_other_tensors(tensors: dict[str, torch.Tensor], specific_only: bool = False) -> None:
+    """ValueError for a tensor other than lora_A/lora_B weights; with `specific_only`, only for one that shows a
+    recognisable unsupported feature (checked first: embedding LoRA also saves the embedding itself)."""
+    others = [key for key in tensors if not _KEY.match(key)]
+    if others:
+        key = min(others, key=lambda k: _UNSUPPORTED_TENSORS.index(_what(k)))
+        if not specific_only or _what(key) != _UNSUPPORTED_TENSORS[-1]:
+            raise ValueError(f"{WEIGHTS_FILE}: tensor {key!r} is not supported ({_what(key)})")
+
+
+def _what(key: str) -> str:
+    if "lora_embedding" in key:
+        return _UNSUPPORTED_TENSORS[0]
+    if "lora_magnitude_vector" in key:
+        return _UNSUPPORTED_TENSORS[1]
+    if re.search(r"\.lora_[AB]\.bias$", key):
+        return _UNSUPPORTED_TENSORS[2]
+    return _UNSUPPORTED_TENSORS[3]
+
+
+def _our_layer(module: str, layers: dict[str, Linear], stacked: dict[str, tuple[str, int]]) -> tuple[str, list[int]]:
+    """Our layer and the slices of it that checkpoint module `module` covers."""
+    parent, _, leaf = module.rpartition(".")
+    if leaf not in TARGETS:
+        raise ValueError(f"LoRA on {module} is not supported; adapters may target {', '.join(TARGETS[:7])}")
+    if leaf in stacked:
+        fused, shard = stacked[leaf]
+        ours, slices = f"{parent}.{fused}", [shard]
+    else:
+        ours, slices = module, None
+    if ours not in layers:
+        raise ValueError(f"the adapter has weights for {module}, which the base model does not have")
+    return ours, slices or list(range(len(layers[ours].output_sizes)))
+
+
+def _pattern_value(patterns: dict, module: str, default):
+    """PEFT's rank_pattern / alpha_pattern lookup: the first key matching a dotted suffix of the module name."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def _check_shapes(module: str, a: torch.Tensor, b: torch.Tensor, r: int, inputs: int, outputs: int,
+                  max_rank: int) -> None:
+    if a.shape[0] != r or b.shape[1] != r:
+        raise ValueError(f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not have the rank "
+                         f"{r} that {CONFIG_FILE} gives it")  # fmt: skip
+    if r > max_rank:
+        raise ValueError(f"{module}: rank {r} exceeds max_lora_rank {max_rank}")
+    if a.shape[1] != inputs or b.shape[0] != outputs:
+        raise ValueError(f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the base "
+                         f"layer's {inputs} inputs and {outputs} outputs")  # fmt: skip
+
+
+class LoRABatch:
+    """This step's token -> slot metadata, shared by every LoRALayer (None: no token uses an adapter)."""
+
+    md: LoRAMetadata | None = None
+
+
+class LoRALayer:
+    """Device slots of one Linear's adapters: `a [S, slices*R, in]`, `b [S, R, out]` (tiffin.kernels.lora)."""
+
+    def __init__(self, linear: Linear, batch: LoRABatch, num_slots: int, rank: int, dtype: torch.dtype,
+                 device: torch.device, backend: str):
+        slices = len(linear.output_sizes)
+        self.a = torch.zeros(num_slots, slices * rank, linear.input_size, dtype=dtype, device=device)
+        self.b = torch.zeros(num_slots, rank, linear.output_size, dtype=dtype, device=device)
+        self.rank, self.offsets, self.batch, self.backend = rank, linear.offsets, batch, backend
+        self.filled = [False] * num_slots  # whether a slot's adapter has weights for this layer
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        md = self.batch.md
+        if md is None or not any(self.filled[: md.num_slots]):
+            return y
+        x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        lora_expand(lora_shrink(x2, self.a, md, self.backend), self.b, y2, self.offsets, md, self.backend)
+        return y
+
+    def set_slot(self, slot: int, slices: list[tuple[torch.Tensor, torch.Tensor] | None] | None) -> None:
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        for i, ab in enumerate(slices or []):
+            if ab is not None:
+                a, b = ab
+                r, (lo, hi) = a.shape[0], self.offsets[i : i + 2]
+                self.a[slot, i * self.rank : i * self.rank + r].copy_(a)
+                self.b[slot, :r, lo:hi].copy_(b.T)
+        self.filled[slot] = slices is not None
+
+
+class LoRAManager:
+    def __init__(self, model: torch.nn.Module, max_loras: int, max_lora_rank: int, max_cpu_loras: int,
+                 dtype: torch.dtype, device: torch.device, backend: str):
+        self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
+        self.dtype, self.device = dtype, device
+        self.layers = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+        self.stacked_modules = dict(model.stacked_modules)
+        self.batch = LoRABatch()
+        for linear in self.layers.values():
+            linear.lora = LoRALayer(linear, self.batch, max_loras, max_lora_rank, dtype, device, backend)
+        self.cache: OrderedDict[int, LoRAModel] = OrderedDict()  # host LRU by lora_int_id
+        self.slots: list[LoRAModel | None] = [None] * max_loras
+        self.slot_lru: OrderedDict[int, None] = OrderedDict.fromkeys(range(max_loras))  # least recent first
+
+    # --- registry (engine thread, except `load`) ---
+
+    def load(self, request: LoRARequest) -> LoRAModel:
+        """Parse and check an adapter from disk; reads no mutable state, so any thread may call it."""
+        return load_lora_model(request, self.layers, self.stacked_modules, self.max_lora_rank, self.dtype)
+
+    def add(self, lora: LoRARequest | LoRAModel) -> bool:
+        """Cache an adapter (loading it if given a request). False if this id was already cached; ValueError
+        if the id or the name is taken by a different adapter."""
+        cached = self._cached(lora.lora_name if isinstance(lora, LoRARequest) else lora.name,
+                              lora.lora_int_id if isinstance(lora, LoRARequest) else lora.int_id,
+                              lora.path)  # fmt: skip
+        if cached is not None:
+            return False
+        model = self.load(lora) if isinstance(lora, LoRARequest) else lora
+        self.cache[model.int_id] = model
+        while len(self.cache) > self.max_cpu_loras:
+            self.cache.popitem(last=False)
+        return True
+
+    def resolve(self, request: LoRARequest) -> LoRAModel:
+        """The adapter for a new request: cached (refreshed in the LRU) or loaded now."""
+        if self._cached(request.lora_name, request.lora_int_id, request.path) is None:
+            self.add(request)
+        self.cache.move_to_end(request.lora_int_id)
+        return self.cache[request.lora_int_id]
+
+    def remove(self, lora_int_id: int) -> bool:
+        """Forget an adapter; requests already using it run to completion."""
+        return self.cache.pop(lora_int_id, None) is not None
+
+    def lora_ids(self) -> set[int]:
+        return set(self.cache)
+
+    def _cached(self, name: str, int_id: int, path: str) -> LoRAModel | None:
+        cached = self.cache.get(int_id)
+        if cached is not None and (cached.name != name or (path and Path(path).expanduser() != Path(cached.path))):
+            raise ValueError(f"lora_int_id {int_id} is already loaded as {cached.name!r} from {cached.path}")
+        clash = next((m for m in self.cache.values() if m.name == name and m.int_id != int_id), None)
+        if clash is not None:
+            raise ValueError(f"LoRA name {name!r} is already loaded with lora_int_id {clash.int_id}")
+        return cached
+
+    # --- per step (ModelRunner) ---
+
+    def prepare(self, loras: list[LoRAModel | None], num_tokens: np.ndarray) -> None:
+        """Install this step's adapters into slots and set the token -> slot metadata. `loras[i]` is scheduled
+        request i's adapter, which runs `num_tokens[i]` tokens."""
+        needed = {m.identity: m for m in loras if m is not None}
+        if not needed:
+            self.batch.md = None
+            return
+        if len(needed) > self.max_loras:
+            raise RuntimeError(f"a step uses {len(needed)} adapters but there are only {self.max_loras} slots")
+        slot_of = {m.identity: i for i, m in enumerate(self.slots) if m is not None and m.identity in needed}
+        for identity, model in needed.items():
+            if identity not in slot_of:
+                slot_of[identity] = self._install(model, set(slot_of.values()))
+        for slot in slot_of.values():
+            self.slot_lru.move_to_end(slot)
+        seq_slots = np.array([-1 if m is None else slot_of[m.identity] for m in loras], dtype=np.int64)
+        self.batch.md = LoRAMetadata.build(np.repeat(seq_slots, num_tokens), self.device, self.dtype)
+
+    def _install(self, model: LoRAModel, taken: set[int]) -> int:
+        """Put `model` into the lowest free slot (keeping the used slot range short), else the least recently
+        used slot this step does not need."""
+        free = [i for i, m in enumerate(self.slots) if m is None]
+        slot = free[0] if free else next(s for s in self.slot_lru if s not in taken)
+        for name, linear in self.layers.items():
+            linear.lora.set_slot(slot, model.layers.get(name))
+        self.slots[slot] = model
+        return slot

@@ -1,0 +1,267 @@
+"""Triton multi-LoRA shrink / expand (the GPU path of `lora_shrink` / `lora_expand`): Punica's segmented GEMM.
+
+Tokens arrive grouped by adapter slot (`LoRAMetadata.sorted_tokens`, `slot_starts`, `slot_counts`). The grid's
+last axis is the slot: a program takes one `BLOCK_M` tile of that slot's tokens, gathers their rows, and
+multiplies them by the slot's weights with `tl.dot`, so every tile is a plain GEMM however the batch mixes
+adapters. Programs past a slot's token count return at once; grids are sized from host-side ints (the largest
+group), so host code never reads device tensors.
+
+Shrink (`[T, K] -> [T, N]`, K large, N = slices x rank small) splits K across programs when tiles alone
+cannot fill the GPU (decode), writing fp32 partials that one sum reduces. Expand (`[T, N] -> += [T, O]`) runs
+a grid axis over the fused layer's slices; each slice reads its own rank block of the shrink result and adds
+into its own output columns. Each output element is written by exactly one program: no atomics.
+
+Interpreter conventions as in triton_attention: CPU tensors run under TRITON_INTERPRET=1, bf16 is upcast there.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tiffin.kernels.compile_check import CompileCase, register
+from tiffin.kernels.lora import LoRAMetadata
+from tiffin.kernels.triton_attention import Launch, _num_sms
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_SPLIT_K = 16
+
+
+@dataclass(frozen=True)
+class LoRATile:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def shrink_tile(max_slot_tokens: int, n: int, dtype: torch.dtype) -> LoRATile:
+    """Small N (slices x rank): one or few N tiles, long K steps; fp32 halves the tiles (3xTF32 registers)."""
+    fp32 = dtype == torch.float32
+    block_m = 16 if max_slot_tokens <= 16 else 32 if max_slot_tokens <= 32 else 64
+    block_n = min(max(16, triton.next_power_of_2(n)), 32 if fp32 else 64)
+    block_k = (64 if fp32 else 128) if block_m == 16 else (32 if fp32 else 64)
+    return LoRATile(block_m, block_n, block_k)
+
+
+def expand_tile(max_slot_tokens: int, rank: int, dtype: torch.dtype) -> LoRATile:
+    """K is the rank (small, one or two steps); wide N tiles over the outputs."""
+    fp32 = dtype == torch.float32
+    block_m = 16 if max_slot_tokens <= 16 else 32 if max_slot_tokens <= 32 else 64
+    block_k = min(max(16, triton.next_power_of_2(rank)), 32 if fp32 else 64)
+    block_n = 32 if fp32 else (64 if block_m == 64 else 128)
+    return LoRATile(block_m, block_n, block_k)
+
+
+@triton.jit
+def _lora_shrink_kernel(
+    x_ptr, a_ptr, out_ptr, sorted_ptr, starts_ptr, counts_ptr,
+    N, K, k_per_split, stride_xt, stride_as, stride_an, stride_ot, stride_split,
+    SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_mn, pid_k, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = pid_mn // num_n, pid_mn % num_n
+    count = tl.load(counts_ptr + slot)
+    if pid_m * BLOCK_M >= count:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < count
+    tokens = tl.load(sorted_ptr + tl.load(starts_ptr + slot) + offs_m, mask=mask_m, other=0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    a_base = a_ptr + slot.to(tl.int64) * stride_as
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < k_end
+        x = tl.load(x_ptr + tokens[:, None] * stride_xt + offs_k[None, :],
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # fmt: skip
+        a = tl.load(a_base + offs_n[None, :] * stride_an + offs_k[:, None],
+                    mask=mask_k[:, None] & mask_n[None, :], other=0.0)  # fmt: skip
+        if UPCAST:
+            acc = tl.dot(x.to(tl.float32), a.to(tl.float32), acc)
+        else:
+            acc = tl.dot(x, a, acc, input_precision=DOT_PRECISION)
+    ptrs = out_ptr + pid_k * stride_split + tokens[:, None] * stride_ot + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT:
+        tl.store(ptrs, acc, mask=mask)
+    else:
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _lora_expand_kernel(
+    h_ptr, b_ptr, y_ptr, sorted_ptr, starts_ptr, counts_ptr, offsets_ptr,
+    R, max_slice, stride_ht, stride_bs, stride_br, stride_yt,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_mn, piece, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    num_n = tl.cdiv(max_slice, BLOCK_N)
+    pid_m, pid_n = pid_mn // num_n, pid_mn % num_n
+    count = tl.load(counts_ptr + slot)
+    out_lo = tl.load(offsets_ptr + piece)
+    out_hi = tl.load(offsets_ptr + piece + 1)
+    if pid_m * BLOCK_M >= count or out_lo + pid_n * BLOCK_N >= out_hi:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < count
+    tokens = tl.load(sorted_ptr + tl.load(starts_ptr + slot) + offs_m, mask=mask_m, other=0).to(tl.int64)
+    offs_n = out_lo + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < out_hi
+    b_base = b_ptr + slot.to(tl.int64) * stride_bs
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_K):
+        offs_r = r0 + tl.arange(0, BLOCK_K)
+        mask_r = offs_r < R
+        h = tl.load(h_ptr + tokens[:, None] * stride_ht + (piece * R + offs_r)[None, :],
+                    mask=mask_m[:, None] & mask_r[None, :], other=0.0)  # fmt: skip
+        b = tl.load(b_base + offs_r[:, None] * stride_br + offs_n[None, :],
+                    mask=mask_r[:, None] & mask_n[None, :], other=0.0)  # fmt: skip
+        if UPCAST:
+            acc = tl.dot(h.to(tl.float32), b.to(tl.float32), acc)
+        else:
+            acc = tl.dot(h, b, acc, input_precision=DOT_PRECISION)
+    ptrs = y_ptr + tokens[:, None] * stride_yt + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    y = tl.load(ptrs, mask=mask, other=0.0)
+    tl.store(ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def lora_shrink_triton(x: torch.Tensor, a_stack: torch.Tensor, md: LoRAMetadata) -> torch.Tensor:
+    x = x if x.stride(1) == 1 else x.contiguous()
+    out = _empty((x.shape[0], a_stack.shape[1]), x.dtype, x.device)
+    launch, partial = shrink_launch(x, a_stack, out, md)
+    launch(x.device)
+    if partial is not None:
+        out.copy_(partial.sum(0))
+    return out
+
+
+def shrink_launch(x, a_stack, out, md: LoRAMetadata, splits: int | None = None) -> tuple[Launch, torch.Tensor | None]:
+    """The launch and, with split-K, the fp32 `[splits, T, N]` partials it writes (summed by the caller)."""
+    t, k = x.shape
+    n = a_stack.shape[1]
+    tile = shrink_tile(md.max_slot_tokens, n, x.dtype)
+    tiles = triton.cdiv(md.max_slot_tokens, tile.block_m) * triton.cdiv(n, tile.block_n)
+    if splits is None:
+        splits = split_k(tiles * md.num_slots, k, tile.block_k, _num_sms(x.device))
+    k_per_split = triton.cdiv(triton.cdiv(k, splits), tile.block_k) * tile.block_k
+    splits = triton.cdiv(k, k_per_split)
+    partial = _empty((splits, t, n), torch.float32, x.device) if splits > 1 else None
+    target = out if partial is None else partial
+    launch = Launch(
+        _lora_shrink_kernel, (tiles, splits, md.num_slots),
+        (x, a_stack, target, md.sorted_tokens, md.slot_starts, md.slot_counts,
+         n, k, k_per_split, x.stride(0), a_stack.stride(0), a_stack.stride(1), target.stride(-2),
+         target.stride(0) if splits > 1 else 0),
+        dict(SPLIT=splits > 1, **_dot_options(x), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+             BLOCK_K=tile.block_k, num_warps=tile.num_warps, num_stages=tile.num_stages),
+    )  # fmt: skip
+    return launch, partial
+
+
+def split_k(programs: int, k: int, block_k: int, num_sms: int) -> int:
+    """K splits so that about two waves of programs run; each split at least one K step."""
+    if programs >= 2 * num_sms:
+        return 1
+    return max(1, min(MAX_SPLIT_K, triton.cdiv(2 * num_sms, programs), k // block_k))
+
+
+def lora_expand_triton(h, b_stack, y, slice_offsets: list[int], md: LoRAMetadata) -> None:
+    h = h if h.stride(1) == 1 else h.contiguous()
+    if y.stride(1) != 1:
+        raise ValueError("lora_expand: y's rows must be contiguous")
+    expand_launch(h, b_stack, y, slice_offsets, _offsets(tuple(slice_offsets), y.device), md)(y.device)
+
+
+@functools.cache
+def _offsets(slice_offsets: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Each layer's slice boundaries as a device tensor, made once (a layer's slices never change)."""
+    return torch.tensor(slice_offsets, dtype=torch.int32, device=device)
+
+
+def expand_launch(h, b_stack, y, slice_offsets: list[int], offsets: torch.Tensor, md: LoRAMetadata) -> Launch:
+    """`offsets`: `slice_offsets` as an int32 device tensor (the kernel reads each slice's output range)."""
+    r = b_stack.shape[1]
+    max_slice = max(b - a for a, b in zip(slice_offsets, slice_offsets[1:]))
+    tile = expand_tile(md.max_slot_tokens, r, y.dtype)
+    tiles = triton.cdiv(md.max_slot_tokens, tile.block_m) * triton.cdiv(max_slice, tile.block_n)
+    return Launch(
+        _lora_expand_kernel, (tiles, len(slice_offsets) - 1, md.num_slots),
+        (h, b_stack, y, md.sorted_tokens, md.slot_starts, md.slot_counts, offsets,
+         r, max_slice, h.stride(0), b_stack.stride(0), b_stack.stride(1), y.stride(0)),
+        dict(**_dot_options(y), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+             num_warps=tile.num_warps, num_stages=tile.num_stages),
+    )  # fmt: skip
+
+
+def _dot_options(x: torch.Tensor) -> dict:
+    # bf16 math under the interpreter is wrong: upcast there. fp32 keeps fp32 accuracy with 3xTF32.
+    return dict(UPCAST=x.device.type == "cpu" and x.dtype == torch.bfloat16,
+                DOT_PRECISION="tf32x3" if x.dtype == torch.float32 else "tf32")  # fmt: skip
+
+
+@register("lora_shrink")
+def _compile_shrink():
+    """Every shrink tile the dispatcher picks: per dtype, decode (with and without split-K) and prefill groups,
+    for slot ranks 16 and 64 over a 3-slice (qkv) layer."""
+    seen = set()
+    for dtype in DTYPES:
+        for rank in (16, 64):
+            for tokens, splits in ((1, 1), (1, 4), (24, 1), (256, 1), (256, 2)):
+                x, a, _, _, md = _example(dtype, tokens, rank)
+                out = torch.empty(x.shape[0], a.shape[1], dtype=dtype, device="meta")
+                launch, _ = shrink_launch(x, a, out, md, splits=splits)
+                key = (dtype, tuple(sorted(launch.kwargs.items())))
+                if key not in seen:
+                    seen.add(key)
+                    yield CompileCase(launch.kernel, _config(dtype, rank, launch.kwargs), launch.args, launch.kwargs)
+
+
+@register("lora_expand")
+def _compile_expand():
+    seen = set()
+    for dtype in DTYPES:
+        for rank in (16, 64):
+            for tokens in (1, 24, 256):
+                x, _, b, h, md = _example(dtype, tokens, rank)
+                y = torch.empty(x.shape[0], b.shape[0], dtype=dtype, device="meta")
+                offsets = [0, 4096, 5120, 6144]
+                launch = expand_launch(h, b, y, offsets, torch.empty(4, dtype=torch.int32, device="meta"), md)
+                key = (dtype, tuple(sorted(launch.kwargs.items())))
+                if key not in seen:
+                    seen.add(key)
+                    yield CompileCase(launch.kernel, _config(dtype, rank, launch.kwargs), launch.args, launch.kwargs)
+
+
+def _config(dtype: torch.dtype, rank: int, kw: dict) -> str:
+    split = " split-K" if kw.get("SPLIT") else ""
+    tile = f"{kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']}"
+    return f"{str(dtype).removeprefix('torch.')} rank={rank} tile={tile}{split}"
+
+
+def _example(dtype: torch.dtype, tokens: int, rank: int, slots: int = 4, hidden: int = 4096, slices: int = 3):
+    """Shape-only ("meta") tensors laid out as the engine lays them: a qkv layer, `tokens` per slot."""
+    meta = dict(device="meta")
+    t = tokens * slots
+    x = torch.empty(t, hidden, dtype=dtype, **meta)
+    a = torch.empty(slots, slices * rank, hidden, dtype=dtype, **meta)
+    b = torch.empty(slots, rank, 6144, dtype=dtype, **meta)
+    h = torch.empty(t, slices * rank, dtype=dtype, **meta)
+    ints = lambda n: torch.empty(n, dtype=torch.int32, **meta)  # noqa: E731
+    md = LoRAMetadata(t, torch.empty(t, dtype=torch.int64, **meta), ints(slots), ints(slots), slots, tokens,
+                      [], False, None, None, None, None)  # fmt: skip
+    return x, a, b, h, md

@@ -1,0 +1,114 @@
+"""LoRA adapters in the Bento: vLLM's runtime endpoints (`POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter`),
+adapters listed by `GET /v1/models` with the base model as `parent`, and requests routed by `model` name.
+
+Safety, always on: an adapter loads only from a directory inside one of the configured roots (TIFFIN_LORA_ROOTS,
+`os.pathsep`-separated). Paths are checked after resolving symlinks, for the directory and the two files read
+from it, and `..` is refused outright; the engine then reads safetensors only, checks every shape against the
+base model and refuses ranks above max_lora_rank. Every refusal is a 4xx naming the problem; nothing is
+registered unless the adapter loaded, so serving goes on untouched.
+
+Loading reads and checks the adapter in a worker thread: the engine keeps stepping. A load is idempotent for the
+same name and directory; a different directory under a taken name is a 409. Unloading takes the name off at
+once (new requests for it get 404) while requests already running finish with the adapter. The server remembers
+each adapter's directory, so one evicted from the engine's host cache (max_cpu_loras) is read again on use.
+"""
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+from tiffin.engine.lora import CONFIG_FILE, WEIGHTS_FILE, LoRARequest
+from tiffin.plugin.openai_api import APIError
+
+MAX_NAME_LENGTH = 256
+
+
+class LoRAServing:
+    def __init__(self, engine, roots: str, base_model: str):
+        """`engine`: an AsyncLLMEngine built with enable_lora; `roots`: directories, `os.pathsep`-separated."""
+        self.engine, self.base_model = engine, base_model
+        self.roots, self._spelled = [], []  # resolved, and as configured (for the check before resolving)
+        for root in filter(None, roots.split(os.pathsep)):
+            if not Path(root).is_dir():
+                raise ValueError(f"LoRA root {root!r} is not a directory")
+            self.roots.append(Path(root).resolve())
+            self._spelled.append(Path(root).absolute())
+        if not self.roots:
+            raise ValueError("lora_roots names no directory")
+        self.adapters: dict[str, tuple[LoRARequest, int]] = {}  # name -> (request, created)
+        self._next_id = 1
+        self._lock = asyncio.Lock()  # one load or unload at a time: names and ids stay consistent
+
+    def get(self, name: str) -> LoRARequest | None:
+        entry = self.adapters.get(name)
+        return None if entry is None else entry[0]
+
+    def cards(self, max_model_len: int) -> list[dict]:
+        return [{"id": name, "object": "model", "created": created, "owned_by": "tiffin", "root": request.lora_path,
+                 "parent": self.base_model, "max_model_len": max_model_len}
+                for name, (request, created) in self.adapters.items()]  # fmt: skip
+
+    async def load(self, name: str, raw_path: str) -> str:
+        self._check_name(name)
+        path = self.resolve(raw_path)
+        async with self._lock:
+            if name in self.adapters:
+                loaded = self.adapters[name][0].lora_path
+                if Path(loaded) == path:
+                    return f"Success: LoRA adapter '{name}' is already loaded from {path}."
+                raise APIError(409, f"a LoRA adapter named '{name}' is already loaded from {loaded}; unload it "
+                                    f"first to load {path} under that name", param="lora_name")  # fmt: skip
+            request = LoRARequest(name, self._next_id, str(path))
+            try:
+                await self.engine.add_lora(request)
+            except ValueError as e:
+                raise APIError(400, f"LoRA adapter '{name}' was not loaded: {e}", param="lora_path") from None
+            self._next_id += 1
+            self.adapters[name] = (request, int(time.time()))
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    async def unload(self, name: str) -> str:
+        async with self._lock:
+            entry = self.adapters.pop(name, None)
+            if entry is None:
+                raise APIError(404, f"The LoRA adapter '{name}' cannot be found.", type="not_found_error",
+                               param="lora_name", code="model_not_found")  # fmt: skip
+            await self.engine.remove_lora(entry[0].lora_int_id)
+        return f"Success: LoRA adapter '{name}' removed successfully."
+
+    def resolve(self, raw: str) -> Path:
+        """The adapter directory `raw` names (absolute, or relative to a root), resolved and inside a root."""
+        if not raw or "\0" in raw:
+            raise APIError(400, "lora_path must be a non-empty path", param="lora_path")
+        path = Path(raw)
+        if ".." in path.parts:
+            raise APIError(400, f"lora_path {raw!r} must not contain '..'", param="lora_path")
+        if path.is_absolute() and self._root_of(path, self.roots + self._spelled) is None:
+            raise APIError(400, f"lora_path {raw!r} is outside the LoRA roots", param="lora_path")
+        for candidate in [path] if path.is_absolute() else [root / path for root in self.roots]:
+            try:
+                resolved = candidate.resolve(strict=True)
+            except (OSError, RuntimeError):  # missing, or a symlink loop
+                continue
+            if self._root_of(resolved) is None:
+                raise APIError(400, f"lora_path {raw!r} is outside the LoRA roots once symlinks are resolved",
+                               param="lora_path")  # fmt: skip
+            if not resolved.is_dir():
+                raise APIError(400, f"lora_path {raw!r} is not a directory", param="lora_path")
+            for name in (CONFIG_FILE, WEIGHTS_FILE):
+                if (resolved / name).exists() and self._root_of((resolved / name).resolve()) is None:
+                    raise APIError(400, f"{name} in {raw!r} leads outside the LoRA roots through a symlink",
+                                   param="lora_path")  # fmt: skip
+            return resolved
+        raise APIError(400, f"lora_path {raw!r} does not exist under the LoRA roots", param="lora_path")
+
+    def _root_of(self, path: Path, roots: list[Path] | None = None) -> Path | None:
+        return next((root for root in roots or self.roots if path.is_relative_to(root)), None)
+
+    def _check_name(self, name: str) -> None:
+        if not name or len(name) > MAX_NAME_LENGTH or not name.isprintable() or name != name.strip():
+            raise APIError(400, f"lora_name must be 1 to {MAX_NAME_LENGTH} printable characters without "
+                                f"surrounding spaces, got {name!r}", param="lora_name")  # fmt: skip
+        if name == self.base_model:
+            raise APIError(400, f"lora_name '{name}' is the base model's name", param="lora_name")
