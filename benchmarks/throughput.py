@@ -302,10 +302,12 @@ def parse_peers(text: str) -> list[str]:
 
 
 def make_model(path: str) -> None:
+    """The ~40M benchmark Llama; 2,048 positions so that benchmarks/prefix.py's 1,050-token prompts fit."""
     from tiffin.tiny import make_tiny_model
 
     make_tiny_model(path, arch="llama", hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
-                    num_key_value_heads=4, intermediate_size=1408, vocab_size=32000, tie_word_embeddings=True)
+                    num_key_value_heads=4, intermediate_size=1408, vocab_size=32000, tie_word_embeddings=True,
+                    max_position_embeddings=2048)
 
 
 def table(results: list[Result], dtype: str, wl: Workload) -> str:
