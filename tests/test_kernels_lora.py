@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tiffin.kernels import triton_lora as tlora
-from tiffin.kernels.lora import LoRAMetadata, lora_expand, lora_shrink
+from tiffin.kernels.lora import LoRAMetadata, lora_apply, lora_expand, lora_shrink
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 8e-2}
 
@@ -85,6 +85,22 @@ def test_shrink_expand_match_per_adapter_loop(case, dtype, backend, interpreter,
     assert torch.equal(y[~adapted], base_rows)  # base-model tokens are never touched
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_apply_matches_per_adapter_loop(case, dtype, backend, interpreter, poisoned):
+    """Shrink and expand in one call (the torch path keeps the padded layout in between)."""
+    token_slots, hidden, rank, slices, num_slots = CASES[case]
+    x, a, b, y, offsets, md = make_case(token_slots, hidden, rank, slices, num_slots, dtype, seed=1)
+    _, y_ref, adapted = reference(x, a, b, y, offsets, token_slots)
+    base_rows = y[~adapted].clone()
+    assert lora_apply(x, a, b, y, offsets, md, backend) is y
+    # fp16 rounds the shrink result before expand as the reference does not: a looser bound
+    tol = TOLERANCE[dtype] * (2 if dtype == torch.float16 else 1)
+    torch.testing.assert_close(y.double(), y_ref, rtol=tol, atol=tol)
+    assert torch.equal(y[~adapted], base_rows)
+
+
 @pytest.mark.parametrize("splits", [1, 2, 3])
 def test_shrink_split_k(splits, interpreter, poisoned):
     token_slots = [0, 1, 1, -1, 0]
@@ -108,6 +124,19 @@ def test_bf16_torch_path():
     torch.testing.assert_close(y.double(), y_ref, rtol=0.1, atol=0.1)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fp32_adapters_over_bf16_outputs(backend, interpreter):
+    """The engine on CPU keeps adapters in fp32 over a bf16 model: expand adds into a bf16 y."""
+    token_slots = [1, -1, 0, 1, 0, -1]
+    x, a, b, y, offsets, md = make_case(token_slots, 64, 16, [32, 16, 16], 2, torch.float32)
+    y = y.to(torch.bfloat16)
+    _, y_ref, adapted = reference(x, a, b, y, offsets, token_slots)
+    base_rows = y[~adapted].clone()
+    lora_expand(lora_shrink(x, a, md, backend), b, y, offsets, md, backend)
+    assert y.dtype == torch.bfloat16 and torch.equal(y[~adapted], base_rows)
+    torch.testing.assert_close(y.double(), y_ref, rtol=8e-3, atol=1e-2)  # one bf16 rounding
+
+
 def test_metadata_groups_tokens_by_slot():
     md = LoRAMetadata.build(np.array([2, -1, 0, 2, -1, 0, 0]), torch.device("cpu"), torch.float32)
     assert md.num_slots == 3 and md.max_slot_tokens == 3
@@ -116,6 +145,9 @@ def test_metadata_groups_tokens_by_slot():
     assert md.groups == [(0, 0, 3), (2, 3, 5)] and md.padded and md.active_slots.tolist() == [0, 2]
     assert md.padded_tokens.tolist() == [2, 5, 6, 0, 3, 3] and md.padded_real.tolist() == [0, 1, 2, 3, 4]
     assert md.pad_mask.flatten().tolist() == [1, 1, 1, 1, 1, 0]
+    assert md.token_rows.tolist() == [3, 5, 0, 4, 5, 1, 2]  # base tokens read the zeroed padding row 5
+    even = LoRAMetadata.build(np.array([0, -1, 1]), torch.device("cpu"), torch.float32)
+    assert even.pad_width == 2 and even.token_rows.tolist() == [0, 1, 2]  # widened to make a padding row
     skewed = LoRAMetadata.build(np.array([0] * 9 + [1, 2]), torch.device("cpu"), torch.float32)
     assert not skewed.padded and skewed.groups == [(0, 0, 9), (1, 9, 10), (2, 10, 11)]
     with pytest.raises(ValueError, match="at least one token"):

@@ -1,17 +1,17 @@
 """Multi-LoRA ops: `lora_shrink` / `lora_expand` apply a different adapter to each token of one flattened batch.
 
-Adapters sit in `S` device slots. Per layer:
-- `a_stack [S, N, K]`: slot s's A rows. A fused layer (qkv, gate_up) with `n` slices keeps slice i's A in rows
-  `i*R:(i+1)*R`, so `N = n*R` (R: the slot rank; smaller ranks are zero-padded).
-- `b_stack [S, R, O]`: slot s's B, transposed (a slice's outputs are then a column block, and rows run along
-  the outputs as the GEMMs want them); output o of slice i reads the shrink result's columns `i*R:(i+1)*R`.
-  Scaling is folded into B.
+Adapters sit in `S` device slots. Per layer, with `n` slices (3 for qkv, 2 for gate_up, else 1) and slot rank R
+(smaller ranks zero-padded), `N = n*R`:
+- `a_stack [S, N, K]`: slot s's A; slice i's A in rows `i*R:(i+1)*R`.
+- `b_stack [S, R, O]`: slot s's B, transposed; slice i's B in its own output columns, which read the shrink
+  result's columns `i*R:(i+1)*R`. Scaling is folded in.
 
-`lora_shrink(x, a) -> h [T, N]` (h[t] = A[slot_t] x[t]); `lora_expand(h, b, y)` adds B[slot_t] h[t] to `y` in
-place. Tokens of slot -1 (the base model) are untouched by expand; their rows of `h` are undefined.
+`lora_shrink(x, a) -> h [T, N]` (h[t] = A[slot_t] x[t]); `lora_expand(h, b, y)` adds each slice's
+`h[t, i*R:(i+1)*R] B[slot_t][:, slice i]` to `y` in place (y may be of a lower precision than h and B). Tokens
+of slot -1 (the base model) are untouched by expand; their rows of `h` are undefined.
 
 Both paths group tokens by slot (Punica's segmented GEMM, SGMV). The Triton kernels run one program per tile
-of one slot's tokens. The torch path picks per call, from host-side sizes: when groups are of similar size
+of one slot's tokens. The torch path picks per step, from host-side sizes: when groups are of similar size
 (decode) it pads every group to the largest and runs one batched GEMM (`bmm`) over the slots, a handful of ops
 however many adapters mix; when one group dwarfs the others (a long prefill chunk beside decodes), padding
 would multiply the work, so it runs one GEMM per slot on the tokens gathered in slot order.
@@ -38,14 +38,17 @@ class LoRAMetadata:
     # torch path, host-side choices
     groups: list[tuple[int, int, int]]  # (slot, start, end) in sorted_tokens, one per slot with tokens
     padded: bool  # pad the groups into one bmm (else one GEMM per group)
-    active_slots: torch.Tensor | None  # [G] int64 slots of the groups, None when they are 0..G-1
-    padded_tokens: torch.Tensor | None  # [G * max_slot_tokens] int64: group g's tokens, its last repeated
-    padded_real: torch.Tensor | None  # [T'] int64: where the real rows sit in that padded layout
-    pad_mask: torch.Tensor | None  # [G, max_slot_tokens, 1]: 1 for real rows, 0 for repeats
+    active_slots: torch.Tensor | None = None  # [G] int64 slots of the groups; None when they are 0..G-1
+    pad_width: int = 0  # rows per group in the padded layout
+    padded_tokens: torch.Tensor | None = None  # [G * pad_width] int64: group g's tokens, its last repeated
+    padded_real: torch.Tensor | None = None  # [T'] int64: the real rows of that layout, in sorted order
+    pad_mask: torch.Tensor | None = None  # [G, pad_width, 1]: 1 on real rows, 0 on repeats
+    token_rows: torch.Tensor | None = None  # [T] int64: each token's row in the layout; a zeroed row for base
 
     @classmethod
     def build(cls, token_slots: np.ndarray, device: torch.device, dtype: torch.dtype) -> "LoRAMetadata":
-        """`token_slots [T]`: slot per token, -1 for the base model. At least one token must use a slot."""
+        """`token_slots [T]`: slot per token, -1 for the base model (at least one must use a slot); `dtype`:
+        the stacks' dtype."""
         slots = np.asarray(token_slots, dtype=np.int64)
         used = slots[slots >= 0]
         if used.size == 0:
@@ -55,26 +58,32 @@ class LoRAMetadata:
         starts = np.cumsum(counts) - counts
         order = np.argsort(slots, kind="stable")[slots.size - used.size :]  # -1s sort first
         active = np.flatnonzero(counts)
-        width = int(counts.max())
         groups = [(int(s), int(starts[s]), int(starts[s] + counts[s])) for s in active]
+        width = int(counts.max())
         padded = len(groups) * width <= PAD_LIMIT * used.size
         to = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a)).to(device, dt)  # noqa: E731
         md = cls(int(slots.size), to(order, torch.int64), to(starts, torch.int32), to(counts, torch.int32),
-                 num_slots, width, groups, padded, None, None, None, None)  # fmt: skip
+                 num_slots, width, groups, padded)  # fmt: skip
         if padded:
-            # position j of group g holds its token min(j, count-1): repeats of a real row, masked in expand
-            pos = np.minimum(np.arange(width)[None, :], counts[active, None] - 1) + starts[active, None]
-            real = np.arange(width)[None, :] < counts[active, None]
-            md.padded_tokens = to(order[pos].reshape(-1), torch.int64)
-            md.padded_real = to(np.flatnonzero(real), torch.int64)
-            md.pad_mask = to(real[:, :, None], dtype)
+            if used.size < slots.size and len(groups) * width == used.size:
+                width += 1  # base tokens need a padding row to read zeros from
+            # row j of group g holds its token min(j, count-1): a repeat of a real row, masked in expand
+            cols, n = np.arange(width)[None, :], counts[active, None]
+            real = cols < n
+            pad_rows = np.flatnonzero(~real.reshape(-1))
+            rows = np.full(slots.size, pad_rows[0] if pad_rows.size else 0)  # base tokens read a zeroed row
+            rows[order] = np.flatnonzero(real)
+            md.pad_width = width
+            md.padded_tokens = to(order[np.minimum(cols, n - 1) + starts[active, None]].reshape(-1), torch.int64)
+            md.padded_real, md.pad_mask = to(np.flatnonzero(real), torch.int64), to(real[:, :, None], dtype)
+            md.token_rows = to(rows, torch.int64)
             if not np.array_equal(active, np.arange(len(active))):
                 md.active_slots = to(active, torch.int64)
         return md
 
 
 def lora_shrink(x: torch.Tensor, a_stack: torch.Tensor, md: LoRAMetadata, backend: str = "torch") -> torch.Tensor:
-    """`x [T, K]`, `a_stack [S, N, K]` -> `[T, N]` in x's dtype: each token times its slot's A."""
+    """`x [T, K]`, `a_stack [S, N, K]` of x's dtype -> `[T, N]`: each token times its slot's A."""
     _check_shrink(x, a_stack, md)
     if backend == "triton":
         from tiffin.kernels.triton_lora import lora_shrink_triton
@@ -85,8 +94,8 @@ def lora_shrink(x: torch.Tensor, a_stack: torch.Tensor, md: LoRAMetadata, backen
 
 def lora_expand(h: torch.Tensor, b_stack: torch.Tensor, y: torch.Tensor, slice_offsets: list[int],
                 md: LoRAMetadata, backend: str = "torch") -> torch.Tensor:
-    """`y[t, o] += B[slot_t][o] . h[t, slice(o)*R : slice(o)*R + R]` in place; returns `y`.
-    `slice_offsets`: output boundaries of the slices, `[0, O_0, O_0+O_1, ..., O]`."""
+    """`y[t, slice i] += h[t, i*R:(i+1)*R] @ B[slot_t][:, slice i]` in place; returns `y`. `slice_offsets`: the
+    slices' output boundaries `[0, O_0, O_0+O_1, ..., O]`."""
     _check_expand(h, b_stack, y, slice_offsets, md)
     if backend == "triton":
         from tiffin.kernels.triton_lora import lora_expand_triton
@@ -96,11 +105,22 @@ def lora_expand(h: torch.Tensor, b_stack: torch.Tensor, y: torch.Tensor, slice_o
     return lora_expand_torch(h, b_stack, y, slice_offsets, md)
 
 
+def lora_apply(x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor, y: torch.Tensor,
+               slice_offsets: list[int], md: LoRAMetadata, backend: str = "torch") -> torch.Tensor:
+    """Shrink then expand: `y += LoRA(x)` in place. On the padded torch path the shrink result stays in the
+    padded layout in between (a layer's whole delta in a handful of ops)."""
+    if backend == "triton" or not md.padded:
+        return lora_expand(lora_shrink(x, a_stack, md, backend), b_stack, y, slice_offsets, md, backend)
+    _check_shrink(x, a_stack, md)
+    _check_b(b_stack, y, slice_offsets, a_stack.shape[1], a_stack.dtype, md)
+    hs = _padded_shrink(x, a_stack, md) * md.pad_mask
+    return _padded_expand(hs, b_stack, y, slice_offsets, md)
+
+
 def lora_shrink_torch(x: torch.Tensor, a_stack: torch.Tensor, md: LoRAMetadata) -> torch.Tensor:
     h = x.new_empty(x.shape[0], a_stack.shape[1])
     if md.padded:
-        xs = x.index_select(0, md.padded_tokens).view(len(md.groups), md.max_slot_tokens, -1)
-        hs = torch.bmm(xs, _slots(a_stack, md).transpose(1, 2)).flatten(0, 1)
+        hs = _padded_shrink(x, a_stack, md).flatten(0, 1)
         return h.index_copy_(0, md.sorted_tokens, hs.index_select(0, md.padded_real))
     xs, hs = x.index_select(0, md.sorted_tokens), h.new_empty(md.sorted_tokens.shape[0], h.shape[1])
     for slot, start, end in md.groups:
@@ -110,22 +130,32 @@ def lora_shrink_torch(x: torch.Tensor, a_stack: torch.Tensor, md: LoRAMetadata) 
 
 def lora_expand_torch(h: torch.Tensor, b_stack: torch.Tensor, y: torch.Tensor, slice_offsets: list[int],
                       md: LoRAMetadata) -> torch.Tensor:
-    r, pieces = b_stack.shape[1], list(zip(slice_offsets, slice_offsets[1:]))
     if md.padded:
-        hs = h.index_select(0, md.padded_tokens).view(len(md.groups), md.max_slot_tokens, -1) * md.pad_mask
-        b = _slots(b_stack, md)
-        if len(pieces) == 1:
-            out = torch.bmm(hs, b)
-        else:  # slice by slice into one contiguous buffer: index_add_ into column slices of y is far slower
-            out = y.new_empty(*hs.shape[:2], y.shape[1])
-            for i, (lo, hi) in enumerate(pieces):
-                out[:, :, lo:hi] = torch.bmm(hs[:, :, i * r : (i + 1) * r], b[:, :, lo:hi])
-        return y.index_add_(0, md.padded_tokens, out.flatten(0, 1))  # repeated rows add exact zeros
-    hs, ys = h.index_select(0, md.sorted_tokens), y.new_empty(md.sorted_tokens.shape[0], y.shape[1])
+        hs = h.index_select(0, md.padded_tokens).view(len(md.groups), md.pad_width, -1) * md.pad_mask
+        return _padded_expand(hs, b_stack, y, slice_offsets, md)
+    r, hs = b_stack.shape[1], h.index_select(0, md.sorted_tokens)
+    ys = h.new_empty(md.sorted_tokens.shape[0], y.shape[1])
     for slot, start, end in md.groups:
-        for i, (lo, hi) in enumerate(pieces):
+        for i, (lo, hi) in enumerate(zip(slice_offsets, slice_offsets[1:])):
             ys[start:end, lo:hi] = hs[start:end, i * r : (i + 1) * r] @ b_stack[slot, :, lo:hi]
-    return y.index_add_(0, md.sorted_tokens, ys)
+    return y.index_add_(0, md.sorted_tokens, ys.to(y.dtype))
+
+
+def _padded_shrink(x: torch.Tensor, a_stack: torch.Tensor, md: LoRAMetadata) -> torch.Tensor:
+    """`[G, pad_width, N]`: every group's tokens (its last one repeated) through its slot's A."""
+    xs = x.index_select(0, md.padded_tokens).view(len(md.groups), md.pad_width, -1)
+    return torch.bmm(xs, _slots(a_stack, md).transpose(1, 2))
+
+
+def _padded_expand(hs: torch.Tensor, b_stack: torch.Tensor, y: torch.Tensor, slice_offsets: list[int],
+                   md: LoRAMetadata) -> torch.Tensor:
+    """Adds `hs [G, pad_width, N]` (repeated rows zeroed) through each group's B into the tokens' rows of y."""
+    r, b = b_stack.shape[1], _slots(b_stack, md)
+    for i, (lo, hi) in enumerate(zip(slice_offsets, slice_offsets[1:])):
+        out = torch.bmm(hs[:, :, i * r : (i + 1) * r], b[:, :, lo:hi]).flatten(0, 1)
+        # each token gathers its row (base tokens a zero row): far cheaper than index_add_ into y's columns
+        y[:, lo:hi].add_(out.index_select(0, md.token_rows).to(y.dtype))
+    return y
 
 
 def _slots(stack: torch.Tensor, md: LoRAMetadata) -> torch.Tensor:
@@ -143,18 +173,24 @@ def _check_shrink(x: torch.Tensor, a_stack: torch.Tensor, md: LoRAMetadata) -> N
 
 
 def _check_expand(h, b_stack, y, slice_offsets, md: LoRAMetadata) -> None:
-    if h.dim() != 2 or y.dim() != 2 or b_stack.dim() != 3 or h.shape[0] != y.shape[0]:
-        raise ValueError(f"lora_expand: h [T, N], b_stack [S, R, O], y [T, O] expected, got {tuple(h.shape)}, "
-                         f"{tuple(b_stack.shape)}, {tuple(y.shape)}")  # fmt: skip
+    if h.dim() != 2:
+        raise ValueError(f"lora_expand: h must be [T, N], got {tuple(h.shape)}")
+    _check_b(b_stack, y, slice_offsets, h.shape[1], h.dtype, md)
+    _check_md(h.shape[0], b_stack.shape[0], md, "lora_expand")
+
+
+def _check_b(b_stack, y, slice_offsets, n: int, dtype: torch.dtype, md: LoRAMetadata) -> None:
+    if y.dim() != 2 or b_stack.dim() != 3 or y.shape[0] != md.num_tokens:
+        raise ValueError(f"lora_expand: b_stack [S, R, O] and y [{md.num_tokens}, O] expected, got "
+                         f"{tuple(b_stack.shape)} and {tuple(y.shape)}")  # fmt: skip
     _, r, o = b_stack.shape
     slices = len(slice_offsets) - 1
-    if (slices < 1 or slice_offsets[0] != 0 or slice_offsets[-1] != o or y.shape[1] != o
-            or any(b < a for a, b in zip(slice_offsets, slice_offsets[1:])) or h.shape[1] != slices * r):
+    if (slices < 1 or slice_offsets[0] != 0 or slice_offsets[-1] != o or y.shape[1] != o or n != slices * r
+            or any(b < a for a, b in zip(slice_offsets, slice_offsets[1:]))):
         raise ValueError(f"lora_expand: slice_offsets {slice_offsets} do not fit y {tuple(y.shape)}, "
-                         f"b_stack {tuple(b_stack.shape)} and h {tuple(h.shape)}")  # fmt: skip
-    if b_stack.dtype != y.dtype or h.dtype != y.dtype or not b_stack.is_contiguous():
-        raise ValueError(f"lora_expand: h and a contiguous b_stack must be {y.dtype}, got {h.dtype}, {b_stack.dtype}")
-    _check_md(h.shape[0], b_stack.shape[0], md, "lora_expand")
+                         f"b_stack {tuple(b_stack.shape)} and {n} shrink columns")  # fmt: skip
+    if b_stack.dtype != dtype or not b_stack.is_contiguous() or not y.is_floating_point():
+        raise ValueError(f"lora_expand: b_stack must be contiguous {dtype} (the shrink's dtype), got {b_stack.dtype}")
 
 
 def _check_md(num_tokens: int, num_slots: int, md: LoRAMetadata, op: str) -> None:

@@ -197,13 +197,13 @@ def expand_launch(h, b_stack, y, slice_offsets: list[int], offsets: torch.Tensor
     """`offsets`: `slice_offsets` as an int32 device tensor (the kernel reads each slice's output range)."""
     r = b_stack.shape[1]
     max_slice = max(b - a for a, b in zip(slice_offsets, slice_offsets[1:]))
-    tile = expand_tile(md.max_slot_tokens, r, y.dtype)
+    tile = expand_tile(md.max_slot_tokens, r, h.dtype)
     tiles = triton.cdiv(md.max_slot_tokens, tile.block_m) * triton.cdiv(max_slice, tile.block_n)
     return Launch(
         _lora_expand_kernel, (tiles, len(slice_offsets) - 1, md.num_slots),
         (h, b_stack, y, md.sorted_tokens, md.slot_starts, md.slot_counts, offsets,
          r, max_slice, h.stride(0), b_stack.stride(0), b_stack.stride(1), y.stride(0)),
-        dict(**_dot_options(y), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        dict(**_dot_options(h), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
              num_warps=tile.num_warps, num_stages=tile.num_stages),
     )  # fmt: skip
 
