@@ -17,3 +17,11 @@ def tiny_model(tmp_path_factory):
         return paths[arch]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def interpreter():
+    """Triton kernels launched while this is active run under Triton's CPU interpreter."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        yield

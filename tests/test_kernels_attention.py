@@ -22,13 +22,6 @@ from tiffin.kernels.attention import AttentionMetadata, paged_attention_torch, w
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
-@pytest.fixture(scope="module")
-def interpreter():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        yield
-
-
 @pytest.fixture
 def poisoned(monkeypatch):
     """Every buffer the Triton path allocates (output, split partials) starts as NaN."""

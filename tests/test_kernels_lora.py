@@ -18,13 +18,6 @@ from tiffin.kernels.lora import LoRAMetadata, lora_apply, lora_expand, lora_shri
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 8e-2}
 
 
-@pytest.fixture(scope="module")
-def interpreter():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        yield
-
-
 @pytest.fixture
 def poisoned(monkeypatch):
     """Every buffer the Triton path allocates (shrink output, split partials) starts as NaN."""
