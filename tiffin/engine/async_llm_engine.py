@@ -21,9 +21,8 @@ from dataclasses import dataclass
 from tiffin.engine.config import EngineConfig
 from tiffin.engine.llm_engine import LLMEngine, PromptType
 from tiffin.engine.lora import LoRARequest
-from tiffin.engine.outputs import CompletionOutput, RequestOutput
+from tiffin.engine.outputs import RequestOutput
 from tiffin.engine.sampling_params import SamplingParams
-from tiffin.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -82,9 +81,6 @@ class RequestStream:
 class _Active:
     stream: RequestStream
     loop: asyncio.AbstractEventLoop
-    prompt: str | None
-    prompt_token_ids: list[int]
-    seqs: list[Sequence]
 
 
 class AsyncLLMEngine:
@@ -207,7 +203,7 @@ class AsyncLLMEngine:
                 continue
             self._publish_stats()  # first, so a client that sees its last token also sees it counted
             for out in outputs:
-                self._emit(out.request_id)
+                self._emit(out)
 
     def _drain_inbox(self) -> bool:
         """Apply queued adds and aborts; False once shutdown was requested."""
@@ -235,8 +231,7 @@ class AsyncLLMEngine:
             return
         if lora_request is not None:
             self._lora_ids = frozenset(self.engine.list_loras())
-        request = self.engine.requests[request_id]
-        self._active[request_id] = _Active(stream, loop, request.prompt, request.prompt_token_ids, request.seqs)
+        self._active[request_id] = _Active(stream, loop)
         _call(loop, _resolve, accepted, None)
 
     def _lora(self, method: str, args: tuple, loop, done) -> None:
@@ -249,18 +244,15 @@ class AsyncLLMEngine:
         _call(loop, _settle, done, result, None)
 
     def _abort(self, request_id: str) -> None:
-        self.engine.abort_request(request_id)
-        active = self._active.pop(request_id, None)
-        if active is not None:
-            self._push(active, self._snapshot(request_id, active))
+        for out in self.engine.abort_request(request_id):
+            self._emit(out)
 
-    def _emit(self, request_id: str) -> None:
-        active = self._active.get(request_id)
+    def _emit(self, out: RequestOutput) -> None:
+        active = self._active.get(out.request_id)
         if active is None:
             return
-        out = self._snapshot(request_id, active)
         if out.finished:
-            del self._active[request_id]
+            del self._active[out.request_id]
         self._push(active, out)
 
     def _fail_all(self, error: EngineError) -> None:
@@ -274,17 +266,6 @@ class AsyncLLMEngine:
         if not _call(active.loop, active.stream.queue.put_nowait, item):
             self.engine.abort_request(active.stream.request_id)  # its event loop is gone
             self._active.pop(active.stream.request_id, None)
-
-    @staticmethod
-    def _snapshot(request_id: str, active: _Active) -> RequestOutput:
-        """A copy the event loop may read while the engine thread moves on."""
-        outputs = [
-            CompletionOutput(s.index, s.detokenizer.stream_text(s.finished), s.output_token_ids, s.finish_reason,
-                             s.stop_reason, None if s.logprobs is None else list(s.logprobs))
-            for s in active.seqs
-        ]
-        return RequestOutput(request_id, active.prompt, active.prompt_token_ids, outputs,
-                             all(s.finished for s in active.seqs), active.seqs[0].num_cached_tokens)
 
     def _publish_stats(self) -> None:
         self._stats = self.engine.stats()

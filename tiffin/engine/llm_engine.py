@@ -89,12 +89,17 @@ class LLMEngine:
             self._postprocess(seq, logprobs[seq.seq_id])
         return [self._output(self.requests[rid]) for rid in dict.fromkeys(s.request_id for s in seqs)]
 
-    def abort_request(self, request_ids: str | list[str]) -> None:
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        """Finish these requests (unknown ids are ignored) and free their blocks; returns their final outputs."""
+        outputs = []
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
-            request = self.requests.pop(rid, None)
-            for seq in request.seqs if request else []:
-                if not seq.finished:
-                    self.scheduler.finish(seq, "abort")
+            request = self.requests.get(rid)
+            if request is not None:
+                for seq in request.seqs:
+                    if not seq.finished:
+                        self.scheduler.finish(seq, "abort")
+                outputs.append(self._output(request))
+        return outputs
 
     def add_lora(self, lora: LoRARequest | LoRAModel) -> bool:
         """Cache an adapter (a request is loaded now; a `load_lora` result is taken as is) ahead of its
@@ -146,9 +151,11 @@ class LLMEngine:
             self.scheduler.finish(seq, "stop", stop)
 
     def _output(self, request: Request) -> RequestOutput:
+        """A snapshot, safe to hand to another thread. While a sequence runs, its text holds back a tail that
+        may still become a stop string, so text streamed from successive outputs is never taken back."""
         outputs = [
-            CompletionOutput(s.index, s.detokenizer.output_text, s.output_token_ids, s.finish_reason,
-                             s.stop_reason, s.logprobs)
+            CompletionOutput(s.index, s.detokenizer.stream_text(s.finished), s.output_token_ids, s.finish_reason,
+                             s.stop_reason, None if s.logprobs is None else list(s.logprobs))
             for s in request.seqs
         ]
         finished = request.finished
