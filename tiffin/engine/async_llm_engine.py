@@ -227,12 +227,12 @@ class AsyncLLMEngine:
         try:
             self.engine.add_request(request_id, prompt, params, lora_request)
         except Exception as e:
-            _call(loop, _resolve, accepted, e)
+            _call(loop, _settle, accepted, None, e)
             return
         if lora_request is not None:
             self._lora_ids = frozenset(self.engine.list_loras())
         self._active[request_id] = _Active(stream, loop)
-        _call(loop, _resolve, accepted, None)
+        _call(loop, _settle, accepted, None, None)
 
     def _lora(self, method: str, args: tuple, loop, done) -> None:
         try:
@@ -292,11 +292,3 @@ def _settle(future: asyncio.Future, result, error: BaseException | None) -> None
     else:
         future.set_exception(error)
 
-
-def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
-    if future.done():  # the caller was cancelled meanwhile
-        return
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)
