@@ -68,8 +68,10 @@ def make_batch(query_lens, context_lens, args, dtype):
 def bench_decode(args, dtype, copy_gbs: float) -> None:
     scale = args.head_dim**-0.5
     elt = torch.finfo(dtype).bits // 8
-    print(f"\ndecode ({dtype}, {args.num_heads}/{args.num_kv_heads} heads, d={args.head_dim}, "
-          f"block {args.block_size}); copy bandwidth {copy_gbs:.0f} GB/s")  # fmt: skip
+    print(
+        f"\ndecode ({dtype}, {args.num_heads}/{args.num_kv_heads} heads, d={args.head_dim}, "
+        f"block {args.block_size}); copy bandwidth {copy_gbs:.0f} GB/s"
+    )
     print(f"{'batch':>5} {'context':>7} {'triton us':>10} {'GB/s':>7} {'% copy':>6} {'torch us':>9} {'speedup':>7}")
     for batch in (1, 4, 16, 64, 256):
         for context in (512, 1024, 2048, 4096, 8192):
@@ -81,8 +83,10 @@ def bench_decode(args, dtype, copy_gbs: float) -> None:
             torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
             nbytes = (2 * batch * context * args.num_kv_heads + 2 * batch * args.num_heads) * args.head_dim * elt
             gbs = nbytes / triton_ms / 1e6
-            print(f"{batch:>5} {context:>7} {triton_ms * 1e3:>10.1f} {gbs:>7.0f} {100 * gbs / copy_gbs:>5.0f}% "
-                  f"{torch_ms * 1e3:>9.1f} {torch_ms / triton_ms:>6.1f}x")  # fmt: skip
+            print(
+                f"{batch:>5} {context:>7} {triton_ms * 1e3:>10.1f} {gbs:>7.0f} {100 * gbs / copy_gbs:>5.0f}% "
+                f"{torch_ms * 1e3:>9.1f} {torch_ms / triton_ms:>6.1f}x"
+            )
             del query, k_cache, v_cache, md
 
 
@@ -98,8 +102,10 @@ def bench_prefill(args, dtype) -> None:
         q = torch.randn(batch, args.num_heads, length, args.head_dim, dtype=dtype, device="cuda")
         k = torch.randn(batch, args.num_kv_heads, length, args.head_dim, dtype=dtype, device="cuda")
         sdpa_ms = do_bench(lambda: F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True))
-        print(f"{batch:>5} {length:>6} {triton_ms:>9.2f} {flops / triton_ms / 1e9:>7.0f} {sdpa_ms:>8.2f} "
-              f"{flops / sdpa_ms / 1e9:>12.0f}")  # fmt: skip
+        print(
+            f"{batch:>5} {length:>6} {triton_ms:>9.2f} {flops / triton_ms / 1e9:>7.0f} {sdpa_ms:>8.2f} "
+            f"{flops / sdpa_ms / 1e9:>12.0f}"
+        )
         del query, k_cache, v_cache, md, q, k
 
 

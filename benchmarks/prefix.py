@@ -67,14 +67,21 @@ def main() -> None:
     vocab = ModelConfig.from_pretrained(args.model).vocab_size
     prompts = workload(vocab, args.n, args.system_len, args.question_len, args.seed)
     off, on = (run(args.model, args.dtype, prompts, args.output_len, c) for c in (False, True))
-    print(f"{args.n} requests, {args.system_len}-token shared prefix + {args.question_len}-token questions, "
-          f"{args.output_len} output tokens, {args.dtype}\n")
+    print(
+        f"{args.n} requests, {args.system_len}-token shared prefix + {args.question_len}-token questions, "
+        f"{args.output_len} output tokens, {args.dtype}\n"
+    )
     print("| prefix caching | peak KV blocks | mean TTFT s | wall s | cache hit rate |")
     print("|---|---|---|---|---|")
     for r in (off, on):
-        print(f"| {r['caching']} | {r['peak_blocks']} | {r['mean_ttft_s']:.3f} | {r['wall_s']:.2f} | {r['hit_rate']:.1%} |")
-    print(f"\npeak blocks on/off = {on['peak_blocks'] / off['peak_blocks']:.2f}x; "
-          f"mean TTFT off/on = {off['mean_ttft_s'] / on['mean_ttft_s']:.1f}x lower with caching")
+        print(
+            f"| {r['caching']} | {r['peak_blocks']} | {r['mean_ttft_s']:.3f} | {r['wall_s']:.2f} "
+            f"| {r['hit_rate']:.1%} |"
+        )
+    print(
+        f"\npeak blocks on/off = {on['peak_blocks'] / off['peak_blocks']:.2f}x; "
+        f"mean TTFT off/on = {off['mean_ttft_s'] / on['mean_ttft_s']:.1f}x lower with caching"
+    )
 
 
 if __name__ == "__main__":

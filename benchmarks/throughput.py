@@ -27,10 +27,15 @@ PEERS = ("tiffin", "hf-cb", "hf-static", "vllm")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 WARMUP = [(16, 8), (48, 4)]  # (prompt len, output len) of the warm-up requests each engine runs first
 LORA_RANK = 16
-LORA_TARGETS = {"self_attn.q_proj": ("hidden", "q"), "self_attn.k_proj": ("hidden", "kv"),
-                "self_attn.v_proj": ("hidden", "kv"), "self_attn.o_proj": ("q", "hidden"),
-                "mlp.gate_proj": ("hidden", "inter"), "mlp.up_proj": ("hidden", "inter"),
-                "mlp.down_proj": ("inter", "hidden")}  # module -> (input, output) size names
+LORA_TARGETS = {
+    "self_attn.q_proj": ("hidden", "q"),
+    "self_attn.k_proj": ("hidden", "kv"),
+    "self_attn.v_proj": ("hidden", "kv"),
+    "self_attn.o_proj": ("q", "hidden"),
+    "mlp.gate_proj": ("hidden", "inter"),
+    "mlp.up_proj": ("hidden", "inter"),
+    "mlp.down_proj": ("inter", "hidden"),
+}  # module -> (input, output) size names
 
 
 @dataclass
@@ -57,8 +62,9 @@ class Result:
     wall_s: float
 
 
-def make_workload(n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab_size: int,
-                  seed: int) -> Workload:
+def make_workload(
+    n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab_size: int, seed: int
+) -> Workload:
     rng = random.Random(seed)
     lens = [(rng.randint(*prompt_len), rng.randint(*output_len)) for _ in range(n)]
     return Workload([[rng.randrange(vocab_size) for _ in range(p)] for p, _ in lens], [k for _, k in lens])
@@ -72,21 +78,31 @@ def warmup_workload(vocab_size: int) -> Workload:
 def check_lengths(engine: str, got: list[int], want: list[int]) -> None:
     bad = [(i, g, w) for i, (g, w) in enumerate(zip(got, want)) if g != w]
     if len(got) != len(want) or bad:
-        raise RuntimeError(f"{engine}: {len(bad)} of {len(want)} requests did not produce exactly their output "
-                           f"length (request, got, wanted): {bad[:5]}; got {len(got)} outputs")
+        raise RuntimeError(
+            f"{engine}: {len(bad)} of {len(want)} requests did not produce exactly their output "
+            f"length (request, got, wanted): {bad[:5]}; got {len(got)} outputs"
+        )
 
 
 # ---- tiffin ----
 
-def run_tiffin(model_dir: str, dtype: str, wl: Workload, warm: Workload, max_num_batched_tokens: int,
-               loras: int = 0) -> list[Result]:
+
+def run_tiffin(
+    model_dir: str, dtype: str, wl: Workload, warm: Workload, max_num_batched_tokens: int, loras: int = 0
+) -> list[Result]:
     """With `loras`, the same engine then runs the workload again with that many distinct adapters (random,
     rank LORA_RANK, on every projection) assigned round-robin, so that each step mixes all of them."""
     from tiffin import LLM, SamplingParams
 
     lora_args = dict(enable_lora=True, max_loras=loras, max_lora_rank=LORA_RANK) if loras else {}
-    llm = LLM(model_dir, dtype=dtype, max_model_len=max(wl.max_len, warm.max_len), max_num_seqs=256,
-              max_num_batched_tokens=max_num_batched_tokens, **lora_args)
+    llm = LLM(
+        model_dir,
+        dtype=dtype,
+        max_model_len=max(wl.max_len, warm.max_len),
+        max_num_seqs=256,
+        max_num_batched_tokens=max_num_batched_tokens,
+        **lora_args,
+    )
     tmp = tempfile.TemporaryDirectory(prefix="tiffin-bench-loras-")
     adapters = write_adapters(model_dir, tmp.name, loras)
     for adapter in adapters:  # parsed before timing, as a server loads them ahead of requests
@@ -95,8 +111,9 @@ def run_tiffin(model_dir: str, dtype: str, wl: Workload, warm: Workload, max_num
     def generate(w: Workload, lora: bool = False) -> list[int]:
         params = [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True) for k in w.output_lens]
         per_request = [adapters[i % loras] for i in range(len(w.prompts))] if lora else None
-        outs = llm.generate([{"prompt_token_ids": p} for p in w.prompts], params, use_tqdm=False,
-                            lora_request=per_request)  # fmt: skip
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in w.prompts], params, use_tqdm=False, lora_request=per_request
+        )
         return [len(o.outputs[0].token_ids) for o in outs]
 
     results = []
@@ -120,8 +137,12 @@ def write_adapters(model_dir: str, out: str, n: int) -> list:
     with open(os.path.join(model_dir, "config.json")) as f:
         config = json.load(f)
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    sizes = {"hidden": config["hidden_size"], "inter": config["intermediate_size"],
-             "q": config["num_attention_heads"] * head_dim, "kv": config["num_key_value_heads"] * head_dim}
+    sizes = {
+        "hidden": config["hidden_size"],
+        "inter": config["intermediate_size"],
+        "q": config["num_attention_heads"] * head_dim,
+        "kv": config["num_key_value_heads"] * head_dim,
+    }
     requests = []
     for i in range(n):
         g, path = torch.Generator().manual_seed(i), os.path.join(out, f"adapter-{i}")
@@ -135,13 +156,22 @@ def write_adapters(model_dir: str, out: str, n: int) -> list:
                 tensors[f"{key}.lora_B.weight"] = torch.randn(sizes[fan_out], LORA_RANK, generator=g) * 0.02
         save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
         with open(os.path.join(path, "adapter_config.json"), "w") as f:
-            json.dump({"peft_type": "LORA", "r": LORA_RANK, "lora_alpha": LORA_RANK, "bias": "none",
-                       "target_modules": sorted(m.split(".")[1] for m in LORA_TARGETS)}, f)
+            json.dump(
+                {
+                    "peft_type": "LORA",
+                    "r": LORA_RANK,
+                    "lora_alpha": LORA_RANK,
+                    "bias": "none",
+                    "target_modules": sorted(m.split(".")[1] for m in LORA_TARGETS),
+                },
+                f,
+            )
         requests.append(LoRARequest(f"adapter-{i}", i + 1, path))
     return requests
 
 
 # ---- transformers ----
+
 
 def load_hf(model_dir: str, dtype: str):
     from transformers import AutoModelForCausalLM
@@ -162,16 +192,21 @@ def run_hf_cb(model_dir: str, dtype: str, wl: Workload, warm: Workload, max_num_
     # of letting it take 60% of free RAM on a shared machine.
     num_blocks = sum(-(-(len(p) + k) // page) + 1 for p, k in zip(wl.prompts, wl.output_lens))
     cb_config = ContinuousBatchingConfig(num_blocks=num_blocks, max_batch_tokens=max_num_batched_tokens)
-    hints = WorkloadHints(max_prompt_length=max(map(len, wl.prompts)), max_generated_length=max(wl.output_lens),
-                          num_requests=len(wl.prompts))
+    hints = WorkloadHints(
+        max_prompt_length=max(map(len, wl.prompts)),
+        max_generated_length=max(wl.output_lens),
+        num_requests=len(wl.prompts),
+    )
     gen_config = GenerationConfig(do_sample=False, max_new_tokens=max(wl.output_lens), eos_token_id=-1)
     manager = model.init_continuous_batching(gen_config, cb_config, hints)
     manager.warmup()
     manager.start()
 
     def generate(w: Workload, tag: str) -> list[int]:
-        ids = [manager.add_request(p, request_id=f"{tag}{i}", max_new_tokens=k, eos_token_id=-1)
-               for i, (p, k) in enumerate(zip(w.prompts, w.output_lens))]
+        ids = [
+            manager.add_request(p, request_id=f"{tag}{i}", max_new_tokens=k, eos_token_id=-1)
+            for i, (p, k) in enumerate(zip(w.prompts, w.output_lens))
+        ]
         done: dict[str, int] = {}
         while len(done) < len(ids):
             out = manager.get_result(timeout=1)
@@ -206,12 +241,19 @@ def run_hf_static(model_dir: str, dtype: str, wl: Workload, warm: Workload, batc
     def generate(w: Workload) -> list[int]:
         produced = []
         for b in range(0, len(w.prompts), batch_size):
-            prompts, outs = w.prompts[b:b + batch_size], w.output_lens[b:b + batch_size]
+            prompts, outs = w.prompts[b : b + batch_size], w.output_lens[b : b + batch_size]
             width, new = max(map(len, prompts)), max(outs)
             ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-            seqs = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
-                                  min_new_tokens=new, eos_token_id=None, pad_token_id=0)
+            seqs = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
             # every row ran `new` steps (no eos), so each request's own output is the first k of them
             produced += [min(k, seqs.shape[1] - width) for k in outs]
         return produced
@@ -226,7 +268,7 @@ def run_hf_static(model_dir: str, dtype: str, wl: Workload, warm: Workload, batc
 
 # ---- vLLM, in its own interpreter ----
 
-VLLM_SCRIPT = r'''
+VLLM_SCRIPT = r"""
 import json, sys, time
 
 def main():
@@ -252,28 +294,38 @@ def main():
 
 if __name__ == "__main__":  # vLLM spawns its engine process, which re-imports this file
     main()
-'''
+"""
 
 
-def run_vllm(python: str, model_dir: str, dtype: str, wl: Workload, warm: Workload,
-             max_num_batched_tokens: int) -> Result:
+def run_vllm(
+    python: str, model_dir: str, dtype: str, wl: Workload, warm: Workload, max_num_batched_tokens: int
+) -> Result:
     with tempfile.TemporaryDirectory(prefix="tiffin-bench-") as tmp:
         script, job, result = (os.path.join(tmp, f) for f in ("run_vllm.py", "job.json", "result.json"))
         with open(script, "w") as f:
             f.write(VLLM_SCRIPT)
         with open(job, "w") as f:
-            json.dump({"model": os.path.abspath(model_dir), "dtype": dtype,
-                       "max_model_len": max(wl.max_len, warm.max_len),
-                       "max_num_batched_tokens": max_num_batched_tokens, "prompts": wl.prompts,
-                       "output_lens": wl.output_lens, "warm_prompts": warm.prompts,
-                       "warm_output_lens": warm.output_lens}, f)
+            json.dump(
+                {
+                    "model": os.path.abspath(model_dir),
+                    "dtype": dtype,
+                    "max_model_len": max(wl.max_len, warm.max_len),
+                    "max_num_batched_tokens": max_num_batched_tokens,
+                    "prompts": wl.prompts,
+                    "output_lens": wl.output_lens,
+                    "warm_prompts": warm.prompts,
+                    "warm_output_lens": warm.output_lens,
+                },
+                f,
+            )
         # A workload this size needs well under 1 GiB of KV cache; don't let vLLM size it from a shared machine's
         # free RAM.
         env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ}
         proc = subprocess.run([python, script, job, result], env=env, capture_output=True, text=True)
         if proc.returncode != 0 or not os.path.exists(result):
-            raise RuntimeError(f"vllm run failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                               f"{proc.stderr[-5000:]}")
+            raise RuntimeError(
+                f"vllm run failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+            )
         with open(result) as f:
             out = json.load(f)
     check_lengths("vllm warm-up", out["warm_lens"], warm.output_lens)
@@ -282,6 +334,7 @@ def run_vllm(python: str, model_dir: str, dtype: str, wl: Workload, warm: Worklo
 
 
 # ---- driver ----
+
 
 def parse_range(text: str) -> tuple[int, int]:
     try:
@@ -305,19 +358,32 @@ def make_model(path: str) -> None:
     """The ~40M benchmark Llama; 2,048 positions so that benchmarks/prefix.py's 1,050-token prompts fit."""
     from tiffin.tiny import make_tiny_model
 
-    make_tiny_model(path, arch="llama", hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
-                    num_key_value_heads=4, intermediate_size=1408, vocab_size=32000, tie_word_embeddings=True,
-                    max_position_embeddings=2048)
+    make_tiny_model(
+        path,
+        arch="llama",
+        hidden_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=1408,
+        vocab_size=32000,
+        tie_word_embeddings=True,
+        max_position_embeddings=2048,
+    )
 
 
 def table(results: list[Result], dtype: str, wl: Workload) -> str:
     base = next((r.wall_s for r in results if r.engine == "tiffin"), None)
-    rows = ["| engine | dtype | requests | output tok/s | total tok/s | wall s | ratio (tiffin / engine) |",
-            "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| engine | dtype | requests | output tok/s | total tok/s | wall s | ratio (tiffin / engine) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         ratio = f"{r.wall_s / base:.2f}" if base else "-"  # same tokens for all, so a ratio of rates = of walls
-        rows.append(f"| {r.engine} | {dtype} | {len(wl.prompts)} | {wl.output_tokens / r.wall_s:.0f} | "
-                    f"{(wl.output_tokens + wl.prompt_tokens) / r.wall_s:.0f} | {r.wall_s:.2f} | {ratio} |")
+        rows.append(
+            f"| {r.engine} | {dtype} | {len(wl.prompts)} | {wl.output_tokens / r.wall_s:.0f} | "
+            f"{(wl.output_tokens + wl.prompt_tokens) / r.wall_s:.0f} | {r.wall_s:.2f} | {ratio} |"
+        )
     return "\n".join(rows)
 
 
@@ -330,16 +396,29 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt-len", type=parse_range, default=(32, 256), metavar="LO:HI")
     ap.add_argument("--output-len", type=parse_range, default=(32, 256), metavar="LO:HI")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--peers", type=parse_peers, default=None,
-                    help=f"engines to run, comma-separated from {','.join(PEERS)} "
-                         "(default: all but vllm, plus vllm when --vllm-python is given)")
+    ap.add_argument(
+        "--peers",
+        type=parse_peers,
+        default=None,
+        help=f"engines to run, comma-separated from {','.join(PEERS)} "
+        "(default: all but vllm, plus vllm when --vllm-python is given)",
+    )
     ap.add_argument("--vllm-python", metavar="PATH", help="interpreter of a venv with vLLM's CPU build")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=4096,
-                    help="per-step token budget, the same for tiffin, vLLM and transformers' continuous batching")
+    ap.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=4096,
+        help="per-step token budget, the same for tiffin, vLLM and transformers' continuous batching",
+    )
     ap.add_argument("--static-batch", type=int, default=16, help="batch size of static model.generate")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads in this process")
-    ap.add_argument("--loras", type=int, default=0, metavar="N",
-                    help="also run tiffin with N distinct LoRA adapters spread over the requests (same engine)")
+    ap.add_argument(
+        "--loras",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also run tiffin with N distinct LoRA adapters spread over the requests (same engine)",
+    )
     args = ap.parse_args(argv)
 
     if args.make_model:
@@ -361,9 +440,12 @@ def main(argv: list[str] | None = None) -> None:
         vocab_size = json.load(f)["vocab_size"]
     wl = make_workload(args.n, args.prompt_len, args.output_len, vocab_size, args.seed)
     warm = warmup_workload(vocab_size)
-    print(f"workload: {args.n} requests, {wl.prompt_tokens} prompt + {wl.output_tokens} output tokens, "
-          f"prompt {args.prompt_len[0]}-{args.prompt_len[1]}, output {args.output_len[0]}-{args.output_len[1]}, "
-          f"seed {args.seed}, greedy, ignore_eos, {args.threads} threads", file=sys.stderr)
+    print(
+        f"workload: {args.n} requests, {wl.prompt_tokens} prompt + {wl.output_tokens} output tokens, "
+        f"prompt {args.prompt_len[0]}-{args.prompt_len[1]}, output {args.output_len[0]}-{args.output_len[1]}, "
+        f"seed {args.seed}, greedy, ignore_eos, {args.threads} threads",
+        file=sys.stderr,
+    )
 
     runners = {
         "tiffin": lambda: run_tiffin(args.model, args.dtype, wl, warm, args.max_num_batched_tokens, args.loras),

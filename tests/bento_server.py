@@ -16,8 +16,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class BentoServer:
-    def __init__(self, tmp: Path, target: str, args: dict | None = None, env: dict | None = None,
-                 working_dir: Path = REPO):
+    def __init__(
+        self, tmp: Path, target: str, args: dict | None = None, env: dict | None = None, working_dir: Path = REPO
+    ):
         """Serve `target` ("module:Service") with a scratch BENTOML_HOME under `tmp`; no TIFFIN_* variables
         leak in from the caller's environment besides `env`."""
         with socket.socket() as s:
@@ -26,14 +27,34 @@ class BentoServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / "serve.log"
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("TIFFIN_")}
-        full_env.update(BENTOML_HOME=str(tmp / "bentoml"), BENTOML_DO_NOT_TRACK="true", OMP_NUM_THREADS="2",
-                        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **(env or {}))
-        cmd = [str(Path(sys.executable).parent / "bentoml"), "serve", target, "--host", "127.0.0.1",
-               "--port", str(self.port), "--working-dir", str(working_dir)]
+        full_env.update(
+            BENTOML_HOME=str(tmp / "bentoml"),
+            BENTOML_DO_NOT_TRACK="true",
+            OMP_NUM_THREADS="2",
+            PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+            **(env or {}),
+        )
+        cmd = [
+            str(Path(sys.executable).parent / "bentoml"),
+            "serve",
+            target,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--working-dir",
+            str(working_dir),
+        ]
         for key, value in (args or {}).items():
             cmd += ["--arg", f"{key}={value}"]
-        self.proc = subprocess.Popen(cmd, cwd=working_dir, env=full_env, stdout=self.log.open("w"),
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=working_dir,
+            env=full_env,
+            stdout=self.log.open("w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.http = httpx.Client(base_url=self.url, timeout=30)
 
     def status(self, path: str) -> int:
@@ -55,8 +76,7 @@ class BentoServer:
         from prometheus_client.parser import text_string_to_metric_families
 
         families = text_string_to_metric_families(self.http.get("/metrics").text)
-        return {s.name: s.value for f in families for s in f.samples
-                if not s.labels or s.labels == {"le": "+Inf"}}
+        return {s.name: s.value for f in families for s in f.samples if not s.labels or s.labels == {"le": "+Inf"}}
 
     def stop(self) -> None:
         self.http.close()

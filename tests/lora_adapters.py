@@ -11,10 +11,19 @@ from transformers import AutoModelForCausalLM
 # name -> LoraConfig kwargs: different ranks and targets, one rsLoRA, one with rank/alpha patterns
 ADAPTERS = {
     "qv-r8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
-    "all-rslora-r16": dict(r=16, lora_alpha=6, use_rslora=True, target_modules=[
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
-    "mlp-patterns": dict(r=4, lora_alpha=8, target_modules=["k_proj", "o_proj", "gate_proj", "down_proj"],
-                         rank_pattern={"layers.1.mlp.gate_proj": 12, "k_proj": 2}, alpha_pattern={"down_proj": 3}),
+    "all-rslora-r16": dict(
+        r=16,
+        lora_alpha=6,
+        use_rslora=True,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    ),
+    "mlp-patterns": dict(
+        r=4,
+        lora_alpha=8,
+        target_modules=["k_proj", "o_proj", "gate_proj", "down_proj"],
+        rank_pattern={"layers.1.mlp.gate_proj": 12, "k_proj": 2},
+        alpha_pattern={"down_proj": 3},
+    ),
 }
 
 
@@ -61,8 +70,9 @@ class PeftReference:
     @torch.inference_mode()
     def _generate(self, prompt: list[int], adapter: str | None, max_new_tokens: int) -> list[int]:
         ids = torch.tensor([prompt])
-        kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                      do_sample=False)  # fmt: skip
+        kwargs = dict(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
+        )
         if adapter is None:
             with self.model.disable_adapter():
                 out = self.model.generate(**kwargs)

@@ -37,8 +37,11 @@ async def _wait_idle(engine, timeout=5.0):
 
 def test_concurrent_streams_match_offline(engines):
     llm, engine = engines
-    params = [SamplingParams(temperature=0, max_tokens=24), SamplingParams(temperature=0.8, seed=7, max_tokens=17),
-              SamplingParams(temperature=1.0, top_k=20, seed=3, max_tokens=30, n=2)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=24),
+        SamplingParams(temperature=0.8, seed=7, max_tokens=17),
+        SamplingParams(temperature=1.0, top_k=20, seed=3, max_tokens=30, n=2),
+    ]
     expected = llm.generate(PROMPTS, params, use_tqdm=False)
 
     async def run():

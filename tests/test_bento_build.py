@@ -23,9 +23,19 @@ def test_bentoml_build_offline(tmp_path):
     home = tmp_path / "bentoml"
     dead = "http://127.0.0.1:9"  # any attempt to reach a package index or the hub fails at once
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIFFIN_")}
-    env.update(BENTOML_HOME=str(home), BENTOML_DO_NOT_TRACK="true", HF_HUB_OFFLINE="1", PIP_NO_INDEX="1",
-               UV_OFFLINE="1", HTTP_PROXY=dead, HTTPS_PROXY=dead, http_proxy=dead, https_proxy=dead, NO_PROXY="",
-               no_proxy="")
+    env.update(
+        BENTOML_HOME=str(home),
+        BENTOML_DO_NOT_TRACK="true",
+        HF_HUB_OFFLINE="1",
+        PIP_NO_INDEX="1",
+        UV_OFFLINE="1",
+        HTTP_PROXY=dead,
+        HTTPS_PROXY=dead,
+        http_proxy=dead,
+        https_proxy=dead,
+        NO_PROXY="",
+        no_proxy="",
+    )
     subprocess.run([sys.executable, "-c", SAVE_MODEL], env=env, check=True, timeout=120)
     cmd = [str(Path(sys.executable).parent / "bentoml"), "build", str(REPO), "--arg", "model=my-llm:latest"]
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

@@ -74,7 +74,9 @@ def test_pool_invariants_and_prefix_lookup(ops, num_blocks):
                 if evicted:  # unhashed blocks go first, then cached ones least recently freed first
                     assert free_before - hashed_before <= taken
                     kept = hashed_before - taken
-                    assert not kept or max(freed_at.get(b, -1) for b in evicted) < min(freed_at.get(b, -1) for b in kept)
+                    assert not kept or max(freed_at.get(b, -1) for b in evicted) < min(
+                        freed_at.get(b, -1) for b in kept
+                    )
         check_pool(bm, live)
     for seq in live:
         bm.free_seq(seq)

@@ -29,7 +29,7 @@ def feed(detok, ids, chunks=None, finished_at_end=True):
     texts, streams, stop, i = [], [], None, 0
     sizes = chunks or [1] * len(ids)
     for n in sizes:
-        stop = detok.update(ids[i:i + n])
+        stop = detok.update(ids[i : i + n])
         i += n
         texts.append(detok.output_text)
         streams.append(detok.stream_text(finished=stop is not None))
@@ -103,6 +103,7 @@ def test_cost_per_step_does_not_grow(tokenizer):
 
 
 # ---------------------------------------------------------------- stop strings
+
 
 def _token_boundaries(tok, ids) -> set[int]:
     return {len(decode(tok, ids[:i])) for i in range(len(ids) + 1)}

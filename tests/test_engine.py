@@ -30,14 +30,16 @@ def test_seeded_sampling_is_independent_of_the_batch(llm):
 def test_top_k_1_equals_greedy(llm):
     prompts = random_prompts(llm.llm_engine.model_config.vocab_size, [9, 33], seed=1)
     greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=15, ignore_eos=True), use_tqdm=False)
-    top1 = llm.generate(prompts, SamplingParams(temperature=0.7, top_k=1, max_tokens=15, ignore_eos=True),
-                        use_tqdm=False)
+    top1 = llm.generate(
+        prompts, SamplingParams(temperature=0.7, top_k=1, max_tokens=15, ignore_eos=True), use_tqdm=False
+    )
     assert [o.outputs[0].token_ids for o in greedy] == [o.outputs[0].token_ids for o in top1]
 
 
 def test_n_samples_share_a_prompt(llm):
-    out = llm.generate("Python is", SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        "Python is", SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True), use_tqdm=False
+    )[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert all(len(c.token_ids) == 12 and c.finish_reason == "length" for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
@@ -45,21 +47,29 @@ def test_n_samples_share_a_prompt(llm):
 
 def test_stop_string_across_tokens_and_stop_token_ids(llm):
     tok = llm.get_tokenizer()
-    base = llm.generate("The function", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0]
+    base = llm.generate("The function", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)[
+        0
+    ].outputs[0]
     pieces = [tok.decode(base.token_ids[: i + 1]) for i in range(len(base.token_ids))]
     # a stop string that begins inside one token's text and ends inside a later one
     i = next(i for i in range(2, len(pieces)) if len(pieces[i]) - len(pieces[i - 2]) >= 3 and len(pieces[i - 2]) > 1)
     stop = pieces[i][len(pieces[i - 2]) - 1 : len(pieces[i - 2]) + 2]
     start = base.text.index(stop)
-    out = llm.generate("The function", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        "The function", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]), use_tqdm=False
+    )[0].outputs[0]
     assert (out.text, out.finish_reason, out.stop_reason) == (base.text[:start], "stop", stop)
-    kept = llm.generate("The function", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=stop,
-                                                       include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    kept = llm.generate(
+        "The function",
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=stop, include_stop_str_in_output=True),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert kept.text == base.text[: start + len(stop)]
-    by_id = llm.generate("The function", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
-                                                        stop_token_ids=[base.token_ids[4]]), use_tqdm=False)[0]
+    by_id = llm.generate(
+        "The function",
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[base.token_ids[4]]),
+        use_tqdm=False,
+    )[0]
     first = base.token_ids.index(base.token_ids[4])
     assert by_id.outputs[0].token_ids == base.token_ids[: first + 1]
     assert by_id.outputs[0].stop_reason == base.token_ids[4]
@@ -69,8 +79,9 @@ def test_logprobs_are_the_models(llm, tiny_model):
     from transformers import AutoModelForCausalLM
 
     prompt = random_prompts(llm.llm_engine.model_config.vocab_size, [12], seed=3)[0]
-    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     hf = AutoModelForCausalLM.from_pretrained(tiny_model("llama"), dtype=torch.float32)
     ids = prompt["prompt_token_ids"] + out.token_ids
     ref = hf(torch.tensor([ids])).logits[0].log_softmax(-1)[len(prompt["prompt_token_ids"]) - 1 : -1]
@@ -86,8 +97,9 @@ def test_chat_uses_the_template(llm):
     tok = llm.get_tokenizer()
     messages = [{"role": "user", "content": "Hello there"}]
     out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
-    assert out.prompt_token_ids == tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                           return_dict=False)
+    assert out.prompt_token_ids == tok.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
 
 
 def test_bad_requests_fail_alone_and_leak_nothing(llm):

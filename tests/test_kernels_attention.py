@@ -249,8 +249,11 @@ def test_engine_greedy_triton_equals_torch(interpreter, tiny_model, arch):
     tokens = {}
     for backend in ("torch", "triton"):
         llm = LLM(tiny_model(arch), dtype="float32", device="cpu", kernel_backend=backend)
-        outs = [o for batch in (first, second) for o in llm.generate(
-            [{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)]  # fmt: skip
+        outs = [
+            o
+            for batch in (first, second)
+            for o in llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        ]
         tokens[backend] = [o.outputs[0].token_ids for o in outs]
     assert tokens["triton"] == tokens["torch"]
 
@@ -262,14 +265,17 @@ def test_compile_check_sm80_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
         [sys.executable, "-m", "tiffin.kernels.compile_check", "--arch", "80,90"],
-        capture_output=True, text=True, env=env, timeout=1500,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1500,
+    )
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     for dtype in ("float16", "bfloat16", "float32"):
         for head_dim in ta.HEAD_DIMS:
             for kind in ("decode", "decode split", "merge", "prefill"):
-                for arch in ("sm_80", "sm_90"):
+                for _arch in ("sm_80", "sm_90"):
                     assert f"{dtype} d={head_dim} {kind} " in proc.stdout, (dtype, head_dim, kind)
 
 

@@ -21,8 +21,9 @@ TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 8e-2}
 @pytest.fixture
 def poisoned(monkeypatch):
     """Every buffer the Triton path allocates (shrink output, split partials) starts as NaN."""
-    monkeypatch.setattr(tlora, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
-                                                                                   device=device))
+    monkeypatch.setattr(
+        tlora, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device)
+    )
 
 
 def make_case(token_slots, hidden, rank, slice_sizes, num_slots, dtype, seed=0):
@@ -160,8 +161,10 @@ def test_bad_shapes_rejected():
 def test_compile_check_sm80_sm90():
     """Every registered LoRA configuration compiles for real GPU targets without register spills."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import sys; from tiffin.kernels import compile_check as c; "
-            "rs = [c.compile_case(n, case, arch) for n, case in c.collect() if n.startswith('lora_') "
-            "for arch in (80, 90)]; print(c.format_table(rs)); sys.exit(0 if rs and all(r.ok for r in rs) else 1)")
+    code = (
+        "import sys; from tiffin.kernels import compile_check as c; "
+        "rs = [c.compile_case(n, case, arch) for n, case in c.collect() if n.startswith('lora_') "
+        "for arch in (80, 90)]; print(c.format_table(rs)); sys.exit(0 if rs and all(r.ok for r in rs) else 1)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from lora_adapters import ADAPTERS, PeftReference, make_adapter, set_config
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from lora_adapters import ADAPTERS, PeftReference, make_adapter, set_config
 from tiffin import LLM, LoRARequest, SamplingParams
 from tiffin.engine.lora import LoRAManager
 
@@ -31,10 +31,13 @@ def prompts_for(vocab: int, seed: int = 0) -> list[list[int]]:
 def build_adapters(base, root: Path, model) -> dict[str, Path]:
     """The three ADAPTERS plus one whose config says fan_in_fan_out (which PEFT, and tiffin, ignore for Linear
     layers: A and B keep their shapes)."""
-    dirs = {name: make_adapter(base, root / name, seed=i, model=model, **kw) for i, (name, kw) in
-            enumerate(ADAPTERS.items())}  # fmt: skip
-    dirs["fan-in-fan-out"] = make_adapter(base, root / "fan-in-fan-out", seed=7, model=model, r=8, lora_alpha=8,
-                                          target_modules=["up_proj", "o_proj"])  # fmt: skip
+    dirs = {
+        name: make_adapter(base, root / name, seed=i, model=model, **kw)
+        for i, (name, kw) in enumerate(ADAPTERS.items())
+    }
+    dirs["fan-in-fan-out"] = make_adapter(
+        base, root / "fan-in-fan-out", seed=7, model=model, r=8, lora_alpha=8, target_modules=["up_proj", "o_proj"]
+    )
     set_config(dirs["fan-in-fan-out"], fan_in_fan_out=True)
     return dirs
 
@@ -70,9 +73,11 @@ def record_steps(llm: LLM) -> list[set]:
     return steps
 
 
-@pytest.mark.parametrize("engine_args", [dict(max_loras=4), dict(max_loras=2, max_cpu_loras=2),
-                                         dict(max_loras=3, max_num_batched_tokens=29)],
-                         ids=["4-slots", "2-slots-2-cached", "3-slots-chunked-prefill"])  # fmt: skip
+@pytest.mark.parametrize(
+    "engine_args",
+    [dict(max_loras=4), dict(max_loras=2, max_cpu_loras=2), dict(max_loras=3, max_num_batched_tokens=29)],
+    ids=["4-slots", "2-slots-2-cached", "3-slots-chunked-prefill"],
+)
 def test_greedy_matches_peft_interleaved(fp_case, engine_args):
     base, dirs, ref, prompts = fp_case
     assign = interleaved(prompts, dirs)
@@ -83,8 +88,12 @@ def test_greedy_matches_peft_interleaved(fp_case, engine_args):
     llm = LLM(base, dtype="float32", enable_lora=True, **engine_args)
     steps = record_steps(llm)
     reqs = requests_for(dirs)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
-                        lora_request=[reqs[a] if a else None for a in assign])  # fmt: skip
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        GREEDY,
+        use_tqdm=False,
+        lora_request=[reqs[a] if a else None for a in assign],
+    )
     got = [o.outputs[0].token_ids for o in outs]
     wrong = [(i, a) for i, (a, x, y) in enumerate(zip(assign, got, expected)) if x != y]
     assert not wrong, f"prompts whose tokens differ from PEFT's (index, adapter): {wrong}"
@@ -102,8 +111,13 @@ def test_greedy_matches_peft_on_awq_base(tmp_path):
     raw.pop("quantization_config")
     hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**raw), dtype=torch.float32)
     state = {k: v.float() for k, v in load_file(AWQ_REFERENCE).items()}
-    state.update({k: v.float() for k, v in load_file(AWQ_FIXTURE / "model.safetensors").items()
-                  if not k.endswith((".qweight", ".qzeros", ".scales"))})  # fmt: skip
+    state.update(
+        {
+            k: v.float()
+            for k, v in load_file(AWQ_FIXTURE / "model.safetensors").items()
+            if not k.endswith((".qweight", ".qzeros", ".scales"))
+        }
+    )
     hf.load_state_dict(state, strict=True)
     dirs = build_adapters(None, tmp_path, hf)
     ref = PeftReference(hf, dirs)
@@ -113,11 +127,16 @@ def test_greedy_matches_peft_on_awq_base(tmp_path):
     assert all(e != ref.generate(p, None, NEW_TOKENS) for p, e, a in zip(prompts, expected, assign) if a)
 
     llm = LLM(str(AWQ_FIXTURE), dtype="float32", kernel_backend="torch", enable_lora=True, max_loras=4)
-    assert type(llm.llm_engine.model_runner.model.model.layers[0].self_attn.qkv_proj.method).__name__ == \
-        "AWQLinearMethod"  # fmt: skip
+    assert (
+        type(llm.llm_engine.model_runner.model.model.layers[0].self_attn.qkv_proj.method).__name__ == "AWQLinearMethod"
+    )
     reqs = requests_for(dirs)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
-                        lora_request=[reqs[a] if a else None for a in assign])  # fmt: skip
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        GREEDY,
+        use_tqdm=False,
+        lora_request=[reqs[a] if a else None for a in assign],
+    )
     wrong = [(i, a) for i, (a, o, e) in enumerate(zip(assign, outs, expected)) if o.outputs[0].token_ids != e]
     assert not wrong, f"prompts whose tokens differ from PEFT's (index, adapter): {wrong}"
 
@@ -126,11 +145,17 @@ def test_fused_qkv_adapter_equals_split_one(fp_case, tmp_path):
     """An adapter that names the fused `qkv_proj` / `gate_up_proj` (one A for all slices, B stacked) equals the
     PEFT adapter with that A on q, k and v and B split among them."""
     base, dirs, _, prompts = fp_case
-    split = make_adapter(base, tmp_path / "split", seed=11, r=4, lora_alpha=4,
-                         target_modules=["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"])  # fmt: skip
+    split = make_adapter(
+        base,
+        tmp_path / "split",
+        seed=11,
+        r=4,
+        lora_alpha=4,
+        target_modules=["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"],
+    )
     tensors = load_file(split / "adapter_model.safetensors")
     fused = {}
-    for key, value in tensors.items():
+    for key in tensors:
         for parts, name in ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj")):
             if parts[0] in key:
                 keys = [key.replace(parts[0], p) for p in parts]
@@ -161,8 +186,12 @@ def test_scheduler_keeps_adapters_within_slots(fp_case):
     steps = record_steps(llm)
     assign = interleaved(prompts[:10], dirs)
     reqs = requests_for(dirs)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:10]], GREEDY, use_tqdm=False,
-                        lora_request=[reqs[a] if a else None for a in assign])  # fmt: skip
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts[:10]],
+        GREEDY,
+        use_tqdm=False,
+        lora_request=[reqs[a] if a else None for a in assign],
+    )
     assert max(len(s - {None}) for s in steps) == 1
     assert any(None in s and len(s) == 2 for s in steps)
     for p, a, o in zip(prompts, assign, outs):
@@ -175,7 +204,7 @@ def test_prefix_cache_keyed_by_adapter_content(fp_case, tmp_path):
     llm = LLM(base, dtype="float32", enable_lora=True)
     a = LoRARequest("qv", 1, str(dirs["qv-r8"]))
     same_content = shutil.copytree(dirs["qv-r8"], tmp_path / "copy")
-    run = lambda lora: llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=lora)[0]  # noqa: E731
+    run = lambda lora: llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=lora)[0]
     first = run(a)
     assert run(None).num_cached_tokens == 0  # the base model never reuses an adapter's KV
     assert run(LoRARequest("rs", 2, str(dirs["all-rslora-r16"]))).num_cached_tokens == 0
@@ -228,8 +257,10 @@ def test_lora_needs_enable_lora(tiny_model, fp_case):
     assert llm.llm_engine.model_runner.model.model.layers[0].self_attn.qkv_proj.lora is None
 
 
-@pytest.mark.parametrize("bad", [dict(lora_name="", lora_int_id=1), dict(lora_name="x", lora_int_id=0),
-                                 dict(lora_name="x", lora_int_id=True)])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad",
+    [dict(lora_name="", lora_int_id=1), dict(lora_name="x", lora_int_id=0), dict(lora_name="x", lora_int_id=True)],
+)
 def test_lora_request_validation(bad):
     with pytest.raises(ValueError):
         LoRARequest(**bad)
@@ -259,27 +290,52 @@ REFUSED = {
     "lora-bias": (dict(r=4, target_modules=["q_proj"], lora_bias=True), None, "LoRA bias"),
     "bias-all": (dict(r=4, target_modules=["q_proj"]), lambda p: set_config(p, bias="all"), "bias 'all'"),
     "rank-too-large": (dict(r=32, target_modules=["q_proj"]), None, "exceeds max_lora_rank 16"),
-    "rank-pattern-too-large": (dict(r=4, target_modules=["q_proj"], rank_pattern={"q_proj": 64}), None,
-                               "exceeds max_lora_rank"),
-    "wrong-input-shape": (dict(r=4, target_modules=["q_proj"]),
-                          lambda p: _rewrite(p, lambda t: {k: v[:, :32].contiguous() if "lora_A" in k else v
-                                                           for k, v in t.items()}), "do not fit the base layer"),
-    "wrong-output-shape": (dict(r=4, target_modules=["v_proj"]),
-                           lambda p: _rewrite(p, lambda t: {k: torch.cat([v, v]) if "lora_B" in k else v
-                                                            for k, v in t.items()}), "do not fit"),
+    "rank-pattern-too-large": (
+        dict(r=4, target_modules=["q_proj"], rank_pattern={"q_proj": 64}),
+        None,
+        "exceeds max_lora_rank",
+    ),
+    "wrong-input-shape": (
+        dict(r=4, target_modules=["q_proj"]),
+        lambda p: _rewrite(p, lambda t: {k: v[:, :32].contiguous() if "lora_A" in k else v for k, v in t.items()}),
+        "do not fit the base layer",
+    ),
+    "wrong-output-shape": (
+        dict(r=4, target_modules=["v_proj"]),
+        lambda p: _rewrite(p, lambda t: {k: torch.cat([v, v]) if "lora_B" in k else v for k, v in t.items()}),
+        "do not fit",
+    ),
     "rank-mismatch": (dict(r=4, target_modules=["q_proj"]), lambda p: set_config(p, r=8), "do not have the rank 8"),
-    "missing-b": (dict(r=4, target_modules=["q_proj"]),
-                  lambda p: _rewrite(p, lambda t: {k: v for k, v in t.items() if "lora_B" not in k}), "no lora_B"),
-    "extra-layer": (dict(r=4, target_modules=["q_proj"]), lambda p: _rewrite(p, _copy_layer_0_to_7),
-                    "base model does not have"),
-    "pickle-only": (dict(r=4, target_modules=["q_proj"]),
-                    lambda p: (p / "adapter_model.safetensors").rename(p / "adapter_model.bin"), "only safetensors"),
-    "no-config": (dict(r=4, target_modules=["q_proj"]), lambda p: (p / "adapter_config.json").unlink(),
-                  "no adapter_config.json"),
-    "not-json": (dict(r=4, target_modules=["q_proj"]), lambda p: (p / "adapter_config.json").write_text("{r: 4"),
-                 "not valid JSON"),
-    "not-safetensors": (dict(r=4, target_modules=["q_proj"]),
-                        lambda p: (p / "adapter_model.safetensors").write_bytes(b"\x80\x04pickle"), "not a valid"),
+    "missing-b": (
+        dict(r=4, target_modules=["q_proj"]),
+        lambda p: _rewrite(p, lambda t: {k: v for k, v in t.items() if "lora_B" not in k}),
+        "no lora_B",
+    ),
+    "extra-layer": (
+        dict(r=4, target_modules=["q_proj"]),
+        lambda p: _rewrite(p, _copy_layer_0_to_7),
+        "base model does not have",
+    ),
+    "pickle-only": (
+        dict(r=4, target_modules=["q_proj"]),
+        lambda p: (p / "adapter_model.safetensors").rename(p / "adapter_model.bin"),
+        "only safetensors",
+    ),
+    "no-config": (
+        dict(r=4, target_modules=["q_proj"]),
+        lambda p: (p / "adapter_config.json").unlink(),
+        "no adapter_config.json",
+    ),
+    "not-json": (
+        dict(r=4, target_modules=["q_proj"]),
+        lambda p: (p / "adapter_config.json").write_text("{r: 4"),
+        "not valid JSON",
+    ),
+    "not-safetensors": (
+        dict(r=4, target_modules=["q_proj"]),
+        lambda p: (p / "adapter_model.safetensors").write_bytes(b"\x80\x04pickle"),
+        "not a valid",
+    ),
     "not-lora": (dict(r=4, target_modules=["q_proj"]), lambda p: set_config(p, peft_type="IA3"), "not LORA"),
 }
 
@@ -330,7 +386,11 @@ def test_triton_kernels_in_the_engine(fp_case, monkeypatch):
     reqs = requests_for(dirs)
     llm = LLM(base, dtype="float32", enable_lora=True, kernel_backend="triton")
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:5]], params, use_tqdm=False,
-                        lora_request=[reqs[a] if a else None for a in assign])  # fmt: skip
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts[:5]],
+        params,
+        use_tqdm=False,
+        lora_request=[reqs[a] if a else None for a in assign],
+    )
     for p, a, o in zip(prompts, assign, outs):
         assert o.outputs[0].token_ids == ref.generate(p, a, NEW_TOKENS)[:6], a

@@ -34,17 +34,21 @@ def adapters(tiny_model, tmp_path_factory):
     base = tiny_model("llama")
     root, outside = tmp_path_factory.mktemp("lora-root"), tmp_path_factory.mktemp("lora-outside")
     hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    good = {name: make_adapter(base, root / name, seed=i, model=hf, **kw) for i, (name, kw) in
-            enumerate(ADAPTERS.items())}  # fmt: skip
-    good["late"] = make_adapter(base, root / "nested" / "late", seed=5, model=hf, r=4, lora_alpha=8,
-                                target_modules=["o_proj", "up_proj"])  # fmt: skip
+    good = {
+        name: make_adapter(base, root / name, seed=i, model=hf, **kw) for i, (name, kw) in enumerate(ADAPTERS.items())
+    }
+    good["late"] = make_adapter(
+        base, root / "nested" / "late", seed=5, model=hf, r=4, lora_alpha=8, target_modules=["o_proj", "up_proj"]
+    )
     bad = {"outside": make_adapter(base, outside / "outside", seed=9, model=hf, r=4, target_modules=["q_proj"])}
     os.symlink(bad["outside"], root / "link-out")
     bad["rank-32"] = make_adapter(base, root / "rank-32", seed=1, model=hf, r=32, target_modules=["q_proj"])
     bad["wrong-shape"] = make_adapter(base, root / "wrong-shape", seed=2, model=hf, r=4, target_modules=["v_proj"])
     tensors = load_file(bad["wrong-shape"] / "adapter_model.safetensors")
-    save_file({k: torch.cat([v, v]) if "lora_B" in k else v for k, v in tensors.items()},
-              bad["wrong-shape"] / "adapter_model.safetensors")  # fmt: skip
+    save_file(
+        {k: torch.cat([v, v]) if "lora_B" in k else v for k, v in tensors.items()},
+        bad["wrong-shape"] / "adapter_model.safetensors",
+    )
     bad["pickle"] = shutil.copytree(good["qv-r8"], root / "pickle")
     (bad["pickle"] / "adapter_model.safetensors").rename(bad["pickle"] / "adapter_model.bin")
     bad["no-weights"] = root / "no-weights"
@@ -61,10 +65,17 @@ def adapters(tiny_model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(adapters, tmp_path_factory):
     root = adapters[0]
-    srv = BentoServer(tmp_path_factory.mktemp("serve-lora"), "tiffin.plugin.service:Tiffin",
-                      args={"num_kv_blocks": 256},
-                      env={"TIFFIN_LORA_ROOTS": str(root), "TIFFIN_MAX_LORAS": "2", "TIFFIN_MAX_LORA_RANK": "16",
-                           "TIFFIN_MAX_NUM_SEQS": "16"})  # fmt: skip
+    srv = BentoServer(
+        tmp_path_factory.mktemp("serve-lora"),
+        "tiffin.plugin.service:Tiffin",
+        args={"num_kv_blocks": 256},
+        env={
+            "TIFFIN_LORA_ROOTS": str(root),
+            "TIFFIN_MAX_LORAS": "2",
+            "TIFFIN_MAX_LORA_RANK": "16",
+            "TIFFIN_MAX_NUM_SEQS": "16",
+        },
+    )
     try:
         srv.wait("/readyz", 200, timeout=180)
         yield srv
@@ -88,8 +99,9 @@ def load(server, name, path) -> "httpx.Response":  # noqa: F821
 
 
 def complete(client, model, prompt=PROMPT, n=NEW_TOKENS) -> str:
-    resp = client.completions.create(model=model, prompt=prompt, max_tokens=n, temperature=0,
-                                     extra_body={"ignore_eos": True})  # fmt: skip
+    resp = client.completions.create(
+        model=model, prompt=prompt, max_tokens=n, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert resp.model == model
     return resp.choices[0].text
 
@@ -109,8 +121,9 @@ def test_load_and_serve_each_adapter_by_name(server, client, adapters):
     for name, text in texts.items():
         assert text == peft_text(adapters, None if name == MODEL else name), name
     assert len(set(texts.values())) == len(texts)  # every adapter changes the output
-    chat = client.chat.completions.create(model="all-rslora-r16", messages=[{"role": "user", "content": "Hi"}],
-                                          max_tokens=8, temperature=0)  # fmt: skip
+    chat = client.chat.completions.create(
+        model="all-rslora-r16", messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0
+    )
     _, _, _, ref, tok = adapters
     text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
     want = ref.generate(tok.encode(text, add_special_tokens=False), "all-rslora-r16", 8)
@@ -144,8 +157,9 @@ def test_load_is_idempotent_per_name_and_path(server, adapters):
 
 def test_load_while_another_request_streams(server, client, adapters):
     _, good, _, _, _ = adapters
-    stream = client.completions.create(model="qv-r8", prompt=PROMPT, max_tokens=400, temperature=0, stream=True,
-                                       extra_body={"ignore_eos": True})  # fmt: skip
+    stream = client.completions.create(
+        model="qv-r8", prompt=PROMPT, max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
     chunks = iter(stream)
     text = next(chunks).choices[0].text
     started = time.monotonic()
@@ -187,10 +201,16 @@ def test_unsafe_or_broken_loads_are_refused(case, server, client, adapters):
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices  # still serving
 
 
-@pytest.mark.parametrize("body,status", [({"lora_name": "x"}, 400), ({"lora_path": "x"}, 400),
-                                         ({"lora_name": 5, "lora_path": "x"}, 400),
-                                         ({"lora_name": MODEL, "lora_path": "qv-r8"}, 400),
-                                         ({"lora_name": " pad", "lora_path": "qv-r8"}, 400)])  # fmt: skip
+@pytest.mark.parametrize(
+    "body,status",
+    [
+        ({"lora_name": "x"}, 400),
+        ({"lora_path": "x"}, 400),
+        ({"lora_name": 5, "lora_path": "x"}, 400),
+        ({"lora_name": MODEL, "lora_path": "qv-r8"}, 400),
+        ({"lora_name": " pad", "lora_path": "qv-r8"}, 400),
+    ],
+)
 def test_malformed_load_bodies(server, body, status):
     assert server.http.post("/v1/load_lora_adapter", json=body).status_code == status
 
@@ -211,8 +231,16 @@ def test_unload_then_404(server, client, adapters):
 def test_unload_with_a_request_in_flight_lets_it_finish(server, client, adapters):
     _, good, _, _, _ = adapters
     assert load(server, "in-flight", good["all-rslora-r16"]).status_code == 200
-    stream = iter(client.completions.create(model="in-flight", prompt=PROMPT, max_tokens=300, temperature=0,
-                                            stream=True, extra_body={"ignore_eos": True}))  # fmt: skip
+    stream = iter(
+        client.completions.create(
+            model="in-flight",
+            prompt=PROMPT,
+            max_tokens=300,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     text = next(stream).choices[0].text
     assert server.http.post("/v1/unload_lora_adapter", json={"lora_name": "in-flight"}).status_code == 200
     rest = [c.choices[0].text for c in stream]

@@ -31,24 +31,35 @@ def test_config_json_wins_over_side_files(tmp_path):
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 def test_awq_gemm(tmp_path, group_size):
-    got = detect(tmp_path, {**AWQ, "group_size": group_size, "version": "GEMM",
-                            "modules_to_not_convert": ["visual", "o_proj"]})  # fmt: skip
+    got = detect(
+        tmp_path, {**AWQ, "group_size": group_size, "version": "GEMM", "modules_to_not_convert": ["visual", "o_proj"]}
+    )
     assert got == AWQConfig(group_size, ("visual", "o_proj"))
     assert got.skips("model.layers.3.self_attn.o_proj") and not got.skips("model.layers.3.self_attn.q_proj")
 
 
 def test_autoawq_quant_config_json(tmp_path):
     """Older AutoAWQ checkpoints: quant_config.json with w_bit / q_group_size and no quant_method."""
-    got = detect(tmp_path, files={"quant_config.json": {"zero_point": True, "q_group_size": 64, "w_bit": 4,
-                                                        "version": "GEMM"}})  # fmt: skip
+    got = detect(
+        tmp_path, files={"quant_config.json": {"zero_point": True, "q_group_size": 64, "w_bit": 4, "version": "GEMM"}}
+    )
     assert got == AWQConfig(64)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group_size", [32, 64, 128, -1])
 def test_gptq_variants(tmp_path, bits, group_size):
-    got = detect(tmp_path, {**GPTQ, "bits": bits, "group_size": group_size, "desc_act": True, "sym": False,
-                            "checkpoint_format": "gptq_v2"})  # fmt: skip
+    got = detect(
+        tmp_path,
+        {
+            **GPTQ,
+            "bits": bits,
+            "group_size": group_size,
+            "desc_act": True,
+            "sym": False,
+            "checkpoint_format": "gptq_v2",
+        },
+    )
     assert got == GPTQConfig(bits, group_size, desc_act=True, sym=False, checkpoint_format="gptq_v2")
     assert got.zero_offset == 0
 
@@ -91,8 +102,12 @@ def test_fused_layer_must_be_all_or_nothing():
     with pytest.raises(ValueError, match="some of"):
         factory("model.layers.0.self_attn.qkv_proj")
     assert factory("model.layers.0.self_attn.o_proj") is not None
-    assert linear_method_factory(AWQConfig(64, ("self_attn",)), LlamaForCausalLM.stacked_modules)(
-        "model.layers.0.self_attn.qkv_proj") is None
+    assert (
+        linear_method_factory(AWQConfig(64, ("self_attn",)), LlamaForCausalLM.stacked_modules)(
+            "model.layers.0.self_attn.qkv_proj"
+        )
+        is None
+    )
 
 
 def test_engine_refuses_unsupported_checkpoint(tiny_model, tmp_path):

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tiffin import LLM, SamplingParams
-from tiffin.engine.config import EngineConfig, ModelConfig
+from tiffin.engine.config import ModelConfig
 from tiffin.engine.models.linear import Linear
 from tiffin.engine.models.loader import MODELS, build_model
 from tiffin.quant import get_quant_config, linear_method_factory
@@ -28,8 +28,14 @@ PROMPT_LENS = (1, 6, 19, 40)
 
 
 def test_every_fixture_is_present():
-    assert set(NAMES) == {"awq-g64", "awq-g32-skip-o_proj", "gptq-4bit-g64-actorder-sym", "gptq-8bit-perchannel-sym",
-                          "gptq-4bit-g32-asym", "gptq-4bit-g128-actorder-asym-v2"}  # fmt: skip
+    assert set(NAMES) == {
+        "awq-g64",
+        "awq-g32-skip-o_proj",
+        "gptq-4bit-g64-actorder-sym",
+        "gptq-8bit-perchannel-sym",
+        "gptq-4bit-g32-asym",
+        "gptq-4bit-g128-actorder-asym-v2",
+    }
 
 
 def load_tiffin_model(path: Path, kernel_backend: str = "torch"):
@@ -79,7 +85,9 @@ def reference_model(path: Path):
     config = AutoConfig.for_model(**raw)
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     state = {k: v.float() for k, v in load_file(path / REFERENCE).items()}
-    state.update({k: v.float() for k, v in load_file(path / "model.safetensors").items() if not k.endswith(QUANT_SUFFIXES)})
+    state.update(
+        {k: v.float() for k, v in load_file(path / "model.safetensors").items() if not k.endswith(QUANT_SUFFIXES)}
+    )
     hf.load_state_dict(state, strict=True)
     hf.generation_config.eos_token_id = None
     return hf.eval()
@@ -87,8 +95,14 @@ def reference_model(path: Path):
 
 def reference_generate(hf, prompt: list[int]) -> tuple[list[int], list[float]]:
     ids = torch.tensor([prompt])
-    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
-                      output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    out = hf.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     tokens = out.sequences[0, len(prompt) :].tolist()
     logprobs = [torch.log_softmax(logits[0].float(), -1)[t].item() for logits, t in zip(out.logits, tokens)]
     return tokens, logprobs
@@ -129,5 +143,6 @@ def test_weight_memory(name):
     assert 0 < quant_bytes <= 0.3 * fp16_bytes, quant_bytes / fp16_bytes
     assert engine.stats()["weight_bytes"] == sum(p.nbytes for p in model.parameters())
     plain = sum(2 * v.numel() for v in load_file(path / REFERENCE).values()) + sum(
-        v.numel() * 2 for k, v in load_file(path / "model.safetensors").items() if not k.endswith(QUANT_SUFFIXES))
+        v.numel() * 2 for k, v in load_file(path / "model.safetensors").items() if not k.endswith(QUANT_SUFFIXES)
+    )
     assert engine.stats()["weight_bytes"] < plain

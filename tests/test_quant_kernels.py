@@ -15,9 +15,16 @@ from hypothesis import strategies as st
 from tiffin.engine.config import ModelConfig
 from tiffin.engine.models.linear import Linear
 from tiffin.engine.models.loader import MODELS, build_model
-
-from tiffin.kernels.quant import (awq_dequantize, awq_gemm, gptq_dequantize, gptq_gemm, pack_rows, unpack_awq,
-                                  unpack_cols, unpack_rows)  # fmt: skip
+from tiffin.kernels.quant import (
+    awq_dequantize,
+    awq_gemm,
+    gptq_dequantize,
+    gptq_gemm,
+    pack_rows,
+    unpack_awq,
+    unpack_cols,
+    unpack_rows,
+)
 from tiffin.kernels.triton_quant import _compile_awq, _compile_gptq, quant_gemm_launch, quant_tile
 from tiffin.quant import get_quant_config, linear_method_factory
 
@@ -105,8 +112,9 @@ CASES = [
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("fmt, k, n, group_size, bits, zero_offset, act_order, m", CASES)
-def test_triton_matches_dequantize_then_matmul(interpret, dtype, fmt, k, n, group_size, bits, zero_offset,
-                                               act_order, m):  # fmt: skip
+def test_triton_matches_dequantize_then_matmul(
+    interpret, dtype, fmt, k, n, group_size, bits, zero_offset, act_order, m
+):
     qweight, qzeros, scales = make_layer(fmt, k, n, group_size, bits, seed=k + n + m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
     perm = torch.randperm(k, generator=torch.Generator().manual_seed(1)).to(torch.int32) if act_order else None
@@ -131,8 +139,9 @@ def test_split_k_equals_single_pass(interpret, fmt):
     outs = []
     for splits in (1, 4):
         out = torch.empty(m, n)
-        launch, partial = quant_gemm_launch(x, qweight, qzeros, scales, None, out, awq=fmt == "awq", bits=4,
-                                            zero_offset=0, splits=splits)  # fmt: skip
+        launch, partial = quant_gemm_launch(
+            x, qweight, qzeros, scales, None, out, awq=fmt == "awq", bits=4, zero_offset=0, splits=splits
+        )
         assert (partial is None) == (splits == 1)
         launch(x.device)
         outs.append(out if partial is None else partial.sum(0))
@@ -153,14 +162,23 @@ def test_tile_k_step_stays_inside_one_group():
 def test_compile_check_covers_every_tile():
     """compile_check (sm_80/sm_90, no spills; run by test_kernels_attention's compile test) registers a case
     for each tile and launch variant the dispatcher can pick."""
-    registered = {(c.args[0].dtype, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.kwargs["SPLIT"],
-                   c.kwargs["AWQ"]) for c in [*_compile_awq(), *_compile_gptq()]}  # fmt: skip
+    registered = {
+        (
+            c.args[0].dtype,
+            c.kwargs["BLOCK_M"],
+            c.kwargs["BLOCK_N"],
+            c.kwargs["BLOCK_K"],
+            c.kwargs["SPLIT"],
+            c.kwargs["AWQ"],
+        )
+        for c in [*_compile_awq(), *_compile_gptq()]
+    }
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         for m in (1, 16, 17, 32, 33, 4096):
             for group_size in (32, 64, 128, 4096):
                 t = quant_tile(m, group_size, dtype)
                 for awq in (True, False):
-                    for split in ((False, True) if m <= 16 else (False,)):
+                    for split in (False, True) if m <= 16 else (False,):
                         assert (dtype, t.block_m, t.block_n, t.block_k, split, awq) in registered
 
 
@@ -169,16 +187,18 @@ def test_bad_shapes_raise():
     with pytest.raises(ValueError, match=r"x must be \[M, 128\]"):
         awq_gemm(torch.randn(2, 64), qweight, qzeros, scales)
     with pytest.raises(ValueError, match="qzeros must be contiguous int32"):
-        quant_gemm_launch(torch.randn(2, 128), qweight, qzeros[:2], scales, None, torch.empty(2, 64), awq=True,
-                          bits=4, zero_offset=0)  # fmt: skip
+        quant_gemm_launch(
+            torch.randn(2, 128), qweight, qzeros[:2], scales, None, torch.empty(2, 64), awq=True, bits=4, zero_offset=0
+        )
 
 
 def load_fixture(name: str, kernel_backend: str):
     path = FIXTURES / name
     config = ModelConfig.from_pretrained(path)
     config.dtype = torch.float32
-    factory = linear_method_factory(get_quant_config(path, config.raw), MODELS[config.architecture].stacked_modules,
-                                    kernel_backend)  # fmt: skip
+    factory = linear_method_factory(
+        get_quant_config(path, config.raw), MODELS[config.architecture].stacked_modules, kernel_backend
+    )
     return build_model(config, path, torch.device("cpu"), 64, "torch", factory)
 
 

@@ -21,15 +21,18 @@ def test_calibration_samples_are_exact_windows(tiny_model):
         tools.calibration_samples(tok, "short", num_samples=5, seq_len=512)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(method="exl2"), "method must be"),
-    (dict(method="awq", bits=8), "AWQ takes 4 bits"),
-    (dict(method="awq", group_size=-1), "AWQ takes 4 bits"),
-    (dict(method="gptq", bits=3), "GPTQ takes bits"),
-    (dict(method="gptq", checkpoint_format="marlin"), "GPTQ takes bits"),
-    (dict(method="gptq", modules_to_not_convert=["o_proj"]), "AWQ option"),
-    (dict(method="gptq", num_samples=0), "num_samples"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(method="exl2"), "method must be"),
+        (dict(method="awq", bits=8), "AWQ takes 4 bits"),
+        (dict(method="awq", group_size=-1), "AWQ takes 4 bits"),
+        (dict(method="gptq", bits=3), "GPTQ takes bits"),
+        (dict(method="gptq", checkpoint_format="marlin"), "GPTQ takes bits"),
+        (dict(method="gptq", modules_to_not_convert=["o_proj"]), "AWQ option"),
+        (dict(method="gptq", num_samples=0), "num_samples"),
+    ],
+)
 def test_bad_arguments_fail_before_loading(tmp_path, kwargs, match):
     with pytest.raises(ValueError, match=match):
         tools.quantize(tmp_path / "missing-model", tmp_path / "out", calib=tmp_path / "missing.txt", **kwargs)
@@ -47,8 +50,38 @@ def test_missing_tool_names_the_extra(tiny_model, tmp_path, monkeypatch, method,
 def test_cli_passes_options_through(monkeypatch, tmp_path):
     seen = {}
     monkeypatch.setattr(tools, "quantize", lambda *args, **kwargs: seen.update(args=args, kwargs=kwargs) or "out")
-    cli.main(["quantize", "in", "out", "--method", "gptq", "--calib", "c.txt", "--bits", "8", "--group-size", "-1",
-              "--desc-act", "--asym", "--format", "gptq_v2", "--num-samples", "3", "--seq-len", "9"])
+    cli.main(
+        [
+            "quantize",
+            "in",
+            "out",
+            "--method",
+            "gptq",
+            "--calib",
+            "c.txt",
+            "--bits",
+            "8",
+            "--group-size",
+            "-1",
+            "--desc-act",
+            "--asym",
+            "--format",
+            "gptq_v2",
+            "--num-samples",
+            "3",
+            "--seq-len",
+            "9",
+        ]
+    )
     assert seen["args"] == ("in", "out", "gptq", "c.txt")
-    assert seen["kwargs"] == dict(bits=8, group_size=-1, desc_act=True, sym=False, checkpoint_format="gptq_v2",
-                                  modules_to_not_convert=None, num_samples=3, seq_len=9, device=None)
+    assert seen["kwargs"] == dict(
+        bits=8,
+        group_size=-1,
+        desc_act=True,
+        sym=False,
+        checkpoint_format="gptq_v2",
+        modules_to_not_convert=None,
+        num_samples=3,
+        seq_len=9,
+        device=None,
+    )

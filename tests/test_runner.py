@@ -7,6 +7,7 @@ import pytest
 bentoml = pytest.importorskip("bentoml")
 
 from bento_server import BentoServer  # noqa: E402
+
 from tiffin import LLM, SamplingParams  # noqa: E402
 from tiffin.plugin.runner import make_runner  # noqa: E402
 
@@ -33,8 +34,12 @@ def test_runner_init_local(tiny_model, expected):
 
 
 def test_runner_service_over_http(tiny_model, expected, tmp_path):
-    server = BentoServer(tmp_path, "legacy_runner_bento:svc", env={"TIFFIN_MODEL": str(tiny_model("llama"))},
-                         working_dir=Path(__file__).parent)
+    server = BentoServer(
+        tmp_path,
+        "legacy_runner_bento:svc",
+        env={"TIFFIN_MODEL": str(tiny_model("llama"))},
+        working_dir=Path(__file__).parent,
+    )
     try:
         server.wait("/readyz", 200, timeout=120)
         with bentoml.SyncHTTPClient(server.url) as client:

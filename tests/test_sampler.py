@@ -34,8 +34,10 @@ def random_logits(*shape, seed=0, scale=3.0) -> torch.Tensor:
 
 # ---------------------------------------------------------------- plain per-row reference
 
+
 def reference_probs(row: list[float], temperature: float, top_k: int, top_p: float, min_p: float) -> list[float]:
     """min_p -> top_k -> top_p on one row, in plain Python."""
+
     def softmax(xs):
         m = max(x for x in xs if x is not None)
         e = [0.0 if x is None else math.exp(x - m) for x in xs]
@@ -117,6 +119,7 @@ def test_seeded_rows_sample_the_reference_distribution():
 
 # ---------------------------------------------------------------- seeds, greedy
 
+
 def _run(sampler: Sampler, steps: torch.Tensor, batches: list[list[FakeSeq]], pos: int) -> list[int]:
     """Feed step t's logits to every row of batch t; return the tokens at row `pos` each step."""
     return [sampler(logits.expand(len(b), -1).clone(), b).token_ids[pos] for logits, b in zip(steps, batches)]
@@ -149,8 +152,15 @@ def test_unseeded_rows_follow_the_sampler_seed():
 def test_greedy_and_top_k_1_are_argmax():
     logits = random_logits(7, 1000, seed=7)
     argmax = logits.argmax(-1).tolist()
-    seqs = [seq(temperature=0), seq(top_k=1), seq(top_k=1, temperature=2.0), seq(temperature=0, top_p=0.1),
-            seq(top_k=1, seed=3), seq(temperature=1e-7), seq(top_p=1e-9)]
+    seqs = [
+        seq(temperature=0),
+        seq(top_k=1),
+        seq(top_k=1, temperature=2.0),
+        seq(temperature=0, top_p=0.1),
+        seq(top_k=1, seed=3),
+        seq(temperature=1e-7),
+        seq(top_p=1e-9),
+    ]
     assert Sampler(set())(logits, seqs).token_ids == argmax
     assert Sampler(set())(logits, [seq(temperature=0)] * 7).token_ids == argmax  # all-greedy fast path
 
@@ -165,6 +175,7 @@ def test_sampler_leaves_logits_untouched_and_checks_shape():
 
 
 # ---------------------------------------------------------------- penalties, min_tokens
+
 
 def reference_penalties(row, prompt, output, rep, freq, pres):
     out = []
@@ -191,10 +202,14 @@ def test_penalties_match_formulas():
 def test_penalties_change_the_greedy_choice():
     logits = torch.zeros(1, 10)
     logits[0, 5], logits[0, 7] = 3.0, 2.5
-    seqs = [seq(temperature=0, output=[5]), seq(temperature=0, output=[5], frequency_penalty=1.0),
-            seq(temperature=0, output=[5], presence_penalty=0.6), seq(temperature=0, output=[3]),
-            seq(temperature=0, prompt=[5], repetition_penalty=1.5),
-            seq(temperature=0, prompt=[5], frequency_penalty=1.0)]  # frequency counts only output tokens
+    seqs = [
+        seq(temperature=0, output=[5]),
+        seq(temperature=0, output=[5], frequency_penalty=1.0),
+        seq(temperature=0, output=[5], presence_penalty=0.6),
+        seq(temperature=0, output=[3]),
+        seq(temperature=0, prompt=[5], repetition_penalty=1.5),
+        seq(temperature=0, prompt=[5], frequency_penalty=1.0),
+    ]  # frequency counts only output tokens
     assert Sampler(set())(logits.expand(len(seqs), -1).clone(), seqs).token_ids == [5, 7, 7, 5, 7, 5]
 
 
@@ -213,11 +228,16 @@ def test_min_tokens_masks_eos_and_stop_ids():
 
 # ---------------------------------------------------------------- logprobs
 
+
 def test_logprobs_of_raw_logits_with_ranks():
     logits = random_logits(5, 200, seed=10)
-    seqs = [seq(logprobs=5, temperature=0.7, repetition_penalty=1.8, output=[int(logits[0].argmax())]),
-            seq(logprobs=0), seq(), seq(logprobs=20, temperature=0, frequency_penalty=2.0, output=[1, 2]),
-            seq(logprobs=1, top_k=50, min_tokens=3)]
+    seqs = [
+        seq(logprobs=5, temperature=0.7, repetition_penalty=1.8, output=[int(logits[0].argmax())]),
+        seq(logprobs=0),
+        seq(),
+        seq(logprobs=20, temperature=0, frequency_penalty=2.0, output=[1, 2]),
+        seq(logprobs=1, top_k=50, min_tokens=3),
+    ]
     out = Sampler({0})(logits, seqs)
     ref = torch.log_softmax(logits.double(), -1)
     assert out.logprobs[2] is None
@@ -244,25 +264,49 @@ def test_logprob_ties_share_a_rank():
 
 # ---------------------------------------------------------------- SamplingParams validation
 
-@pytest.mark.parametrize("kwargs, name", [
-    (dict(n=0), "n"), (dict(n=1.5), "n"), (dict(n=True), "n"),
-    (dict(temperature=-0.1), "temperature"), (dict(temperature=float("nan")), "temperature"),
-    (dict(temperature=float("inf")), "temperature"), (dict(temperature="1"), "temperature"),
-    (dict(top_p=0), "top_p"), (dict(top_p=1.01), "top_p"), (dict(top_p=float("nan")), "top_p"),
-    (dict(top_k=-2), "top_k"), (dict(top_k=2.5), "top_k"),
-    (dict(min_p=-0.1), "min_p"), (dict(min_p=1.1), "min_p"),
-    (dict(presence_penalty=2.1), "presence_penalty"), (dict(presence_penalty=-2.1), "presence_penalty"),
-    (dict(frequency_penalty=-3), "frequency_penalty"), (dict(frequency_penalty=2.5), "frequency_penalty"),
-    (dict(repetition_penalty=0), "repetition_penalty"), (dict(repetition_penalty=-1), "repetition_penalty"),
-    (dict(repetition_penalty=2.5), "repetition_penalty"),
-    (dict(seed=1.5), "seed"),
-    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-1), "max_tokens"), (dict(max_tokens=2.0), "max_tokens"),
-    (dict(min_tokens=-1), "min_tokens"), (dict(min_tokens=5, max_tokens=4), "min_tokens"),
-    (dict(logprobs=-1), "logprobs"), (dict(logprobs=21), "logprobs"), (dict(logprobs=True), "logprobs"),
-    (dict(stop=5), "stop"), (dict(stop=[1]), "stop"), (dict(stop=[""]), "stop"), (dict(stop=["a", None]), "stop"),
-    (dict(stop_token_ids=[-1]), "stop_token_ids"), (dict(stop_token_ids=["1"]), "stop_token_ids"),
-    (dict(stop_token_ids=3), "stop_token_ids"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(n=0), "n"),
+        (dict(n=1.5), "n"),
+        (dict(n=True), "n"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(temperature="1"), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(top_p=1.01), "top_p"),
+        (dict(top_p=float("nan")), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(top_k=2.5), "top_k"),
+        (dict(min_p=-0.1), "min_p"),
+        (dict(min_p=1.1), "min_p"),
+        (dict(presence_penalty=2.1), "presence_penalty"),
+        (dict(presence_penalty=-2.1), "presence_penalty"),
+        (dict(frequency_penalty=-3), "frequency_penalty"),
+        (dict(frequency_penalty=2.5), "frequency_penalty"),
+        (dict(repetition_penalty=0), "repetition_penalty"),
+        (dict(repetition_penalty=-1), "repetition_penalty"),
+        (dict(repetition_penalty=2.5), "repetition_penalty"),
+        (dict(seed=1.5), "seed"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=-1), "max_tokens"),
+        (dict(max_tokens=2.0), "max_tokens"),
+        (dict(min_tokens=-1), "min_tokens"),
+        (dict(min_tokens=5, max_tokens=4), "min_tokens"),
+        (dict(logprobs=-1), "logprobs"),
+        (dict(logprobs=21), "logprobs"),
+        (dict(logprobs=True), "logprobs"),
+        (dict(stop=5), "stop"),
+        (dict(stop=[1]), "stop"),
+        (dict(stop=[""]), "stop"),
+        (dict(stop=["a", None]), "stop"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids"),
+        (dict(stop_token_ids=["1"]), "stop_token_ids"),
+        (dict(stop_token_ids=3), "stop_token_ids"),
+    ],
+)
 def test_invalid_params_raise_value_error(kwargs, name):
     with pytest.raises(ValueError, match=rf"^{name} "):
         SamplingParams(**kwargs)

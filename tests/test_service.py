@@ -15,6 +15,7 @@ openai = pytest.importorskip("openai")
 bentoml = pytest.importorskip("bentoml")
 
 from bento_server import BentoServer  # noqa: E402
+
 from tiffin import LLM, SamplingParams  # noqa: E402
 
 NUM_KV_BLOCKS = 256  # passed as `--arg`; the kv total gauge shows it arrived
@@ -26,8 +27,12 @@ CONTEXT = 1024  # the tiny model's max_position_embeddings
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     gate = tmp / "load-gate"
-    srv = BentoServer(tmp, "tiffin.plugin.service:Tiffin", args={"num_kv_blocks": NUM_KV_BLOCKS},
-                      env={"TIFFIN_LOAD_GATE": str(gate), "TIFFIN_MAX_NUM_SEQS": "16"})
+    srv = BentoServer(
+        tmp,
+        "tiffin.plugin.service:Tiffin",
+        args={"num_kv_blocks": NUM_KV_BLOCKS},
+        env={"TIFFIN_LOAD_GATE": str(gate), "TIFFIN_MAX_NUM_SEQS": "16"},
+    )
     try:
         srv.wait("/livez", 200, timeout=90)
         time.sleep(0.5)  # the loader is parked on the gate: readiness must not flip by itself
@@ -75,8 +80,13 @@ def test_greedy_completion_equals_offline_llm(client, llm):
     prompts = [ref.prompt_token_ids, "The quick brown fox"]
     resp = client.completions.create(model=MODEL, prompt=[prompts[1]], max_tokens=9, temperature=0, n=2)
     assert [c.text for c in resp.choices] == [greedy(llm, prompts[1], max_tokens=9).outputs[0].text] * 2
-    resp = client.completions.create(model=MODEL, prompt=[ref.prompt_token_ids, [5, 6, 7]], max_tokens=8,
-                                     temperature=0, extra_body={"ignore_eos": True})
+    resp = client.completions.create(
+        model=MODEL,
+        prompt=[ref.prompt_token_ids, [5, 6, 7]],
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     texts = [greedy(llm, p, max_tokens=8, ignore_eos=True).outputs[0].text for p in (ref.prompt_token_ids, [5, 6, 7])]
     assert [c.index for c in resp.choices] == [0, 1] and [c.text for c in resp.choices] == texts
     assert resp.usage.completion_tokens == 16
@@ -86,8 +96,17 @@ def test_completion_stream_with_stop_and_usage(client, llm):
     free = greedy(llm, "The quick brown fox", max_tokens=40).outputs[0].text
     stop = free[10:13]
     ref = greedy(llm, "The quick brown fox", max_tokens=40, stop=[stop])
-    chunks = list(client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=40, temperature=0,
-                                            stop=[stop], stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="The quick brown fox",
+            max_tokens=40,
+            temperature=0,
+            stop=[stop],
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == ref.outputs[0].text == free[: free.index(stop)]
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
@@ -102,8 +121,16 @@ def test_chat_completions_stream_and_non_stream(client, llm):
     assert resp.choices[0].message.content == ref.outputs[0].text
     assert resp.usage.prompt_tokens == len(ref.prompt_token_ids)
     assert resp.usage.total_tokens == len(ref.prompt_token_ids) + len(ref.outputs[0].token_ids)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.outputs[0].text
     assert chunks[-1].usage.completion_tokens == len(ref.outputs[0].token_ids)
@@ -118,8 +145,18 @@ def test_logprobs_match_offline(client, llm):
     for top, d in zip(lp.top_logprobs, ref.logprobs):
         best = sorted(d.values(), key=lambda x: x.rank)[:3]
         assert top == pytest.approx({x.decoded_token: x.logprob for x in best}, abs=1e-5)
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-                                          temperature=0, logprobs=True, top_logprobs=2).choices[0].logprobs.content
+    chat = (
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=4,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=2,
+        )
+        .choices[0]
+        .logprobs.content
+    )
     assert len(chat) == 4 and all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in chat)
 
 
@@ -154,11 +191,19 @@ MALFORMED = [  # (endpoint, body, status, param)
     ("chat/completions", {"messages": []}, 400, "messages"),
     ("chat/completions", {"messages": "hello"}, 400, "messages"),
     ("chat/completions", {"messages": [{"content": "no role"}]}, 400, "messages"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 30},
-     400, "logprobs"),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 30},
+        400,
+        "logprobs",
+    ),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, 400,
-     "max_tokens"),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+        400,
+        "max_tokens",
+    ),
 ]
 
 

@@ -72,7 +72,9 @@ def test_same_arguments_give_identical_files(tiny_model, tmp_path):
     for name in ("model.safetensors", "tokenizer.json", "config.json", "tokenizer_config.json"):
         assert (again / name).read_bytes() == (tiny_model("qwen2") / name).read_bytes(), name
     other = load_file(make_tiny_model(tmp_path / "b", "qwen2", seed=1) / "model.safetensors")
-    assert not torch.equal(other["model.embed_tokens.weight"], load_file(again / "model.safetensors")["model.embed_tokens.weight"])
+    assert not torch.equal(
+        other["model.embed_tokens.weight"], load_file(again / "model.safetensors")["model.embed_tokens.weight"]
+    )
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # the two tokenizer pipelines
@@ -84,7 +86,10 @@ def test_tokenizer_round_trips_bytes_and_matches_tokenizer_json(tiny_model, arch
     assert len(tok) == raw.get_vocab_size() == config["vocab_size"]
     assert [tok.pad_token, tok.bos_token, tok.eos_token] == [SPECIAL_TOKENS[i] for i in (PAD_ID, BOS_ID, IM_END_ID)]
     assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (
-        config["pad_token_id"], config["bos_token_id"], config["eos_token_id"])
+        config["pad_token_id"],
+        config["bos_token_id"],
+        config["eos_token_id"],
+    )
     generation = json.loads((path / "generation_config.json").read_text())
     assert (generation["bos_token_id"], generation["eos_token_id"]) == (BOS_ID, IM_END_ID)
     for text in TEXTS:
@@ -97,7 +102,10 @@ def test_tokenizer_round_trips_bytes_and_matches_tokenizer_json(tiny_model, arch
 
 def test_chat_template_renders_chatml(tiny_model):
     tok = AutoTokenizer.from_pretrained(tiny_model("llama"))
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "hi 🙂"}]}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "hi 🙂"}]},
+    ]
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     bos, start, end = (SPECIAL_TOKENS[i] for i in (BOS_ID, IM_START_ID, IM_END_ID))
     assert text == f"{bos}{start}system\nBe brief.{end}\n{start}user\nhi 🙂{end}\n{start}assistant\n"
@@ -112,9 +120,17 @@ def test_greedy_decoding_is_not_degenerate_and_well_separated(tiny_model, arch):
     model = _load(path)[0]
     prompts = torch.randint(len(SPECIAL_TOKENS), 2048, (8, 6), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=24, min_new_tokens=24,
-                             do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=PAD_ID)
-    new = out.sequences[:, prompts.shape[1]:]
+        out = model.generate(
+            prompts,
+            attention_mask=torch.ones_like(prompts),
+            max_new_tokens=24,
+            min_new_tokens=24,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=PAD_ID,
+        )
+    new = out.sequences[:, prompts.shape[1] :]
     for row in new:
         assert len(set(row.tolist())) >= 12, row  # not stuck on one token or a short loop
     top2 = torch.stack(out.logits, 1).float().topk(2, -1).values
@@ -125,15 +141,18 @@ def test_vocab_32000_is_reachable():
     assert train_tokenizer(32000).get_vocab_size() == 32000
 
 
-@pytest.mark.parametrize("overrides, problem", [
-    (dict(arch="gpt2"), "arch"),
-    (dict(hidden_sizes=8), "hidden_sizes"),
-    (dict(vocab_size=100), "vocab_size"),
-    (dict(num_key_value_heads=3), "num_key_value_heads"),
-    (dict(hidden_size=66), "hidden_size"),
-    (dict(dtype="float64"), "dtype"),
-    (dict(seed=-1), "seed"),
-])
+@pytest.mark.parametrize(
+    "overrides, problem",
+    [
+        (dict(arch="gpt2"), "arch"),
+        (dict(hidden_sizes=8), "hidden_sizes"),
+        (dict(vocab_size=100), "vocab_size"),
+        (dict(num_key_value_heads=3), "num_key_value_heads"),
+        (dict(hidden_size=66), "hidden_size"),
+        (dict(dtype="float64"), "dtype"),
+        (dict(seed=-1), "seed"),
+    ],
+)
 def test_bad_arguments_raise_value_error(tmp_path, overrides, problem):
     with pytest.raises(ValueError, match=problem):
         make_tiny_model(tmp_path, **overrides)

@@ -23,10 +23,21 @@ def generate(args: argparse.Namespace) -> None:
 def quantize(args: argparse.Namespace) -> None:
     from tiffin.quant.tools import quantize as run_quantize  # needs the tiffin[quantize] extra
 
-    out = run_quantize(args.model, args.output, args.method, args.calib, bits=args.bits, group_size=args.group_size,
-                       desc_act=args.desc_act, sym=not args.asym, checkpoint_format=args.format,
-                       modules_to_not_convert=args.skip, num_samples=args.num_samples, seq_len=args.seq_len,
-                       device=args.device)  # fmt: skip
+    out = run_quantize(
+        args.model,
+        args.output,
+        args.method,
+        args.calib,
+        bits=args.bits,
+        group_size=args.group_size,
+        desc_act=args.desc_act,
+        sym=not args.asym,
+        checkpoint_format=args.format,
+        modules_to_not_convert=args.skip,
+        num_samples=args.num_samples,
+        seq_len=args.seq_len,
+        device=args.device,
+    )
     print(f"wrote {out}")
 
 

@@ -41,8 +41,10 @@ CORPUS_CHARS_PER_TOKEN = 256  # enough stdlib text per vocab entry for BPE to fi
 
 # transformers' Qwen2Tokenizer (forced for model_type qwen2, declared for qwen3 as on the hub) pre-tokenises
 # with this pattern, whatever tokenizer.json says.
-QWEN_SPLIT_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-                    r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+QWEN_SPLIT_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{%- for message in messages %}"
@@ -57,24 +59,59 @@ CHAT_TEMPLATE = (
 )
 
 _COMMON = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    vocab_size=2048, max_position_embeddings=1024, hidden_act="silu", rms_norm_eps=1e-6, initializer_range=0.02,
-    rope_theta=10000.0, attention_dropout=0.0, tie_word_embeddings=False, use_cache=True,
-    bos_token_id=BOS_ID, eos_token_id=IM_END_ID, pad_token_id=PAD_ID, dtype="float32",
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=2048,
+    max_position_embeddings=1024,
+    hidden_act="silu",
+    rms_norm_eps=1e-6,
+    initializer_range=0.02,
+    rope_theta=10000.0,
+    attention_dropout=0.0,
+    tie_word_embeddings=False,
+    use_cache=True,
+    bos_token_id=BOS_ID,
+    eos_token_id=IM_END_ID,
+    pad_token_id=PAD_ID,
+    dtype="float32",
 )
 ARCH_CONFIGS: dict[str, dict] = {
     "llama": dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=False, mlp_bias=False,
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        attention_bias=False,
+        mlp_bias=False,
         # Small original length so the llama3 frequency rescaling changes outputs at test lengths.
-        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=64),
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        ),
     ),
-    "mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral", num_key_value_heads=1,
-                    sliding_window=None),
-    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", num_key_value_heads=4,
-                  tie_word_embeddings=True, use_sliding_window=False, sliding_window=None),
-    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=32, attention_bias=False,
-                  use_sliding_window=False, sliding_window=None),
+    "mistral": dict(
+        architectures=["MistralForCausalLM"], model_type="mistral", num_key_value_heads=1, sliding_window=None
+    ),
+    "qwen2": dict(
+        architectures=["Qwen2ForCausalLM"],
+        model_type="qwen2",
+        num_key_value_heads=4,
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+        sliding_window=None,
+    ),
+    "qwen3": dict(
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        head_dim=32,
+        attention_bias=False,
+        use_sliding_window=False,
+        sliding_window=None,
+    ),
 }
 _EXTRA_KEYS = {"head_dim", "rope_scaling", "sliding_window", "attention_bias", "mlp_bias"}
 _GAINS = {"q_proj": 3.0, "k_proj": 3.0, "o_proj": 4.0, "down_proj": 4.0}
@@ -99,8 +136,15 @@ def make_config(arch: str = "llama", **overrides) -> dict:
 
 
 def _validate(config: dict) -> None:
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "vocab_size", "max_position_embeddings"):
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+        "max_position_embeddings",
+    ):
         if not isinstance(config[key], int) or isinstance(config[key], bool) or config[key] < 1:
             raise ValueError(f"{key} must be a positive integer, got {config[key]!r}")
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
@@ -111,8 +155,10 @@ def _validate(config: dict) -> None:
     if head_dim(config) % 2:
         raise ValueError(f"head_dim must be even for rotary embeddings, got {head_dim(config)}")
     if config["vocab_size"] < NUM_BYTES + len(SPECIAL_TOKENS):
-        raise ValueError(f"vocab_size must be >= {NUM_BYTES + len(SPECIAL_TOKENS)} (bytes + special tokens), "
-                         f"got {config['vocab_size']}")
+        raise ValueError(
+            f"vocab_size must be >= {NUM_BYTES + len(SPECIAL_TOKENS)} (bytes + special tokens), "
+            f"got {config['vocab_size']}"
+        )
     if config["dtype"] not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config['dtype']!r}")
 
@@ -134,8 +180,12 @@ def param_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (hidden,)
         shapes[p + "post_attention_layernorm.weight"] = (hidden,)
-        for name, out, inp, bias in (("q_proj", q_size, hidden, qkv_bias), ("k_proj", kv_size, hidden, qkv_bias),
-                                     ("v_proj", kv_size, hidden, qkv_bias), ("o_proj", hidden, q_size, o_bias)):
+        for name, out, inp, bias in (
+            ("q_proj", q_size, hidden, qkv_bias),
+            ("k_proj", kv_size, hidden, qkv_bias),
+            ("v_proj", kv_size, hidden, qkv_bias),
+            ("o_proj", hidden, q_size, o_bias),
+        ):
             shapes[f"{p}self_attn.{name}.weight"] = (out, inp)
             if bias:
                 shapes[f"{p}self_attn.{name}.bias"] = (out,)
@@ -177,8 +227,9 @@ def _init(name: str, shape: tuple[int, ...], config: dict, seed: int) -> torch.T
 
 def make_weights(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     dtype = DTYPES[config["dtype"]]
-    return {name: _init(name, shape, config, seed).to(dtype).contiguous()
-            for name, shape in param_shapes(config).items()}
+    return {
+        name: _init(name, shape, config, seed).to(dtype).contiguous() for name, shape in param_shapes(config).items()
+    }
 
 
 def stdlib_corpus(num_chars: int) -> list[str]:
@@ -188,8 +239,9 @@ def stdlib_corpus(num_chars: int) -> list[str]:
     texts = [topics.read_text(encoding="utf-8")]
     total = len(texts[0])
     # test/ holds deliberately malformed files; site-packages is not the stdlib and varies per venv.
-    sources = sorted(p for p in root.rglob("*.py")
-                     if p.relative_to(root).parts[0] not in ("test", "site-packages") and p != topics)
+    sources = sorted(
+        p for p in root.rglob("*.py") if p.relative_to(root).parts[0] not in ("test", "site-packages") and p != topics
+    )
     for path in sources:
         if total >= num_chars:
             break
@@ -209,21 +261,30 @@ def train_tokenizer(vocab_size: int, qwen: bool = False):
     tok = Tokenizer(models.BPE())
     if qwen:
         tok.normalizer = normalizers.NFC()
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(QWEN_SPLIT_REGEX), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(QWEN_SPLIT_REGEX), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     else:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(stdlib_corpus(vocab_size * CORPUS_CHARS_PER_TOKEN), trainer)
     if tok.get_vocab_size() != vocab_size:
-        raise ValueError(f"vocab_size {vocab_size} is more than BPE can learn from the stdlib text "
-                         f"(reached {tok.get_vocab_size()})")
+        raise ValueError(
+            f"vocab_size {vocab_size} is more than BPE can learn from the stdlib text (reached {tok.get_vocab_size()})"
+        )
     bos = SPECIAL_TOKENS[BOS_ID]
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, BOS_ID)])
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, BOS_ID)]
+    )
     return tok
 
 
@@ -241,17 +302,24 @@ def make_tiny_model(path: str | pathlib.Path, arch: str = "llama", seed: int = 0
     qwen = config["model_type"] in ("qwen2", "qwen3")
     tok = train_tokenizer(config["vocab_size"], qwen)
     tok.save(str(path / "tokenizer.json"))
-    _write_json(path / "tokenizer_config.json", {
-        # unk_token null: Qwen2Tokenizer would otherwise add an <|endoftext|> unk beyond vocab_size.
-        "tokenizer_class": "Qwen2Tokenizer" if qwen else "PreTrainedTokenizerFast", "unk_token": None,
-        "bos_token": SPECIAL_TOKENS[BOS_ID],
-        "eos_token": SPECIAL_TOKENS[IM_END_ID], "pad_token": SPECIAL_TOKENS[PAD_ID],
-        "model_max_length": config["max_position_embeddings"], "chat_template": CHAT_TEMPLATE,
-        "clean_up_tokenization_spaces": False,
-    })
+    _write_json(
+        path / "tokenizer_config.json",
+        {
+            # unk_token null: Qwen2Tokenizer would otherwise add an <|endoftext|> unk beyond vocab_size.
+            "tokenizer_class": "Qwen2Tokenizer" if qwen else "PreTrainedTokenizerFast",
+            "unk_token": None,
+            "bos_token": SPECIAL_TOKENS[BOS_ID],
+            "eos_token": SPECIAL_TOKENS[IM_END_ID],
+            "pad_token": SPECIAL_TOKENS[PAD_ID],
+            "model_max_length": config["max_position_embeddings"],
+            "chat_template": CHAT_TEMPLATE,
+            "clean_up_tokenization_spaces": False,
+        },
+    )
     _write_json(path / "config.json", config)
-    _write_json(path / "generation_config.json",
-                {"bos_token_id": BOS_ID, "eos_token_id": IM_END_ID, "pad_token_id": PAD_ID})
+    _write_json(
+        path / "generation_config.json", {"bos_token_id": BOS_ID, "eos_token_id": IM_END_ID, "pad_token_id": PAD_ID}
+    )
     save_file(make_weights(config, seed), str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
 
@@ -271,8 +339,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("path")
     parser.add_argument("--arch", default="llama", choices=sorted(ARCH_CONFIGS))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--set", dest="overrides", type=_parse_set, action="append", default=[],
-                        metavar="KEY=VALUE", help="config override, VALUE parsed as JSON (e.g. hidden_size=512)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        type=_parse_set,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override, VALUE parsed as JSON (e.g. hidden_size=512)",
+    )
     args = parser.parse_args(argv)
     print(make_tiny_model(args.path, args.arch, args.seed, **dict(args.overrides)))
 

@@ -102,13 +102,17 @@ class AsyncLLMEngine:
         self._thread.start()
 
     @classmethod
-    def from_engine_args(cls, model: str, on_stats: Callable[[dict], None] | None = None,
-                         **kwargs) -> "AsyncLLMEngine":
+    def from_engine_args(cls, model: str, on_stats: Callable[[dict], None] | None = None, **kwargs) -> "AsyncLLMEngine":
         """Build the LLMEngine from `EngineConfig` fields (the same keywords as `LLM`)."""
         return cls(LLMEngine(EngineConfig(model=str(model), **kwargs)), on_stats)
 
-    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                          lora_request: LoRARequest | None = None) -> RequestStream:
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> RequestStream:
         """Queue a request and return its stream once the engine accepted it; ValueError if it was refused
         (bad prompt, too long for the context, duplicate id, an adapter that cannot load), raised before any
         output. An adapter not yet cached is loaded first, off the engine thread."""
@@ -130,9 +134,13 @@ class AsyncLLMEngine:
             raise
         return stream
 
-    async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
-                       request_id: str | None = None,
-                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """vLLM's `AsyncLLMEngine.generate`: cumulative outputs until the request finishes."""
         stream = await self.add_request(request_id or uuid.uuid4().hex, prompt, params, lora_request)
         try:
@@ -291,4 +299,3 @@ def _settle(future: asyncio.Future, result, error: BaseException | None) -> None
         future.set_result(result)
     else:
         future.set_exception(error)
-

@@ -46,15 +46,16 @@ class IncrementalDetokenizer:
 
     def _decode_delta(self) -> str:
         decode = lambda ids: self.tokenizer.decode(
-            ids, skip_special_tokens=self.params.skip_special_tokens, clean_up_tokenization_spaces=False)
+            ids, skip_special_tokens=self.params.skip_special_tokens, clean_up_tokenization_spaces=False
+        )
         prefix_text = decode(self._ids[: self._read_offset])
         new_text = decode(self._ids)
         if new_text.endswith("\ufffd"):
             return ""  # wait for the rest of the character's bytes
         # The ids just read become the next window's context.
-        self._ids = self._ids[self._read_offset:]
+        self._ids = self._ids[self._read_offset :]
         self._read_offset = len(self._ids)
-        return new_text[len(prefix_text):]
+        return new_text[len(prefix_text) :]
 
     def _check_stop(self, old_len: int) -> None:
         """Earliest stop string found in the new text plus len(stop)-1 chars before it."""

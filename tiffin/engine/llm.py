@@ -60,7 +60,9 @@ class LLM:
         prompts = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+                conversation,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
                 **(chat_template_kwargs or {}),
             )
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})

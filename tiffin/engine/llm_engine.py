@@ -45,18 +45,29 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         self.eos_token_ids = frozenset(self._eos_token_ids())
         self.quant_config = get_quant_config(config.model, self.model_config.raw)
-        linear_method = None if self.quant_config is None else linear_method_factory(
-            self.quant_config, MODELS[self.model_config.architecture].stacked_modules, config.kernel_backend)
-        self.model_runner = ModelRunner(config, self.model_config, self.max_model_len, set(self.eos_token_ids),
-                                        linear_method)
+        linear_method = (
+            None
+            if self.quant_config is None
+            else linear_method_factory(
+                self.quant_config, MODELS[self.model_config.architecture].stacked_modules, config.kernel_backend
+            )
+        )
+        self.model_runner = ModelRunner(
+            config, self.model_config, self.max_model_len, set(self.eos_token_ids), linear_method
+        )
         self.weight_bytes = sum(p.nbytes for p in self.model_runner.model.parameters())
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.num_prompt_tokens = self.num_generation_tokens = 0
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    lora_request: LoRARequest | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> None:
         """Queue a request, run with the adapter of `lora_request` if given (loaded now unless cached). Raises
         ValueError, leaving the engine untouched, if the request is invalid or can never fit in the context or
         the KV cache."""
@@ -154,15 +165,27 @@ class LLMEngine:
         """A snapshot, safe to hand to another thread. While a sequence runs, its text holds back a tail that
         may still become a stop string, so text streamed from successive outputs is never taken back."""
         outputs = [
-            CompletionOutput(s.index, s.detokenizer.stream_text(s.finished), s.output_token_ids, s.finish_reason,
-                             s.stop_reason, None if s.logprobs is None else list(s.logprobs))
+            CompletionOutput(
+                s.index,
+                s.detokenizer.stream_text(s.finished),
+                s.output_token_ids,
+                s.finish_reason,
+                s.stop_reason,
+                None if s.logprobs is None else list(s.logprobs),
+            )
             for s in request.seqs
         ]
         finished = request.finished
         if finished:
             del self.requests[request.request_id]
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, finished,
-                             request.seqs[0].num_cached_tokens)
+        return RequestOutput(
+            request.request_id,
+            request.prompt,
+            request.prompt_token_ids,
+            outputs,
+            finished,
+            request.seqs[0].num_cached_tokens,
+        )
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

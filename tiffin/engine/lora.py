@@ -32,11 +32,18 @@ CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
 # adapter_config.json settings that change the forward pass in ways plain LoRA does not: refused when set
 UNSUPPORTED = {
-    "use_dora": "DoRA", "modules_to_save": "modules_to_save (fully trained extra modules)",
-    "lora_bias": "LoRA bias", "trainable_token_indices": "trainable token embeddings",
-    "target_parameters": "LoRA on raw parameters", "layer_replication": "layer replication",
-    "alora_invocation_tokens": "activated LoRA", "use_qalora": "QA-LoRA", "use_bdlora": "block-diagonal LoRA",
-    "arrow_config": "Arrow routing", "velora_config": "VeLoRA", "kasa_config": "KaSA",
+    "use_dora": "DoRA",
+    "modules_to_save": "modules_to_save (fully trained extra modules)",
+    "lora_bias": "LoRA bias",
+    "trainable_token_indices": "trainable token embeddings",
+    "target_parameters": "LoRA on raw parameters",
+    "layer_replication": "layer replication",
+    "alora_invocation_tokens": "activated LoRA",
+    "use_qalora": "QA-LoRA",
+    "use_bdlora": "block-diagonal LoRA",
+    "arrow_config": "Arrow routing",
+    "velora_config": "VeLoRA",
+    "kasa_config": "KaSA",
     "monteclora_config": "MonteCLoRA",
 }
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<kind>[AB])\.weight$")
@@ -79,8 +86,13 @@ class LoRAModel:
     layers: dict[str, list[tuple[torch.Tensor, torch.Tensor] | None]] = field(repr=False)
 
 
-def load_lora_model(request: LoRARequest, layers: dict[str, Linear], stacked_modules: dict[str, tuple[str, int]],
-                    max_rank: int, dtype: torch.dtype) -> LoRAModel:
+def load_lora_model(
+    request: LoRARequest,
+    layers: dict[str, Linear],
+    stacked_modules: dict[str, tuple[str, int]],
+    max_rank: int,
+    dtype: torch.dtype,
+) -> LoRAModel:
     """Read and check a PEFT LoRA directory against the base model's `layers` (our module name -> Linear).
     ValueError naming the problem for anything it cannot serve exactly. Touches no engine state."""
     path = Path(request.lora_path).expanduser()
@@ -122,8 +134,10 @@ def _read_files(path: Path) -> tuple[bytes, bytes]:
     if not (path / WEIGHTS_FILE).is_file():
         pickled = [p.name for p in path.glob("adapter_model*") if p.suffix in (".bin", ".pt", ".pth", ".pkl")]
         if pickled:
-            raise ValueError(f"{path} has {pickled[0]} but no {WEIGHTS_FILE}: only safetensors adapters are "
-                             f"loaded (pickle files can run code)")  # fmt: skip
+            raise ValueError(
+                f"{path} has {pickled[0]} but no {WEIGHTS_FILE}: only safetensors adapters are "
+                f"loaded (pickle files can run code)"
+            )
         raise ValueError(f"{path} has no {WEIGHTS_FILE}")
     return (path / CONFIG_FILE).read_bytes(), (path / WEIGHTS_FILE).read_bytes()
 
@@ -141,8 +155,10 @@ def _parse_config(data: bytes, max_rank: int) -> dict:
         if config.get(key):
             raise ValueError(f"{CONFIG_FILE} sets {key}: {what} is not supported")
     if config.get("bias", "none") != "none":
-        raise ValueError(f"{CONFIG_FILE}: bias {config['bias']!r} is not supported (only 'none': LoRA bias "
-                         f"terms would change the base layers)")  # fmt: skip
+        raise ValueError(
+            f"{CONFIG_FILE}: bias {config['bias']!r} is not supported (only 'none': LoRA bias "
+            f"terms would change the base layers)"
+        )
     ranks = [config.get("r"), *(config.get("rank_pattern") or {}).values()]
     alphas = [config.get("lora_alpha"), *(config.get("alpha_pattern") or {}).values()]
     if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in ranks):
@@ -162,8 +178,9 @@ def _lora_pairs(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tenso
         if m is None:
             continue
         if not tensor.is_floating_point() or tensor.dim() != 2:
-            raise ValueError(f"{WEIGHTS_FILE}: {key} must be a 2-D floating-point tensor, got {tensor.dtype} "
-                             f"{tuple(tensor.shape)}")  # fmt: skip
+            raise ValueError(
+                f"{WEIGHTS_FILE}: {key} must be a 2-D floating-point tensor, got {tensor.dtype} {tuple(tensor.shape)}"
+            )
         found.setdefault(m["module"], {})[m["kind"]] = tensor
     for module, ab in found.items():
         if len(ab) != 2:
@@ -173,7 +190,9 @@ def _lora_pairs(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tenso
 
 
 _UNSUPPORTED_TENSORS = (
-    "LoRA on embeddings is not supported", "DoRA is not supported", "LoRA bias is not supported",
+    "LoRA on embeddings is not supported",
+    "DoRA is not supported",
+    "LoRA bias is not supported",
     "only lora_A / lora_B weights are; modules_to_save and other trained modules are not",
 )
 
@@ -221,16 +240,21 @@ def _pattern_value(patterns: dict, module: str, default):
     return default
 
 
-def _check_shapes(module: str, a: torch.Tensor, b: torch.Tensor, r: int, inputs: int, outputs: int,
-                  max_rank: int) -> None:
+def _check_shapes(
+    module: str, a: torch.Tensor, b: torch.Tensor, r: int, inputs: int, outputs: int, max_rank: int
+) -> None:
     if a.shape[0] != r or b.shape[1] != r:
-        raise ValueError(f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not have the rank "
-                         f"{r} that {CONFIG_FILE} gives it")  # fmt: skip
+        raise ValueError(
+            f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not have the rank "
+            f"{r} that {CONFIG_FILE} gives it"
+        )
     if r > max_rank:
         raise ValueError(f"{module}: rank {r} exceeds max_lora_rank {max_rank}")
     if a.shape[1] != inputs or b.shape[0] != outputs:
-        raise ValueError(f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the base "
-                         f"layer's {inputs} inputs and {outputs} outputs")  # fmt: skip
+        raise ValueError(
+            f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the base "
+            f"layer's {inputs} inputs and {outputs} outputs"
+        )
 
 
 class LoRABatch:
@@ -243,8 +267,16 @@ class LoRALayer:
     """Device slots of one Linear's adapters: `a [S, slices*R, in]`, `b [S, R, out]` (layouts in
     tiffin.kernels.lora), in `dtype`; the delta is added to the base output in its own dtype."""
 
-    def __init__(self, linear: Linear, batch: LoRABatch, num_slots: int, rank: int, dtype: torch.dtype,
-                 device: torch.device, backend: str):
+    def __init__(
+        self,
+        linear: Linear,
+        batch: LoRABatch,
+        num_slots: int,
+        rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        backend: str,
+    ):
         self.a = torch.zeros(num_slots, len(linear.output_sizes) * rank, linear.input_size, dtype=dtype, device=device)
         self.b = torch.zeros(num_slots, rank, linear.output_size, dtype=dtype, device=device)
         self.rank, self.offsets, self.batch, self.backend = rank, linear.offsets, batch, backend
@@ -271,8 +303,16 @@ class LoRALayer:
 
 
 class LoRAManager:
-    def __init__(self, model: torch.nn.Module, max_loras: int, max_lora_rank: int, max_cpu_loras: int,
-                 dtype: torch.dtype, device: torch.device, backend: str):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        max_loras: int,
+        max_lora_rank: int,
+        max_cpu_loras: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        backend: str,
+    ):
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         # CPU GEMMs this small run several times faster in fp32 than in bf16/fp16: keep adapters in fp32 there
         self.dtype, self.device = torch.float32 if device.type == "cpu" else dtype, device
@@ -294,9 +334,11 @@ class LoRAManager:
     def add(self, lora: LoRARequest | LoRAModel) -> bool:
         """Cache an adapter (loading it if given a request). False if this id was already cached; ValueError
         if the id or the name is taken by a different adapter."""
-        cached = self._cached(lora.lora_name if isinstance(lora, LoRARequest) else lora.name,
-                              lora.lora_int_id if isinstance(lora, LoRARequest) else lora.int_id,
-                              lora.path)  # fmt: skip
+        cached = self._cached(
+            lora.lora_name if isinstance(lora, LoRARequest) else lora.name,
+            lora.lora_int_id if isinstance(lora, LoRARequest) else lora.int_id,
+            lora.path,
+        )
         if cached is not None:
             return False
         model = self.load(lora) if isinstance(lora, LoRARequest) else lora

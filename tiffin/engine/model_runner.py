@@ -18,8 +18,14 @@ CPU_KV_CACHE_CAP = 4 << 30  # bytes; like vLLM's CPU backend default
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
-                 eos_token_ids: set[int], linear_method=None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        max_model_len: int,
+        eos_token_ids: set[int],
+        linear_method=None,
+    ):
         self.config, self.model_config = config, model_config
         self.device = config.torch_device
         if self.device.type == "cpu":
@@ -27,9 +33,19 @@ class ModelRunner:
         self.block_size = config.block_size
         self.backend = kernels.resolve_backend(config.kernel_backend, self.device)
         self.model = build_model(model_config, config.model, self.device, max_model_len, self.backend, linear_method)
-        self.lora_manager = LoRAManager(
-            self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras or config.max_loras,
-            model_config.dtype, self.device, self.backend) if config.enable_lora else None  # fmt: skip
+        self.lora_manager = (
+            LoRAManager(
+                self.model,
+                config.max_loras,
+                config.max_lora_rank,
+                config.max_cpu_loras or config.max_loras,
+                model_config.dtype,
+                self.device,
+                self.backend,
+            )
+            if config.enable_lora
+            else None
+        )
         self.sampler = Sampler(eos_token_ids, config.seed)
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.num_blocks = self._num_kv_blocks()
@@ -61,7 +77,7 @@ class ModelRunner:
             block_tables[i, : len(seq.block_table)] = seq.block_table
         slots = block_tables[req, positions // self.block_size].astype(np.int64) * self.block_size
         slots += positions % self.block_size
-        to = lambda a, dtype: torch.from_numpy(np.ascontiguousarray(a)).to(self.device, dtype)  # noqa: E731
+        to = lambda a, dtype: torch.from_numpy(np.ascontiguousarray(a)).to(self.device, dtype)
         md = kernels.AttentionMetadata(
             slot_mapping=to(slots, torch.int64),
             query_start_loc=to(query_start_loc, torch.int32),
@@ -105,8 +121,8 @@ class ModelRunner:
         tokens = min(self.config.max_num_batched_tokens, self.max_blocks_per_seq * self.block_size)
         self.num_blocks = self.max_blocks_per_seq
         self._allocate_kv_cache()
-        from tiffin.engine.sequence import Sequence  # a throwaway sequence only to shape the profiling batch
         from tiffin.engine.sampling_params import SamplingParams
+        from tiffin.engine.sequence import Sequence  # a throwaway sequence only to shape the profiling batch
 
         seq = Sequence("profile", 0, [0] * tokens, SamplingParams(temperature=0), 1)
         seq.block_table = list(range(-(-tokens // self.block_size)))

@@ -46,8 +46,9 @@ class Sampler:
         params = [s.params for s in seqs]
         raw_logprobs = logits.log_softmax(-1) if any(p.logprobs is not None for p in params) else None
         logits = self._mask_min_tokens(logits, seqs)
-        penalized = [i for i, p in enumerate(params)
-                     if p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty]
+        penalized = [
+            i for i, p in enumerate(params) if p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty
+        ]
         if penalized:  # count tensors only for the rows that need them
             logits = self._penalize(logits, [seqs[i] for i in penalized], penalized)
         sampled = logits.argmax(-1)
@@ -56,8 +57,11 @@ class Sampler:
             sub = [params[i] for i in rows]
             idx = torch.tensor(rows, device=logits.device)
             probs = sampling_probs(
-                logits[idx], _column(sub, "temperature", logits), _column(sub, "top_k", logits, torch.long),
-                _column(sub, "top_p", logits), _column(sub, "min_p", logits),
+                logits[idx],
+                _column(sub, "temperature", logits),
+                _column(sub, "top_k", logits, torch.long),
+                _column(sub, "top_p", logits),
+                _column(sub, "min_p", logits),
             )
             sampled[idx] = self._race(probs, [seqs[i].generator for i in rows])
         token_ids = sampled.tolist()
@@ -83,9 +87,13 @@ class Sampler:
         params = [s.params for s in seqs]
         idx = torch.tensor(rows, device=logits.device)
         penalized = apply_penalties(
-            logits[idx], [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
-            *(_column(params, name, logits) for name in ("repetition_penalty", "frequency_penalty",
-                                                          "presence_penalty")),
+            logits[idx],
+            [s.prompt_token_ids for s in seqs],
+            [s.output_token_ids for s in seqs],
+            *(
+                _column(params, name, logits)
+                for name in ("repetition_penalty", "frequency_penalty", "presence_penalty")
+            ),
         )
         return logits.index_put((idx,), penalized)
 
@@ -99,7 +107,8 @@ class Sampler:
         elif unseeded:
             idx = torch.tensor(unseeded, device=probs.device)
             q[idx] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
-                generator=self._default_generator(probs.device))
+                generator=self._default_generator(probs.device)
+            )
         for i, g in enumerate(generators):
             if g is not None:  # drawn on the generator's own device: the same seed gives the same q anywhere
                 q[i] = torch.empty(probs.shape[1], device=g.device).exponential_(generator=g)
@@ -128,12 +137,19 @@ def apply_penalties(
         seen = (output_counts > 0) | (_token_counts(prompt_token_ids, vocab, logits.device) > 0)
         rep = repetition_penalties[:, None]
         logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-    return (logits - frequency_penalties[:, None] * output_counts
-            - presence_penalties[:, None] * (output_counts > 0).to(logits.dtype))
+    return (
+        logits
+        - frequency_penalties[:, None] * output_counts
+        - presence_penalties[:, None] * (output_counts > 0).to(logits.dtype)
+    )
 
 
 def sampling_probs(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
 ) -> torch.Tensor:
     """The distribution a non-greedy row samples from; parameters are [B] tensors (top_k 0 = off)."""
     logits = logits / temperature[:, None]
@@ -171,7 +187,9 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
 
 
 def _gather_logprobs(
-    raw_logprobs: torch.Tensor, sampled: torch.Tensor, params: list[SamplingParams],
+    raw_logprobs: torch.Tensor,
+    sampled: torch.Tensor,
+    params: list[SamplingParams],
 ) -> list[dict[int, Logprob] | None]:
     """Top-`logprobs` entries plus the sampled token per row; rank = 1 + number of strictly more likely
     tokens (tied tokens share a rank)."""
@@ -186,8 +204,13 @@ def _gather_logprobs(
     top_rank = (top_lp[:, None, :] > top_lp[:, :, None]).sum(-1) + 1
     out: list[dict[int, Logprob] | None] = [None] * len(params)
     for i, tok, tlp, trank, ids, lps, ranks in zip(
-        rows, tokens.tolist(), token_lp[:, 0].tolist(), token_rank.tolist(),
-        top_ids.tolist(), top_lp.tolist(), top_rank.tolist(),
+        rows,
+        tokens.tolist(),
+        token_lp[:, 0].tolist(),
+        token_rank.tolist(),
+        top_ids.tolist(),
+        top_lp.tolist(),
+        top_rank.tolist(),
     ):
         n = params[i].logprobs
         entry = {tok: Logprob(tlp, trank)}

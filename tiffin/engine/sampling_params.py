@@ -28,11 +28,15 @@ class SamplingParams:
     def __post_init__(self) -> None:
         _check(
             self.stop is None or isinstance(self.stop, (str, list, tuple)),
-            "stop", "must be a string or a list of strings", self.stop,
+            "stop",
+            "must be a string or a list of strings",
+            self.stop,
         )
         _check(
             self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)),
-            "stop_token_ids", "must be a list of integers", self.stop_token_ids,
+            "stop_token_ids",
+            "must be a list of integers",
+            self.stop_token_ids,
         )
         self._stop_strs = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
@@ -41,7 +45,9 @@ class SamplingParams:
         _check(_is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1", self.n)
         _check(
             _is_number(self.temperature) and 0 <= self.temperature < math.inf,
-            "temperature", "must be finite and >= 0", self.temperature,
+            "temperature",
+            "must be finite and >= 0",
+            self.temperature,
         )
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
         _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "must be -1, 0 (off) or >= 1", self.top_k)
@@ -51,26 +57,36 @@ class SamplingParams:
             _check(_is_number(value) and -2 <= value <= 2, name, "must be in [-2, 2]", value)
         _check(
             _is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 2,
-            "repetition_penalty", "must be in (0, 2]", self.repetition_penalty,
+            "repetition_penalty",
+            "must be in (0, 2]",
+            self.repetition_penalty,
         )
         _check(self.seed is None or _is_int(self.seed), "seed", "must be an integer", self.seed)
         _check(
             self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
-            "max_tokens", "must be an integer >= 1", self.max_tokens,
+            "max_tokens",
+            "must be an integer >= 1",
+            self.max_tokens,
         )
         _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be >= 0", self.min_tokens)
         _check(
             self.max_tokens is None or self.min_tokens <= self.max_tokens,
-            "min_tokens", "must be <= max_tokens", self.min_tokens,
+            "min_tokens",
+            "must be <= max_tokens",
+            self.min_tokens,
         )
         _check(all(isinstance(s, str) and s for s in self._stop_strs), "stop", "must be non-empty strings", self.stop)
         _check(
             all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-            "stop_token_ids", "must be non-negative integers", self.stop_token_ids,
+            "stop_token_ids",
+            "must be non-negative integers",
+            self.stop_token_ids,
         )
         _check(
             self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
-            "logprobs", "must be an integer in [0, 20]", self.logprobs,
+            "logprobs",
+            "must be an integer in [0, 20]",
+            self.logprobs,
         )
 
     @property

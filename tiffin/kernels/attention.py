@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-
 DECODE_GROUP = 16
 
 
@@ -66,7 +65,7 @@ def _plan(md: AttentionMetadata, block_size: int, device) -> tuple[list[_Span], 
         return md.torch_plan
     starts, seq_lens = md.query_start_loc_cpu, md.seq_lens_cpu
     tables = md.block_tables
-    blocks = lambda rows, length: tables[rows, : -(-length // block_size)].reshape(-1)  # noqa: E731
+    blocks = lambda rows, length: tables[rows, : -(-length // block_size)].reshape(-1)
     decodes = sorted((i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1), key=seq_lens.__getitem__)
     groups = []
     for first in range(0, len(decodes), DECODE_GROUP):
@@ -98,15 +97,24 @@ def paged_attention_torch(query, k_cache, v_cache, md: AttentionMetadata, scale:
     for g in groups:
         q = query[g.rows].unsqueeze(2)  # [b, H, 1, D]
         o = F.scaled_dot_product_attention(
-            q, _gather(k_cache, g).to(q.dtype), _gather(v_cache, g).to(q.dtype), attn_mask=g.mask, scale=scale,
+            q,
+            _gather(k_cache, g).to(q.dtype),
+            _gather(v_cache, g).to(q.dtype),
+            attn_mask=g.mask,
+            scale=scale,
             enable_gqa=True,
         )
         out[g.rows] = o.squeeze(2)
     for p in prefills:
         q = query[p.rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         o = F.scaled_dot_product_attention(
-            q, _gather(k_cache, p).to(q.dtype), _gather(v_cache, p).to(q.dtype), attn_mask=p.mask,
-            is_causal=p.mask is None, scale=scale, enable_gqa=True,
+            q,
+            _gather(k_cache, p).to(q.dtype),
+            _gather(v_cache, p).to(q.dtype),
+            attn_mask=p.mask,
+            is_causal=p.mask is None,
+            scale=scale,
+            enable_gqa=True,
         )
         out[p.rows] = o.squeeze(0).transpose(0, 1)
     return out

@@ -97,8 +97,9 @@ def compile_case(name: str, case: CompileCase, arch: int) -> Result:
         options, signature, constexprs, attrs = case.kernel._pack_args(
             backend, case.kwargs, bound, specialization, options
         )
-        compiled = compile(ASTSource(case.kernel, signature, constexprs, attrs), target=target,
-                           options=options.__dict__)  # fmt: skip
+        compiled = compile(
+            ASTSource(case.kernel, signature, constexprs, attrs), target=target, options=options.__dict__
+        )
         registers, spills = _resource_usage(compiled.asm["cubin"])
     except Exception as e:  # report every failure in the table rather than stop at the first
         return Result(name, case.config, arch, error=f"{type(e).__name__}: {str(e).strip()[:300]}")

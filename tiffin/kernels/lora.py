@@ -61,9 +61,17 @@ class LoRAMetadata:
         groups = [(int(s), int(starts[s]), int(starts[s] + counts[s])) for s in active]
         width = int(counts.max())
         padded = len(groups) * width <= PAD_LIMIT * used.size
-        to = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a)).to(device, dt)  # noqa: E731
-        md = cls(int(slots.size), to(order, torch.int64), to(starts, torch.int32), to(counts, torch.int32),
-                 num_slots, width, groups, padded)  # fmt: skip
+        to = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a)).to(device, dt)
+        md = cls(
+            int(slots.size),
+            to(order, torch.int64),
+            to(starts, torch.int32),
+            to(counts, torch.int32),
+            num_slots,
+            width,
+            groups,
+            padded,
+        )
         if padded:
             if used.size < slots.size and len(groups) * width == used.size:
                 width += 1  # base tokens need a padding row to read zeros from
@@ -92,8 +100,14 @@ def lora_shrink(x: torch.Tensor, a_stack: torch.Tensor, md: LoRAMetadata, backen
     return lora_shrink_torch(x, a_stack, md)
 
 
-def lora_expand(h: torch.Tensor, b_stack: torch.Tensor, y: torch.Tensor, slice_offsets: list[int],
-                md: LoRAMetadata, backend: str = "torch") -> torch.Tensor:
+def lora_expand(
+    h: torch.Tensor,
+    b_stack: torch.Tensor,
+    y: torch.Tensor,
+    slice_offsets: list[int],
+    md: LoRAMetadata,
+    backend: str = "torch",
+) -> torch.Tensor:
     """`y[t, slice i] += h[t, i*R:(i+1)*R] @ B[slot_t][:, slice i]` in place; returns `y`. `slice_offsets`: the
     slices' output boundaries `[0, O_0, O_0+O_1, ..., O]`."""
     _check_expand(h, b_stack, y, slice_offsets, md)
@@ -105,8 +119,15 @@ def lora_expand(h: torch.Tensor, b_stack: torch.Tensor, y: torch.Tensor, slice_o
     return lora_expand_torch(h, b_stack, y, slice_offsets, md)
 
 
-def lora_apply(x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor, y: torch.Tensor,
-               slice_offsets: list[int], md: LoRAMetadata, backend: str = "torch") -> torch.Tensor:
+def lora_apply(
+    x: torch.Tensor,
+    a_stack: torch.Tensor,
+    b_stack: torch.Tensor,
+    y: torch.Tensor,
+    slice_offsets: list[int],
+    md: LoRAMetadata,
+    backend: str = "torch",
+) -> torch.Tensor:
     """Shrink then expand: `y += LoRA(x)` in place. On the padded torch path the shrink result stays in the
     padded layout in between (a layer's whole delta in a handful of ops)."""
     if backend == "triton" or not md.padded:
@@ -128,8 +149,9 @@ def lora_shrink_torch(x: torch.Tensor, a_stack: torch.Tensor, md: LoRAMetadata) 
     return h.index_copy_(0, md.sorted_tokens, hs)
 
 
-def lora_expand_torch(h: torch.Tensor, b_stack: torch.Tensor, y: torch.Tensor, slice_offsets: list[int],
-                      md: LoRAMetadata) -> torch.Tensor:
+def lora_expand_torch(
+    h: torch.Tensor, b_stack: torch.Tensor, y: torch.Tensor, slice_offsets: list[int], md: LoRAMetadata
+) -> torch.Tensor:
     if md.padded:
         hs = h.index_select(0, md.padded_tokens).view(len(md.groups), md.pad_width, -1) * md.pad_mask
         return _padded_expand(hs, b_stack, y, slice_offsets, md)
@@ -147,8 +169,9 @@ def _padded_shrink(x: torch.Tensor, a_stack: torch.Tensor, md: LoRAMetadata) -> 
     return torch.bmm(xs, _slots(a_stack, md).transpose(1, 2))
 
 
-def _padded_expand(hs: torch.Tensor, b_stack: torch.Tensor, y: torch.Tensor, slice_offsets: list[int],
-                   md: LoRAMetadata) -> torch.Tensor:
+def _padded_expand(
+    hs: torch.Tensor, b_stack: torch.Tensor, y: torch.Tensor, slice_offsets: list[int], md: LoRAMetadata
+) -> torch.Tensor:
     """Adds `hs [G, pad_width, N]` (repeated rows zeroed) through each group's B into the tokens' rows of y."""
     r, b = b_stack.shape[1], _slots(b_stack, md)
     for i, (lo, hi) in enumerate(zip(slice_offsets, slice_offsets[1:])):
@@ -165,8 +188,9 @@ def _slots(stack: torch.Tensor, md: LoRAMetadata) -> torch.Tensor:
 
 def _check_shrink(x: torch.Tensor, a_stack: torch.Tensor, md: LoRAMetadata) -> None:
     if x.dim() != 2 or a_stack.dim() != 3 or a_stack.shape[2] != x.shape[1]:
-        raise ValueError(f"lora_shrink: x [T, K] and a_stack [S, N, K] expected, got {tuple(x.shape)} and "
-                         f"{tuple(a_stack.shape)}")  # fmt: skip
+        raise ValueError(
+            f"lora_shrink: x [T, K] and a_stack [S, N, K] expected, got {tuple(x.shape)} and {tuple(a_stack.shape)}"
+        )
     if a_stack.dtype != x.dtype or not a_stack.is_contiguous():
         raise ValueError(f"lora_shrink: a_stack must be contiguous {x.dtype}, got {a_stack.dtype}")
     _check_md(x.shape[0], a_stack.shape[0], md, "lora_shrink")
@@ -181,19 +205,31 @@ def _check_expand(h, b_stack, y, slice_offsets, md: LoRAMetadata) -> None:
 
 def _check_b(b_stack, y, slice_offsets, n: int, dtype: torch.dtype, md: LoRAMetadata) -> None:
     if y.dim() != 2 or b_stack.dim() != 3 or y.shape[0] != md.num_tokens:
-        raise ValueError(f"lora_expand: b_stack [S, R, O] and y [{md.num_tokens}, O] expected, got "
-                         f"{tuple(b_stack.shape)} and {tuple(y.shape)}")  # fmt: skip
+        raise ValueError(
+            f"lora_expand: b_stack [S, R, O] and y [{md.num_tokens}, O] expected, got "
+            f"{tuple(b_stack.shape)} and {tuple(y.shape)}"
+        )
     _, r, o = b_stack.shape
     slices = len(slice_offsets) - 1
-    if (slices < 1 or slice_offsets[0] != 0 or slice_offsets[-1] != o or y.shape[1] != o or n != slices * r
-            or any(b < a for a, b in zip(slice_offsets, slice_offsets[1:]))):
-        raise ValueError(f"lora_expand: slice_offsets {slice_offsets} do not fit y {tuple(y.shape)}, "
-                         f"b_stack {tuple(b_stack.shape)} and {n} shrink columns")  # fmt: skip
+    if (
+        slices < 1
+        or slice_offsets[0] != 0
+        or slice_offsets[-1] != o
+        or y.shape[1] != o
+        or n != slices * r
+        or any(b < a for a, b in zip(slice_offsets, slice_offsets[1:]))
+    ):
+        raise ValueError(
+            f"lora_expand: slice_offsets {slice_offsets} do not fit y {tuple(y.shape)}, "
+            f"b_stack {tuple(b_stack.shape)} and {n} shrink columns"
+        )
     if b_stack.dtype != dtype or not b_stack.is_contiguous() or not y.is_floating_point():
         raise ValueError(f"lora_expand: b_stack must be contiguous {dtype} (the shrink's dtype), got {b_stack.dtype}")
 
 
 def _check_md(num_tokens: int, num_slots: int, md: LoRAMetadata, op: str) -> None:
     if md.num_tokens != num_tokens or md.num_slots > num_slots:
-        raise ValueError(f"{op}: metadata for {md.num_tokens} tokens and {md.num_slots} slots does not fit "
-                         f"{num_tokens} tokens and a stack of {num_slots} slots")  # fmt: skip
+        raise ValueError(
+            f"{op}: metadata for {md.num_tokens} tokens and {md.num_slots} slots does not fit "
+            f"{num_tokens} tokens and a stack of {num_slots} slots"
+        )

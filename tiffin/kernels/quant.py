@@ -57,14 +57,16 @@ def awq_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Te
     return _dequantize(unpack_awq(qweight), unpack_awq(qzeros), scales)
 
 
-def gptq_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, bits: int,
-                    zero_offset: int) -> torch.Tensor:
+def gptq_dequantize(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, bits: int, zero_offset: int
+) -> torch.Tensor:
     """`[K, N]` weight (rows in the order stored, groups contiguous) in the scales' dtype."""
     return _dequantize(unpack_rows(qweight, bits), unpack_cols(qzeros, bits) + zero_offset, scales)
 
 
-def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-             backend: str = "torch") -> torch.Tensor:
+def awq_gemm(
+    x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, backend: str = "torch"
+) -> torch.Tensor:
     """`x [M, K]` @ the AWQ weight -> `[M, N]` in x's dtype (fp32 accumulation on the Triton path)."""
     _check_quant_args(x, qweight.shape[0], scales)
     if backend == "triton":
@@ -74,8 +76,16 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scale
     return x @ awq_dequantize(qweight, qzeros, scales).to(x.dtype)
 
 
-def gptq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, bits: int,
-              zero_offset: int, perm: torch.Tensor | None = None, backend: str = "torch") -> torch.Tensor:
+def gptq_gemm(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    zero_offset: int,
+    perm: torch.Tensor | None = None,
+    backend: str = "torch",
+) -> torch.Tensor:
     """`x [M, K]` @ the GPTQ weight -> `[M, N]`; `perm` (act-order) gathers x's columns into the stored row
     order first."""
     _check_quant_args(x, qweight.shape[0] * 32 // bits, scales)

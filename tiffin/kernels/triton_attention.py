@@ -68,10 +68,16 @@ def _pad_head_dim(head_dim: int) -> int:
 
 @triton.jit
 def _write_kv_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-    stride_key, stride_value, row_size,
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_key,
+    stride_value,
+    row_size,
     BLOCK: tl.constexpr,
-):  # fmt: skip
+):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token)
     if slot < 0:  # padding token
@@ -83,17 +89,47 @@ def _write_kv_kernel(
     tl.store(v_cache_ptr + dst, tl.load(value_ptr + token * stride_value + offs, mask=mask), mask=mask)
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_heads", "group", "heads", "block_q", "block_shift",
-                             "stride_bt"])  # fmt: skip
+@triton.jit(
+    do_not_specialize=["num_seqs", "num_tokens", "num_heads", "group", "heads", "block_q", "block_shift", "stride_bt"]
+)
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    qk_scale, num_seqs, num_tokens, num_heads, group, heads, block_q, block_shift,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DECODE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_ptr,
+    stats_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    qk_scale,
+    num_seqs,
+    num_tokens,
+    num_heads,
+    group,
+    heads,
+    block_q,
+    block_shift,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DECODE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     # Program (tile, kv_head x head chunk, split).
     tile, split = tl.program_id(0), tl.program_id(2)
     chunks = tl.cdiv(group, heads)
@@ -199,9 +235,17 @@ def _paged_attention_kernel(
 
 @triton.jit(do_not_specialize=["num_splits", "num_tokens"])
 def _merge_splits_kernel(
-    out_ptr, part_ptr, stats_ptr, num_splits, num_tokens, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr,
-):  # fmt: skip
+    out_ptr,
+    part_ptr,
+    stats_ptr,
+    num_splits,
+    num_tokens,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
+):
     token, head = tl.program_id(0), tl.program_id(1)
     s = tl.arange(0, MAX_SPLITS)
     s_ok = s < num_splits
@@ -295,11 +339,14 @@ def write_kv_triton(key, value, k_cache, v_cache, slot_mapping) -> None:
 def write_kv_launch(key, value, k_cache, v_cache, slot_mapping) -> Launch:
     num_tokens = key.shape[0]
     if key.shape != value.shape or key.shape[1:] != k_cache.shape[2:] or k_cache.shape != v_cache.shape:
-        raise ValueError(f"write_kv: key {tuple(key.shape)} / value {tuple(value.shape)} do not fit caches "
-                         f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}")  # fmt: skip
+        raise ValueError(
+            f"write_kv: key {tuple(key.shape)} / value {tuple(value.shape)} do not fit caches "
+            f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}"
+        )
     if slot_mapping.shape != (num_tokens,) or slot_mapping.dtype != torch.int64:
-        raise ValueError(f"write_kv: slot_mapping must be int64 [{num_tokens}], got {slot_mapping.dtype} "
-                         f"{tuple(slot_mapping.shape)}")  # fmt: skip
+        raise ValueError(
+            f"write_kv: slot_mapping must be int64 [{num_tokens}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
+        )
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.dtype != v_cache.dtype:
         raise ValueError("write_kv: k_cache and v_cache must be contiguous and of one dtype")
     row_size = key.shape[1] * key.shape[2]
@@ -307,10 +354,11 @@ def write_kv_launch(key, value, k_cache, v_cache, slot_mapping) -> Launch:
     key = key.to(k_cache.dtype).reshape(num_tokens, row_size)
     value = value.to(v_cache.dtype).reshape(num_tokens, row_size)
     return Launch(
-        _write_kv_kernel, (num_tokens, triton.cdiv(row_size, WRITE_BLOCK)),
+        _write_kv_kernel,
+        (num_tokens, triton.cdiv(row_size, WRITE_BLOCK)),
         (key, value, k_cache, v_cache, slot_mapping, key.stride(0), value.stride(0), row_size),
         dict(BLOCK=WRITE_BLOCK),
-    )  # fmt: skip
+    )
 
 
 def paged_attention_triton(query, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -340,10 +388,11 @@ def paged_attention_launches(
     part = _empty((splits, num_tokens, num_heads, d_pad), torch.float32, query.device)
     stats = _empty((splits, num_tokens, num_heads, 2), torch.float32, query.device)
     merge = Launch(
-        _merge_splits_kernel, (num_tokens, num_heads),
+        _merge_splits_kernel,
+        (num_tokens, num_heads),
         (out, part, stats, splits, num_tokens, out.stride(0), out.stride(1)),
         dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, MAX_SPLITS=MAX_SPLITS),
-    )  # fmt: skip
+    )
     return [_attention(query, k_cache, v_cache, md, scale, out, True, splits, part, stats), merge]
 
 
@@ -356,16 +405,47 @@ def _attention(query, k_cache, v_cache, md, scale, out, decode, splits=1, part=N
     block_q = 1 if decode else tile.block_m // heads
     num_tiles = num_seqs if decode else num_tokens // block_q + num_seqs
     return Launch(
-        _paged_attention_kernel, (num_tiles, num_kv_heads * triton.cdiv(group, heads), splits),
-        (query, k_cache, v_cache, out, out if part is None else part, out if stats is None else stats,
-         md.query_start_loc, md.seq_lens, md.block_tables, scale * math.log2(math.e),
-         num_seqs, num_tokens, num_heads, group, heads, block_q, block_size.bit_length() - 1,
-         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-         *k_cache.stride()[:3], *v_cache.stride()[:3], md.block_tables.stride(0)),
-        dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=_pad_head_dim(head_dim), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-             DECODE=decode, SPLIT=splits > 1, UPCAST=query.device.type == "cpu" and query.dtype == torch.bfloat16,
-             DOT_PRECISION=_dot_precision(query.dtype), num_warps=tile.num_warps, num_stages=tile.num_stages),
-    )  # fmt: skip
+        _paged_attention_kernel,
+        (num_tiles, num_kv_heads * triton.cdiv(group, heads), splits),
+        (
+            query,
+            k_cache,
+            v_cache,
+            out,
+            out if part is None else part,
+            out if stats is None else stats,
+            md.query_start_loc,
+            md.seq_lens,
+            md.block_tables,
+            scale * math.log2(math.e),
+            num_seqs,
+            num_tokens,
+            num_heads,
+            group,
+            heads,
+            block_q,
+            block_size.bit_length() - 1,
+            query.stride(0),
+            query.stride(1),
+            out.stride(0),
+            out.stride(1),
+            *k_cache.stride()[:3],
+            *v_cache.stride()[:3],
+            md.block_tables.stride(0),
+        ),
+        dict(
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=_pad_head_dim(head_dim),
+            BLOCK_M=tile.block_m,
+            BLOCK_N=tile.block_n,
+            DECODE=decode,
+            SPLIT=splits > 1,
+            UPCAST=query.device.type == "cpu" and query.dtype == torch.bfloat16,
+            DOT_PRECISION=_dot_precision(query.dtype),
+            num_warps=tile.num_warps,
+            num_stages=tile.num_stages,
+        ),
+    )
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -378,11 +458,15 @@ def _check_attention_args(query, k_cache, v_cache, md: AttentionMetadata) -> Non
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     if v_cache.shape != k_cache.shape or cache_head_dim != head_dim or num_heads % num_kv_heads:
-        raise ValueError(f"paged_attention: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit "
-                         f"query {tuple(query.shape)}")  # fmt: skip
+        raise ValueError(
+            f"paged_attention: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit "
+            f"query {tuple(query.shape)}"
+        )
     if query.dtype not in DTYPES or k_cache.dtype != query.dtype or v_cache.dtype != query.dtype:
-        raise ValueError(f"paged_attention: query/cache dtypes must match and be one of {DTYPES}, got "
-                         f"{query.dtype}/{k_cache.dtype}/{v_cache.dtype}")  # fmt: skip
+        raise ValueError(
+            f"paged_attention: query/cache dtypes must match and be one of {DTYPES}, got "
+            f"{query.dtype}/{k_cache.dtype}/{v_cache.dtype}"
+        )
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"paged_attention: head_dim {head_dim} not supported by the Triton kernel ({HEAD_DIMS})")
     if block_size & (block_size - 1):
@@ -409,9 +493,17 @@ def _compile_cases():
             for decode_only, splits in ((False, None), (True, 1), (True, 2)):
                 inputs = _example_inputs(dtype, head_dim, decode_only)
                 for launch in paged_attention_launches(*inputs, splits=splits):
-                    kind = "merge" if launch.kernel is _merge_splits_kernel else (
-                        "prefill" if not launch.kwargs["DECODE"] else
-                        "decode split" if launch.kwargs["SPLIT"] else "decode")  # fmt: skip
+                    kind = (
+                        "merge"
+                        if launch.kernel is _merge_splits_kernel
+                        else (
+                            "prefill"
+                            if not launch.kwargs["DECODE"]
+                            else "decode split"
+                            if launch.kwargs["SPLIT"]
+                            else "decode"
+                        )
+                    )
                     if kind not in seen:
                         seen.add(kind)
                         yield CompileCase(launch.kernel, f"{name} d={head_dim} {kind}", launch.args, launch.kwargs)
@@ -436,6 +528,9 @@ def _example_inputs(dtype: torch.dtype, head_dim: int, decode: bool):
         query_start_loc=torch.empty(3, dtype=torch.int32, **meta),
         seq_lens=torch.empty(2, dtype=torch.int32, **meta),
         block_tables=torch.empty(2, 4, dtype=torch.int32, **meta),
-        query_start_loc_cpu=starts, seq_lens_cpu=[40, 64], max_query_len=1 if decode else 5, max_seq_len=64,
-    )  # fmt: skip
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=[40, 64],
+        max_query_len=1 if decode else 5,
+        max_seq_len=64,
+    )
     return query, cache, cache, md, head_dim**-0.5, torch.empty_like(query)

@@ -58,11 +58,27 @@ def expand_tile(max_slot_tokens: int, rank: int, dtype: torch.dtype) -> LoRATile
 
 @triton.jit
 def _lora_shrink_kernel(
-    x_ptr, a_ptr, out_ptr, sorted_ptr, starts_ptr, counts_ptr,
-    N, K, k_per_split, stride_xt, stride_as, stride_an, stride_ot, stride_split,
-    SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    a_ptr,
+    out_ptr,
+    sorted_ptr,
+    starts_ptr,
+    counts_ptr,
+    N,
+    K,
+    k_per_split,
+    stride_xt,
+    stride_as,
+    stride_an,
+    stride_ot,
+    stride_split,
+    SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     pid_mn, pid_k, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = pid_mn // num_n, pid_mn % num_n
@@ -81,10 +97,12 @@ def _lora_shrink_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < k_end
-        x = tl.load(x_ptr + tokens[:, None] * stride_xt + offs_k[None, :],
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # fmt: skip
-        a = tl.load(a_base + offs_n[None, :] * stride_an + offs_k[:, None],
-                    mask=mask_k[:, None] & mask_n[None, :], other=0.0)  # fmt: skip
+        x = tl.load(
+            x_ptr + tokens[:, None] * stride_xt + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0
+        )
+        a = tl.load(
+            a_base + offs_n[None, :] * stride_an + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0
+        )
         if UPCAST:
             acc = tl.dot(x.to(tl.float32), a.to(tl.float32), acc)
         else:
@@ -99,11 +117,25 @@ def _lora_shrink_kernel(
 
 @triton.jit
 def _lora_expand_kernel(
-    h_ptr, b_ptr, y_ptr, sorted_ptr, starts_ptr, counts_ptr, offsets_ptr,
-    R, max_slice, stride_ht, stride_bs, stride_br, stride_yt,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
+    h_ptr,
+    b_ptr,
+    y_ptr,
+    sorted_ptr,
+    starts_ptr,
+    counts_ptr,
+    offsets_ptr,
+    R,
+    max_slice,
+    stride_ht,
+    stride_bs,
+    stride_br,
+    stride_yt,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     pid_mn, piece, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_n = tl.cdiv(max_slice, BLOCK_N)
     pid_m, pid_n = pid_mn // num_n, pid_mn % num_n
@@ -122,10 +154,14 @@ def _lora_expand_kernel(
     for r0 in range(0, R, BLOCK_K):
         offs_r = r0 + tl.arange(0, BLOCK_K)
         mask_r = offs_r < R
-        h = tl.load(h_ptr + tokens[:, None] * stride_ht + (piece * R + offs_r)[None, :],
-                    mask=mask_m[:, None] & mask_r[None, :], other=0.0)  # fmt: skip
-        b = tl.load(b_base + offs_r[:, None] * stride_br + offs_n[None, :],
-                    mask=mask_r[:, None] & mask_n[None, :], other=0.0)  # fmt: skip
+        h = tl.load(
+            h_ptr + tokens[:, None] * stride_ht + (piece * R + offs_r)[None, :],
+            mask=mask_m[:, None] & mask_r[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            b_base + offs_r[:, None] * stride_br + offs_n[None, :], mask=mask_r[:, None] & mask_n[None, :], other=0.0
+        )
         if UPCAST:
             acc = tl.dot(h.to(tl.float32), b.to(tl.float32), acc)
         else:
@@ -163,13 +199,34 @@ def shrink_launch(x, a_stack, out, md: LoRAMetadata, splits: int | None = None) 
     partial = _empty((splits, t, n), torch.float32, x.device) if splits > 1 else None
     target = out if partial is None else partial
     launch = Launch(
-        _lora_shrink_kernel, (tiles, splits, md.num_slots),
-        (x, a_stack, target, md.sorted_tokens, md.slot_starts, md.slot_counts,
-         n, k, k_per_split, x.stride(0), a_stack.stride(0), a_stack.stride(1), target.stride(-2),
-         target.stride(0) if splits > 1 else 0),
-        dict(SPLIT=splits > 1, **_dot_options(x), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-             BLOCK_K=tile.block_k, num_warps=tile.num_warps, num_stages=tile.num_stages),
-    )  # fmt: skip
+        _lora_shrink_kernel,
+        (tiles, splits, md.num_slots),
+        (
+            x,
+            a_stack,
+            target,
+            md.sorted_tokens,
+            md.slot_starts,
+            md.slot_counts,
+            n,
+            k,
+            k_per_split,
+            x.stride(0),
+            a_stack.stride(0),
+            a_stack.stride(1),
+            target.stride(-2),
+            target.stride(0) if splits > 1 else 0,
+        ),
+        dict(
+            SPLIT=splits > 1,
+            **_dot_options(x),
+            BLOCK_M=tile.block_m,
+            BLOCK_N=tile.block_n,
+            BLOCK_K=tile.block_k,
+            num_warps=tile.num_warps,
+            num_stages=tile.num_stages,
+        ),
+    )
     return launch, partial
 
 
@@ -200,18 +257,40 @@ def expand_launch(h, b_stack, y, slice_offsets: list[int], offsets: torch.Tensor
     tile = expand_tile(md.max_slot_tokens, r, h.dtype)
     tiles = triton.cdiv(md.max_slot_tokens, tile.block_m) * triton.cdiv(max_slice, tile.block_n)
     return Launch(
-        _lora_expand_kernel, (tiles, len(slice_offsets) - 1, md.num_slots),
-        (h, b_stack, y, md.sorted_tokens, md.slot_starts, md.slot_counts, offsets,
-         r, max_slice, h.stride(0), b_stack.stride(0), b_stack.stride(1), y.stride(0)),
-        dict(**_dot_options(h), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-             num_warps=tile.num_warps, num_stages=tile.num_stages),
-    )  # fmt: skip
+        _lora_expand_kernel,
+        (tiles, len(slice_offsets) - 1, md.num_slots),
+        (
+            h,
+            b_stack,
+            y,
+            md.sorted_tokens,
+            md.slot_starts,
+            md.slot_counts,
+            offsets,
+            r,
+            max_slice,
+            h.stride(0),
+            b_stack.stride(0),
+            b_stack.stride(1),
+            y.stride(0),
+        ),
+        dict(
+            **_dot_options(h),
+            BLOCK_M=tile.block_m,
+            BLOCK_N=tile.block_n,
+            BLOCK_K=tile.block_k,
+            num_warps=tile.num_warps,
+            num_stages=tile.num_stages,
+        ),
+    )
 
 
 def _dot_options(x: torch.Tensor) -> dict:
     # bf16 math under the interpreter is wrong: upcast there. fp32 keeps fp32 accuracy with 3xTF32.
-    return dict(UPCAST=x.device.type == "cpu" and x.dtype == torch.bfloat16,
-                DOT_PRECISION="tf32x3" if x.dtype == torch.float32 else "tf32")  # fmt: skip
+    return dict(
+        UPCAST=x.device.type == "cpu" and x.dtype == torch.bfloat16,
+        DOT_PRECISION="tf32x3" if x.dtype == torch.float32 else "tf32",
+    )
 
 
 @register("lora_shrink")
@@ -261,7 +340,19 @@ def _example(dtype: torch.dtype, tokens: int, rank: int, slots: int = 4, hidden:
     a = torch.empty(slots, slices * rank, hidden, dtype=dtype, **meta)
     b = torch.empty(slots, rank, 6144, dtype=dtype, **meta)
     h = torch.empty(t, slices * rank, dtype=dtype, **meta)
-    ints = lambda n: torch.empty(n, dtype=torch.int32, **meta)  # noqa: E731
-    md = LoRAMetadata(t, torch.empty(t, dtype=torch.int64, **meta), ints(slots), ints(slots), slots, tokens,
-                      [], False, None, None, None, None)  # fmt: skip
+    ints = lambda n: torch.empty(n, dtype=torch.int32, **meta)
+    md = LoRAMetadata(
+        t,
+        torch.empty(t, dtype=torch.int64, **meta),
+        ints(slots),
+        ints(slots),
+        slots,
+        tokens,
+        [],
+        False,
+        None,
+        None,
+        None,
+        None,
+    )
     return x, a, b, h, md

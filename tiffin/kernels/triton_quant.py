@@ -62,12 +62,31 @@ def split_k(programs: int, k: int, block_k: int, num_sms: int) -> int:
 
 @triton.jit
 def _quant_gemm_kernel(
-    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, perm_ptr, out_ptr,
-    M, N, K, group_size, k_per_split, stride_xm, stride_om, stride_split,
-    AWQ: tl.constexpr, BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_PERM: tl.constexpr,
-    SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    qweight_ptr,
+    qzeros_ptr,
+    scales_ptr,
+    perm_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    group_size,
+    k_per_split,
+    stride_xm,
+    stride_om,
+    stride_split,
+    AWQ: tl.constexpr,
+    BITS: tl.constexpr,
+    ZERO_OFFSET: tl.constexpr,
+    HAS_PERM: tl.constexpr,
+    SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     PACK = 32 // BITS  # plain names: the interpreter cannot rewrite annotated constexpr locals twice
     MAXQ = (1 << BITS) - 1
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -89,8 +108,9 @@ def _quant_gemm_kernel(
             src_k = tl.load(perm_ptr + offs_k, mask=mask_k, other=0)
         else:
             src_k = offs_k
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + src_k[None, :],
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # fmt: skip
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + src_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0
+        )
         group = k0 // group_size
         w_mask = mask_k[:, None] & mask_n[None, :]
         if AWQ:
@@ -137,8 +157,9 @@ def _run(x, qweight, qzeros, scales, perm, **fmt) -> torch.Tensor:
     return out
 
 
-def quant_gemm_launch(x, qweight, qzeros, scales, perm, out, *, awq: bool, bits: int, zero_offset: int,
-                      splits: int | None = None) -> tuple[Launch, torch.Tensor | None]:
+def quant_gemm_launch(
+    x, qweight, qzeros, scales, perm, out, *, awq: bool, bits: int, zero_offset: int, splits: int | None = None
+) -> tuple[Launch, torch.Tensor | None]:
     """The launch for one call and, with split-K, the fp32 `[splits, M, N]` partials it writes (summed by the
     caller); `splits` defaults to the dispatcher's choice."""
     m, k = x.shape
@@ -155,15 +176,39 @@ def quant_gemm_launch(x, qweight, qzeros, scales, perm, out, *, awq: bool, bits:
     partial = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else None
     target = out if partial is None else partial
     launch = Launch(
-        _quant_gemm_kernel, (*grid_mn, splits),
-        (x, qweight, qzeros, scales, x if perm is None else perm, target,
-         m, n, k, group_size, k_per_split, x.stride(0), target.stride(-2), target.stride(0) if splits > 1 else 0),
-        dict(AWQ=awq, BITS=bits, ZERO_OFFSET=zero_offset, HAS_PERM=perm is not None, SPLIT=splits > 1,
-             UPCAST=x.device.type == "cpu" and x.dtype == torch.bfloat16,
-             DOT_PRECISION="tf32x3" if x.dtype == torch.float32 else "tf32",
-             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-             num_warps=tile.num_warps, num_stages=tile.num_stages),
-    )  # fmt: skip
+        _quant_gemm_kernel,
+        (*grid_mn, splits),
+        (
+            x,
+            qweight,
+            qzeros,
+            scales,
+            x if perm is None else perm,
+            target,
+            m,
+            n,
+            k,
+            group_size,
+            k_per_split,
+            x.stride(0),
+            target.stride(-2),
+            target.stride(0) if splits > 1 else 0,
+        ),
+        dict(
+            AWQ=awq,
+            BITS=bits,
+            ZERO_OFFSET=zero_offset,
+            HAS_PERM=perm is not None,
+            SPLIT=splits > 1,
+            UPCAST=x.device.type == "cpu" and x.dtype == torch.bfloat16,
+            DOT_PRECISION="tf32x3" if x.dtype == torch.float32 else "tf32",
+            BLOCK_M=tile.block_m,
+            BLOCK_N=tile.block_n,
+            BLOCK_K=tile.block_k,
+            num_warps=tile.num_warps,
+            num_stages=tile.num_stages,
+        ),
+    )
     return launch, partial
 
 
@@ -175,8 +220,10 @@ def _check_quant_launch(x, qweight, qzeros, scales, perm, awq, bits, k, n, group
         want = {"qweight": (k // pack, n), "qzeros": (groups, n // pack)}
     for name, tensor in (("qweight", qweight), ("qzeros", qzeros)):
         if tuple(tensor.shape) != want[name] or tensor.dtype != torch.int32 or not tensor.is_contiguous():
-            raise ValueError(f"quantized gemm: {name} must be contiguous int32 {want[name]}, got "
-                             f"{tensor.dtype} {tuple(tensor.shape)}")  # fmt: skip
+            raise ValueError(
+                f"quantized gemm: {name} must be contiguous int32 {want[name]}, got "
+                f"{tensor.dtype} {tuple(tensor.shape)}"
+            )
     if n % pack or k % groups or k % pack or not scales.is_contiguous():
         raise ValueError(f"quantized gemm: K={k}, N={n}, {groups} groups do not fit {bits}-bit packing")
     if x.dtype not in DTYPES:
@@ -205,15 +252,27 @@ def _compile_cases(awq: bool, variants):
             for group_size in (32, 128):
                 for m, splits in ((1, 1), (1, 4), (32, 1), (256, 1)):
                     x, qweight, qzeros, scales, perm, out = _example_inputs(dtype, m, group_size, bits, awq, act_order)
-                    launch, _ = quant_gemm_launch(x, qweight, qzeros, scales, perm, out, awq=awq, bits=bits,
-                                                  zero_offset=zero_offset, splits=splits)  # fmt: skip
+                    launch, _ = quant_gemm_launch(
+                        x,
+                        qweight,
+                        qzeros,
+                        scales,
+                        perm,
+                        out,
+                        awq=awq,
+                        bits=bits,
+                        zero_offset=zero_offset,
+                        splits=splits,
+                    )
                     key = (dtype, *sorted(launch.kwargs.items()))
                     if key in seen:
                         continue
                     seen.add(key)
                     kw = launch.kwargs
-                    config = (f"{name} {bits}bit zero+{zero_offset}{' perm' if act_order else ''} "
-                              f"tile={kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']}{' split-K' if kw['SPLIT'] else ''}")
+                    config = (
+                        f"{name} {bits}bit zero+{zero_offset}{' perm' if act_order else ''} "
+                        f"tile={kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']}{' split-K' if kw['SPLIT'] else ''}"
+                    )
                     yield CompileCase(launch.kernel, config, launch.args, launch.kwargs)
 
 

@@ -45,9 +45,18 @@ class LoRAServing:
         return None if entry is None else entry[0]
 
     def cards(self, max_model_len: int) -> list[dict]:
-        return [{"id": name, "object": "model", "created": created, "owned_by": "tiffin", "root": request.lora_path,
-                 "parent": self.base_model, "max_model_len": max_model_len}
-                for name, (request, created) in self.adapters.items()]  # fmt: skip
+        return [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "tiffin",
+                "root": request.lora_path,
+                "parent": self.base_model,
+                "max_model_len": max_model_len,
+            }
+            for name, (request, created) in self.adapters.items()
+        ]
 
     async def load(self, name: str, raw_path: str) -> str:
         self._check_name(name)
@@ -57,8 +66,12 @@ class LoRAServing:
                 loaded = self.adapters[name][0].lora_path
                 if Path(loaded) == path:
                     return f"Success: LoRA adapter '{name}' is already loaded from {path}."
-                raise APIError(409, f"a LoRA adapter named '{name}' is already loaded from {loaded}; unload it "
-                                    f"first to load {path} under that name", param="lora_name")  # fmt: skip
+                raise APIError(
+                    409,
+                    f"a LoRA adapter named '{name}' is already loaded from {loaded}; unload it "
+                    f"first to load {path} under that name",
+                    param="lora_name",
+                )
             request = LoRARequest(name, self._next_id, str(path))
             try:
                 await self.engine.add_lora(request)
@@ -72,8 +85,13 @@ class LoRAServing:
         async with self._lock:
             entry = self.adapters.pop(name, None)
             if entry is None:
-                raise APIError(404, f"The LoRA adapter '{name}' cannot be found.", type="not_found_error",
-                               param="lora_name", code="model_not_found")  # fmt: skip
+                raise APIError(
+                    404,
+                    f"The LoRA adapter '{name}' cannot be found.",
+                    type="not_found_error",
+                    param="lora_name",
+                    code="model_not_found",
+                )
             await self.engine.remove_lora(entry[0].lora_int_id)
         return f"Success: LoRA adapter '{name}' removed successfully."
 
@@ -92,14 +110,16 @@ class LoRAServing:
             except (OSError, RuntimeError):  # missing, or a symlink loop
                 continue
             if self._root_of(resolved) is None:
-                raise APIError(400, f"lora_path {raw!r} is outside the LoRA roots once symlinks are resolved",
-                               param="lora_path")  # fmt: skip
+                raise APIError(
+                    400, f"lora_path {raw!r} is outside the LoRA roots once symlinks are resolved", param="lora_path"
+                )
             if not resolved.is_dir():
                 raise APIError(400, f"lora_path {raw!r} is not a directory", param="lora_path")
             for name in (CONFIG_FILE, WEIGHTS_FILE):
                 if (resolved / name).exists() and self._root_of((resolved / name).resolve()) is None:
-                    raise APIError(400, f"{name} in {raw!r} leads outside the LoRA roots through a symlink",
-                                   param="lora_path")  # fmt: skip
+                    raise APIError(
+                        400, f"{name} in {raw!r} leads outside the LoRA roots through a symlink", param="lora_path"
+                    )
             return resolved
         raise APIError(400, f"lora_path {raw!r} does not exist under the LoRA roots", param="lora_path")
 
@@ -108,7 +128,11 @@ class LoRAServing:
 
     def _check_name(self, name: str) -> None:
         if not name or len(name) > MAX_NAME_LENGTH or not name.isprintable() or name != name.strip():
-            raise APIError(400, f"lora_name must be 1 to {MAX_NAME_LENGTH} printable characters without "
-                                f"surrounding spaces, got {name!r}", param="lora_name")  # fmt: skip
+            raise APIError(
+                400,
+                f"lora_name must be 1 to {MAX_NAME_LENGTH} printable characters without "
+                f"surrounding spaces, got {name!r}",
+                param="lora_name",
+            )
         if name == self.base_model:
             raise APIError(400, f"lora_name '{name}' is the base model's name", param="lora_name")

@@ -16,7 +16,7 @@ class EngineMetrics:
         from prometheus_client import Counter, Gauge, Histogram
 
         # livesum: each worker runs its own engine, the service's load is their sum
-        gauge = lambda name, doc: Gauge(name, doc, multiprocess_mode="livesum")  # noqa: E731
+        gauge = lambda name, doc: Gauge(name, doc, multiprocess_mode="livesum")
         self.gauges = {
             "num_running": gauge("tiffin_requests_running", "Sequences in the running batch."),
             "num_waiting": gauge("tiffin_requests_waiting", "Sequences waiting to be scheduled."),
@@ -28,12 +28,19 @@ class EngineMetrics:
             "generation_tokens": Counter("tiffin_generation_tokens", "Generated tokens."),
             "num_preemptions": Counter("tiffin_preemptions", "Sequences preempted (recomputed later)."),
         }
-        self.ttft = Histogram("tiffin_time_to_first_token_seconds", "Time to first token.",
-                              buckets=REQUEST_LATENCY_BUCKETS)
-        self.tpot = Histogram("tiffin_time_per_output_token_seconds", "Time per output token after the first.",
-                              buckets=TOKEN_LATENCY_BUCKETS)
-        self.e2e = Histogram("tiffin_e2e_request_latency_seconds", "Request latency, arrival to last token.",
-                             buckets=REQUEST_LATENCY_BUCKETS)
+        self.ttft = Histogram(
+            "tiffin_time_to_first_token_seconds", "Time to first token.", buckets=REQUEST_LATENCY_BUCKETS
+        )
+        self.tpot = Histogram(
+            "tiffin_time_per_output_token_seconds",
+            "Time per output token after the first.",
+            buckets=TOKEN_LATENCY_BUCKETS,
+        )
+        self.e2e = Histogram(
+            "tiffin_e2e_request_latency_seconds",
+            "Request latency, arrival to last token.",
+            buckets=REQUEST_LATENCY_BUCKETS,
+        )
         self._seen = dict.fromkeys(self.counters, 0)
 
     def on_stats(self, stats: dict) -> None:

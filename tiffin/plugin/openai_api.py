@@ -26,8 +26,14 @@ Bool = Annotated[bool, Strict()]
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
@@ -36,6 +42,7 @@ class APIError(Exception):
 
 
 # --- requests ---
+
 
 class StreamOptions(BaseModel):
     include_usage: Bool = False
@@ -82,8 +89,20 @@ class _SamplingRequest(BaseModel):
 
 
 _SAMPLING_FIELDS = {
-    "n", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-    "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output",
+    "n",
+    "temperature",
+    "top_p",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "ignore_eos",
+    "min_tokens",
+    "stop_token_ids",
+    "include_stop_str_in_output",
     "skip_special_tokens",
 }
 
@@ -130,6 +149,7 @@ def bad_request(e: ValueError) -> APIError:
 
 # --- serving ---
 
+
 class OpenAIServing:
     def __init__(self, engine, model_name: str, on_finished=None, lora=None):
         """`engine`: an AsyncLLMEngine. `on_finished(stream, output)` is called for each finished request
@@ -141,8 +161,13 @@ class OpenAIServing:
         self.lora = lora
 
     def models(self) -> dict:
-        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "tiffin",
-                "max_model_len": self.engine.max_model_len}
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "tiffin",
+            "max_model_len": self.engine.max_model_len,
+        }
         adapters = self.lora.cards(self.engine.max_model_len) if self.lora else []
         return {"object": "list", "data": [card, *adapters]}
 
@@ -154,8 +179,9 @@ class OpenAIServing:
             raise APIError(400, "suffix is not supported", param="suffix")
         prompts = _prompts(req.prompt)
         params = req.sampling_params(req.max_tokens, req.logprobs)
-        fmt = _Format("cmpl", "text_completion", "text_completion", req.model or self.model_name, params.n,
-                      req.logprobs)  # fmt: skip
+        fmt = _Format(
+            "cmpl", "text_completion", "text_completion", req.model or self.model_name, params.n, req.logprobs
+        )
         return await self._serve(req, raw, fmt, prompts, params, lora)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request):
@@ -165,8 +191,9 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = req.sampling_params(max_tokens, logprobs)
-        fmt = _Format("chatcmpl", "chat.completion", "chat.completion.chunk", req.model or self.model_name,
-                      params.n, logprobs)  # fmt: skip
+        fmt = _Format(
+            "chatcmpl", "chat.completion", "chat.completion.chunk", req.model or self.model_name, params.n, logprobs
+        )
         return await self._serve(req, raw, fmt, [self._render_chat(req)], params, lora)
 
     def _check_model(self, model: str | None):
@@ -185,8 +212,9 @@ class OpenAIServing:
                 raise APIError(400, "only text content parts are supported", param="messages")
         tokenizer = self.engine.tokenizer
         try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                                 add_generation_prompt=req.add_generation_prompt)
+            text = tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=req.add_generation_prompt
+            )
         except Exception as e:  # a template may raise on roles or content it does not accept
             raise APIError(400, f"messages: the chat template failed: {e}", param="messages") from None
         # The template writes the special tokens itself.
@@ -339,37 +367,69 @@ class _Format:
                     choice = {"message": {"role": "assistant", "content": o.text}, "logprobs": lp}
                 else:
                     choice = {"text": o.text, "logprobs": lp}
-                choices.append({"index": i * self.n + o.index, **choice, "finish_reason": o.finish_reason,
-                                "stop_reason": o.stop_reason})
-        return {"id": self.id, "object": self.obj, "created": self.created, "model": self.model,
-                "choices": choices, "usage": _usage(finals)}
+                choices.append(
+                    {
+                        "index": i * self.n + o.index,
+                        **choice,
+                        "finish_reason": o.finish_reason,
+                        "stop_reason": o.stop_reason,
+                    }
+                )
+        return {
+            "id": self.id,
+            "object": self.obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": _usage(finals),
+        }
 
     def chunk(self, choices: list, usage: dict | None = None) -> dict:
-        return {"id": self.id, "object": self.chunk_obj, "created": self.created, "model": self.model,
-                "choices": choices, "usage": usage}
+        return {
+            "id": self.id,
+            "object": self.chunk_obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage,
+        }
 
     def first_chunks(self) -> list[dict]:
         """Chat streams open each choice with the assistant role."""
         if not self.chat:
             return []
-        return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}]) for i in range(self.n)]
+        return [
+            self.chunk(
+                [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+            )
+            for i in range(self.n)
+        ]
 
     def delta_chunks(self, prompt_index: int, out) -> list[dict]:
         chunks = []
         for o in out.outputs:
             index = prompt_index * self.n + o.index
             sent = self.sent.setdefault(index, _Sent())
-            text = o.text[sent.chars:]
+            text = o.text[sent.chars :]
             new_tokens = len(o.token_ids) > sent.tokens
             if sent.closed or not (text or o.finished or (new_tokens and self.logprobs is not None)):
                 continue
             lp = self._logprobs(o, sent)
             sent.chars, sent.tokens, sent.closed = len(o.text), len(o.token_ids), o.finished
             body = {"delta": {"content": text}} if self.chat else {"text": text}
-            chunks.append(self.chunk([{"index": index, **body, "logprobs": lp,
-                                       "finish_reason": o.finish_reason if o.finished else None,
-                                       "stop_reason": o.stop_reason if o.finished else None}]))
+            chunks.append(
+                self.chunk(
+                    [
+                        {
+                            "index": index,
+                            **body,
+                            "logprobs": lp,
+                            "finish_reason": o.finish_reason if o.finished else None,
+                            "stop_reason": o.stop_reason if o.finished else None,
+                        }
+                    ]
+                )
+            )
         return chunks
 
     def _logprobs(self, o, sent: _Sent) -> dict | None:
@@ -377,23 +437,30 @@ class _Format:
         if self.logprobs is None or o.logprobs is None:
             return None
         entries = []
-        for token_id, alternatives in zip(o.token_ids[sent.tokens:], o.logprobs[sent.tokens:]):
+        for token_id, alternatives in zip(o.token_ids[sent.tokens :], o.logprobs[sent.tokens :]):
             top = sorted(alternatives.values(), key=lambda lp: lp.rank)[: self.logprobs]
             entries.append((alternatives[token_id], top))
         if self.chat:
-            item = lambda lp: {"token": lp.decoded_token, "logprob": lp.logprob,  # noqa: E731
-                               "bytes": list(lp.decoded_token.encode())}
+            item = lambda lp: {
+                "token": lp.decoded_token,
+                "logprob": lp.logprob,
+                "bytes": list(lp.decoded_token.encode()),
+            }
             return {"content": [{**item(s), "top_logprobs": [item(t) for t in top]} for s, top in entries]}
         offsets = []
         for s, _ in entries:
             offsets.append(sent.text_offset)
             sent.text_offset += len(s.decoded_token)
-        return {"tokens": [s.decoded_token for s, _ in entries], "token_logprobs": [s.logprob for s, _ in entries],
-                "top_logprobs": [{t.decoded_token: t.logprob for t in top} for _, top in entries],
-                "text_offset": offsets}
+        return {
+            "tokens": [s.decoded_token for s, _ in entries],
+            "token_logprobs": [s.logprob for s, _ in entries],
+            "top_logprobs": [{t.decoded_token: t.logprob for t in top} for _, top in entries],
+            "text_offset": offsets,
+        }
 
 
 # --- app ---
+
 
 def create_app() -> FastAPI:
     app = FastAPI(title="tiffin OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)

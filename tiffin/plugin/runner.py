@@ -45,23 +45,39 @@ class TiffinRunnable(bentoml.legacy.Runnable):
         self._lock = threading.Lock()  # LLM is synchronous; concurrent callers take turns
 
     @_method(batchable=False)
-    def generate(self, prompt: str, max_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0,
-                 top_k: int = 0, stop: list[str] | None = None, seed: int | None = None) -> str:
+    def generate(
+        self,
+        prompt: str,
+        max_tokens: int = 128,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop: list[str] | None = None,
+        seed: int | None = None,
+    ) -> str:
         """The completion of `prompt`."""
         return self._generate([prompt], max_tokens, temperature, top_p, top_k, stop, seed)[0]
 
     @_method(batchable=False)
-    def generate_batch(self, prompts: list[str], max_tokens: int = 128, temperature: float = 1.0,
-                       top_p: float = 1.0, top_k: int = 0, stop: list[str] | None = None,
-                       seed: int | None = None) -> list[str]:
+    def generate_batch(
+        self,
+        prompts: list[str],
+        max_tokens: int = 128,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop: list[str] | None = None,
+        seed: int | None = None,
+    ) -> list[str]:
         """The completion of each prompt, generated as one continuous batch."""
         return self._generate(prompts, max_tokens, temperature, top_p, top_k, stop, seed)
 
     def _generate(self, prompts: list[str], max_tokens, temperature, top_p, top_k, stop, seed) -> list[str]:
         from tiffin import SamplingParams
 
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                stop=stop, seed=seed)
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop, seed=seed
+        )
         with self._lock:
             outputs = self.llm.generate(prompts, params, use_tqdm=False)
         return [out.outputs[0].text for out in outputs]

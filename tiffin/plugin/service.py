@@ -58,8 +58,11 @@ class Settings(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _environment(cls, args: dict) -> dict:
-        env = {name: os.environ[f"TIFFIN_{name.upper()}"] for name in cls.model_fields
-               if os.environ.get(f"TIFFIN_{name.upper()}")}
+        env = {
+            name: os.environ[f"TIFFIN_{name.upper()}"]
+            for name in cls.model_fields
+            if os.environ.get(f"TIFFIN_{name.upper()}")
+        }
         return {**env, **args}
 
     @field_validator("kv_cache_memory", mode="before")
@@ -73,8 +76,10 @@ class Settings(BaseModel):
         return int(float(m[1]) * (1024 if m[3] else 1000) ** " kmgt".index(m[2] or " "))
 
     def engine_kwargs(self) -> dict:
-        return {**self.model_dump(exclude={"model", "served_model_name", "timeout", "load_gate", "lora_roots"}),
-                "enable_lora": self.lora_roots is not None}
+        return {
+            **self.model_dump(exclude={"model", "served_model_name", "timeout", "load_gate", "lora_roots"}),
+            "enable_lora": self.lora_roots is not None,
+        }
 
 
 settings = bentoml.use_arguments(Settings)
@@ -116,16 +121,14 @@ class Tiffin:
 
             path, name = resolve_model(settings.model)
             started = time.monotonic()
-            engine = AsyncLLMEngine.from_engine_args(path, on_stats=self.metrics.on_stats,
-                                                     **settings.engine_kwargs())
+            engine = AsyncLLMEngine.from_engine_args(path, on_stats=self.metrics.on_stats, **settings.engine_kwargs())
             served = settings.served_model_name or name
             lora = None
             if settings.lora_roots is not None:
                 from tiffin.plugin.lora import LoRAServing
 
                 lora = LoRAServing(engine, settings.lora_roots, served)
-            openai_app.state.serving = OpenAIServing(engine, served, on_finished=self.metrics.on_finished,
-                                                     lora=lora)  # fmt: skip
+            openai_app.state.serving = OpenAIServing(engine, served, on_finished=self.metrics.on_finished, lora=lora)
             self.engine = engine
             logger.info("tiffin: %s loaded from %s in %.1fs", name, path, time.monotonic() - started)
         except Exception as e:  # /livez turns 503 so that an orchestrator restarts the replica
@@ -138,24 +141,58 @@ class Tiffin:
             self.engine.shutdown()
 
     @bentoml.api
-    async def generate(self, prompt: str, max_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0,
-                       top_k: int = 0, min_p: float = 0.0, stop: list[str] | None = None, seed: int | None = None,
-                       ignore_eos: bool = False) -> str:
+    async def generate(
+        self,
+        prompt: str,
+        max_tokens: int = 128,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        stop: list[str] | None = None,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+    ) -> str:
         """The completion of `prompt`."""
-        params = _params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                         stop=stop, seed=seed, ignore_eos=ignore_eos)
+        params = _params(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            stop=stop,
+            seed=seed,
+            ignore_eos=ignore_eos,
+        )
         text = ""
-        async for text in self._texts(prompt, params):
+        async for text in self._texts(prompt, params):  # noqa: B007 (keeps the last)
             pass
         return text
 
     @bentoml.api
-    async def generate_stream(self, prompt: str, max_tokens: int = 128, temperature: float = 1.0,
-                              top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, stop: list[str] | None = None,
-                              seed: int | None = None, ignore_eos: bool = False) -> AsyncGenerator[str, None]:
+    async def generate_stream(
+        self,
+        prompt: str,
+        max_tokens: int = 128,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        stop: list[str] | None = None,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+    ) -> AsyncGenerator[str, None]:
         """The completion of `prompt`, as text chunks while it is generated."""
-        params = _params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                         stop=stop, seed=seed, ignore_eos=ignore_eos)
+        params = _params(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            stop=stop,
+            seed=seed,
+            ignore_eos=ignore_eos,
+        )
         sent = 0
         async for text in self._texts(prompt, params):
             if len(text) > sent:

@@ -6,12 +6,21 @@ from collections.abc import Callable
 from tiffin.quant.config import SUPPORTED, AWQConfig, GPTQConfig, QuantConfig, get_quant_config
 from tiffin.quant.methods import AWQLinearMethod, GPTQLinearMethod
 
-__all__ = ["SUPPORTED", "AWQConfig", "GPTQConfig", "QuantConfig", "get_quant_config", "linear_method_factory",
-           "AWQLinearMethod", "GPTQLinearMethod"]
+__all__ = [
+    "SUPPORTED",
+    "AWQConfig",
+    "GPTQConfig",
+    "QuantConfig",
+    "get_quant_config",
+    "linear_method_factory",
+    "AWQLinearMethod",
+    "GPTQLinearMethod",
+]
 
 
-def linear_method_factory(config: QuantConfig, stacked_modules: dict[str, tuple[str, int]],
-                          kernel_backend: str = "auto") -> Callable[[str], object | None]:
+def linear_method_factory(
+    config: QuantConfig, stacked_modules: dict[str, tuple[str, int]], kernel_backend: str = "auto"
+) -> Callable[[str], object | None]:
     """`fn(prefix)` -> the method for the projection at `prefix` (None: plain). `stacked_modules` maps
     checkpoint module names to (fused module, shard), so a fused layer is judged by its checkpoint names."""
     shards: dict[str, list[str]] = {}
@@ -25,8 +34,10 @@ def linear_method_factory(config: QuantConfig, stacked_modules: dict[str, tuple[
         if all(skipped):
             return None
         if any(skipped):
-            raise ValueError(f"{prefix}: modules_to_not_convert leaves only some of {names} unquantized; the fused "
-                             f"layer must be all one or the other")  # fmt: skip
+            raise ValueError(
+                f"{prefix}: modules_to_not_convert leaves only some of {names} unquantized; the fused "
+                f"layer must be all one or the other"
+            )
         if isinstance(config, AWQConfig):
             return AWQLinearMethod(config, kernel_backend)
         return GPTQLinearMethod(config, kernel_backend)

@@ -6,8 +6,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-SUPPORTED = ("AWQ (version gemm, 4-bit, zero point, group size 32/64/128) and GPTQ (4- or 8-bit, group size "
-             "32/64/128/-1, desc_act on or off, sym or asym, checkpoint_format gptq or gptq_v2)")
+SUPPORTED = (
+    "AWQ (version gemm, 4-bit, zero point, group size 32/64/128) and GPTQ (4- or 8-bit, group size "
+    "32/64/128/-1, desc_act on or off, sym or asym, checkpoint_format gptq or gptq_v2)"
+)
 AWQ_GROUP_SIZES = (32, 64, 128)
 GPTQ_GROUP_SIZES = (32, 64, 128, -1)
 GPTQ_BITS = (4, 8)

@@ -30,9 +30,11 @@ class _QuantLinearMethod:
 
     def load(self, layer, name: str, tensor: torch.Tensor, shard: int | None) -> None:
         if name not in self.tensors:
-            raise ValueError(f"checkpoint tensor {name!r} does not belong to a {type(self).__name__[:4]} layer "
-                             f"(expected {sorted(self.tensors)}); the checkpoint and its quantization config "
-                             f"disagree about this layer")  # fmt: skip
+            raise ValueError(
+                f"checkpoint tensor {name!r} does not belong to a {type(self).__name__[:4]} layer "
+                f"(expected {sorted(self.tensors)}); the checkpoint and its quantization config "
+                f"disagree about this layer"
+            )
         _load_shard(layer, getattr(layer, name), tensor, shard, self.tensors[name])
 
     def process_weights_after_loading(self, layer) -> None:
@@ -126,8 +128,16 @@ class GPTQLinearMethod(_QuantLinearMethod):
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         c = self.config
-        y = gptq_gemm(x.reshape(-1, layer.input_size), layer.qweight, layer.qzeros, layer.scales, c.bits,
-                      c.zero_offset, layer.perm, self.backend(x.device))  # fmt: skip
+        y = gptq_gemm(
+            x.reshape(-1, layer.input_size),
+            layer.qweight,
+            layer.qzeros,
+            layer.scales,
+            c.bits,
+            c.zero_offset,
+            layer.perm,
+            self.backend(x.device),
+        )
         return y.view(*x.shape[:-1], layer.output_size)
 
     def dequantize(self, layer) -> torch.Tensor:

@@ -13,8 +13,13 @@ from pathlib import Path
 
 from tiffin.quant.config import AWQ_GROUP_SIZES, GPTQ_BITS, GPTQ_FORMATS, GPTQ_GROUP_SIZES, get_quant_config
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "generation_config.json",
+)
 
 
 def calibration_samples(tokenizer, text: str, num_samples: int, seq_len: int) -> list[list[int]]:
@@ -25,10 +30,21 @@ def calibration_samples(tokenizer, text: str, num_samples: int, seq_len: int) ->
     return samples
 
 
-def quantize(model: str | Path, output: str | Path, method: str, calib: str | Path, bits: int = 4,
-             group_size: int = 128, desc_act: bool = False, sym: bool = True, checkpoint_format: str = "gptq",
-             modules_to_not_convert: list[str] | None = None, num_samples: int = 128, seq_len: int = 512,
-             device: str | None = None) -> Path:
+def quantize(
+    model: str | Path,
+    output: str | Path,
+    method: str,
+    calib: str | Path,
+    bits: int = 4,
+    group_size: int = 128,
+    desc_act: bool = False,
+    sym: bool = True,
+    checkpoint_format: str = "gptq",
+    modules_to_not_convert: list[str] | None = None,
+    num_samples: int = 128,
+    seq_len: int = 512,
+    device: str | None = None,
+) -> Path:
     """Quantize `model` into `output`; returns `output` once tiffin's own detection accepts it."""
     _check_args(method, bits, group_size, checkpoint_format, modules_to_not_convert, num_samples, seq_len)
     from transformers import AutoTokenizer
@@ -58,8 +74,10 @@ def _check_args(method, bits, group_size, checkpoint_format, modules_to_not_conv
             raise ValueError(f"AWQ takes 4 bits and a group size in {AWQ_GROUP_SIZES}, got {bits}/{group_size}")
         return
     if bits not in GPTQ_BITS or group_size not in GPTQ_GROUP_SIZES or checkpoint_format not in GPTQ_FORMATS:
-        raise ValueError(f"GPTQ takes bits {GPTQ_BITS}, group size {GPTQ_GROUP_SIZES} and format "
-                         f"{tuple(GPTQ_FORMATS)}, got {bits}/{group_size}/{checkpoint_format!r}")  # fmt: skip
+        raise ValueError(
+            f"GPTQ takes bits {GPTQ_BITS}, group size {GPTQ_GROUP_SIZES} and format "
+            f"{tuple(GPTQ_FORMATS)}, got {bits}/{group_size}/{checkpoint_format!r}"
+        )
     if modules_to_not_convert:
         raise ValueError("modules_to_not_convert is an AWQ option")
 
@@ -75,15 +93,24 @@ def _autoawq(model: Path, output: Path, tokenizer, samples, group_size, modules_
     AutoAWQForCausalLM = _require("awq", "autoawq").AutoAWQForCausalLM
 
     awq_model = AutoAWQForCausalLM.from_pretrained(str(model), device_map="cpu")
-    quant_config = {"zero_point": True, "q_group_size": group_size, "w_bit": 4, "version": "GEMM",
-                    "modules_to_not_convert": list(modules_to_not_convert or []) or None}
-    awq_model.quantize(tokenizer, quant_config=quant_config, calib_data=samples, max_calib_samples=len(samples),
-                       max_calib_seq_len=seq_len)  # fmt: skip
+    quant_config = {
+        "zero_point": True,
+        "q_group_size": group_size,
+        "w_bit": 4,
+        "version": "GEMM",
+        "modules_to_not_convert": list(modules_to_not_convert or []) or None,
+    }
+    awq_model.quantize(
+        tokenizer,
+        quant_config=quant_config,
+        calib_data=samples,
+        max_calib_samples=len(samples),
+        max_calib_seq_len=seq_len,
+    )
     awq_model.save_quantized(str(output))
 
 
-def _gptqmodel(model: Path, output: Path, samples, bits, group_size, desc_act, sym, checkpoint_format,
-               device) -> None:
+def _gptqmodel(model: Path, output: Path, samples, bits, group_size, desc_act, sym, checkpoint_format, device) -> None:
     # GPTQModel sizes its CPU worker pool from this; unset, it can stall on a machine with few cores
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(os.cpu_count() or 1))
     import torch
@@ -94,8 +121,9 @@ def _gptqmodel(model: Path, output: Path, samples, bits, group_size, desc_act, s
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     # GPTQModel turns on group-aware reordering (GAR) by default, which needs groups and excludes act-order
     gar = None if group_size > 0 and not desc_act else False
-    config = QuantizeConfig(bits=bits, group_size=group_size, desc_act=desc_act, sym=sym, format=checkpoint_format,
-                            act_group_aware=gar)
+    config = QuantizeConfig(
+        bits=bits, group_size=group_size, desc_act=desc_act, sym=sym, format=checkpoint_format, act_group_aware=gar
+    )
     # fp16 as published GPTQ checkpoints are; GPTQModel would otherwise pick bf16 on CPU
     gptq_model = GPTQModel.load(str(model), config, device=device, dtype=torch.float16)
     gptq_model.quantize([{"input_ids": s, "attention_mask": [1] * len(s)} for s in samples], batch_size=8)

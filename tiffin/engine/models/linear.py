@@ -25,8 +25,9 @@ class LinearMethod:
         return torch.nn.functional.linear(x, layer.weight)
 
 
-def load_along_output(layer: "Linear", param: torch.Tensor, tensor: torch.Tensor, shard: int | None, dim: int,
-                      pack: int = 1) -> None:
+def load_along_output(
+    layer: "Linear", param: torch.Tensor, tensor: torch.Tensor, shard: int | None, dim: int, pack: int = 1
+) -> None:
     """Copy `tensor` into `param` at shard `shard`'s slice of output dimension `dim` (packed `pack` outputs
     per element, as INT4 formats store them)."""
     target = param.data
@@ -39,8 +40,14 @@ def load_along_output(layer: "Linear", param: torch.Tensor, tensor: torch.Tensor
 
 
 class Linear(nn.Module):
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype,
-                 method: LinearMethod | None = None):
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool,
+        dtype: torch.dtype,
+        method: LinearMethod | None = None,
+    ):
         super().__init__()
         self.input_size, self.output_sizes = input_size, list(output_sizes)
         self.output_size = sum(output_sizes)

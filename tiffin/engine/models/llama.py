@@ -10,7 +10,6 @@ from torch import nn
 
 from tiffin import kernels
 from tiffin.engine.config import ModelConfig
-from tiffin.engine.models.linear import Linear
 
 
 class RMSNorm(nn.Module):
@@ -138,17 +137,22 @@ class LlamaForCausalLM(nn.Module):
 
     # checkpoint module name -> (our stacked module, shard index)
     stacked_modules = {
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
     }
 
     def __init__(self, config: ModelConfig, max_positions: int, backend: str, linear):
         super().__init__()
         rotary = RotaryEmbedding(config, max_positions)
         self.model = Model(config, _prefixed(linear, "model."), rotary, backend)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
-            config.hidden_size, config.vocab_size, bias=False, dtype=config.dtype
-        ).requires_grad_(False)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=config.dtype).requires_grad_(False)
+        )
 
     def forward(self, input_ids, positions, md):
         return self.model(input_ids, positions, md)

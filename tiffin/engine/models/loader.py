@@ -19,8 +19,9 @@ MODELS = {
 }
 
 
-def build_model(config: ModelConfig, path: str | Path, device: torch.device, max_positions: int, backend: str,
-                linear_method=None) -> torch.nn.Module:
+def build_model(
+    config: ModelConfig, path: str | Path, device: torch.device, max_positions: int, backend: str, linear_method=None
+) -> torch.nn.Module:
     """`linear_method(prefix) -> LinearMethod | None` picks how each projection is stored (None: plain)."""
 
     def linear(prefix: str, input_size: int, output_sizes: list[int], bias: bool) -> Linear:
