@@ -5,6 +5,10 @@ thread-safe inbox that the thread drains between steps, and the thread hands out
 asyncio loop with `call_soon_threadsafe`. Torch releases the GIL inside kernels, so the event loop keeps
 serving HTTP while a step runs.
 
+Prompts are tokenized in a worker thread before they reach the inbox, so a long prompt never stalls a step. A
+request the engine fails ends its stream with EngineError while the others go on; an engine that cannot run
+at all (EngineDeadError) fails every request, in flight or new, and reports `healthy` False.
+
 Outputs are cumulative and safe to show: a text tail that could still become a (removed) stop string is held
 back until it resolves, so each output's text extends the previous one and deltas are plain suffixes.
 """
@@ -98,6 +102,7 @@ class AsyncLLMEngine:
         self._lora_ids: frozenset[int] = frozenset()  # the engine's cached adapters, as of its last change
         self._stats = engine.stats()
         self._closed = False
+        self.dead: str | None = None  # why the engine stopped working, once it did
         self._thread = threading.Thread(target=self._run, name="tiffin-engine", daemon=True)
         self._thread.start()
 
@@ -114,10 +119,11 @@ class AsyncLLMEngine:
         lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Queue a request and return its stream once the engine accepted it; ValueError if it was refused
-        (bad prompt, too long for the context, duplicate id, an adapter that cannot load), raised before any
-        output. An adapter not yet cached is loaded first, off the engine thread."""
-        if self._closed:
-            raise EngineError("the engine is shut down")
+        (bad prompt, too long for the context, duplicate id, an adapter that cannot load), QueueFull if too many
+        wait already, EngineError if the engine is shut down or dead; raised before any output. The prompt is
+        tokenized and an adapter not yet cached is loaded first, both off the engine thread."""
+        self._check_running()
+        prompt = await self.tokenize(prompt)
         if lora_request is not None and lora_request.lora_int_id not in self._lora_ids:
             await self.add_lora(lora_request)
         loop = asyncio.get_running_loop()
@@ -133,6 +139,10 @@ class AsyncLLMEngine:
             stream.finished = True  # refused: there is nothing to abort
             raise
         return stream
+
+    async def tokenize(self, prompt: PromptType, add_special_tokens: bool = True) -> dict:
+        """`LLMEngine.tokenize` in a worker thread (tokenizers release the GIL): steps and the event loop go on."""
+        return await asyncio.to_thread(self.engine.tokenize, prompt, add_special_tokens)
 
     async def generate(
         self,
@@ -163,8 +173,7 @@ class AsyncLLMEngine:
         return await self._lora_call("list_loras")
 
     async def _lora_call(self, method: str, *args):
-        if self._closed:
-            raise EngineError("the engine is shut down")
+        self._check_running()
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         self._post(("lora", method, args, loop, done))
@@ -176,6 +185,16 @@ class AsyncLLMEngine:
         self._inbox.append(("abort", request_id))
         if wake:
             self._wakeup.set()
+
+    @property
+    def healthy(self) -> bool:
+        return self.dead is None and not self._closed
+
+    def _check_running(self) -> None:
+        if self.dead is not None:
+            raise EngineError(self.dead)
+        if self._closed:
+            raise EngineError("the engine is shut down")
 
     def stats(self) -> dict:
         """`LLMEngine.stats()` as of the last step or inbox batch."""
@@ -205,9 +224,10 @@ class AsyncLLMEngine:
                 continue
             try:
                 outputs = engine.step()
-            except Exception as e:  # a bad step must not end the loop: fail what was in flight
+            except Exception as e:  # step() isolates failing requests itself: the engine is broken
                 logger.exception("engine step failed")
-                self._fail_all(EngineError(f"engine step failed: {type(e).__name__}: {e}"))
+                self.dead = f"engine failed: {type(e).__name__}: {e}"
+                self._fail_all(EngineError(self.dead))
                 continue
             self._publish_stats()  # first, so a client that sees its last token also sees it counted
             for out in outputs:
@@ -233,6 +253,7 @@ class AsyncLLMEngine:
 
     def _add(self, request_id, prompt, params, lora_request, stream, loop, accepted) -> None:
         try:
+            self._check_running()
             self.engine.add_request(request_id, prompt, params, lora_request)
         except Exception as e:
             _call(loop, _settle, accepted, None, e)
@@ -261,7 +282,7 @@ class AsyncLLMEngine:
             return
         if out.finished:
             del self._active[out.request_id]
-        self._push(active, out)
+        self._push(active, out if out.error is None else EngineError(out.error))
 
     def _fail_all(self, error: EngineError) -> None:
         for request_id, active in list(self._active.items()):

@@ -88,6 +88,14 @@ class BlockManager:
         seq.block_table = []
         seq.num_hashed_blocks = 0
 
+    def forget_uncomputed(self, seq: Sequence) -> None:
+        """Unhash `seq`'s blocks that a step was to fill but did not (it failed): their KV is not what the
+        hash says, so no later request may find them."""
+        for block in seq.block_table[seq.num_computed_tokens // self.block_size :]:
+            old, self.block_hash[block] = self.block_hash[block], None
+            if old is not None and self.cached.get(old) == block:
+                del self.cached[old]
+
     def _pop_free(self) -> int:
         block, _ = self.free.popitem(last=False)
         old = self.block_hash[block]

@@ -30,6 +30,9 @@ class EngineConfig:
     max_loras: int = 4  # adapters resident at once in device slots: the most one step may mix
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters cached in host memory (LRU); default max_loras
+    lora_roots: str | None = None  # directories adapters may be read from (os.pathsep-separated); None: any
+    max_n: int = 64  # samples one request may ask for
+    max_waiting_requests: int | None = None  # sequences queued beyond the running batch; None: unbounded
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -39,9 +42,11 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {list(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
-        for name in ("max_loras", "max_lora_rank"):
+        for name in ("max_loras", "max_lora_rank", "max_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
 

@@ -1,6 +1,12 @@
-"""The synchronous engine: requests in, one scheduled forward per `step()`, RequestOutputs out."""
+"""The synchronous engine: requests in, one scheduled forward per `step()`, RequestOutputs out.
+
+A step that raises is retried on halves of its batch until each failing request runs alone: only those fail
+(their outputs carry `error`), the others sample exactly what the full batch would have given them. When
+every request of a batch fails alone and a one-token probe forward fails too, the engine itself is broken:
+`step()` raises EngineDeadError."""
 
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,16 +16,23 @@ from transformers import AutoTokenizer
 from tiffin.engine.block_manager import BlockManager
 from tiffin.engine.config import DTYPES, EngineConfig, ModelConfig
 from tiffin.engine.detokenizer import IncrementalDetokenizer
+from tiffin.engine.errors import EngineDeadError, QueueFull
 from tiffin.engine.lora import LoRAManager, LoRAModel, LoRARequest
 from tiffin.engine.model_runner import ModelRunner
 from tiffin.engine.models.loader import MODELS
 from tiffin.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from tiffin.engine.sampler import SamplerOutput
 from tiffin.engine.sampling_params import SamplingParams
-from tiffin.engine.scheduler import Scheduler
+from tiffin.engine.scheduler import Scheduler, SchedulerOutput
 from tiffin.engine.sequence import Sequence
 from tiffin.quant import get_quant_config, linear_method_factory
 
 PromptType = str | list[int] | dict
+# A prompt longer than this many characters per token of the context is refused before tokenizing: no token of
+# the vocabulary is longer, with room for normalizers that shrink text (NFC composes up to 3 characters into 1).
+PROMPT_CHARS_SLACK = 4
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -29,6 +42,7 @@ class Request:
     prompt_token_ids: list[int]
     seqs: list[Sequence]
     arrival_time: float = field(default_factory=time.monotonic)
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -43,6 +57,7 @@ class LLMEngine:
             self.model_config.dtype = DTYPES[config.dtype]
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         self.max_model_len = self._max_model_len()
+        self.max_prompt_chars = PROMPT_CHARS_SLACK * self.max_model_len * max(map(len, self.tokenizer.get_vocab()))
         self.eos_token_ids = frozenset(self._eos_token_ids())
         self.quant_config = get_quant_config(config.model, self.model_config.raw)
         linear_method = (
@@ -60,6 +75,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.num_prompt_tokens = self.num_generation_tokens = 0
+        self._failed: list[str] = []  # requests failed during this step
 
     def add_request(
         self,
@@ -70,12 +86,17 @@ class LLMEngine:
     ) -> None:
         """Queue a request, run with the adapter of `lora_request` if given (loaded now unless cached). Raises
         ValueError, leaving the engine untouched, if the request is invalid or can never fit in the context or
-        the KV cache."""
+        the KV cache; QueueFull if max_waiting_requests sequences wait already. A dict prompt with
+        `prompt_token_ids` (what `tokenize` returns) is not tokenized again."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = params or SamplingParams()
-        text, token_ids = self._tokenize(prompt)
+        self._check_params(params)
+        text, token_ids = self.tokenize(prompt).values()
         max_tokens = self._check_lengths(len(token_ids), params)
+        waiting, limit = len(self.scheduler.waiting), self.config.max_waiting_requests
+        if limit is not None and waiting + params.n > limit:
+            raise QueueFull(f"{waiting} sequences are waiting (max_waiting_requests={limit}); retry later")
         lora = None if lora_request is None else self._lora_manager().resolve(lora_request)
         seqs = [Sequence(request_id, i, token_ids, params, max_tokens, self.eos_token_ids) for i in range(params.n)]
         for seq in seqs:
@@ -87,18 +108,68 @@ class LLMEngine:
         self.num_prompt_tokens += len(token_ids)
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled forward; return the outputs of requests that changed."""
+        """Run one scheduled forward; return the outputs of requests that changed (failed ones included)."""
         sched = self.scheduler.schedule()
         if not sched.seqs:
             return []
-        sampled = self.model_runner.execute(sched)
-        seqs = self.scheduler.update(sched, sampled.token_ids)
+        ran, sampled = self._execute(sched)
+        if not ran.seqs:
+            self._probe()
+        seqs = self.scheduler.update(ran, sampled.token_ids)
         self.num_generation_tokens += len(seqs)
-        sampling_seqs = [s for s, samples in zip(sched.seqs, sched.sampling) if samples]
+        sampling_seqs = [s for s, samples in zip(ran.seqs, ran.sampling) if samples]
         logprobs = dict(zip((s.seq_id for s in sampling_seqs), sampled.logprobs))
         for seq in seqs:
-            self._postprocess(seq, logprobs[seq.seq_id])
-        return [self._output(self.requests[rid]) for rid in dict.fromkeys(s.request_id for s in seqs)]
+            try:
+                self._postprocess(seq, logprobs[seq.seq_id])
+            except Exception as e:
+                self._fail(seq.request_id, e)
+        changed, self._failed = [*self._failed, *(s.request_id for s in seqs)], []
+        return [self._output(self.requests[rid]) for rid in dict.fromkeys(changed) if rid in self.requests]
+
+    def _execute(self, sched: SchedulerOutput) -> tuple[SchedulerOutput, SamplerOutput]:
+        """Run `sched`; if it raises, run each half (recursively) and fail the requests that fail alone.
+        Returns what ran and what it sampled, in `sched` order."""
+        try:
+            return sched, self.model_runner.execute(sched)
+        except Exception as e:
+            if len(sched.seqs) == 1:
+                self._fail(sched.seqs[0].request_id, e)
+                return SchedulerOutput(), SamplerOutput([], [])
+        ran, sampled = SchedulerOutput(), SamplerOutput([], [])
+        mid = len(sched.seqs) // 2
+        for part in (range(mid), range(mid, len(sched.seqs))):
+            alive = [i for i in part if not sched.seqs[i].finished]  # not a failed request's other samples
+            if alive:
+                part_ran, part_sampled = self._execute(sched.select(alive))
+                for seq, num_new in zip(part_ran.seqs, part_ran.num_scheduled_tokens):
+                    ran.add(seq, num_new)
+                sampled.token_ids += part_sampled.token_ids
+                sampled.logprobs += part_sampled.logprobs
+        return ran, sampled
+
+    def _fail(self, request_id: str, error: Exception) -> None:
+        logger.error("request %s failed in the engine", request_id, exc_info=error)
+        request = self.requests[request_id]
+        request.error = f"{type(error).__name__}: {error}"
+        for seq in request.seqs:
+            if not seq.finished:
+                self.block_manager.forget_uncomputed(seq)
+                self.scheduler.finish(seq, "abort")
+        self._failed.append(request_id)
+
+    def _probe(self) -> None:
+        """Every request of the step failed: a one-token forward on a block of its own tells whether the
+        requests or the engine are at fault."""
+        seq = Sequence("probe", 0, [0], SamplingParams(temperature=0, max_tokens=1), 1)
+        if not self.block_manager.allocate_slots(seq, 1):
+            return
+        try:
+            self.model_runner.execute(SchedulerOutput([seq], [1], [True]))
+        except Exception as e:
+            raise EngineDeadError(f"the engine cannot run a forward: {type(e).__name__}: {e}") from e
+        finally:
+            self.block_manager.free_seq(seq)
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Finish these requests (unknown ids are ignored) and free their blocks; returns their final outputs."""
@@ -185,31 +256,53 @@ class LLMEngine:
             outputs,
             finished,
             request.seqs[0].num_cached_tokens,
+            request.error,
         )
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: PromptType, add_special_tokens: bool = True) -> dict:
+        """`{"prompt": text or None, "prompt_token_ids": ids}`, checked; thread-safe, so servers tokenize off
+        the engine thread. ValueError for a bad prompt, and for text too long for the context, refused before
+        tokenizing it."""
         if isinstance(prompt, dict):
             text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
-            if token_ids is None:
-                if not isinstance(text, str):
-                    raise ValueError("prompt dict needs 'prompt' (a string) or 'prompt_token_ids'")
-                token_ids = self.tokenizer.encode(text)
+            if token_ids is None and not isinstance(text, str):
+                raise ValueError("prompt dict needs 'prompt' (a string) or 'prompt_token_ids'")
         elif isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
+            text, token_ids = prompt, None
         else:
             text, token_ids = None, prompt
+        if token_ids is None:
+            if len(text) > self.max_prompt_chars:
+                raise ValueError(
+                    f"prompt has {len(text)} characters, more than the model's maximum context length of "
+                    f"{self.max_model_len} tokens can hold"
+                )
+            try:
+                token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            except Exception as e:  # e.g. a lone surrogate, which no encoding can represent
+                raise ValueError(f"prompt cannot be tokenized: {e}") from None
         if not isinstance(token_ids, (list, tuple)) or not token_ids:
             raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
         vocab = self.model_config.vocab_size
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        return text, list(token_ids)
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens, the model's maximum context length is {self.max_model_len}"
+            )
+        return {"prompt": text, "prompt_token_ids": list(token_ids)}
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot know: the limits of this model and engine."""
+        vocab = self.model_config.vocab_size
+        if params.top_k > vocab:
+            raise ValueError(f"top_k must be at most the vocabulary size {vocab}, got {params.top_k}")
+        if params.n > self.config.max_n:
+            raise ValueError(f"n must be at most max_n={self.config.max_n}, got {params.n}")
 
     def _check_lengths(self, prompt_len: int, params: SamplingParams) -> int:
         """max_tokens for this request, or ValueError if the context or the KV cache can never hold it."""
         limit = self.max_model_len
-        if prompt_len >= limit:
-            raise ValueError(f"prompt has {prompt_len} tokens, the model's maximum context length is {limit}")
         capacity = self.block_manager.num_blocks * self.block_manager.block_size
         max_tokens = params.max_tokens
         if max_tokens is None:

@@ -11,11 +11,17 @@ fixed number of device slots, and applied per token as a delta on each base proj
 
 Removing an adapter only drops it from the cache: sequences already running hold their `LoRAModel` and
 finish with it; its slot is reused once no step needs it.
+
+Every read of an adapter's files, the first and each one after an eviction from the host cache, resolves them
+inside `lora_roots` when those are set, and a re-read must find the very directory (device and inode) and
+content (`identity`) that were first loaded: swapping the directory or its files afterwards cannot change what
+a name serves.
 """
 
 import hashlib
 import json
 import math
+import os
 import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -84,6 +90,36 @@ class LoRAModel:
     path: str
     identity: bytes  # sha256 of adapter_config.json and the weights file
     layers: dict[str, list[tuple[torch.Tensor, torch.Tensor] | None]] = field(repr=False)
+    directory: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of the directory read
+
+
+def parse_roots(spec: str) -> list[Path]:
+    """`os.pathsep`-separated directories, resolved; ValueError unless each is one."""
+    roots = [Path(root) for root in spec.split(os.pathsep) if root]
+    for root in roots:
+        if not root.is_dir():
+            raise ValueError(f"LoRA root {str(root)!r} is not a directory")
+    if not roots:
+        raise ValueError("lora_roots names no directory")
+    return [root.resolve() for root in roots]
+
+
+def confine(path: str | Path, roots: list[Path]) -> Path:
+    """`path` resolved, if it is a directory inside `roots` whose adapter files resolve inside them too.
+    FileNotFoundError if it does not exist; ValueError naming the problem otherwise."""
+    try:
+        resolved = Path(path).resolve(strict=True)
+    except (OSError, RuntimeError):  # missing, or a symlink loop
+        raise FileNotFoundError(f"{path} does not exist under the LoRA roots") from None
+    inside = lambda p: any(p.is_relative_to(root) for root in roots)
+    if not inside(resolved):
+        raise ValueError(f"{path} is outside the LoRA roots once symlinks are resolved")
+    if not resolved.is_dir():
+        raise ValueError(f"{path} is not a directory")
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        if (resolved / name).exists() and not inside((resolved / name).resolve()):
+            raise ValueError(f"{name} in {path} leads outside the LoRA roots through a symlink")
+    return resolved
 
 
 def load_lora_model(
@@ -92,13 +128,20 @@ def load_lora_model(
     stacked_modules: dict[str, tuple[str, int]],
     max_rank: int,
     dtype: torch.dtype,
+    roots: list[Path] | None = None,
 ) -> LoRAModel:
-    """Read and check a PEFT LoRA directory against the base model's `layers` (our module name -> Linear).
-    ValueError naming the problem for anything it cannot serve exactly. Touches no engine state."""
+    """Read and check a PEFT LoRA directory (inside `roots`, if given) against the base model's `layers` (our
+    module name -> Linear). ValueError naming the problem for anything it cannot serve exactly. Touches no
+    engine state."""
     path = Path(request.lora_path).expanduser()
-    if not path.is_dir():
+    try:
+        resolved = path.resolve(strict=True) if roots is None else confine(path, roots)
+    except (OSError, RuntimeError):
+        resolved = path  # missing: reported just below
+    if not resolved.is_dir():
         raise ValueError(f"LoRA adapter {request.lora_name!r}: {path} is not a directory")
-    config_bytes, weights_bytes = _read_files(path)
+    directory = resolved.stat()
+    config_bytes, weights_bytes = _read_files(resolved)
     config = _parse_config(config_bytes, max_rank)
     try:
         tensors = load_safetensors(weights_bytes)
@@ -118,14 +161,18 @@ def load_lora_model(
         widths = [layer.output_sizes[i] for i in slices]
         _check_shapes(module, a, b, r, layer.input_size, sum(widths), max_rank)
         scale = alpha / (math.sqrt(r) if config.get("use_rslora") else r)
-        b = (b.double() * scale).to(dtype)
+        a, b = a.to(dtype), (b.double() * scale).to(dtype)
+        if not (a.isfinite().all() and b.isfinite().all()):  # NaN weights would make every logit NaN
+            raise ValueError(f"{module}: lora weights must be finite, and scaled by {scale:g} fit in {dtype}")
         entry = out.setdefault(ours, [None] * len(layer.output_sizes))
         for i, piece in zip(slices, b.split(widths)):
             if entry[i] is not None:
                 raise ValueError(f"{module} sets a slice of {ours} that another tensor of the adapter sets too")
-            entry[i] = (a.to(dtype), piece.contiguous())
+            entry[i] = (a, piece.contiguous())
     identity = hashlib.sha256(config_bytes + b"\0" + weights_bytes).digest()
-    return LoRAModel(request.lora_name, request.lora_int_id, str(path), identity, out)
+    return LoRAModel(
+        request.lora_name, request.lora_int_id, str(path), identity, out, (directory.st_dev, directory.st_ino)
+    )
 
 
 def _read_files(path: Path) -> tuple[bytes, bytes]:
@@ -159,6 +206,13 @@ def _parse_config(data: bytes, max_rank: int) -> dict:
             f"{CONFIG_FILE}: bias {config['bias']!r} is not supported (only 'none': LoRA bias "
             f"terms would change the base layers)"
         )
+    for key in ("rank_pattern", "alpha_pattern"):
+        patterns = config.get(key) or {}
+        if not isinstance(patterns, dict) or not all(isinstance(k, str) and _compiles(k) for k in patterns):
+            raise ValueError(
+                f"{CONFIG_FILE}: {key} must map module-name patterns (regular expressions) to values, got "
+                f"{str(patterns)[:80]}"
+            )
     ranks = [config.get("r"), *(config.get("rank_pattern") or {}).values()]
     alphas = [config.get("lora_alpha"), *(config.get("alpha_pattern") or {}).values()]
     if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in ranks):
@@ -168,6 +222,14 @@ def _parse_config(data: bytes, max_rank: int) -> dict:
     if max(ranks) > max_rank:
         raise ValueError(f"adapter rank {max(ranks)} exceeds max_lora_rank {max_rank}")
     return config
+
+
+def _compiles(pattern: str) -> bool:
+    try:
+        re.compile(pattern)
+        return True
+    except re.error:
+        return False
 
 
 def _lora_pairs(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -312,8 +374,11 @@ class LoRAManager:
         dtype: torch.dtype,
         device: torch.device,
         backend: str,
+        roots: str | None = None,
     ):
+        """`roots`: directories adapters may be read from (`os.pathsep`-separated); None: any."""
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
+        self.roots = None if roots is None else parse_roots(roots)
         # CPU GEMMs this small run several times faster in fp32 than in bf16/fp16: keep adapters in fp32 there
         self.dtype, self.device = torch.float32 if device.type == "cpu" else dtype, device
         self.layers = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
@@ -322,14 +387,23 @@ class LoRAManager:
         for linear in self.layers.values():
             linear.lora = LoRALayer(linear, self.batch, max_loras, max_lora_rank, self.dtype, device, backend)
         self.cache: OrderedDict[int, LoRAModel] = OrderedDict()  # host LRU by lora_int_id
+        self.first_read: dict[int, tuple] = {}  # lora_int_id -> (directory, identity) while registered
         self.slots: list[LoRAModel | None] = [None] * max_loras
         self.slot_lru: OrderedDict[int, None] = OrderedDict.fromkeys(range(max_loras))  # least recent first
 
     # --- registry (engine thread, except `load`) ---
 
     def load(self, request: LoRARequest) -> LoRAModel:
-        """Parse and check an adapter from disk; reads no mutable state, so any thread may call it."""
-        return load_lora_model(request, self.layers, self.stacked_modules, self.max_lora_rank, self.dtype)
+        """Parse and check an adapter from disk; a registered one must read as it first did. Changes no state,
+        so any thread may call it."""
+        model = load_lora_model(request, self.layers, self.stacked_modules, self.max_lora_rank, self.dtype, self.roots)
+        first = self.first_read.get(model.int_id)
+        if first is not None and first != (model.directory, model.identity):
+            raise ValueError(
+                f"LoRA adapter {model.name!r}: the files at {model.path} changed since it was loaded; unload it "
+                f"and load it again to serve them"
+            )
+        return model
 
     def add(self, lora: LoRARequest | LoRAModel) -> bool:
         """Cache an adapter (loading it if given a request). False if this id was already cached; ValueError
@@ -342,6 +416,7 @@ class LoRAManager:
         if cached is not None:
             return False
         model = self.load(lora) if isinstance(lora, LoRARequest) else lora
+        self.first_read.setdefault(model.int_id, (model.directory, model.identity))
         self.cache[model.int_id] = model
         while len(self.cache) > self.max_cpu_loras:
             self.cache.popitem(last=False)
@@ -356,6 +431,7 @@ class LoRAManager:
 
     def remove(self, lora_int_id: int) -> bool:
         """Forget an adapter; requests already using it run to completion."""
+        self.first_read.pop(lora_int_id, None)
         return self.cache.pop(lora_int_id, None) is not None
 
     def lora_ids(self) -> set[int]:

@@ -42,6 +42,7 @@ class ModelRunner:
                 model_config.dtype,
                 self.device,
                 self.backend,
+                config.lora_roots,
             )
             if config.enable_lora
             else None

@@ -74,7 +74,7 @@ class Sampler:
         for i, s in enumerate(seqs):
             p = s.params
             if s.num_output_tokens < p.min_tokens:
-                banned = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | self.eos_token_ids
+                banned = p.stop_token_set if p.ignore_eos else p.stop_token_set | self.eos_token_ids
                 banned = [t for t in banned if t < vocab]
                 rows += [i] * len(banned)
                 cols += banned

@@ -3,6 +3,10 @@
 import math
 from dataclasses import dataclass, field
 
+INT64 = (-(2**63), 2**63 - 1)  # what torch takes for seeds and token ids
+MAX_STOP = 64  # stop strings, and stop token ids: checked against every generated token
+MAX_STOP_LENGTH = 1024  # characters of one stop string
+
 
 @dataclass
 class SamplingParams:
@@ -24,6 +28,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     _stop_strs: list[str] = field(init=False, repr=False)
+    stop_token_set: frozenset[int] = field(init=False, repr=False)  # built once, read every step
 
     def __post_init__(self) -> None:
         _check(
@@ -61,7 +66,12 @@ class SamplingParams:
             "must be in (0, 2]",
             self.repetition_penalty,
         )
-        _check(self.seed is None or _is_int(self.seed), "seed", "must be an integer", self.seed)
+        _check(
+            self.seed is None or (_is_int(self.seed) and INT64[0] <= self.seed <= INT64[1]),
+            "seed",
+            "must be a 64-bit integer",
+            self.seed,
+        )
         _check(
             self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
             "max_tokens",
@@ -75,13 +85,21 @@ class SamplingParams:
             "must be <= max_tokens",
             self.min_tokens,
         )
-        _check(all(isinstance(s, str) and s for s in self._stop_strs), "stop", "must be non-empty strings", self.stop)
         _check(
-            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+            len(self._stop_strs) <= MAX_STOP
+            and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_LENGTH for s in self._stop_strs),
+            "stop",
+            f"must be at most {MAX_STOP} non-empty strings of at most {MAX_STOP_LENGTH} characters",
+            self.stop,
+        )
+        _check(
+            len(self.stop_token_ids) <= MAX_STOP
+            and all(_is_int(t) and 0 <= t <= INT64[1] for t in self.stop_token_ids),
             "stop_token_ids",
-            "must be non-negative integers",
+            f"must be at most {MAX_STOP} non-negative token ids",
             self.stop_token_ids,
         )
+        self.stop_token_set = frozenset(self.stop_token_ids)
         _check(
             self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
             "logprobs",
@@ -108,4 +126,5 @@ def _is_number(value) -> bool:
 
 def _check(ok: bool, name: str, rule: str, value) -> None:
     if not ok:
-        raise ValueError(f"{name} {rule}, got {value!r}")
+        got = repr(value)  # a refused value can be megabytes long
+        raise ValueError(f"{name} {rule}, got {got if len(got) <= 80 else got[:60] + '...'}")

@@ -25,6 +25,9 @@ class SchedulerOutput:
         self.num_scheduled_tokens.append(num_new_tokens)
         self.sampling.append(seq.num_computed_tokens + num_new_tokens == seq.num_tokens)
 
+    def select(self, keep: list[int]) -> "SchedulerOutput":
+        return SchedulerOutput(*([xs[i] for i in keep] for xs in (self.seqs, self.num_scheduled_tokens, self.sampling)))
+
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int):
@@ -109,7 +112,7 @@ class Scheduler:
         if seq.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in seq.eos_token_ids:
                 return self.finish(seq, "stop", None)
-            if token in params.stop_token_ids:
+            if token in params.stop_token_set:
                 return self.finish(seq, "stop", token)
         if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             self.finish(seq, "length")

@@ -3,9 +3,10 @@ adapters listed by `GET /v1/models` with the base model as `parent`, and request
 
 Safety, always on: an adapter loads only from a directory inside one of the configured roots (TIFFIN_LORA_ROOTS,
 `os.pathsep`-separated). Paths are checked after resolving symlinks, for the directory and the two files read
-from it, and `..` is refused outright; the engine then reads safetensors only, checks every shape against the
-base model and refuses ranks above max_lora_rank. Every refusal is a 4xx naming the problem; nothing is
-registered unless the adapter loaded, so serving goes on untouched.
+from it, and `..` is refused outright; the engine checks the same again at every read, and a re-read after an
+eviction must find the directory and content it first loaded. It reads safetensors only, checks every shape
+against the base model, refuses ranks above max_lora_rank and non-finite weights. Every refusal is a 4xx naming
+the problem; nothing is registered unless the adapter loaded, so serving goes on untouched.
 
 Loading reads and checks the adapter in a worker thread: the engine keeps stepping. A load is idempotent for the
 same name and directory; a different directory under a taken name is a 409. Unloading takes the name off at
@@ -18,7 +19,7 @@ import os
 import time
 from pathlib import Path
 
-from tiffin.engine.lora import CONFIG_FILE, WEIGHTS_FILE, LoRARequest
+from tiffin.engine.lora import LoRARequest, confine, parse_roots
 from tiffin.plugin.openai_api import APIError
 
 MAX_NAME_LENGTH = 256
@@ -28,14 +29,8 @@ class LoRAServing:
     def __init__(self, engine, roots: str, base_model: str):
         """`engine`: an AsyncLLMEngine built with enable_lora; `roots`: directories, `os.pathsep`-separated."""
         self.engine, self.base_model = engine, base_model
-        self.roots, self._spelled = [], []  # resolved, and as configured (for the check before resolving)
-        for root in filter(None, roots.split(os.pathsep)):
-            if not Path(root).is_dir():
-                raise ValueError(f"LoRA root {root!r} is not a directory")
-            self.roots.append(Path(root).resolve())
-            self._spelled.append(Path(root).absolute())
-        if not self.roots:
-            raise ValueError("lora_roots names no directory")
+        self.roots = parse_roots(roots)
+        self._spelled = [Path(root).absolute() for root in roots.split(os.pathsep) if root]  # checked unresolved
         self.adapters: dict[str, tuple[LoRARequest, int]] = {}  # name -> (request, created)
         self._next_id = 1
         self._lock = asyncio.Lock()  # one load or unload at a time: names and ids stay consistent
@@ -102,29 +97,16 @@ class LoRAServing:
         path = Path(raw)
         if ".." in path.parts:
             raise APIError(400, f"lora_path {raw!r} must not contain '..'", param="lora_path")
-        if path.is_absolute() and self._root_of(path, self.roots + self._spelled) is None:
+        if path.is_absolute() and not any(path.is_relative_to(root) for root in self.roots + self._spelled):
             raise APIError(400, f"lora_path {raw!r} is outside the LoRA roots", param="lora_path")
         for candidate in [path] if path.is_absolute() else [root / path for root in self.roots]:
             try:
-                resolved = candidate.resolve(strict=True)
-            except (OSError, RuntimeError):  # missing, or a symlink loop
+                return confine(candidate, self.roots)
+            except FileNotFoundError:
                 continue
-            if self._root_of(resolved) is None:
-                raise APIError(
-                    400, f"lora_path {raw!r} is outside the LoRA roots once symlinks are resolved", param="lora_path"
-                )
-            if not resolved.is_dir():
-                raise APIError(400, f"lora_path {raw!r} is not a directory", param="lora_path")
-            for name in (CONFIG_FILE, WEIGHTS_FILE):
-                if (resolved / name).exists() and self._root_of((resolved / name).resolve()) is None:
-                    raise APIError(
-                        400, f"{name} in {raw!r} leads outside the LoRA roots through a symlink", param="lora_path"
-                    )
-            return resolved
+            except ValueError as e:
+                raise APIError(400, f"lora_path {raw!r}: {e}", param="lora_path") from None
         raise APIError(400, f"lora_path {raw!r} does not exist under the LoRA roots", param="lora_path")
-
-    def _root_of(self, path: Path, roots: list[Path] | None = None) -> Path | None:
-        return next((root for root in roots or self.roots if path.is_relative_to(root)), None)
 
     def _check_name(self, name: str) -> None:
         if not name or len(name) > MAX_NAME_LENGTH or not name.isprintable() or name != name.strip():

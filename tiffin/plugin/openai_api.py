@@ -6,6 +6,7 @@ No BentoML here: `create_app()` returns the FastAPI app and the service sets `ap
 
 import asyncio
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -15,14 +16,16 @@ from typing import Annotated, Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, Strict
+from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 from starlette.exceptions import HTTPException
 
+from tiffin.engine.errors import QueueFull
 from tiffin.engine.sampling_params import SamplingParams
 
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]  # accepts JSON integers, not strings or booleans
 Bool = Annotated[bool, Strict()]
+Name = Annotated[str, Strict(), Field(max_length=256)]  # echoed back in errors: kept short
 
 
 class APIError(Exception):
@@ -44,15 +47,36 @@ class APIError(Exception):
 # --- requests ---
 
 
+class _Body(BaseModel):
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, body):
+        """JSON may escape a lone surrogate, which no encoder (tokenizer, JSON response) accepts."""
+        for key, value in body.items() if isinstance(body, dict) else ():
+            stack = [value]
+            while stack:  # not recursive: nesting depth is the client's choice
+                item = stack.pop()
+                if isinstance(item, str):
+                    try:
+                        item.encode()
+                    except UnicodeEncodeError:
+                        raise APIError(400, f"{key}: text must be valid Unicode (lone surrogate)", param=key) from None
+                elif isinstance(item, dict):
+                    stack += [*item, *item.values()]
+                elif isinstance(item, list):
+                    stack += item
+        return body
+
+
 class StreamOptions(BaseModel):
     include_usage: Bool = False
 
 
-class _SamplingRequest(BaseModel):
+class _SamplingRequest(_Body):
     """Fields shared by /completions and /chat/completions (null means the default)."""
 
     model_config = ConfigDict(extra="ignore")
-    model: str | None = None
+    model: Name | None = None
     n: Int | None = None
     temperature: Float | None = None
     top_p: Float | None = None
@@ -61,7 +85,7 @@ class _SamplingRequest(BaseModel):
     presence_penalty: Float | None = None
     frequency_penalty: Float | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: Name | None = None
     stream: Bool | None = None
     stream_options: StreamOptions | None = None
     # vLLM extras
@@ -77,6 +101,8 @@ class _SamplingRequest(BaseModel):
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
         given = {k: v for k, v in self.model_dump(include=_SAMPLING_FIELDS).items() if v is not None}
         try:
             return SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs)
@@ -113,6 +139,7 @@ class CompletionRequest(_SamplingRequest):
     logprobs: Int | None = None
     echo: Bool | None = None
     suffix: str | None = None
+    best_of: Int | None = None
 
 
 class ChatMessage(BaseModel):
@@ -130,12 +157,12 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: Bool = True
 
 
-class LoadLoRAAdapterRequest(BaseModel):
+class LoadLoRAAdapterRequest(_Body):
     lora_name: Annotated[str, Strict()]
-    lora_path: Annotated[str, Strict()]
+    lora_path: Annotated[str, Strict(), Field(max_length=4096)]
 
 
-class UnloadLoRAAdapterRequest(BaseModel):
+class UnloadLoRAAdapterRequest(_Body):
     lora_name: Annotated[str, Strict()]
 
 
@@ -177,6 +204,8 @@ class OpenAIServing:
             raise APIError(400, "echo is not supported", param="echo")
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
+        if req.best_of not in (None, 1):
+            raise APIError(400, "best_of is not supported", param="best_of")
         prompts = _prompts(req.prompt)
         params = req.sampling_params(req.max_tokens, req.logprobs)
         fmt = _Format(
@@ -194,7 +223,12 @@ class OpenAIServing:
         fmt = _Format(
             "chatcmpl", "chat.completion", "chat.completion.chunk", req.model or self.model_name, params.n, logprobs
         )
-        return await self._serve(req, raw, fmt, [self._render_chat(req)], params, lora)
+        prompt = await asyncio.to_thread(self._render_chat, req)  # templates and tokenizers are slow on long text
+        try:  # the template writes the special tokens itself
+            prompt = await self.engine.tokenize({"prompt": prompt}, add_special_tokens=False)
+        except ValueError as e:
+            raise APIError(400, f"messages: {e}", param="messages") from None
+        return await self._serve(req, raw, fmt, [prompt], params, lora)
 
     def _check_model(self, model: str | None):
         """The LoRARequest for an adapter's name, None for the base model; 404 for any other name."""
@@ -205,20 +239,17 @@ class OpenAIServing:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
         return lora
 
-    def _render_chat(self, req: ChatCompletionRequest) -> dict:
+    def _render_chat(self, req: ChatCompletionRequest) -> str:
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         for m in messages:
             if isinstance(m.get("content"), list) and any(p.get("type") != "text" for p in m["content"]):
                 raise APIError(400, "only text content parts are supported", param="messages")
-        tokenizer = self.engine.tokenizer
         try:
-            text = tokenizer.apply_chat_template(
+            return self.engine.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=req.add_generation_prompt
             )
         except Exception as e:  # a template may raise on roles or content it does not accept
             raise APIError(400, f"messages: the chat template failed: {e}", param="messages") from None
-        # The template writes the special tokens itself.
-        return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
     async def _serve(self, req: _SamplingRequest, raw: Request, fmt: "_Format", prompts: list, params, lora=None):
         streams = await self._open(prompts, params, fmt.id, lora)
@@ -235,6 +266,8 @@ class OpenAIServing:
                 streams.append(await self.engine.add_request(f"{request_id}-{i}", prompt, params, lora))
         except ValueError as e:
             raise bad_request(e) from None
+        except QueueFull as e:
+            raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
         finally:
             if len(streams) < len(prompts):
                 for s in streams:
@@ -326,6 +359,11 @@ async def _unless_disconnected(raw: Request, coro):
     if task.cancelled():
         raise APIError(499, "client disconnected")
     return task.result()
+
+
+def _finite(logprob: float) -> float:
+    """JSON has no NaN or infinity; vLLM's floor for -inf."""
+    return logprob if math.isfinite(logprob) else -9999.0
 
 
 def _event(obj: dict) -> str:
@@ -443,7 +481,7 @@ class _Format:
         if self.chat:
             item = lambda lp: {
                 "token": lp.decoded_token,
-                "logprob": lp.logprob,
+                "logprob": _finite(lp.logprob),
                 "bytes": list(lp.decoded_token.encode()),
             }
             return {"content": [{**item(s), "top_logprobs": [item(t) for t in top]} for s, top in entries]}
@@ -453,8 +491,8 @@ class _Format:
             sent.text_offset += len(s.decoded_token)
         return {
             "tokens": [s.decoded_token for s, _ in entries],
-            "token_logprobs": [s.logprob for s, _ in entries],
-            "top_logprobs": [{t.decoded_token: t.logprob for t in top} for _, top in entries],
+            "token_logprobs": [_finite(s.logprob) for s, _ in entries],
+            "top_logprobs": [{t.decoded_token: _finite(t.logprob) for t in top} for _, top in entries],
             "text_offset": offsets,
         }
 
@@ -469,6 +507,10 @@ def create_app() -> FastAPI:
     def serving(raw: Request) -> OpenAIServing:
         if raw.app.state.serving is None:
             raise APIError(503, "the model is still loading", type="service_unavailable")
+        if not raw.app.state.serving.engine.healthy:
+            raise APIError(
+                503, raw.app.state.serving.engine.dead or "the engine is shut down", type="service_unavailable"
+            )
         return raw.app.state.serving
 
     @app.get("/models")
@@ -499,7 +541,7 @@ def create_app() -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers={"Retry-After": "1"} if e.status == 429 else None)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, e: RequestValidationError):

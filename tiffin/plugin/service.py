@@ -4,7 +4,9 @@ Configuration: environment variables TIFFIN_<SETTING> or `bentoml serve ... --ar
 argument wins); see `Settings`. With no model set, the Bento serves the built-in tiny model, created in the
 BentoML model store on first start. Weights load in a background thread: /livez answers at once, /readyz is
 503 until the engine is up. The OpenAI-compatible API (tiffin.plugin.openai_api) is mounted at /v1; with
-TIFFIN_LORA_ROOTS set it serves LoRA adapters too (tiffin.plugin.lora).
+TIFFIN_LORA_ROOTS set it serves LoRA adapters too (tiffin.plugin.lora). Every route but the probes sits behind
+tiffin.plugin.guard (API keys, body limit, draining); SIGTERM stops admitting requests and lets running ones
+finish for up to `shutdown_grace_period` seconds.
 
 Torch and the engine are imported inside the loader thread, so `bentoml build` imports this module quickly.
 """
@@ -12,17 +14,21 @@ Torch and the engine are imported inside the loader thread, so `bentoml build` i
 import logging
 import os
 import re
+import signal
 import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator
+from http import HTTPStatus
 from pathlib import Path
 
 import bentoml
-from bentoml.exceptions import InvalidArgument, ServiceUnavailable
+from bentoml.exceptions import BentoMLException, InvalidArgument, ServiceUnavailable
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
+from tiffin.engine.errors import QueueFull
 from tiffin.engine.sampling_params import SamplingParams
+from tiffin.plugin.guard import Guard
 from tiffin.plugin.metrics import engine_metrics
 from tiffin.plugin.model_store import resolve_model
 from tiffin.plugin.openai_api import OpenAIServing, create_app
@@ -54,6 +60,12 @@ class Settings(BaseModel):
     max_loras: int = 4  # adapters one step may mix (device slots)
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters kept parsed in host memory; default max_loras
+    max_n: int = 64  # samples one request may ask for
+    max_waiting_requests: int | None = 1024  # sequences queued beyond the running batch; more get 429
+    max_request_body: int = 10 << 20  # bytes; larger requests get 413
+    api_key: str | None = None  # required as `Authorization: Bearer <key>` on every route but /livez, /readyz
+    admin_api_key: str | None = None  # required instead for LoRA load/unload
+    shutdown_grace_period: float = 25.0  # seconds running requests may take to finish after SIGTERM
 
     @model_validator(mode="before")
     @classmethod
@@ -65,25 +77,37 @@ class Settings(BaseModel):
         }
         return {**env, **args}
 
-    @field_validator("kv_cache_memory", mode="before")
+    @field_validator("kv_cache_memory", "max_request_body", mode="before")
     @classmethod
     def _bytes(cls, value):
         if not isinstance(value, str):
             return value
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*", value.lower())
         if m is None:
-            raise ValueError(f"kv_cache_memory must be bytes such as 8GiB or 512MiB, got {value!r}")
+            raise ValueError(f"must be bytes such as 8GiB or 512MiB, got {value!r}")
         return int(float(m[1]) * (1024 if m[3] else 1000) ** " kmgt".index(m[2] or " "))
 
     def engine_kwargs(self) -> dict:
         return {
-            **self.model_dump(exclude={"model", "served_model_name", "timeout", "load_gate", "lora_roots"}),
+            **self.model_dump(include=ENGINE_SETTINGS),
             "enable_lora": self.lora_roots is not None,
         }
 
 
+# the rest are the service's own
+ENGINE_SETTINGS = set(Settings.model_fields) - {
+    "model",
+    "served_model_name",
+    "timeout",
+    "load_gate",
+    "max_request_body",
+    "api_key",
+    "admin_api_key",
+    "shutdown_grace_period",
+}
 settings = bentoml.use_arguments(Settings)
 openai_app = create_app()
+DRAINING = threading.Event()  # set by SIGTERM: new requests get 503, running ones finish
 
 
 @bentoml.asgi_app(openai_app, path="/v1")
@@ -106,12 +130,30 @@ class Tiffin:
         self.load_error: str | None = None
         self.metrics = engine_metrics()
         threading.Thread(target=self._load, name="tiffin-loader", daemon=True).start()
+        if threading.current_thread() is threading.main_thread():
+            self._drain_on_sigterm()
 
     def __is_ready__(self) -> bool:
-        return self.engine is not None
+        return self.engine is not None and self.engine.healthy and not DRAINING.is_set()
 
     def __is_alive__(self) -> bool:
-        return self.load_error is None
+        return self.load_error is None and (self.engine is None or self.engine.dead is None)
+
+    def _drain_on_sigterm(self) -> None:
+        """Chain to the server's own handler (which stops accepting connections and waits for open ones), after
+        turning new requests away and arming the grace period, past which the engine fails what still runs."""
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def drain(signum, frame) -> None:
+            if not DRAINING.is_set():
+                DRAINING.set()
+                timer = threading.Timer(settings.shutdown_grace_period, self.shutdown)
+                timer.daemon = True
+                timer.start()
+            if callable(previous):
+                previous(signum, frame)
+
+        signal.signal(signal.SIGTERM, drain)
 
     def _load(self) -> None:
         try:
@@ -201,12 +243,14 @@ class Tiffin:
 
     async def _texts(self, prompt: str, params: SamplingParams) -> AsyncGenerator[str, None]:
         """Cumulative output text of one request; leaving early aborts it."""
-        if self.engine is None:
-            raise ServiceUnavailable("the model is still loading")
+        if self.engine is None or not self.engine.healthy:
+            raise ServiceUnavailable("the model is still loading" if self.engine is None else "the engine failed")
         try:
             stream = await self.engine.add_request(f"gen-{uuid.uuid4().hex}", prompt, params)
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
+        except QueueFull as e:
+            raise BentoMLException(str(e), error_code=HTTPStatus.TOO_MANY_REQUESTS) from None
         try:
             async for out in stream:
                 if out.finished:
@@ -214,6 +258,15 @@ class Tiffin:
                 yield out.outputs[0].text
         finally:
             stream.close()
+
+
+Tiffin.add_asgi_middleware(
+    Guard,
+    api_key=settings.api_key,
+    admin_api_key=settings.admin_api_key,
+    max_body=settings.max_request_body,
+    draining=DRAINING.is_set,
+)
 
 
 def _params(**kwargs) -> SamplingParams:

@@ -1,0 +1,104 @@
+"""Huge requests against a serving Bento (issue #16): while 8 streams run, a 20 MB body and an 8 MB prompt just
+under the body limit are each refused; prints how long each refusal took, the longest gap between two events of
+any stream (against the same streams without the huge requests), and the worker's memory before and after.
+
+    python benchmarks/hostile.py [--rounds 3]
+
+Starts `bentoml serve tiffin.plugin.service:Tiffin` (the built-in tiny model) on a loopback port."""
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from bento_server import BentoServer  # noqa: E402
+
+STREAM = {"prompt": "The quick brown fox", "max_tokens": 200, "ignore_eos": True, "stream": True, "temperature": 0}
+
+
+def worker_rss(server: BentoServer) -> int:
+    procs = psutil.Process(server.proc.pid).children(recursive=True)
+    workers = [p for p in procs if any("worker" in part for part in p.cmdline())]
+    return sum(p.memory_info().rss for p in workers)
+
+
+def run_streams(server: BentoServer, n: int, during=None) -> tuple[float, list]:
+    """Max gap between events over `n` concurrent streams; `during()` runs once every stream has started."""
+    gaps, started, results = [], threading.Barrier(n + 1), []
+
+    def stream():
+        with httpx.Client(base_url=server.url, timeout=120) as http:
+            with http.stream("POST", "/v1/completions", json=STREAM) as r:
+                last, first = None, True
+                for line in r.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    now = time.monotonic()
+                    if last is not None:
+                        gaps.append(now - last)
+                    last = now
+                    if first:
+                        first = False
+                        started.wait()
+
+    threads = [threading.Thread(target=stream) for _ in range(n)]
+    for t in threads:
+        t.start()
+    started.wait()
+    if during is not None:
+        results = during()
+    for t in threads:
+        t.join()
+    return max(gaps), results
+
+
+def huge_requests(server: BentoServer) -> list:
+    out = []
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        for name, body in [
+            ("20 MB body", json.dumps({"prompt": "lorem ipsum " * (20_000_000 // 12)}).encode()),
+            ("8 MB prompt", json.dumps({"prompt": "lorem ipsum " * (8_000_000 // 12)}).encode()),
+            (
+                "8 MB chat",
+                json.dumps({"messages": [{"role": "user", "content": "lorem " * (8_000_000 // 6)}]}).encode(),
+            ),
+        ]:
+            path = "/v1/chat/completions" if "chat" in name else "/v1/completions"
+            started = time.monotonic()
+            r = http.post(path, content=body, headers={"content-type": "application/json"})
+            out.append((name, r.status_code, time.monotonic() - started))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    server = BentoServer(Path(tempfile.mkdtemp()), "tiffin.plugin.service:Tiffin", args={"num_kv_blocks": 512})
+    try:
+        server.wait("/readyz", 200, timeout=300)
+        run_streams(server, 8)  # warm up
+        base_rss = worker_rss(server)
+        clean_gap, _ = run_streams(server, 8)
+        print(f"worker RSS {base_rss / 2**20:.0f} MiB; 8 streams alone: longest gap {clean_gap * 1000:.0f} ms")
+        for i in range(args.rounds):
+            gap, refusals = run_streams(server, 8, lambda: huge_requests(server))
+            for name, status, seconds in refusals:
+                print(f"round {i}: {name}: {status} in {seconds * 1000:.0f} ms")
+            print(f"round {i}: 8 streams meanwhile: longest gap {gap * 1000:.0f} ms")
+        time.sleep(2)
+        rss = worker_rss(server)
+        print(f"worker RSS after: {rss / 2**20:.0f} MiB ({(rss / base_rss - 1) * 100:+.1f}%)")
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()

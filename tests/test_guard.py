@@ -1,0 +1,192 @@
+"""API keys, the body limit, the waiting-queue bound and graceful shutdown (issue #16): the Guard middleware
+in-process, then the Bento end to end (`bentoml serve` with keys set), ending with a SIGTERM while a stream
+runs."""
+
+import asyncio
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("bentoml")
+
+from bento_server import BentoServer  # noqa: E402
+from fastapi import FastAPI  # noqa: E402
+from fastapi.testclient import TestClient  # noqa: E402
+from starlette.applications import Starlette  # noqa: E402
+from starlette.responses import PlainTextResponse  # noqa: E402
+from starlette.routing import Mount, Route  # noqa: E402
+
+from tiffin.plugin.guard import Guard  # noqa: E402
+
+KEY, ADMIN = "sk-user-key", "sk-admin-key"
+
+
+def guarded(**options) -> TestClient:
+    v1 = FastAPI()
+
+    @v1.post("/completions")
+    async def completions(body: dict):
+        return {"size": len(str(body))}
+
+    @v1.post("/load_lora_adapter")
+    async def load():
+        return {"loaded": True}
+
+    ok = lambda request: PlainTextResponse("ok")
+    app = Starlette(routes=[Route("/livez", ok), Route("/readyz", ok), Route("/metrics", ok), Mount("/v1", v1)])
+    return TestClient(Guard(app, **options))
+
+
+def bearer(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_keys():
+    client = guarded(api_key=KEY, admin_api_key=ADMIN)
+    assert client.get("/livez").status_code == client.get("/readyz").status_code == 200  # probes stay open
+    for headers in ({}, bearer("wrong"), bearer(KEY + "x"), {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"}):
+        r = client.post("/v1/completions", json={}, headers=headers)
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", headers
+        assert r.json()["error"]["code"] == "invalid_api_key" and set(r.json()["error"]) == {
+            "message",
+            "type",
+            "param",
+            "code",
+        }
+    assert client.get("/metrics").status_code == 401
+    assert client.post("/v1/completions", json={}, headers=bearer(KEY)).status_code == 200
+    assert client.get("/metrics", headers=bearer(KEY)).status_code == 200
+    assert client.post("/v1/completions", json={}, headers=bearer(ADMIN)).status_code == 200  # admin opens all
+    assert client.post("/v1/load_lora_adapter", headers=bearer(KEY)).status_code == 401  # the user key does not
+    assert client.post("/v1/load_lora_adapter", headers=bearer(ADMIN)).status_code == 200
+
+
+def test_admin_key_alone_guards_only_the_admin_routes():
+    client = guarded(admin_api_key=ADMIN)
+    assert client.post("/v1/completions", json={}).status_code == 200
+    assert client.post("/v1/load_lora_adapter").status_code == 401
+    assert client.post("/v1/load_lora_adapter", headers=bearer(ADMIN)).status_code == 200
+    assert guarded(api_key=KEY).post("/v1/load_lora_adapter", headers=bearer(KEY)).status_code == 200
+
+
+def test_body_limit():
+    client = guarded(max_body=1000)
+    assert client.post("/v1/completions", json={"prompt": "x" * 900}).status_code == 200
+    r = client.post("/v1/completions", json={"prompt": "x" * 2000})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    def chunks():  # no Content-Length: counted as it arrives
+        yield b'{"prompt": "'
+        for _ in range(20):
+            yield b"x" * 100
+        yield b'"}'
+
+    r = client.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+
+
+def test_draining_turns_new_requests_away():
+    draining = threading.Event()
+    client = guarded(draining=draining.is_set)
+    assert client.post("/v1/completions", json={}).status_code == 200
+    draining.set()
+    assert client.post("/v1/completions", json={}).status_code == 503
+    assert client.get("/livez").status_code == 200
+
+
+def test_waiting_queue_bound_is_a_429_with_retry_after(tiny_model):
+    from tiffin import AsyncLLMEngine, SamplingParams
+    from tiffin.engine.errors import QueueFull
+    from tiffin.plugin.openai_api import OpenAIServing, create_app
+
+    engine = AsyncLLMEngine.from_engine_args(
+        tiny_model("llama"), num_kv_blocks=64, max_num_seqs=1, max_waiting_requests=2
+    )
+
+    async def fill_then_add():
+        long = SamplingParams(max_tokens=500, ignore_eos=True)
+        streams = [await engine.add_request(f"fill-{i}", "x", long) for i in range(3)]  # 1 runs, 2 wait
+        try:
+            with pytest.raises(QueueFull, match="max_waiting_requests=2"):
+                await engine.add_request("one-too-many", "x", SamplingParams(max_tokens=1))
+        finally:
+            for stream in streams:
+                stream.close()
+
+    try:
+        asyncio.run(fill_then_add())
+        app = create_app()
+        app.state.serving = OpenAIServing(engine, "tiny")
+
+        async def full(*args):
+            raise QueueFull("max_waiting_requests=2 sequences are waiting")
+
+        engine.add_request = full
+        r = TestClient(app).post("/completions", json={"prompt": "x", "max_tokens": 1})
+        assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
+        assert r.json()["error"]["type"] == "rate_limit_error"
+    finally:
+        engine.shutdown()
+
+
+# --- the Bento ---
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve-guard")
+    (tmp / "adapters").mkdir()
+    srv = BentoServer(
+        tmp,
+        "tiffin.plugin.service:Tiffin",
+        args={"num_kv_blocks": 128, "max_request_body": "1MiB"},
+        env={
+            "TIFFIN_API_KEY": KEY,
+            "TIFFIN_ADMIN_API_KEY": ADMIN,
+            "TIFFIN_LORA_ROOTS": str(tmp / "adapters"),
+            "TIFFIN_SHUTDOWN_GRACE_PERIOD": "60",
+        },
+    )
+    try:
+        srv.wait("/readyz", 200, timeout=180)
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_bento_routes_need_the_key(server):
+    http = server.http
+    body = {"prompt": "Hello", "max_tokens": 3}
+    assert http.get("/livez").status_code == 200
+    for method, path, kw in [
+        ("GET", "/v1/models", {}),
+        ("POST", "/v1/completions", {"json": body}),
+        ("POST", "/generate", {"json": {"prompt": "Hello", "max_tokens": 3}}),
+        ("GET", "/metrics", {}),
+    ]:
+        assert http.request(method, path, **kw).status_code == 401, path
+        assert http.request(method, path, headers=bearer("nope"), **kw).status_code == 401, path
+        assert http.request(method, path, headers=bearer(KEY), **kw).status_code == 200, path
+    load = {"lora_name": "x", "lora_path": "missing"}
+    assert http.post("/v1/load_lora_adapter", json=load, headers=bearer(KEY)).status_code == 401
+    assert http.post("/v1/load_lora_adapter", json=load, headers=bearer(ADMIN)).status_code == 400  # past the key
+    started = time.monotonic()
+    r = http.post("/v1/completions", content=b"x" * (20 << 20), headers=bearer(KEY))
+    assert r.status_code == 413 and time.monotonic() - started < 10
+
+
+def test_sigterm_lets_the_running_stream_finish(server):
+    body = {"prompt": "The quick brown fox", "max_tokens": 120, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.url, headers=bearer(KEY), timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            server.proc.send_signal(signal.SIGTERM)
+            time.sleep(1)
+            assert server.status("/readyz") in (0, 503)  # not ready, or no longer accepting
+            rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]" and '"finish_reason": "length"' in rest[-2], rest[-3:]
+    server.proc.wait(30)

@@ -1,0 +1,101 @@
+"""ASGI middleware in front of every route of the Bento: API keys, the request body limit, and draining.
+
+- Keys: with `api_key` set, every route but the probes needs `Authorization: Bearer <api_key>`; with
+  `admin_api_key` set, the LoRA load/unload routes need that key instead (it opens the other routes too). Keys
+  are compared in constant time; a refusal is a 401 in OpenAI's error shape.
+- Body limit: a declared Content-Length beyond `max_body` is answered 413 without buffering the body; a
+  chunked body is counted as it arrives and cut off at the limit.
+- Draining: while `draining()` is true (SIGTERM received), new requests get 503 while running ones finish.
+"""
+
+import hmac
+import json
+from collections.abc import Callable
+
+PROBES = ("/livez", "/readyz")  # orchestrators probe without credentials, and must see draining
+ADMIN_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+DISCARD_LIMIT = 64 << 20  # an oversized body up to this is read and dropped, so the client sees the 413
+
+
+class Guard:
+    def __init__(
+        self,
+        app,
+        api_key: str | None = None,
+        admin_api_key: str | None = None,
+        max_body: int = 10 << 20,
+        draining: Callable[[], bool] = lambda: False,
+    ):
+        self.app, self.max_body, self.draining = app, max_body, draining
+        self.keys = [k.encode() for k in (api_key, admin_api_key) if k] if api_key else []
+        self.admin_keys = [k.encode() for k in (admin_api_key or api_key,) if k]
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in PROBES:
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        keys = self.admin_keys if scope["path"] in ADMIN_ROUTES else self.keys
+        if keys and not _authorized(headers.get(b"authorization", b""), keys):
+            return await _error(
+                send, 401, "a valid API key is required: Authorization: Bearer <key>", "invalid_api_key"
+            )
+        if self.draining():
+            return await _error(send, 503, "the server is shutting down", "shutting_down", "service_unavailable")
+        try:
+            declared = int(headers.get(b"content-length", b"0"))
+        except ValueError:
+            return await _error(send, 400, "invalid Content-Length", "invalid_request")
+        if declared > self.max_body:
+            await _discard(receive, declared)
+            return await _error(send, 413, f"request body is larger than {self.max_body} bytes", "request_too_large")
+        await self._limited(scope, receive, send)
+
+    async def _limited(self, scope, receive, send) -> None:
+        """Run the app, counting body bytes as it reads them; past the limit, answer 413 and end the request."""
+        received, refused, started = 0, False, False
+
+        async def counting_receive():
+            nonlocal received, refused
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_body and not refused:
+                refused = True
+                if not started:
+                    await _error(send, 413, f"request body is larger than {self.max_body} bytes", "request_too_large")
+                return {"type": "http.disconnect"}
+            return message
+
+        async def guarded_send(message):
+            nonlocal started
+            if not refused:
+                started = True
+                await send(message)
+
+        try:
+            await self.app(scope, counting_receive, guarded_send)
+        except Exception:
+            if not refused:
+                raise
+
+
+def _authorized(header: bytes, keys: list[bytes]) -> bool:
+    scheme, _, token = header.partition(b" ")
+    matches = [hmac.compare_digest(token.strip(), key) for key in keys]  # every key compared: constant time
+    return scheme.lower() == b"bearer" and any(matches)
+
+
+async def _discard(receive, declared: int) -> None:
+    if declared > DISCARD_LIMIT:
+        return
+    message = {"more_body": True}
+    while message.get("more_body") and message.get("type", "http.request") == "http.request":
+        message = await receive()
+
+
+async def _error(send, status: int, message: str, code: str, kind: str = "invalid_request_error") -> None:
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
