@@ -62,9 +62,9 @@ def main() -> None:
         args.model = args.model or args.make_model
     if not args.model:
         parser.error("--model or --make-model is required")
-    from tiffin.engine.config import ModelConfig
+    from tiffin.engine.models.registry import get_model_config
 
-    vocab = ModelConfig.from_pretrained(args.model).vocab_size
+    vocab = get_model_config(args.model).vocab_size
     prompts = workload(vocab, args.n, args.system_len, args.question_len, args.seed)
     off, on = (run(args.model, args.dtype, prompts, args.output_len, c) for c in (False, True))
     print(

@@ -8,16 +8,15 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from tiffin.engine.block_manager import BlockManager
-from tiffin.engine.config import DTYPES, EngineConfig, ModelConfig
+from tiffin.engine.config import DTYPES, EngineConfig
 from tiffin.engine.detokenizer import IncrementalDetokenizer
 from tiffin.engine.lora import LoRAManager, LoRAModel, LoRARequest
 from tiffin.engine.model_runner import ModelRunner
-from tiffin.engine.models.loader import MODELS
+from tiffin.engine.models.registry import get_model_config
 from tiffin.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from tiffin.engine.sampling_params import SamplingParams
 from tiffin.engine.scheduler import Scheduler
 from tiffin.engine.sequence import Sequence
-from tiffin.quant import get_quant_config, linear_method_factory
 
 PromptType = str | list[int] | dict
 
@@ -38,23 +37,13 @@ class Request:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.model_config = ModelConfig.from_pretrained(config.model)
+        self.model_config = get_model_config(config.model)
         if config.dtype != "auto":  # the user's dtype overrides the checkpoint's
             self.model_config.dtype = DTYPES[config.dtype]
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         self.max_model_len = self._max_model_len()
         self.eos_token_ids = frozenset(self._eos_token_ids())
-        self.quant_config = get_quant_config(config.model, self.model_config.raw)
-        linear_method = (
-            None
-            if self.quant_config is None
-            else linear_method_factory(
-                self.quant_config, MODELS[self.model_config.architecture].stacked_modules, config.kernel_backend
-            )
-        )
-        self.model_runner = ModelRunner(
-            config, self.model_config, self.max_model_len, set(self.eos_token_ids), linear_method
-        )
+        self.model_runner = ModelRunner(config, self.model_config, self.max_model_len, set(self.eos_token_ids))
         self.weight_bytes = sum(p.nbytes for p in self.model_runner.model.parameters())
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)

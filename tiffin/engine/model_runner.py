@@ -8,8 +8,9 @@ import numpy as np
 import torch
 
 from tiffin import kernels
-from tiffin.engine.config import EngineConfig, ModelConfig
+from tiffin.engine.config import EngineConfig
 from tiffin.engine.lora import LoRAManager
+from tiffin.engine.models.config import ModelConfig
 from tiffin.engine.models.loader import build_model
 from tiffin.engine.sampler import Sampler, SamplerOutput
 from tiffin.engine.scheduler import SchedulerOutput
@@ -24,7 +25,6 @@ class ModelRunner:
         model_config: ModelConfig,
         max_model_len: int,
         eos_token_ids: set[int],
-        linear_method=None,
     ):
         self.config, self.model_config = config, model_config
         self.device = config.torch_device
@@ -32,7 +32,7 @@ class ModelRunner:
             _keep_freed_memory_mapped()
         self.block_size = config.block_size
         self.backend = kernels.resolve_backend(config.kernel_backend, self.device)
-        self.model = build_model(model_config, config.model, self.device, max_model_len, self.backend, linear_method)
+        self.model = build_model(model_config, config.model, self.device, max_model_len, self.backend)
         self.lora_manager = (
             LoRAManager(
                 self.model,
