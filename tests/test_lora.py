@@ -101,7 +101,7 @@ def test_greedy_matches_peft_interleaved(fp_case, engine_args):
     assert max(len(s - {None}) for s in steps) <= slots
     assert any(None in s and len(s) >= 3 for s in steps), "base and several adapters never shared a step"
     stats = llm.llm_engine.stats()
-    assert stats["kv_blocks_used"] == 0 and stats["num_running"] == stats["num_waiting"] == 0
+    assert stats.kv_blocks_used == 0 and stats.num_running == stats.num_waiting == 0
 
 
 @pytest.mark.skipif(not AWQ_REFERENCE.exists(), reason="the AWQ fixture is not present")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from tiffin.engine.config import EngineConfig
 from tiffin.engine.llm_engine import LLMEngine, PromptType
 from tiffin.engine.lora import LoRARequest
-from tiffin.engine.outputs import RequestOutput
+from tiffin.engine.outputs import EngineStats, RequestOutput
 from tiffin.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class AsyncLLMEngine:
     """`await add_request(...)` or `async for out in generate(...)`; `stats()` for monitoring. `on_stats`
     is called in the engine thread with `LLMEngine.stats()` after every step and every inbox batch."""
 
-    def __init__(self, engine: LLMEngine, on_stats: Callable[[dict], None] | None = None):
+    def __init__(self, engine: LLMEngine, on_stats: Callable[[EngineStats], None] | None = None):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
@@ -102,7 +102,9 @@ class AsyncLLMEngine:
         self._thread.start()
 
     @classmethod
-    def from_engine_args(cls, model: str, on_stats: Callable[[dict], None] | None = None, **kwargs) -> "AsyncLLMEngine":
+    def from_engine_args(
+        cls, model: str, on_stats: Callable[[EngineStats], None] | None = None, **kwargs
+    ) -> "AsyncLLMEngine":
         """Build the LLMEngine from `EngineConfig` fields (the same keywords as `LLM`)."""
         return cls(LLMEngine(EngineConfig(model=str(model), **kwargs)), on_stats)
 
@@ -177,7 +179,7 @@ class AsyncLLMEngine:
         if wake:
             self._wakeup.set()
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         """`LLMEngine.stats()` as of the last step or inbox batch."""
         return self._stats
 

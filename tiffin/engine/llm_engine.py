@@ -13,8 +13,8 @@ from tiffin.engine.detokenizer import IncrementalDetokenizer
 from tiffin.engine.lora import LoRAManager, LoRAModel, LoRARequest
 from tiffin.engine.model_runner import ModelRunner
 from tiffin.engine.models.loader import MODELS
-from tiffin.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from tiffin.engine.sampling_params import SamplingParams
+from tiffin.engine.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
+from tiffin.engine.sampling_params import ParamError, SamplingParams
 from tiffin.engine.scheduler import Scheduler
 from tiffin.engine.sequence import Sequence
 from tiffin.quant import get_quant_config, linear_method_factory
@@ -92,12 +92,11 @@ class LLMEngine:
         if not sched.seqs:
             return []
         sampled = self.model_runner.execute(sched)
+        logprobs = dict(zip((s.seq_id for s in sched.sampling_seqs), sampled.logprobs))
         seqs = self.scheduler.update(sched, sampled.token_ids)
         self.num_generation_tokens += len(seqs)
-        sampling_seqs = [s for s, samples in zip(sched.seqs, sched.sampling) if samples]
-        logprobs = dict(zip((s.seq_id for s in sampling_seqs), sampled.logprobs))
         for seq in seqs:
-            self._postprocess(seq, logprobs[seq.seq_id])
+            self._add_logprobs(seq, logprobs[seq.seq_id])
         return [self._output(self.requests[rid]) for rid in dict.fromkeys(s.request_id for s in seqs)]
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
@@ -137,29 +136,26 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         bm = self.block_manager
-        return {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "kv_blocks_total": bm.num_blocks,
-            "kv_blocks_used": bm.num_used_blocks,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "prefix_cache_queries": bm.prefix_cache_queries,
-            "prefix_cache_hits": bm.prefix_cache_hits,
-            "prompt_tokens": self.num_prompt_tokens,
-            "generation_tokens": self.num_generation_tokens,
-            "weight_bytes": self.weight_bytes,
-        }
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_total=bm.num_blocks,
+            kv_blocks_used=bm.num_used_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            prompt_tokens=self.num_prompt_tokens,
+            generation_tokens=self.num_generation_tokens,
+            weight_bytes=self.weight_bytes,
+        )
 
-    def _postprocess(self, seq: Sequence, logprobs: dict[int, Logprob] | None) -> None:
+    def _add_logprobs(self, seq: Sequence, logprobs: dict[int, Logprob] | None) -> None:
         if logprobs is not None:
             for token_id, lp in logprobs.items():
                 lp.decoded_token = self.tokenizer.decode([token_id])
             seq.logprobs.append(logprobs)
-        stop = seq.detokenizer.update([seq.token_ids[-1]])
-        if stop is not None and not seq.finished:
-            self.scheduler.finish(seq, "stop", stop)
 
     def _output(self, request: Request) -> RequestOutput:
         """A snapshot, safe to hand to another thread. While a sequence runs, its text holds back a tail that
@@ -192,24 +188,24 @@ class LLMEngine:
             text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
             if token_ids is None:
                 if not isinstance(text, str):
-                    raise ValueError("prompt dict needs 'prompt' (a string) or 'prompt_token_ids'")
+                    raise ParamError("prompt", "prompt dict needs 'prompt' (a string) or 'prompt_token_ids'")
                 token_ids = self.tokenizer.encode(text)
         elif isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, token_ids = None, prompt
         if not isinstance(token_ids, (list, tuple)) or not token_ids:
-            raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
+            raise ParamError("prompt", "prompt must be a non-empty string or a non-empty list of token ids")
         vocab = self.model_config.vocab_size
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+            raise ParamError("prompt", f"prompt token ids must be integers in [0, {vocab})")
         return text, list(token_ids)
 
     def _check_lengths(self, prompt_len: int, params: SamplingParams) -> int:
         """max_tokens for this request, or ValueError if the context or the KV cache can never hold it."""
         limit = self.max_model_len
         if prompt_len >= limit:
-            raise ValueError(f"prompt has {prompt_len} tokens, the model's maximum context length is {limit}")
+            raise ParamError("prompt", f"prompt has {prompt_len} tokens, the model's maximum context length is {limit}")
         capacity = self.block_manager.num_blocks * self.block_manager.block_size
         max_tokens = params.max_tokens
         if max_tokens is None:

@@ -56,7 +56,7 @@ class ModelRunner:
         input_ids, positions, md, logits_indices = self._prepare(sched)
         hidden = self.model(input_ids, positions, md)
         logits = self.model.compute_logits(hidden[logits_indices]).float()
-        return self.sampler(logits, [s for s, samples in zip(sched.seqs, sched.sampling) if samples])
+        return self.sampler(logits, sched.sampling_seqs)
 
     def _prepare(self, sched: SchedulerOutput):
         seqs, counts = sched.seqs, np.array(sched.num_scheduled_tokens)
@@ -126,7 +126,9 @@ class ModelRunner:
 
         seq = Sequence("profile", 0, [0] * tokens, SamplingParams(temperature=0), 1)
         seq.block_table = list(range(-(-tokens // self.block_size)))
-        self.execute(SchedulerOutput([seq], [tokens], [True]))
+        sched = SchedulerOutput()
+        sched.add(seq, tokens)
+        self.execute(sched)
         peak = torch.cuda.max_memory_allocated()
         del self.kv_cache
         torch.cuda.empty_cache()

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, Strict
 from starlette.exceptions import HTTPException
 
-from tiffin.engine.sampling_params import SamplingParams
+from tiffin.engine.sampling_params import ParamError, SamplingParams
 
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]  # accepts JSON integers, not strings or booleans
@@ -140,11 +140,8 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
 
 def bad_request(e: ValueError) -> APIError:
-    """SamplingParams and the engine start their ValueErrors with the offending parameter's name."""
-    message = str(e)
-    word = message.split(" ", 1)[0]
-    param = word if word in CompletionRequest.model_fields or word in ChatCompletionRequest.model_fields else None
-    return APIError(400, message, param=param)
+    """A refused request as a 400, naming the parameter at fault when validation raised a ParamError."""
+    return APIError(400, str(e), param=e.param if isinstance(e, ParamError) else None)
 
 
 # --- serving ---
