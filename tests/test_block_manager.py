@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tiffin.engine.block_manager import BlockManager
-from tiffin.engine.config import EngineConfig
+from tiffin.engine.engine_config import EngineConfig
 from tiffin.engine.sampling_params import SamplingParams
 from tiffin.engine.scheduler import Scheduler
 from tiffin.engine.sequence import Sequence

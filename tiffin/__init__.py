@@ -8,7 +8,7 @@ _EXPORTS = {
     "LLM": "tiffin.engine.llm",
     "LLMEngine": "tiffin.engine.llm_engine",
     "AsyncLLMEngine": "tiffin.engine.async_llm_engine",
-    "EngineConfig": "tiffin.engine.config",
+    "EngineConfig": "tiffin.engine.engine_config",
     "SamplingParams": "tiffin.engine.sampling_params",
     "RequestOutput": "tiffin.engine.outputs",
     "CompletionOutput": "tiffin.engine.outputs",

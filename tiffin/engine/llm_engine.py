@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 from tiffin.engine.block_manager import BlockManager
 from tiffin.engine.config import DTYPES, EngineConfig, ModelConfig
 from tiffin.engine.detokenizer import IncrementalDetokenizer
-from tiffin.engine.lora import LoRAManager, LoRAModel, LoRARequest
+from tiffin.engine.lora import LoRAModel, LoRARegistry, LoRARequest
 from tiffin.engine.model_runner import ModelRunner
 from tiffin.engine.models.loader import MODELS
 from tiffin.engine.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
@@ -56,6 +56,10 @@ class LLMEngine:
             config, self.model_config, self.max_model_len, set(self.eos_token_ids), linear_method
         )
         self.weight_bytes = sum(p.nbytes for p in self.model_runner.model.parameters())
+        slots = self.model_runner.lora_slots
+        self.lora_registry = (
+            None if slots is None else LoRARegistry(slots.load, config.max_cpu_loras or config.max_loras)
+        )
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.requests: dict[str, Request] = {}
@@ -66,17 +70,17 @@ class LLMEngine:
         request_id: str,
         prompt: PromptType,
         params: SamplingParams | None = None,
-        lora_request: LoRARequest | None = None,
+        lora_request: LoRARequest | LoRAModel | None = None,
     ) -> None:
-        """Queue a request, run with the adapter of `lora_request` if given (loaded now unless cached). Raises
-        ValueError, leaving the engine untouched, if the request is invalid or can never fit in the context or
-        the KV cache."""
+        """Queue a request, run with the adapter of `lora_request` if given (loaded now unless cached; a
+        `load_lora` result is taken as is). Raises ValueError, leaving the engine untouched, if the request is
+        invalid or can never fit in the context or the KV cache."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = params or SamplingParams()
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._check_lengths(len(token_ids), params)
-        lora = None if lora_request is None else self._lora_manager().resolve(lora_request)
+        lora = None if lora_request is None else self._loras().resolve(lora_request)
         seqs = [Sequence(request_id, i, token_ids, params, max_tokens, self.eos_token_ids) for i in range(params.n)]
         for seq in seqs:
             seq.lora, seq.cache_key = lora, b"" if lora is None else lora.identity
@@ -112,26 +116,28 @@ class LLMEngine:
         return outputs
 
     def add_lora(self, lora: LoRARequest | LoRAModel) -> bool:
-        """Cache an adapter (a request is loaded now; a `load_lora` result is taken as is) ahead of its
-        requests. False if it was already cached; ValueError if it cannot be served or its id or name is taken."""
-        return self._lora_manager().add(lora)
+        """Register and cache an adapter (a request is loaded now; a `load_lora` result is taken as is) ahead of
+        its requests. False if it was already cached; ValueError if it cannot be served or its id or name is
+        taken."""
+        return self._loras().add(lora)
 
     def load_lora(self, lora_request: LoRARequest) -> LoRAModel:
         """Read and check an adapter without touching engine state: safe from any thread, so a server can load
         adapters while the engine steps, then `add_lora` the result."""
-        return self._lora_manager().load(lora_request)
+        return self._loras().load(lora_request)
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Drop an adapter from the cache; its requests in flight finish with it. False if it was not cached."""
-        return self._lora_manager().remove(lora_int_id)
+        """Unregister an adapter; its requests in flight finish with it. False if it was not registered."""
+        return self._loras().remove(lora_int_id)
 
     def list_loras(self) -> set[int]:
-        return self._lora_manager().lora_ids()
+        """The ids of the adapters in the host cache."""
+        return self._loras().cached_ids()
 
-    def _lora_manager(self) -> LoRAManager:
-        if self.model_runner.lora_manager is None:
+    def _loras(self) -> LoRARegistry:
+        if self.lora_registry is None:
             raise ValueError("LoRA adapters need an engine built with enable_lora=True")
-        return self.model_runner.lora_manager
+        return self.lora_registry
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tiffin.engine.block_manager import BlockManager
-from tiffin.engine.config import EngineConfig
+from tiffin.engine.engine_config import EngineConfig
 from tiffin.engine.sequence import Sequence, SequenceStatus
 
 
