@@ -32,7 +32,7 @@ def run(model: str, dtype: str, prompts: list[list[int]], output_len: int, cachi
     while engine.has_unfinished_requests():
         for out in engine.step():
             first_token.setdefault(out.request_id, time.perf_counter() - start)
-        peak = max(peak, engine.stats()["kv_blocks_used"])
+        peak = max(peak, engine.stats().kv_blocks_used)
     wall = time.perf_counter() - start
     stats = engine.stats()
     return {
@@ -40,7 +40,7 @@ def run(model: str, dtype: str, prompts: list[list[int]], output_len: int, cachi
         "peak_blocks": peak,
         "mean_ttft_s": sum(first_token.values()) / len(first_token),
         "wall_s": wall,
-        "hit_rate": stats["prefix_cache_hits"] / max(stats["prefix_cache_queries"], 1),
+        "hit_rate": stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1),
     }
 
 

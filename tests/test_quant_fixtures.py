@@ -132,8 +132,8 @@ def test_weight_memory(name):
             quant_bytes += sum(p.nbytes for p in module.parameters())
             fp16_bytes += 2 * module.input_size * module.output_size
     assert 0 < quant_bytes <= 0.3 * fp16_bytes, quant_bytes / fp16_bytes
-    assert engine.stats()["weight_bytes"] == sum(p.nbytes for p in model.parameters())
+    assert engine.stats().weight_bytes == sum(p.nbytes for p in model.parameters())
     plain = sum(2 * v.numel() for v in load_file(path / REFERENCE).values()) + sum(
         v.numel() * 2 for k, v in load_file(path / "model.safetensors").items() if not k.endswith(QUANT_SUFFIXES)
     )
-    assert engine.stats()["weight_bytes"] < plain
+    assert engine.stats().weight_bytes < plain

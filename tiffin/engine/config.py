@@ -1,49 +1,55 @@
-"""Engine settings: what the user chooses (the model's shape, what the checkpoint says, is `models.config`)."""
+"""Engine settings: what the user chooses. Torch-free, so that the Bento derives its settings from these fields
+when `bentoml build` imports the service."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-import torch
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+def _setting(default, doc: str):
+    return field(default=default, metadata={"doc": doc})
 
 
 @dataclass
 class EngineConfig:
-    model: str
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory: int | None = None  # bytes
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 4096
-    max_model_len: int | None = None
-    kernel_backend: str = "auto"
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    enable_lora: bool = False
-    max_loras: int = 4  # adapters resident at once in device slots: the most one step may mix
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None  # adapters cached in host memory (LRU); default max_loras
+    """Each field's `metadata["doc"]` says what it sets; the Bento's settings and their docs are built from them."""
+
+    model: str = field(metadata={"doc": "local Hugging Face model directory"})
+    tokenizer: str | None = _setting(None, "tokenizer directory; default: the model's")
+    dtype: str = _setting("auto", "float32, bfloat16 or float16; auto: the checkpoint's")
+    device: str = _setting("auto", "cpu or cuda; auto: cuda when available")
+    block_size: int = _setting(16, "tokens per KV cache block")
+    num_kv_blocks: int | None = _setting(None, "KV cache blocks; default: what kv_cache_memory holds")
+    kv_cache_memory: int | None = _setting(
+        None, "bytes of KV cache; default: what gpu_memory_utilization leaves on CUDA, a quarter of free RAM on CPU"
+    )
+    gpu_memory_utilization: float = _setting(0.9, "share of the GPU's memory for weights, activations and KV cache")
+    max_num_seqs: int = _setting(256, "sequences one step may batch")
+    max_num_batched_tokens: int = _setting(4096, "tokens one step may compute, prefill chunks and decodes together")
+    max_model_len: int | None = _setting(None, "context length; default: the model's")
+    kernel_backend: str = _setting("auto", "torch or triton; auto: triton on CUDA, torch on CPU")
+    enable_prefix_caching: bool = _setting(True, "reuse the KV blocks of prompt prefixes seen before")
+    seed: int = _setting(0, "seed of the random stream shared by requests that set none")
+    enable_lora: bool = _setting(False, "serve LoRA adapters")
+    max_loras: int = _setting(4, "adapters resident at once in device slots: the most one step may mix")
+    max_lora_rank: int = _setting(16, "the largest adapter rank accepted")
+    max_cpu_loras: int | None = _setting(None, "adapters cached in host memory (LRU); default max_loras")
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {list(DTYPES)}, got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be 'auto' or one of {list(DTYPE_NAMES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
-        for name in ("max_loras", "max_lora_rank"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
 
     @property
-    def torch_device(self) -> torch.device:
+    def torch_device(self):
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)

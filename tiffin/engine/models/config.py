@@ -4,9 +4,11 @@ from dataclasses import dataclass
 
 import torch
 
-from tiffin.engine.config import DTYPES
+from tiffin.engine.config import DTYPE_NAMES
 from tiffin.engine.models.layers import ACTIVATIONS
 from tiffin.quant import QuantizationConfig
+
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 @dataclass
