@@ -25,6 +25,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "MistralForCausalLM": Architecture(LlamaForCausalLM),
     "Qwen2ForCausalLM": Architecture(LlamaForCausalLM, qkv_bias=True),
     "Qwen3ForCausalLM": Architecture(LlamaForCausalLM, qk_norm=True),
+    "IQuestCoderForCausalLM": Architecture(LlamaForCausalLM),
 }
 
 
