@@ -20,7 +20,7 @@ class Linear(nn.Module):
         self.method = method
         self.method.create_weights(self, dtype)
         self.bias = nn.Parameter(torch.empty(self.output_size, dtype=dtype), requires_grad=False) if bias else None
-        self.lora = None  # a LoRALayer (tiffin.engine.lora) adds its adapters' delta to the output
+        self.lora = None  # a LoRALayer (tiffin.engine.lora_slots) adds its adapters' delta to the output
 
     def load(self, name: str, tensor: torch.Tensor, shard: int | None) -> None:
         if name == "bias":
