@@ -155,7 +155,7 @@ def test_one_bad_request_in_a_batch_of_16_fails_alone(tiny_model):
             assert [o.text for o in dirty[i].outputs] == [o.text for o in clean[i].outputs], i
         assert max(steps) >= 15  # they shared steps with the bad one
         assert engine.healthy
-        assert engine.stats()["num_running"] == 0
+        assert engine.stats().num_running == 0
     finally:
         engine.shutdown()
 

@@ -8,6 +8,14 @@ MAX_STOP = 64  # stop strings, and stop token ids: checked against every generat
 MAX_STOP_LENGTH = 1024  # characters of one stop string
 
 
+class ParamError(ValueError):
+    """A request parameter that cannot be served; `param` names it as the API spells it (OpenAI's error `param`)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -127,4 +135,4 @@ def _is_number(value) -> bool:
 def _check(ok: bool, name: str, rule: str, value) -> None:
     if not ok:
         got = repr(value)  # a refused value can be megabytes long
-        raise ValueError(f"{name} {rule}, got {got if len(got) <= 80 else got[:60] + '...'}")
+        raise ParamError(name, f"{name} {rule}, got {got if len(got) <= 80 else got[:60] + '...'}")
