@@ -6,15 +6,21 @@
 - Body limit: a declared Content-Length beyond `max_body` is answered 413 without buffering the body; a
   chunked body is counted as it arrives and cut off at the limit.
 - Draining: while `draining()` is true (SIGTERM received), new requests get 503 while running ones finish.
+- Memory: after a request with a large body, freed memory goes back to the OS (see `_release_memory`).
 """
 
+import asyncio
+import ctypes
+import functools
 import hmac
 import json
+import sys
 from collections.abc import Callable
 
 PROBES = ("/livez", "/readyz")  # orchestrators probe without credentials, and must see draining
 ADMIN_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 DISCARD_LIMIT = 64 << 20  # an oversized body up to this is read and dropped, so the client sees the 413
+RELEASE_AFTER = 1 << 20  # body bytes after which a request's freed buffers are handed back to the OS
 
 
 class Guard:
@@ -45,13 +51,20 @@ class Guard:
             declared = int(headers.get(b"content-length", b"0"))
         except ValueError:
             return await _error(send, 400, "invalid Content-Length", "invalid_request")
-        if declared > self.max_body:
-            await _discard(receive, declared)
-            return await _error(send, 413, f"request body is larger than {self.max_body} bytes", "request_too_large")
-        await self._limited(scope, receive, send)
+        try:
+            if declared > self.max_body:
+                await _discard(receive, declared)
+                return await _error(
+                    send, 413, f"request body is larger than {self.max_body} bytes", "request_too_large"
+                )
+            declared = max(declared, await self._limited(scope, receive, send))
+        finally:
+            if declared >= RELEASE_AFTER:
+                await asyncio.to_thread(_release_memory)
 
-    async def _limited(self, scope, receive, send) -> None:
-        """Run the app, counting body bytes as it reads them; past the limit, answer 413 and end the request."""
+    async def _limited(self, scope, receive, send) -> int:
+        """Run the app, counting body bytes as it reads them; past the limit, answer 413 and end the request.
+        Returns the bytes received."""
         received, refused, started = 0, False, False
 
         async def counting_receive():
@@ -76,6 +89,23 @@ class Guard:
         except Exception:
             if not refused:
                 raise
+        return received
+
+
+@functools.cache
+def _libc():
+    return ctypes.CDLL("libc.so.6") if sys.platform == "linux" else None
+
+
+def _release_memory() -> None:
+    """The model runner raises glibc's mmap and trim thresholds so that step buffers are reused, which also keeps
+    the megabytes a large request's body, JSON and text copies took resident after it is gone: trim them."""
+    try:
+        libc = _libc()
+    except OSError:  # not glibc
+        return
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def _authorized(header: bytes, keys: list[bytes]) -> bool:
