@@ -11,7 +11,7 @@ xgrammar = pytest.importorskip("xgrammar")
 
 from xgrammar.testing import _is_grammar_accept_string as accepts  # noqa: E402
 
-from tiffin.engine.grammar import GrammarBackend, GrammarState  # noqa: E402
+from tiffin.engine.grammar import GrammarBackend, GrammarState, mask_logits  # noqa: E402
 from tiffin.engine.structured_outputs import StructuredOutputsParams, unenforced_keyword  # noqa: E402
 
 I, S = {"type": "integer"}, {"type": "string"}
@@ -53,7 +53,7 @@ ENFORCED = [
     ({"type": "integer", "multipleOf": 3}, ["6"], ["7"]),
     ({"type": "integer", "minimum": -5, "maximum": 1000}, ["-5", "1000"], ["1001", "-6"]),
     ({"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1}, ["0.5"], ["0", "1"]),
-    ({"type": "string", "minLength": 2, "maxLength": 3}, ['"ab"'], ['"a"', '"abcd"']),
+    ({"type": "string", "minLength": 2, "maxLength": 3}, ['"ab"'], ['"a"', '"abcd"', '"a\x1cb"']),
     ({"type": "string", "format": "date-time"}, ['"2020-01-01T00:00:00Z"'], ['"x"']),
     ({"type": "string", "format": "uuid"}, ['"123e4567-e89b-12d3-a456-426614174000"'], ['"x"']),
     ({"type": "string", "pattern": "^[a-c]+$"}, ['"abc"'], ['"abd"']),
@@ -140,7 +140,7 @@ def test_backend_masks_rows_and_caches_bounded(backend):
     seqs += [seqs[0]]
     seqs[1].output_token_ids = []
     logits = torch.zeros(3, len(tokenizer))
-    backend.mask(logits, seqs)
+    mask_logits(logits, seqs)
     assert torch.isfinite(logits[[0, 2]]).all()  # unconstrained rows untouched
     allowed = torch.isfinite(logits[1]).nonzero()[:, 0].tolist()
     assert allowed and all("yes".startswith(t) or "no".startswith(t) for t in tokenizer.convert_ids_to_tokens(allowed))

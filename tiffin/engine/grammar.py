@@ -5,6 +5,7 @@ the engine keeps stepping; a sequence waits for its grammar before its first ste
 cached by `StructuredOutputsParams.key` (LRU, bounded); xgrammar's own unbounded cache is off. Each sequence
 owns a matcher (n > 1 samples diverge), advanced with every token it samples."""
 
+import functools
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,7 +21,6 @@ class GrammarBackend:
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int], cache_size: int = CACHE_SIZE):
         import xgrammar
 
-        self.vocab_size = vocab_size
         self.cache_size = cache_size
         self._cache: OrderedDict[bytes, Future] = OrderedDict()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="tiffin-grammar")
@@ -34,7 +34,6 @@ class GrammarBackend:
                 cache_enabled=False,
             )
         )
-        self._batch = xgrammar.BatchGrammarMatcher(max_threads=1)
 
     def compile(self, params: StructuredOutputsParams) -> Future:
         """A future of the compiled grammar; the engine thread is the only caller."""
@@ -48,25 +47,31 @@ class GrammarBackend:
             self._cache.move_to_end(params.key)
         return future
 
-    def mask(self, logits: torch.Tensor, seqs: Sequence) -> None:
-        """Mask, in place, each constrained row's logits to the tokens its grammar allows next: one bitmask
-        for the step, filled by xgrammar's batch matcher and applied in one kernel. `seqs[i]` owns row i."""
-        import xgrammar
-
-        rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
-        if not rows:
-            return
-        states = [seqs[i].grammar for i in rows]
-        for i, state in zip(rows, states):
-            state.sync(seqs[i].output_token_ids)  # a no-op unless preemption dropped the matcher
-        bitmask = xgrammar.allocate_token_bitmask(logits.shape[0], self.vocab_size)
-        self._batch.batch_fill_next_token_bitmask([s.matcher for s in states], bitmask, indices=rows)
-        xgrammar.apply_token_bitmask_inplace(
-            logits, bitmask.to(logits.device, non_blocking=True), vocab_size=self.vocab_size, indices=rows
-        )
-
     def shutdown(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)
+
+
+def mask_logits(logits: torch.Tensor, seqs: Sequence) -> None:
+    """Mask, in place, each constrained row's logits to the tokens its grammar allows next: one bitmask for
+    the step, filled by xgrammar's batch matcher and applied in one kernel. `seqs[i]` owns row i."""
+    import xgrammar
+
+    rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+    if not rows:
+        return
+    states = [seqs[i].grammar for i in rows]
+    for i, state in zip(rows, states):
+        state.sync(seqs[i].output_token_ids)  # a no-op unless preemption dropped the matcher
+    bitmask = xgrammar.allocate_token_bitmask(logits.shape[0], logits.shape[1])
+    _batch_matcher().batch_fill_next_token_bitmask([s.matcher for s in states], bitmask, indices=rows)
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
+
+
+@functools.cache
+def _batch_matcher():
+    import xgrammar
+
+    return xgrammar.BatchGrammarMatcher(max_threads=1)
 
 
 class GrammarState:

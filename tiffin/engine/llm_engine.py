@@ -2,6 +2,7 @@
 
 import json
 import time
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from transformers import AutoTokenizer
 from tiffin.engine.block_manager import BlockManager
 from tiffin.engine.config import DTYPES, EngineConfig, ModelConfig
 from tiffin.engine.detokenizer import IncrementalDetokenizer
+from tiffin.engine.grammar import GrammarBackend, GrammarState
 from tiffin.engine.lora import LoRAManager, LoRAModel, LoRARequest
 from tiffin.engine.model_runner import ModelRunner
 from tiffin.engine.models.loader import MODELS
@@ -60,6 +62,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.num_prompt_tokens = self.num_generation_tokens = 0
+        self._grammar_backend: GrammarBackend | None = None  # made for the first structured-outputs request
 
     def add_request(
         self,
@@ -77,9 +80,11 @@ class LLMEngine:
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._check_lengths(len(token_ids), params)
         lora = None if lora_request is None else self._lora_manager().resolve(lora_request)
+        grammar = None if params.structured_outputs is None else self._grammars().compile(params.structured_outputs)
         seqs = [Sequence(request_id, i, token_ids, params, max_tokens, self.eos_token_ids) for i in range(params.n)]
         for seq in seqs:
             seq.lora, seq.cache_key = lora, b"" if lora is None else lora.identity
+            seq.grammar = None if grammar is None else GrammarState(grammar)
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params)
             seq.logprobs = [] if params.logprobs is not None else None
             self.scheduler.add(seq)
@@ -88,9 +93,11 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled forward; return the outputs of requests that changed."""
+        failed = self._fail_broken_grammars()
         sched = self.scheduler.schedule()
         if not sched.seqs:
-            return []
+            self._wait_for_grammars()
+            return failed
         sampled = self.model_runner.execute(sched)
         seqs = self.scheduler.update(sched, sampled.token_ids)
         self.num_generation_tokens += len(seqs)
@@ -98,7 +105,7 @@ class LLMEngine:
         logprobs = dict(zip((s.seq_id for s in sampling_seqs), sampled.logprobs))
         for seq in seqs:
             self._postprocess(seq, logprobs[seq.seq_id])
-        return [self._output(self.requests[rid]) for rid in dict.fromkeys(s.request_id for s in seqs)]
+        return failed + [self._output(self.requests[rid]) for rid in dict.fromkeys(s.request_id for s in seqs)]
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Finish these requests (unknown ids are ignored) and free their blocks; returns their final outputs."""
@@ -128,6 +135,24 @@ class LLMEngine:
 
     def list_loras(self) -> set[int]:
         return self._lora_manager().lora_ids()
+
+    def _grammars(self) -> GrammarBackend:
+        if self._grammar_backend is None:
+            self._grammar_backend = GrammarBackend(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        return self._grammar_backend
+
+    def _fail_broken_grammars(self) -> list[RequestOutput]:
+        """Finish the waiting sequences whose grammar failed to compile: only their requests fail."""
+        broken = [s for s in self.scheduler.waiting if s.grammar is not None and s.grammar.error]
+        for seq in broken:
+            self.scheduler.finish(seq, "error", seq.grammar.error)
+        return [self._output(self.requests[rid]) for rid in dict.fromkeys(s.request_id for s in broken)]
+
+    def _wait_for_grammars(self) -> None:
+        """Nothing could run: if that is for grammars still compiling, wait for one instead of spinning."""
+        pending = {s.grammar.compiled for s in self.scheduler.waiting if s.grammar is not None and not s.grammar.ready}
+        if pending:
+            wait(pending, timeout=0.1, return_when=FIRST_COMPLETED)
 
     def _lora_manager(self) -> LoRAManager:
         if self.model_runner.lora_manager is None:

@@ -1,6 +1,6 @@
 """Turns each sequence's last-position logits into its next token, with vLLM v1's sampling semantics.
 
-Order: logprobs of the raw logits -> min_tokens masking -> penalties -> greedy argmax, or
+Order: logprobs of the raw logits -> structured-output grammar and min_tokens masking -> penalties -> greedy argmax, or
 temperature -> min_p -> top_k -> top_p -> exponential-race sampling."""
 
 from collections.abc import Sequence as Seq
@@ -10,6 +10,7 @@ from typing import Protocol
 
 import torch
 
+from tiffin.engine.grammar import GrammarState, mask_logits
 from tiffin.engine.outputs import Logprob
 from tiffin.engine.sampling_params import SamplingParams
 
@@ -19,6 +20,7 @@ _GREEDY_EPS = 1e-5  # dividing by a smaller temperature overflows float32; such 
 class SampledSeq(Protocol):
     params: SamplingParams
     generator: torch.Generator | None
+    grammar: GrammarState | None
 
     @property
     def prompt_token_ids(self) -> list[int]: ...
@@ -45,6 +47,7 @@ class Sampler:
             raise ValueError(f"logits must be [num_seqs={len(seqs)}, vocab], got {tuple(logits.shape)}")
         params = [s.params for s in seqs]
         raw_logprobs = logits.log_softmax(-1) if any(p.logprobs is not None for p in params) else None
+        mask_logits(logits, seqs)
         logits = self._mask_min_tokens(logits, seqs)
         penalized = [
             i for i, p in enumerate(params) if p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty

@@ -42,6 +42,7 @@ class Sequence:
         self.num_hashed_blocks = 0  # leading blocks of block_table that are in the prefix cache
         self.cache_key = b""  # extra prefix-cache key (e.g. the LoRA adapter's identity)
         self.lora = None  # the LoRAModel this sequence runs with; None: the base model
+        self.grammar = None  # its GrammarState when params.structured_outputs is set
         self.params = params
         self.max_tokens = max_tokens  # params.max_tokens, or what the context leaves when that is None
         self.eos_token_ids = eos_token_ids

@@ -103,9 +103,7 @@ class StructuredOutputsParams:
         if self.kind == "json":
             spec = self.json = check_json_schema(_load_json(spec, "json"))
         elif self.kind == "structural_tag":
-            spec = self.structural_tag = _load_json(spec, "structural_tag")
-            for schema in _tag_schemas(spec):
-                check_json_schema(schema)
+            spec = self.structural_tag = _map_tag_schemas(_load_json(spec, "structural_tag"), check_json_schema)
         elif self.kind == "choice" and (
             not isinstance(spec, list) or not spec or not all(isinstance(c, str) and c for c in spec)
         ):
@@ -163,11 +161,28 @@ def unenforced_keyword(schema: Any, path: str = "#") -> tuple[str, str, str] | N
         problem = _check_typed_node(schema, path)
         if problem is not None:
             return problem
-    for key, sub in _subschemas(schema):
-        problem = unenforced_keyword(sub, f"{path}/{key}")
+    for keyword, key, sub in _subschemas(schema):
+        problem = unenforced_keyword(sub, f"{path}/{keyword}" if key is None else f"{path}/{keyword}/{key}")
         if problem is not None:
             return problem
     return None
+
+
+def xgrammar_schema(schema: Any) -> Any:
+    """`schema` as handed to xgrammar: its grammar for minLength/maxLength lets raw control characters into
+    the string (invalid JSON), so a length becomes the equivalent pattern, whose grammar keeps them out."""
+    if not isinstance(schema, dict):
+        return schema
+    node = dict(schema)
+    if ("minLength" in node or "maxLength" in node) and "pattern" not in node and "format" not in node:
+        node["pattern"] = f"^[^\\x00-\\x1f]{{{node.pop('minLength', 0)},{node.pop('maxLength', '')}}}$"
+    for keyword, key, sub in _subschemas(schema):
+        if key is None:
+            node[keyword] = xgrammar_schema(sub)
+        else:
+            node[keyword] = container = node[keyword].copy()
+            container[key] = xgrammar_schema(sub)
+    return node
 
 
 def _check_typed_node(schema: dict, path: str) -> tuple[str, str, str] | None:
@@ -217,29 +232,29 @@ def _check_values_match_type(schema: dict, leader: str, path: str) -> tuple[str,
 
 
 def _subschemas(schema: dict):
-    """(relative path, subschema) of every place xgrammar reads a schema from. unevaluated*/additionalItems
-    are left out: the grammar only writes items and properties that other keywords evaluate."""
+    """(keyword, name or index or None, subschema) of every place xgrammar reads a schema from.
+    unevaluated*/additionalItems are left out: the grammar only writes what other keywords evaluate."""
     for keyword in ("properties", "patternProperties", "$defs", "definitions"):
         for name, sub in (schema.get(keyword) or {}).items():
-            yield f"{keyword}/{name}", sub
+            yield keyword, name, sub
     for keyword in ("additionalProperties", "items"):
         if isinstance(schema.get(keyword), dict):
-            yield keyword, schema[keyword]
+            yield keyword, None, schema[keyword]
     for keyword in ("prefixItems", "anyOf"):
         for i, sub in enumerate(schema.get(keyword) or ()):
-            yield f"{keyword}/{i}", sub
+            yield keyword, i, sub
 
 
-def _tag_schemas(tag: Any):
-    """Every JSON schema inside a structural tag."""
-    if isinstance(tag, dict):
-        if tag.get("type") == "json_schema":
-            yield tag.get("json_schema")
-        for value in tag.values():
-            yield from _tag_schemas(value)
-    elif isinstance(tag, list):
-        for value in tag:
-            yield from _tag_schemas(value)
+def _map_tag_schemas(tag: Any, fn) -> Any:
+    """A structural tag with `fn` applied to every JSON schema in it."""
+    if isinstance(tag, list):
+        return [_map_tag_schemas(value, fn) for value in tag]
+    if not isinstance(tag, dict):
+        return tag
+    mapped = {key: _map_tag_schemas(value, fn) for key, value in tag.items()}
+    if tag.get("type") == "json_schema":
+        mapped["json_schema"] = fn(tag.get("json_schema"))
+    return mapped
 
 
 def _load_json(spec, name: str):
@@ -281,7 +296,7 @@ def _build_grammar(kind: str, spec, disable_any_whitespace: bool):
     )
     try:
         if kind == "json":
-            return xgrammar.Grammar.from_json_schema(json.dumps(spec), strict_mode=True, **whitespace)
+            return xgrammar.Grammar.from_json_schema(json.dumps(xgrammar_schema(spec)), strict_mode=True, **whitespace)
         if kind == "json_object":  # strict mode would allow only {}
             return xgrammar.Grammar.from_json_schema('{"type": "object"}', strict_mode=False, **whitespace)
         if kind == "regex":
@@ -290,6 +305,6 @@ def _build_grammar(kind: str, spec, disable_any_whitespace: bool):
             return xgrammar.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec))
         if kind == "grammar":
             return xgrammar.Grammar.from_ebnf(spec)
-        return xgrammar.Grammar.from_structural_tag(json.dumps(spec))
+        return xgrammar.Grammar.from_structural_tag(json.dumps(_map_tag_schemas(spec, xgrammar_schema)))
     except (RuntimeError, ValueError) as e:  # pydantic's ValidationError (a bad structural tag) is a ValueError
         raise ValueError(f"{kind} is invalid: {_xgrammar_message(e)}") from None
