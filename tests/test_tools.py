@@ -18,8 +18,8 @@ from tiffin.plugin.tools import (  # noqa: E402
     NamedToolChoice,
     ToolCallStream,
     make_parser,
-    message_history,
     parser_for_template,
+    template_messages,
 )
 
 WEATHER = ChatTool.model_validate(
@@ -164,6 +164,6 @@ def test_request_structured_outputs_sources_and_refusals():
 
 def test_history_arguments_become_mappings():
     messages = [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": '{"a": 1}'}}]}]
-    assert message_history(messages)[0]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
+    assert template_messages(messages)[0]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
     with pytest.raises(ValueError, match="not valid JSON"):
-        message_history([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}])
+        template_messages([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}])

@@ -103,7 +103,10 @@ class StructuredOutputsParams:
         if self.kind == "json":
             spec = self.json = check_json_schema(_load_json(spec, "json"))
         elif self.kind == "structural_tag":
-            spec = self.structural_tag = _map_tag_schemas(_load_json(spec, "structural_tag"), check_json_schema)
+            spec = self.structural_tag = _map_tag_schemas(
+                _load_json(spec, "structural_tag"),
+                lambda node: {**node, "json_schema": check_json_schema(node.get("json_schema"))},
+            )
         elif self.kind == "choice" and (
             not isinstance(spec, list) or not spec or not all(isinstance(c, str) and c for c in spec)
         ):
@@ -246,15 +249,14 @@ def _subschemas(schema: dict):
 
 
 def _map_tag_schemas(tag: Any, fn) -> Any:
-    """A structural tag with `fn` applied to every JSON schema in it."""
+    """A structural tag with each of its JSON-schema formats replaced by `fn(format)`."""
     if isinstance(tag, list):
         return [_map_tag_schemas(value, fn) for value in tag]
     if not isinstance(tag, dict):
         return tag
-    mapped = {key: _map_tag_schemas(value, fn) for key, value in tag.items()}
     if tag.get("type") == "json_schema":
-        mapped["json_schema"] = fn(tag.get("json_schema"))
-    return mapped
+        return fn(tag)
+    return {key: _map_tag_schemas(value, fn) for key, value in tag.items()}
 
 
 def _load_json(spec, name: str):
@@ -305,6 +307,15 @@ def _build_grammar(kind: str, spec, disable_any_whitespace: bool):
             return xgrammar.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec))
         if kind == "grammar":
             return xgrammar.Grammar.from_ebnf(spec)
-        return xgrammar.Grammar.from_structural_tag(json.dumps(_map_tag_schemas(spec, xgrammar_schema)))
+        whitespace_run = 0 if disable_any_whitespace else MAX_WHITESPACE_RUN
+        spec = _map_tag_schemas(
+            spec,
+            lambda node: {
+                "max_whitespace_cnt": whitespace_run,
+                **node,
+                "json_schema": xgrammar_schema(node["json_schema"]),
+            },
+        )
+        return xgrammar.Grammar.from_structural_tag(json.dumps(spec))
     except (RuntimeError, ValueError) as e:  # pydantic's ValidationError (a bad structural tag) is a ValueError
         raise ValueError(f"{kind} is invalid: {_xgrammar_message(e)}") from None

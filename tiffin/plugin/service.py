@@ -54,6 +54,7 @@ class Settings(BaseModel):
     max_loras: int = 4  # adapters one step may mix (device slots)
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters kept parsed in host memory; default max_loras
+    tool_parser: str = "auto"  # tool-call convention: hermes, llama3_json, or auto (from the chat template)
 
     @model_validator(mode="before")
     @classmethod
@@ -77,7 +78,9 @@ class Settings(BaseModel):
 
     def engine_kwargs(self) -> dict:
         return {
-            **self.model_dump(exclude={"model", "served_model_name", "timeout", "load_gate", "lora_roots"}),
+            **self.model_dump(
+                exclude={"model", "served_model_name", "timeout", "load_gate", "lora_roots", "tool_parser"}
+            ),
             "enable_lora": self.lora_roots is not None,
         }
 
@@ -128,7 +131,11 @@ class Tiffin:
                 from tiffin.plugin.lora import LoRAServing
 
                 lora = LoRAServing(engine, settings.lora_roots, served)
-            openai_app.state.serving = OpenAIServing(engine, served, on_finished=self.metrics.on_finished, lora=lora)
+            openai_app.state.serving = OpenAIServing(
+                engine, served, on_finished=self.metrics.on_finished, lora=lora, tool_parser=settings.tool_parser
+            )
+            import xgrammar  # noqa: F401 (structured outputs import it, slowly: not on a request's event loop)
+
             self.engine = engine
             logger.info("tiffin: %s loaded from %s in %.1fs", name, path, time.monotonic() - started)
         except Exception as e:  # /livez turns 503 so that an orchestrator restarts the replica

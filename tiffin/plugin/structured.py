@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from tiffin.engine.structured_outputs import StructuredOutputsParams
-from tiffin.plugin.tools import ChatTool, ToolChoice, ToolParser, check_tools, chosen_tools
+from tiffin.plugin.tools import ChatTool, NamedToolChoice, ToolChoice, ToolParser, check_tools, chosen_tools
 
 
 class ParamError(ValueError):
@@ -51,8 +51,9 @@ def request_structured_outputs(
             forced = chosen_tools(tools, tool_choice or "auto")
         except ValueError as e:
             raise ParamError("tool_choice" if str(e).startswith("tool_choice") else "tools", str(e)) from None
-        if forced is not None:
-            asked["tool_choice"] = lambda: parser.structural_tag(forced, parallel_tool_calls)
+        if forced is not None:  # a named function is called once
+            parallel = parallel_tool_calls and not isinstance(tool_choice, NamedToolChoice)
+            asked["tool_choice"] = lambda: parser.structural_tag(forced, parallel)
     elif tool_choice not in (None, "none", "auto"):
         raise ParamError("tool_choice", "tool_choice requires tools")
     if len(asked) > 1:

@@ -194,6 +194,17 @@ def chosen_tools(tools: list[ChatTool], choice: ToolChoice) -> list[ChatTool] | 
     return tools if choice == "required" else None
 
 
+def assistant_message(parser: ToolParser | None, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+    """The chat message of one finished choice, and its finish_reason ("tool_calls" when it called tools)."""
+    if parser is None:
+        return {"role": "assistant", "content": text}, finish_reason
+    content, calls = parser.parse(text)
+    if not calls:
+        return {"role": "assistant", "content": content}, finish_reason
+    message = {"role": "assistant", "content": content or None, "tool_calls": [c.to_openai() for c in calls]}
+    return message, "tool_calls" if finish_reason == "stop" else finish_reason
+
+
 @dataclass
 class ToolCallStream:
     """The deltas of one streamed choice: content and tool calls beyond what was already sent."""
@@ -214,10 +225,16 @@ class ToolCallStream:
         self.calls_sent = len(calls)
         return delta, deltas
 
+    def finish_reason(self, finish_reason: str | None) -> str | None:
+        return "tool_calls" if self.calls_sent and finish_reason == "stop" else finish_reason
 
-def message_history(messages: list[dict]) -> list[dict]:
-    """Chat templates read a history call's arguments as a mapping; OpenAI sends them as JSON text."""
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """OpenAI history as chat templates read it: a call's arguments as a mapping (OpenAI sends JSON text), and
+    no null content (an assistant turn that only called tools)."""
     for m in messages:
+        if m.get("content") is None:
+            m["content"] = ""
         for call in m.get("tool_calls") or ():
             function = call.get("function") or {}
             if isinstance(function.get("arguments"), str):
