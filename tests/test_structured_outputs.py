@@ -11,7 +11,7 @@ xgrammar = pytest.importorskip("xgrammar")
 
 from xgrammar.testing import _is_grammar_accept_string as accepts  # noqa: E402
 
-from tiffin.engine.grammar import GrammarBackend, GrammarState, mask_logits  # noqa: E402
+from tiffin.engine.grammar import GrammarBackend, GrammarState, apply_bitmask, fill_bitmask  # noqa: E402
 from tiffin.engine.structured_outputs import StructuredOutputsParams, unenforced_keyword  # noqa: E402
 
 I, S = {"type": "integer"}, {"type": "string"}
@@ -140,7 +140,7 @@ def test_backend_masks_rows_and_caches_bounded(backend):
     seqs += [seqs[0]]
     seqs[1].output_token_ids = []
     logits = torch.zeros(3, len(tokenizer))
-    mask_logits(logits, seqs)
+    apply_bitmask(logits, fill_bitmask(seqs, len(tokenizer)))
     assert torch.isfinite(logits[[0, 2]]).all()  # unconstrained rows untouched
     allowed = torch.isfinite(logits[1]).nonzero()[:, 0].tolist()
     assert allowed and all("yes".startswith(t) or "no".startswith(t) for t in tokenizer.convert_ids_to_tokens(allowed))

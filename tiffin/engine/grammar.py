@@ -51,19 +51,32 @@ class GrammarBackend:
         self._worker.shutdown(wait=False, cancel_futures=True)
 
 
-def mask_logits(logits: torch.Tensor, seqs: Sequence) -> None:
-    """Mask, in place, each constrained row's logits to the tokens its grammar allows next: one bitmask for
-    the step, filled by xgrammar's batch matcher and applied in one kernel. `seqs[i]` owns row i."""
-    import xgrammar
-
+def fill_bitmask(seqs: Sequence, vocab_size: int) -> Future | None:
+    """Start filling the step's token bitmask: row i allows the tokens `seqs[i]`'s grammar accepts next (all
+    tokens for an unconstrained row). xgrammar's batch matcher fills it on a worker thread without the GIL, so
+    this overlaps the forward pass. A future of (bitmask, constrained rows); None when no row is constrained."""
     rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
     if not rows:
-        return
-    states = [seqs[i].grammar for i in rows]
-    for i, state in zip(rows, states):
-        state.sync(seqs[i].output_token_ids)  # a no-op unless preemption dropped the matcher
-    bitmask = xgrammar.allocate_token_bitmask(logits.shape[0], logits.shape[1])
-    _batch_matcher().batch_fill_next_token_bitmask([s.matcher for s in states], bitmask, indices=rows)
+        return None
+    for i in rows:
+        seqs[i].grammar.sync(seqs[i].output_token_ids)  # a no-op unless preemption dropped the matcher
+    matchers = [seqs[i].grammar.matcher for i in rows]
+
+    def fill():
+        import xgrammar
+
+        bitmask = xgrammar.allocate_token_bitmask(len(seqs), vocab_size)
+        _batch_matcher().batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
+        return bitmask, rows
+
+    return _fill_worker().submit(fill)
+
+
+def apply_bitmask(logits: torch.Tensor, filled: Future) -> None:
+    """Mask, in place, the constrained rows' logits with `fill_bitmask`'s result, in one kernel."""
+    import xgrammar
+
+    bitmask, rows = filled.result()
     xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
 
 
@@ -72,6 +85,11 @@ def _batch_matcher():
     import xgrammar
 
     return xgrammar.BatchGrammarMatcher(max_threads=1)
+
+
+@functools.cache
+def _fill_worker() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(1, thread_name_prefix="tiffin-bitmask")
 
 
 class GrammarState:

@@ -9,6 +9,7 @@ import torch
 
 from tiffin import kernels
 from tiffin.engine.config import EngineConfig, ModelConfig
+from tiffin.engine.grammar import fill_bitmask
 from tiffin.engine.lora import LoRAManager
 from tiffin.engine.models.loader import build_model
 from tiffin.engine.sampler import Sampler, SamplerOutput
@@ -53,10 +54,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> SamplerOutput:
+        seqs = [s for s, samples in zip(sched.seqs, sched.sampling) if samples]
+        bitmask = fill_bitmask(seqs, self.model_config.vocab_size)  # filled while the forward runs
         input_ids, positions, md, logits_indices = self._prepare(sched)
         hidden = self.model(input_ids, positions, md)
         logits = self.model.compute_logits(hidden[logits_indices]).float()
-        return self.sampler(logits, [s for s, samples in zip(sched.seqs, sched.sampling) if samples])
+        return self.sampler(logits, seqs, bitmask)
 
     def _prepare(self, sched: SchedulerOutput):
         seqs, counts = sched.seqs, np.array(sched.num_scheduled_tokens)
