@@ -89,10 +89,12 @@ class StructuredOutputsParams:
     key: bytes = field(init=False, repr=False, compare=False)  # identifies the grammar: the compile cache key
 
     def __post_init__(self) -> None:
+        from tiffin.engine.sampling_params import ParamError  # which imports this module
+
         try:
             self._check()
         except ValueError as e:
-            raise ValueError(f"structured_outputs: {e}") from None
+            raise ParamError("structured_outputs", f"structured_outputs: {e}") from None
 
     def _check(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]

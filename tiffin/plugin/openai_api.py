@@ -18,8 +18,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, Strict
 from starlette.exceptions import HTTPException
 
-from tiffin.engine.sampling_params import SamplingParams
-from tiffin.plugin.structured import ParamError, ResponseFormat, request_structured_outputs
+from tiffin.engine.chat import render_chat
+from tiffin.engine.sampling_params import ParamError, SamplingParams
+from tiffin.plugin.structured import ResponseFormat, request_structured_outputs
 from tiffin.plugin.tools import (
     ChatTool,
     ToolCallStream,
@@ -95,8 +96,6 @@ class _SamplingRequest(BaseModel):
                 self.response_format, self.structured_outputs, *self._tool_request(), tool_parser
             )
             return SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs, structured_outputs=structured)
-        except ParamError as e:
-            raise APIError(400, str(e), param=e.param) from None
         except ValueError as e:
             raise bad_request(e) from None
 
@@ -171,11 +170,8 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
 
 def bad_request(e: ValueError) -> APIError:
-    """SamplingParams and the engine start their ValueErrors with the offending parameter's name."""
-    message = str(e)
-    word = message.split(" ", 1)[0]
-    param = word if word in CompletionRequest.model_fields or word in ChatCompletionRequest.model_fields else None
-    return APIError(400, message, param=param)
+    """A refused request as a 400, naming the parameter at fault when validation raised a ParamError."""
+    return APIError(400, str(e), param=e.param if isinstance(e, ParamError) else None)
 
 
 # --- serving ---
@@ -194,6 +190,7 @@ class OpenAIServing:
         self.tool_parser: ToolParser = make_parser(tool_parser, getattr(engine.tokenizer, "chat_template", None))
 
     def models(self) -> dict:
+        """The base model's card, then one per loaded LoRA adapter with the base model as `parent`."""
         card = {
             "id": self.model_name,
             "object": "model",
@@ -201,8 +198,9 @@ class OpenAIServing:
             "owned_by": "tiffin",
             "max_model_len": self.engine.max_model_len,
         }
-        adapters = self.lora.cards(self.engine.max_model_len) if self.lora else []
-        return {"object": "list", "data": [card, *adapters]}
+        adapters = self.lora.registry.added() if self.lora else []
+        cards = [{**card, "id": r.lora_name, "root": r.lora_path, "parent": self.model_name} for r in adapters]
+        return {"object": "list", "data": [card, *cards]}
 
     async def completions(self, req: CompletionRequest, raw: Request):
         lora = self._check_model(req.model)
@@ -234,7 +232,7 @@ class OpenAIServing:
         """The LoRARequest for an adapter's name, None for the base model; 404 for any other name."""
         if model is None or model == self.model_name:
             return None
-        lora = self.lora.get(model) if self.lora else None
+        lora = self.lora.registry.get(model) if self.lora else None
         if lora is None:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
         return lora
@@ -249,15 +247,10 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.uses_tools else None
-        tokenizer = self.engine.tokenizer
         try:
-            text = tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=req.add_generation_prompt
-            )
+            return render_chat(self.engine.tokenizer, messages, req.add_generation_prompt, tools=tools)
         except Exception as e:  # a template may raise on roles or content it does not accept
             raise APIError(400, f"messages: the chat template failed: {e}", param="messages") from None
-        # The template writes the special tokens itself.
-        return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
     async def _serve(self, req: _SamplingRequest, raw: Request, fmt: "_Format", prompts: list, params, lora=None):
         streams = await self._open(prompts, params, fmt.id, lora)

@@ -7,14 +7,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tiffin.engine.sampling_params import ParamError
 from tiffin.engine.structured_outputs import StructuredOutputsParams
 from tiffin.plugin.tools import ChatTool, NamedToolChoice, ToolChoice, ToolParser, check_tools, chosen_tools
-
-
-class ParamError(ValueError):
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
 
 
 class JsonSchemaSpec(BaseModel):
