@@ -303,3 +303,7 @@ def test_structured_outputs_and_tools_through_the_bento(server, client):
     )
     assert reply.choices[0].finish_reason == "tool_calls"
     assert [(c.function.name, c.function.arguments) for c in reply.choices[0].message.tool_calls] == [("f", "{}")]
+    with bentoml.SyncHTTPClient(server.url) as c:
+        assert c.generate(prompt="Yes?", structured_outputs={"choice": ["yes", "no"]}, temperature=0) in ("yes", "no")
+        with pytest.raises(bentoml.exceptions.BentoMLException, match="regex is invalid"):
+            c.generate(prompt="x", structured_outputs={"regex": "a("})
