@@ -27,6 +27,7 @@ import torch
 PEERS = ("tiffin", "hf-cb", "hf-static", "vllm")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 WARMUP = [(16, 8), (48, 4)]  # (prompt len, output len) of the warm-up requests each engine runs first
+SCHEMA_ROUNDS = 2  # --json-schema: constrained and unconstrained runs, alternated
 LORA_RANK = 16
 LORA_TARGETS = {
     "self_attn.q_proj": ("hidden", "q"),
@@ -141,11 +142,16 @@ def run_tiffin(
         check_lengths(name, lens, wl.output_lens)
     if structured is not None:
         generate(warm, constrained=True)  # compiles the grammar, so the timing is of masking alone
-        start = time.perf_counter()
-        lens = generate(wl, constrained=True)
-        results.append(Result("tiffin + json schema", time.perf_counter() - start, sum(lens)))
-        if len(lens) != len(wl.prompts) or any(g > w for g, w in zip(lens, wl.output_lens)):
-            raise RuntimeError("tiffin + json schema: a request produced more than its output length")
+        # Alternated with unconstrained runs, so that a shared machine's changing load hits both alike.
+        for _ in range(SCHEMA_ROUNDS):
+            start = time.perf_counter()
+            lens = generate(wl, constrained=True)
+            results.append(Result("tiffin + json schema", time.perf_counter() - start, sum(lens)))
+            if len(lens) != len(wl.prompts) or any(g > w for g, w in zip(lens, wl.output_lens)):
+                raise RuntimeError("tiffin + json schema: a request produced more than its output length")
+            start = time.perf_counter()
+            check_lengths("tiffin", generate(wl), wl.output_lens)
+            results.append(Result("tiffin", time.perf_counter() - start))
     tmp.cleanup()
     return results
 
@@ -503,10 +509,12 @@ def main(argv: list[str] | None = None) -> None:
     if f"tiffin + {args.loras} LoRAs" in walls:
         ratio = walls["tiffin"] / walls[f"tiffin + {args.loras} LoRAs"]
         print(f"\ntiffin with {args.loras} LoRA adapters / base model only: {ratio:.2f}x output tok/s")
-    rates = {r.engine: output_rate(r, wl) for r in results}
-    if "tiffin + json schema" in rates:
-        ratio = rates["tiffin + json schema"] / rates["tiffin"]
-        print(f"\ntiffin constrained by the JSON schema / unconstrained: {ratio:.2f}x output tok/s")
+    best: dict[str, float] = {}
+    for r in results:
+        best[r.engine] = max(best.get(r.engine, 0.0), output_rate(r, wl))
+    if "tiffin + json schema" in best:
+        ratio = best["tiffin + json schema"] / best["tiffin"]
+        print(f"\ntiffin constrained by the JSON schema / unconstrained, best runs: {ratio:.2f}x output tok/s")
 
 
 if __name__ == "__main__":
