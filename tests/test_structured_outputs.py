@@ -124,9 +124,7 @@ def backend(tiny_model):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model("llama"))
-    backend = GrammarBackend(tokenizer, len(tokenizer), {3}, cache_size=2)
-    yield backend, tokenizer
-    backend.shutdown()
+    return GrammarBackend(tokenizer, len(tokenizer), {3}, cache_size=2), tokenizer
 
 
 def test_backend_masks_rows_and_caches_bounded(backend):

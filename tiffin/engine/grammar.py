@@ -47,9 +47,6 @@ class GrammarBackend:
             self._cache.move_to_end(params.key)
         return future
 
-    def shutdown(self) -> None:
-        self._worker.shutdown(wait=False, cancel_futures=True)
-
 
 def fill_bitmask(seqs: Sequence, vocab_size: int) -> Future | None:
     """Start filling the step's token bitmask: row i allows the tokens `seqs[i]`'s grammar accepts next (all

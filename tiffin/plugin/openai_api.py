@@ -87,7 +87,9 @@ class _SamplingRequest(BaseModel):
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's: json | regex | choice | grammar | json_object
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, tool_parser=None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, tool_parser: ToolParser | None = None
+    ) -> SamplingParams:
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
         given = {k: v for k, v in self.model_dump(include=_SAMPLING_FIELDS).items() if v is not None}

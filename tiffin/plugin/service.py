@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from tiffin.engine.config import EngineConfig
 from tiffin.engine.sampling_params import SamplingParams
-from tiffin.engine.structured_outputs import StructuredOutputsParams
+from tiffin.plugin import structured
 from tiffin.plugin.metrics import engine_metrics
 from tiffin.plugin.model_store import resolve_model
 from tiffin.plugin.openai_api import OpenAIServing, create_app
@@ -100,13 +100,13 @@ class GenerateRequest(BaseModel):
     stop: list[str] | None = None
     seed: int | None = None
     ignore_eos: bool = False
-    structured_outputs: dict[str, Any] | None = None  # StructuredOutputsParams fields: json, regex, choice, ...
+    structured_outputs: dict[str, Any] | None = None  # as the OpenAI API's: json, regex, choice, grammar, ...
 
     def sampling_params(self) -> SamplingParams:
         try:
-            so = None if self.structured_outputs is None else StructuredOutputsParams(**self.structured_outputs)
+            so = None if self.structured_outputs is None else structured.from_fields(self.structured_outputs)
             return SamplingParams(**self.model_dump(exclude={"prompt", "structured_outputs"}), structured_outputs=so)
-        except (TypeError, ValueError) as e:  # TypeError: an unknown structured_outputs field
+        except ValueError as e:
             raise InvalidArgument(str(e)) from None
 
 

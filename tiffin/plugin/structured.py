@@ -39,7 +39,7 @@ def request_structured_outputs(
     if response_format is not None and response_format.type != "text":
         asked["response_format"] = lambda: _from_response_format(response_format)
     if structured_outputs is not None:
-        asked["structured_outputs"] = lambda: _from_extra_field(structured_outputs)
+        asked["structured_outputs"] = lambda: from_fields(structured_outputs)
     if tools:
         try:
             check_tools(tools)
@@ -71,7 +71,8 @@ def _from_response_format(fmt: ResponseFormat) -> StructuredOutputsParams:
     raise ValueError(f"unknown type {fmt.type!r}; supported: text, json_object, json_schema")
 
 
-def _from_extra_field(fields: dict) -> StructuredOutputsParams:
+def from_fields(fields: dict) -> StructuredOutputsParams:
+    """vLLM's `structured_outputs` request field; ValueError naming an unknown key."""
     known = {f.name for f in dataclasses.fields(StructuredOutputsParams) if f.init}
     unknown = sorted(set(fields) - known)
     if unknown:
