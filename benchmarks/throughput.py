@@ -8,6 +8,7 @@ every engine so the token counts compare like with like. Load and warm-up time a
         [--output-len 32:256] [--peers tiffin,hf-cb,hf-static] [--vllm-python /path/to/venv/bin/python]
     python benchmarks/throughput.py --make-model DIR   # the ~40M-parameter Llama the figures use
     python benchmarks/throughput.py MODEL_DIR --peers tiffin --loras 8   # base only vs 8 LoRA adapters
+    python benchmarks/throughput.py MODEL_DIR --peers tiffin --json-schema benchmarks/schemas/records.json
 """
 
 import argparse
@@ -26,6 +27,7 @@ import torch
 PEERS = ("tiffin", "hf-cb", "hf-static", "vllm")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 WARMUP = [(16, 8), (48, 4)]  # (prompt len, output len) of the warm-up requests each engine runs first
+SCHEMA_ROUNDS = 2  # --json-schema: constrained and unconstrained runs, alternated
 LORA_RANK = 16
 LORA_TARGETS = {
     "self_attn.q_proj": ("hidden", "q"),
@@ -60,6 +62,7 @@ class Workload:
 class Result:
     engine: str
     wall_s: float
+    output_tokens: int | None = None  # when not the workload's: a grammar may end a request early
 
 
 def make_workload(
@@ -88,11 +91,19 @@ def check_lengths(engine: str, got: list[int], want: list[int]) -> None:
 
 
 def run_tiffin(
-    model_dir: str, dtype: str, wl: Workload, warm: Workload, max_num_batched_tokens: int, loras: int = 0
+    model_dir: str,
+    dtype: str,
+    wl: Workload,
+    warm: Workload,
+    max_num_batched_tokens: int,
+    loras: int = 0,
+    json_schema: dict | None = None,
 ) -> list[Result]:
     """With `loras`, the same engine then runs the workload again with that many distinct adapters (random,
-    rank LORA_RANK, on every projection) assigned round-robin, so that each step mixes all of them."""
-    from tiffin import LLM, SamplingParams
+    rank LORA_RANK, on every projection) assigned round-robin, so that each step mixes all of them. With
+    `json_schema`, it runs again with every request's output constrained to the schema: a request then ends
+    where its JSON does (or at its output length), so its own token count is what counts."""
+    from tiffin import LLM, SamplingParams, StructuredOutputsParams
 
     lora_args = dict(enable_lora=True, max_loras=loras, max_lora_rank=LORA_RANK) if loras else {}
     llm = LLM(
@@ -108,8 +119,13 @@ def run_tiffin(
     for adapter in adapters:  # parsed before timing, as a server loads them ahead of requests
         llm.llm_engine.add_lora(adapter)
 
-    def generate(w: Workload, lora: bool = False) -> list[int]:
-        params = [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True) for k in w.output_lens]
+    structured = None if json_schema is None else StructuredOutputsParams(json=json_schema)
+
+    def generate(w: Workload, lora: bool = False, constrained: bool = False) -> list[int]:
+        so = structured if constrained else None
+        params = [
+            SamplingParams(temperature=0, max_tokens=k, ignore_eos=True, structured_outputs=so) for k in w.output_lens
+        ]
         per_request = [adapters[i % loras] for i in range(len(w.prompts))] if lora else None
         outs = llm.generate(
             [{"prompt_token_ids": p} for p in w.prompts], params, use_tqdm=False, lora_request=per_request
@@ -124,6 +140,18 @@ def run_tiffin(
         lens = generate(wl, lora)
         results.append(Result(name, time.perf_counter() - start))
         check_lengths(name, lens, wl.output_lens)
+    if structured is not None:
+        generate(warm, constrained=True)  # compiles the grammar, so the timing is of masking alone
+        # Alternated with unconstrained runs, so that a shared machine's changing load hits both alike.
+        for _ in range(SCHEMA_ROUNDS):
+            start = time.perf_counter()
+            lens = generate(wl, constrained=True)
+            results.append(Result("tiffin + json schema", time.perf_counter() - start, sum(lens)))
+            if len(lens) != len(wl.prompts) or any(g > w for g, w in zip(lens, wl.output_lens)):
+                raise RuntimeError("tiffin + json schema: a request produced more than its output length")
+            start = time.perf_counter()
+            check_lengths("tiffin", generate(wl), wl.output_lens)
+            results.append(Result("tiffin", time.perf_counter() - start))
     tmp.cleanup()
     return results
 
@@ -372,17 +400,22 @@ def make_model(path: str) -> None:
     )
 
 
+def output_rate(r: Result, wl: Workload) -> float:
+    return (r.output_tokens or wl.output_tokens) / r.wall_s
+
+
 def table(results: list[Result], dtype: str, wl: Workload) -> str:
-    base = next((r.wall_s for r in results if r.engine == "tiffin"), None)
+    base = next((output_rate(r, wl) for r in results if r.engine == "tiffin"), None)
     rows = [
         "| engine | dtype | requests | output tok/s | total tok/s | wall s | ratio (tiffin / engine) |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        ratio = f"{r.wall_s / base:.2f}" if base else "-"  # same tokens for all, so a ratio of rates = of walls
+        rate = output_rate(r, wl)
+        ratio = f"{base / rate:.2f}" if base else "-"
         rows.append(
-            f"| {r.engine} | {dtype} | {len(wl.prompts)} | {wl.output_tokens / r.wall_s:.0f} | "
-            f"{(wl.output_tokens + wl.prompt_tokens) / r.wall_s:.0f} | {r.wall_s:.2f} | {ratio} |"
+            f"| {r.engine} | {dtype} | {len(wl.prompts)} | {rate:.0f} | "
+            f"{rate + wl.prompt_tokens / r.wall_s:.0f} | {r.wall_s:.2f} | {ratio} |"
         )
     return "\n".join(rows)
 
@@ -412,6 +445,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--static-batch", type=int, default=16, help="batch size of static model.generate")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads in this process")
+    ap.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        help="also run tiffin with every request's output constrained to this JSON schema (same engine)",
+    )
     ap.add_argument(
         "--loras",
         type=int,
@@ -447,8 +485,14 @@ def main(argv: list[str] | None = None) -> None:
         file=sys.stderr,
     )
 
+    json_schema = None
+    if args.json_schema:
+        with open(args.json_schema) as f:
+            json_schema = json.load(f)
     runners = {
-        "tiffin": lambda: run_tiffin(args.model, args.dtype, wl, warm, args.max_num_batched_tokens, args.loras),
+        "tiffin": lambda: run_tiffin(
+            args.model, args.dtype, wl, warm, args.max_num_batched_tokens, args.loras, json_schema
+        ),
         "hf-cb": lambda: run_hf_cb(args.model, args.dtype, wl, warm, args.max_num_batched_tokens),
         "hf-static": lambda: run_hf_static(args.model, args.dtype, wl, warm, args.static_batch),
         "vllm": lambda: run_vllm(args.vllm_python, args.model, args.dtype, wl, warm, args.max_num_batched_tokens),
@@ -458,13 +502,19 @@ def main(argv: list[str] | None = None) -> None:
         out = runners[name]()
         for result in out if isinstance(out, list) else [out]:
             results.append(result)
-            print(f"{result.engine}: {wl.output_tokens / result.wall_s:.0f} output tok/s", file=sys.stderr)
+            print(f"{result.engine}: {output_rate(result, wl):.0f} output tok/s", file=sys.stderr)
         gc.collect()
     print(table(results, args.dtype, wl))
     walls = {r.engine: r.wall_s for r in results}
     if f"tiffin + {args.loras} LoRAs" in walls:
         ratio = walls["tiffin"] / walls[f"tiffin + {args.loras} LoRAs"]
         print(f"\ntiffin with {args.loras} LoRA adapters / base model only: {ratio:.2f}x output tok/s")
+    best: dict[str, float] = {}
+    for r in results:
+        best[r.engine] = max(best.get(r.engine, 0.0), output_rate(r, wl))
+    if "tiffin + json schema" in best:
+        ratio = best["tiffin + json schema"] / best["tiffin"]
+        print(f"\ntiffin constrained by the JSON schema / unconstrained, best runs: {ratio:.2f}x output tok/s")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ class FakeSeq:
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    grammar: None = None
 
     def __post_init__(self):
         if self.params.seed is not None:

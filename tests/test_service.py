@@ -271,3 +271,39 @@ def test_metrics(server, client):
     for name in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
         assert after[f"tiffin_{name}_count"] == before[f"tiffin_{name}_count"] + 1
     assert "tiffin_preemptions_total" in after and after["tiffin_requests_waiting"] == 0
+
+
+def test_structured_outputs_and_tools_through_the_bento(server, client):
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Pet(BaseModel):
+        name: str = Field(max_length=8)
+        kind: Literal["cat", "dog"]
+
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer", "not": {"const": 1}}}}
+    r = server.http.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "response_format": bad}
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format" and "'not'" in r.text
+    pet = client.chat.completions.parse(
+        model=MODEL, messages=[{"role": "user", "content": "A pet"}], response_format=Pet, temperature=0, max_tokens=100
+    )
+    assert isinstance(pet.choices[0].message.parsed, Pet)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Call f"}],
+        tools=[tool],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=100,
+    )
+    assert reply.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in reply.choices[0].message.tool_calls] == [("f", "{}")]
+    with bentoml.SyncHTTPClient(server.url) as c:
+        assert c.generate(prompt="Yes?", structured_outputs={"choice": ["yes", "no"]}, temperature=0) in ("yes", "no")
+        with pytest.raises(bentoml.exceptions.BentoMLException, match="regex is invalid"):
+            c.generate(prompt="x", structured_outputs={"regex": "a("})

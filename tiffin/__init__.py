@@ -10,6 +10,7 @@ _EXPORTS = {
     "AsyncLLMEngine": "tiffin.engine.async_llm_engine",
     "EngineConfig": "tiffin.engine.config",
     "SamplingParams": "tiffin.engine.sampling_params",
+    "StructuredOutputsParams": "tiffin.engine.structured_outputs",
     "RequestOutput": "tiffin.engine.outputs",
     "CompletionOutput": "tiffin.engine.outputs",
     "Logprob": "tiffin.engine.outputs",

@@ -41,7 +41,7 @@ class IncrementalDetokenizer:
         if finished or self.params.include_stop_str_in_output or not self._max_stop_len:
             return self.output_text
         text = self.output_text
-        held = max((_partial_stop_len(text, s) for s in self.params.stop_strs), default=0)
+        held = max((partial_prefix_len(text, s) for s in self.params.stop_strs), default=0)
         return text[: len(text) - held]
 
     def _decode_delta(self) -> str:
@@ -68,9 +68,10 @@ class IncrementalDetokenizer:
         self.stopped = stop
 
 
-def _partial_stop_len(text: str, stop: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `stop`."""
-    for n in range(min(len(stop) - 1, len(text)), 0, -1):
-        if text.endswith(stop[:n]):
+def partial_prefix_len(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker` (text that may still grow
+    into it)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
             return n
     return 0

@@ -9,6 +9,7 @@ import functools
 import json
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from tiffin.engine.block_manager import BlockManager
 from tiffin.engine.config import EngineConfig
 from tiffin.engine.detokenizer import IncrementalDetokenizer
 from tiffin.engine.errors import EngineDeadError, QueueFull
+from tiffin.engine.grammar import GrammarBackend, GrammarState
 from tiffin.engine.lora import LoRAModel, LoRARegistry, LoRARequest, parse_roots
 from tiffin.engine.model_runner import ModelRunner
 from tiffin.engine.models.config import DTYPES
@@ -74,6 +76,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.num_prompt_tokens = self.num_generation_tokens = 0
         self._failed: list[str] = []  # requests failed during this step
+        self._grammar_backend: GrammarBackend | None = None  # made for the first structured-outputs request
 
     def add_request(
         self,
@@ -96,9 +99,11 @@ class LLMEngine:
         if limit is not None and waiting + params.n > limit:
             raise QueueFull(f"{waiting} sequences are waiting (max_waiting_requests={limit}); retry later")
         lora = None if lora_request is None else self._loras().resolve(lora_request)
+        grammar = None if params.structured_outputs is None else self._grammars().compile(params.structured_outputs)
         seqs = [Sequence(request_id, i, token_ids, params, max_tokens, self.eos_token_ids) for i in range(params.n)]
         for seq in seqs:
             seq.lora, seq.cache_key = lora, b"" if lora is None else lora.identity
+            seq.grammar = None if grammar is None else GrammarState(grammar)
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params)
             seq.logprobs = [] if params.logprobs is not None else None
             self.scheduler.add(seq)
@@ -107,9 +112,11 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled forward; return the outputs of requests that changed (failed ones included)."""
+        failed = self._fail_broken_grammars()
         sched = self.scheduler.schedule()
         if not sched.seqs:
-            return []
+            self._wait_for_grammars()
+            return failed
         sched, sampled = self._execute(sched)
         if not sched.seqs:
             self._probe()
@@ -119,7 +126,7 @@ class LLMEngine:
         for seq in seqs:
             self._add_logprobs(seq, logprobs[seq.seq_id])
         changed, self._failed = [*self._failed, *(s.request_id for s in seqs)], []
-        return [self._output(self.requests[rid]) for rid in dict.fromkeys(changed) if rid in self.requests]
+        return failed + [self._output(self.requests[rid]) for rid in dict.fromkeys(changed) if rid in self.requests]
 
     def _execute(self, sched: SchedulerOutput) -> tuple[SchedulerOutput, SamplerOutput]:
         """Run `sched`; if it raises, run each half (recursively) and fail the requests that fail alone.
@@ -197,6 +204,24 @@ class LLMEngine:
     def list_loras(self) -> set[int]:
         """The ids of the adapters in the host cache."""
         return self._loras().cached_ids()
+
+    def _grammars(self) -> GrammarBackend:
+        if self._grammar_backend is None:
+            self._grammar_backend = GrammarBackend(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        return self._grammar_backend
+
+    def _fail_broken_grammars(self) -> list[RequestOutput]:
+        """Finish the waiting sequences whose grammar failed to compile: only their requests fail."""
+        broken = [s for s in self.scheduler.waiting if s.grammar is not None and s.grammar.error]
+        for seq in broken:
+            self.scheduler.finish(seq, "error", seq.grammar.error)
+        return [self._output(self.requests[rid]) for rid in dict.fromkeys(s.request_id for s in broken)]
+
+    def _wait_for_grammars(self) -> None:
+        """Nothing could run: if that is for grammars still compiling, wait for one instead of spinning."""
+        pending = {s.grammar.compiled for s in self.scheduler.waiting if s.grammar is not None and not s.grammar.ready}
+        if pending:
+            wait(pending, timeout=0.1, return_when=FIRST_COMPLETED)
 
     def _loras(self) -> LoRARegistry:
         if self.lora_registry is None:

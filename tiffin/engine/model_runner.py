@@ -9,6 +9,7 @@ import torch
 
 from tiffin import kernels
 from tiffin.engine.config import EngineConfig
+from tiffin.engine.grammar import fill_bitmask
 from tiffin.engine.lora_slots import LoRASlots
 from tiffin.engine.models.config import ModelConfig
 from tiffin.engine.models.loader import build_model
@@ -45,10 +46,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> SamplerOutput:
+        bitmask = fill_bitmask(sched.sampling_seqs, self.model_config.vocab_size)  # filled while the forward runs
         input_ids, positions, md, logits_indices = self._prepare(sched)
         hidden = self.model(input_ids, positions, md)
         logits = self.model.compute_logits(hidden[logits_indices]).float()
-        return self.sampler(logits, sched.sampling_seqs)
+        return self.sampler(logits, sched.sampling_seqs, bitmask)
 
     def _prepare(self, sched: SchedulerOutput):
         seqs, counts = sched.seqs, np.array(sched.num_scheduled_tokens)

@@ -15,7 +15,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (stop_reason says why)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[dict[int, Logprob]] | None = None
 

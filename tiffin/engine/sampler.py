@@ -1,15 +1,17 @@
 """Turns each sequence's last-position logits into its next token, with vLLM v1's sampling semantics.
 
-Order: logprobs of the raw logits -> min_tokens masking -> penalties -> greedy argmax, or
+Order: logprobs of the raw logits -> structured-output grammar and min_tokens masking -> penalties -> greedy argmax, or
 temperature -> min_p -> top_k -> top_p -> exponential-race sampling."""
 
 from collections.abc import Sequence as Seq
+from concurrent.futures import Future
 from dataclasses import dataclass
 from itertools import chain
 from typing import Protocol
 
 import torch
 
+from tiffin.engine.grammar import GrammarState, apply_bitmask
 from tiffin.engine.outputs import Logprob
 from tiffin.engine.sampling_params import SamplingParams
 
@@ -19,6 +21,7 @@ _GREEDY_EPS = 1e-5  # dividing by a smaller temperature overflows float32; such 
 class SampledSeq(Protocol):
     params: SamplingParams
     generator: torch.Generator | None
+    grammar: GrammarState | None
 
     @property
     def prompt_token_ids(self) -> list[int]: ...
@@ -40,11 +43,14 @@ class Sampler:
         self.seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}  # one default stream per device
 
-    def __call__(self, logits: torch.Tensor, seqs: Seq[SampledSeq]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, seqs: Seq[SampledSeq], bitmask: Future | None = None) -> SamplerOutput:
+        """`bitmask`: `grammar.fill_bitmask(seqs, vocab)`, for sequences with structured outputs."""
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits must be [num_seqs={len(seqs)}, vocab], got {tuple(logits.shape)}")
         params = [s.params for s in seqs]
         raw_logprobs = logits.log_softmax(-1) if any(p.logprobs is not None for p in params) else None
+        if bitmask is not None:
+            apply_bitmask(logits, bitmask)
         logits = self._mask_min_tokens(logits, seqs)
         penalized = [
             i for i, p in enumerate(params) if p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty

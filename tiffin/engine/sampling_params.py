@@ -3,6 +3,8 @@
 import math
 from dataclasses import dataclass, field
 
+from tiffin.engine.structured_outputs import StructuredOutputsParams
+
 INT64 = (-(2**63), 2**63 - 1)  # what torch takes for seeds and token ids
 MAX_STOP = 64  # stop strings, and stop token ids: checked against every generated token
 MAX_STOP_LENGTH = 1024  # characters of one stop string
@@ -35,6 +37,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per generated token (plus the sampled one)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # what the output must match
     _stop_strs: list[str] = field(init=False, repr=False)
     stop_token_set: frozenset[int] = field(init=False, repr=False)  # built once, read every step
 
@@ -113,6 +116,19 @@ class SamplingParams:
             "logprobs",
             "must be an integer in [0, 20]",
             self.logprobs,
+        )
+        _check(
+            self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs",
+            "must be a StructuredOutputsParams",
+            self.structured_outputs,
+        )
+        # The grammar decides where the output ends: min_tokens could only contradict it.
+        _check(
+            self.structured_outputs is None or self.min_tokens == 0,
+            "min_tokens",
+            "cannot be combined with structured_outputs",
+            self.min_tokens,
         )
 
     @property

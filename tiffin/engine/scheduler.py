@@ -73,7 +73,8 @@ class Scheduler:
         adapters, skipped = self._running_adapters(), []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
-            if not self._lora_fits(seq, adapters):  # every adapter slot is taken: let others pass meanwhile
+            # Every adapter slot is taken, or its grammar is still compiling: let others pass meanwhile.
+            if not self._lora_fits(seq, adapters) or (seq.grammar is not None and not seq.grammar.ready):
                 skipped.append(self.waiting.popleft())
                 continue
             cached = self.block_manager.get_computed_blocks(seq)
@@ -114,9 +115,14 @@ class Scheduler:
         self.block_manager.free_seq(seq)
 
     def _check_stop(self, seq: Sequence) -> None:
-        """The one place that decides a sequence stops (aborts aside), after each token. In this order: an EOS
-        or stop token (once min_tokens are out), the length limits, a stop string its detokenizer matched."""
+        """The one place that decides a sequence stops (aborts aside), after each token. In this order: its
+        structured-outputs grammar (rejected token: "error"; ended: "stop"), an EOS or stop token (once
+        min_tokens are out), the length limits, a stop string its detokenizer matched."""
         token, params = seq.token_ids[-1], seq.params
+        if seq.grammar is not None:  # a rejected token fails the sequence; an ended grammar stops it
+            verdict = seq.grammar.verdict(seq.output_token_ids)
+            if verdict is not None:
+                return self.finish(seq, *verdict)
         if seq.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in seq.eos_token_ids:
                 return self.finish(seq, "stop", None)
@@ -145,6 +151,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free_seq(seq)
+        if seq.grammar is not None:
+            seq.grammar.drop()  # rebuilt from its tokens when it runs again
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)

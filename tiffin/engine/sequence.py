@@ -46,6 +46,7 @@ class Sequence:
         self.lora = None  # the LoRAModel this sequence runs with; None: the base model
         self.detokenizer: IncrementalDetokenizer | None = None  # None: no text (profiling, scheduler tests)
         self.logprobs: list[dict[int, Logprob]] | None = None  # per output token, when params.logprobs is set
+        self.grammar = None  # its GrammarState when params.structured_outputs is set
         self.params = params
         self.max_tokens = max_tokens  # params.max_tokens, or what the context leaves when that is None
         self.eos_token_ids = eos_token_ids

@@ -22,6 +22,16 @@ from starlette.exceptions import HTTPException
 from tiffin.engine.chat import render_chat
 from tiffin.engine.errors import QueueFull
 from tiffin.engine.sampling_params import ParamError, SamplingParams
+from tiffin.plugin.structured import ResponseFormat, request_structured_outputs
+from tiffin.plugin.tools import (
+    ChatTool,
+    ToolCallStream,
+    ToolChoice,
+    ToolParser,
+    assistant_message,
+    make_parser,
+    template_messages,
+)
 
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]  # accepts JSON integers, not strings or booleans
@@ -98,17 +108,28 @@ class _SamplingRequest(_Body):
     stop_token_ids: list[Int] | None = None
     include_stop_str_in_output: Bool | None = None
     skip_special_tokens: Bool | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: json | regex | choice | grammar | json_object
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, tool_parser: ToolParser | None = None
+    ) -> SamplingParams:
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
         given = {k: v for k, v in self.model_dump(include=_SAMPLING_FIELDS).items() if v is not None}
         try:
-            return SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs)
+            structured = request_structured_outputs(
+                self.response_format, self.structured_outputs, *self._tool_request(), tool_parser
+            )
+            return SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs, structured_outputs=structured)
         except ValueError as e:
             raise bad_request(e) from None
+
+    def _tool_request(self) -> tuple:
+        """(tools, tool_choice, parallel_tool_calls) where the endpoint takes tools."""
+        return None, None, True
 
     @property
     def include_usage(self) -> bool:
@@ -156,6 +177,16 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: Bool | None = None
     top_logprobs: Int | None = None
     add_generation_prompt: Bool = True
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"
+    parallel_tool_calls: Bool = True
+
+    def _tool_request(self) -> tuple:
+        return self.tools, self.tool_choice, self.parallel_tool_calls
+
+    @property
+    def uses_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 class LoadLoRAAdapterRequest(_Body):
@@ -176,14 +207,16 @@ def bad_request(e: ValueError) -> APIError:
 
 
 class OpenAIServing:
-    def __init__(self, engine, model_name: str, on_finished=None, lora=None):
+    def __init__(self, engine, model_name: str, on_finished=None, lora=None, tool_parser: str = "auto"):
         """`engine`: an AsyncLLMEngine. `on_finished(stream, output)` is called for each finished request
-        (metrics). `lora`: a `tiffin.plugin.lora.LoRAServing` when adapters are enabled."""
+        (metrics). `lora`: a `tiffin.plugin.lora.LoRAServing` when adapters are enabled. `tool_parser`: the
+        tool-call convention, "auto" to follow the chat template."""
         self.engine = engine
         self.model_name = model_name
         self.created = int(time.time())
         self.on_finished = on_finished
         self.lora = lora
+        self.tool_parser: ToolParser = make_parser(tool_parser, getattr(engine.tokenizer, "chat_template", None))
 
     def models(self) -> dict:
         """The base model's card, then one per loaded LoRA adapter with the base model as `parent`."""
@@ -219,10 +252,11 @@ class OpenAIServing:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = req.sampling_params(max_tokens, logprobs)
+        params = req.sampling_params(max_tokens, logprobs, self.tool_parser)
         fmt = _Format(
             "chatcmpl", "chat.completion", "chat.completion.chunk", req.model or self.model_name, params.n, logprobs
         )
+        fmt.tool_parser = self.tool_parser if req.uses_tools else None
         prompt = await asyncio.to_thread(self._render_chat, req)  # templates are slow on long text
         try:
             prompt = await self.engine.tokenize(prompt)
@@ -245,7 +279,12 @@ class OpenAIServing:
             if isinstance(m.get("content"), list) and any(p.get("type") != "text" for p in m["content"]):
                 raise APIError(400, "only text content parts are supported", param="messages")
         try:
-            return render_chat(self.engine.tokenizer, messages, req.add_generation_prompt)
+            messages = template_messages(messages)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.uses_tools else None
+        try:
+            return render_chat(self.engine.tokenizer, messages, req.add_generation_prompt, tools=tools)
         except Exception as e:  # a template may raise on roles or content it does not accept
             raise APIError(400, f"messages: the chat template failed: {e}", param="messages") from None
 
@@ -318,6 +357,9 @@ class OpenAIServing:
                     item = latest.pop(i)
                     if isinstance(item, Exception):
                         raise item
+                    failed = [o.stop_reason for o in item.outputs if o.finish_reason == "error"]
+                    if failed:  # a structured-outputs grammar failed this request (and only it)
+                        raise APIError(500, failed[0], type="server_error")
                     if item.finished:
                         pending.discard(i)
                         if self.on_finished is not None:
@@ -393,21 +435,25 @@ class _Format:
         self.obj, self.chunk_obj, self.model, self.n, self.logprobs = obj, chunk_obj, model, n, logprobs
         self.created = int(time.time())
         self.sent: dict[int, _Sent] = {}
+        self.tool_parser: ToolParser | None = None  # chat with tools: tool calls are parsed out of the text
+        self.tool_streams: dict[int, ToolCallStream] = {}
 
     def response(self, finals: list) -> dict:
         choices = []
         for i, final in enumerate(finals):
             for o in final.outputs:
                 lp = self._logprobs(o, _Sent())
+                finish_reason = o.finish_reason
                 if self.chat:
-                    choice = {"message": {"role": "assistant", "content": o.text}, "logprobs": lp}
+                    message, finish_reason = assistant_message(self.tool_parser, o.text, finish_reason)
+                    choice = {"message": message, "logprobs": lp}
                 else:
                     choice = {"text": o.text, "logprobs": lp}
                 choices.append(
                     {
                         "index": i * self.n + o.index,
                         **choice,
-                        "finish_reason": o.finish_reason,
+                        "finish_reason": finish_reason,
                         "stop_reason": o.stop_reason,
                     }
                 )
@@ -452,7 +498,13 @@ class _Format:
                 continue
             lp = self._logprobs(o, sent)
             sent.chars, sent.tokens, sent.closed = len(o.text), len(o.token_ids), o.finished
-            body = {"delta": {"content": text}} if self.chat else {"text": text}
+            finish_reason = o.finish_reason if o.finished else None
+            if self.tool_parser is not None:
+                body, finish_reason = self._tool_delta(index, o)
+                if not (any(body["delta"].values()) or o.finished or lp):
+                    continue  # the new text is held back: it may be part of a tool call
+            else:
+                body = {"delta": {"content": text}} if self.chat else {"text": text}
             chunks.append(
                 self.chunk(
                     [
@@ -460,13 +512,20 @@ class _Format:
                             "index": index,
                             **body,
                             "logprobs": lp,
-                            "finish_reason": o.finish_reason if o.finished else None,
+                            "finish_reason": finish_reason,
                             "stop_reason": o.stop_reason if o.finished else None,
                         }
                     ]
                 )
             )
         return chunks
+
+    def _tool_delta(self, index: int, o) -> tuple[dict, str | None]:
+        """The delta of a chat choice whose tool calls are parsed out of its text, and its finish_reason."""
+        stream = self.tool_streams.setdefault(index, ToolCallStream(self.tool_parser))
+        content, calls = stream.update(o.text, o.finished)
+        delta = {"content": content, "tool_calls": calls} if calls else {"content": content}
+        return {"delta": delta}, stream.finish_reason(o.finish_reason) if o.finished else None
 
     def _logprobs(self, o, sent: _Sent) -> dict | None:
         """Logprobs of the tokens after `sent.tokens` (advancing `sent.text_offset`)."""

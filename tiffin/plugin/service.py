@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 from tiffin.engine.config import EngineConfig
 from tiffin.engine.errors import QueueFull
 from tiffin.engine.sampling_params import SamplingParams
+from tiffin.plugin import structured
 from tiffin.plugin.guard import Guard
 from tiffin.plugin.metrics import engine_metrics
 from tiffin.plugin.model_store import resolve_model
@@ -64,6 +65,9 @@ class _ServiceSettings(BaseModel):
     max_request_body: int = Field(10 << 20, description="bytes; a larger request body gets 413")
     shutdown_grace_period: float = Field(
         25.0, description="seconds running requests may take to finish after SIGTERM, before they are failed"
+    )
+    tool_parser: str = Field(
+        "auto", description="tool-call convention: hermes, llama3_json, or auto (from the chat template)"
     )
 
     @model_validator(mode="before")
@@ -117,10 +121,12 @@ class GenerateRequest(BaseModel):
     stop: list[str] | None = None
     seed: int | None = None
     ignore_eos: bool = False
+    structured_outputs: dict[str, Any] | None = None  # as the OpenAI API's: json, regex, choice, grammar, ...
 
     def sampling_params(self) -> SamplingParams:
         try:
-            return SamplingParams(**self.model_dump(exclude={"prompt"}))
+            so = None if self.structured_outputs is None else structured.from_fields(self.structured_outputs)
+            return SamplingParams(**self.model_dump(exclude={"prompt", "structured_outputs"}), structured_outputs=so)
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
 
@@ -190,7 +196,11 @@ class Tiffin:
                 from tiffin.plugin.lora import LoRAServing
 
                 lora = LoRAServing(engine, settings.lora_roots, served)
-            openai_app.state.serving = OpenAIServing(engine, served, on_finished=self.metrics.on_finished, lora=lora)
+            openai_app.state.serving = OpenAIServing(
+                engine, served, on_finished=self.metrics.on_finished, lora=lora, tool_parser=settings.tool_parser
+            )
+            import xgrammar  # noqa: F401 (structured outputs import it, slowly: not on a request's event loop)
+
             self.engine = engine
             logger.info("tiffin: %s loaded from %s in %.1fs", name, path, time.monotonic() - started)
         except Exception as e:  # /livez turns 503 so that an orchestrator restarts the replica

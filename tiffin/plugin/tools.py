@@ -1,0 +1,284 @@
+"""OpenAI tool calling: the tool-call conventions of chat templates, parsed from output and enforced by grammar.
+
+A parser knows one convention: Hermes (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, used by
+the Qwen2.5/Qwen3/SmolLM2 templates) or Llama 3.x's JSON form (the whole message is `{"name": ...,
+"parameters": {...}}`, several joined by `;`). `tool_choice` "required" or a named function turns the
+convention into a structural tag (xgrammar), so the output is nothing but valid calls whose arguments match
+each function's `parameters` schema; "auto" parses whatever the model wrote.
+
+Streamed and non-streamed results are the same by construction: both come from `parse(text, final)`, which on
+a partial text holds back whatever could still turn out to be a call (an open tag, a prefix of one, a
+message that may be a Llama JSON call) and trailing whitespace, so that what it has returned only grows."""
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from tiffin.engine.detokenizer import partial_prefix_len
+from tiffin.engine.structured_outputs import StructuredOutputsParams, check_json_schema
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, as text
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def to_openai(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+class ToolParser:
+    """One chat template family's tool-call convention. `begin(name)` and `end` wrap one call's arguments."""
+
+    name: str
+    separator: str  # between calls, when a grammar writes several
+    end: str
+
+    def parse(self, text: str, final: bool = True) -> tuple[str, list[ToolCall]]:
+        """(content, calls) of `text`; with final=False, only what later text cannot change."""
+        raise NotImplementedError
+
+    def begin(self, function: str) -> str:
+        raise NotImplementedError
+
+    def structural_tag(self, tools: list[ChatTool], parallel: bool) -> StructuredOutputsParams:
+        """Output made only of calls to `tools` (at least one; exactly one unless `parallel`)."""
+        tags = [
+            {
+                "type": "tag",
+                "begin": self.begin(t.function.name),
+                "content": {"type": "json_schema", "json_schema": parameters_schema(t.function)},
+                "end": self.end,
+            }
+            for t in tools
+        ]
+        return StructuredOutputsParams(
+            structural_tag={
+                "type": "structural_tag",
+                "format": {
+                    "type": "tags_with_separator",
+                    "tags": tags,
+                    "separator": self.separator,
+                    "at_least_one": True,
+                    "stop_after_first": not parallel,
+                },
+            }
+        )
+
+
+class HermesToolParser(ToolParser):
+    name = "hermes"
+    separator = "\n"
+    end = "}\n</tool_call>"
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def begin(self, function: str) -> str:
+        return f'{self.OPEN}\n{{"name": {json.dumps(function, ensure_ascii=False)}, "arguments": '
+
+    def parse(self, text: str, final: bool = True) -> tuple[str, list[ToolCall]]:
+        content, calls, pos = [], [], 0
+        while (start := text.find(self.OPEN, pos)) >= 0:
+            stop = text.find(self.CLOSE, start)
+            if stop < 0:
+                break
+            content.append(text[pos:start])
+            block = text[start : stop + len(self.CLOSE)]
+            call = _call(text[start + len(self.OPEN) : stop], "arguments")
+            if call is None:
+                content.append(block)
+            else:
+                calls.append(call)
+            pos = stop + len(self.CLOSE)
+        tail = text[pos:]
+        if not final:  # an open tag, or what may become one, is not content yet
+            open_at = tail.find(self.OPEN)
+            tail = tail[:open_at] if open_at >= 0 else tail[: len(tail) - partial_prefix_len(tail, self.OPEN)]
+        content.append(tail)
+        return "".join(content).strip(), calls
+
+
+class Llama3JsonToolParser(ToolParser):
+    name = "llama3_json"
+    separator = "; "
+    end = "}"
+    PYTHON_TAG = "<|python_tag|>"
+
+    def begin(self, function: str) -> str:
+        return f'{{"name": {json.dumps(function, ensure_ascii=False)}, "parameters": '
+
+    def parse(self, text: str, final: bool = True) -> tuple[str, list[ToolCall]]:
+        body = text.lstrip().removeprefix(self.PYTHON_TAG)
+        maybe_calls = body.lstrip().startswith("{") or self.PYTHON_TAG.startswith(text.lstrip())
+        if not maybe_calls:
+            return text.strip(), []
+        if not final:  # the message is calls only if all of it parses: wait for the end
+            return "", []
+        calls = _json_calls(body)
+        return ("", calls) if calls else (text.strip(), [])
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser)}
+
+
+def parser_for_template(chat_template: str | None) -> ToolParser:
+    """The convention a chat template teaches its model; Hermes when the template shows none."""
+    template = chat_template or ""
+    if "<|python_tag|>" in template or '"parameters": dictionary of argument name' in template:
+        return Llama3JsonToolParser()
+    return HermesToolParser()
+
+
+def make_parser(setting: str, chat_template: str | None) -> ToolParser:
+    """`setting`: "auto" (from the chat template) or a name in TOOL_PARSERS."""
+    if setting == "auto":
+        return parser_for_template(chat_template)
+    if setting not in TOOL_PARSERS:
+        raise ValueError(f"tool_parser must be 'auto' or one of {', '.join(TOOL_PARSERS)}, got {setting!r}")
+    return TOOL_PARSERS[setting]()
+
+
+def parameters_schema(function: FunctionDefinition) -> dict:
+    return function.parameters if function.parameters is not None else {"type": "object", "properties": {}}
+
+
+def check_tools(tools: list[ChatTool]) -> None:
+    """ValueError naming the function whose name repeats or whose parameters cannot be enforced."""
+    seen = set()
+    for tool in tools:
+        name = tool.function.name
+        if name in seen:
+            raise ValueError(f"tools: function name {name!r} is used twice")
+        seen.add(name)
+        try:
+            check_json_schema(parameters_schema(tool.function))
+        except ValueError as e:
+            raise ValueError(f"tools: function {name!r} parameters: {e}") from None
+
+
+def chosen_tools(tools: list[ChatTool], choice: ToolChoice) -> list[ChatTool] | None:
+    """The tools a grammar must restrict the output to (None: no grammar, for "none" and "auto")."""
+    if isinstance(choice, NamedToolChoice):
+        named = [t for t in tools if t.function.name == choice.function.name]
+        if not named:
+            raise ValueError(f"tool_choice: no function named {choice.function.name!r} in tools")
+        return named
+    return tools if choice == "required" else None
+
+
+def assistant_message(parser: ToolParser | None, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+    """The chat message of one finished choice, and its finish_reason ("tool_calls" when it called tools)."""
+    if parser is None:
+        return {"role": "assistant", "content": text}, finish_reason
+    content, calls = parser.parse(text)
+    if not calls:
+        return {"role": "assistant", "content": content}, finish_reason
+    message = {"role": "assistant", "content": content or None, "tool_calls": [c.to_openai() for c in calls]}
+    return message, "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+@dataclass
+class ToolCallStream:
+    """The deltas of one streamed choice: content and tool calls beyond what was already sent."""
+
+    parser: ToolParser
+    content_sent: int = 0
+    calls_sent: int = 0
+
+    def update(self, text: str, final: bool) -> tuple[str, list[dict]]:
+        content, calls = self.parser.parse(text, final)
+        delta, self.content_sent = content[self.content_sent :], len(content)
+        deltas = []
+        for index, call in enumerate(calls[self.calls_sent :], self.calls_sent):
+            deltas.append(
+                {"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+            )
+            deltas.append({"index": index, "function": {"arguments": call.arguments}})
+        self.calls_sent = len(calls)
+        return delta, deltas
+
+    def finish_reason(self, finish_reason: str | None) -> str | None:
+        return "tool_calls" if self.calls_sent and finish_reason == "stop" else finish_reason
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """OpenAI history as chat templates read it: a call's arguments as a mapping (OpenAI sends JSON text), and
+    no null content (an assistant turn that only called tools)."""
+    for m in messages:
+        if m.get("content") is None:
+            m["content"] = ""
+        for call in m.get("tool_calls") or ():
+            function = call.get("function") or {}
+            if isinstance(function.get("arguments"), str):
+                try:
+                    function["arguments"] = json.loads(function["arguments"])
+                except json.JSONDecodeError:
+                    raise ValueError("messages: a tool call's function.arguments is not valid JSON") from None
+    return messages
+
+
+def _call(text: str, arguments_key: str) -> ToolCall | None:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return _to_call(obj, arguments_key)
+
+
+def _to_call(obj: Any, arguments_key: str) -> ToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    arguments = obj.get(arguments_key, obj.get("arguments", {}))
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _json_calls(text: str) -> list[ToolCall]:
+    """Calls of a message that is nothing but JSON call objects separated by `;`; [] if it is anything else."""
+    decoder, calls, pos = json.JSONDecoder(), [], 0
+    while True:
+        pos = len(text) - len(text[pos:].lstrip())
+        if pos == len(text):
+            return calls
+        try:
+            obj, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return []
+        call = _to_call(obj, "parameters")
+        if call is None:
+            return []
+        calls.append(call)
+        rest = text[pos:].lstrip()
+        if rest.startswith(";"):
+            pos = len(text) - len(rest) + 1
+        elif rest:
+            return []
