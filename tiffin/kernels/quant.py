@@ -103,3 +103,33 @@ def _check_quant_args(x: torch.Tensor, k: int, scales: torch.Tensor) -> None:
         raise ValueError(f"quantized gemm: x must be [M, {k}], got {tuple(x.shape)}")
     if x.dtype not in QUANT_DTYPES or scales.dtype not in QUANT_DTYPES:
         raise ValueError(f"quantized gemm: x and scales must be one of {QUANT_DTYPES}, got {x.dtype}/{scales.dtype}")
+
+
+def gguf_dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """GGUF blocks of 32 in GPTQ's row packing -> the weight `[N, K]` in float32, as llama.cpp computes it:
+    Q4_0 / Q8_0 (`mins` None) `(q - 2**(bits-1)) * s`, Q4_1 `q * s + m`. `q * s` is exact in float32."""
+    codes = unpack_cols(qweight.T, bits)  # [N, K] directly: the layout F.linear takes, as transformers runs it
+    groups, n = scales.shape
+    if mins is None:
+        codes = codes - (1 << (bits - 1))
+    w = codes.view(n, groups, -1).float() * scales.T[:, :, None].float()
+    if mins is not None:
+        w = w + mins.T[:, :, None].float()
+    return w.view(n, -1)
+
+
+def gguf_gemm(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    bits: int,
+    backend: str = "torch",
+) -> torch.Tensor:
+    """`x [M, K]` @ a GGUF Q4_0 / Q4_1 / Q8_0 weight (see `gguf_dequantize`) -> `[M, N]` in x's dtype."""
+    _check_quant_args(x, qweight.shape[0] * 32 // bits, scales)
+    if backend == "triton":
+        from tiffin.kernels.triton_quant import gguf_gemm_triton
+
+        return gguf_gemm_triton(x, qweight, scales, mins, bits)
+    return torch.nn.functional.linear(x, gguf_dequantize(qweight, scales, mins, bits).to(x.dtype))
