@@ -8,8 +8,9 @@ import numpy as np
 import torch
 
 from tiffin import kernels
-from tiffin.engine.config import EngineConfig, ModelConfig
-from tiffin.engine.lora import LoRAManager
+from tiffin.engine.config import EngineConfig
+from tiffin.engine.lora_slots import LoRASlots
+from tiffin.engine.models.config import ModelConfig
 from tiffin.engine.models.loader import build_model
 from tiffin.engine.sampler import Sampler, SamplerOutput
 from tiffin.engine.scheduler import SchedulerOutput
@@ -24,7 +25,6 @@ class ModelRunner:
         model_config: ModelConfig,
         max_model_len: int,
         eos_token_ids: set[int],
-        linear_method=None,
     ):
         self.config, self.model_config = config, model_config
         self.device = config.torch_device
@@ -32,17 +32,9 @@ class ModelRunner:
             _keep_freed_memory_mapped()
         self.block_size = config.block_size
         self.backend = kernels.resolve_backend(config.kernel_backend, self.device)
-        self.model = build_model(model_config, config.model, self.device, max_model_len, self.backend, linear_method)
-        self.lora_manager = (
-            LoRAManager(
-                self.model,
-                config.max_loras,
-                config.max_lora_rank,
-                config.max_cpu_loras or config.max_loras,
-                model_config.dtype,
-                self.device,
-                self.backend,
-            )
+        self.model = build_model(model_config, config.model, self.device, max_model_len, self.backend)
+        self.lora_slots = (
+            LoRASlots(self.model, config.max_loras, config.max_lora_rank, model_config.dtype, self.device, self.backend)
             if config.enable_lora
             else None
         )
@@ -56,7 +48,7 @@ class ModelRunner:
         input_ids, positions, md, logits_indices = self._prepare(sched)
         hidden = self.model(input_ids, positions, md)
         logits = self.model.compute_logits(hidden[logits_indices]).float()
-        return self.sampler(logits, [s for s, samples in zip(sched.seqs, sched.sampling) if samples])
+        return self.sampler(logits, sched.sampling_seqs)
 
     def _prepare(self, sched: SchedulerOutput):
         seqs, counts = sched.seqs, np.array(sched.num_scheduled_tokens)
@@ -66,8 +58,8 @@ class ModelRunner:
         # token i of the batch belongs to request req[i] at position positions[i]
         req = np.repeat(np.arange(len(seqs)), counts)
         positions = np.arange(query_start_loc[-1]) - query_start_loc[req] + starts[req]
-        if self.lora_manager is not None:
-            self.lora_manager.prepare([s.lora for s in seqs], counts)
+        if self.lora_slots is not None:
+            self.lora_slots.prepare([s.lora for s in seqs], counts)
         input_ids = []
         for seq, start, count in zip(seqs, starts, counts):
             input_ids.extend(seq.token_ids[start : start + count])
@@ -126,7 +118,9 @@ class ModelRunner:
 
         seq = Sequence("profile", 0, [0] * tokens, SamplingParams(temperature=0), 1)
         seq.block_table = list(range(-(-tokens // self.block_size)))
-        self.execute(SchedulerOutput([seq], [tokens], [True]))
+        sched = SchedulerOutput()
+        sched.add(seq, tokens)
+        self.execute(sched)
         peak = torch.cuda.max_memory_allocated()
         del self.kv_cache
         torch.cuda.empty_cache()

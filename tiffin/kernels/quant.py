@@ -14,6 +14,8 @@ weight per call and drops it: nothing keeps dequantized copies of the model.
 
 import torch
 
+from tiffin.kernels.dispatch import implements, kernel
+
 AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)  # nibble of a packed word that holds output column c % 8
 QUANT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -64,16 +66,31 @@ def gptq_dequantize(
     return _dequantize(unpack_rows(qweight, bits), unpack_cols(qzeros, bits) + zero_offset, scales)
 
 
+def gguf_dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """GGUF Q4_0 / Q4_1 / Q8_0 rows -> the weight `[N, K]` in float32, exactly as llama.cpp computes it (`q * s`
+    is exact in float32). `qweight`: 4-bit, uint8 `[N, K/2]`, 16 bytes per block of 32 inputs whose low nibbles
+    are inputs 0..15 and high nibbles 16..31; 8-bit, int8 `[N, K]`. `scales` (and Q4_1's `mins`) `[N, K/32]`.
+    Q4_0 (`bits` 4, no `mins`) centres its codes on 8, Q4_1 adds the minimum: `q * s + m`."""
+    n, groups = scales.shape
+    if bits == 4:
+        packed = qweight.view(n, groups, 16)
+        w = torch.cat([packed & 0xF, packed >> 4], dim=-1).float()
+        if mins is None:
+            w -= 8
+    else:
+        w = qweight.view(n, groups, 32).float()
+    w *= scales.float()[..., None]
+    if mins is not None:
+        w += mins.float()[..., None]
+    return w.view(n, -1)
+
+
 def awq_gemm(
     x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, backend: str = "torch"
 ) -> torch.Tensor:
     """`x [M, K]` @ the AWQ weight -> `[M, N]` in x's dtype (fp32 accumulation on the Triton path)."""
     _check_quant_args(x, qweight.shape[0], scales)
-    if backend == "triton":
-        from tiffin.kernels.triton_quant import awq_gemm_triton
-
-        return awq_gemm_triton(x, qweight, qzeros, scales)
-    return x @ awq_dequantize(qweight, qzeros, scales).to(x.dtype)
+    return kernel("awq_gemm", backend)(x, qweight, qzeros, scales)
 
 
 def gptq_gemm(
@@ -89,33 +106,7 @@ def gptq_gemm(
     """`x [M, K]` @ the GPTQ weight -> `[M, N]`; `perm` (act-order) gathers x's columns into the stored row
     order first."""
     _check_quant_args(x, qweight.shape[0] * 32 // bits, scales)
-    if backend == "triton":
-        from tiffin.kernels.triton_quant import gptq_gemm_triton
-
-        return gptq_gemm_triton(x, qweight, qzeros, scales, bits, zero_offset, perm)
-    if perm is not None:
-        x = x[:, perm]
-    return x @ gptq_dequantize(qweight, qzeros, scales, bits, zero_offset).to(x.dtype)
-
-
-def _check_quant_args(x: torch.Tensor, k: int, scales: torch.Tensor) -> None:
-    if x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"quantized gemm: x must be [M, {k}], got {tuple(x.shape)}")
-    if x.dtype not in QUANT_DTYPES or scales.dtype not in QUANT_DTYPES:
-        raise ValueError(f"quantized gemm: x and scales must be one of {QUANT_DTYPES}, got {x.dtype}/{scales.dtype}")
-
-
-def gguf_dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int) -> torch.Tensor:
-    """GGUF blocks of 32 in GPTQ's row packing -> the weight `[N, K]` in float32, as llama.cpp computes it:
-    Q4_0 / Q8_0 (`mins` None) `(q - 2**(bits-1)) * s`, Q4_1 `q * s + m`. `q * s` is exact in float32."""
-    codes = unpack_cols(qweight.T, bits)  # [N, K] directly: the layout F.linear takes, as transformers runs it
-    groups, n = scales.shape
-    if mins is None:
-        codes = codes - (1 << (bits - 1))
-    w = codes.view(n, groups, -1).float() * scales.T[:, :, None].float()
-    if mins is not None:
-        w = w + mins.T[:, :, None].float()
-    return w.view(n, -1)
+    return kernel("gptq_gemm", backend)(x, qweight, qzeros, scales, bits, zero_offset, perm)
 
 
 def gguf_gemm(
@@ -127,9 +118,29 @@ def gguf_gemm(
     backend: str = "torch",
 ) -> torch.Tensor:
     """`x [M, K]` @ a GGUF Q4_0 / Q4_1 / Q8_0 weight (see `gguf_dequantize`) -> `[M, N]` in x's dtype."""
-    _check_quant_args(x, qweight.shape[0] * 32 // bits, scales)
-    if backend == "triton":
-        from tiffin.kernels.triton_quant import gguf_gemm_triton
+    _check_quant_args(x, qweight.shape[1] * 8 // bits, scales)
+    return kernel("gguf_gemm", backend)(x, qweight, scales, mins, bits)
 
-        return gguf_gemm_triton(x, qweight, scales, mins, bits)
+
+@implements("awq_gemm", "torch")
+def awq_gemm_torch(x, qweight, qzeros, scales) -> torch.Tensor:
+    return x @ awq_dequantize(qweight, qzeros, scales).to(x.dtype)
+
+
+@implements("gptq_gemm", "torch")
+def gptq_gemm_torch(x, qweight, qzeros, scales, bits: int, zero_offset: int, perm=None) -> torch.Tensor:
+    if perm is not None:
+        x = x[:, perm]
+    return x @ gptq_dequantize(qweight, qzeros, scales, bits, zero_offset).to(x.dtype)
+
+
+@implements("gguf_gemm", "torch")
+def gguf_gemm_torch(x, qweight, scales, mins, bits: int) -> torch.Tensor:
     return torch.nn.functional.linear(x, gguf_dequantize(qweight, scales, mins, bits).to(x.dtype))
+
+
+def _check_quant_args(x: torch.Tensor, k: int, scales: torch.Tensor) -> None:
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"quantized gemm: x must be [M, {k}], got {tuple(x.shape)}")
+    if x.dtype not in QUANT_DTYPES or scales.dtype not in QUANT_DTYPES:
+        raise ValueError(f"quantized gemm: x and scales must be one of {QUANT_DTYPES}, got {x.dtype}/{scales.dtype}")

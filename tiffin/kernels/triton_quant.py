@@ -12,33 +12,19 @@ the matching columns of x.
 Small M (decode) cannot fill the GPU with output tiles alone, so K is split across programs ("split-K"):
 each writes an fp32 partial and one reduction sums them. Host code never reads device tensors.
 
-Same interpreter conventions as the attention kernels: CPU tensors run under TRITON_INTERPRET=1, where bf16
-operands are upcast to fp32 (`UPCAST`) because the interpreter's bf16 math is wrong.
+Launch, interpreter and tile plumbing: triton_common.
 """
-
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from tiffin.kernels import triton_common as tc
 from tiffin.kernels.compile_check import CompileCase, register
-from tiffin.kernels.triton_attention import Launch, _num_sms
-
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_SPLIT_K = 16
+from tiffin.kernels.dispatch import implements
 
 
-@dataclass(frozen=True)
-class QuantTile:
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-
-
-def quant_tile(m: int, group_size: int, dtype: torch.dtype) -> QuantTile:
+def quant_tile(m: int, group_size: int, dtype: torch.dtype) -> tc.Tile:
     """Decode-sized M gets the smallest MMA height (memory-bound: the words are what costs); larger M gets
     wider tiles. fp32 operands take twice the registers, so its tiles are narrower and spread over 8 warps.
     Every tile compiles without spills for sm_80 and sm_90 (compile_check)."""
@@ -53,14 +39,7 @@ def quant_tile(m: int, group_size: int, dtype: torch.dtype) -> QuantTile:
         block_k //= 2
     if block_k < 16:
         raise ValueError(f"quantized gemm: group size {group_size} must be a multiple of 16 for the Triton kernel")
-    return QuantTile(block_m, block_n, block_k, num_warps=warps, num_stages=2 if fp32 else 3)
-
-
-def split_k(programs: int, k: int, block_k: int, num_sms: int) -> int:
-    """K splits so that about two waves of programs run; each split at least one K step."""
-    if programs >= 2 * num_sms:
-        return 1
-    return max(1, min(MAX_SPLIT_K, triton.cdiv(2 * num_sms, programs), k // block_k))
+    return tc.Tile(block_m, block_n, block_k, num_warps=warps, num_stages=2 if fp32 else 3)
 
 
 @triton.jit
@@ -81,7 +60,7 @@ def _quant_gemm_kernel(
     stride_om,
     stride_split,
     AWQ: tl.constexpr,
-    PACKED_ZEROS: tl.constexpr,
+    GGUF: tl.constexpr,
     HAS_MIN: tl.constexpr,
     BITS: tl.constexpr,
     ZERO_OFFSET: tl.constexpr,
@@ -119,22 +98,31 @@ def _quant_gemm_kernel(
         )
         group = k0 // group_size
         w_mask = mask_k[:, None] & mask_n[None, :]
-        if AWQ:
-            q = tl.load(qweight_ptr + offs_k[:, None] * words_n + (offs_n // PACK)[None, :], mask=w_mask, other=0)
-            q = (q >> col_shift[None, :]) & MAXQ
+        if GGUF:  # rows of 32-input blocks; 4-bit: inputs j and j + 16 of a block share its byte j
+            if BITS == 4:
+                byte = (offs_k // 32) * 16 + offs_k % 16
+                q = tl.load(qweight_ptr + offs_n[None, :] * (K // 2) + byte[:, None], mask=w_mask, other=0)
+                q = (q.to(tl.int32) >> ((offs_k % 32) // 16 * 4)[:, None]) & MAXQ
+            else:
+                q = tl.load(qweight_ptr + offs_n[None, :] * K + offs_k[:, None], mask=w_mask, other=0).to(tl.int32)
+            s = tl.load(scales_ptr + offs_n * (K // group_size) + group, mask=mask_n, other=0.0)
+            # kept in fp32, exactly as llama.cpp dequantizes (q * s needs at most 19 bits)
+            w = (q - ZERO_OFFSET).to(tl.float32) * s[None, :].to(tl.float32)
+            if HAS_MIN:
+                m = tl.load(mins_ptr + offs_n * (K // group_size) + group, mask=mask_n, other=0.0)
+                w += m.to(tl.float32)[None, :]
         else:
-            q = tl.load(qweight_ptr + (offs_k // PACK)[:, None] * N + offs_n[None, :], mask=w_mask, other=0)
-            q = (q >> ((offs_k % PACK) * BITS)[:, None]) & MAXQ
-        s = tl.load(scales_ptr + group * N + offs_n, mask=mask_n, other=0.0)
-        if PACKED_ZEROS:
+            if AWQ:
+                q = tl.load(qweight_ptr + offs_k[:, None] * words_n + (offs_n // PACK)[None, :], mask=w_mask, other=0)
+                q = (q >> col_shift[None, :]) & MAXQ
+            else:
+                q = tl.load(qweight_ptr + (offs_k // PACK)[:, None] * N + offs_n[None, :], mask=w_mask, other=0)
+                q = (q >> ((offs_k % PACK) * BITS)[:, None]) & MAXQ
+            s = tl.load(scales_ptr + group * N + offs_n, mask=mask_n, other=0.0)
             z = tl.load(qzeros_ptr + group * words_n + offs_n // PACK, mask=mask_n, other=0)
             z = ((z >> col_shift) & MAXQ) + ZERO_OFFSET
             # rounded to the scales' dtype: the weight exactly as the tools dequantize it
             w = ((q - z[None, :]).to(tl.float32) * s[None, :].to(tl.float32)).to(s.dtype)
-        else:  # GGUF: kept in fp32, as llama.cpp dequantizes
-            w = (q - ZERO_OFFSET).to(tl.float32) * s[None, :].to(tl.float32)
-            if HAS_MIN:
-                w += tl.load(mins_ptr + group * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         if UPCAST:
             acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc)
         else:
@@ -147,30 +135,29 @@ def _quant_gemm_kernel(
         tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@implements("awq_gemm", "triton")
 def awq_gemm_triton(x, qweight, qzeros, scales) -> torch.Tensor:
     return _run(x, qweight, qzeros, scales, None, awq=True, bits=4, zero_offset=0)
 
 
+@implements("gptq_gemm", "triton")
 def gptq_gemm_triton(x, qweight, qzeros, scales, bits: int, zero_offset: int, perm=None) -> torch.Tensor:
     return _run(x, qweight, qzeros, scales, perm, awq=False, bits=bits, zero_offset=zero_offset)
 
 
+@implements("gguf_gemm", "triton")
 def gguf_gemm_triton(x, qweight, scales, mins, bits: int) -> torch.Tensor:
-    zero = 0 if mins is not None else 1 << (bits - 1)
-    return _run(x, qweight, None, scales, None, awq=False, bits=bits, zero_offset=zero, mins=mins)
+    zero = 8 if bits == 4 and mins is None else 0  # Q4_0's codes are centred on 8; Q8_0's are signed
+    return _run(x, qweight, None, scales, None, awq=False, gguf=True, bits=bits, zero_offset=zero, mins=mins)
 
 
 def _run(x, qweight, qzeros, scales, perm, **fmt) -> torch.Tensor:
     x = x if x.stride(1) == 1 else x.contiguous()
-    m, n = x.shape[0], scales.shape[1]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    m, n = x.shape[0], scales.shape[0 if fmt.get("gguf") else 1]
+    out = tc.empty((m, n), x.dtype, x.device)
     if m == 0:
         return out
-    launch, partial = quant_gemm_launch(x, qweight, qzeros, scales, perm, out, **fmt)
-    launch(x.device)
-    if partial is not None:
-        out.copy_(partial.sum(0))
-    return out
+    return tc.run_split_k(*quant_gemm_launch(x, qweight, qzeros, scales, perm, out, **fmt), out)
 
 
 def quant_gemm_launch(
@@ -184,28 +171,24 @@ def quant_gemm_launch(
     awq: bool,
     bits: int,
     zero_offset: int,
+    gguf: bool = False,
     mins=None,
     splits: int | None = None,
-) -> tuple[Launch, torch.Tensor | None]:
+) -> tuple[tc.Launch, torch.Tensor | None]:
     """The launch for one call and, with split-K, the fp32 `[splits, M, N]` partials it writes (summed by the
-    caller); `splits` defaults to the dispatcher's choice. `qzeros` None: GGUF's constant zero `zero_offset`
-    and optional float minimum `mins [groups, N]`."""
+    caller); `splits` defaults to the dispatcher's choice. `gguf`: GGUF rows (`qweight [N, K*bits/8]`, `scales`
+    and Q4_1's `mins` `[N, K/32]`, no `qzeros`: a constant zero `zero_offset`)."""
     m, k = x.shape
-    n = scales.shape[1]
-    groups = scales.shape[0]
-    _check_quant_launch(x, qweight, qzeros, scales, mins, perm, awq, bits, k, n, groups)
+    n, groups = scales.shape if gguf else scales.shape[::-1]
+    _check_quant_launch(x, qweight, qzeros, scales, mins, perm, awq, gguf, bits, k, n, groups)
     group_size = k // groups
     tile = quant_tile(m, group_size, x.dtype)
     grid_mn = (triton.cdiv(m, tile.block_m), triton.cdiv(n, tile.block_n))
-    if splits is None:
-        splits = split_k(grid_mn[0] * grid_mn[1], k, tile.block_k, _num_sms(x.device))
-    k_per_split = triton.cdiv(triton.cdiv(k, splits), tile.block_k) * tile.block_k
-    splits = triton.cdiv(k, k_per_split)
-    partial = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else None
+    k_per_split, partial = tc.split_k(out, k, tile.block_k, grid_mn[0] * grid_mn[1], splits)
     target = out if partial is None else partial
-    launch = Launch(
+    launch = tc.Launch(
         _quant_gemm_kernel,
-        (*grid_mn, splits),
+        (*grid_mn, triton.cdiv(k, k_per_split)),
         (
             x,
             qweight,
@@ -221,48 +204,43 @@ def quant_gemm_launch(
             k_per_split,
             x.stride(0),
             target.stride(-2),
-            target.stride(0) if splits > 1 else 0,
+            target.stride(0) if partial is not None else 0,
         ),
         dict(
             AWQ=awq,
-            PACKED_ZEROS=qzeros is not None,
+            GGUF=gguf,
             HAS_MIN=mins is not None,
             BITS=bits,
             ZERO_OFFSET=zero_offset,
             HAS_PERM=perm is not None,
-            SPLIT=splits > 1,
-            UPCAST=x.device.type == "cpu" and x.dtype == torch.bfloat16,
-            DOT_PRECISION="tf32x3" if x.dtype == torch.float32 else "tf32",
-            BLOCK_M=tile.block_m,
-            BLOCK_N=tile.block_n,
-            BLOCK_K=tile.block_k,
-            num_warps=tile.num_warps,
-            num_stages=tile.num_stages,
+            SPLIT=partial is not None,
+            **tc.dot_options(x),
+            **tile.options(),
         ),
     )
     return launch, partial
 
 
-def _check_quant_launch(x, qweight, qzeros, scales, mins, perm, awq, bits, k, n, groups) -> None:
+def _check_quant_launch(x, qweight, qzeros, scales, mins, perm, awq, gguf, bits, k, n, groups) -> None:
     pack = 32 // bits
-    if awq:
-        want = {"qweight": (k, n // pack), "qzeros": (groups, n // pack)}
+    if gguf:
+        want = {"qweight": ((n, k * bits // 8), torch.int8 if bits == 8 else torch.uint8)}
+    elif awq:
+        want = {"qweight": ((k, n // pack), torch.int32), "qzeros": ((groups, n // pack), torch.int32)}
     else:
-        want = {"qweight": (k // pack, n), "qzeros": (groups, n // pack)}
-    for name, tensor in (("qweight", qweight), ("qzeros", qzeros)):
-        if tensor is None:
-            continue
-        if tuple(tensor.shape) != want[name] or tensor.dtype != torch.int32 or not tensor.is_contiguous():
+        want = {"qweight": ((k // pack, n), torch.int32), "qzeros": ((groups, n // pack), torch.int32)}
+    for name, (shape, dtype) in want.items():
+        tensor = qweight if name == "qweight" else qzeros
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype or not tensor.is_contiguous():
             raise ValueError(
-                f"quantized gemm: {name} must be contiguous int32 {want[name]}, got "
-                f"{tensor.dtype} {tuple(tensor.shape)}"
+                f"quantized gemm: {name} must be contiguous {dtype} {shape}, got {tensor.dtype} {tuple(tensor.shape)}"
             )
     if mins is not None and (mins.shape != scales.shape or not mins.is_contiguous()):
         raise ValueError(f"quantized gemm: mins must be contiguous {tuple(scales.shape)}, got {tuple(mins.shape)}")
-    if (qzeros is not None and n % pack) or k % groups or k % pack or not scales.is_contiguous():
+    if (not gguf and n % pack) or k % groups or k % pack or not scales.is_contiguous():
         raise ValueError(f"quantized gemm: K={k}, N={n}, {groups} groups do not fit {bits}-bit packing")
-    if x.dtype not in DTYPES:
-        raise ValueError(f"quantized gemm: x dtype must be one of {DTYPES}, got {x.dtype}")
+    if x.dtype not in tc.DTYPES:
+        raise ValueError(f"quantized gemm: x dtype must be one of {tc.DTYPES}, got {x.dtype}")
     if perm is not None and (perm.shape != (k,) or perm.dtype != torch.int32):
         raise ValueError(f"quantized gemm: perm must be int32 [{k}], got {perm.dtype} {tuple(perm.shape)}")
 
@@ -282,19 +260,20 @@ def _compile_gptq():
 @register("gguf_gemm")
 def _compile_gguf():
     """Q4_0 and Q8_0 (constant zero), Q4_1 (float minimum); GGUF's groups are always 32."""
-    yield from _compile_cases(awq=False, variants=[(4, 8, "gguf"), (8, 128, "gguf"), (4, 0, "gguf min")], groups=(32,))
+    yield from _compile_cases(awq=False, variants=[(4, 8, "gguf"), (8, 0, "gguf"), (4, 0, "gguf min")], groups=(32,))
 
 
 def _compile_cases(awq: bool, variants, groups=(32, 128)):
     """`variants`: (bits, zero_offset, form), form "" (packed zeros), "perm" (act-order), "gguf" (no packed
     zeros), "gguf min" (no packed zeros, float minimum)."""
     seen = set()
-    for dtype in DTYPES:
+    for dtype in tc.DTYPES:
         name = str(dtype).removeprefix("torch.")
         for bits, zero_offset, form in variants:
             for group_size in groups:
                 for m, splits in ((1, 1), (1, 4), (32, 1), (256, 1)):
                     x, qweight, qzeros, scales, mins, perm, out = _example_inputs(dtype, m, group_size, bits, awq, form)
+                    gguf = form.startswith("gguf")
                     launch, _ = quant_gemm_launch(
                         x,
                         qweight,
@@ -305,6 +284,7 @@ def _compile_cases(awq: bool, variants, groups=(32, 128)):
                         awq=awq,
                         bits=bits,
                         zero_offset=zero_offset,
+                        gguf=gguf,
                         mins=mins,
                         splits=splits,
                     )
@@ -324,9 +304,13 @@ def _example_inputs(dtype, m: int, group_size: int, bits: int, awq: bool, form: 
     k, n, pack = 4096, 4096, 32 // bits
     meta = dict(device="meta")
     x = torch.empty(m, k, dtype=dtype, **meta)
-    qweight = torch.empty((k, n // pack) if awq else (k // pack, n), dtype=torch.int32, **meta)
-    scales = torch.empty(k // group_size, n, dtype=torch.float16, **meta)
-    qzeros = None if form.startswith("gguf") else torch.empty(k // group_size, n // pack, dtype=torch.int32, **meta)
+    if form.startswith("gguf"):
+        qweight = torch.empty(n, k * bits // 8, dtype=torch.int8 if bits == 8 else torch.uint8, **meta)
+        scales, qzeros = torch.empty(n, k // group_size, dtype=torch.float16, **meta), None
+    else:
+        qweight = torch.empty((k, n // pack) if awq else (k // pack, n), dtype=torch.int32, **meta)
+        scales = torch.empty(k // group_size, n, dtype=torch.float16, **meta)
+        qzeros = torch.empty(k // group_size, n // pack, dtype=torch.int32, **meta)
     mins = torch.empty_like(scales) if form == "gguf min" else None
     perm = torch.empty(k, dtype=torch.int32, **meta) if form == "perm" else None
     return x, qweight, qzeros, scales, mins, perm, torch.empty(m, n, dtype=dtype, **meta)
