@@ -16,6 +16,7 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype: QType, arch: str | No
     """The checkpoint at `hf_dir` as a GGUF with every 2-D weight in `qtype` (norms stay F32). `arch` overrides
     the architecture written; `raw_tensors` (gguf name -> (uint8 array, type)) are added as they are."""
     hf_dir, out = Path(hf_dir), Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     config = json.loads((hf_dir / "config.json").read_text())
     arch = arch or GGUF_ARCH[config["model_type"]]
     layers, heads, kv_heads = config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"]

@@ -67,12 +67,13 @@ def test_compile_check_covers_every_gguf_tile():
 
 
 def test_tensors_come_out_as_transformers_reads_them(tmp_path, tiny_model):
-    """Names mapped, llama q/k rows put back in Hugging Face order, every type dequantized as transformers does."""
+    """Names mapped, llama q/k rows put back in Hugging Face order, a type not kept (Q5_0) dequantized as
+    transformers does."""
     from transformers import AutoModelForCausalLM
 
-    path = write_gguf(tiny_model("mistral"), tmp_path / "m.gguf", QType.Q4_1)
+    path = write_gguf(tiny_model("mistral"), tmp_path / "m.gguf", QType.Q5_0)
     reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).state_dict()
-    weights = dict(GGUFCheckpoint(path).weights(keep=lambda name, qtype: False))
+    weights = dict(GGUFCheckpoint(path).weights(stacked_modules={}))
     assert set(weights) == set(reference)
     for name, tensor in weights.items():
         assert torch.equal(tensor, reference[name]), name
@@ -88,3 +89,36 @@ def test_refusals_name_what_is_unsupported(tmp_path, tiny_model):
     freqs = np.ones(8, dtype=np.float32)
     with pytest.raises(ValueError, match="rope_freqs"):
         GGUFCheckpoint(write_gguf(hf, tmp_path / "freqs.gguf", QType.F32, **{"rope_freqs.weight": (freqs, QType.F32)}))
+
+
+# architecture -> weight type written (norms stay F32); qwen3's head_dim differs from hidden / heads
+WRITTEN = {"llama": QType.Q4_0, "mistral": QType.Q8_0, "qwen2": QType.F32, "qwen3": QType.Q4_0}
+PROMPTS = [[5, 9, 300, 17, 1200, 44], [1, 2, 3, 4, 5, 6], [700, 701, 702, 9, 9, 9], [2000, 3, 150, 77, 8, 1999]]
+NEW_TOKENS = 24
+
+
+@pytest.mark.parametrize("arch", WRITTEN)
+def test_written_gguf_matches_transformers(tmp_path, arch):
+    """tiffin on the GGUF (Q4_0 / Q8_0 kept quantized) against transformers' own GGUF load (dequantized): greedy
+    tokens identical at float32."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tiffin import LLM, SamplingParams
+    from tiffin.tiny import make_tiny_model
+
+    hf = make_tiny_model(tmp_path / "hf", arch=arch, **({"rope_scaling": None} if arch == "llama" else {}))
+    path = write_gguf(hf, tmp_path / "gguf" / f"{arch}.gguf", WRITTEN[arch])
+    # transformers reads no head_dim from a qwen3 GGUF (attention.key_length): give it the checkpoint's config
+    config = AutoConfig.from_pretrained(hf) if arch == "qwen3" else None
+    reference = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, config=config, dtype=torch.float32
+    )
+    reference.generation_config.eos_token_id = None
+    ids = torch.tensor(PROMPTS)
+    expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False)
+    llm = LLM(str(path.parent if arch == "mistral" else path), dtype="float32")  # a directory holding one, or the file
+    kept = llm.llm_engine.model_config.quant_config.kept
+    assert set(kept.values()) == ({WRITTEN[arch].name} if WRITTEN[arch] != QType.F32 else set())
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected[:, len(PROMPTS[0]) :].tolist()

@@ -42,3 +42,12 @@ def test_local_paths_pass_through_and_nonsense_is_refused(tmp_path):
     assert resolve_model_path(str(tmp_path)) == str(tmp_path)
     with pytest.raises(ValueError, match="neither a local path nor a Hugging Face hub id"):
         resolve_model_path("/no/such/dir")
+
+
+def test_llm_loads_a_hub_id_offline(offline_hub, tiny_model):
+    from tiffin import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    hub = LLM("tiffin-test/tiny-llama", num_kv_blocks=32).generate("Hello", params, use_tqdm=False)
+    local = LLM(tiny_model("llama"), num_kv_blocks=32).generate("Hello", params, use_tqdm=False)
+    assert hub[0].outputs[0].token_ids == local[0].outputs[0].token_ids

@@ -41,3 +41,16 @@ def resolve_model_path(model: str, revision: str | None = None) -> str:
             f"model {model!r}{at} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and "
             f"HF_HUB_OFFLINE is set: download it once with network access, or unset HF_HUB_OFFLINE"
         ) from None
+
+
+def load_tokenizer(path: str):
+    """The tokenizer of a Hugging Face directory, or transformers' conversion of a GGUF file's vocabulary,
+    merges and chat template."""
+    from transformers import AutoTokenizer
+
+    from tiffin.engine.models.gguf_checkpoint import find_gguf
+
+    gguf = find_gguf(path)
+    if gguf is None:
+        return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

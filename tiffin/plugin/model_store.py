@@ -10,12 +10,26 @@ from pathlib import Path
 
 import bentoml
 
-from tiffin.engine.model_source import HUB_ID, resolve_model_path
+from tiffin.engine.model_source import HUB_FILES, HUB_ID, resolve_model_path
 
 logger = logging.getLogger("tiffin.service")
 
 DEFAULT_MODEL_TAG = "smollm2-135m-instruct"
 TINY_MODEL_TAG = "tiffin-tiny-llama"
+
+
+def is_hub_id(spec: str | None) -> bool:
+    return spec is not None and HUB_ID.fullmatch(spec) is not None and not Path(spec).exists()
+
+
+def bento_model(spec: str | None, revision: str | None = None) -> bentoml.models.Model | None:
+    """What a Bento built with `spec` carries: a model-store tag's model, or a hub model's files (downloaded by
+    `bentoml build`, never when the container starts). None for a local path and the built-in models."""
+    if spec is None or spec == TINY_MODEL_TAG or Path(spec).exists():
+        return None
+    if is_hub_id(spec):
+        return bentoml.models.HuggingFaceModel(spec, revision=revision or "main", include=HUB_FILES)
+    return bentoml.models.BentoModel(spec)
 
 
 def resolve_model(spec: str | None, revision: str | None = None) -> tuple[str, str]:
@@ -27,11 +41,11 @@ def resolve_model(spec: str | None, revision: str | None = None) -> tuple[str, s
         return spec, path.resolve().stem if path.suffix == ".gguf" else path.resolve().name
     if spec == TINY_MODEL_TAG:
         return tiny_model_path(), TINY_MODEL_TAG
+    if is_hub_id(spec):
+        return resolve_model_path(spec, revision), spec
     try:
         return bentoml.models.get(spec).path, spec.split(":")[0]
     except bentoml.exceptions.NotFound:
-        if HUB_ID.fullmatch(spec):
-            return resolve_model_path(spec, revision), spec
         raise ValueError(
             f"model {spec!r} is neither a local path, a BentoML model tag nor a Hugging Face hub id"
         ) from None

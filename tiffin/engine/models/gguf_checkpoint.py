@@ -1,14 +1,16 @@
 """GGUF files (llama.cpp's format), read with the `gguf` package: the Hugging Face config their metadata
 implies, their tensors under Hugging Face names, their tokenizer and chat template.
 
-Tensors come out either as stored (`keep(name, type)` true: the raw blocks, `uint8 [rows, row_bytes]`, for a
-linear method that computes on them) or dequantized to float32 by the `gguf` package (vectorized numpy).
+Q4_0, Q4_1 and Q8_0 tensors stay quantized (tiffin.quant.gguf) where a layer can hold them: the config names
+them in its `quantization_config`, and they come out as stored (the raw blocks, `uint8 [rows, row_bytes]`).
+Every other tensor comes out dequantized to float32 by the `gguf` package (vectorized numpy).
 llama.cpp's converter interleaves the rows of every llama-family q/k projection (its rotary embedding pairs
 adjacent dims, Hugging Face's pairs halves); the rows are put back here, whatever their type, since a row
 is always whole blocks.
 """
 
-from collections.abc import Callable, Iterator
+import functools
+from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -16,6 +18,9 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 from gguf import Keys
+from tqdm.auto import tqdm
+
+from tiffin.quant.gguf import KEPT_TYPES
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 SUPPORTED_ARCHITECTURES = "llama (llama.cpp writes Mistral as llama too), qwen2, qwen3"
@@ -50,14 +55,20 @@ GLOBAL_MODULES = ("model.embed_tokens", "model.norm", "lm_head")
 
 
 def find_gguf(path: str | Path) -> Path | None:
-    """The GGUF file `path` names, or the only one in directory `path`; None if `path` holds no GGUF."""
+    """The GGUF file `path` names, or the only one in directory `path` (a Hugging Face directory, with its
+    config.json, is not a GGUF one); None if `path` holds no GGUF."""
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
         return path
-    files = sorted(path.glob("*.gguf")) if path.is_dir() else []
+    files = sorted(path.glob("*.gguf")) if path.is_dir() and not (path / "config.json").exists() else []
     if len(files) > 1:
         raise ValueError(f"{path} holds several GGUF files ({', '.join(f.name for f in files)}); name one")
     return files[0] if files else None
+
+
+@functools.lru_cache(maxsize=1)  # the config, the eos ids and the weights of one load share one parse
+def open_gguf(path: Path) -> "GGUFCheckpoint":
+    return GGUFCheckpoint(path)
 
 
 class GGUFCheckpoint:
@@ -79,21 +90,22 @@ class GGUFCheckpoint:
             )
         if "rope_freqs.weight" in self.tensor_types:
             raise ValueError(f"{self.path.name}: per-frequency RoPE factors (rope_freqs, llama3 scaling) in GGUF")
+        self.architecture = ARCHITECTURES[self.arch]
         self.hf_names = self._hf_names()
 
     def field(self, key: str, default=None):
         field = self.reader.fields.get(key.format(arch=self.arch))
         return default if field is None else field.contents()
 
-    def config(self) -> dict:
-        """The config.json a Hugging Face checkpoint of this model would carry."""
-        architecture = ARCHITECTURES[self.arch]
+    def config(self, stacked_modules: dict[str, tuple[str, int]]) -> dict:
+        """The config.json a Hugging Face checkpoint of this model would carry, with the tensors that stay
+        quantized in its `quantization_config` (see `kept`)."""
         heads = self.field(Keys.Attention.HEAD_COUNT)
         hidden = self.field(Keys.LLM.EMBEDDING_LENGTH)
         vocab = self.field(Keys.LLM.VOCAB_SIZE) or len(self.field(Keys.Tokenizer.LIST))
         config = {
-            "architectures": [architecture],
-            "model_type": architecture.removesuffix("ForCausalLM").lower(),
+            "architectures": [self.architecture],
+            "model_type": self.architecture.removesuffix("ForCausalLM").lower(),
             "vocab_size": vocab,
             "hidden_size": hidden,
             "intermediate_size": self.field(Keys.LLM.FEED_FORWARD_LENGTH),
@@ -109,6 +121,7 @@ class GGUFCheckpoint:
             "sliding_window": self.field(Keys.Attention.SLIDING_WINDOW),
             "bos_token_id": self.field(Keys.Tokenizer.BOS_ID),
             "eos_token_id": self.field(Keys.Tokenizer.EOS_ID),
+            "quantization_config": {"quant_method": "gguf", "kept": self.kept(stacked_modules)},
         }
         scaling = self.field(Keys.Rope.SCALING_TYPE, "none")
         if scaling == "linear":
@@ -117,24 +130,40 @@ class GGUFCheckpoint:
             raise ValueError(f"{self.path.name}: GGUF RoPE scaling {scaling!r} is not supported (none, linear)")
         return config
 
-    def eos_token_ids(self) -> list[int]:
-        """End-of-sequence and end-of-turn ids (llama.cpp stops at either)."""
-        keys = (Keys.Tokenizer.EOS_ID, Keys.Tokenizer.EOT_ID, Keys.Tokenizer.EOM_ID)
-        return sorted({self.field(key) for key in keys} - {None})
-
     def tokenizer(self):
         """transformers' conversion of the file's vocabulary, merges and chat template."""
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)
 
-    def weights(self, keep: Callable[[str, QType], bool]) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face name, tensor) for every tensor: raw blocks where `keep(name, type)`, else float32."""
-        config = self.config()
-        for t in self.reader.tensors:
+    def kept(self, stacked_modules: dict[str, tuple[str, int]]) -> dict[str, str]:
+        """Hugging Face name -> type of the 2-D tensors that stay quantized: Q4_0, Q4_1 or Q8_0, and the same
+        type as every tensor stacked with it into one layer (`stacked_modules`: q/k/v, gate/up), since a layer
+        is stored one way. A group of mixed types is dequantized whole."""
+        types = {self.hf_names[name]: qtype for name, qtype in self.tensor_types.items()}
+        kept = {}
+        for name, qtype in types.items():
+            module, _, _ = name.rpartition(".")
+            parent, _, leaf = module.rpartition(".")
+            stacked = stacked_modules.get(leaf, (leaf, 0))[0]
+            group = [f"{parent}.{n}.weight" for n, (s, _) in stacked_modules.items() if s == stacked] or [name]
+            if qtype in KEPT_TYPES and all(types.get(g) == qtype for g in group):
+                kept[name] = qtype.name
+        return kept
+
+    def eos_token_ids(self) -> set[int]:
+        """End-of-sequence and end-of-turn ids (llama.cpp stops at either)."""
+        keys = (Keys.Tokenizer.EOS_ID, Keys.Tokenizer.EOT_ID, Keys.Tokenizer.EOM_ID)
+        return {self.field(key) for key in keys} - {None}
+
+    def weights(self, stacked_modules: dict[str, tuple[str, int]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, tensor) for every tensor: the raw blocks of those `kept`, the others float32."""
+        config = self.config(stacked_modules)
+        kept = config["quantization_config"]["kept"]
+        for t in tqdm(self.reader.tensors, desc="Loading weights", unit="tensor"):
             name = self.hf_names[t.name]
             shape = tuple(int(d) for d in reversed(t.shape))  # ggml lists dims innermost first
-            if keep(name, t.tensor_type):
+            if name in kept:
                 data = t.data.reshape(shape[0], -1)
             else:
                 data = gguf.dequantize(t.data, t.tensor_type).reshape(shape)
