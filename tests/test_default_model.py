@@ -50,3 +50,11 @@ def test_what_a_built_bento_carries():
     assert isinstance(hub, bentoml.models.HuggingFaceModel) and hub.revision == "v1" and hub.include == HUB_FILES
     assert isinstance(model_store.bento_model("my-llm:latest"), bentoml.models.BentoModel)
     assert model_store.bento_model(None) is None and model_store.bento_model(model_store.TINY_MODEL_TAG) is None
+
+
+def test_local_paths_are_served_as_they_are(tmp_path):
+    gguf = tmp_path / "SmolLM2.Q4_1.gguf"
+    gguf.write_bytes(b"")
+    assert model_store.resolve_model(str(gguf)) == (str(gguf), "SmolLM2.Q4_1")  # TIFFIN_MODEL=path.gguf
+    assert model_store.resolve_model(str(tmp_path)) == (str(tmp_path), tmp_path.name)
+    assert model_store.bento_model(str(gguf)) is None

@@ -1,4 +1,4 @@
-"""INT4/INT8 weight-only GEMMs for AWQ and GPTQ checkpoints, on the tensors exactly as the tools store them.
+"""INT4/INT8 weight-only GEMMs for AWQ, GPTQ and GGUF checkpoints, on the tensors exactly as the tools store them.
 
 AWQ (gemm): `qweight [K, N/8]` int32, output column `c` of a word in nibble `AWQ_NIBBLE[c % 8]` (AutoAWQ
 packs columns in the order 0,2,4,6,1,3,5,7); `qzeros [K/G, N/8]` the same way; `scales [K/G, N]`.
@@ -10,6 +10,8 @@ stores them as they are (`zero_offset=0`). Act-order checkpoints are expected he
 `W[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n]`, computed in the scales' dtype as the tools do, so the
 torch path reproduces the tools' dequantized weights bit for bit. The torch path dequantizes one layer's
 weight per call and drops it: nothing keeps dequantized copies of the model.
+
+GGUF Q4_0 / Q4_1 / Q8_0 keep llama.cpp's row layout (see `gguf_dequantize`) and its fp32 arithmetic.
 """
 
 import torch

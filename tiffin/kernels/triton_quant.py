@@ -15,6 +15,8 @@ each writes an fp32 partial and one reduction sums them. Host code never reads d
 Launch, interpreter and tile plumbing: triton_common.
 """
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -183,6 +185,8 @@ def quant_gemm_launch(
     _check_quant_launch(x, qweight, qzeros, scales, mins, perm, awq, gguf, bits, k, n, groups)
     group_size = k // groups
     tile = quant_tile(m, group_size, x.dtype)
+    if gguf and x.dtype == torch.float32:  # its nibble addressing takes a few more registers: 2 stages spill
+        tile = dataclasses.replace(tile, num_stages=1)
     grid_mn = (triton.cdiv(m, tile.block_m), triton.cdiv(n, tile.block_n))
     k_per_split, partial = tc.split_k(out, k, tile.block_k, grid_mn[0] * grid_mn[1], splits)
     target = out if partial is None else partial
@@ -233,7 +237,8 @@ def _check_quant_launch(x, qweight, qzeros, scales, mins, perm, awq, gguf, bits,
         tensor = qweight if name == "qweight" else qzeros
         if tuple(tensor.shape) != shape or tensor.dtype != dtype or not tensor.is_contiguous():
             raise ValueError(
-                f"quantized gemm: {name} must be contiguous {dtype} {shape}, got {tensor.dtype} {tuple(tensor.shape)}"
+                f"quantized gemm: {name} must be contiguous {str(dtype).removeprefix('torch.')} {shape}, got "
+                f"{tensor.dtype} {tuple(tensor.shape)}"
             )
     if mins is not None and (mins.shape != scales.shape or not mins.is_contiguous()):
         raise ValueError(f"quantized gemm: mins must be contiguous {tuple(scales.shape)}, got {tuple(mins.shape)}")

@@ -1,5 +1,6 @@
 """GGUF files (llama.cpp's format), read with the `gguf` package: the Hugging Face config their metadata
-implies, their tensors under Hugging Face names, their tokenizer and chat template.
+implies and their tensors under Hugging Face names (the tokenizer and chat template: transformers' GGUF
+conversion, `tiffin.engine.model_source.load_tokenizer`).
 
 Q4_0, Q4_1 and Q8_0 tensors stay quantized (tiffin.quant.gguf) where a layer can hold them: the config names
 them in its `quantization_config`, and they come out as stored (the raw blocks, `uint8 [rows, row_bytes]`).
@@ -89,7 +90,9 @@ class GGUFCheckpoint:
                 f"{', '.join(t.name for t in TYPES)}"
             )
         if "rope_freqs.weight" in self.tensor_types:
-            raise ValueError(f"{self.path.name}: per-frequency RoPE factors (rope_freqs, llama3 scaling) in GGUF")
+            raise ValueError(
+                f"{self.path.name}: GGUF per-frequency RoPE factors (rope_freqs: llama3 scaling) are not supported"
+            )
         self.architecture = ARCHITECTURES[self.arch]
         self.hf_names = self._hf_names()
 
@@ -129,12 +132,6 @@ class GGUFCheckpoint:
         elif scaling != "none":
             raise ValueError(f"{self.path.name}: GGUF RoPE scaling {scaling!r} is not supported (none, linear)")
         return config
-
-    def tokenizer(self):
-        """transformers' conversion of the file's vocabulary, merges and chat template."""
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)
 
     def kept(self, stacked_modules: dict[str, tuple[str, int]]) -> dict[str, str]:
         """Hugging Face name -> type of the 2-D tensors that stay quantized: Q4_0, Q4_1 or Q8_0, and the same
