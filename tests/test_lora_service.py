@@ -68,7 +68,7 @@ def server(adapters, tmp_path_factory):
     srv = BentoServer(
         tmp_path_factory.mktemp("serve-lora"),
         "tiffin.plugin.service:Tiffin",
-        args={"num_kv_blocks": 256},
+        args={"model": MODEL, "num_kv_blocks": 256},
         env={
             "TIFFIN_LORA_ROOTS": str(root),
             "TIFFIN_MAX_LORAS": "2",

@@ -1,9 +1,9 @@
 """The Bento end to end: one real `bentoml serve` process on a loopback port, driven by the official `openai`
 client, raw HTTP and `bentoml.SyncHTTPClient`; results checked against the offline `LLM` on the same weights.
 
-The server runs with no model configured, so it serves the embedded default (the built-in tiny llama,
-written into a scratch BentoML model store on first start), which is byte-identical to the `tiny_model`
-fixture's checkpoint. Loading waits on a gate file, so /readyz is seen answering 503 before the weights load.
+The server runs the built-in tiny llama (`model=tiffin-tiny-llama`, written into a scratch BentoML model store
+on first start), which is byte-identical to the `tiny_model` fixture's checkpoint. Loading waits on a gate
+file, so /readyz is seen answering 503 before the weights load.
 """
 
 import time
@@ -30,7 +30,7 @@ def server(tmp_path_factory):
     srv = BentoServer(
         tmp,
         "tiffin.plugin.service:Tiffin",
-        args={"num_kv_blocks": NUM_KV_BLOCKS},
+        args={"model": MODEL, "num_kv_blocks": NUM_KV_BLOCKS},
         env={"TIFFIN_LOAD_GATE": str(gate), "TIFFIN_MAX_NUM_SEQS": "16"},
     )
     try:

@@ -46,7 +46,9 @@ def main(argv: list[str] | None = None) -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="generate text offline")
     gen.add_argument("prompts", nargs="+")
-    gen.add_argument("--model", help="local Hugging Face model directory (default: the built-in tiny model)")
+    gen.add_argument(
+        "--model", help="Hugging Face directory, .gguf file or hub id (org/name); default: the built-in tiny model"
+    )
     gen.add_argument("--dtype", default="auto")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)

@@ -14,7 +14,13 @@ def _setting(default, doc: str):
 class EngineConfig:
     """Each field's `metadata["doc"]` says what it sets; the Bento's settings and their docs are built from them."""
 
-    model: str = field(metadata={"doc": "local Hugging Face model directory"})
+    model: str = field(
+        metadata={
+            "doc": "local Hugging Face model directory, .gguf file (or a directory holding one), or Hugging Face hub "
+            "id (org/name)"
+        }
+    )
+    revision: str | None = _setting(None, "hub revision (branch, tag or commit) of a hub id; default: main")
     tokenizer: str | None = _setting(None, "tokenizer directory; default: the model's")
     dtype: str = _setting("auto", "float32, bfloat16 or float16; auto: the checkpoint's")
     device: str = _setting("auto", "cpu or cuda; auto: cuda when available")

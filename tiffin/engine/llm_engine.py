@@ -5,6 +5,7 @@ A step that raises is retried on halves of its batch until each failing request 
 every request of a batch fails alone and a one-token probe forward fails too, the engine itself is broken:
 `step()` raises EngineDeadError."""
 
+import dataclasses
 import functools
 import json
 import logging
@@ -13,8 +14,6 @@ from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from transformers import AutoTokenizer
-
 from tiffin.engine.block_manager import BlockManager
 from tiffin.engine.config import EngineConfig
 from tiffin.engine.detokenizer import IncrementalDetokenizer
@@ -22,7 +21,9 @@ from tiffin.engine.errors import EngineDeadError, QueueFull
 from tiffin.engine.grammar import GrammarBackend, GrammarState
 from tiffin.engine.lora import LoRAModel, LoRARegistry, LoRARequest, parse_roots
 from tiffin.engine.model_runner import ModelRunner
+from tiffin.engine.model_source import load_tokenizer, resolve_model_path
 from tiffin.engine.models.config import DTYPES
+from tiffin.engine.models.gguf_checkpoint import find_gguf, open_gguf
 from tiffin.engine.models.registry import get_model_config
 from tiffin.engine.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from tiffin.engine.sampler import SamplerOutput
@@ -54,11 +55,13 @@ class Request:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        """`config.model` may be a hub id; the engine's config holds the local path it resolved to."""
+        config = dataclasses.replace(config, model=resolve_model_path(config.model, config.revision))
         self.config = config
         self.model_config = get_model_config(config.model)
         if config.dtype != "auto":  # the user's dtype overrides the checkpoint's
             self.model_config.dtype = DTYPES[config.dtype]
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.max_model_len = self._max_model_len()
         self.max_prompt_chars = PROMPT_CHARS_SLACK * self.max_model_len * max(map(len, self.tokenizer.get_vocab()))
         self.eos_token_ids = frozenset(self._eos_token_ids())
@@ -354,8 +357,11 @@ class LLMEngine:
 
     def _eos_token_ids(self) -> set[int]:
         ids = set()
+        gguf = find_gguf(self.config.model)
         gen_config = Path(self.config.model) / "generation_config.json"
-        if gen_config.exists():
+        if gguf is not None:
+            ids.update(open_gguf(gguf).eos_token_ids())
+        elif gen_config.exists():
             eos = json.loads(gen_config.read_text()).get("eos_token_id")
             ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
         if self.tokenizer.eos_token_id is not None:

@@ -1,4 +1,4 @@
-"""INT4/INT8 weight-only GEMMs for AWQ and GPTQ checkpoints, on the tensors exactly as the tools store them.
+"""INT4/INT8 weight-only GEMMs for AWQ, GPTQ and GGUF checkpoints, on the tensors exactly as the tools store them.
 
 AWQ (gemm): `qweight [K, N/8]` int32, output column `c` of a word in nibble `AWQ_NIBBLE[c % 8]` (AutoAWQ
 packs columns in the order 0,2,4,6,1,3,5,7); `qzeros [K/G, N/8]` the same way; `scales [K/G, N]`.
@@ -10,6 +10,8 @@ stores them as they are (`zero_offset=0`). Act-order checkpoints are expected he
 `W[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n]`, computed in the scales' dtype as the tools do, so the
 torch path reproduces the tools' dequantized weights bit for bit. The torch path dequantizes one layer's
 weight per call and drops it: nothing keeps dequantized copies of the model.
+
+GGUF Q4_0 / Q4_1 / Q8_0 keep llama.cpp's row layout (see `gguf_dequantize`) and its fp32 arithmetic.
 """
 
 import torch
@@ -66,6 +68,25 @@ def gptq_dequantize(
     return _dequantize(unpack_rows(qweight, bits), unpack_cols(qzeros, bits) + zero_offset, scales)
 
 
+def gguf_dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """GGUF Q4_0 / Q4_1 / Q8_0 rows -> the weight `[N, K]` in float32, exactly as llama.cpp computes it (`q * s`
+    is exact in float32). `qweight`: 4-bit, uint8 `[N, K/2]`, 16 bytes per block of 32 inputs whose low nibbles
+    are inputs 0..15 and high nibbles 16..31; 8-bit, int8 `[N, K]`. `scales` (and Q4_1's `mins`) `[N, K/32]`.
+    Q4_0 (`bits` 4, no `mins`) centres its codes on 8, Q4_1 adds the minimum: `q * s + m`."""
+    n, groups = scales.shape
+    if bits == 4:
+        packed = qweight.view(n, groups, 16)
+        w = torch.cat([packed & 0xF, packed >> 4], dim=-1).float()
+        if mins is None:
+            w -= 8
+    else:
+        w = qweight.view(n, groups, 32).float()
+    w *= scales.float()[..., None]
+    if mins is not None:
+        w += mins.float()[..., None]
+    return w.view(n, -1)
+
+
 def awq_gemm(
     x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, backend: str = "torch"
 ) -> torch.Tensor:
@@ -90,6 +111,19 @@ def gptq_gemm(
     return kernel("gptq_gemm", backend)(x, qweight, qzeros, scales, bits, zero_offset, perm)
 
 
+def gguf_gemm(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    bits: int,
+    backend: str = "torch",
+) -> torch.Tensor:
+    """`x [M, K]` @ a GGUF Q4_0 / Q4_1 / Q8_0 weight (see `gguf_dequantize`) -> `[M, N]` in x's dtype."""
+    _check_quant_args(x, qweight.shape[1] * 8 // bits, scales)
+    return kernel("gguf_gemm", backend)(x, qweight, scales, mins, bits)
+
+
 @implements("awq_gemm", "torch")
 def awq_gemm_torch(x, qweight, qzeros, scales) -> torch.Tensor:
     return x @ awq_dequantize(qweight, qzeros, scales).to(x.dtype)
@@ -100,6 +134,11 @@ def gptq_gemm_torch(x, qweight, qzeros, scales, bits: int, zero_offset: int, per
     if perm is not None:
         x = x[:, perm]
     return x @ gptq_dequantize(qweight, qzeros, scales, bits, zero_offset).to(x.dtype)
+
+
+@implements("gguf_gemm", "torch")
+def gguf_gemm_torch(x, qweight, scales, mins, bits: int) -> torch.Tensor:
+    return torch.nn.functional.linear(x, gguf_dequantize(qweight, scales, mins, bits).to(x.dtype))
 
 
 def _check_quant_args(x: torch.Tensor, k: int, scales: torch.Tensor) -> None:

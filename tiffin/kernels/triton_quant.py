@@ -1,16 +1,21 @@
-"""Triton fused dequant-GEMM for AWQ and GPTQ weights (the GPU path of `awq_gemm` / `gptq_gemm`).
+"""Triton fused dequant-GEMM for AWQ, GPTQ and GGUF weights (the GPU path of `awq_gemm` / `gptq_gemm` /
+`gguf_gemm`).
 
-One kernel serves both formats (`AWQ` picks the unpacking): a program owns a `BLOCK_M x BLOCK_N` output tile
-and walks K `BLOCK_K` rows at a time. `BLOCK_K` divides the group size, so each K step reads one row of zeros
-and scales; the weight tile is unpacked from int32 words, dequantized to the scales' dtype exactly as the
-tools do (`(q - z) * s`), and fed to `tl.dot` with an fp32 accumulator. Act-order GPTQ arrives with rows
-sorted by group; `perm` gathers the matching columns of x.
+One kernel serves every format (`AWQ` picks the unpacking; GGUF's Q4_0 / Q4_1 / Q8_0 come in GPTQ's row
+packing with no packed zeros: a constant zero and, for Q4_1, a float minimum per group): a program owns a
+`BLOCK_M x BLOCK_N` output tile and walks K `BLOCK_K` rows at a time. `BLOCK_K` divides the group size, so each
+K step reads one row of zeros and scales; the weight tile is unpacked from int32 words, dequantized to the
+scales' dtype exactly as the tools do (`(q - z) * s`; GGUF's weight stays in fp32, as llama.cpp computes it),
+and fed to `tl.dot` with an fp32 accumulator. Act-order GPTQ arrives with rows sorted by group; `perm` gathers
+the matching columns of x.
 
 Small M (decode) cannot fill the GPU with output tiles alone, so K is split across programs ("split-K"):
 each writes an fp32 partial and one reduction sums them. Host code never reads device tensors.
 
 Launch, interpreter and tile plumbing: triton_common.
 """
+
+import dataclasses
 
 import torch
 import triton
@@ -45,6 +50,7 @@ def _quant_gemm_kernel(
     qweight_ptr,
     qzeros_ptr,
     scales_ptr,
+    mins_ptr,
     perm_ptr,
     out_ptr,
     M,
@@ -56,6 +62,8 @@ def _quant_gemm_kernel(
     stride_om,
     stride_split,
     AWQ: tl.constexpr,
+    GGUF: tl.constexpr,
+    HAS_MIN: tl.constexpr,
     BITS: tl.constexpr,
     ZERO_OFFSET: tl.constexpr,
     HAS_PERM: tl.constexpr,
@@ -92,17 +100,31 @@ def _quant_gemm_kernel(
         )
         group = k0 // group_size
         w_mask = mask_k[:, None] & mask_n[None, :]
-        if AWQ:
-            q = tl.load(qweight_ptr + offs_k[:, None] * words_n + (offs_n // PACK)[None, :], mask=w_mask, other=0)
-            q = (q >> col_shift[None, :]) & MAXQ
+        if GGUF:  # rows of 32-input blocks; 4-bit: inputs j and j + 16 of a block share its byte j
+            if BITS == 4:
+                byte = (offs_k // 32) * 16 + offs_k % 16
+                q = tl.load(qweight_ptr + offs_n[None, :] * (K // 2) + byte[:, None], mask=w_mask, other=0)
+                q = (q.to(tl.int32) >> ((offs_k % 32) // 16 * 4)[:, None]) & MAXQ
+            else:
+                q = tl.load(qweight_ptr + offs_n[None, :] * K + offs_k[:, None], mask=w_mask, other=0).to(tl.int32)
+            s = tl.load(scales_ptr + offs_n * (K // group_size) + group, mask=mask_n, other=0.0)
+            # kept in fp32, exactly as llama.cpp dequantizes (q * s needs at most 19 bits)
+            w = (q - ZERO_OFFSET).to(tl.float32) * s[None, :].to(tl.float32)
+            if HAS_MIN:
+                m = tl.load(mins_ptr + offs_n * (K // group_size) + group, mask=mask_n, other=0.0)
+                w += m.to(tl.float32)[None, :]
         else:
-            q = tl.load(qweight_ptr + (offs_k // PACK)[:, None] * N + offs_n[None, :], mask=w_mask, other=0)
-            q = (q >> ((offs_k % PACK) * BITS)[:, None]) & MAXQ
-        z = tl.load(qzeros_ptr + group * words_n + offs_n // PACK, mask=mask_n, other=0)
-        z = ((z >> col_shift) & MAXQ) + ZERO_OFFSET
-        s = tl.load(scales_ptr + group * N + offs_n, mask=mask_n, other=0.0)
-        # rounded to the scales' dtype: the weight exactly as the tools dequantize it
-        w = ((q - z[None, :]).to(tl.float32) * s[None, :].to(tl.float32)).to(s.dtype)
+            if AWQ:
+                q = tl.load(qweight_ptr + offs_k[:, None] * words_n + (offs_n // PACK)[None, :], mask=w_mask, other=0)
+                q = (q >> col_shift[None, :]) & MAXQ
+            else:
+                q = tl.load(qweight_ptr + (offs_k // PACK)[:, None] * N + offs_n[None, :], mask=w_mask, other=0)
+                q = (q >> ((offs_k % PACK) * BITS)[:, None]) & MAXQ
+            s = tl.load(scales_ptr + group * N + offs_n, mask=mask_n, other=0.0)
+            z = tl.load(qzeros_ptr + group * words_n + offs_n // PACK, mask=mask_n, other=0)
+            z = ((z >> col_shift) & MAXQ) + ZERO_OFFSET
+            # rounded to the scales' dtype: the weight exactly as the tools dequantize it
+            w = ((q - z[None, :]).to(tl.float32) * s[None, :].to(tl.float32)).to(s.dtype)
         if UPCAST:
             acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc)
         else:
@@ -125,9 +147,15 @@ def gptq_gemm_triton(x, qweight, qzeros, scales, bits: int, zero_offset: int, pe
     return _run(x, qweight, qzeros, scales, perm, awq=False, bits=bits, zero_offset=zero_offset)
 
 
+@implements("gguf_gemm", "triton")
+def gguf_gemm_triton(x, qweight, scales, mins, bits: int) -> torch.Tensor:
+    zero = 8 if bits == 4 and mins is None else 0  # Q4_0's codes are centred on 8; Q8_0's are signed
+    return _run(x, qweight, None, scales, None, awq=False, gguf=True, bits=bits, zero_offset=zero, mins=mins)
+
+
 def _run(x, qweight, qzeros, scales, perm, **fmt) -> torch.Tensor:
     x = x if x.stride(1) == 1 else x.contiguous()
-    m, n = x.shape[0], scales.shape[1]
+    m, n = x.shape[0], scales.shape[0 if fmt.get("gguf") else 1]
     out = tc.empty((m, n), x.dtype, x.device)
     if m == 0:
         return out
@@ -135,16 +163,30 @@ def _run(x, qweight, qzeros, scales, perm, **fmt) -> torch.Tensor:
 
 
 def quant_gemm_launch(
-    x, qweight, qzeros, scales, perm, out, *, awq: bool, bits: int, zero_offset: int, splits: int | None = None
+    x,
+    qweight,
+    qzeros,
+    scales,
+    perm,
+    out,
+    *,
+    awq: bool,
+    bits: int,
+    zero_offset: int,
+    gguf: bool = False,
+    mins=None,
+    splits: int | None = None,
 ) -> tuple[tc.Launch, torch.Tensor | None]:
     """The launch for one call and, with split-K, the fp32 `[splits, M, N]` partials it writes (summed by the
-    caller); `splits` defaults to the dispatcher's choice."""
+    caller); `splits` defaults to the dispatcher's choice. `gguf`: GGUF rows (`qweight [N, K*bits/8]`, `scales`
+    and Q4_1's `mins` `[N, K/32]`, no `qzeros`: a constant zero `zero_offset`)."""
     m, k = x.shape
-    n = scales.shape[1]
-    groups = scales.shape[0]
-    _check_quant_launch(x, qweight, qzeros, scales, perm, awq, bits, k, n, groups)
+    n, groups = scales.shape if gguf else scales.shape[::-1]
+    _check_quant_launch(x, qweight, qzeros, scales, mins, perm, awq, gguf, bits, k, n, groups)
     group_size = k // groups
     tile = quant_tile(m, group_size, x.dtype)
+    if gguf and x.dtype == torch.float32:  # its nibble addressing takes a few more registers: 2 stages spill
+        tile = dataclasses.replace(tile, num_stages=1)
     grid_mn = (triton.cdiv(m, tile.block_m), triton.cdiv(n, tile.block_n))
     k_per_split, partial = tc.split_k(out, k, tile.block_k, grid_mn[0] * grid_mn[1], splits)
     target = out if partial is None else partial
@@ -154,8 +196,9 @@ def quant_gemm_launch(
         (
             x,
             qweight,
-            qzeros,
+            scales if qzeros is None else qzeros,  # unread placeholders where absent
             scales,
+            scales if mins is None else mins,
             x if perm is None else perm,
             target,
             m,
@@ -169,6 +212,8 @@ def quant_gemm_launch(
         ),
         dict(
             AWQ=awq,
+            GGUF=gguf,
+            HAS_MIN=mins is not None,
             BITS=bits,
             ZERO_OFFSET=zero_offset,
             HAS_PERM=perm is not None,
@@ -180,19 +225,24 @@ def quant_gemm_launch(
     return launch, partial
 
 
-def _check_quant_launch(x, qweight, qzeros, scales, perm, awq, bits, k, n, groups) -> None:
+def _check_quant_launch(x, qweight, qzeros, scales, mins, perm, awq, gguf, bits, k, n, groups) -> None:
     pack = 32 // bits
-    if awq:
-        want = {"qweight": (k, n // pack), "qzeros": (groups, n // pack)}
+    if gguf:
+        want = {"qweight": ((n, k * bits // 8), torch.int8 if bits == 8 else torch.uint8)}
+    elif awq:
+        want = {"qweight": ((k, n // pack), torch.int32), "qzeros": ((groups, n // pack), torch.int32)}
     else:
-        want = {"qweight": (k // pack, n), "qzeros": (groups, n // pack)}
-    for name, tensor in (("qweight", qweight), ("qzeros", qzeros)):
-        if tuple(tensor.shape) != want[name] or tensor.dtype != torch.int32 or not tensor.is_contiguous():
+        want = {"qweight": ((k // pack, n), torch.int32), "qzeros": ((groups, n // pack), torch.int32)}
+    for name, (shape, dtype) in want.items():
+        tensor = qweight if name == "qweight" else qzeros
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype or not tensor.is_contiguous():
             raise ValueError(
-                f"quantized gemm: {name} must be contiguous int32 {want[name]}, got "
+                f"quantized gemm: {name} must be contiguous {str(dtype).removeprefix('torch.')} {shape}, got "
                 f"{tensor.dtype} {tuple(tensor.shape)}"
             )
-    if n % pack or k % groups or k % pack or not scales.is_contiguous():
+    if mins is not None and (mins.shape != scales.shape or not mins.is_contiguous()):
+        raise ValueError(f"quantized gemm: mins must be contiguous {tuple(scales.shape)}, got {tuple(mins.shape)}")
+    if (not gguf and n % pack) or k % groups or k % pack or not scales.is_contiguous():
         raise ValueError(f"quantized gemm: K={k}, N={n}, {groups} groups do not fit {bits}-bit packing")
     if x.dtype not in tc.DTYPES:
         raise ValueError(f"quantized gemm: x dtype must be one of {tc.DTYPES}, got {x.dtype}")
@@ -204,22 +254,31 @@ def _check_quant_launch(x, qweight, qzeros, scales, perm, awq, bits, k, n, group
 def _compile_awq():
     """Every tile the dispatcher picks (decode, decode split-K, mid, prefill) per dtype and K step; group size
     and shapes are runtime arguments except where they shrink BLOCK_K."""
-    yield from _compile_cases(awq=True, variants=[(4, 0, False)])
+    yield from _compile_cases(awq=True, variants=[(4, 0, "")])
 
 
 @register("gptq_gemm")
 def _compile_gptq():
-    yield from _compile_cases(awq=False, variants=[(4, 1, False), (4, 0, True), (8, 1, True)])
+    yield from _compile_cases(awq=False, variants=[(4, 1, ""), (4, 0, "perm"), (8, 1, "perm")])
 
 
-def _compile_cases(awq: bool, variants):
+@register("gguf_gemm")
+def _compile_gguf():
+    """Q4_0 and Q8_0 (constant zero), Q4_1 (float minimum); GGUF's groups are always 32."""
+    yield from _compile_cases(awq=False, variants=[(4, 8, "gguf"), (8, 0, "gguf"), (4, 0, "gguf min")], groups=(32,))
+
+
+def _compile_cases(awq: bool, variants, groups=(32, 128)):
+    """`variants`: (bits, zero_offset, form), form "" (packed zeros), "perm" (act-order), "gguf" (no packed
+    zeros), "gguf min" (no packed zeros, float minimum)."""
     seen = set()
     for dtype in tc.DTYPES:
         name = str(dtype).removeprefix("torch.")
-        for bits, zero_offset, act_order in variants:
-            for group_size in (32, 128):
+        for bits, zero_offset, form in variants:
+            for group_size in groups:
                 for m, splits in ((1, 1), (1, 4), (32, 1), (256, 1)):
-                    x, qweight, qzeros, scales, perm, out = _example_inputs(dtype, m, group_size, bits, awq, act_order)
+                    x, qweight, qzeros, scales, mins, perm, out = _example_inputs(dtype, m, group_size, bits, awq, form)
+                    gguf = form.startswith("gguf")
                     launch, _ = quant_gemm_launch(
                         x,
                         qweight,
@@ -230,6 +289,8 @@ def _compile_cases(awq: bool, variants):
                         awq=awq,
                         bits=bits,
                         zero_offset=zero_offset,
+                        gguf=gguf,
+                        mins=mins,
                         splits=splits,
                     )
                     key = (dtype, *sorted(launch.kwargs.items()))
@@ -238,18 +299,23 @@ def _compile_cases(awq: bool, variants):
                     seen.add(key)
                     kw = launch.kwargs
                     config = (
-                        f"{name} {bits}bit zero+{zero_offset}{' perm' if act_order else ''} "
+                        f"{name} {bits}bit zero+{zero_offset} {form} "
                         f"tile={kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']}{' split-K' if kw['SPLIT'] else ''}"
                     )
                     yield CompileCase(launch.kernel, config, launch.args, launch.kwargs)
 
 
-def _example_inputs(dtype, m: int, group_size: int, bits: int, awq: bool, act_order: bool):
+def _example_inputs(dtype, m: int, group_size: int, bits: int, awq: bool, form: str):
     k, n, pack = 4096, 4096, 32 // bits
     meta = dict(device="meta")
     x = torch.empty(m, k, dtype=dtype, **meta)
-    qweight = torch.empty((k, n // pack) if awq else (k // pack, n), dtype=torch.int32, **meta)
-    qzeros = torch.empty(k // group_size, n // pack, dtype=torch.int32, **meta)
-    scales = torch.empty(k // group_size, n, dtype=torch.float16, **meta)
-    perm = torch.empty(k, dtype=torch.int32, **meta) if act_order else None
-    return x, qweight, qzeros, scales, perm, torch.empty(m, n, dtype=dtype, **meta)
+    if form.startswith("gguf"):
+        qweight = torch.empty(n, k * bits // 8, dtype=torch.int8 if bits == 8 else torch.uint8, **meta)
+        scales, qzeros = torch.empty(n, k // group_size, dtype=torch.float16, **meta), None
+    else:
+        qweight = torch.empty((k, n // pack) if awq else (k // pack, n), dtype=torch.int32, **meta)
+        scales = torch.empty(k // group_size, n, dtype=torch.float16, **meta)
+        qzeros = torch.empty(k // group_size, n // pack, dtype=torch.int32, **meta)
+    mins = torch.empty_like(scales) if form == "gguf min" else None
+    perm = torch.empty(k, dtype=torch.int32, **meta) if form == "perm" else None
+    return x, qweight, qzeros, scales, mins, perm, torch.empty(m, n, dtype=dtype, **meta)

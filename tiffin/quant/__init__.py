@@ -16,12 +16,15 @@ from tiffin.quant.base import (
     load_shard,
     register_quant_config,
 )
+from tiffin.quant.gguf import GGUFConfig, GGUFLinearMethod
 from tiffin.quant.gptq import GPTQConfig, GPTQLinearMethod
 
 __all__ = [
     "QUANT_CONFIGS",
     "AWQConfig",
     "AWQLinearMethod",
+    "GGUFConfig",
+    "GGUFLinearMethod",
     "GPTQConfig",
     "GPTQLinearMethod",
     "LinearMethod",

@@ -34,6 +34,11 @@ class LinearMethod(ABC):
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor: ...
 
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight `[out, in]`, for a layer that is a token embedding (formats that store
+        embeddings: see `QuantizationConfig.embedding_method`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not store token embeddings")
+
 
 class UnquantizedLinearMethod(LinearMethod):
     """Plain weight `[out, in]` in the model dtype."""
@@ -46,6 +51,9 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x, layer.weight)
+
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.embedding(ids, layer.weight)
 
 
 # AutoAWQ and GPTQModel both write scales in fp16; the weight is dequantized in it, as the tools do, then
@@ -114,6 +122,11 @@ class QuantizationConfig(ABC):
     def linear_method(self, prefix: str, backend: str) -> LinearMethod:
         """How to store the checkpoint's linear layer `prefix` (e.g. `model.layers.0.self_attn.q_proj`), run
         with the resolved kernel `backend`."""
+
+    def embedding_method(self, prefix: str, backend: str) -> LinearMethod:
+        """How to store the token embedding or output head `prefix` (`model.embed_tokens`, `lm_head`): plain,
+        unless the format keeps them quantized."""
+        return UnquantizedLinearMethod()
 
 
 QUANT_CONFIGS: dict[str, type[QuantizationConfig]] = {}

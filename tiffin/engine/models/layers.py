@@ -1,8 +1,9 @@
 """Layers shared by the model files: RMSNorm, rotary embedding (default, linear and llama3 scaling), the gated
 MLP and the activations it may use (`ACTIVATIONS`, keyed by config.json's `hidden_act`).
 
-Projections are built through `linear(name, input_size, output_sizes, bias)`, which the loader supplies: how
-each weight is stored (plain, AWQ, GPTQ) is not the model's business.
+Projections are built through `linear(name, input_size, output_sizes, bias)`, the token embedding and output
+head through `embedding(name, vocab_size, hidden_size)`, both supplied by the loader: how each weight is stored
+(plain, AWQ, GPTQ, GGUF) is not the model's business.
 """
 
 import math
@@ -14,6 +15,7 @@ from torch import nn
 from tiffin import kernels
 
 LinearFactory = Callable[[str, int, list[int], bool], nn.Module]
+EmbeddingFactory = Callable[[str, int, int], nn.Module]  # (name, vocab_size, hidden_size) -> an Embedding
 
 
 def gelu_and_mul(gate_up: torch.Tensor, approximate: str = "none") -> torch.Tensor:
@@ -91,6 +93,6 @@ class MLP(nn.Module):
         return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
-def prefixed(linear: LinearFactory, prefix: str) -> LinearFactory:
-    """`linear` for the projections of a submodule: their checkpoint names start with `prefix`."""
-    return lambda name, *args: linear(prefix + name, *args)
+def prefixed(factory: LinearFactory | EmbeddingFactory, prefix: str) -> LinearFactory | EmbeddingFactory:
+    """`factory` for the layers of a submodule: their checkpoint names start with `prefix`."""
+    return lambda name, *args: factory(prefix + name, *args)

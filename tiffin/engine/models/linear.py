@@ -31,3 +31,18 @@ class Linear(nn.Module):
         y = self.method.apply(self, x)
         y = y if self.bias is None else y + self.bias
         return y if self.lora is None else self.lora(x, y)
+
+
+class Embedding(Linear):
+    """A token embedding `[vocab, hidden]` stored as its method stores a linear weight (plain, or GGUF blocks):
+    `forward` looks rows up; `logits` is the output projection (the tied head, or an untied lm_head)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, method: LinearMethod):
+        super().__init__(hidden_size, [vocab_size], False, dtype, method)
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.method.embedding(self, ids).to(self.dtype)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, hidden)

@@ -8,7 +8,7 @@ from torch import nn
 
 from tiffin import kernels
 from tiffin.engine.models.config import ModelConfig
-from tiffin.engine.models.layers import MLP, LinearFactory, RMSNorm, RotaryEmbedding, prefixed
+from tiffin.engine.models.layers import MLP, EmbeddingFactory, LinearFactory, RMSNorm, RotaryEmbedding, prefixed
 
 
 class Attention(nn.Module):
@@ -56,10 +56,16 @@ class DecoderLayer(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, config: ModelConfig, linear: LinearFactory, rotary: RotaryEmbedding, backend: str):
+    def __init__(
+        self,
+        config: ModelConfig,
+        linear: LinearFactory,
+        embedding: EmbeddingFactory,
+        rotary: RotaryEmbedding,
+        backend: str,
+    ):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=config.dtype)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = embedding("embed_tokens", config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, prefixed(linear, f"layers.{i}."), rotary, backend) for i in range(config.num_layers)
         )
@@ -82,22 +88,21 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: ModelConfig, max_positions: int, backend: str, linear: LinearFactory):
+    def __init__(
+        self, config: ModelConfig, max_positions: int, backend: str, linear: LinearFactory, embedding: EmbeddingFactory
+    ):
         super().__init__()
         rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
-        self.model = Model(config, prefixed(linear, "model."), rotary, backend)
+        self.model = Model(config, prefixed(linear, "model."), prefixed(embedding, "model."), rotary, backend)
         self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=config.dtype).requires_grad_(False)
+            None if config.tie_word_embeddings else embedding("lm_head", config.vocab_size, config.hidden_size)
         )
 
     def forward(self, input_ids, positions, md):
         return self.model(input_ids, positions, md)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight)
+        return (self.model.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)
 
     def layers_kv(self):
         return [layer.self_attn for layer in self.model.layers]

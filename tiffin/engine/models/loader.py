@@ -1,4 +1,4 @@
-"""Build a model from a Hugging Face directory and stream its weights into it.
+"""Build a model from a Hugging Face directory or a GGUF file and stream its weights into it.
 
 Weights arrive as (Hugging Face name, tensor) pairs from a weight source picked by the files present
 (`WEIGHT_SOURCES`); a new checkpoint format is a reader yielding such pairs plus its entry there.
@@ -13,7 +13,8 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from tiffin.engine.models.config import ModelConfig
-from tiffin.engine.models.linear import Linear
+from tiffin.engine.models.gguf_checkpoint import find_gguf, open_gguf
+from tiffin.engine.models.linear import Embedding, Linear
 from tiffin.engine.models.registry import get_architecture
 from tiffin.quant import LinearMethod, QuantizationConfig, UnquantizedLinearMethod
 
@@ -29,8 +30,13 @@ def build_model(
         method = get_linear_method(config.quant_config, model_class.stacked_modules, prefix, backend)
         return Linear(input_size, output_sizes, bias, config.dtype, method)
 
+    def embedding(prefix: str, vocab_size: int, hidden_size: int) -> Embedding:
+        quant = config.quant_config
+        method = UnquantizedLinearMethod() if quant is None else quant.embedding_method(prefix, backend)
+        return Embedding(vocab_size, hidden_size, config.dtype, method)
+
     with torch.device(device):
-        model = model_class(config, max_positions, backend, linear)
+        model = model_class(config, max_positions, backend, linear, embedding)
     load_weights(model, checkpoint_weights(path), path)
     for module in model.modules():
         if isinstance(module, Linear):
@@ -81,13 +87,19 @@ def safetensors_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
                     bar.update()
 
 
-# weight files a checkpoint directory may hold -> reader of its (Hugging Face name, tensor) pairs; first match wins
-WEIGHT_SOURCES = {"*.safetensors": safetensors_weights}
+def gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    checkpoint = open_gguf(find_gguf(path))
+    return checkpoint.weights(get_architecture(checkpoint.architecture).model.stacked_modules)
+
+
+# weight files a checkpoint (a directory, or the one file) may hold -> reader of its (Hugging Face name, tensor)
+# pairs; first match wins
+WEIGHT_SOURCES = {"*.safetensors": safetensors_weights, "*.gguf": gguf_weights}
 
 
 def checkpoint_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     for pattern, read in WEIGHT_SOURCES.items():
-        if any(Path(path).glob(pattern)):
+        if Path(path).match(pattern) or any(Path(path).glob(pattern)):
             return read(path)
     raise FileNotFoundError(f"no {' or '.join(WEIGHT_SOURCES)} weights in {path}")
 

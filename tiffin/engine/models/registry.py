@@ -9,6 +9,7 @@ from pathlib import Path
 from torch import nn
 
 from tiffin.engine.models.config import ModelConfig
+from tiffin.engine.models.gguf_checkpoint import find_gguf, open_gguf
 from tiffin.engine.models.llama import LlamaForCausalLM
 from tiffin.quant import get_quant_config
 
@@ -31,8 +32,14 @@ ARCHITECTURES: dict[str, Architecture] = {
 
 def get_model_config(path: str | Path) -> ModelConfig:
     """The checkpoint's ModelConfig, its quantization included; ValueError, before any weight is read, for an
-    architecture, activation or quantization tiffin cannot serve."""
-    raw = json.loads((Path(path) / "config.json").read_text())
+    architecture, activation or quantization tiffin cannot serve. `path`: a Hugging Face directory, or a GGUF
+    file (or a directory holding one), whose metadata implies the config."""
+    gguf = find_gguf(path)
+    if gguf is None:
+        raw = json.loads((Path(path) / "config.json").read_text())
+    else:
+        checkpoint = open_gguf(gguf)
+        raw = checkpoint.config(get_architecture(checkpoint.architecture).model.stacked_modules)
     arch = get_architecture((raw.get("architectures") or ["?"])[0])
     return ModelConfig.from_hf(raw, get_quant_config(path, raw), arch.qkv_bias, arch.qk_norm)
 

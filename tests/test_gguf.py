@@ -1,0 +1,124 @@
+"""GGUF files: kept-quantized Q4_0 / Q4_1 / Q8_0 layers against dequantize-then-matmul (torch path exact, Triton
+under the interpreter), files written by the `gguf` package's writer for each architecture against
+transformers' own GGUF load, and refusals."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+from gguf_files import write_gguf
+
+from tiffin.engine.models.gguf_checkpoint import GGUFCheckpoint
+from tiffin.engine.models.linear import Linear
+from tiffin.kernels.triton_quant import _compile_gguf, quant_tile
+from tiffin.quant.gguf import KEPT_TYPES, GGUFLinearMethod
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}  # relative to the output's scale
+
+
+def fused_layer(qtype: QType, k: int, sizes: list[int], backend: str, seed: int) -> tuple[Linear, torch.Tensor]:
+    """A GGUF-kept layer stacking one shard per entry of `sizes`, and the gguf package's dequantized weight."""
+    g = np.random.default_rng(seed)
+    weight = (g.standard_normal((sum(sizes), k)) * 0.05).astype(np.float32)
+    blocks = gguf.quantize(weight, qtype)
+    layer = Linear(k, sizes, False, torch.float32, GGUFLinearMethod(KEPT_TYPES[qtype], backend))
+    start = 0
+    for shard, size in enumerate(sizes):
+        layer.load("weight", torch.from_numpy(blocks[start : start + size].copy()), shard)
+        start += size
+    return layer, torch.from_numpy(gguf.dequantize(blocks, qtype))
+
+
+@pytest.mark.parametrize("qtype", list(KEPT_TYPES), ids=lambda t: t.name)
+def test_kept_layer_equals_dequantize_then_matmul(qtype):
+    layer, weight = fused_layer(qtype, 96, [40, 24, 24], "torch", seed=qtype)
+    assert torch.equal(layer.method.dequantize(layer), weight)
+    ids = torch.tensor([0, 87, 5, 5])
+    assert torch.equal(layer.method.embedding(layer, ids), weight[ids])
+    x = torch.randn(7, 96, generator=torch.Generator().manual_seed(0))
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(layer(x.to(dtype)), torch.nn.functional.linear(x.to(dtype), weight.to(dtype)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("qtype", list(KEPT_TYPES), ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 37])
+def test_triton_kept_layer_matches_dequantize_then_matmul(interpreter, qtype, dtype, m):
+    layer, weight = fused_layer(qtype, 128, [48, 40], "triton", seed=m)
+    x = torch.randn(m, 128, generator=torch.Generator().manual_seed(m)).to(dtype)
+    want = x.double() @ weight.double().T
+    got = layer(x)
+    assert got.dtype == dtype and got.shape == (m, 88)
+    assert (got.double() - want).abs().max().item() / want.abs().max().item() < TOL[dtype]
+
+
+def test_compile_check_covers_every_gguf_tile():
+    registered = {
+        (c.args[0].dtype, c.kwargs["BITS"], c.kwargs["HAS_MIN"], c.kwargs["BLOCK_M"], c.kwargs["SPLIT"])
+        for c in _compile_gguf()
+    }
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for m in (1, 16, 17, 32, 33, 4096):
+            tile = quant_tile(m, 32, dtype)
+            for quant in KEPT_TYPES.values():
+                for split in (False, True) if m <= 16 else (False,):
+                    assert (dtype, quant.bits, quant.has_min, tile.block_m, split) in registered
+
+
+def test_tensors_come_out_as_transformers_reads_them(tmp_path, tiny_model):
+    """Names mapped, llama q/k rows put back in Hugging Face order, a type not kept (Q5_0) dequantized as
+    transformers does."""
+    from transformers import AutoModelForCausalLM
+
+    path = write_gguf(tiny_model("mistral"), tmp_path / "m.gguf", QType.Q5_0)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).state_dict()
+    weights = dict(GGUFCheckpoint(path).weights(stacked_modules={}))
+    assert set(weights) == set(reference)
+    for name, tensor in weights.items():
+        assert torch.equal(tensor, reference[name]), name
+
+
+def test_refusals_name_what_is_unsupported(tmp_path, tiny_model):
+    hf = tiny_model("llama")
+    with pytest.raises(ValueError, match="GGUF architecture 'granite' is not supported"):
+        GGUFCheckpoint(write_gguf(hf, tmp_path / "arch.gguf", QType.F32, arch="granite"))
+    q2k = np.zeros((4, 84), dtype=np.uint8)  # one Q2_K block per row
+    with pytest.raises(ValueError, match=r"GGUF tensor type\(s\) Q2_K not supported"):
+        GGUFCheckpoint(write_gguf(hf, tmp_path / "type.gguf", QType.F32, **{"extra.weight": (q2k, QType.Q2_K)}))
+    freqs = np.ones(8, dtype=np.float32)
+    with pytest.raises(ValueError, match="rope_freqs"):
+        GGUFCheckpoint(write_gguf(hf, tmp_path / "freqs.gguf", QType.F32, **{"rope_freqs.weight": (freqs, QType.F32)}))
+
+
+# architecture -> weight type written (norms stay F32); qwen3's head_dim differs from hidden / heads
+WRITTEN = {"llama": QType.Q4_0, "mistral": QType.Q8_0, "qwen2": QType.F32, "qwen3": QType.Q4_0}
+PROMPTS = [[5, 9, 300, 17, 1200, 44], [1, 2, 3, 4, 5, 6], [700, 701, 702, 9, 9, 9], [2000, 3, 150, 77, 8, 1999]]
+NEW_TOKENS = 24
+
+
+@pytest.mark.parametrize("arch", WRITTEN)
+def test_written_gguf_matches_transformers(tmp_path, arch):
+    """tiffin on the GGUF (Q4_0 / Q8_0 kept quantized) against transformers' own GGUF load (dequantized): greedy
+    tokens identical at float32."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tiffin import LLM, SamplingParams
+    from tiffin.tiny import make_tiny_model
+
+    hf = make_tiny_model(tmp_path / "hf", arch=arch, **({"rope_scaling": None} if arch == "llama" else {}))
+    path = write_gguf(hf, tmp_path / "gguf" / f"{arch}.gguf", WRITTEN[arch])
+    # transformers reads no head_dim from a qwen3 GGUF (attention.key_length): give it the checkpoint's config
+    config = AutoConfig.from_pretrained(hf) if arch == "qwen3" else None
+    reference = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, config=config, dtype=torch.float32
+    )
+    reference.generation_config.eos_token_id = None
+    ids = torch.tensor(PROMPTS)
+    expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False)
+    llm = LLM(str(path.parent if arch == "mistral" else path), dtype="float32")  # a directory holding one, or the file
+    kept = llm.llm_engine.model_config.quant_config.kept
+    assert set(kept.values()) == ({WRITTEN[arch].name} if WRITTEN[arch] != QType.F32 else set())
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected[:, len(PROMPTS[0]) :].tolist()
