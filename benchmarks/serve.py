@@ -199,7 +199,7 @@ async def served_model(url: str, proc: subprocess.Popen | None, warmup: list[Req
                 async with session.get(f"{url}/models") as resp:
                     if resp.status == 200:
                         model = (await resp.json())["data"][0]["id"]
-                        if not any((await send(session, url, model, r)).error for r in warmup):
+                        if not [o for o in [await send(session, url, model, r) for r in warmup] if o.error]:
                             return model
             except (aiohttp.ClientError, KeyError, IndexError):
                 pass

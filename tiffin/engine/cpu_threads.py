@@ -19,39 +19,39 @@ import torch
 
 logger = logging.getLogger("tiffin.threads")
 
-PROBE_EVERY = 48  # steps at the current count between probes: a probe at a worse count costs ~1/PROBE_EVERY
+# Steps at the current count before the next probe: short after a change, doubling while probes lose, so that
+# on a steady machine the worse count costs PROBE_STEPS / PROBE_EVERY_MAX of the steps.
+PROBE_EVERY_MIN, PROBE_EVERY_MAX = 16, 512
 PROBE_STEPS = 2
 HISTORY = 8  # recent steps of a size class that a probe is compared with
 MARGIN = 0.9  # a probe must cost under this fraction of the current per-token time to take over
 
 
-def usable_cpus() -> int:
-    """CPUs this process may run on: its affinity mask, capped by a cgroup CPU quota (CFS quota of a pod)."""
+def usable_cpus(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
+    """CPUs this process may run on: its affinity mask, capped by a cgroup CPU quota (CFS quota of a pod).
+    A fractional quota rounds down: a thread beyond it only waits to be throttled."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    quota = _cgroup_cpu_quota()
+    quota = _cgroup_cpu_quota(cgroup_root)
     return max(1, min(cpus, math.floor(quota))) if quota else cpus
 
 
-def _cgroup_cpu_quota() -> float | None:
+def _cgroup_cpu_quota(root: Path) -> float | None:
     """CPUs' worth of time per period the cgroup grants (v2 `cpu.max`, v1 `cpu.cfs_quota_us`); None: no limit."""
     try:
-        v2 = Path("/sys/fs/cgroup/cpu.max")
-        if v2.exists():
-            quota, period = v2.read_text().split()[:2]
+        if (root / "cpu.max").exists():
+            quota, period = (root / "cpu.max").read_text().split()[:2]
             return None if quota == "max" else int(quota) / int(period)
-        v1 = Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us")
-        if v1.exists():
-            quota = int(v1.read_text())
-            return None if quota <= 0 else quota / int(Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text())
+        if (root / "cpu/cpu.cfs_quota_us").exists():
+            quota = int((root / "cpu/cpu.cfs_quota_us").read_text())
+            return None if quota <= 0 else quota / int((root / "cpu/cpu.cfs_period_us").read_text())
     except (OSError, ValueError):
         pass
     return None
 
 
 class ThreadTuner:
-    """Call `record(seconds, tokens)` after every step, in the thread that runs the steps (OpenMP's thread
-    count is per calling thread). Steps are compared per token and only within a size class (log2 of the
-    tokens), so a prefill step is never measured against decode steps."""
+    """Call `record(seconds, tokens)` after every step. Steps are compared per token and only within a size
+    class (log2 of the tokens), so a prefill step is never measured against decode steps."""
 
     def __init__(self, max_threads: int):
         self.max_threads = max(1, max_threads)
@@ -59,7 +59,9 @@ class ThreadTuner:
         self.enabled = self.max_threads > 1 and os.environ.get("TIFFIN_THREAD_TUNING", "1") != "0"
         self.history: dict[int, deque] = {}  # size class -> per-token seconds at self.threads
         self.steps = 0
+        self.interval = PROBE_EVERY_MIN
         self.probe: int | None = None  # thread count under trial
+        self.probe_size = 0
         self.probe_costs: list[float] = []
         self.probes = 0
         torch.set_num_threads(self.threads)
@@ -80,7 +82,7 @@ class ThreadTuner:
         history = self.history.setdefault(size, deque(maxlen=HISTORY))
         history.append(cost)
         self.steps += 1
-        if self.steps >= PROBE_EVERY and len(history) >= HISTORY // 2:
+        if self.steps >= self.interval and len(history) >= HISTORY // 2:
             self.steps = 0
             self.probes += 1
             # down from the top, up from the bottom, otherwise alternate
@@ -100,5 +102,8 @@ class ThreadTuner:
             )
             self.threads = self.probe
             self.history.clear()
+            self.interval = PROBE_EVERY_MIN
+        else:
+            self.interval = min(2 * self.interval, PROBE_EVERY_MAX)
         self.probe = None
         torch.set_num_threads(self.threads)
