@@ -32,7 +32,7 @@ def run(model: str, dtype: str, prompts: list[list[int]], output_len: int, cachi
     while engine.has_unfinished_requests():
         for out in engine.step():
             first_token.setdefault(out.request_id, time.perf_counter() - start)
-        peak = max(peak, engine.stats()["kv_blocks_used"])
+        peak = max(peak, engine.stats().kv_blocks_used)
     wall = time.perf_counter() - start
     stats = engine.stats()
     return {
@@ -40,7 +40,7 @@ def run(model: str, dtype: str, prompts: list[list[int]], output_len: int, cachi
         "peak_blocks": peak,
         "mean_ttft_s": sum(first_token.values()) / len(first_token),
         "wall_s": wall,
-        "hit_rate": stats["prefix_cache_hits"] / max(stats["prefix_cache_queries"], 1),
+        "hit_rate": stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1),
     }
 
 
@@ -62,9 +62,9 @@ def main() -> None:
         args.model = args.model or args.make_model
     if not args.model:
         parser.error("--model or --make-model is required")
-    from tiffin.engine.config import ModelConfig
+    from tiffin.engine.models.registry import get_model_config
 
-    vocab = ModelConfig.from_pretrained(args.model).vocab_size
+    vocab = get_model_config(args.model).vocab_size
     prompts = workload(vocab, args.n, args.system_len, args.question_len, args.seed)
     off, on = (run(args.model, args.dtype, prompts, args.output_len, c) for c in (False, True))
     print(

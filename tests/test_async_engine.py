@@ -29,7 +29,7 @@ async def _wait_idle(engine, timeout=5.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         stats = engine.stats()
-        if stats["num_running"] == stats["num_waiting"] == stats["kv_blocks_used"] == 0:
+        if stats.num_running == stats.num_waiting == stats.kv_blocks_used == 0:
             return stats
         await asyncio.sleep(0.02)
     return engine.stats()
@@ -89,19 +89,19 @@ def test_cancelling_the_stream_aborts_and_frees_blocks(engines):
         return seen, busy, await _wait_idle(engine)
 
     seen, busy, idle = asyncio.run(run())
-    assert not seen[-1].finished and busy["kv_blocks_used"] > 0
-    assert idle["num_running"] == 0 and idle["kv_blocks_used"] == 0
+    assert not seen[-1].finished and busy.kv_blocks_used > 0
+    assert idle.num_running == 0 and idle.kv_blocks_used == 0
 
     async def cancel_task():  # a task cancelled mid-await (what an HTTP disconnect does)
         task = asyncio.create_task(_collect(engine, PROMPTS[1], SamplingParams(max_tokens=900, ignore_eos=True), "t"))
-        while engine.stats()["num_running"] == 0:
+        while engine.stats().num_running == 0:
             await asyncio.sleep(0.01)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         return await _wait_idle(engine)
 
     idle = asyncio.run(cancel_task())
-    assert idle["num_running"] == 0 and idle["kv_blocks_used"] == 0
+    assert idle.num_running == 0 and idle.kv_blocks_used == 0
 
 
 def test_abort_ends_the_stream(engines):
@@ -138,7 +138,7 @@ def test_refused_requests_raise_before_streaming(engines):
         return await _wait_idle(engine)
 
     idle = asyncio.run(run())
-    assert idle["num_running"] == 0 and idle["kv_blocks_used"] == 0
+    assert idle.num_running == 0 and idle.kv_blocks_used == 0
 
 
 def test_engine_failure_fails_requests_in_flight_not_the_loop(engines, monkeypatch):
@@ -157,7 +157,7 @@ def test_engine_failure_fails_requests_in_flight_not_the_loop(engines, monkeypat
     with pytest.raises(EngineError, match="device lost"):
         asyncio.run(_collect(engine, PROMPTS[0], SamplingParams(max_tokens=50, ignore_eos=True), "fail"))
     idle = asyncio.run(_wait_idle(engine))
-    assert idle["num_running"] == 0 and idle["kv_blocks_used"] == 0
+    assert idle.num_running == 0 and idle.kv_blocks_used == 0
     params = SamplingParams(temperature=0, max_tokens=12)
     after = asyncio.run(_collect(engine, PROMPTS[0], params, "after"))[-1]
     assert after.outputs[0].text == llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0].text

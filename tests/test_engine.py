@@ -117,7 +117,7 @@ def test_bad_requests_fail_alone_and_leak_nothing(llm):
     while engine.has_unfinished_requests():
         outs += engine.step()
     assert outs[-1].request_id == "ok" and len(outs[-1].outputs[0].token_ids) == 8
-    assert engine.stats()["kv_blocks_used"] == 0
+    assert engine.stats().kv_blocks_used == 0
 
 
 def test_abort_frees_blocks_at_once(llm):
@@ -126,12 +126,12 @@ def test_abort_frees_blocks_at_once(llm):
         engine.add_request(f"a{i}", [5] * (30 + i), SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()
     engine.step()
-    assert engine.stats()["kv_blocks_used"] > 0
+    assert engine.stats().kv_blocks_used > 0
     engine.abort_request(["a0", "a2"])
     engine.abort_request("a1")
-    assert engine.stats()["num_running"] + engine.stats()["num_waiting"] == 1
+    assert engine.stats().num_running + engine.stats().num_waiting == 1
     engine.abort_request("a3")
-    assert engine.stats()["kv_blocks_used"] == 0 and not engine.has_unfinished_requests()
+    assert engine.stats().kv_blocks_used == 0 and not engine.has_unfinished_requests()
 
 
 def test_prefix_caching_shares_blocks_and_keeps_outputs(tiny_model):
@@ -150,11 +150,11 @@ def test_prefix_caching_shares_blocks_and_keeps_outputs(tiny_model):
         outs += llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == expected, args
         stats = llm.llm_engine.stats()
-        assert stats["kv_blocks_used"] == 0
+        assert stats.kv_blocks_used == 0
         if args.get("enable_prefix_caching", True):
-            assert stats["prefix_cache_hits"] >= 5 * 96  # all but the first find the system prompt
+            assert stats.prefix_cache_hits >= 5 * 96  # all but the first find the system prompt
             assert outs[-1].num_cached_tokens == (len(prompts[-1]) - 1) // 16 * 16
         else:
-            assert stats["prefix_cache_hits"] == 0
+            assert stats.prefix_cache_hits == 0
         if "num_kv_blocks" in args:
-            assert stats["num_preemptions"] > 0
+            assert stats.num_preemptions > 0

@@ -44,6 +44,6 @@ def test_greedy_matches_transformers(case, engine_args):
     mismatched = [len(p) for p, a, b in zip(prompts, got, expected) if a != b]
     assert not mismatched, f"prompt lengths whose tokens differ: {mismatched}"
     stats = llm.llm_engine.stats()
-    assert stats["kv_blocks_used"] == 0 and stats["num_running"] == stats["num_waiting"] == 0
+    assert stats.kv_blocks_used == 0 and stats.num_running == stats.num_waiting == 0
     if "num_kv_blocks" in engine_args:
-        assert stats["num_preemptions"] > 0
+        assert stats.num_preemptions > 0

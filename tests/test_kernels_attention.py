@@ -17,6 +17,7 @@ import torch
 
 from tiffin.kernels import attention, compile_check, paged_attention, resolve_backend, write_kv
 from tiffin.kernels import triton_attention as ta
+from tiffin.kernels import triton_common as tc
 from tiffin.kernels.attention import AttentionMetadata, paged_attention_torch, write_kv_torch
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -29,7 +30,7 @@ def poisoned(monkeypatch):
     def nan_empty(shape, dtype, device):
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
-    monkeypatch.setattr(ta, "_empty", nan_empty)
+    monkeypatch.setattr(tc, "empty", nan_empty)
 
 
 def make_batch(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, gen):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from tiffin.kernels import triton_common as tc
 from tiffin.kernels import triton_lora as tlora
 from tiffin.kernels.lora import LoRAMetadata, lora_apply, lora_expand, lora_shrink
 
@@ -22,7 +23,7 @@ TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 8e-2}
 def poisoned(monkeypatch):
     """Every buffer the Triton path allocates (shrink output, split partials) starts as NaN."""
     monkeypatch.setattr(
-        tlora, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device)
+        tc, "empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device)
     )
 
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tiffin import LLM, LoRARequest, SamplingParams
-from tiffin.engine.lora import LoRAManager
+from tiffin.engine.lora import LoRARegistry
 
 NEW_TOKENS = 24
 PROMPT_LENS = (3, 17, 40, 9, 33, 21, 5, 60, 12, 27, 48, 7)
@@ -62,14 +62,14 @@ def interleaved(prompts, dirs) -> list[str | None]:
 
 def record_steps(llm: LLM) -> list[set]:
     """Distinct adapters of every step the model runner executes."""
-    manager = llm.llm_engine.model_runner.lora_manager
-    steps, prepare = [], manager.prepare
+    slots = llm.llm_engine.model_runner.lora_slots
+    steps, prepare = [], slots.prepare
 
     def spy(loras, num_tokens):
         steps.append({(m.identity if m else None) for m in loras})
         return prepare(loras, num_tokens)
 
-    manager.prepare = spy
+    slots.prepare = spy
     return steps
 
 
@@ -101,7 +101,7 @@ def test_greedy_matches_peft_interleaved(fp_case, engine_args):
     assert max(len(s - {None}) for s in steps) <= slots
     assert any(None in s and len(s) >= 3 for s in steps), "base and several adapters never shared a step"
     stats = llm.llm_engine.stats()
-    assert stats["kv_blocks_used"] == 0 and stats["num_running"] == stats["num_waiting"] == 0
+    assert stats.kv_blocks_used == 0 and stats.num_running == stats.num_waiting == 0
 
 
 @pytest.mark.skipif(not AWQ_REFERENCE.exists(), reason="the AWQ fixture is not present")
@@ -269,7 +269,7 @@ def test_lora_request_validation(bad):
 @pytest.fixture(scope="module")
 def loader(tiny_model):
     llm = LLM(tiny_model("llama"), dtype="float32", enable_lora=True, max_lora_rank=16)
-    return llm.llm_engine.model_runner.lora_manager
+    return llm.llm_engine.lora_registry
 
 
 def _rewrite(path: Path, fn) -> None:
@@ -348,7 +348,7 @@ def test_loader_refuses(case, loader, tiny_model, tmp_path):
         post(path)
     with pytest.raises(ValueError, match=pattern):
         loader.load(LoRARequest(case, 1, str(path)))
-    assert loader.lora_ids() == set()
+    assert loader.cached_ids() == set()
 
 
 def test_loader_refuses_missing_directory(loader, tmp_path):
@@ -360,7 +360,7 @@ def test_loader_folds_scaling_and_pads_fused_slices(loader, fp_case):
     """What lands in the slots: per-slice A rows at `slice * max_rank`, B scaled by alpha/r (alpha/sqrt(r) for
     rsLoRA) with patterns applied per module, and nothing where the adapter has no weights."""
     _, dirs, _, _ = fp_case
-    assert isinstance(loader, LoRAManager)
+    assert isinstance(loader, LoRARegistry)
     tensors = load_file(dirs["mlp-patterns"] / "adapter_model.safetensors")
     model = loader.load(LoRARequest("p", 1, str(dirs["mlp-patterns"])))
     key = "base_model.model.model.layers.{}.{}.lora_{}.weight"

@@ -7,7 +7,8 @@ import pytest
 
 from tiffin import LLM
 from tiffin.engine.models.llama import LlamaForCausalLM
-from tiffin.quant import AWQConfig, GPTQConfig, get_quant_config, linear_method_factory
+from tiffin.engine.models.loader import get_linear_method
+from tiffin.quant import AWQConfig, GPTQConfig, UnquantizedLinearMethod, get_quant_config
 
 AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
@@ -98,16 +99,13 @@ def test_unsupported_variants_are_named(tmp_path, config, variant):
 
 
 def test_fused_layer_must_be_all_or_nothing():
-    factory = linear_method_factory(AWQConfig(64, ("q_proj",)), LlamaForCausalLM.stacked_modules)
+    def method(skip: tuple[str, ...], prefix: str):
+        return get_linear_method(AWQConfig(64, skip), LlamaForCausalLM.stacked_modules, prefix, "torch")
+
     with pytest.raises(ValueError, match="some of"):
-        factory("model.layers.0.self_attn.qkv_proj")
-    assert factory("model.layers.0.self_attn.o_proj") is not None
-    assert (
-        linear_method_factory(AWQConfig(64, ("self_attn",)), LlamaForCausalLM.stacked_modules)(
-            "model.layers.0.self_attn.qkv_proj"
-        )
-        is None
-    )
+        method(("q_proj",), "model.layers.0.self_attn.qkv_proj")
+    assert not isinstance(method(("q_proj",), "model.layers.0.self_attn.o_proj"), UnquantizedLinearMethod)
+    assert isinstance(method(("self_attn",), "model.layers.0.self_attn.qkv_proj"), UnquantizedLinearMethod)
 
 
 def test_engine_refuses_unsupported_checkpoint(tiny_model, tmp_path):

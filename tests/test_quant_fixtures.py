@@ -14,10 +14,9 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tiffin import LLM, SamplingParams
-from tiffin.engine.config import ModelConfig
 from tiffin.engine.models.linear import Linear
-from tiffin.engine.models.loader import MODELS, build_model
-from tiffin.quant import get_quant_config, linear_method_factory
+from tiffin.engine.models.loader import build_model, checkpoint_names
+from tiffin.engine.models.registry import get_model_config
 
 FIXTURES = Path(__file__).parent / "fixtures" / "quant"
 REFERENCE = "reference/dequantized.safetensors"  # each tool's own dequantized weights [out, in]
@@ -39,17 +38,9 @@ def test_every_fixture_is_present():
 
 
 def load_tiffin_model(path: Path, kernel_backend: str = "torch"):
-    config = ModelConfig.from_pretrained(path)
+    config = get_model_config(path)
     config.dtype = torch.float32
-    quant = get_quant_config(path, config.raw)
-    factory = linear_method_factory(quant, MODELS[config.architecture].stacked_modules, kernel_backend)
-    return build_model(config, path, torch.device("cpu"), 64, "torch", factory)
-
-
-def checkpoint_names(model, module_name: str, linear: Linear) -> list[str]:
-    parent, _, leaf = module_name.rpartition(".")
-    shards = sorted((i, ck) for ck, (fused, i) in model.stacked_modules.items() if fused == leaf)
-    return [f"{parent}.{ck}" for _, ck in shards] or [module_name]
+    return build_model(config, path, torch.device("cpu"), 64, kernel_backend)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -62,7 +53,7 @@ def test_unpacking_equals_the_tools_dequantization(name):
         for module_name, module in model.named_modules():
             if not isinstance(module, Linear):
                 continue
-            names = checkpoint_names(model, module_name, module)
+            names = checkpoint_names(model.stacked_modules, module_name)
             if not hasattr(module.method, "dequantize"):  # left unquantized (modules_to_not_convert)
                 for shard, ck in zip(module.weight.split(module.output_sizes), names):
                     assert torch.equal(shard, ckpt.get_tensor(ck + ".weight").float()), ck
@@ -141,8 +132,8 @@ def test_weight_memory(name):
             quant_bytes += sum(p.nbytes for p in module.parameters())
             fp16_bytes += 2 * module.input_size * module.output_size
     assert 0 < quant_bytes <= 0.3 * fp16_bytes, quant_bytes / fp16_bytes
-    assert engine.stats()["weight_bytes"] == sum(p.nbytes for p in model.parameters())
+    assert engine.stats().weight_bytes == sum(p.nbytes for p in model.parameters())
     plain = sum(2 * v.numel() for v in load_file(path / REFERENCE).values()) + sum(
         v.numel() * 2 for k, v in load_file(path / "model.safetensors").items() if not k.endswith(QUANT_SUFFIXES)
     )
-    assert engine.stats()["weight_bytes"] < plain
+    assert engine.stats().weight_bytes < plain

@@ -12,9 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiffin.engine.config import ModelConfig
 from tiffin.engine.models.linear import Linear
-from tiffin.engine.models.loader import MODELS, build_model
+from tiffin.engine.models.loader import build_model
+from tiffin.engine.models.registry import get_model_config
 from tiffin.kernels.quant import (
     awq_dequantize,
     awq_gemm,
@@ -26,7 +26,6 @@ from tiffin.kernels.quant import (
     unpack_rows,
 )
 from tiffin.kernels.triton_quant import _compile_awq, _compile_gptq, quant_gemm_launch, quant_tile
-from tiffin.quant import get_quant_config, linear_method_factory
 
 FIXTURES = Path(__file__).parent / "fixtures" / "quant"
 
@@ -194,12 +193,9 @@ def test_bad_shapes_raise():
 
 def load_fixture(name: str, kernel_backend: str):
     path = FIXTURES / name
-    config = ModelConfig.from_pretrained(path)
+    config = get_model_config(path)
     config.dtype = torch.float32
-    factory = linear_method_factory(
-        get_quant_config(path, config.raw), MODELS[config.architecture].stacked_modules, kernel_backend
-    )
-    return build_model(config, path, torch.device("cpu"), 64, "torch", factory)
+    return build_model(config, path, torch.device("cpu"), 64, kernel_backend)
 
 
 @pytest.mark.parametrize("name", ["awq-g64", "gptq-4bit-g64-actorder-sym", "gptq-8bit-perchannel-sym"])
@@ -213,5 +209,5 @@ def test_triton_path_on_real_layers(name, monkeypatch):
         if isinstance(a, Linear) and hasattr(a.method, "dequantize"):
             x = torch.randn(5, a.input_size, generator=g)
             want, got = a(x), b(x)
-            assert b.method.backend(x.device) == "triton"
+            assert b.method.backend == "triton"
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item(), msg=module_name)

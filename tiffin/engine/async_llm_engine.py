@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from tiffin.engine.config import EngineConfig
 from tiffin.engine.llm_engine import LLMEngine, PromptType
 from tiffin.engine.lora import LoRARequest
-from tiffin.engine.outputs import RequestOutput
+from tiffin.engine.outputs import EngineStats, RequestOutput
 from tiffin.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -87,22 +87,24 @@ class AsyncLLMEngine:
     """`await add_request(...)` or `async for out in generate(...)`; `stats()` for monitoring. `on_stats`
     is called in the engine thread with `LLMEngine.stats()` after every step and every inbox batch."""
 
-    def __init__(self, engine: LLMEngine, on_stats: Callable[[dict], None] | None = None):
+    def __init__(self, engine: LLMEngine, on_stats: Callable[[EngineStats], None] | None = None):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.lora_registry = engine.lora_registry  # its lookups are safe from any thread
         self._on_stats = on_stats
         self._inbox: deque[tuple] = deque()
         self._wakeup = threading.Event()
         self._active: dict[str, _Active] = {}
-        self._lora_ids: frozenset[int] = frozenset()  # the engine's cached adapters, as of its last change
         self._stats = engine.stats()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="tiffin-engine", daemon=True)
         self._thread.start()
 
     @classmethod
-    def from_engine_args(cls, model: str, on_stats: Callable[[dict], None] | None = None, **kwargs) -> "AsyncLLMEngine":
+    def from_engine_args(
+        cls, model: str, on_stats: Callable[[EngineStats], None] | None = None, **kwargs
+    ) -> "AsyncLLMEngine":
         """Build the LLMEngine from `EngineConfig` fields (the same keywords as `LLM`)."""
         return cls(LLMEngine(EngineConfig(model=str(model), **kwargs)), on_stats)
 
@@ -115,15 +117,16 @@ class AsyncLLMEngine:
     ) -> RequestStream:
         """Queue a request and return its stream once the engine accepted it; ValueError if it was refused
         (bad prompt, too long for the context, duplicate id, an adapter that cannot load), raised before any
-        output. An adapter not yet cached is loaded first, off the engine thread."""
+        output. An adapter not cached is read first, off the engine thread (steps go on meanwhile)."""
         if self._closed:
             raise EngineError("the engine is shut down")
-        if lora_request is not None and lora_request.lora_int_id not in self._lora_ids:
-            await self.add_lora(lora_request)
+        lora = lora_request
+        if lora is not None and not (self.lora_registry and self.lora_registry.is_cached(lora.lora_int_id)):
+            lora = await asyncio.to_thread(self.engine.load_lora, lora)
         loop = asyncio.get_running_loop()
         accepted = loop.create_future()
         stream = RequestStream(request_id, self.abort)
-        self._post(("add", request_id, prompt, params or SamplingParams(), lora_request, stream, loop, accepted))
+        self._post(("add", request_id, prompt, params or SamplingParams(), lora, stream, loop, accepted))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -150,8 +153,8 @@ class AsyncLLMEngine:
             stream.close()
 
     async def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Load an adapter (read and checked in a worker thread: steps go on meanwhile), then cache it in the
-        engine. False if it was cached already; ValueError if it cannot be served."""
+        """Load an adapter (read and checked in a worker thread: steps go on meanwhile), then add it to the
+        engine's registry. False if it was cached already; ValueError if it cannot be served."""
         lora = await asyncio.to_thread(self.engine.load_lora, lora_request)
         return await self._lora_call("add_lora", lora)
 
@@ -177,7 +180,7 @@ class AsyncLLMEngine:
         if wake:
             self._wakeup.set()
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         """`LLMEngine.stats()` as of the last step or inbox batch."""
         return self._stats
 
@@ -231,21 +234,18 @@ class AsyncLLMEngine:
         self._publish_stats()
         return True
 
-    def _add(self, request_id, prompt, params, lora_request, stream, loop, accepted) -> None:
+    def _add(self, request_id, prompt, params, lora, stream, loop, accepted) -> None:
         try:
-            self.engine.add_request(request_id, prompt, params, lora_request)
+            self.engine.add_request(request_id, prompt, params, lora)
         except Exception as e:
             _call(loop, _settle, accepted, None, e)
             return
-        if lora_request is not None:
-            self._lora_ids = frozenset(self.engine.list_loras())
         self._active[request_id] = _Active(stream, loop)
         _call(loop, _settle, accepted, None, None)
 
     def _lora(self, method: str, args: tuple, loop, done) -> None:
         try:
             result = getattr(self.engine, method)(*args)
-            self._lora_ids = frozenset(self.engine.list_loras())
         except Exception as e:
             _call(loop, _settle, done, None, e)
             return

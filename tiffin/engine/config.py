@@ -1,120 +1,55 @@
-"""Engine settings (what the user chooses) and the model's shape (what the checkpoint says)."""
+"""Engine settings: what the user chooses. Torch-free, so that the Bento derives its settings from these fields
+when `bentoml build` imports the service."""
 
-import json
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 
-import torch
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+def _setting(default, doc: str):
+    return field(default=default, metadata={"doc": doc})
 
 
 @dataclass
 class EngineConfig:
-    model: str
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory: int | None = None  # bytes
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 4096
-    max_model_len: int | None = None
-    kernel_backend: str = "auto"
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    enable_lora: bool = False
-    max_loras: int = 4  # adapters resident at once in device slots: the most one step may mix
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None  # adapters cached in host memory (LRU); default max_loras
+    """Each field's `metadata["doc"]` says what it sets; the Bento's settings and their docs are built from them."""
+
+    model: str = field(metadata={"doc": "local Hugging Face model directory"})
+    tokenizer: str | None = _setting(None, "tokenizer directory; default: the model's")
+    dtype: str = _setting("auto", "float32, bfloat16 or float16; auto: the checkpoint's")
+    device: str = _setting("auto", "cpu or cuda; auto: cuda when available")
+    block_size: int = _setting(16, "tokens per KV cache block")
+    num_kv_blocks: int | None = _setting(None, "KV cache blocks; default: what kv_cache_memory holds")
+    kv_cache_memory: int | None = _setting(
+        None, "bytes of KV cache; default: what gpu_memory_utilization leaves on CUDA, a quarter of free RAM on CPU"
+    )
+    gpu_memory_utilization: float = _setting(0.9, "share of the GPU's memory for weights, activations and KV cache")
+    max_num_seqs: int = _setting(256, "sequences one step may batch")
+    max_num_batched_tokens: int = _setting(4096, "tokens one step may compute, prefill chunks and decodes together")
+    max_model_len: int | None = _setting(None, "context length; default: the model's")
+    kernel_backend: str = _setting("auto", "torch or triton; auto: triton on CUDA, torch on CPU")
+    enable_prefix_caching: bool = _setting(True, "reuse the KV blocks of prompt prefixes seen before")
+    seed: int = _setting(0, "seed of the random stream shared by requests that set none")
+    enable_lora: bool = _setting(False, "serve LoRA adapters")
+    max_loras: int = _setting(4, "adapters resident at once in device slots: the most one step may mix")
+    max_lora_rank: int = _setting(16, "the largest adapter rank accepted")
+    max_cpu_loras: int | None = _setting(None, "adapters cached in host memory (LRU); default max_loras")
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {list(DTYPES)}, got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be 'auto' or one of {list(DTYPE_NAMES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
-        for name in ("max_loras", "max_lora_rank"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
 
     @property
-    def torch_device(self) -> torch.device:
+    def torch_device(self):
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
-
-
-@dataclass
-class ModelConfig:
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    mlp_bias: bool
-    qk_norm: bool
-    dtype: torch.dtype
-    sliding_window: int | None
-    raw: dict
-
-    @classmethod
-    def from_pretrained(cls, path: str | Path) -> "ModelConfig":
-        raw = json.loads((Path(path) / "config.json").read_text())
-        arch = (raw.get("architectures") or ["?"])[0]
-        if arch not in ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {arch!r}; tiffin serves {', '.join(ARCHITECTURES)}")
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r}; only 'silu' is supported")
-        heads = raw["num_attention_heads"]
-        theta, scaling = _rope(raw)
-        return cls(
-            architecture=arch,
-            vocab_size=raw["vocab_size"],
-            hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_layers=raw["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            qkv_bias=arch == "Qwen2ForCausalLM" or raw.get("attention_bias", False),
-            mlp_bias=raw.get("mlp_bias", False),
-            qk_norm=arch == "Qwen3ForCausalLM",
-            dtype=DTYPES.get(str(raw.get("dtype") or raw.get("torch_dtype") or "float32"), torch.float32),
-            sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window", True) else None,
-            raw=raw,
-        )
-
-
-def _rope(raw: dict) -> tuple[float, dict | None]:
-    """RoPE base and scaling, whether spelled `rope_theta` + `rope_scaling` (hub checkpoints) or
-    `rope_parameters` (transformers 5)."""
-    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    theta = params.pop("rope_theta", None) or raw.get("rope_theta", 10000.0)
-    kind = params.get("rope_type") or params.get("type") or "default"
-    if kind == "default":
-        return theta, None
-    if kind not in ("llama3", "linear"):
-        raise ValueError(f"unsupported RoPE scaling {kind!r}; supported: default, linear, llama3")
-    return theta, {**params, "rope_type": kind}

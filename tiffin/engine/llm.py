@@ -2,6 +2,7 @@
 
 from tqdm.auto import tqdm
 
+from tiffin.engine.chat import render_chat
 from tiffin.engine.config import EngineConfig
 from tiffin.engine.llm_engine import LLMEngine, PromptType
 from tiffin.engine.lora import LoRARequest
@@ -56,16 +57,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, rendered by the tokenizer's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tokenizer = self.get_tokenizer()
-        prompts = []
-        for conversation in conversations:
-            text = tokenizer.apply_chat_template(
-                conversation,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                **(chat_template_kwargs or {}),
-            )
-            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        tokenizer, kwargs = self.get_tokenizer(), chat_template_kwargs or {}
+        prompts = [render_chat(tokenizer, c, add_generation_prompt, **kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -8,16 +8,16 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from tiffin.engine.block_manager import BlockManager
-from tiffin.engine.config import DTYPES, EngineConfig, ModelConfig
+from tiffin.engine.config import EngineConfig
 from tiffin.engine.detokenizer import IncrementalDetokenizer
-from tiffin.engine.lora import LoRAManager, LoRAModel, LoRARequest
+from tiffin.engine.lora import LoRAModel, LoRARegistry, LoRARequest
 from tiffin.engine.model_runner import ModelRunner
-from tiffin.engine.models.loader import MODELS
-from tiffin.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from tiffin.engine.sampling_params import SamplingParams
+from tiffin.engine.models.config import DTYPES
+from tiffin.engine.models.registry import get_model_config
+from tiffin.engine.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
+from tiffin.engine.sampling_params import ParamError, SamplingParams
 from tiffin.engine.scheduler import Scheduler
 from tiffin.engine.sequence import Sequence
-from tiffin.quant import get_quant_config, linear_method_factory
 
 PromptType = str | list[int] | dict
 
@@ -38,24 +38,18 @@ class Request:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.model_config = ModelConfig.from_pretrained(config.model)
+        self.model_config = get_model_config(config.model)
         if config.dtype != "auto":  # the user's dtype overrides the checkpoint's
             self.model_config.dtype = DTYPES[config.dtype]
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         self.max_model_len = self._max_model_len()
         self.eos_token_ids = frozenset(self._eos_token_ids())
-        self.quant_config = get_quant_config(config.model, self.model_config.raw)
-        linear_method = (
-            None
-            if self.quant_config is None
-            else linear_method_factory(
-                self.quant_config, MODELS[self.model_config.architecture].stacked_modules, config.kernel_backend
-            )
-        )
-        self.model_runner = ModelRunner(
-            config, self.model_config, self.max_model_len, set(self.eos_token_ids), linear_method
-        )
+        self.model_runner = ModelRunner(config, self.model_config, self.max_model_len, set(self.eos_token_ids))
         self.weight_bytes = sum(p.nbytes for p in self.model_runner.model.parameters())
+        slots = self.model_runner.lora_slots
+        self.lora_registry = (
+            None if slots is None else LoRARegistry(slots.load, config.max_cpu_loras or config.max_loras)
+        )
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.requests: dict[str, Request] = {}
@@ -66,17 +60,17 @@ class LLMEngine:
         request_id: str,
         prompt: PromptType,
         params: SamplingParams | None = None,
-        lora_request: LoRARequest | None = None,
+        lora_request: LoRARequest | LoRAModel | None = None,
     ) -> None:
-        """Queue a request, run with the adapter of `lora_request` if given (loaded now unless cached). Raises
-        ValueError, leaving the engine untouched, if the request is invalid or can never fit in the context or
-        the KV cache."""
+        """Queue a request, run with the adapter of `lora_request` if given (loaded now unless cached; a
+        `load_lora` result is taken as is). Raises ValueError, leaving the engine untouched, if the request is
+        invalid or can never fit in the context or the KV cache."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = params or SamplingParams()
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._check_lengths(len(token_ids), params)
-        lora = None if lora_request is None else self._lora_manager().resolve(lora_request)
+        lora = None if lora_request is None else self._loras().resolve(lora_request)
         seqs = [Sequence(request_id, i, token_ids, params, max_tokens, self.eos_token_ids) for i in range(params.n)]
         for seq in seqs:
             seq.lora, seq.cache_key = lora, b"" if lora is None else lora.identity
@@ -92,12 +86,11 @@ class LLMEngine:
         if not sched.seqs:
             return []
         sampled = self.model_runner.execute(sched)
+        logprobs = dict(zip((s.seq_id for s in sched.sampling_seqs), sampled.logprobs))
         seqs = self.scheduler.update(sched, sampled.token_ids)
         self.num_generation_tokens += len(seqs)
-        sampling_seqs = [s for s, samples in zip(sched.seqs, sched.sampling) if samples]
-        logprobs = dict(zip((s.seq_id for s in sampling_seqs), sampled.logprobs))
         for seq in seqs:
-            self._postprocess(seq, logprobs[seq.seq_id])
+            self._add_logprobs(seq, logprobs[seq.seq_id])
         return [self._output(self.requests[rid]) for rid in dict.fromkeys(s.request_id for s in seqs)]
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
@@ -113,53 +106,52 @@ class LLMEngine:
         return outputs
 
     def add_lora(self, lora: LoRARequest | LoRAModel) -> bool:
-        """Cache an adapter (a request is loaded now; a `load_lora` result is taken as is) ahead of its
-        requests. False if it was already cached; ValueError if it cannot be served or its id or name is taken."""
-        return self._lora_manager().add(lora)
+        """Register and cache an adapter (a request is loaded now; a `load_lora` result is taken as is) ahead of
+        its requests. False if it was already cached; ValueError if it cannot be served or its id or name is
+        taken."""
+        return self._loras().add(lora)
 
     def load_lora(self, lora_request: LoRARequest) -> LoRAModel:
         """Read and check an adapter without touching engine state: safe from any thread, so a server can load
         adapters while the engine steps, then `add_lora` the result."""
-        return self._lora_manager().load(lora_request)
+        return self._loras().load(lora_request)
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Drop an adapter from the cache; its requests in flight finish with it. False if it was not cached."""
-        return self._lora_manager().remove(lora_int_id)
+        """Unregister an adapter; its requests in flight finish with it. False if it was not registered."""
+        return self._loras().remove(lora_int_id)
 
     def list_loras(self) -> set[int]:
-        return self._lora_manager().lora_ids()
+        """The ids of the adapters in the host cache."""
+        return self._loras().cached_ids()
 
-    def _lora_manager(self) -> LoRAManager:
-        if self.model_runner.lora_manager is None:
+    def _loras(self) -> LoRARegistry:
+        if self.lora_registry is None:
             raise ValueError("LoRA adapters need an engine built with enable_lora=True")
-        return self.model_runner.lora_manager
+        return self.lora_registry
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         bm = self.block_manager
-        return {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "kv_blocks_total": bm.num_blocks,
-            "kv_blocks_used": bm.num_used_blocks,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "prefix_cache_queries": bm.prefix_cache_queries,
-            "prefix_cache_hits": bm.prefix_cache_hits,
-            "prompt_tokens": self.num_prompt_tokens,
-            "generation_tokens": self.num_generation_tokens,
-            "weight_bytes": self.weight_bytes,
-        }
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_total=bm.num_blocks,
+            kv_blocks_used=bm.num_used_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            prompt_tokens=self.num_prompt_tokens,
+            generation_tokens=self.num_generation_tokens,
+            weight_bytes=self.weight_bytes,
+        )
 
-    def _postprocess(self, seq: Sequence, logprobs: dict[int, Logprob] | None) -> None:
+    def _add_logprobs(self, seq: Sequence, logprobs: dict[int, Logprob] | None) -> None:
         if logprobs is not None:
             for token_id, lp in logprobs.items():
                 lp.decoded_token = self.tokenizer.decode([token_id])
             seq.logprobs.append(logprobs)
-        stop = seq.detokenizer.update([seq.token_ids[-1]])
-        if stop is not None and not seq.finished:
-            self.scheduler.finish(seq, "stop", stop)
 
     def _output(self, request: Request) -> RequestOutput:
         """A snapshot, safe to hand to another thread. While a sequence runs, its text holds back a tail that
@@ -192,24 +184,24 @@ class LLMEngine:
             text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
             if token_ids is None:
                 if not isinstance(text, str):
-                    raise ValueError("prompt dict needs 'prompt' (a string) or 'prompt_token_ids'")
+                    raise ParamError("prompt", "prompt dict needs 'prompt' (a string) or 'prompt_token_ids'")
                 token_ids = self.tokenizer.encode(text)
         elif isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, token_ids = None, prompt
         if not isinstance(token_ids, (list, tuple)) or not token_ids:
-            raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
+            raise ParamError("prompt", "prompt must be a non-empty string or a non-empty list of token ids")
         vocab = self.model_config.vocab_size
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+            raise ParamError("prompt", f"prompt token ids must be integers in [0, {vocab})")
         return text, list(token_ids)
 
     def _check_lengths(self, prompt_len: int, params: SamplingParams) -> int:
         """max_tokens for this request, or ValueError if the context or the KV cache can never hold it."""
         limit = self.max_model_len
         if prompt_len >= limit:
-            raise ValueError(f"prompt has {prompt_len} tokens, the model's maximum context length is {limit}")
+            raise ParamError("prompt", f"prompt has {prompt_len} tokens, the model's maximum context length is {limit}")
         capacity = self.block_manager.num_blocks * self.block_manager.block_size
         max_tokens = params.max_tokens
         if max_tokens is None:

@@ -4,13 +4,12 @@ fixed number of device slots, and applied per token as a delta on each base proj
 - `LoRARequest` (vLLM's shape) names an adapter per request. `LoRAModel` is a parsed, validated adapter; its
   `identity` is a hash of the files' content, used for device slots, the scheduler's adapter count and the
   prefix-cache key, so a name re-pointed at new weights can never reuse stale KV or slots.
-- `LoRALayer` sits on a `Linear` (`linear.lora`) and adds `B[slot] A[slot] x` after the base method ran, so it
-  serves plain and quantized (AWQ/GPTQ) bases alike. Fused layers keep one A block per checkpoint slice.
-- `LoRAManager` (owned by the ModelRunner) registers adapters and, each step, puts the step's adapters into
-  slots and builds the token -> slot metadata that every LoRALayer reads.
+- `LoRARegistry` (owned by the LLMEngine) is the one record of which adapters exist: ids, names, directories,
+  and the host cache of parsed ones. The serving layers ask it; nothing else keeps a list.
+- The device slots (`tiffin.engine.lora_slots`, owned by the ModelRunner) hold the adapters a step uses.
 
-Removing an adapter only drops it from the cache: sequences already running hold their `LoRAModel` and
-finish with it; its slot is reused once no step needs it.
+Removing an adapter only unregisters it: sequences already running hold their `LoRAModel` and finish with it;
+its slot is reused once no step needs it.
 """
 
 import hashlib
@@ -18,15 +17,14 @@ import json
 import math
 import re
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors.torch import load as load_safetensors
 
 from tiffin.engine.models.linear import Linear
-from tiffin.kernels.lora import LoRAMetadata, lora_apply
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
@@ -257,145 +255,80 @@ def _check_shapes(
         )
 
 
-class LoRABatch:
-    """This step's token -> slot metadata, shared by every LoRALayer (None: no token uses an adapter)."""
+class LoRARegistry:
+    """The engine's record of adapters, the only one: those added (`add`; a server's named adapters, kept until
+    removed) and a host LRU cache of the `capacity` most recently used parsed ones, which also takes adapters
+    that requests name without adding them first (offline use). An adapter evicted from the cache is read
+    again when a request names it.
 
-    md: LoRAMetadata | None = None
+    Engine thread only, except `load` (no mutable state) and the lookups `get`, `added` and `is_cached`, which
+    any thread may call: the table of added adapters is replaced on change, never mutated."""
 
-
-class LoRALayer:
-    """Device slots of one Linear's adapters: `a [S, slices*R, in]`, `b [S, R, out]` (layouts in
-    tiffin.kernels.lora), in `dtype`; the delta is added to the base output in its own dtype."""
-
-    def __init__(
-        self,
-        linear: Linear,
-        batch: LoRABatch,
-        num_slots: int,
-        rank: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        backend: str,
-    ):
-        self.a = torch.zeros(num_slots, len(linear.output_sizes) * rank, linear.input_size, dtype=dtype, device=device)
-        self.b = torch.zeros(num_slots, rank, linear.output_size, dtype=dtype, device=device)
-        self.rank, self.offsets, self.batch, self.backend = rank, linear.offsets, batch, backend
-        self.filled = [False] * num_slots  # whether a slot's adapter has weights for this layer
-
-    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        md = self.batch.md
-        if md is None or not any(self.filled[: md.num_slots]):
-            return y
-        x2, y2 = x.reshape(-1, x.shape[-1]).to(self.a.dtype), y.view(-1, y.shape[-1])
-        lora_apply(x2, self.a, self.b, y2, self.offsets, md, self.backend)
-        return y
-
-    def set_slot(self, slot: int, slices: list[tuple[torch.Tensor, torch.Tensor] | None] | None) -> None:
-        self.a[slot].zero_()
-        self.b[slot].zero_()
-        for i, ab in enumerate(slices or []):
-            if ab is not None:
-                a, b = ab
-                r, (lo, hi) = a.shape[0], self.offsets[i : i + 2]
-                self.a[slot, i * self.rank : i * self.rank + r].copy_(a)
-                self.b[slot, :r, lo:hi].copy_(b.T)
-        self.filled[slot] = slices is not None
-
-
-class LoRAManager:
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        max_loras: int,
-        max_lora_rank: int,
-        max_cpu_loras: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        backend: str,
-    ):
-        self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
-        # CPU GEMMs this small run several times faster in fp32 than in bf16/fp16: keep adapters in fp32 there
-        self.dtype, self.device = torch.float32 if device.type == "cpu" else dtype, device
-        self.layers = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
-        self.stacked_modules = dict(model.stacked_modules)
-        self.batch = LoRABatch()
-        for linear in self.layers.values():
-            linear.lora = LoRALayer(linear, self.batch, max_loras, max_lora_rank, self.dtype, device, backend)
-        self.cache: OrderedDict[int, LoRAModel] = OrderedDict()  # host LRU by lora_int_id
-        self.slots: list[LoRAModel | None] = [None] * max_loras
-        self.slot_lru: OrderedDict[int, None] = OrderedDict.fromkeys(range(max_loras))  # least recent first
-
-    # --- registry (engine thread, except `load`) ---
-
-    def load(self, request: LoRARequest) -> LoRAModel:
-        """Parse and check an adapter from disk; reads no mutable state, so any thread may call it."""
-        return load_lora_model(request, self.layers, self.stacked_modules, self.max_lora_rank, self.dtype)
+    def __init__(self, load: Callable[[LoRARequest], LoRAModel], capacity: int):
+        self.load, self.capacity = load, capacity
+        self._added: dict[int, LoRARequest] = {}
+        self._cache: OrderedDict[int, LoRAModel] = OrderedDict()  # least recently used first
+        self.next_int_id = 1  # above every id added so far
 
     def add(self, lora: LoRARequest | LoRAModel) -> bool:
-        """Cache an adapter (loading it if given a request). False if this id was already cached; ValueError
-        if the id or the name is taken by a different adapter."""
-        cached = self._cached(
-            lora.lora_name if isinstance(lora, LoRARequest) else lora.name,
-            lora.lora_int_id if isinstance(lora, LoRARequest) else lora.int_id,
-            lora.path,
-        )
-        if cached is not None:
-            return False
-        model = self.load(lora) if isinstance(lora, LoRARequest) else lora
-        self.cache[model.int_id] = model
-        while len(self.cache) > self.max_cpu_loras:
-            self.cache.popitem(last=False)
-        return True
-
-    def resolve(self, request: LoRARequest) -> LoRAModel:
-        """The adapter for a new request: cached (refreshed in the LRU) or loaded now."""
-        if self._cached(request.lora_name, request.lora_int_id, request.path) is None:
-            self.add(request)
-        self.cache.move_to_end(request.lora_int_id)
-        return self.cache[request.lora_int_id]
-
-    def remove(self, lora_int_id: int) -> bool:
-        """Forget an adapter; requests already using it run to completion."""
-        return self.cache.pop(lora_int_id, None) is not None
-
-    def lora_ids(self) -> set[int]:
-        return set(self.cache)
-
-    def _cached(self, name: str, int_id: int, path: str) -> LoRAModel | None:
-        cached = self.cache.get(int_id)
-        if cached is not None and (cached.name != name or (path and Path(path).expanduser() != Path(cached.path))):
-            raise ValueError(f"lora_int_id {int_id} is already loaded as {cached.name!r} from {cached.path}")
-        clash = next((m for m in self.cache.values() if m.name == name and m.int_id != int_id), None)
-        if clash is not None:
-            raise ValueError(f"LoRA name {name!r} is already loaded with lora_int_id {clash.int_id}")
+        """Add and cache an adapter (loading it if given a request). False if it was cached already;
+        ValueError if it cannot be served, or its id or name belongs to another adapter."""
+        request = _request_of(lora)
+        cached = self._cache_adapter(lora)
+        if request.lora_int_id not in self._added:
+            self._added = {**self._added, request.lora_int_id: request}
+            self.next_int_id = max(self.next_int_id, request.lora_int_id + 1)
         return cached
 
-    # --- per step (ModelRunner) ---
+    def resolve(self, lora: LoRARequest | LoRAModel) -> LoRAModel:
+        """The adapter for a new request: cached (refreshed in the LRU), else loaded now (or taken as given)."""
+        self._cache_adapter(lora)
+        self._cache.move_to_end(_request_of(lora).lora_int_id)
+        return self._cache[_request_of(lora).lora_int_id]
 
-    def prepare(self, loras: list[LoRAModel | None], num_tokens: np.ndarray) -> None:
-        """Install this step's adapters into slots and set the token -> slot metadata. `loras[i]` is scheduled
-        request i's adapter, which runs `num_tokens[i]` tokens."""
-        needed = {m.identity: m for m in loras if m is not None}
-        if not needed:
-            self.batch.md = None
-            return
-        if len(needed) > self.max_loras:
-            raise RuntimeError(f"a step uses {len(needed)} adapters but there are only {self.max_loras} slots")
-        slot_of = {m.identity: i for i, m in enumerate(self.slots) if m is not None and m.identity in needed}
-        for identity, model in needed.items():
-            if identity not in slot_of:
-                slot_of[identity] = self._install(model, set(slot_of.values()))
-        for slot in slot_of.values():
-            self.slot_lru.move_to_end(slot)
-        seq_slots = np.array([-1 if m is None else slot_of[m.identity] for m in loras], dtype=np.int64)
-        self.batch.md = LoRAMetadata.build(np.repeat(seq_slots, num_tokens), self.device, self.dtype)
+    def remove(self, lora_int_id: int) -> bool:
+        """Forget an adapter; requests already using it run to completion. False if it was neither added nor
+        cached."""
+        known = self._cache.pop(lora_int_id, None) is not None or lora_int_id in self._added
+        self._added = {i: r for i, r in self._added.items() if i != lora_int_id}
+        return known
 
-    def _install(self, model: LoRAModel, taken: set[int]) -> int:
-        """Put `model` into the lowest free slot (keeping the used slot range short), else the least recently
-        used slot this step does not need."""
-        free = [i for i, m in enumerate(self.slots) if m is None]
-        slot = free[0] if free else next(s for s in self.slot_lru if s not in taken)
-        for name, linear in self.layers.items():
-            linear.lora.set_slot(slot, model.layers.get(name))
-        self.slots[slot] = model
-        return slot
+    def get(self, name: str) -> LoRARequest | None:
+        return next((r for r in self._added.values() if r.lora_name == name), None)
+
+    def added(self) -> list[LoRARequest]:
+        return list(self._added.values())
+
+    def is_cached(self, lora_int_id: int) -> bool:
+        return lora_int_id in self._cache
+
+    def cached_ids(self) -> set[int]:
+        return set(self._cache)
+
+    def _cache_adapter(self, lora: LoRARequest | LoRAModel) -> bool:
+        """Cache the adapter unless it is; False if it was."""
+        request = _request_of(lora)
+        self._check_free(request)
+        if request.lora_int_id in self._cache:
+            return False
+        self._cache[request.lora_int_id] = self.load(lora) if lora is request else lora
+        while len(self._cache) > self.capacity:
+            self._cache.popitem(last=False)
+        return True
+
+    def _check_free(self, request: LoRARequest) -> None:
+        """ValueError if the request's id or name belongs to a different adapter."""
+        known = [*self._added.values(), *map(_request_of, self._cache.values())]
+        for other in known:
+            same_path = not request.path or Path(request.path).expanduser() == Path(other.path).expanduser()
+            if other.lora_int_id == request.lora_int_id and (other.lora_name != request.lora_name or not same_path):
+                raise ValueError(
+                    f"lora_int_id {other.lora_int_id} is already loaded as {other.name!r} from {other.path}"
+                )
+        for other in known:
+            if other.lora_name == request.lora_name and other.lora_int_id != request.lora_int_id:
+                raise ValueError(f"LoRA name {other.name!r} is already loaded with lora_int_id {other.lora_int_id}")
+
+
+def _request_of(lora: LoRARequest | LoRAModel) -> LoRARequest:
+    return lora if isinstance(lora, LoRARequest) else LoRARequest(lora.name, lora.int_id, lora.path)

@@ -9,9 +9,10 @@ import numpy as np
 import torch
 
 from tiffin import kernels
-from tiffin.engine.config import EngineConfig, ModelConfig
+from tiffin.engine.config import EngineConfig
 from tiffin.engine.cpu_threads import ThreadTuner, usable_cpus
-from tiffin.engine.lora import LoRAManager
+from tiffin.engine.lora_slots import LoRASlots
+from tiffin.engine.models.config import ModelConfig
 from tiffin.engine.models.loader import build_model
 from tiffin.engine.sampler import Sampler, SamplerOutput
 from tiffin.engine.scheduler import SchedulerOutput
@@ -26,7 +27,6 @@ class ModelRunner:
         model_config: ModelConfig,
         max_model_len: int,
         eos_token_ids: set[int],
-        linear_method=None,
     ):
         self.config, self.model_config = config, model_config
         self.device = config.torch_device
@@ -37,17 +37,9 @@ class ModelRunner:
             self.thread_tuner = ThreadTuner(min(torch.get_num_threads(), usable_cpus()))
         self.block_size = config.block_size
         self.backend = kernels.resolve_backend(config.kernel_backend, self.device)
-        self.model = build_model(model_config, config.model, self.device, max_model_len, self.backend, linear_method)
-        self.lora_manager = (
-            LoRAManager(
-                self.model,
-                config.max_loras,
-                config.max_lora_rank,
-                config.max_cpu_loras or config.max_loras,
-                model_config.dtype,
-                self.device,
-                self.backend,
-            )
+        self.model = build_model(model_config, config.model, self.device, max_model_len, self.backend)
+        self.lora_slots = (
+            LoRASlots(self.model, config.max_loras, config.max_lora_rank, model_config.dtype, self.device, self.backend)
             if config.enable_lora
             else None
         )
@@ -62,7 +54,7 @@ class ModelRunner:
         input_ids, positions, md, logits_indices = self._prepare(sched)
         hidden = self.model(input_ids, positions, md)
         logits = self.model.compute_logits(hidden[logits_indices]).float()
-        out = self.sampler(logits, [s for s, samples in zip(sched.seqs, sched.sampling) if samples])
+        out = self.sampler(logits, sched.sampling_seqs)
         if self.thread_tuner is not None:
             self.thread_tuner.record(time.perf_counter() - start, len(input_ids))
         return out
@@ -75,8 +67,8 @@ class ModelRunner:
         # token i of the batch belongs to request req[i] at position positions[i]
         req = np.repeat(np.arange(len(seqs)), counts)
         positions = np.arange(query_start_loc[-1]) - query_start_loc[req] + starts[req]
-        if self.lora_manager is not None:
-            self.lora_manager.prepare([s.lora for s in seqs], counts)
+        if self.lora_slots is not None:
+            self.lora_slots.prepare([s.lora for s in seqs], counts)
         input_ids = []
         for seq, start, count in zip(seqs, starts, counts):
             input_ids.extend(seq.token_ids[start : start + count])
@@ -135,7 +127,9 @@ class ModelRunner:
 
         seq = Sequence("profile", 0, [0] * tokens, SamplingParams(temperature=0), 1)
         seq.block_table = list(range(-(-tokens // self.block_size)))
-        self.execute(SchedulerOutput([seq], [tokens], [True]))
+        sched = SchedulerOutput()
+        sched.add(seq, tokens)
+        self.execute(sched)
         peak = torch.cuda.max_memory_allocated()
         del self.kv_cache
         torch.cuda.empty_cache()

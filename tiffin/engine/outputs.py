@@ -1,4 +1,4 @@
-"""What the engine returns: vLLM's RequestOutput / CompletionOutput shapes."""
+"""What the engine returns: vLLM's RequestOutput / CompletionOutput shapes, and its EngineStats."""
 
 from dataclasses import dataclass, field
 
@@ -32,3 +32,19 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's load and running totals, as of one moment (`LLMEngine.stats()`)."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    num_preemptions: int  # totals from here on
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prompt_tokens: int
+    generation_tokens: int
+    weight_bytes: int

@@ -113,7 +113,7 @@ class Sampler:
             if g is not None:  # drawn on the generator's own device: the same seed gives the same q anywhere
                 q[i] = torch.empty(probs.shape[1], device=g.device).exponential_(generator=g)
         # exponential_ may return exactly 0, which would turn a zero-probability token into 0/0 = nan
-        return probs.div_(q.clamp_(min=torch.finfo(q.dtype).tiny)).argmax(-1)
+        return probs.div_(q.clamp_(min=torch.finfo(q.dtype).tiny)).max(-1).indices
 
     def _default_generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:

@@ -4,6 +4,14 @@ import math
 from dataclasses import dataclass, field
 
 
+class ParamError(ValueError):
+    """A request parameter that cannot be served; `param` names it as the API spells it (OpenAI's error `param`)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -108,4 +116,4 @@ def _is_number(value) -> bool:
 
 def _check(ok: bool, name: str, rule: str, value) -> None:
     if not ok:
-        raise ValueError(f"{name} {rule}, got {value!r}")
+        raise ParamError(name, f"{name} {rule}, got {value!r}")

@@ -19,11 +19,15 @@ class SchedulerOutput:
     seqs: list[Sequence] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
     sampling: list[bool] = field(default_factory=list)  # whether each sequence samples a token this step
+    sampling_seqs: list[Sequence] = field(default_factory=list)  # those that do, in order: one logits row each
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        samples = seq.num_computed_tokens + num_new_tokens == seq.num_tokens
         self.seqs.append(seq)
         self.num_scheduled_tokens.append(num_new_tokens)
-        self.sampling.append(seq.num_computed_tokens + num_new_tokens == seq.num_tokens)
+        self.sampling.append(samples)
+        if samples:
+            self.sampling_seqs.append(seq)
 
 
 class Scheduler:
@@ -83,16 +87,15 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
         """Advance the scheduled sequences past this step; append the sampled tokens (one per sampling
-        sequence, in order). Returns the sequences that got a token."""
-        got_token, tokens = [], iter(sampled)
-        for seq, num_new, samples in zip(out.seqs, out.num_scheduled_tokens, out.sampling):
+        sequence, in order) and finish the sequences they stop. Returns the sequences that got a token."""
+        for seq, num_new in zip(out.seqs, out.num_scheduled_tokens):
             seq.num_computed_tokens += num_new
-            if samples:
-                token = next(tokens)
-                if not seq.finished:  # aborted while its step ran
-                    seq.token_ids.append(token)
-                    got_token.append(seq)
-                    self._check_stop(seq)
+        got_token = []
+        for seq, token in zip(out.sampling_seqs, sampled):
+            if not seq.finished:  # aborted while its step ran
+                seq.append_token(token)
+                self._check_stop(seq)
+                got_token.append(seq)
         return got_token
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
@@ -105,6 +108,8 @@ class Scheduler:
         self.block_manager.free_seq(seq)
 
     def _check_stop(self, seq: Sequence) -> None:
+        """The one place that decides a sequence stops (aborts aside), after each token. In this order: an EOS
+        or stop token (once min_tokens are out), the length limits, a stop string its detokenizer matched."""
         token, params = seq.token_ids[-1], seq.params
         if seq.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in seq.eos_token_ids:
@@ -112,7 +117,9 @@ class Scheduler:
             if token in params.stop_token_ids:
                 return self.finish(seq, "stop", token)
         if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-            self.finish(seq, "length")
+            return self.finish(seq, "length")
+        if seq.detokenizer is not None and seq.detokenizer.stopped is not None:
+            self.finish(seq, "stop", seq.detokenizer.stopped)
 
     def _running_adapters(self) -> set[bytes] | None:
         """Distinct LoRA adapters among running sequences (None: LoRA off). Keeping them within max_loras keeps

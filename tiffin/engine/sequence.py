@@ -5,6 +5,8 @@ from enum import Enum, auto
 
 import torch
 
+from tiffin.engine.detokenizer import IncrementalDetokenizer
+from tiffin.engine.outputs import Logprob
 from tiffin.engine.sampling_params import SamplingParams
 
 
@@ -42,6 +44,8 @@ class Sequence:
         self.num_hashed_blocks = 0  # leading blocks of block_table that are in the prefix cache
         self.cache_key = b""  # extra prefix-cache key (e.g. the LoRA adapter's identity)
         self.lora = None  # the LoRAModel this sequence runs with; None: the base model
+        self.detokenizer: IncrementalDetokenizer | None = None  # None: no text (profiling, scheduler tests)
+        self.logprobs: list[dict[int, Logprob]] | None = None  # per output token, when params.logprobs is set
         self.params = params
         self.max_tokens = max_tokens  # params.max_tokens, or what the context leaves when that is None
         self.eos_token_ids = eos_token_ids
@@ -70,6 +74,11 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        if self.detokenizer is not None:
+            self.detokenizer.update([token_id])
 
     def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
         self.status = SequenceStatus.FINISHED

@@ -1,37 +1,43 @@
-"""Compute ops. Each op has a torch implementation (CPU, reference) and, where it pays, a Triton kernel;
-`backend` ("torch" or "triton", from `resolve_backend`) picks one. Nothing here knows about the engine."""
+"""Compute ops. Each op is one function taking `backend` ("torch" or "triton", from `resolve_backend`); the
+dispatch registry (kernels/dispatch.py) runs that backend's implementation. Nothing here knows about the
+engine. LoRA ops live in kernels/lora.py, quantized GEMMs in kernels/quant.py."""
 
 import torch
 
-from tiffin.kernels.attention import AttentionMetadata, paged_attention_torch, write_kv_torch
-from tiffin.kernels.dispatch import resolve_backend
+from tiffin.kernels.attention import AttentionMetadata
+from tiffin.kernels.dispatch import implements, kernel, resolve_backend
 
 __all__ = ["AttentionMetadata", "paged_attention", "write_kv", "resolve_backend", "rms_norm", "silu_and_mul"]
 
 
 def write_kv(key, value, k_cache, v_cache, slot_mapping, backend: str = "torch") -> None:
-    if backend == "triton":
-        from tiffin.kernels.triton_attention import write_kv_triton
-
-        return write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
-    write_kv_torch(key, value, k_cache, v_cache, slot_mapping)
+    """Scatter this step's `key`/`value` `[T, num_kv_heads, head_dim]` into the paged caches; slot -1 is skipped."""
+    kernel("write_kv", backend)(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(query, k_cache, v_cache, md: AttentionMetadata, scale: float, backend: str = "torch"):
-    if backend == "triton":
-        from tiffin.kernels.triton_attention import paged_attention_triton
-
-        return paged_attention_triton(query, k_cache, v_cache, md, scale)
-    return paged_attention_torch(query, k_cache, v_cache, md, scale)
+    """`query [T, num_heads, head_dim]` -> `[T, num_heads, head_dim]`, reading K/V through `md.block_tables`."""
+    return kernel("paged_attention", backend)(query, k_cache, v_cache, md, scale)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "torch") -> torch.Tensor:
+    return kernel("rms_norm", backend)(x, weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor, backend: str = "torch") -> torch.Tensor:
+    """`[..., 2*I]` -> `[..., I]`: silu(gate) * up."""
+    return kernel("silu_and_mul", backend)(gate_up)
+
+
+@implements("rms_norm", "torch")
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in fp32, cast back before the weight multiply (as the reference models do)."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+@implements("silu_and_mul", "torch")
+def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tiffin.kernels.dispatch import implements
+
 DECODE_GROUP = 16
 
 
@@ -30,6 +32,7 @@ class AttentionMetadata:
     torch_plan: tuple | None = field(default=None, repr=False)  # the torch path's per-step work, shared by layers
 
 
+@implements("write_kv", "torch")
 def write_kv_torch(key, value, k_cache, v_cache, slot_mapping) -> None:
     """Scatter this step's `key`/`value` `[T, num_kv_heads, head_dim]` into the paged caches."""
     keep = slot_mapping >= 0
@@ -92,6 +95,7 @@ def _plan(md: AttentionMetadata, block_size: int, device) -> tuple[list[_Span], 
     return md.torch_plan
 
 
+@implements("paged_attention", "torch")
 def paged_attention_torch(query, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
     """`query` `[T, num_heads, head_dim]` -> `[T, num_heads, head_dim]`."""
     out = torch.empty_like(query)

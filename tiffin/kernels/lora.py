@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tiffin.kernels.dispatch import implements, kernel
+
 PAD_LIMIT = 2  # the torch path pads groups while that costs at most this many times the real rows
 
 
@@ -93,11 +95,7 @@ class LoRAMetadata:
 def lora_shrink(x: torch.Tensor, a_stack: torch.Tensor, md: LoRAMetadata, backend: str = "torch") -> torch.Tensor:
     """`x [T, K]`, `a_stack [S, N, K]` of x's dtype -> `[T, N]`: each token times its slot's A."""
     _check_shrink(x, a_stack, md)
-    if backend == "triton":
-        from tiffin.kernels.triton_lora import lora_shrink_triton
-
-        return lora_shrink_triton(x, a_stack, md)
-    return lora_shrink_torch(x, a_stack, md)
+    return kernel("lora_shrink", backend)(x, a_stack, md)
 
 
 def lora_expand(
@@ -111,12 +109,7 @@ def lora_expand(
     """`y[t, slice i] += h[t, i*R:(i+1)*R] @ B[slot_t][:, slice i]` in place; returns `y`. `slice_offsets`: the
     slices' output boundaries `[0, O_0, O_0+O_1, ..., O]`."""
     _check_expand(h, b_stack, y, slice_offsets, md)
-    if backend == "triton":
-        from tiffin.kernels.triton_lora import lora_expand_triton
-
-        lora_expand_triton(h, b_stack, y, slice_offsets, md)
-        return y
-    return lora_expand_torch(h, b_stack, y, slice_offsets, md)
+    return kernel("lora_expand", backend)(h, b_stack, y, slice_offsets, md)
 
 
 def lora_apply(
@@ -128,16 +121,14 @@ def lora_apply(
     md: LoRAMetadata,
     backend: str = "torch",
 ) -> torch.Tensor:
-    """Shrink then expand: `y += LoRA(x)` in place. On the padded torch path the shrink result stays in the
-    padded layout in between (a layer's whole delta in a handful of ops)."""
-    if backend == "triton" or not md.padded:
-        return lora_expand(lora_shrink(x, a_stack, md, backend), b_stack, y, slice_offsets, md, backend)
+    """Shrink then expand: `y += LoRA(x)` in place; returns `y`."""
     _check_shrink(x, a_stack, md)
     _check_b(b_stack, y, slice_offsets, a_stack.shape[1], a_stack.dtype, md)
-    hs = _padded_shrink(x, a_stack, md) * md.pad_mask
-    return _padded_expand(hs, b_stack, y, slice_offsets, md)
+    _check_md(x.shape[0], b_stack.shape[0], md, "lora_expand")
+    return kernel("lora_apply", backend)(x, a_stack, b_stack, y, slice_offsets, md)
 
 
+@implements("lora_shrink", "torch")
 def lora_shrink_torch(x: torch.Tensor, a_stack: torch.Tensor, md: LoRAMetadata) -> torch.Tensor:
     h = x.new_empty(x.shape[0], a_stack.shape[1])
     if md.padded:
@@ -149,6 +140,7 @@ def lora_shrink_torch(x: torch.Tensor, a_stack: torch.Tensor, md: LoRAMetadata) 
     return h.index_copy_(0, md.sorted_tokens, hs)
 
 
+@implements("lora_expand", "torch")
 def lora_expand_torch(
     h: torch.Tensor, b_stack: torch.Tensor, y: torch.Tensor, slice_offsets: list[int], md: LoRAMetadata
 ) -> torch.Tensor:
@@ -161,6 +153,16 @@ def lora_expand_torch(
         for i, (lo, hi) in enumerate(zip(slice_offsets, slice_offsets[1:])):
             ys[start:end, lo:hi] = hs[start:end, i * r : (i + 1) * r] @ b_stack[slot, :, lo:hi]
     return y.index_add_(0, md.sorted_tokens, ys.to(y.dtype))
+
+
+@implements("lora_apply", "torch")
+def lora_apply_torch(x, a_stack, b_stack, y, slice_offsets: list[int], md: LoRAMetadata) -> torch.Tensor:
+    """On the padded path the shrink result stays in the padded layout in between (a layer's whole delta in a
+    handful of ops)."""
+    if not md.padded:
+        return lora_expand_torch(lora_shrink_torch(x, a_stack, md), b_stack, y, slice_offsets, md)
+    hs = _padded_shrink(x, a_stack, md) * md.pad_mask
+    return _padded_expand(hs, b_stack, y, slice_offsets, md)
 
 
 def _padded_shrink(x: torch.Tensor, a_stack: torch.Tensor, md: LoRAMetadata) -> torch.Tensor:

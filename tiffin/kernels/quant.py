@@ -14,6 +14,8 @@ weight per call and drops it: nothing keeps dequantized copies of the model.
 
 import torch
 
+from tiffin.kernels.dispatch import implements, kernel
+
 AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)  # nibble of a packed word that holds output column c % 8
 QUANT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -69,11 +71,7 @@ def awq_gemm(
 ) -> torch.Tensor:
     """`x [M, K]` @ the AWQ weight -> `[M, N]` in x's dtype (fp32 accumulation on the Triton path)."""
     _check_quant_args(x, qweight.shape[0], scales)
-    if backend == "triton":
-        from tiffin.kernels.triton_quant import awq_gemm_triton
-
-        return awq_gemm_triton(x, qweight, qzeros, scales)
-    return x @ awq_dequantize(qweight, qzeros, scales).to(x.dtype)
+    return kernel("awq_gemm", backend)(x, qweight, qzeros, scales)
 
 
 def gptq_gemm(
@@ -89,10 +87,16 @@ def gptq_gemm(
     """`x [M, K]` @ the GPTQ weight -> `[M, N]`; `perm` (act-order) gathers x's columns into the stored row
     order first."""
     _check_quant_args(x, qweight.shape[0] * 32 // bits, scales)
-    if backend == "triton":
-        from tiffin.kernels.triton_quant import gptq_gemm_triton
+    return kernel("gptq_gemm", backend)(x, qweight, qzeros, scales, bits, zero_offset, perm)
 
-        return gptq_gemm_triton(x, qweight, qzeros, scales, bits, zero_offset, perm)
+
+@implements("awq_gemm", "torch")
+def awq_gemm_torch(x, qweight, qzeros, scales) -> torch.Tensor:
+    return x @ awq_dequantize(qweight, qzeros, scales).to(x.dtype)
+
+
+@implements("gptq_gemm", "torch")
+def gptq_gemm_torch(x, qweight, qzeros, scales, bits: int, zero_offset: int, perm=None) -> torch.Tensor:
     if perm is not None:
         x = x[:, perm]
     return x @ gptq_dequantize(qweight, qzeros, scales, bits, zero_offset).to(x.dtype)

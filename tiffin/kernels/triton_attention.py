@@ -13,53 +13,37 @@ step with an online softmax, skipping the causal mask on steps every row fully s
   each request's KV range is split across programs ("flash decoding") and a merge kernel combines the partial
   softmaxes.
 
-Host code never reads device tensors: grids come from the host-side ints in `AttentionMetadata`.
-
-On CPU tensors the kernels run under Triton's interpreter when TRITON_INTERPRET=1 at call time (see
-`Launch`), whatever the variable was at import. The interpreter's bf16 math is wrong, so there bf16 operands
-are upcast to fp32 (`UPCAST`); fp16 keeps the GPU's exact code path (fp16 operands, fp32 accumulation).
+Host code never reads device tensors: grids come from the host-side ints in `AttentionMetadata`. Launch,
+interpreter and tile plumbing: triton_common.
 """
 
-import contextlib
-import functools
 import math
-import sys
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
-from triton import knobs
 
+from tiffin.kernels import triton_common as tc
 from tiffin.kernels.attention import AttentionMetadata
 from tiffin.kernels.compile_check import CompileCase, register
+from tiffin.kernels.dispatch import implements
 
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
-MAX_SPLITS = 16  # KV splits per decode request; the merge kernel reads them as one padded tile
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it adds
 WRITE_BLOCK = 1024  # elements of one token's [num_kv_heads * head_dim] row copied per program
 
 
-@dataclass(frozen=True)
-class AttentionTile:
-    block_m: int  # query rows per program: tokens x query heads of one KV head
-    block_n: int  # KV tokens per inner-loop step
-    num_warps: int
-    num_stages: int
-
-
-def attention_tile(head_dim: int, dtype: torch.dtype, decode: bool) -> AttentionTile:
-    """Tile for one launch, chosen so that every configuration compiles without register spills for sm_80 and
-    sm_90 (compile_check verifies)."""
+def attention_tile(head_dim: int, dtype: torch.dtype, decode: bool) -> tc.Tile:
+    """`block_m` query rows (tokens x query heads of one KV head) per program, `block_n` KV tokens per
+    inner-loop step; `block_k` is the QK dot's inner dimension, the padded head dim."""
     d = _pad_head_dim(head_dim)
     if dtype == torch.float32:  # 3xTF32 keeps hi/lo halves of each operand in registers: small tiles, 8 warps
-        return AttentionTile(16 if decode or d > 128 else 32, 32, 8, 2)
+        return tc.Tile(16 if decode or d > 128 else 32, 32, d, num_warps=8)
     if decode:  # memory-bound: 16 rows (the GQA group) is the smallest MMA; wide KV steps keep loads in flight
         block_m, block_n = 16, (128 if d <= 32 else 64 if d <= 128 else 32)
     else:
         block_m, block_n = (128, 64) if d <= 128 else (64, 32)
-    return AttentionTile(block_m, block_n, 4 if block_m * d < 8192 else 8, 2)
+    return tc.Tile(block_m, block_n, d, num_warps=4 if block_m * d < 8192 else 8)
 
 
 def _pad_head_dim(head_dim: int) -> int:
@@ -260,83 +244,13 @@ def _merge_splits_kernel(
     tl.store(out_ptr + token * stride_ot + head * stride_oh + d, out, mask=d < HEAD_DIM)
 
 
-@dataclass
-class Launch:
-    """One kernel launch, as built by the dispatcher; compile_check compiles the same objects."""
-
-    kernel: object  # a @triton.jit function
-    grid: tuple[int, ...]
-    args: tuple
-    kwargs: dict  # constexprs and launch options (num_warps, num_stages)
-
-    def __call__(self, device: torch.device) -> None:
-        if device.type == "cuda":
-            self.kernel[self.grid](*self.args, **self.kwargs)
-        elif device.type == "cpu" and knobs.runtime.interpret:
-            with _interpreting(self.kernel.fn):
-                _interpreted(self.kernel.fn)[self.grid](*self.args, **self.kwargs)
-        else:
-            raise ValueError(
-                f"kernel_backend='triton' needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1), got {device}"
-            )
-
-
-@functools.cache
-def _interpreted(fn):
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return InterpretedFunction(fn)
-
-
-@contextlib.contextmanager
-def _interpreting(fn):
-    """Let an interpreted kernel call @triton.jit helpers: its own module's and triton.language's (tl.max,
-    tl.sum, tl.cdiv, ...). Those are compiled-only JITFunctions when TRITON_INTERPRET was unset at import;
-    swapping them for interpreted twins is what lets the variable be set at call time, in any import order.
-    Every name is restored afterwards, including what the interpreter patches for nested calls and never
-    restores, so compiled kernels in the same process see a clean triton.language. (Names the interpreter adds
-    to a kernel's globals stay: its cached rewritten functions look them up there.)"""
-    from triton.runtime.jit import JITFunction
-
-    language = [m for name, m in list(sys.modules.items()) if name.split(".")[:2] == ["triton", "language"]]
-    namespaces = [vars(m) for m in language] + [fn.__globals__]
-    saved = [dict(ns) for ns in namespaces]
-    for ns in namespaces:
-        for name, obj in list(ns.items()):
-            if isinstance(obj, JITFunction):
-                ns[name] = _interpreted(obj.fn)
-    try:
-        yield
-    finally:
-        for ns, before in zip(namespaces, saved):
-            ns.update(before)
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # interpreter: small, so that tests exercise the split-KV path
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def num_kv_splits(programs: int, max_seq_len: int, num_sms: int) -> int:
-    """KV splits per decode tile: enough programs for two waves, each split at least MIN_SPLIT_TOKENS long."""
-    if programs >= 2 * num_sms:
-        return 1
-    return max(1, min(MAX_SPLITS, triton.cdiv(2 * num_sms, programs), triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS)))
-
-
-def _empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
+@implements("write_kv", "triton")
 def write_kv_triton(key, value, k_cache, v_cache, slot_mapping) -> None:
-    """Scatter `key`/`value` `[T, num_kv_heads, head_dim]` into the paged caches; slot -1 is skipped."""
     if key.shape[0]:
         write_kv_launch(key, value, k_cache, v_cache, slot_mapping)(key.device)
 
 
-def write_kv_launch(key, value, k_cache, v_cache, slot_mapping) -> Launch:
+def write_kv_launch(key, value, k_cache, v_cache, slot_mapping) -> tc.Launch:
     num_tokens = key.shape[0]
     if key.shape != value.shape or key.shape[1:] != k_cache.shape[2:] or k_cache.shape != v_cache.shape:
         raise ValueError(
@@ -353,7 +267,7 @@ def write_kv_launch(key, value, k_cache, v_cache, slot_mapping) -> Launch:
     # Rows are usually strided views of a fused qkv output; reshape copies only if a row is not contiguous.
     key = key.to(k_cache.dtype).reshape(num_tokens, row_size)
     value = value.to(v_cache.dtype).reshape(num_tokens, row_size)
-    return Launch(
+    return tc.Launch(
         _write_kv_kernel,
         (num_tokens, triton.cdiv(row_size, WRITE_BLOCK)),
         (key, value, k_cache, v_cache, slot_mapping, key.stride(0), value.stride(0), row_size),
@@ -361,9 +275,9 @@ def write_kv_launch(key, value, k_cache, v_cache, slot_mapping) -> Launch:
     )
 
 
+@implements("paged_attention", "triton")
 def paged_attention_triton(query, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
-    """`query` `[T, num_heads, head_dim]` -> `[T, num_heads, head_dim]`, reading K/V through `md.block_tables`."""
-    out = _empty(query.shape, query.dtype, query.device)
+    out = tc.empty(query.shape, query.dtype, query.device)
     if query.shape[0]:
         for launch in paged_attention_launches(query, k_cache, v_cache, md, scale, out):
             launch(query.device)
@@ -372,7 +286,7 @@ def paged_attention_triton(query, k_cache, v_cache, md: AttentionMetadata, scale
 
 def paged_attention_launches(
     query, k_cache, v_cache, md: AttentionMetadata, scale: float, out, splits: int | None = None
-) -> list[Launch]:
+) -> list[tc.Launch]:
     """The launches for one call: prefill tiles unless every request decodes, and decode tiles. Decode-only
     batches may split KV `splits` ways (None: the dispatcher's choice), adding the merge."""
     _check_attention_args(query, k_cache, v_cache, md)
@@ -380,23 +294,23 @@ def paged_attention_launches(
     if md.max_query_len > 1:
         return [_attention(query, k_cache, v_cache, md, scale, out, decode=False), decode]
     if splits is None:
-        splits = num_kv_splits(math.prod(decode.grid), md.max_seq_len, _num_sms(query.device))
+        splits = tc.num_splits(math.prod(decode.grid), triton.cdiv(md.max_seq_len, MIN_SPLIT_TOKENS), query.device)
     if splits == 1:
         return [decode]
     num_tokens, num_heads, head_dim = query.shape
     d_pad = _pad_head_dim(head_dim)
-    part = _empty((splits, num_tokens, num_heads, d_pad), torch.float32, query.device)
-    stats = _empty((splits, num_tokens, num_heads, 2), torch.float32, query.device)
-    merge = Launch(
+    part = tc.empty((splits, num_tokens, num_heads, d_pad), torch.float32, query.device)
+    stats = tc.empty((splits, num_tokens, num_heads, 2), torch.float32, query.device)
+    merge = tc.Launch(
         _merge_splits_kernel,
         (num_tokens, num_heads),
         (out, part, stats, splits, num_tokens, out.stride(0), out.stride(1)),
-        dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, MAX_SPLITS=MAX_SPLITS),
+        dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, MAX_SPLITS=tc.MAX_SPLITS),
     )
     return [_attention(query, k_cache, v_cache, md, scale, out, True, splits, part, stats), merge]
 
 
-def _attention(query, k_cache, v_cache, md, scale, out, decode, splits=1, part=None, stats=None) -> Launch:
+def _attention(query, k_cache, v_cache, md, scale, out, decode, splits=1, part=None, stats=None) -> tc.Launch:
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1:3]
     num_seqs, group = md.seq_lens.shape[0], num_heads // num_kv_heads
@@ -404,7 +318,7 @@ def _attention(query, k_cache, v_cache, md, scale, out, decode, splits=1, part=N
     heads = min(group, tile.block_m)
     block_q = 1 if decode else tile.block_m // heads
     num_tiles = num_seqs if decode else num_tokens // block_q + num_seqs
-    return Launch(
+    return tc.Launch(
         _paged_attention_kernel,
         (num_tiles, num_kv_heads * triton.cdiv(group, heads), splits),
         (
@@ -435,23 +349,16 @@ def _attention(query, k_cache, v_cache, md, scale, out, decode, splits=1, part=N
         ),
         dict(
             HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=_pad_head_dim(head_dim),
+            HEAD_DIM_PAD=tile.block_k,
             BLOCK_M=tile.block_m,
             BLOCK_N=tile.block_n,
             DECODE=decode,
             SPLIT=splits > 1,
-            UPCAST=query.device.type == "cpu" and query.dtype == torch.bfloat16,
-            DOT_PRECISION=_dot_precision(query.dtype),
+            **tc.dot_options(query),
             num_warps=tile.num_warps,
             num_stages=tile.num_stages,
         ),
     )
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 keeps fp32 accuracy on tensor cores with 3xTF32 (plain TF32 has a 10-bit mantissa, and "ieee" runs
-    # on FMA units, which replicate operands across threads and spill); 16-bit dots ignore the setting.
-    return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
 def _check_attention_args(query, k_cache, v_cache, md: AttentionMetadata) -> None:
@@ -462,9 +369,9 @@ def _check_attention_args(query, k_cache, v_cache, md: AttentionMetadata) -> Non
             f"paged_attention: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit "
             f"query {tuple(query.shape)}"
         )
-    if query.dtype not in DTYPES or k_cache.dtype != query.dtype or v_cache.dtype != query.dtype:
+    if query.dtype not in tc.DTYPES or k_cache.dtype != query.dtype or v_cache.dtype != query.dtype:
         raise ValueError(
-            f"paged_attention: query/cache dtypes must match and be one of {DTYPES}, got "
+            f"paged_attention: query/cache dtypes must match and be one of {tc.DTYPES}, got "
             f"{query.dtype}/{k_cache.dtype}/{v_cache.dtype}"
         )
     if head_dim not in HEAD_DIMS:
@@ -486,7 +393,7 @@ def _compile_cases():
     """Every launch the dispatchers can make: each dtype and head dim, the prefill tile, the decode tile with
     and without KV splits, the merge, and the KV write. Block size, GQA ratio and batch shape are runtime
     arguments that do not change the binary."""
-    for dtype in DTYPES:
+    for dtype in tc.DTYPES:
         name = str(dtype).removeprefix("torch.")
         for head_dim in HEAD_DIMS:
             seen = set()

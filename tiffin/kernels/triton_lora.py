@@ -11,49 +11,39 @@ cannot fill the GPU (decode), writing fp32 partials that one sum reduces. Expand
 a grid axis over the fused layer's slices; each slice reads its own rank block of the shrink result and adds
 into its own output columns. Each output element is written by exactly one program: no atomics.
 
-Interpreter conventions as in triton_attention: CPU tensors run under TRITON_INTERPRET=1, bf16 is upcast there.
+Launch, interpreter and tile plumbing: triton_common.
 """
 
 import functools
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from tiffin.kernels import triton_common as tc
 from tiffin.kernels.compile_check import CompileCase, register
+from tiffin.kernels.dispatch import implements
 from tiffin.kernels.lora import LoRAMetadata
-from tiffin.kernels.triton_attention import Launch, _num_sms
-
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_SPLIT_K = 16
 
 
-@dataclass(frozen=True)
-class LoRATile:
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int = 4
-    num_stages: int = 2
-
-
-def shrink_tile(max_slot_tokens: int, n: int, dtype: torch.dtype) -> LoRATile:
+def shrink_tile(max_slot_tokens: int, n: int, dtype: torch.dtype) -> tc.Tile:
     """Small N (slices x rank): one or few N tiles, long K steps; fp32 halves the tiles (3xTF32 registers)."""
-    fp32 = dtype == torch.float32
-    block_m = 16 if max_slot_tokens <= 16 else 32 if max_slot_tokens <= 32 else 64
+    fp32, block_m = dtype == torch.float32, _block_m(max_slot_tokens)
     block_n = min(max(16, triton.next_power_of_2(n)), 32 if fp32 else 64)
     block_k = (64 if fp32 else 128) if block_m == 16 else (32 if fp32 else 64)
-    return LoRATile(block_m, block_n, block_k)
+    return tc.Tile(block_m, block_n, block_k)
 
 
-def expand_tile(max_slot_tokens: int, rank: int, dtype: torch.dtype) -> LoRATile:
+def expand_tile(max_slot_tokens: int, rank: int, dtype: torch.dtype) -> tc.Tile:
     """K is the rank (small, one or two steps); wide N tiles over the outputs."""
-    fp32 = dtype == torch.float32
-    block_m = 16 if max_slot_tokens <= 16 else 32 if max_slot_tokens <= 32 else 64
+    fp32, block_m = dtype == torch.float32, _block_m(max_slot_tokens)
     block_k = min(max(16, triton.next_power_of_2(rank)), 32 if fp32 else 64)
     block_n = 32 if fp32 else (64 if block_m == 64 else 128)
-    return LoRATile(block_m, block_n, block_k)
+    return tc.Tile(block_m, block_n, block_k)
+
+
+def _block_m(max_slot_tokens: int) -> int:
+    return 16 if max_slot_tokens <= 16 else 32 if max_slot_tokens <= 32 else 64
 
 
 @triton.jit
@@ -172,35 +162,25 @@ def _lora_expand_kernel(
     tl.store(ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
+@implements("lora_shrink", "triton")
 def lora_shrink_triton(x: torch.Tensor, a_stack: torch.Tensor, md: LoRAMetadata) -> torch.Tensor:
     x = x if x.stride(1) == 1 else x.contiguous()
-    out = _empty((x.shape[0], a_stack.shape[1]), x.dtype, x.device)
-    launch, partial = shrink_launch(x, a_stack, out, md)
-    launch(x.device)
-    if partial is not None:
-        out.copy_(partial.sum(0))
-    return out
+    out = tc.empty((x.shape[0], a_stack.shape[1]), x.dtype, x.device)
+    return tc.run_split_k(*shrink_launch(x, a_stack, out, md), out)
 
 
-def shrink_launch(x, a_stack, out, md: LoRAMetadata, splits: int | None = None) -> tuple[Launch, torch.Tensor | None]:
+def shrink_launch(
+    x, a_stack, out, md: LoRAMetadata, splits: int | None = None
+) -> tuple[tc.Launch, torch.Tensor | None]:
     """The launch and, with split-K, the fp32 `[splits, T, N]` partials it writes (summed by the caller)."""
-    t, k = x.shape
-    n = a_stack.shape[1]
+    k, n = x.shape[1], a_stack.shape[1]
     tile = shrink_tile(md.max_slot_tokens, n, x.dtype)
     tiles = triton.cdiv(md.max_slot_tokens, tile.block_m) * triton.cdiv(n, tile.block_n)
-    if splits is None:
-        splits = split_k(tiles * md.num_slots, k, tile.block_k, _num_sms(x.device))
-    k_per_split = triton.cdiv(triton.cdiv(k, splits), tile.block_k) * tile.block_k
-    splits = triton.cdiv(k, k_per_split)
-    partial = _empty((splits, t, n), torch.float32, x.device) if splits > 1 else None
+    k_per_split, partial = tc.split_k(out, k, tile.block_k, tiles * md.num_slots, splits)
     target = out if partial is None else partial
-    launch = Launch(
+    launch = tc.Launch(
         _lora_shrink_kernel,
-        (tiles, splits, md.num_slots),
+        (tiles, triton.cdiv(k, k_per_split), md.num_slots),
         (
             x,
             a_stack,
@@ -215,33 +195,25 @@ def shrink_launch(x, a_stack, out, md: LoRAMetadata, splits: int | None = None) 
             a_stack.stride(0),
             a_stack.stride(1),
             target.stride(-2),
-            target.stride(0) if splits > 1 else 0,
+            target.stride(0) if partial is not None else 0,
         ),
-        dict(
-            SPLIT=splits > 1,
-            **_dot_options(x),
-            BLOCK_M=tile.block_m,
-            BLOCK_N=tile.block_n,
-            BLOCK_K=tile.block_k,
-            num_warps=tile.num_warps,
-            num_stages=tile.num_stages,
-        ),
+        dict(SPLIT=partial is not None, **tc.dot_options(x), **tile.options()),
     )
     return launch, partial
 
 
-def split_k(programs: int, k: int, block_k: int, num_sms: int) -> int:
-    """K splits so that about two waves of programs run; each split at least one K step."""
-    if programs >= 2 * num_sms:
-        return 1
-    return max(1, min(MAX_SPLIT_K, triton.cdiv(2 * num_sms, programs), k // block_k))
-
-
-def lora_expand_triton(h, b_stack, y, slice_offsets: list[int], md: LoRAMetadata) -> None:
+@implements("lora_expand", "triton")
+def lora_expand_triton(h, b_stack, y, slice_offsets: list[int], md: LoRAMetadata) -> torch.Tensor:
     h = h if h.stride(1) == 1 else h.contiguous()
     if y.stride(1) != 1:
         raise ValueError("lora_expand: y's rows must be contiguous")
     expand_launch(h, b_stack, y, slice_offsets, _offsets(tuple(slice_offsets), y.device), md)(y.device)
+    return y
+
+
+@implements("lora_apply", "triton")
+def lora_apply_triton(x, a_stack, b_stack, y, slice_offsets: list[int], md: LoRAMetadata) -> torch.Tensor:
+    return lora_expand_triton(lora_shrink_triton(x, a_stack, md), b_stack, y, slice_offsets, md)
 
 
 @functools.cache
@@ -250,13 +222,13 @@ def _offsets(slice_offsets: tuple[int, ...], device: torch.device) -> torch.Tens
     return torch.tensor(slice_offsets, dtype=torch.int32, device=device)
 
 
-def expand_launch(h, b_stack, y, slice_offsets: list[int], offsets: torch.Tensor, md: LoRAMetadata) -> Launch:
+def expand_launch(h, b_stack, y, slice_offsets: list[int], offsets: torch.Tensor, md: LoRAMetadata) -> tc.Launch:
     """`offsets`: `slice_offsets` as an int32 device tensor (the kernel reads each slice's output range)."""
     r = b_stack.shape[1]
     max_slice = max(b - a for a, b in zip(slice_offsets, slice_offsets[1:]))
     tile = expand_tile(md.max_slot_tokens, r, h.dtype)
     tiles = triton.cdiv(md.max_slot_tokens, tile.block_m) * triton.cdiv(max_slice, tile.block_n)
-    return Launch(
+    return tc.Launch(
         _lora_expand_kernel,
         (tiles, len(slice_offsets) - 1, md.num_slots),
         (
@@ -274,22 +246,7 @@ def expand_launch(h, b_stack, y, slice_offsets: list[int], offsets: torch.Tensor
             b_stack.stride(1),
             y.stride(0),
         ),
-        dict(
-            **_dot_options(h),
-            BLOCK_M=tile.block_m,
-            BLOCK_N=tile.block_n,
-            BLOCK_K=tile.block_k,
-            num_warps=tile.num_warps,
-            num_stages=tile.num_stages,
-        ),
-    )
-
-
-def _dot_options(x: torch.Tensor) -> dict:
-    # bf16 math under the interpreter is wrong: upcast there. fp32 keeps fp32 accuracy with 3xTF32.
-    return dict(
-        UPCAST=x.device.type == "cpu" and x.dtype == torch.bfloat16,
-        DOT_PRECISION="tf32x3" if x.dtype == torch.float32 else "tf32",
+        dict(**tc.dot_options(h), **tile.options()),
     )
 
 
@@ -298,7 +255,7 @@ def _compile_shrink():
     """Every shrink tile the dispatcher picks: per dtype, decode (with and without split-K) and prefill groups,
     for slot ranks 16 and 64 over a 3-slice (qkv) layer."""
     seen = set()
-    for dtype in DTYPES:
+    for dtype in tc.DTYPES:
         for rank in (16, 64):
             for tokens, splits in ((1, 1), (1, 4), (24, 1), (256, 1), (256, 2)):
                 x, a, _, _, md = _example(dtype, tokens, rank)
@@ -313,7 +270,7 @@ def _compile_shrink():
 @register("lora_expand")
 def _compile_expand():
     seen = set()
-    for dtype in DTYPES:
+    for dtype in tc.DTYPES:
         for rank in (16, 64):
             for tokens in (1, 24, 256):
                 x, _, b, h, md = _example(dtype, tokens, rank)

@@ -9,33 +9,19 @@ sorted by group; `perm` gathers the matching columns of x.
 Small M (decode) cannot fill the GPU with output tiles alone, so K is split across programs ("split-K"):
 each writes an fp32 partial and one reduction sums them. Host code never reads device tensors.
 
-Same interpreter conventions as the attention kernels: CPU tensors run under TRITON_INTERPRET=1, where bf16
-operands are upcast to fp32 (`UPCAST`) because the interpreter's bf16 math is wrong.
+Launch, interpreter and tile plumbing: triton_common.
 """
-
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from tiffin.kernels import triton_common as tc
 from tiffin.kernels.compile_check import CompileCase, register
-from tiffin.kernels.triton_attention import Launch, _num_sms
-
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_SPLIT_K = 16
+from tiffin.kernels.dispatch import implements
 
 
-@dataclass(frozen=True)
-class QuantTile:
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-
-
-def quant_tile(m: int, group_size: int, dtype: torch.dtype) -> QuantTile:
+def quant_tile(m: int, group_size: int, dtype: torch.dtype) -> tc.Tile:
     """Decode-sized M gets the smallest MMA height (memory-bound: the words are what costs); larger M gets
     wider tiles. fp32 operands take twice the registers, so its tiles are narrower and spread over 8 warps.
     Every tile compiles without spills for sm_80 and sm_90 (compile_check)."""
@@ -50,14 +36,7 @@ def quant_tile(m: int, group_size: int, dtype: torch.dtype) -> QuantTile:
         block_k //= 2
     if block_k < 16:
         raise ValueError(f"quantized gemm: group size {group_size} must be a multiple of 16 for the Triton kernel")
-    return QuantTile(block_m, block_n, block_k, num_warps=warps, num_stages=2 if fp32 else 3)
-
-
-def split_k(programs: int, k: int, block_k: int, num_sms: int) -> int:
-    """K splits so that about two waves of programs run; each split at least one K step."""
-    if programs >= 2 * num_sms:
-        return 1
-    return max(1, min(MAX_SPLIT_K, triton.cdiv(2 * num_sms, programs), k // block_k))
+    return tc.Tile(block_m, block_n, block_k, num_warps=warps, num_stages=2 if fp32 else 3)
 
 
 @triton.jit
@@ -136,10 +115,12 @@ def _quant_gemm_kernel(
         tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@implements("awq_gemm", "triton")
 def awq_gemm_triton(x, qweight, qzeros, scales) -> torch.Tensor:
     return _run(x, qweight, qzeros, scales, None, awq=True, bits=4, zero_offset=0)
 
 
+@implements("gptq_gemm", "triton")
 def gptq_gemm_triton(x, qweight, qzeros, scales, bits: int, zero_offset: int, perm=None) -> torch.Tensor:
     return _run(x, qweight, qzeros, scales, perm, awq=False, bits=bits, zero_offset=zero_offset)
 
@@ -147,19 +128,15 @@ def gptq_gemm_triton(x, qweight, qzeros, scales, bits: int, zero_offset: int, pe
 def _run(x, qweight, qzeros, scales, perm, **fmt) -> torch.Tensor:
     x = x if x.stride(1) == 1 else x.contiguous()
     m, n = x.shape[0], scales.shape[1]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = tc.empty((m, n), x.dtype, x.device)
     if m == 0:
         return out
-    launch, partial = quant_gemm_launch(x, qweight, qzeros, scales, perm, out, **fmt)
-    launch(x.device)
-    if partial is not None:
-        out.copy_(partial.sum(0))
-    return out
+    return tc.run_split_k(*quant_gemm_launch(x, qweight, qzeros, scales, perm, out, **fmt), out)
 
 
 def quant_gemm_launch(
     x, qweight, qzeros, scales, perm, out, *, awq: bool, bits: int, zero_offset: int, splits: int | None = None
-) -> tuple[Launch, torch.Tensor | None]:
+) -> tuple[tc.Launch, torch.Tensor | None]:
     """The launch for one call and, with split-K, the fp32 `[splits, M, N]` partials it writes (summed by the
     caller); `splits` defaults to the dispatcher's choice."""
     m, k = x.shape
@@ -169,15 +146,11 @@ def quant_gemm_launch(
     group_size = k // groups
     tile = quant_tile(m, group_size, x.dtype)
     grid_mn = (triton.cdiv(m, tile.block_m), triton.cdiv(n, tile.block_n))
-    if splits is None:
-        splits = split_k(grid_mn[0] * grid_mn[1], k, tile.block_k, _num_sms(x.device))
-    k_per_split = triton.cdiv(triton.cdiv(k, splits), tile.block_k) * tile.block_k
-    splits = triton.cdiv(k, k_per_split)
-    partial = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else None
+    k_per_split, partial = tc.split_k(out, k, tile.block_k, grid_mn[0] * grid_mn[1], splits)
     target = out if partial is None else partial
-    launch = Launch(
+    launch = tc.Launch(
         _quant_gemm_kernel,
-        (*grid_mn, splits),
+        (*grid_mn, triton.cdiv(k, k_per_split)),
         (
             x,
             qweight,
@@ -192,21 +165,16 @@ def quant_gemm_launch(
             k_per_split,
             x.stride(0),
             target.stride(-2),
-            target.stride(0) if splits > 1 else 0,
+            target.stride(0) if partial is not None else 0,
         ),
         dict(
             AWQ=awq,
             BITS=bits,
             ZERO_OFFSET=zero_offset,
             HAS_PERM=perm is not None,
-            SPLIT=splits > 1,
-            UPCAST=x.device.type == "cpu" and x.dtype == torch.bfloat16,
-            DOT_PRECISION="tf32x3" if x.dtype == torch.float32 else "tf32",
-            BLOCK_M=tile.block_m,
-            BLOCK_N=tile.block_n,
-            BLOCK_K=tile.block_k,
-            num_warps=tile.num_warps,
-            num_stages=tile.num_stages,
+            SPLIT=partial is not None,
+            **tc.dot_options(x),
+            **tile.options(),
         ),
     )
     return launch, partial
@@ -226,8 +194,8 @@ def _check_quant_launch(x, qweight, qzeros, scales, perm, awq, bits, k, n, group
             )
     if n % pack or k % groups or k % pack or not scales.is_contiguous():
         raise ValueError(f"quantized gemm: K={k}, N={n}, {groups} groups do not fit {bits}-bit packing")
-    if x.dtype not in DTYPES:
-        raise ValueError(f"quantized gemm: x dtype must be one of {DTYPES}, got {x.dtype}")
+    if x.dtype not in tc.DTYPES:
+        raise ValueError(f"quantized gemm: x dtype must be one of {tc.DTYPES}, got {x.dtype}")
     if perm is not None and (perm.shape != (k,) or perm.dtype != torch.int32):
         raise ValueError(f"quantized gemm: perm must be int32 [{k}], got {perm.dtype} {tuple(perm.shape)}")
 
@@ -246,7 +214,7 @@ def _compile_gptq():
 
 def _compile_cases(awq: bool, variants):
     seen = set()
-    for dtype in DTYPES:
+    for dtype in tc.DTYPES:
         name = str(dtype).removeprefix("torch.")
         for bits, zero_offset, act_order in variants:
             for group_size in (32, 128):

@@ -7,15 +7,15 @@ from it, and `..` is refused outright; the engine then reads safetensors only, c
 base model and refuses ranks above max_lora_rank. Every refusal is a 4xx naming the problem; nothing is
 registered unless the adapter loaded, so serving goes on untouched.
 
-Loading reads and checks the adapter in a worker thread: the engine keeps stepping. A load is idempotent for the
-same name and directory; a different directory under a taken name is a 409. Unloading takes the name off at
-once (new requests for it get 404) while requests already running finish with the adapter. The server remembers
-each adapter's directory, so one evicted from the engine's host cache (max_cpu_loras) is read again on use.
+Which adapters are loaded, under which names and directories, is the engine's `LoRARegistry`'s to say; this
+module only checks paths and maps the routes onto it. Loading reads and checks the adapter in a worker thread:
+the engine keeps stepping. A load is idempotent for the same name and directory; a different directory under a
+taken name is a 409. Unloading takes the name off (new requests for it get 404) while requests already running
+finish with the adapter. One evicted from the engine's host cache (max_cpu_loras) is read again on use.
 """
 
 import asyncio
 import os
-import time
 from pathlib import Path
 
 from tiffin.engine.lora import CONFIG_FILE, WEIGHTS_FILE, LoRARequest
@@ -36,55 +36,33 @@ class LoRAServing:
             self._spelled.append(Path(root).absolute())
         if not self.roots:
             raise ValueError("lora_roots names no directory")
-        self.adapters: dict[str, tuple[LoRARequest, int]] = {}  # name -> (request, created)
-        self._next_id = 1
-        self._lock = asyncio.Lock()  # one load or unload at a time: names and ids stay consistent
-
-    def get(self, name: str) -> LoRARequest | None:
-        entry = self.adapters.get(name)
-        return None if entry is None else entry[0]
-
-    def cards(self, max_model_len: int) -> list[dict]:
-        return [
-            {
-                "id": name,
-                "object": "model",
-                "created": created,
-                "owned_by": "tiffin",
-                "root": request.lora_path,
-                "parent": self.base_model,
-                "max_model_len": max_model_len,
-            }
-            for name, (request, created) in self.adapters.items()
-        ]
+        self.registry = engine.lora_registry
+        self._lock = asyncio.Lock()  # one load or unload at a time: a name is checked and taken in one go
 
     async def load(self, name: str, raw_path: str) -> str:
         self._check_name(name)
         path = self.resolve(raw_path)
         async with self._lock:
-            if name in self.adapters:
-                loaded = self.adapters[name][0].lora_path
-                if Path(loaded) == path:
+            loaded = self.registry.get(name)
+            if loaded is not None:
+                if Path(loaded.lora_path) == path:
                     return f"Success: LoRA adapter '{name}' is already loaded from {path}."
                 raise APIError(
                     409,
-                    f"a LoRA adapter named '{name}' is already loaded from {loaded}; unload it "
+                    f"a LoRA adapter named '{name}' is already loaded from {loaded.lora_path}; unload it "
                     f"first to load {path} under that name",
                     param="lora_name",
                 )
-            request = LoRARequest(name, self._next_id, str(path))
             try:
-                await self.engine.add_lora(request)
+                await self.engine.add_lora(LoRARequest(name, self.registry.next_int_id, str(path)))
             except ValueError as e:
                 raise APIError(400, f"LoRA adapter '{name}' was not loaded: {e}", param="lora_path") from None
-            self._next_id += 1
-            self.adapters[name] = (request, int(time.time()))
         return f"Success: LoRA adapter '{name}' added successfully."
 
     async def unload(self, name: str) -> str:
         async with self._lock:
-            entry = self.adapters.pop(name, None)
-            if entry is None:
+            loaded = self.registry.get(name)
+            if loaded is None:
                 raise APIError(
                     404,
                     f"The LoRA adapter '{name}' cannot be found.",
@@ -92,7 +70,7 @@ class LoRAServing:
                     param="lora_name",
                     code="model_not_found",
                 )
-            await self.engine.remove_lora(entry[0].lora_int_id)
+            await self.engine.remove_lora(loaded.lora_int_id)
         return f"Success: LoRA adapter '{name}' removed successfully."
 
     def resolve(self, raw: str) -> Path:

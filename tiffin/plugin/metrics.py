@@ -7,6 +7,8 @@ first imported."""
 import functools
 import time
 
+from tiffin.engine.outputs import EngineStats
+
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
 REQUEST_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 
@@ -17,17 +19,14 @@ class EngineMetrics:
 
         # livesum: each worker runs its own engine, the service's load is their sum
         gauge = lambda name, doc: Gauge(name, doc, multiprocess_mode="livesum")
-        self.gauges = {
-            "num_running": gauge("tiffin_requests_running", "Sequences in the running batch."),
-            "num_waiting": gauge("tiffin_requests_waiting", "Sequences waiting to be scheduled."),
-            "kv_blocks_used": gauge("tiffin_kv_cache_blocks_used", "KV cache blocks held by sequences."),
-            "kv_blocks_total": gauge("tiffin_kv_cache_blocks_total", "KV cache blocks in the pool."),
-        }
-        self.counters = {  # prometheus_client appends _total
-            "prompt_tokens": Counter("tiffin_prompt_tokens", "Prompt tokens of accepted requests."),
-            "generation_tokens": Counter("tiffin_generation_tokens", "Generated tokens."),
-            "num_preemptions": Counter("tiffin_preemptions", "Sequences preempted (recomputed later)."),
-        }
+        self.running = gauge("tiffin_requests_running", "Sequences in the running batch.")
+        self.waiting = gauge("tiffin_requests_waiting", "Sequences waiting to be scheduled.")
+        self.kv_blocks_used = gauge("tiffin_kv_cache_blocks_used", "KV cache blocks held by sequences.")
+        self.kv_blocks_total = gauge("tiffin_kv_cache_blocks_total", "KV cache blocks in the pool.")
+        # prometheus_client appends _total
+        self.prompt_tokens = Counter("tiffin_prompt_tokens", "Prompt tokens of accepted requests.")
+        self.generation_tokens = Counter("tiffin_generation_tokens", "Generated tokens.")
+        self.preemptions = Counter("tiffin_preemptions", "Sequences preempted (recomputed later).")
         self.ttft = Histogram(
             "tiffin_time_to_first_token_seconds", "Time to first token.", buckets=REQUEST_LATENCY_BUCKETS
         )
@@ -41,16 +40,22 @@ class EngineMetrics:
             "Request latency, arrival to last token.",
             buckets=REQUEST_LATENCY_BUCKETS,
         )
-        self._seen = dict.fromkeys(self.counters, 0)
+        self._seen: dict = {}  # counter -> the engine total it was last advanced to
 
-    def on_stats(self, stats: dict) -> None:
+    def on_stats(self, stats: EngineStats) -> None:
         """AsyncLLMEngine's `on_stats` hook (engine thread): gauges now, counters by their increase."""
-        for key, gauge in self.gauges.items():
-            gauge.set(stats[key])
-        for key, counter in self.counters.items():
-            if stats[key] > self._seen[key]:
-                counter.inc(stats[key] - self._seen[key])
-                self._seen[key] = stats[key]
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_blocks_used.set(stats.kv_blocks_used)
+        self.kv_blocks_total.set(stats.kv_blocks_total)
+        self._advance(self.prompt_tokens, stats.prompt_tokens)
+        self._advance(self.generation_tokens, stats.generation_tokens)
+        self._advance(self.preemptions, stats.num_preemptions)
+
+    def _advance(self, counter, total: int) -> None:
+        if total > self._seen.get(counter, 0):
+            counter.inc(total - self._seen.get(counter, 0))
+            self._seen[counter] = total
 
     def on_finished(self, stream, output) -> None:
         """A request finished: latencies as its reader saw them (RequestStream timestamps)."""

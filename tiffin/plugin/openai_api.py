@@ -18,7 +18,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, Strict
 from starlette.exceptions import HTTPException
 
-from tiffin.engine.sampling_params import SamplingParams
+from tiffin.engine.chat import render_chat
+from tiffin.engine.sampling_params import ParamError, SamplingParams
 
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]  # accepts JSON integers, not strings or booleans
@@ -140,11 +141,8 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
 
 def bad_request(e: ValueError) -> APIError:
-    """SamplingParams and the engine start their ValueErrors with the offending parameter's name."""
-    message = str(e)
-    word = message.split(" ", 1)[0]
-    param = word if word in CompletionRequest.model_fields or word in ChatCompletionRequest.model_fields else None
-    return APIError(400, message, param=param)
+    """A refused request as a 400, naming the parameter at fault when validation raised a ParamError."""
+    return APIError(400, str(e), param=e.param if isinstance(e, ParamError) else None)
 
 
 # --- serving ---
@@ -161,6 +159,7 @@ class OpenAIServing:
         self.lora = lora
 
     def models(self) -> dict:
+        """The base model's card, then one per loaded LoRA adapter with the base model as `parent`."""
         card = {
             "id": self.model_name,
             "object": "model",
@@ -168,8 +167,9 @@ class OpenAIServing:
             "owned_by": "tiffin",
             "max_model_len": self.engine.max_model_len,
         }
-        adapters = self.lora.cards(self.engine.max_model_len) if self.lora else []
-        return {"object": "list", "data": [card, *adapters]}
+        adapters = self.lora.registry.added() if self.lora else []
+        cards = [{**card, "id": r.lora_name, "root": r.lora_path, "parent": self.model_name} for r in adapters]
+        return {"object": "list", "data": [card, *cards]}
 
     async def completions(self, req: CompletionRequest, raw: Request):
         lora = self._check_model(req.model)
@@ -200,7 +200,7 @@ class OpenAIServing:
         """The LoRARequest for an adapter's name, None for the base model; 404 for any other name."""
         if model is None or model == self.model_name:
             return None
-        lora = self.lora.get(model) if self.lora else None
+        lora = self.lora.registry.get(model) if self.lora else None
         if lora is None:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
         return lora
@@ -210,15 +210,10 @@ class OpenAIServing:
         for m in messages:
             if isinstance(m.get("content"), list) and any(p.get("type") != "text" for p in m["content"]):
                 raise APIError(400, "only text content parts are supported", param="messages")
-        tokenizer = self.engine.tokenizer
         try:
-            text = tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=req.add_generation_prompt
-            )
+            return render_chat(self.engine.tokenizer, messages, req.add_generation_prompt)
         except Exception as e:  # a template may raise on roles or content it does not accept
             raise APIError(400, f"messages: the chat template failed: {e}", param="messages") from None
-        # The template writes the special tokens itself.
-        return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
     async def _serve(self, req: _SamplingRequest, raw: Request, fmt: "_Format", prompts: list, params, lora=None):
         streams = await self._open(prompts, params, fmt.id, lora)

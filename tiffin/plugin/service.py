@@ -16,12 +16,15 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator
+from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import bentoml
 from bentoml.exceptions import InvalidArgument, ServiceUnavailable
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
+from tiffin.engine.config import EngineConfig
 from tiffin.engine.sampling_params import SamplingParams
 from tiffin.plugin.metrics import engine_metrics
 from tiffin.plugin.model_store import resolve_model
@@ -30,30 +33,23 @@ from tiffin.plugin.openai_api import OpenAIServing, create_app
 logger = logging.getLogger("tiffin.service")
 
 
-class Settings(BaseModel):
-    """Service settings; each is read from `--arg name=value`, else the env var TIFFIN_<NAME>."""
+# EngineConfig fields the service sets itself: it resolves the model (a store tag or a directory, which holds the
+# tokenizer) and turns LoRA on when lora_roots is set. Every other field is a setting of the same name.
+_SERVICE_SET = {"model", "tokenizer", "enable_lora"}
+_ENGINE_SETTINGS = [f for f in fields(EngineConfig) if f.name not in _SERVICE_SET]
 
+
+class _ServiceSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    model: str | None = None  # local HF directory or BentoML model tag; None: the built-in tiny model
-    served_model_name: str | None = None  # the OpenAI `model` name; default: the model's name
-    dtype: str = "auto"
-    device: str = "auto"
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 4096
-    max_model_len: int | None = None
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory: int | None = None  # bytes; "8GiB", "512MiB" and "2GB" are accepted
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    kernel_backend: str = "auto"
-    seed: int = 0
-    timeout: float = 600.0  # seconds to the first byte of a response (BentoML traffic timeout)
-    load_gate: str | None = None  # test hook: weight loading waits until this path exists
-    lora_roots: str | None = None  # directories adapters may load from (os.pathsep-separated); set: LoRA on
-    max_loras: int = 4  # adapters one step may mix (device slots)
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None  # adapters kept parsed in host memory; default max_loras
+    model: str | None = Field(
+        None, description="local HF directory or BentoML model tag; None: the built-in tiny model"
+    )
+    served_model_name: str | None = Field(None, description="the OpenAI `model` name; default: the model's name")
+    timeout: float = Field(600.0, description="seconds to the first byte of a response (BentoML traffic timeout)")
+    load_gate: str | None = Field(None, description="test hook: weight loading waits until this path exists")
+    lora_roots: str | None = Field(
+        None, description="directories adapters may load from (os.pathsep-separated); set: LoRA on"
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -65,9 +61,10 @@ class Settings(BaseModel):
         }
         return {**env, **args}
 
-    @field_validator("kv_cache_memory", mode="before")
+    @field_validator("kv_cache_memory", mode="before", check_fields=False)
     @classmethod
     def _bytes(cls, value):
+        """Besides a byte count, "8GiB", "512MiB" and "2GB"."""
         if not isinstance(value, str):
             return value
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*", value.lower())
@@ -76,10 +73,35 @@ class Settings(BaseModel):
         return int(float(m[1]) * (1024 if m[3] else 1000) ** " kmgt".index(m[2] or " "))
 
     def engine_kwargs(self) -> dict:
-        return {
-            **self.model_dump(exclude={"model", "served_model_name", "timeout", "load_gate", "lora_roots"}),
-            "enable_lora": self.lora_roots is not None,
-        }
+        return {f.name: getattr(self, f.name) for f in _ENGINE_SETTINGS} | {"enable_lora": self.lora_roots is not None}
+
+
+Settings = create_model(
+    "Settings",
+    __base__=_ServiceSettings,
+    __doc__="Service settings; each is read from `--arg name=value`, else the env var TIFFIN_<NAME>.",
+    **{f.name: (f.type, Field(f.default, description=f.metadata["doc"])) for f in _ENGINE_SETTINGS},
+)
+
+
+class GenerateRequest(BaseModel):
+    """The request of the typed APIs: a prompt and how to sample its completion."""
+
+    prompt: str
+    max_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    stop: list[str] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def sampling_params(self) -> SamplingParams:
+        try:
+            return SamplingParams(**self.model_dump(exclude={"prompt"}))
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from None
 
 
 settings = bentoml.use_arguments(Settings)
@@ -140,71 +162,30 @@ class Tiffin:
         if self.engine is not None:
             self.engine.shutdown()
 
-    @bentoml.api
-    async def generate(
-        self,
-        prompt: str,
-        max_tokens: int = 128,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        stop: list[str] | None = None,
-        seed: int | None = None,
-        ignore_eos: bool = False,
-    ) -> str:
+    @bentoml.api(input_spec=GenerateRequest)
+    async def generate(self, **request: Any) -> str:
         """The completion of `prompt`."""
-        params = _params(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            stop=stop,
-            seed=seed,
-            ignore_eos=ignore_eos,
-        )
         text = ""
-        async for text in self._texts(prompt, params):  # noqa: B007 (keeps the last)
+        async for text in self._texts(GenerateRequest(**request)):  # noqa: B007 (keeps the last)
             pass
         return text
 
-    @bentoml.api
-    async def generate_stream(
-        self,
-        prompt: str,
-        max_tokens: int = 128,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        stop: list[str] | None = None,
-        seed: int | None = None,
-        ignore_eos: bool = False,
-    ) -> AsyncGenerator[str, None]:
+    @bentoml.api(input_spec=GenerateRequest)
+    async def generate_stream(self, **request: Any) -> AsyncGenerator[str, None]:
         """The completion of `prompt`, as text chunks while it is generated."""
-        params = _params(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            stop=stop,
-            seed=seed,
-            ignore_eos=ignore_eos,
-        )
         sent = 0
-        async for text in self._texts(prompt, params):
+        async for text in self._texts(GenerateRequest(**request)):
             if len(text) > sent:
                 yield text[sent:]
                 sent = len(text)
 
-    async def _texts(self, prompt: str, params: SamplingParams) -> AsyncGenerator[str, None]:
+    async def _texts(self, request: GenerateRequest) -> AsyncGenerator[str, None]:
         """Cumulative output text of one request; leaving early aborts it."""
+        params = request.sampling_params()
         if self.engine is None:
             raise ServiceUnavailable("the model is still loading")
         try:
-            stream = await self.engine.add_request(f"gen-{uuid.uuid4().hex}", prompt, params)
+            stream = await self.engine.add_request(f"gen-{uuid.uuid4().hex}", request.prompt, params)
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
         try:
@@ -214,10 +195,3 @@ class Tiffin:
                 yield out.outputs[0].text
         finally:
             stream.close()
-
-
-def _params(**kwargs) -> SamplingParams:
-    try:
-        return SamplingParams(**kwargs)
-    except ValueError as e:
-        raise InvalidArgument(str(e)) from None

@@ -11,7 +11,9 @@ import os
 import shutil
 from pathlib import Path
 
-from tiffin.quant.config import AWQ_GROUP_SIZES, GPTQ_BITS, GPTQ_FORMATS, GPTQ_GROUP_SIZES, get_quant_config
+from tiffin.quant.awq import AWQ_GROUP_SIZES
+from tiffin.quant.base import get_quant_config
+from tiffin.quant.gptq import GPTQ_BITS, GPTQ_FORMATS, GPTQ_GROUP_SIZES
 
 TOKENIZER_FILES = (
     "tokenizer.json",

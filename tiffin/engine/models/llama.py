@@ -3,66 +3,16 @@
 The model sees one flattened batch (`input_ids[T]`, `positions[T]`) and attention metadata, never requests.
 """
 
-import math
-
 import torch
 from torch import nn
 
 from tiffin import kernels
-from tiffin.engine.config import ModelConfig
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(x, self.weight, self.eps)
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-    if scaling is None:
-        return inv_freq
-    factor = scaling["factor"]
-    if scaling["rope_type"] == "linear":
-        return inv_freq / factor
-    # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth blend between the two bands
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    original = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    smooth = ((original / wavelen - low) / (high - low)).clamp(0, 1)
-    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
-
-
-class RotaryEmbedding(nn.Module):
-    """Neox-style rotation (halves, not interleaved pairs), cos/sin precomputed in fp32 per position."""
-
-    def __init__(self, config: ModelConfig, max_positions: int):
-        super().__init__()
-        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
-        freqs = torch.arange(max_positions).float()[:, None] * inv_freq[None, :]
-        self.register_buffer("cos", torch.cat([freqs, freqs], -1).cos(), persistent=False)
-        self.register_buffer("sin", torch.cat([freqs, freqs], -1).sin(), persistent=False)
-        self._positions = None
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        if positions is not self._positions:  # every layer of a step shares one positions tensor
-            self._positions = positions
-            self._cos_sin = self.cos[positions].to(q.dtype)[:, None], self.sin[positions].to(q.dtype)[:, None]
-        cos, sin = self._cos_sin
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
+from tiffin.engine.models.config import ModelConfig
+from tiffin.engine.models.layers import MLP, LinearFactory, RMSNorm, RotaryEmbedding, prefixed
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, linear, rotary: RotaryEmbedding, backend: str):
+    def __init__(self, config: ModelConfig, linear: LinearFactory, rotary: RotaryEmbedding, backend: str):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -90,24 +40,15 @@ class Attention(nn.Module):
         return self.o_proj(o.flatten(1))
 
 
-class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, linear):
-        super().__init__()
-        size = config.intermediate_size
-        self.gate_up_proj = linear("gate_up_proj", config.hidden_size, [size, size], config.mlp_bias)
-        self.down_proj = linear("down_proj", size, [config.hidden_size], config.mlp_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, linear, rotary: RotaryEmbedding, backend: str):
+    def __init__(self, config: ModelConfig, linear: LinearFactory, rotary: RotaryEmbedding, backend: str):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
-        self.self_attn = Attention(config, _prefixed(linear, "self_attn."), rotary, backend)
+        self.self_attn = Attention(config, prefixed(linear, "self_attn."), rotary, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
-        self.mlp = MLP(config, _prefixed(linear, "mlp."))
+        self.mlp = MLP(
+            config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias, prefixed(linear, "mlp.")
+        )
 
     def forward(self, x, positions, md):
         x = x + self.self_attn(self.input_layernorm(x), positions, md)
@@ -115,12 +56,12 @@ class DecoderLayer(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, config: ModelConfig, linear, rotary: RotaryEmbedding, backend: str):
+    def __init__(self, config: ModelConfig, linear: LinearFactory, rotary: RotaryEmbedding, backend: str):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=config.dtype)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, _prefixed(linear, f"layers.{i}."), rotary, backend) for i in range(config.num_layers)
+            DecoderLayer(config, prefixed(linear, f"layers.{i}."), rotary, backend) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
 
@@ -132,9 +73,6 @@ class Model(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """`linear(name, input_size, output_sizes, bias)` builds each projection; the quantization method
-    behind it is the caller's business."""
-
     # checkpoint module name -> (our stacked module, shard index)
     stacked_modules = {
         "q_proj": ("qkv_proj", 0),
@@ -144,10 +82,10 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: ModelConfig, max_positions: int, backend: str, linear):
+    def __init__(self, config: ModelConfig, max_positions: int, backend: str, linear: LinearFactory):
         super().__init__()
-        rotary = RotaryEmbedding(config, max_positions)
-        self.model = Model(config, _prefixed(linear, "model."), rotary, backend)
+        rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
+        self.model = Model(config, prefixed(linear, "model."), rotary, backend)
         self.lm_head = (
             None
             if config.tie_word_embeddings
@@ -163,7 +101,3 @@ class LlamaForCausalLM(nn.Module):
 
     def layers_kv(self):
         return [layer.self_attn for layer in self.model.layers]
-
-
-def _prefixed(linear, prefix: str):
-    return lambda name, *args: linear(prefix + name, *args)

@@ -1,65 +1,102 @@
-"""Build a model from a Hugging Face directory and stream its safetensors weights into it."""
+"""Build a model from a Hugging Face directory and stream its weights into it.
+
+Weights arrive as (Hugging Face name, tensor) pairs from a weight source picked by the files present
+(`WEIGHT_SOURCES`); a new checkpoint format is a reader yielding such pairs plus its entry there.
+"""
 
 import json
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from tiffin.engine.config import ModelConfig
-from tiffin.engine.models.linear import Linear, LinearMethod
-from tiffin.engine.models.llama import LlamaForCausalLM
-
-MODELS = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": LlamaForCausalLM,
-}
+from tiffin.engine.models.config import ModelConfig
+from tiffin.engine.models.linear import Linear
+from tiffin.engine.models.registry import get_architecture
+from tiffin.quant import LinearMethod, QuantizationConfig, UnquantizedLinearMethod
 
 
 def build_model(
-    config: ModelConfig, path: str | Path, device: torch.device, max_positions: int, backend: str, linear_method=None
+    config: ModelConfig, path: str | Path, device: torch.device, max_positions: int, backend: str
 ) -> torch.nn.Module:
-    """`linear_method(prefix) -> LinearMethod | None` picks how each projection is stored (None: plain)."""
+    """The model of `config` on `device` with the checkpoint's weights; `backend` is the resolved kernel backend
+    every attention and quantized layer runs on."""
+    model_class = get_architecture(config.architecture).model
 
     def linear(prefix: str, input_size: int, output_sizes: list[int], bias: bool) -> Linear:
-        method = linear_method(prefix) if linear_method else None
-        return Linear(input_size, output_sizes, bias, config.dtype, method or LinearMethod())
+        method = get_linear_method(config.quant_config, model_class.stacked_modules, prefix, backend)
+        return Linear(input_size, output_sizes, bias, config.dtype, method)
 
     with torch.device(device):
-        model = MODELS[config.architecture](config, max_positions, backend, linear)
-    load_weights(model, path)
+        model = model_class(config, max_positions, backend, linear)
+    load_weights(model, checkpoint_weights(path), path)
     for module in model.modules():
         if isinstance(module, Linear):
             module.method.process_weights_after_loading(module)
     return model.eval()
 
 
-def checkpoint_files(path: str | Path) -> list[Path]:
+def get_linear_method(
+    quant_config: QuantizationConfig | None, stacked_modules: dict[str, tuple[str, int]], prefix: str, backend: str
+) -> LinearMethod:
+    """How the layer at `prefix` stores its weight. A stacked layer is judged by its shards' checkpoint names
+    (qkv_proj by q/k/v_proj), which must agree: one tensor cannot be part plain, part quantized."""
+    if quant_config is None:
+        return UnquantizedLinearMethod()
+    names = checkpoint_names(stacked_modules, prefix)
+    methods = [quant_config.linear_method(name, backend) for name in names]
+    if len({type(method) for method in methods}) > 1:
+        raise ValueError(
+            f"{prefix}: the quantization config leaves only some of {names} unquantized; the fused layer must be "
+            f"all one or the other"
+        )
+    return methods[0]
+
+
+def checkpoint_names(stacked_modules: dict[str, tuple[str, int]], prefix: str) -> list[str]:
+    """The checkpoint's names for our layer `prefix`: a stacked layer's shards in order, else `prefix` itself."""
+    parent, _, leaf = prefix.rpartition(".")
+    shards = sorted((i, name) for name, (stacked, i) in stacked_modules.items() if stacked == leaf)
+    return [f"{parent}.{name}" if parent else name for _, name in shards] or [prefix]
+
+
+def safetensors_files(path: str | Path) -> list[Path]:
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.exists():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         return [path / name for name in names]
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {path}")
-    return files
+    return sorted(path.glob("*.safetensors"))
 
 
-def load_weights(model: torch.nn.Module, path: str | Path) -> None:
-    params = dict(model.named_parameters())
-    expected = set(params)
-    files = checkpoint_files(path)
+def safetensors_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = safetensors_files(path)
     with tqdm(desc="Loading weights", unit="tensor", total=_count_tensors(files)) as bar:
         for file in files:
             with safe_open(file, framework="pt") as f:
                 for key in f.keys():
-                    for name in _load_tensor(model, params, key, f.get_tensor(key)):
-                        expected.discard(name)
+                    yield key, f.get_tensor(key)
                     bar.update()
+
+
+# weight files a checkpoint directory may hold -> reader of its (Hugging Face name, tensor) pairs; first match wins
+WEIGHT_SOURCES = {"*.safetensors": safetensors_weights}
+
+
+def checkpoint_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for pattern, read in WEIGHT_SOURCES.items():
+        if any(Path(path).glob(pattern)):
+            return read(path)
+    raise FileNotFoundError(f"no {' or '.join(WEIGHT_SOURCES)} weights in {path}")
+
+
+def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], path: str | Path) -> None:
+    params = dict(model.named_parameters())
+    expected = set(params)
+    for key, tensor in weights:
+        expected.difference_update(_load_tensor(model, params, key, tensor))
     missing = sorted(expected)
     if missing:
         raise ValueError(f"checkpoint at {path} lacks weights for: {', '.join(missing[:8])}")

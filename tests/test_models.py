@@ -1,0 +1,68 @@
+"""The model registry and shared layers: what each architecture implies beyond its config.json, refusals that
+name what tiffin serves, the activation table against transformers', and a quant format registered by name."""
+
+import json
+from dataclasses import dataclass
+
+import pytest
+import torch
+from transformers.activations import ACT2FN
+
+from tiffin.engine.models.layers import ACTIVATIONS
+from tiffin.engine.models.registry import ARCHITECTURES, get_model_config
+from tiffin.quant import QUANT_CONFIGS, QuantizationConfig, UnquantizedLinearMethod, get_quant_config
+from tiffin.tiny import make_config
+
+
+def write_config(tmp_path, arch="llama", **overrides):
+    (tmp_path / "config.json").write_text(json.dumps({**make_config(arch), **overrides}))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "arch, qkv_bias, qk_norm",
+    [("llama", False, False), ("mistral", False, False), ("qwen2", True, False), ("qwen3", False, True)],
+)
+def test_architecture_facts(tmp_path, arch, qkv_bias, qk_norm):
+    config = get_model_config(write_config(tmp_path, arch))
+    assert (config.qkv_bias, config.qk_norm, config.hidden_act) == (qkv_bias, qk_norm, "silu")
+    assert config.architecture in ARCHITECTURES and config.quant_config is None
+
+
+def test_unsupported_architecture_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'; tiffin serves LlamaForCausalLM"):
+        get_model_config(write_config(tmp_path, architectures=["GPT2LMHeadModel"]))
+
+
+def test_unsupported_activation_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="unsupported hidden_act 'relu2'; tiffin serves silu, gelu"):
+        get_model_config(write_config(tmp_path, hidden_act="relu2"))
+
+
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+def test_activations_match_transformers(name):
+    gate_up = torch.randn(5, 2, 64, generator=torch.Generator().manual_seed(0))
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(ACTIVATIONS[name](gate_up), ACT2FN[name](gate) * up, rtol=0, atol=1e-6)
+
+
+@dataclass(frozen=True)
+class ToyConfig(QuantizationConfig):
+    bits: int
+
+    name = "toy"
+    description = "Toy (3-bit)"
+
+    @classmethod
+    def from_config(cls, settings: dict, source: str) -> "ToyConfig":
+        return cls(settings["bits"])
+
+    def linear_method(self, prefix: str, backend: str) -> UnquantizedLinearMethod:
+        return UnquantizedLinearMethod()
+
+
+def test_a_registered_quant_format_is_detected_and_named(tmp_path, monkeypatch):
+    monkeypatch.setitem(QUANT_CONFIGS, ToyConfig.name, ToyConfig)
+    assert get_quant_config(tmp_path, {"quantization_config": {"quant_method": "toy", "bits": 3}}) == ToyConfig(3)
+    with pytest.raises(ValueError, match=r"method 'fp8' is not supported; tiffin serves AWQ .* and Toy \(3-bit\)"):
+        get_quant_config(tmp_path, {"quantization_config": {"quant_method": "fp8"}})

@@ -1,0 +1,117 @@
+"""The device side of multi-LoRA, owned by the ModelRunner: `LoRASlots` installs each step's adapters into a fixed
+number of slots and builds the token -> slot metadata; the `LoRALayer` on each `Linear` (`linear.lora`) adds
+`B[slot] A[slot] x` after the base method ran, so it serves plain and quantized (AWQ/GPTQ) bases alike. Fused
+layers keep one A block per checkpoint slice.
+
+A slot holds a `LoRAModel` by content (its `identity`), not by id or name: an adapter removed from the engine's
+registry keeps its slot until a step needs the slot for another, so requests still running finish with it.
+"""
+
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from tiffin.engine.lora import LoRAModel, LoRARequest, load_lora_model
+from tiffin.engine.models.linear import Linear
+from tiffin.kernels.lora import LoRAMetadata, lora_apply
+
+
+class LoRABatch:
+    """This step's token -> slot metadata, shared by every LoRALayer (None: no token uses an adapter)."""
+
+    md: LoRAMetadata | None = None
+
+
+class LoRALayer:
+    """Device slots of one Linear's adapters: `a [S, slices*R, in]`, `b [S, R, out]` (layouts in
+    tiffin.kernels.lora), in `dtype`; the delta is added to the base output in its own dtype."""
+
+    def __init__(
+        self,
+        linear: Linear,
+        batch: LoRABatch,
+        num_slots: int,
+        rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        backend: str,
+    ):
+        self.a = torch.zeros(num_slots, len(linear.output_sizes) * rank, linear.input_size, dtype=dtype, device=device)
+        self.b = torch.zeros(num_slots, rank, linear.output_size, dtype=dtype, device=device)
+        self.rank, self.offsets, self.batch, self.backend = rank, linear.offsets, batch, backend
+        self.filled = [False] * num_slots  # whether a slot's adapter has weights for this layer
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        md = self.batch.md
+        if md is None or not any(self.filled[: md.num_slots]):
+            return y
+        x2, y2 = x.reshape(-1, x.shape[-1]).to(self.a.dtype), y.view(-1, y.shape[-1])
+        lora_apply(x2, self.a, self.b, y2, self.offsets, md, self.backend)
+        return y
+
+    def set_slot(self, slot: int, slices: list[tuple[torch.Tensor, torch.Tensor] | None] | None) -> None:
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        for i, ab in enumerate(slices or []):
+            if ab is not None:
+                a, b = ab
+                r, (lo, hi) = a.shape[0], self.offsets[i : i + 2]
+                self.a[slot, i * self.rank : i * self.rank + r].copy_(a)
+                self.b[slot, :r, lo:hi].copy_(b.T)
+        self.filled[slot] = slices is not None
+
+
+class LoRASlots:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        max_loras: int,
+        max_lora_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        backend: str,
+    ):
+        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
+        # CPU GEMMs this small run several times faster in fp32 than in bf16/fp16: keep adapters in fp32 there
+        self.dtype, self.device = torch.float32 if device.type == "cpu" else dtype, device
+        self.layers = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+        self.stacked_modules = dict(model.stacked_modules)
+        self.batch = LoRABatch()
+        for linear in self.layers.values():
+            linear.lora = LoRALayer(linear, self.batch, max_loras, max_lora_rank, self.dtype, device, backend)
+        self.slots: list[LoRAModel | None] = [None] * max_loras
+        self.slot_lru: OrderedDict[int, None] = OrderedDict.fromkeys(range(max_loras))  # least recent first
+
+    def load(self, request: LoRARequest) -> LoRAModel:
+        """Parse and check an adapter against these layers, in the slots' dtype; reads no mutable state, so any
+        thread may call it."""
+        return load_lora_model(request, self.layers, self.stacked_modules, self.max_lora_rank, self.dtype)
+
+    def prepare(self, loras: list[LoRAModel | None], num_tokens: np.ndarray) -> None:
+        """Install this step's adapters into slots and set the token -> slot metadata. `loras[i]` is scheduled
+        request i's adapter, which runs `num_tokens[i]` tokens."""
+        needed = {m.identity: m for m in loras if m is not None}
+        if not needed:
+            self.batch.md = None
+            return
+        if len(needed) > self.max_loras:
+            raise RuntimeError(f"a step uses {len(needed)} adapters but there are only {self.max_loras} slots")
+        slot_of = {m.identity: i for i, m in enumerate(self.slots) if m is not None and m.identity in needed}
+        for identity, model in needed.items():
+            if identity not in slot_of:
+                slot_of[identity] = self._install(model, set(slot_of.values()))
+        for slot in slot_of.values():
+            self.slot_lru.move_to_end(slot)
+        seq_slots = np.array([-1 if m is None else slot_of[m.identity] for m in loras], dtype=np.int64)
+        self.batch.md = LoRAMetadata.build(np.repeat(seq_slots, num_tokens), self.device, self.dtype)
+
+    def _install(self, model: LoRAModel, taken: set[int]) -> int:
+        """Put `model` into the lowest free slot (keeping the used slot range short), else the least recently
+        used slot this step does not need."""
+        free = [i for i, m in enumerate(self.slots) if m is None]
+        slot = free[0] if free else next(s for s in self.slot_lru if s not in taken)
+        for name, linear in self.layers.items():
+            linear.lora.set_slot(slot, model.layers.get(name))
+        self.slots[slot] = model
+        return slot

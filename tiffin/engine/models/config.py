@@ -1,0 +1,81 @@
+"""The model's shape and variant facts, read from a Hugging Face `config.json` (what the checkpoint says)."""
+
+from dataclasses import dataclass
+
+import torch
+
+from tiffin.engine.config import DTYPE_NAMES
+from tiffin.engine.models.layers import ACTIVATIONS
+from tiffin.quant import QuantizationConfig
+
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    hidden_act: str
+    qkv_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    dtype: torch.dtype
+    sliding_window: int | None
+    quant_config: QuantizationConfig | None
+
+    @classmethod
+    def from_hf(
+        cls, raw: dict, quant_config: QuantizationConfig | None, qkv_bias: bool = False, qk_norm: bool = False
+    ) -> "ModelConfig":
+        """`raw` is config.json; `qkv_bias` and `qk_norm` are what the architecture implies beyond it."""
+        hidden_act = raw.get("hidden_act", "silu")
+        if hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {hidden_act!r}; tiffin serves {', '.join(ACTIVATIONS)}")
+        heads = raw["num_attention_heads"]
+        theta, scaling = _rope(raw)
+        return cls(
+            architecture=raw["architectures"][0],
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            hidden_act=hidden_act,
+            qkv_bias=qkv_bias or raw.get("attention_bias", False),
+            mlp_bias=raw.get("mlp_bias", False),
+            qk_norm=qk_norm,
+            dtype=DTYPES.get(str(raw.get("dtype") or raw.get("torch_dtype") or "float32"), torch.float32),
+            sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window", True) else None,
+            quant_config=quant_config,
+        )
+
+
+def _rope(raw: dict) -> tuple[float, dict | None]:
+    """RoPE base and scaling, whether spelled `rope_theta` + `rope_scaling` (hub checkpoints) or
+    `rope_parameters` (transformers 5)."""
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta = params.pop("rope_theta", None) or raw.get("rope_theta", 10000.0)
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind == "default":
+        return theta, None
+    if kind not in ("llama3", "linear"):
+        raise ValueError(f"unsupported RoPE scaling {kind!r}; supported: default, linear, llama3")
+    return theta, {**params, "rope_type": kind}

@@ -1,0 +1,96 @@
+"""Layers shared by the model files: RMSNorm, rotary embedding (default, linear and llama3 scaling), the gated
+MLP and the activations it may use (`ACTIVATIONS`, keyed by config.json's `hidden_act`).
+
+Projections are built through `linear(name, input_size, output_sizes, bias)`, which the loader supplies: how
+each weight is stored (plain, AWQ, GPTQ) is not the model's business.
+"""
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from tiffin import kernels
+
+LinearFactory = Callable[[str, int, list[int], bool], nn.Module]
+
+
+def gelu_and_mul(gate_up: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate=approximate) * up
+
+
+# hidden_act -> fn(gate_up [..., 2 * intermediate]) -> act(gate) * up [..., intermediate]
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": kernels.silu_and_mul,
+    "gelu": gelu_and_mul,
+    "gelu_pytorch_tanh": lambda gate_up: gelu_and_mul(gate_up, "tanh"),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.rms_norm(x, self.weight, self.eps)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    if scaling is None:
+        return inv_freq
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth blend between the two bands
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((original / wavelen - low) / (high - low)).clamp(0, 1)
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotation (halves, not interleaved pairs), cos/sin precomputed in fp32 per position."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        freqs = torch.arange(max_positions).float()[:, None] * inv_freq[None, :]
+        self.register_buffer("cos", torch.cat([freqs, freqs], -1).cos(), persistent=False)
+        self.register_buffer("sin", torch.cat([freqs, freqs], -1).sin(), persistent=False)
+        self._positions = None
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        if positions is not self._positions:  # every layer of a step shares one positions tensor
+            self._positions = positions
+            self._cos_sin = self.cos[positions].to(q.dtype)[:, None], self.sin[positions].to(q.dtype)[:, None]
+        cos, sin = self._cos_sin
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+class MLP(nn.Module):
+    """down(act(gate(x)) * up(x)), gate and up stacked into one projection."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool, linear: LinearFactory):
+        super().__init__()
+        self.gate_up_proj = linear("gate_up_proj", hidden_size, [intermediate_size] * 2, bias)
+        self.down_proj = linear("down_proj", intermediate_size, [hidden_size], bias)
+        self.act_and_mul = ACTIVATIONS[hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+
+
+def prefixed(linear: LinearFactory, prefix: str) -> LinearFactory:
+    """`linear` for the projections of a submodule: their checkpoint names start with `prefix`."""
+    return lambda name, *args: linear(prefix + name, *args)

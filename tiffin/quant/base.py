@@ -1,0 +1,152 @@
+"""What a quantization format plugs into: the `LinearMethod` contract a linear layer delegates its weight to
+(plain: `UnquantizedLinearMethod`), the one shard loader every method fills its tensors with, and the
+registry of formats that reads a checkpoint's quantization (`get_quant_config`).
+
+Which quantization a checkpoint uses is read from `config.json`'s `quantization_config` or, for older
+checkpoints, a format's own side file (`quantize_config.json` for AutoGPTQ, `quant_config.json` for
+AutoAWQ). Anything tiffin cannot run exactly as published is refused here, before any weight is read, with
+the variant named.
+"""
+
+import json
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+
+class LinearMethod(ABC):
+    """How one linear layer's weight is stored, loaded and applied. The layer is anything with `input_size`,
+    `output_size`, and `output_sizes` / `offsets` of the checkpoint shards stacked along its output (q/k/v
+    into qkv_proj); methods never import the engine."""
+
+    @abstractmethod
+    def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None: ...
+
+    @abstractmethod
+    def load(self, layer: nn.Module, name: str, tensor: torch.Tensor, shard: int | None) -> None: ...
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:  # noqa: B027 (optional hook)
+        """Repack once every shard is in (e.g. act-order rows sorted by group)."""
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    """Plain weight `[out, in]` in the model dtype."""
+
+    def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
+        layer.weight = param(torch.empty(layer.output_size, layer.input_size, dtype=dtype))
+
+    def load(self, layer: nn.Module, name: str, tensor: torch.Tensor, shard: int | None) -> None:
+        load_shard(layer, getattr(layer, name), tensor, shard, dim=0)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, layer.weight)
+
+
+# AutoAWQ and GPTQModel both write scales in fp16; the weight is dequantized in it, as the tools do, then
+# cast to the activations' dtype.
+SCALES_DTYPE = torch.float16
+
+
+class PackedLinearMethod(LinearMethod):
+    """Integer weights packed into int32 words along the output (AWQ, GPTQ): every checkpoint tensor is stacked
+    along dim 1, so a fused layer is its shards side by side; each shard must be a whole number of words."""
+
+    pack: int  # output columns per int32 word of qzeros
+    tensors: dict[str, int]  # checkpoint tensor -> output columns per element along dim 1
+
+    def __init__(self, backend: str):
+        self.backend = backend
+
+    def load(self, layer: nn.Module, name: str, tensor: torch.Tensor, shard: int | None) -> None:
+        if name not in self.tensors:
+            raise ValueError(
+                f"checkpoint tensor {name!r} does not belong to a {type(self).__name__.removesuffix('LinearMethod')} "
+                f"layer (expected {sorted(self.tensors)}); the checkpoint and its quantization config disagree "
+                f"about this layer"
+            )
+        load_shard(layer, getattr(layer, name), tensor, shard, dim=1, pack=self.tensors[name])
+
+    def check_sizes(self, layer: nn.Module, group_size: int) -> None:
+        if layer.input_size % group_size:
+            raise ValueError(f"group size {group_size} does not divide the layer's input size {layer.input_size}")
+        if any(size % self.pack for size in layer.output_sizes):
+            raise ValueError(f"output sizes {layer.output_sizes} must be multiples of {self.pack} for packed zeros")
+
+
+def load_shard(
+    layer: nn.Module, target: torch.Tensor, tensor: torch.Tensor, shard: int | None, dim: int, pack: int = 1
+) -> None:
+    """Copy `tensor` into `target`, or into shard `shard`'s slice of the output dimension `dim` when the layer
+    stacks several checkpoint tensors (`pack` outputs per element, as packed integer words hold them)."""
+    target = target.data
+    if shard is not None:
+        target = target.narrow(dim, layer.offsets[shard] // pack, layer.output_sizes[shard] // pack)
+    if target.shape != tensor.shape:
+        raise ValueError(f"checkpoint tensor of shape {tuple(tensor.shape)} does not fit {tuple(target.shape)}")
+    if target.dtype == torch.int32 and tensor.dtype != torch.int32:
+        raise ValueError(f"packed tensor must be int32, got {tensor.dtype}")
+    target.copy_(tensor)
+
+
+def param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+class QuantizationConfig(ABC):
+    """One quantization format: parsed from the checkpoint's settings, it picks each layer's `LinearMethod`."""
+
+    name: ClassVar[str]  # `quant_method` in config.json
+    description: ClassVar[str]  # the variants served, named in every refusal
+    side_file: ClassVar[str | None] = None  # older tools' settings file beside config.json
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, settings: dict, source: str) -> "QuantizationConfig":
+        """The config for `settings` (read from `source`); ValueError naming any variant tiffin cannot run."""
+
+    @abstractmethod
+    def linear_method(self, prefix: str, backend: str) -> LinearMethod:
+        """How to store the checkpoint's linear layer `prefix` (e.g. `model.layers.0.self_attn.q_proj`), run
+        with the resolved kernel `backend`."""
+
+
+QUANT_CONFIGS: dict[str, type[QuantizationConfig]] = {}
+
+
+def register_quant_config(cls: type[QuantizationConfig]) -> type[QuantizationConfig]:
+    QUANT_CONFIGS[cls.name] = cls
+    return cls
+
+
+def supported() -> str:
+    return " and ".join(cls.description for cls in QUANT_CONFIGS.values())
+
+
+def get_quant_config(model_dir: str | Path, raw_config: dict | None = None) -> QuantizationConfig | None:
+    """The checkpoint's quantization, or None for a plain checkpoint; ValueError for an unsupported one."""
+    model_dir = Path(model_dir)
+    if raw_config is None:
+        raw_config = json.loads((model_dir / "config.json").read_text())
+    found = _find(model_dir, raw_config)
+    if found is None:
+        return None
+    source, default_method, settings = found
+    method = str(settings.get("quant_method") or default_method).lower()
+    if method not in QUANT_CONFIGS:
+        raise ValueError(f"{source}: quantization method {method!r} is not supported; tiffin serves {supported()}")
+    return QUANT_CONFIGS[method].from_config(settings, source)
+
+
+def _find(model_dir: Path, raw: dict) -> tuple[str, str, dict] | None:
+    if raw.get("quantization_config") is not None:
+        return "config.json quantization_config", "", raw["quantization_config"]
+    for cls in QUANT_CONFIGS.values():
+        if cls.side_file and (model_dir / cls.side_file).exists():
+            return cls.side_file, cls.name, json.loads((model_dir / cls.side_file).read_text())
+    return None
