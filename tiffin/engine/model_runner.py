@@ -3,12 +3,14 @@
 import ctypes
 import os
 import sys
+import time
 
 import numpy as np
 import torch
 
 from tiffin import kernels
 from tiffin.engine.config import EngineConfig
+from tiffin.engine.cpu_threads import ThreadTuner, usable_cpus
 from tiffin.engine.grammar import fill_bitmask
 from tiffin.engine.lora_slots import LoRASlots
 from tiffin.engine.models.config import ModelConfig
@@ -29,8 +31,11 @@ class ModelRunner:
     ):
         self.config, self.model_config = config, model_config
         self.device = config.torch_device
+        self.thread_tuner = None
         if self.device.type == "cpu":
             _keep_freed_memory_mapped()
+            # never more threads than the CPUs we may use; a lower count the user set stays the ceiling
+            self.thread_tuner = ThreadTuner(min(torch.get_num_threads(), usable_cpus()))
         self.block_size = config.block_size
         self.backend = kernels.resolve_backend(config.kernel_backend, self.device)
         self.model = build_model(model_config, config.model, self.device, max_model_len, self.backend)
@@ -46,11 +51,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> SamplerOutput:
+        start = time.perf_counter()
         bitmask = fill_bitmask(sched.sampling_seqs, self.model_config.vocab_size)  # filled while the forward runs
         input_ids, positions, md, logits_indices = self._prepare(sched)
         hidden = self.model(input_ids, positions, md)
         logits = self.model.compute_logits(hidden[logits_indices]).float()
-        return self.sampler(logits, sched.sampling_seqs, bitmask)
+        out = self.sampler(logits, sched.sampling_seqs, bitmask)
+        if self.thread_tuner is not None:
+            self.thread_tuner.record(time.perf_counter() - start, len(input_ids))
+        return out
 
     def _prepare(self, sched: SchedulerOutput):
         seqs, counts = sched.seqs, np.array(sched.num_scheduled_tokens)

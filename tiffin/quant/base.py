@@ -49,6 +49,14 @@ class UnquantizedLinearMethod(LinearMethod):
     def load(self, layer: nn.Module, name: str, tensor: torch.Tensor, shard: int | None) -> None:
         load_shard(layer, getattr(layer, name), tensor, shard, dim=0)
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """fp32 on CPU: the same `[out, in]` weight stored column-major, so that MKL's sgemm reads `x @ W^T` with
+        no transpose: 1.2-2x faster for a decode step's few rows, measured on Intel (AMX) Xeon. bf16 goes through
+        oneDNN, which packs the weight itself either way."""
+        w = layer.weight
+        if w.device.type == "cpu" and w.dtype == torch.float32:
+            w.data = w.data.t().contiguous().t()
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x, layer.weight)
 

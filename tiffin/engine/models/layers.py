@@ -62,22 +62,19 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        freqs = torch.arange(max_positions).float()[:, None] * inv_freq[None, :]
-        self.register_buffer("cos", torch.cat([freqs, freqs], -1).cos(), persistent=False)
-        self.register_buffer("sin", torch.cat([freqs, freqs], -1).sin(), persistent=False)
+        freqs = torch.arange(max_positions).float()[:, None] * inv_freq[None, :]  # one half: both halves share it
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
         self._positions = None
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate `x` `[T, heads, head_dim]`: the query and key heads in one call (fewer, larger ops)."""
         if positions is not self._positions:  # every layer of a step shares one positions tensor
             self._positions = positions
-            self._cos_sin = self.cos[positions].to(q.dtype)[:, None], self.sin[positions].to(q.dtype)[:, None]
+            self._cos_sin = self.cos[positions].to(x.dtype)[:, None], self.sin[positions].to(x.dtype)[:, None]
         cos, sin = self._cos_sin
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 class MLP(nn.Module):

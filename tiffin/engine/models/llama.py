@@ -28,13 +28,13 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = torch.empty(0)  # set by the ModelRunner
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, md: kernels.AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        qk, v = self.qkv_proj(x).split([self.qkv_proj.offsets[2], self.qkv_proj.output_sizes[2]], dim=-1)
+        qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        q, k = self.rotary(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
         kernels.write_kv(k, v, self.k_cache, self.v_cache, md.slot_mapping, self.backend)
         o = kernels.paged_attention(q, self.k_cache, self.v_cache, md, self.scale, self.backend)
         return self.o_proj(o.flatten(1))
