@@ -157,5 +157,5 @@ def test_fuzzed_bodies_never_get_a_5xx(fuzz_client):
     check()
     stats = engine.stats()
     assert stats.num_running == stats.num_waiting == stats.kv_blocks_used == 0
-    assert statuses.get(200, 0) > EXAMPLES // 20, statuses  # the engine ran, not only the validation
+    assert sum(statuses.values()) >= EXAMPLES and statuses.get(200, 0) > EXAMPLES // 20, statuses  # engine ran too
     print(f"fuzz statuses: {dict(sorted(statuses.items()))}", file=sys.stderr)
