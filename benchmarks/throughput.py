@@ -29,7 +29,7 @@ import torch
 PEERS = ("tiffin", "hf-cb", "hf-static", "vllm")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 WARMUP = [(16, 8), (48, 4)]  # (prompt len, output len) of the warm-up requests each engine runs first
-SCHEMA_ROUNDS = 2  # --json-schema: constrained and unconstrained runs, alternated
+SCHEMA_ROUNDS = 1  # --json-schema: rounds of a constrained then an unconstrained run, after the first unconstrained
 LORA_RANK = 16
 LORA_TARGETS = {
     "self_attn.q_proj": ("hidden", "q"),
