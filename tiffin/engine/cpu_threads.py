@@ -21,7 +21,7 @@ logger = logging.getLogger("tiffin.threads")
 
 # Steps at the current count before the next probe: short after a change, doubling while probes lose, so that
 # on a steady machine the worse count costs PROBE_STEPS / PROBE_EVERY_MAX of the steps.
-PROBE_EVERY_MIN, PROBE_EVERY_MAX = 16, 512
+PROBE_EVERY_MIN, PROBE_EVERY_MAX = 4, 512  # early: under contention the first steps are the costliest
 PROBE_STEPS = 2
 HISTORY = 8  # recent steps of a size class that a probe is compared with
 MARGIN = 0.9  # a probe must cost under this fraction of the current per-token time to take over
