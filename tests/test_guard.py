@@ -142,7 +142,7 @@ def server(tmp_path_factory):
     srv = BentoServer(
         tmp,
         "tiffin.plugin.service:Tiffin",
-        args={"num_kv_blocks": 128, "max_request_body": "1MiB"},
+        args={"model": "tiffin-tiny-llama", "num_kv_blocks": 128, "max_request_body": "1MiB"},
         env={
             "TIFFIN_API_KEY": KEY,
             "TIFFIN_ADMIN_API_KEY": ADMIN,
