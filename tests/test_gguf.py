@@ -73,7 +73,7 @@ def test_tensors_come_out_as_transformers_reads_them(tmp_path, tiny_model):
 
     path = write_gguf(tiny_model("mistral"), tmp_path / "m.gguf", QType.Q5_0)
     reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).state_dict()
-    weights = dict(GGUFCheckpoint(path).weights(stacked_modules={}))
+    weights = dict(GGUFCheckpoint(path).weights(kept={}))
     assert set(weights) == set(reference)
     for name, tensor in weights.items():
         assert torch.equal(tensor, reference[name]), name

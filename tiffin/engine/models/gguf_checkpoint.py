@@ -153,10 +153,9 @@ class GGUFCheckpoint:
         keys = (Keys.Tokenizer.EOS_ID, Keys.Tokenizer.EOT_ID, Keys.Tokenizer.EOM_ID)
         return {self.field(key) for key in keys} - {None}
 
-    def weights(self, stacked_modules: dict[str, tuple[str, int]]) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self, kept: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, tensor) for every tensor: the raw blocks of those `kept`, the others float32."""
-        config = self.config(stacked_modules)
-        kept = config["quantization_config"]["kept"]
+        config = self.config({})
         for t in tqdm(self.reader.tensors, desc="Loading weights", unit="tensor"):
             name = self.hf_names[t.name]
             shape = tuple(int(d) for d in reversed(t.shape))  # ggml lists dims innermost first

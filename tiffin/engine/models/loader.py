@@ -89,7 +89,7 @@ def safetensors_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     checkpoint = open_gguf(find_gguf(path))
-    return checkpoint.weights(get_architecture(checkpoint.architecture).model.stacked_modules)
+    return checkpoint.weights(checkpoint.kept(get_architecture(checkpoint.architecture).model.stacked_modules))
 
 
 # weight files a checkpoint (a directory, or the one file) may hold -> reader of its (Hugging Face name, tensor)
