@@ -74,8 +74,11 @@ BY_NAME = {  # fields whose range decides the cost of a request, or that need a 
 
 
 def _annotated(annotation) -> st.SearchStrategy:
+    """The annotation's own strategy, else arbitrary JSON (e.g. for `Any`, which hypothesis cannot draw)."""
     try:
-        return st.from_type(annotation)
+        strategy = st.from_type(annotation)
+        strategy.validate()  # resolves the lazy strategy now rather than at the first draw
+        return strategy
     except Exception:
         return json_values
 
