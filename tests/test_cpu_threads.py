@@ -34,6 +34,7 @@ def run(tuner, threads_now, cost_at, steps, tokens=64):
 
 @pytest.fixture
 def threads_now(monkeypatch):
+    monkeypatch.setenv("TIFFIN_THREAD_TUNING", "1")
     now = [0]
     monkeypatch.setattr(cpu_threads.torch, "set_num_threads", lambda n: now.__setitem__(0, n))
     return now
