@@ -84,7 +84,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    server = BentoServer(Path(tempfile.mkdtemp()), "tiffin.plugin.service:Tiffin", args={"num_kv_blocks": 512})
+    server = BentoServer(
+        Path(tempfile.mkdtemp()),
+        "tiffin.plugin.service:Tiffin",
+        args={"model": "tiffin-tiny-llama", "num_kv_blocks": 512},
+    )
     try:
         server.wait("/readyz", 200, timeout=300)
         run_streams(server, 8)  # warm up
