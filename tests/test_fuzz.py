@@ -70,6 +70,15 @@ BY_NAME = {  # fields whose range decides the cost of a request, or that need a 
     "frequency_penalty": unit,
     "repetition_penalty": valid(st.floats(0.5, 2), st.floats() | st.integers()),
     "model": st.sampled_from(["tiny", "other", "m\ud800"]) | text,
+    # structured outputs and tools: nested `Any` that hypothesis cannot draw from the annotations
+    "response_format": json_values
+    | st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema", "xml"]) | text},
+        optional={"json_schema": json_values},
+    ),
+    "structured_outputs": json_values,
+    "tools": json_values,
+    "tool_choice": st.sampled_from(["none", "auto", "required"]) | json_values,
 }
 
 
