@@ -46,6 +46,7 @@ def test_bentoml_build_offline(tmp_path):
     requirements = (bento / "env" / "python" / "requirements.txt").read_text().split()
     assert {"torch>=2.6", "transformers>=4.56", "fastapi"} <= set(requirements)
     assert (bento / "src" / "tiffin" / "plugin" / "service.py").is_file()
+    assert (bento / "src" / "tiffin" / "kernels" / "csrc" / "cpu_ops.cpp").is_file()  # compiled at run time
     assert not (bento / "src" / "tests").exists() and not list((bento / "src").rglob("__pycache__"))
     info = yaml.safe_load((bento / "bento.yaml").read_text())
     assert info["labels"] == {"openai_endpoint": "/v1"} and info["args"] == {"model": "my-llm:latest"}

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from tiffin.kernels import attention, compile_check, paged_attention, resolve_backend, write_kv
+from tiffin.kernels import attention, compile_check, cpu_native, paged_attention, resolve_backend, write_kv
 from tiffin.kernels import triton_attention as ta
 from tiffin.kernels import triton_common as tc
 from tiffin.kernels.attention import AttentionMetadata, paged_attention_torch, write_kv_torch
@@ -116,9 +116,14 @@ def test_torch_paged_attention_matches_naive(seed):
     assert rel_error(out, naive_attention(*batch, 0.125)) < 1e-5
 
 
-@pytest.fixture(params=["sdpa", "matmul"])
+@pytest.fixture(params=["native", "sdpa", "matmul"])
 def decode_path(request, monkeypatch):
-    """Each CPU decode implementation, whichever this CPU would pick."""
+    """Each CPU decode implementation, whichever this CPU would pick: the native kernel (built here: these
+    machines have a compiler), else SDPA or grouped matmuls."""
+    if request.param == "native":
+        assert cpu_native.library() is not None, "the native CPU kernels did not build (see the log)"
+    else:
+        monkeypatch.setattr(cpu_native, "supports", lambda *tensors: False)
     monkeypatch.setenv("TIFFIN_CPU_DECODE", request.param)
     attention._decode_by_matmuls.cache_clear()
     yield request.param

@@ -34,6 +34,7 @@ class ModelRunner:
         self.thread_tuner = None
         if self.device.type == "cpu":
             _keep_freed_memory_mapped()
+            kernels.cpu_native.library()  # built (or found in the cache) now, not during the first request
             # never more threads than the CPUs we may use; a lower count the user set stays the ceiling
             self.thread_tuner = ThreadTuner(min(torch.get_num_threads(), usable_cpus()))
         self.block_size = config.block_size

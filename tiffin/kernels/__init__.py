@@ -4,6 +4,7 @@ engine. LoRA ops live in kernels/lora.py, quantized GEMMs in kernels/quant.py.""
 
 import torch
 
+from tiffin.kernels import cpu_native
 from tiffin.kernels.attention import AttentionMetadata
 from tiffin.kernels.dispatch import implements, kernel, resolve_backend
 
@@ -31,7 +32,10 @@ def silu_and_mul(gate_up: torch.Tensor, backend: str = "torch") -> torch.Tensor:
 
 @implements("rms_norm", "torch")
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32, cast back before the weight multiply (as the reference models do)."""
+    """RMSNorm computed in fp32, cast back before the weight multiply (as the reference models do); on CPU in one
+    native pass where it is built (the same rounding)."""
+    if cpu_native.supports(x, weight):
+        return cpu_native.rms_norm(x, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tiffin.kernels import cpu_native
 from tiffin.kernels.dispatch import implements
 
 DECODE_GROUP = 16
@@ -59,12 +60,13 @@ def _gather(cache: torch.Tensor, span: _Span) -> torch.Tensor:
     return kv[:, : span.length].transpose(1, 2)
 
 
-def _plan(md: AttentionMetadata, block_size: int, device) -> tuple[list[_Span], list[_Span]]:
-    """Decode groups and prefill chunks of a step, built once and shared by every layer.
+def _plan(md: AttentionMetadata, block_size: int, device, native: bool) -> tuple:
+    """The decode rows and prefill chunks of a step, built once and shared by every layer.
 
-    Decode rows run sorted by context length in groups, each padded only to its own longest context: gathering
-    K/V dominates the cost, and one group padded to the batch's longest would read far more. Each prefill
-    chunk runs on its own, since padding queries of very different lengths together wastes most of the work.
+    Decodes are `(rows, seqs)` index tensors for the native kernel, which reads K/V in place. Without it they
+    run sorted by context length in groups, each padded only to its own longest context: gathering K/V
+    dominates the cost, and one group padded to the batch's longest would read far more. Each prefill chunk
+    runs on its own, since padding queries of very different lengths together wastes most of the work.
     """
     if md.torch_plan is not None:
         return md.torch_plan
@@ -72,6 +74,10 @@ def _plan(md: AttentionMetadata, block_size: int, device) -> tuple[list[_Span], 
     tables = md.block_tables
     blocks = lambda rows, length: tables[rows, : -(-length // block_size)].reshape(-1)
     decodes = sorted((i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1), key=seq_lens.__getitem__)
+    if native:
+        groups = (torch.tensor([starts[i] for i in decodes]), torch.tensor(decodes)) if decodes else None
+        md.torch_plan = groups, _prefill_spans(md, blocks, device)
+        return md.torch_plan
     groups = []
     for first in range(0, len(decodes), DECODE_GROUP):
         group = decodes[first : first + DECODE_GROUP]
@@ -83,23 +89,32 @@ def _plan(md: AttentionMetadata, block_size: int, device) -> tuple[list[_Span], 
         index = torch.tensor(group, device=device)
         rows = torch.tensor([starts[i] for i in group], device=device)
         groups.append(_Span(rows, blocks(index, length), len(group), length, mask))
-    prefills = []
-    for i, (length, n) in enumerate((seq_lens[i], starts[i + 1] - starts[i]) for i in range(len(seq_lens))):
+    md.torch_plan = groups, _prefill_spans(md, blocks, device)
+    return md.torch_plan
+
+
+def _prefill_spans(md: AttentionMetadata, blocks, device) -> list[_Span]:
+    starts, spans = md.query_start_loc_cpu, []
+    for i, (length, n) in enumerate((md.seq_lens_cpu[i], starts[i + 1] - starts[i]) for i in range(len(starts) - 1)):
         if n > 1:
             mask = None  # no cached prefix: plain causal
             if n != length:  # query j sits at position length - n + j and sees keys up to it
                 pos = torch.arange(length - n, length, device=device)
                 mask = torch.arange(length, device=device) <= pos[:, None]
-            prefills.append(_Span(slice(starts[i], starts[i + 1]), blocks(slice(i, i + 1), length), 1, length, mask))
-    md.torch_plan = groups, prefills
-    return md.torch_plan
+            spans.append(_Span(slice(starts[i], starts[i + 1]), blocks(slice(i, i + 1), length), 1, length, mask))
+    return spans
 
 
 @implements("paged_attention", "torch")
 def paged_attention_torch(query, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
     """`query` `[T, num_heads, head_dim]` -> `[T, num_heads, head_dim]`."""
     out = torch.empty_like(query)
-    groups, prefills = _plan(md, k_cache.shape[1], query.device)
+    native = cpu_native.supports(query, k_cache)
+    groups, prefills = _plan(md, k_cache.shape[1], query.device, native)
+    if native:
+        if groups is not None:
+            cpu_native.paged_decode(query, out, k_cache, v_cache, md.block_tables, md.seq_lens, *groups, scale)
+        groups = []
     for g in groups:
         q = query[g.rows]
         k, v = _gather(k_cache, g).to(q.dtype), _gather(v_cache, g).to(q.dtype)

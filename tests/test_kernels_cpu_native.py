@@ -1,0 +1,64 @@
+"""The native CPU kernels (kernels/csrc) against plain torch references, and the torch fallback without a
+compiler. Paged decode attention is also checked beside the other CPU decode paths in test_kernels_attention."""
+
+import logging
+
+import pytest
+import torch
+
+from tiffin.kernels import cpu_native, rms_norm
+
+
+@pytest.fixture(autouse=True)
+def built():
+    assert cpu_native.library() is not None, "the native CPU kernels did not build (a compiler is on CI machines)"
+
+
+def reference_rms_norm(x, weight, eps):
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 7, 600])  # 600 x 576 runs multithreaded
+def test_rms_norm_matches_torch(dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 576, generator=gen) * 3).to(dtype)
+    weight = torch.randn(576, generator=gen).to(dtype)
+    out = cpu_native.rms_norm(x, weight, 1e-6)
+    ref = reference_rms_norm(x, weight, 1e-6)
+    assert out.dtype == dtype and out.shape == x.shape
+    if dtype == torch.bfloat16:  # fp32 math agrees to an ulp, which bf16 rounding hides
+        assert torch.equal(out, ref)
+    else:
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_rms_norm_of_a_strided_view():
+    x = torch.randn(4, 3, 64).bfloat16()[:, 1]  # rows 192 elements apart
+    weight = torch.randn(64).bfloat16()
+    assert torch.equal(rms_norm(x, weight, 1e-5), reference_rms_norm(x, weight, 1e-5))
+
+
+def test_no_compiler_falls_back_to_torch(monkeypatch, caplog):
+    monkeypatch.setattr(cpu_native.shutil, "which", lambda name: None)
+    monkeypatch.delenv("CXX", raising=False)
+    cpu_native.library.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=cpu_native.__name__):
+            assert cpu_native.library() is None
+        assert "no C++ compiler" in caplog.text
+        x, weight = torch.randn(5, 64).bfloat16(), torch.randn(64).bfloat16()
+        assert not cpu_native.supports(x, weight)
+        assert torch.equal(rms_norm(x, weight, 1e-6), reference_rms_norm(x, weight, 1e-6))
+    finally:
+        cpu_native.library.cache_clear()
+
+
+def test_paged_decode_refuses_strided_heads():
+    query = torch.randn(2, 4, 128).bfloat16()[:, :, :64]  # head_dim not contiguous within a row's heads
+    cache = torch.zeros(4, 16, 2, 64).bfloat16()
+    tables, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    rows = torch.arange(2)
+    with pytest.raises(ValueError, match="heads contiguous"):
+        cpu_native.paged_decode(query, torch.empty(2, 4, 64).bfloat16(), cache, cache, tables, lens, rows, rows, 1.0)

@@ -1,0 +1,139 @@
+"""Native CPU kernels (`kernels/csrc/*.cpp`), compiled on first use by the host's C++ compiler for this CPU
+(`-march=native`: AVX-512 where the CPU has it) and cached under ~/.cache/tiffin/native, keyed by the source,
+the compiler and the CPU's flags. The library is plain C ABI called through ctypes with tensors' data
+pointers, so building it needs no torch headers (a second or two, not a torch extension's minute). Without a
+compiler, or with TIFFIN_CPU_NATIVE=0, `library()` is None and the torch implementations run (logged once)."""
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from tiffin.smollm2 import default_cache_dir
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 2}
+_i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+_DECODE_ARGS = [_i32, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64]
+_DECODE_ARGS += [_i32, _i32, _i32, _i32, ctypes.c_float, _i32]
+_RMS_NORM_ARGS = [_i32, _ptr, _i64, _ptr, _ptr, _i64, _i32, ctypes.c_float, _i32]
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    if os.environ.get("TIFFIN_CPU_NATIVE", "1") == "0":
+        return None
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        logger.warning("no C++ compiler (c++, g++ or $CXX) found: CPU attention runs the slower torch path")
+        return None
+    try:
+        path = _build(compiler)
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or e
+        logger.warning("building the native CPU kernels failed, the torch path runs instead: %s", detail)
+        return None
+    lib = ctypes.CDLL(str(path))
+    lib.tiffin_paged_decode.argtypes, lib.tiffin_paged_decode.restype = _DECODE_ARGS, None
+    lib.tiffin_rms_norm.argtypes, lib.tiffin_rms_norm.restype = _RMS_NORM_ARGS, None
+    return lib
+
+
+def _build(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(b"\0".join(s.encode() for s in [SOURCE.read_text(), version, *FLAGS, _cpu_flags()]))
+    path = default_cache_dir() / "native" / f"{SOURCE.stem}-{key.hexdigest()[:16]}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # built aside, renamed: racing builds are fine
+            built = Path(tmp) / path.name
+            command = [compiler, *FLAGS, str(SOURCE), "-o", str(built)]
+            subprocess.run(command, capture_output=True, text=True, check=True)
+            os.replace(built, path)
+    return path
+
+
+def _cpu_flags() -> str:
+    """What -march=native compiles for: a cache shared by machines of different CPU kinds must not mix them."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def supports(*tensors: torch.Tensor) -> bool:
+    """Whether the native kernels run for these tensors (on the CPU, of one dtype they know, the library built)."""
+    dtype = tensors[0].dtype
+    return (
+        all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
+        and dtype in DTYPE_CODES
+        and library() is not None
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`kernels.rms_norm_torch`'s result (same rounding) in one pass over `x` `[..., size]`."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1 or not weight.is_contiguous():
+        raise ValueError("rms_norm needs contiguous rows and weight")
+    out = torch.empty(x.shape, dtype=x.dtype)
+    args = (rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), rows.shape[0], rows.shape[1])
+    library().tiffin_rms_norm(DTYPE_CODES[x.dtype], *args, eps, torch.get_num_threads())
+    return out
+
+
+def paged_decode(
+    query: torch.Tensor,
+    out: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    rows: torch.Tensor,
+    seqs: torch.Tensor,
+    scale: float,
+) -> None:
+    """`out[rows[i]]` = attention of the one-token query `query[rows[i]]` `[num_heads, head_dim]` over the first
+    `seq_lens[seqs[i]]` slots of block table `seqs[i]`, K/V read in place from the paged caches."""
+    _, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    for t in (query, out):
+        if t.stride(2) != 1 or t.stride(1) != head_dim:
+            raise ValueError("paged_decode needs each row's heads contiguous")
+    tensors = (k_cache, v_cache, block_tables, seq_lens, rows, seqs)
+    if not all(t.is_contiguous() for t in tensors):
+        raise ValueError("paged_decode needs contiguous caches, block tables, seq_lens, rows and seqs")
+    if [t.dtype for t in tensors[2:]] != [torch.int32, torch.int32, torch.int64, torch.int64]:
+        raise TypeError("paged_decode needs int32 block_tables and seq_lens, int64 rows and seqs")
+    library().tiffin_paged_decode(
+        DTYPE_CODES[query.dtype],
+        query.data_ptr(),
+        query.stride(0),
+        out.data_ptr(),
+        out.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        seq_lens.data_ptr(),
+        rows.data_ptr(),
+        seqs.data_ptr(),
+        len(rows),
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        scale,
+        torch.get_num_threads(),
+    )
