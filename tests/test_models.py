@@ -66,3 +66,25 @@ def test_a_registered_quant_format_is_detected_and_named(tmp_path, monkeypatch):
     assert get_quant_config(tmp_path, {"quantization_config": {"quant_method": "toy", "bits": 3}}) == ToyConfig(3)
     with pytest.raises(ValueError, match=r"method 'fp8' is not supported; tiffin serves AWQ .* and Toy \(3-bit\)"):
         get_quant_config(tmp_path, {"quantization_config": {"quant_method": "fp8"}})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_plain_linear_and_embedding_on_cpu_match_torch(dtype):
+    """bf16 weights are prepacked for oneDNN (the plain copy freed, but an embedding's kept for lookups);
+    fp32 ones are stored column-major: each still computes torch's `linear` / `embedding`."""
+    from tiffin.engine.models.linear import Embedding, Linear
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 64, generator=gen).to(dtype)
+    x = torch.randn(5, 64, generator=gen).to(dtype)
+    layer = Linear(64, [32, 64], False, dtype, UnquantizedLinearMethod())  # two stacked shards
+    layer.load("weight", weight[:32], 0)
+    layer.load("weight", weight[32:], 1)
+    embedding = Embedding(96, 64, dtype, UnquantizedLinearMethod())
+    embedding.load("weight", weight, None)
+    for module in (layer, embedding):
+        module.method.process_weights_after_loading(module)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, weight))
+    assert torch.equal(embedding.logits(x), torch.nn.functional.linear(x, weight))
+    assert torch.equal(embedding(torch.tensor([3, 95])), weight[[3, 95]])
+    assert (layer.packed_weight is not None) == (dtype == torch.bfloat16)

@@ -45,6 +45,7 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
         layer.weight = param(torch.empty(layer.output_size, layer.input_size, dtype=dtype))
+        layer.packed_weight = None
 
     def load(self, layer: nn.Module, name: str, tensor: torch.Tensor, shard: int | None) -> None:
         load_shard(layer, getattr(layer, name), tensor, shard, dim=0)
@@ -56,8 +57,17 @@ class UnquantizedLinearMethod(LinearMethod):
         w = layer.weight
         if w.device.type == "cpu" and w.dtype == torch.float32:
             w.data = w.data.t().contiguous().t()
+        # bf16 on CPU: reordered once into oneDNN's blocked layout, which a plain weight is reordered into on
+        # every call (1.4x a one-token decode step, 1.07x at 64 tokens, measured on the AMX Xeon). A layer that
+        # looks rows up (an embedding) keeps the plain weight besides.
+        if w.device.type == "cpu" and w.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.data, None)
+            if not layer.looks_up_rows:
+                w.data = torch.empty(0, dtype=w.dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if layer.packed_weight is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, None, "none", [], "")
         return torch.nn.functional.linear(x, layer.weight)
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:

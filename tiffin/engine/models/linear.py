@@ -12,6 +12,8 @@ from tiffin.quant import LinearMethod, load_shard
 
 
 class Linear(nn.Module):
+    looks_up_rows = False  # whether its method must keep a weight that rows can be looked up in
+
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype, method: LinearMethod):
         super().__init__()
         self.input_size, self.output_sizes = input_size, list(output_sizes)
@@ -36,6 +38,8 @@ class Linear(nn.Module):
 class Embedding(Linear):
     """A token embedding `[vocab, hidden]` stored as its method stores a linear weight (plain, or GGUF blocks):
     `forward` looks rows up; `logits` is the output projection (the tied head, or an untied lm_head)."""
+
+    looks_up_rows = True
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, method: LinearMethod):
         super().__init__(hidden_size, [vocab_size], False, dtype, method)
