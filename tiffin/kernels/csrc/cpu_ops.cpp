@@ -54,57 +54,63 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-// One task: the query heads of sequence `s` that share KV head `h`. Scores and the output accumulate in fp32.
+// One task: the query heads of one sequence that share KV heads [kv_first, kv_end), reading each token's K (then
+// V) rows of those heads together, contiguous in the cache. Scores and the output accumulate in fp32.
 template <typename T>
 void decode_task(const T* q, T* out, const T* k_cache, const T* v_cache, const int32_t* block_table, int len,
-                 int h, int group, int num_kv_heads, int head_dim, int block_size, float scale,
+                 int kv_first, int kv_end, int group, int num_kv_heads, int head_dim, int block_size, float scale,
                  std::vector<float>& buf) {
+  const int heads = (kv_end - kv_first) * group;  // query heads of this task, from query head kv_first * group
   const int64_t slot_stride = static_cast<int64_t>(num_kv_heads) * head_dim;
-  buf.resize(static_cast<size_t>(group) * (2 * head_dim + len));
+  q += kv_first * group * head_dim;
+  out += kv_first * group * head_dim;
+  buf.resize(static_cast<size_t>(heads) * (2 * head_dim + len + 1));
   float* qf = buf.data();
-  float* acc = qf + group * head_dim;
-  float* scores = acc + group * head_dim;
-  for (int g = 0; g < group; ++g)
-    for (int d = 0; d < head_dim; ++d) qf[g * head_dim + d] = to_float(q[(h * group + g) * head_dim + d]) * scale;
+  float* acc = qf + heads * head_dim;
+  float* scores = acc + heads * head_dim;
+  float* denom = scores + heads * len;
+  for (int i = 0; i < heads * head_dim; ++i) qf[i] = to_float(q[i]) * scale;
+  auto slot = [&](const T* cache, int t) {
+    return cache + (static_cast<int64_t>(block_table[t / block_size]) * block_size + t % block_size) * slot_stride +
+           kv_first * head_dim;
+  };
   for (int t = 0; t < len; ++t) {
-    const T* k = k_cache + (static_cast<int64_t>(block_table[t / block_size]) * block_size + t % block_size) *
-                               slot_stride + h * head_dim;
-    for (int g = 0; g < group; ++g) {
-      const float* qg = qf + g * head_dim;
+    const T* k = slot(k_cache, t);
+    for (int hq = 0; hq < heads; ++hq) {
+      const float* qh = qf + hq * head_dim;
+      const T* kh = k + (hq / group) * head_dim;
       float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-      for (int d = 0; d < head_dim; ++d) dot += qg[d] * to_float(k[d]);
-      scores[g * len + t] = dot;
+      for (int d = 0; d < head_dim; ++d) dot += qh[d] * to_float(kh[d]);
+      scores[hq * len + t] = dot;
     }
   }
-  std::vector<float> denom(group);
-  for (int g = 0; g < group; ++g) {
-    float* sg = scores + g * len;
-    float max = sg[0];
+  for (int hq = 0; hq < heads; ++hq) {
+    float* sh = scores + hq * len;
+    float max = sh[0];
 #pragma omp simd reduction(max : max)
-    for (int t = 1; t < len; ++t) max = sg[t] > max ? sg[t] : max;
+    for (int t = 1; t < len; ++t) max = sh[t] > max ? sh[t] : max;
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int t = 0; t < len; ++t) {
-      sg[t] = exp_nonpositive(sg[t] - max);
-      sum += sg[t];
+      sh[t] = exp_nonpositive(sh[t] - max);
+      sum += sh[t];
     }
-    denom[g] = 1.f / sum;
+    denom[hq] = 1.f / sum;
   }
-  std::memset(acc, 0, sizeof(float) * group * head_dim);
+  std::memset(acc, 0, sizeof(float) * heads * head_dim);
   for (int t = 0; t < len; ++t) {
-    const T* v = v_cache + (static_cast<int64_t>(block_table[t / block_size]) * block_size + t % block_size) *
-                               slot_stride + h * head_dim;
-    for (int g = 0; g < group; ++g) {
-      float p = scores[g * len + t];
-      float* ag = acc + g * head_dim;
+    const T* v = slot(v_cache, t);
+    for (int hq = 0; hq < heads; ++hq) {
+      const float p = scores[hq * len + t];
+      const T* vh = v + (hq / group) * head_dim;
+      float* ah = acc + hq * head_dim;
 #pragma omp simd
-      for (int d = 0; d < head_dim; ++d) ag[d] += p * to_float(v[d]);
+      for (int d = 0; d < head_dim; ++d) ah[d] += p * to_float(vh[d]);
     }
   }
-  for (int g = 0; g < group; ++g)
-    for (int d = 0; d < head_dim; ++d)
-      out[(h * group + g) * head_dim + d] = from_float<T>(acc[g * head_dim + d] * denom[g]);
+  for (int hq = 0; hq < heads; ++hq)
+    for (int d = 0; d < head_dim; ++d) out[hq * head_dim + d] = from_float<T>(acc[hq * head_dim + d] * denom[hq]);
 }
 
 template <typename T>
@@ -112,17 +118,23 @@ void decode(const void* query, int64_t query_row_stride, void* out, int64_t out_
             const void* v_cache, const int32_t* block_tables, int64_t block_table_stride, const int32_t* seq_lens,
             const int64_t* rows, const int64_t* seqs, int64_t num_rows, int num_heads, int num_kv_heads,
             int head_dim, int block_size, float scale, int num_threads) {
-  const int group = num_heads / num_kv_heads;
+  // Whole sequences per task read the cache contiguously (1.4x faster); with few sequences, one task per KV
+  // head instead, so that every thread has work.
+  const int kv_per_task = num_rows >= 4 * num_threads ? num_kv_heads : 1;
+  const int tasks_per_row = num_kv_heads / kv_per_task;
 #pragma omp parallel num_threads(num_threads)
   {
     std::vector<float> buf;
-#pragma omp for collapse(2) schedule(dynamic, 1)
-    for (int64_t i = 0; i < num_rows; ++i)
-      for (int h = 0; h < num_kv_heads; ++h)
-        decode_task(static_cast<const T*>(query) + rows[i] * query_row_stride,
-                    static_cast<T*>(out) + rows[i] * out_row_stride, static_cast<const T*>(k_cache),
-                    static_cast<const T*>(v_cache), block_tables + seqs[i] * block_table_stride, seq_lens[seqs[i]], h,
-                    group, num_kv_heads, head_dim, block_size, scale, buf);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < num_rows * tasks_per_row; ++task) {
+      const int64_t i = task / tasks_per_row;
+      const int kv_first = static_cast<int>(task % tasks_per_row) * kv_per_task;
+      decode_task(static_cast<const T*>(query) + rows[i] * query_row_stride,
+                  static_cast<T*>(out) + rows[i] * out_row_stride, static_cast<const T*>(k_cache),
+                  static_cast<const T*>(v_cache), block_tables + seqs[i] * block_table_stride, seq_lens[seqs[i]],
+                  kv_first, kv_first + kv_per_task, num_heads / num_kv_heads, num_kv_heads, head_dim, block_size,
+                  scale, buf);
+    }
   }
 }
 
