@@ -12,7 +12,7 @@ every engine so the token counts compare like with like. Load and warm-up time a
     python benchmarks/throughput.py MODEL_DIR --peers tiffin --json-schema benchmarks/schemas/records.json
 """
 
-import argparse
+import argparse  # noqa: I001  (tiffin is imported before torch: it sets torch's OpenMP defaults)
 import gc
 import json
 import os
@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import tiffin  # noqa: F401
 import torch
 
 PEERS = ("tiffin", "hf-cb", "hf-static", "vllm")
