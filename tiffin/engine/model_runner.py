@@ -4,6 +4,8 @@ import ctypes
 import os
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -19,6 +21,56 @@ from tiffin.engine.sampler import Sampler, SamplerOutput
 from tiffin.engine.scheduler import SchedulerOutput
 
 CPU_KV_CACHE_CAP = 4 << 30  # bytes; like vLLM's CPU backend default
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class MemoryProbe:
+    """The device memory readings KV sizing takes; unit tests pass fakes to check the arithmetic with no GPU."""
+
+    mem_get_info: Callable[[torch.device], tuple[int, int]]  # (free, total) bytes, other processes' use counted
+    memory_allocated: Callable[[torch.device], int]
+    max_memory_allocated: Callable[[torch.device], int]
+    reset_peak_memory_stats: Callable[[torch.device], None]
+    synchronize: Callable[[torch.device], None]
+    empty_cache: Callable[[], None]
+
+
+CUDA_MEMORY = MemoryProbe(
+    torch.cuda.mem_get_info,
+    torch.cuda.memory_allocated,
+    torch.cuda.max_memory_allocated,
+    torch.cuda.reset_peak_memory_stats,
+    torch.cuda.synchronize,
+    torch.cuda.empty_cache,
+)
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """Bytes measured by the profiling step."""
+
+    total: int  # the device's memory
+    free: int  # free after it, with the weights loaded and its KV released (CUDA context, other processes: used)
+    peak: int  # what its forward and sampler pass allocated at most on top of what stays allocated
+
+    def kv_blocks(self, utilization: float, bytes_per_block: int, max_blocks_per_seq: int) -> int:
+        """Blocks of what `utilization` of the device leaves once what is in use and the largest step's
+        activations are counted; ValueError naming the numbers when that is not one max_model_len sequence."""
+        budget = int(self.total * utilization)
+        in_use = self.total - self.free
+        left = budget - in_use - self.peak
+        blocks = max(left, 0) // bytes_per_block
+        if blocks < max_blocks_per_seq:
+            raise ValueError(
+                f"max_model_len needs {max_blocks_per_seq} KV blocks ({max_blocks_per_seq * bytes_per_block / GiB:.2f} "
+                f"GiB) for one sequence, but gpu_memory_utilization {utilization} of the device's "
+                f"{self.total / GiB:.2f} GiB ({budget / GiB:.2f} GiB), less {in_use / GiB:.2f} GiB in use (weights, "
+                f"CUDA context, other processes) and {self.peak / GiB:.2f} GiB for the largest step's activations, "
+                f"leaves {left / GiB:.2f} GiB: lower max_model_len or max_num_batched_tokens, or raise "
+                f"gpu_memory_utilization"
+            )
+        return blocks
 
 
 class ModelRunner:
@@ -45,6 +97,7 @@ class ModelRunner:
             else None
         )
         self.sampler = Sampler(eos_token_ids, config.seed)
+        self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
@@ -100,43 +153,61 @@ class ModelRunner:
         return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * mc.dtype.itemsize
 
     def _num_kv_blocks(self) -> int:
-        """`num_kv_blocks`, else what `kv_cache_memory` holds, else a default share of the device's memory;
-        never more than max_num_seqs sequences of max_model_len could use."""
+        """`num_kv_blocks`, else what `kv_cache_memory` holds, else what `gpu_memory_utilization` of the GPU
+        leaves (a default share of RAM on CPU); never more than max_num_seqs sequences of max_model_len use."""
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
+        most = self.config.max_num_seqs * self.max_blocks_per_seq
+        if self.config.kv_cache_memory is None and self.device.type == "cuda":
+            profile = self._profile_memory(CUDA_MEMORY)
+            return min(
+                profile.kv_blocks(self.config.gpu_memory_utilization, self._bytes_per_block(), self.max_blocks_per_seq),
+                most,
+            )
         memory = self.config.kv_cache_memory
         if memory is None:
-            memory = self._default_kv_memory()
-        blocks = min(memory // self._bytes_per_block(), self.config.max_num_seqs * self.max_blocks_per_seq)
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            memory = min(CPU_KV_CACHE_CAP, available // 4)
+        blocks = min(memory // self._bytes_per_block(), most)
         if blocks < 1:
             raise ValueError(f"KV cache memory of {memory} bytes holds no block of {self._bytes_per_block()} bytes")
         return int(blocks)
 
-    def _default_kv_memory(self) -> int:
-        if self.device.type == "cuda":
-            return self._profile_cuda_memory()
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        return min(CPU_KV_CACHE_CAP, available // 4)
-
-    def _profile_cuda_memory(self) -> int:
-        """What `gpu_memory_utilization` of the GPU leaves after the weights and a forward of the largest step."""
-        torch.cuda.reset_peak_memory_stats()
-        tokens = min(self.config.max_num_batched_tokens, self.max_blocks_per_seq * self.block_size)
-        self.num_blocks = self.max_blocks_per_seq
-        self._allocate_kv_cache()
+    def _profile_memory(self, probe: MemoryProbe) -> MemoryProfile:
+        """Runs the largest step on a KV cache of just the blocks it needs: a forward of max_num_batched_tokens
+        tokens (sequences of at most max_model_len, at most max_num_seqs of them), then a sampler pass over
+        max_num_seqs rows of the vocabulary with every filter and logprobs on. That cache is released before
+        free memory is read, so the real pool is sized from what stays in use."""
         from tiffin.engine.sampling_params import SamplingParams
-        from tiffin.engine.sequence import Sequence  # a throwaway sequence only to shape the profiling batch
+        from tiffin.engine.sequence import Sequence  # throwaway sequences only to shape the profiling batch
 
-        seq = Sequence("profile", 0, [0] * tokens, SamplingParams(temperature=0), 1)
-        seq.block_table = list(range(-(-tokens // self.block_size)))
-        sched = SchedulerOutput()
-        sched.add(seq, tokens)
-        self.execute(sched)
-        peak = torch.cuda.max_memory_allocated()
+        c, max_len = self.config, self.max_model_len
+        tokens = min(c.max_num_batched_tokens, c.max_num_seqs * max_len)
+        sched, self.num_blocks = SchedulerOutput(), 0
+        for length in [max_len] * (tokens // max_len) + [tokens % max_len] * (tokens % max_len > 0):
+            seq = Sequence("profile", 0, [0] * length, SamplingParams(temperature=0), 1)
+            seq.block_table = list(range(self.num_blocks, self.num_blocks + -(-length // self.block_size)))
+            self.num_blocks += len(seq.block_table)
+            sched.add(seq, length)
+        probe.empty_cache()
+        self._allocate_kv_cache()
+        allocated = probe.memory_allocated(self.device)
+        probe.reset_peak_memory_stats(self.device)
+        with torch.inference_mode():
+            input_ids, positions, md, logits_indices = self._prepare(sched)
+            self.model.compute_logits(self.model(input_ids, positions, md)[logits_indices]).float()
+            del input_ids, positions, md, logits_indices
+            params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01, logprobs=1)
+            seqs = [Sequence("profile", i, [0], params, 1) for i in range(c.max_num_seqs)]
+            self.sampler(torch.zeros(len(seqs), self.model_config.vocab_size, device=self.device), seqs)
+        probe.synchronize(self.device)
+        peak = probe.max_memory_allocated(self.device) - allocated
         del self.kv_cache
-        torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        return max(int(total * self.config.gpu_memory_utilization) - peak, 0)
+        for attn in self.model.layers_kv():
+            attn.k_cache = attn.v_cache = torch.empty(0)
+        probe.empty_cache()
+        free, total = probe.mem_get_info(self.device)
+        return MemoryProfile(total, free, peak)
 
     def _allocate_kv_cache(self) -> None:
         """Zeroed, so that slots never written hold finite values: masked-out attention weights multiply them."""
