@@ -18,7 +18,12 @@ import torch
 from tiffin.kernels import attention, compile_check, paged_attention, resolve_backend, write_kv
 from tiffin.kernels import triton_attention as ta
 from tiffin.kernels import triton_common as tc
-from tiffin.kernels.attention import AttentionMetadata, paged_attention_torch, write_kv_torch
+from tiffin.kernels.attention import (
+    AttentionMetadata,
+    padding_as_first_kept,
+    paged_attention_torch,
+    write_kv_torch,
+)
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
@@ -138,15 +143,23 @@ def test_torch_decode_paths_match_naive(decode_path, dtype, group):
     assert rel_error(out, naive_attention(*batch, 0.125)) < TOLERANCE[dtype]
 
 
-def test_torch_write_kv_skips_padding_slots():
+@pytest.mark.parametrize("slots", [[17, -1, 3, 95, -1], [-1, -1, 40, 3, -1]])
+def test_torch_write_kv_skips_padding_slots(slots):
+    """On the host padding rows are dropped; on a GPU they are rewritten as the first kept row (no host read):
+    that second path runs here on CPU tensors through the same index_copy_."""
     gen = torch.Generator().manual_seed(0)
     k_cache, v_cache = torch.randn(6, 16, 2, 32, generator=gen), torch.randn(6, 16, 2, 32, generator=gen)
     key, value = torch.randn(5, 2, 32, generator=gen), torch.randn(5, 2, 32, generator=gen)
-    slots = torch.tensor([17, -1, 3, 95, -1])
+    slots = torch.tensor(slots)
     k_want, v_want = k_cache.clone().flatten(0, 1), v_cache.clone().flatten(0, 1)
     for t, s in enumerate(slots.tolist()):
         if s >= 0:
             k_want[s], v_want[s] = key[t], value[t]
+    k_dev, v_dev = k_cache.clone().flatten(0, 1), v_cache.clone().flatten(0, 1)
+    k_rows, v_rows, dev_slots = padding_as_first_kept(key, value, slots, slots >= 0)
+    assert bool((dev_slots >= 0).all())
+    k_dev.index_copy_(0, dev_slots, k_rows), v_dev.index_copy_(0, dev_slots, v_rows)
+    assert torch.equal(k_dev, k_want) and torch.equal(v_dev, v_want)
     write_kv_torch(key, value, k_cache, v_cache, slots)
     assert torch.equal(k_cache.flatten(0, 1), k_want) and torch.equal(v_cache.flatten(0, 1), v_want)
 

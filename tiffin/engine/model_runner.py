@@ -133,7 +133,7 @@ class ModelRunner:
             block_tables[i, : len(seq.block_table)] = seq.block_table
         slots = block_tables[req, positions // self.block_size].astype(np.int64) * self.block_size
         slots += positions % self.block_size
-        to = lambda a, dtype: torch.from_numpy(np.ascontiguousarray(a)).to(self.device, dtype)
+        to = self._to_device
         md = kernels.AttentionMetadata(
             slot_mapping=to(slots, torch.int64),
             query_start_loc=to(query_start_loc, torch.int32),
@@ -147,6 +147,12 @@ class ModelRunner:
         sampling = np.array(sched.sampling)
         logits_indices = query_start_loc[1:][sampling] - 1
         return to(np.array(input_ids), torch.int64), to(positions, torch.int64), md, to(logits_indices, torch.int64)
+
+    def _to_device(self, a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        """On CUDA through pinned memory, so that the copy does not block the host (the caching host allocator
+        keeps the pinned block until the copy is done); on CPU the array itself when it has the dtype."""
+        t = torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
+        return t if self.device.type == "cpu" else t.pin_memory().to(self.device, non_blocking=True)
 
     def _bytes_per_block(self) -> int:
         mc = self.model_config
