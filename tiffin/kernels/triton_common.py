@@ -22,7 +22,8 @@ MAX_SPLITS = 16  # ways one program's reduction may be split (split-K, split-KV)
 @dataclass(frozen=True)
 class Tile:
     """One program's work: a `block_m x block_n` output tile, reduced `block_k` at a time. Every tile a
-    dispatcher picks compiles without register spills for sm_80 and sm_90 (compile_check verifies)."""
+    dispatcher picks for an arch compiles there without register spills and within its shared memory
+    (compile_check verifies sm_80, sm_86, sm_89, sm_90)."""
 
     block_m: int
     block_n: int
@@ -91,6 +92,15 @@ def _interpreting(fn):
     finally:
         for ns, before in zip(namespaces, saved):
             ns.update(before)
+
+
+@functools.cache
+def arch(device: torch.device) -> int:
+    """The compute capability (86 for 8.6) a dispatcher picks tiles for; the interpreter runs sm_80's."""
+    if device.type != "cuda":
+        return 80
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
 
 
 @functools.cache
