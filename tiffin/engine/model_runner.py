@@ -84,6 +84,9 @@ class ModelRunner:
         self.config, self.model_config = config, model_config
         self.device = config.torch_device
         self.thread_tuner = None
+        if self.device.type == "cuda" and self.device.index is not None:
+            # Triton launches on the current device: cuda:1's tensors must not meet cuda:0's kernels
+            torch.cuda.set_device(self.device)
         if self.device.type == "cpu":
             _keep_freed_memory_mapped()
             # never more threads than the CPUs we may use; a lower count the user set stays the ceiling
