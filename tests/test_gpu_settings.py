@@ -34,7 +34,10 @@ def test_device_index_is_kept():
 
 
 def _service_config(**env) -> dict:
-    code = "import json; from tiffin.plugin.service import Tiffin; print(json.dumps(Tiffin.config.get('resources')))"
+    code = (
+        "import json; from tiffin.plugin.service import Settings, Tiffin; "
+        "assert 'enforce_eager' in Settings.model_fields; print(json.dumps(Tiffin.config.get('resources')))"
+    )
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("TIFFIN_")}, **env}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -57,18 +57,18 @@ def test_profiling_uses_only_the_blocks_it_needs_and_frees_them(tiny_model, monk
     llm = LLM(tiny_model("llama"), num_kv_blocks=64, max_model_len=100, max_num_batched_tokens=250, max_num_seqs=5)
     runner = llm.llm_engine.model_runner
     seen = {}
-    prepare, sample = runner._prepare, runner.sampler.__call__
+    host_batch, sample = runner._host_batch, runner.sampler.__call__
 
-    def record_prepare(sched):
+    def record_batch(sched):
         seen["lengths"] = sched.num_scheduled_tokens
         seen["tables"] = [s.block_table for s in sched.seqs]
-        return prepare(sched)
+        return host_batch(sched)
 
     def record_sample(logits, seqs, bitmask=None):
         seen["logits"] = tuple(logits.shape)
         return sample(logits, seqs, bitmask)
 
-    monkeypatch.setattr(runner, "_prepare", record_prepare)
+    monkeypatch.setattr(runner, "_host_batch", record_batch)
     monkeypatch.setattr(runner, "sampler", record_sample)
     probe = FakeProbe(runner)
     profile = runner._profile_memory(probe.memory())

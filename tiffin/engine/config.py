@@ -35,6 +35,9 @@ class EngineConfig:
     max_num_batched_tokens: int = _setting(4096, "tokens one step may compute, prefill chunks and decodes together")
     max_model_len: int | None = _setting(None, "context length; default: the model's")
     kernel_backend: str = _setting("auto", "torch or triton; auto: triton on CUDA, torch on CPU")
+    enforce_eager: bool = _setting(
+        False, "no CUDA graphs: decode steps launch every kernel from Python (graphs are captured on CUDA only)"
+    )
     enable_prefix_caching: bool = _setting(True, "reuse the KV blocks of prompt prefixes seen before")
     seed: int = _setting(0, "seed of the random stream shared by requests that set none")
     enable_lora: bool = _setting(False, "serve LoRA adapters")

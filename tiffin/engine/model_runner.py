@@ -1,6 +1,8 @@
 """Turns a SchedulerOutput into one flattened forward pass, then samples."""
 
+import bisect
 import ctypes
+import itertools
 import os
 import sys
 import time
@@ -22,6 +24,43 @@ from tiffin.engine.scheduler import SchedulerOutput
 
 CPU_KV_CACHE_CAP = 4 << 30  # bytes; like vLLM's CPU backend default
 GiB = 1 << 30
+MAX_GRAPH_BATCH = 512  # like vLLM: larger decode batches are compute-bound, launch overhead no longer shows
+
+
+def decode_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Sizes decode steps are padded to (a CUDA graph each): 1, 2, 4, 8, then every 8, up to the first that holds
+    min(max_num_seqs, 512) sequences."""
+    top, sizes = min(max_num_seqs, MAX_GRAPH_BATCH), []
+    for size in itertools.chain((1, 2, 4), itertools.count(8, 8)):
+        sizes.append(size)
+        if size >= top:
+            return sizes
+
+
+@dataclass
+class HostBatch:
+    """One step's flattened batch as host arrays (see the design's step data flow)."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slots: np.ndarray
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    block_tables: np.ndarray
+    counts: np.ndarray  # tokens scheduled per sequence
+    logits_indices: np.ndarray
+
+
+@dataclass
+class DecodeBuffers:
+    """Inputs of padded decode steps, filled in place every step: CUDA graphs read these very tensors."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor  # [sizes[-1], max_blocks_per_seq]
+    query_start_loc: torch.Tensor  # 0..sizes[-1]: one token per sequence
 
 
 @dataclass(frozen=True)
@@ -104,20 +143,37 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
+        self.decode_sizes: list[int] = []  # padded decode batch sizes; empty: decode steps run unpadded
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Graphs pay where launches dominate: CUDA. The torch attention builds per-step host tensors (not
+        # capturable); LoRA metadata is not in persistent buffers yet. CPU keeps unpadded steps (padding is work).
+        if (
+            self.device.type == "cuda"
+            and self.backend == "triton"
+            and not config.enforce_eager
+            and not config.enable_lora
+        ):
+            self.init_decode_batches(decode_batch_sizes(config.max_num_seqs))
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> SamplerOutput:
         start = time.perf_counter()
         bitmask = fill_bitmask(sched.sampling_seqs, self.model_config.vocab_size)  # filled while the forward runs
-        input_ids, positions, md, logits_indices = self._prepare(sched)
-        hidden = self.model(input_ids, positions, md)
+        batch = self._host_batch(sched)
+        size = self._decode_size(sched)
+        if size:
+            hidden = self._run_decode(size, batch)
+            logits_indices = self._to_device(batch.logits_indices, torch.int64)
+        else:
+            input_ids, positions, md, logits_indices = self._prepare(batch)
+            hidden = self.model(input_ids, positions, md)
         logits = self.model.compute_logits(hidden[logits_indices]).float()
         out = self.sampler(logits, sched.sampling_seqs, bitmask)
         if self.thread_tuner is not None:
-            self.thread_tuner.record(time.perf_counter() - start, len(input_ids))
+            self.thread_tuner.record(time.perf_counter() - start, len(batch.input_ids))
         return out
 
-    def _prepare(self, sched: SchedulerOutput):
+    def _host_batch(self, sched: SchedulerOutput) -> HostBatch:
         seqs, counts = sched.seqs, np.array(sched.num_scheduled_tokens)
         starts = np.array([s.num_computed_tokens for s in seqs])
         seq_lens = starts + counts
@@ -136,26 +192,112 @@ class ModelRunner:
             block_tables[i, : len(seq.block_table)] = seq.block_table
         slots = block_tables[req, positions // self.block_size].astype(np.int64) * self.block_size
         slots += positions % self.block_size
+        logits_indices = query_start_loc[1:][np.array(sched.sampling)] - 1
+        return HostBatch(
+            np.array(input_ids), positions, slots, query_start_loc, seq_lens, block_tables, counts, logits_indices
+        )
+
+    def _prepare(self, b: HostBatch):
         to = self._to_device
         md = kernels.AttentionMetadata(
-            slot_mapping=to(slots, torch.int64),
-            query_start_loc=to(query_start_loc, torch.int32),
-            seq_lens=to(seq_lens, torch.int32),
-            block_tables=to(block_tables, torch.int32),
-            query_start_loc_cpu=query_start_loc.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
-            max_query_len=int(counts.max()),
-            max_seq_len=int(seq_lens.max()),
+            slot_mapping=to(b.slots, torch.int64),
+            query_start_loc=to(b.query_start_loc, torch.int32),
+            seq_lens=to(b.seq_lens, torch.int32),
+            block_tables=to(b.block_tables, torch.int32),
+            query_start_loc_cpu=b.query_start_loc.tolist(),
+            seq_lens_cpu=b.seq_lens.tolist(),
+            max_query_len=int(b.counts.max()),
+            max_seq_len=int(b.seq_lens.max()),
         )
-        sampling = np.array(sched.sampling)
-        logits_indices = query_start_loc[1:][sampling] - 1
-        return to(np.array(input_ids), torch.int64), to(positions, torch.int64), md, to(logits_indices, torch.int64)
+        return to(b.input_ids, torch.int64), to(b.positions, torch.int64), md, to(b.logits_indices, torch.int64)
+
+    def init_decode_batches(self, sizes: list[int]) -> None:
+        """Pad decode-only steps of up to `sizes[-1]` sequences to the next of `sizes`, through persistent input
+        buffers (`DecodeBuffers`); on CUDA, capture one graph per size. Padding rows run token 0 at position 0
+        into the dummy KV block; their outputs are never read."""
+        n, dummy = sizes[-1], self.num_blocks  # the block past the pool (`_allocate_kv_cache`)
+        ints = lambda fill, shape, dtype: torch.full(shape, fill, dtype=dtype, device=self.device)  # noqa: E731
+        self.decode_buffers = DecodeBuffers(
+            input_ids=ints(0, (n,), torch.int64),
+            positions=ints(0, (n,), torch.int64),
+            slot_mapping=ints(dummy * self.block_size, (n,), torch.int64),
+            seq_lens=ints(1, (n,), torch.int32),
+            block_tables=ints(dummy, (n, self.max_blocks_per_seq), torch.int32),
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=self.device),
+        )
+        self.decode_sizes = sizes
+        if self.device.type == "cuda":
+            self._capture_graphs()
+
+    def _decode_size(self, sched: SchedulerOutput) -> int:
+        """The padded size of a decode-only step, or 0 when it runs unpadded."""
+        n = len(sched.seqs)
+        if not self.decode_sizes or n > self.decode_sizes[-1] or max(sched.num_scheduled_tokens) > 1:
+            return 0
+        return self.decode_sizes[bisect.bisect_left(self.decode_sizes, n)]
+
+    def _run_decode(self, size: int, b: HostBatch) -> torch.Tensor:
+        """Fill the persistent buffers in place (stale block-table columns past this step's width are never
+        read: no row's context reaches them), then replay the size's graph or, on CPU, run the same inputs."""
+        buf, pad, width = self.decode_buffers, size - len(b.seq_lens), b.block_tables.shape[1]
+        dummy = self.num_blocks
+        stage = (
+            lambda dst, a, fill: dst.copy_(  # noqa: E731
+                self._host(np.concatenate([a, np.full((pad, *a.shape[1:]), fill, a.dtype)]), dst.dtype),
+                non_blocking=True,
+            )
+        )
+        stage(buf.input_ids[:size], b.input_ids, 0)
+        stage(buf.positions[:size], b.positions, 0)
+        stage(buf.slot_mapping[:size], b.slots, dummy * self.block_size)
+        stage(buf.seq_lens[:size], b.seq_lens, 1)
+        stage(buf.block_tables[:size, :width], b.block_tables, dummy)
+        if size in self.graphs:
+            graph, hidden = self.graphs[size]
+            graph.replay()
+            return hidden
+        seq_lens = b.seq_lens.tolist() + [1] * pad
+        return self.model(buf.input_ids[:size], buf.positions[:size], self._decode_metadata(size, seq_lens))
+
+    def _decode_metadata(self, size: int, seq_lens: list[int]) -> kernels.AttentionMetadata:
+        """Views of the persistent buffers. max_seq_len is max_model_len's, whatever the step's contexts: the
+        attention grid (KV splits) then depends on the size alone, as a graph replay needs."""
+        buf = self.decode_buffers
+        return kernels.AttentionMetadata(
+            slot_mapping=buf.slot_mapping[:size],
+            query_start_loc=buf.query_start_loc[: size + 1],
+            seq_lens=buf.seq_lens[:size],
+            block_tables=buf.block_tables[:size],
+            query_start_loc_cpu=list(range(size + 1)),
+            seq_lens_cpu=seq_lens,
+            max_query_len=1,
+            max_seq_len=self.max_blocks_per_seq * self.block_size,
+        )
+
+    @torch.inference_mode()
+    def _capture_graphs(self) -> None:
+        """Largest size first, so that the smaller graphs reuse its memory pool. Each size runs once eagerly
+        first: Triton compiles and cuBLAS picks its kernels outside the capture."""
+        buf, pool = self.decode_buffers, None
+        for size in reversed(self.decode_sizes):
+            md = self._decode_metadata(size, [1] * size)
+            ids, pos = buf.input_ids[:size], buf.positions[:size]
+            self.model(ids, pos, md)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden = self.model(ids, pos, md)
+            pool = graph.pool()
+            self.graphs[size] = graph, hidden
+
+    def _host(self, a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        """`a` as a host tensor: pinned on CUDA, so that copies from it do not block the host (the caching host
+        allocator keeps the pinned block until the copy is done); on CPU the array itself when it has the dtype."""
+        t = torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
+        return t if self.device.type == "cpu" else t.pin_memory()
 
     def _to_device(self, a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        """On CUDA through pinned memory, so that the copy does not block the host (the caching host allocator
-        keeps the pinned block until the copy is done); on CPU the array itself when it has the dtype."""
-        t = torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
-        return t if self.device.type == "cpu" else t.pin_memory().to(self.device, non_blocking=True)
+        return self._host(a, dtype).to(self.device, non_blocking=True)
 
     def _bytes_per_block(self) -> int:
         mc = self.model_config
@@ -203,7 +345,7 @@ class ModelRunner:
         allocated = probe.memory_allocated(self.device)
         probe.reset_peak_memory_stats(self.device)
         with torch.inference_mode():
-            input_ids, positions, md, logits_indices = self._prepare(sched)
+            input_ids, positions, md, logits_indices = self._prepare(self._host_batch(sched))
             self.model.compute_logits(self.model(input_ids, positions, md)[logits_indices]).float()
             del input_ids, positions, md, logits_indices
             params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01, logprobs=1)
@@ -219,9 +361,11 @@ class ModelRunner:
         return MemoryProfile(total, free, peak)
 
     def _allocate_kv_cache(self) -> None:
-        """Zeroed, so that slots never written hold finite values: masked-out attention weights multiply them."""
+        """`num_blocks` blocks and the dummy one, zeroed, so that slots never written hold finite values:
+        masked-out attention weights multiply them."""
         mc = self.model_config
-        shape = (2, mc.num_layers, self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        # one block past the pool: padded decode rows write there (`init_decode_batches`)
+        shape = (2, mc.num_layers, self.num_blocks + 1, self.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=mc.dtype, device=self.device)
         for i, attn in enumerate(self.model.layers_kv()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]

@@ -29,7 +29,7 @@ from tiffin.kernels.dispatch import implements
 def quant_tile(m: int, group_size: int, dtype: torch.dtype) -> tc.Tile:
     """Decode-sized M gets the smallest MMA height (memory-bound: the words are what costs); larger M gets
     wider tiles. fp32 operands take twice the registers, so its tiles are narrower and spread over 8 warps.
-    Every tile compiles without spills for sm_80 and sm_90 (compile_check)."""
+    Every tile compiles without spills for sm_80, sm_86, sm_89 and sm_90 (compile_check)."""
     fp32 = dtype == torch.float32
     if m <= 16:
         block_m, block_n, block_k, warps = (16, 32, 32, 4) if fp32 else (16, 64, 64, 4)
