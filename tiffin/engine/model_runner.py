@@ -59,7 +59,7 @@ class DecodeBuffers:
     positions: torch.Tensor
     slot_mapping: torch.Tensor
     seq_lens: torch.Tensor
-    block_tables: torch.Tensor  # [sizes[-1], max_blocks_per_seq]
+    block_tables: torch.Tensor  # [sizes[-1], max_blocks_per_seq rounded up to 16]
     query_start_loc: torch.Tensor  # 0..sizes[-1]: one token per sequence
 
 
@@ -143,6 +143,8 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
+        if self.device.type == "cuda":  # the interpreter compiles nothing: there warm-up would only cost time
+            self.warm_up()
         self.decode_sizes: list[int] = []  # padded decode batch sizes; empty: decode steps run unpadded
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # Graphs pay where launches dominate: CUDA. The torch attention builds per-step host tensors (not
@@ -186,8 +188,7 @@ class ModelRunner:
         input_ids = []
         for seq, start, count in zip(seqs, starts, counts):
             input_ids.extend(seq.token_ids[start : start + count])
-        width = max(len(s.block_table) for s in seqs)
-        block_tables = np.zeros((len(seqs), width), dtype=np.int32)
+        block_tables = np.zeros((len(seqs), _round16(max(len(s.block_table) for s in seqs))), dtype=np.int32)
         for i, seq in enumerate(seqs):
             block_tables[i, : len(seq.block_table)] = seq.block_table
         slots = block_tables[req, positions // self.block_size].astype(np.int64) * self.block_size
@@ -222,7 +223,7 @@ class ModelRunner:
             positions=ints(0, (n,), torch.int64),
             slot_mapping=ints(dummy * self.block_size, (n,), torch.int64),
             seq_lens=ints(1, (n,), torch.int32),
-            block_tables=ints(dummy, (n, self.max_blocks_per_seq), torch.int32),
+            block_tables=ints(dummy, (n, _round16(self.max_blocks_per_seq)), torch.int32),
             query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=self.device),
         )
         self.decode_sizes = sizes
@@ -330,16 +331,13 @@ class ModelRunner:
         max_num_seqs rows of the vocabulary with every filter and logprobs on. That cache is released before
         free memory is read, so the real pool is sized from what stays in use."""
         from tiffin.engine.sampling_params import SamplingParams
-        from tiffin.engine.sequence import Sequence  # throwaway sequences only to shape the profiling batch
+        from tiffin.engine.sequence import Sequence
 
         c, max_len = self.config, self.max_model_len
         tokens = min(c.max_num_batched_tokens, c.max_num_seqs * max_len)
-        sched, self.num_blocks = SchedulerOutput(), 0
-        for length in [max_len] * (tokens // max_len) + [tokens % max_len] * (tokens % max_len > 0):
-            seq = Sequence("profile", 0, [0] * length, SamplingParams(temperature=0), 1)
-            seq.block_table = list(range(self.num_blocks, self.num_blocks + -(-length // self.block_size)))
-            self.num_blocks += len(seq.block_table)
-            sched.add(seq, length)
+        lengths = [max_len] * (tokens // max_len) + [tokens % max_len] * (tokens % max_len > 0)
+        self.num_blocks = sum(-(-n // self.block_size) for n in lengths)
+        sched = self._synthetic_step([(0, n) for n in lengths])
         probe.empty_cache()
         self._allocate_kv_cache()
         allocated = probe.memory_allocated(self.device)
@@ -360,6 +358,62 @@ class ModelRunner:
         free, total = probe.mem_get_info(self.device)
         return MemoryProfile(total, free, peak)
 
+    def _synthetic_step(self, seqs: list[tuple[int, int]]) -> SchedulerOutput:
+        """A step of throwaway sequences, one per (tokens already in the KV cache, tokens to compute), on
+        consecutive blocks that wrap around the pool (profiling and warm-up read back only finite values)."""
+        from tiffin.engine.sampling_params import SamplingParams
+        from tiffin.engine.sequence import Sequence
+
+        sched, block = SchedulerOutput(), 0
+        for computed, new in seqs:
+            seq = Sequence("synthetic", 0, [0] * (computed + new), SamplingParams(temperature=0), 1)
+            seq.num_computed_tokens = computed
+            blocks = -(-(computed + new) // self.block_size)
+            seq.block_table = [(block + i) % self.num_blocks for i in range(blocks)]
+            block += blocks
+            sched.add(seq, new)
+        return sched
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Launch every Triton kernel variant serving can, so that none compiles after the engine is ready.
+        Variants follow a step's sizes: quantized GEMM tiles and split-K by token count (all counts below the
+        dense branch, per distinct layer); attention by batch and token counts as Triton specializes them (1, a
+        multiple of 16, other) and, for decode-only steps, KV splits, which follow the batch size and the longest
+        context. LoRA kernels launch only with an adapter loaded and are not covered yet."""
+        if self.backend != "triton":
+            return
+        from tiffin.engine.models.linear import Linear
+        from tiffin.kernels.quant import DENSE_MIN_TOKENS
+        from tiffin.kernels.triton_attention import MIN_SPLIT_TOKENS
+        from tiffin.kernels.triton_common import MAX_SPLITS, num_sms
+
+        c = self.config
+        most = min(c.max_num_seqs, c.max_num_batched_tokens)
+        long = min(self.max_model_len - 1, MIN_SPLIT_TOKENS * MAX_SPLITS)  # context for the most KV splits
+        # every batch size whose programs may not fill the GPU twice (KV splits vary), then one of each
+        # specialization class; programs >= sequences, so larger batches never split
+        sizes = sorted({*range(1, 2 * num_sms(self.device) + 1), 16, 17, 32, 33} & set(range(1, most + 1)))
+        contexts = sorted({1, min(long, MIN_SPLIT_TOKENS + 1), long})  # no split, two, as many as fit
+        steps = [[(1, 1)] * (d - 1) + [(ctx, 1)] for d in sizes for ctx in contexts]
+        for tokens in (16, 17, 32, 33):  # prefill chunks, prefills after a cached prefix, mixed steps
+            for seqs in (1, 2, 16):
+                if seqs <= c.max_num_seqs and tokens <= c.max_num_batched_tokens and tokens // seqs > 1:
+                    n, extra = divmod(tokens, seqs)
+                    steps.append([(0, n + extra)] + [(0, n)] * (seqs - 1))
+                    steps.append([(1, n + extra)] + [(1, 1)] * (seqs - 1))
+        steps.append([(0, min(c.max_num_batched_tokens, self.max_model_len))])
+        for step in steps:
+            self.model(*self._prepare(self._host_batch(self._synthetic_step(step)))[:3])
+        seen = set()
+        for layer in self.model.modules():
+            shape = isinstance(layer, Linear) and (type(layer.method), layer.input_size, layer.output_size)
+            if shape and hasattr(layer, "qweight") and shape not in seen:
+                seen.add(shape)
+                x = torch.zeros(DENSE_MIN_TOKENS, layer.input_size, dtype=self.model_config.dtype, device=self.device)
+                for m in range(1, DENSE_MIN_TOKENS):
+                    layer.method.apply(layer, x[:m])
+
     def _allocate_kv_cache(self) -> None:
         """`num_blocks` blocks and the dummy one, zeroed, so that slots never written hold finite values:
         masked-out attention weights multiply them."""
@@ -369,6 +423,12 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=mc.dtype, device=self.device)
         for i, attn in enumerate(self.model.layers_kv()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
+
+def _round16(width: int) -> int:
+    """Block tables are this wide: their row stride is a kernel argument, which Triton specializes by
+    divisibility by 16, so a width that varied by step would compile new kernel variants while serving."""
+    return -(-width // 16) * 16
 
 
 def _keep_freed_memory_mapped() -> None:
