@@ -1,5 +1,5 @@
 """Paged attention and KV-cache writes: the torch implementation against a naive per-request reference, and
-the Triton kernels against the same reference under Triton's interpreter; compile_check for sm_80/sm_90.
+the Triton kernels against the same reference under Triton's interpreter; compile_check for sm_80/86/89/90.
 
 Interpreter setup: the `interpreter` fixture sets TRITON_INTERPRET=1 only while this module's kernel tests run.
 tiffin's launcher reads that variable at call time (not when `@triton.jit` runs at import), so it does not
@@ -9,6 +9,7 @@ in a subprocess with the variable removed, since it needs the real JIT path.
 
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -18,7 +19,12 @@ import torch
 from tiffin.kernels import attention, compile_check, cpu_native, paged_attention, resolve_backend, write_kv
 from tiffin.kernels import triton_attention as ta
 from tiffin.kernels import triton_common as tc
-from tiffin.kernels.attention import AttentionMetadata, paged_attention_torch, write_kv_torch
+from tiffin.kernels.attention import (
+    AttentionMetadata,
+    padding_as_first_kept,
+    paged_attention_torch,
+    write_kv_torch,
+)
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
@@ -143,15 +149,23 @@ def test_torch_decode_paths_match_naive(decode_path, dtype, group):
     assert rel_error(out, naive_attention(*batch, 0.125)) < TOLERANCE[dtype]
 
 
-def test_torch_write_kv_skips_padding_slots():
+@pytest.mark.parametrize("slots", [[17, -1, 3, 95, -1], [-1, -1, 40, 3, -1]])
+def test_torch_write_kv_skips_padding_slots(slots):
+    """On the host padding rows are dropped; on a GPU they are rewritten as the first kept row (no host read):
+    that second path runs here on CPU tensors through the same index_copy_."""
     gen = torch.Generator().manual_seed(0)
     k_cache, v_cache = torch.randn(6, 16, 2, 32, generator=gen), torch.randn(6, 16, 2, 32, generator=gen)
     key, value = torch.randn(5, 2, 32, generator=gen), torch.randn(5, 2, 32, generator=gen)
-    slots = torch.tensor([17, -1, 3, 95, -1])
+    slots = torch.tensor(slots)
     k_want, v_want = k_cache.clone().flatten(0, 1), v_cache.clone().flatten(0, 1)
     for t, s in enumerate(slots.tolist()):
         if s >= 0:
             k_want[s], v_want[s] = key[t], value[t]
+    k_dev, v_dev = k_cache.clone().flatten(0, 1), v_cache.clone().flatten(0, 1)
+    k_rows, v_rows, dev_slots = padding_as_first_kept(key, value, slots, slots >= 0)
+    assert bool((dev_slots >= 0).all())
+    k_dev.index_copy_(0, dev_slots, k_rows), v_dev.index_copy_(0, dev_slots, v_rows)
+    assert torch.equal(k_dev, k_want) and torch.equal(v_dev, v_want)
     write_kv_torch(key, value, k_cache, v_cache, slots)
     assert torch.equal(k_cache.flatten(0, 1), k_want) and torch.equal(v_cache.flatten(0, 1), v_want)
 
@@ -289,10 +303,13 @@ def test_engine_greedy_triton_equals_torch(interpreter, tiny_model, arch):
 # ---- compile check ---------------------------------------------------------------------------------------
 
 
-def test_compile_check_sm80_sm90():
+def test_compile_check_every_arch():
+    """Every registered kernel configuration (attention, quantized GEMMs, LoRA) compiles for sm_80, sm_86, sm_89
+    and sm_90 without spills and within the arch's shared memory per block, with the tiles its dispatcher picks
+    there."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, "-m", "tiffin.kernels.compile_check", "--arch", "80,90"],
+        [sys.executable, "-m", "tiffin.kernels.compile_check", "--arch", "80,86,89,90"],
         capture_output=True,
         text=True,
         env=env,
@@ -303,8 +320,34 @@ def test_compile_check_sm80_sm90():
     for dtype in ("float16", "bfloat16", "float32"):
         for head_dim in ta.HEAD_DIMS:
             for kind in ("decode", "decode split", "merge", "prefill"):
-                for _arch in ("sm_80", "sm_90"):
-                    assert f"{dtype} d={head_dim} {kind} " in proc.stdout, (dtype, head_dim, kind)
+                for arch in ("sm_80", "sm_86", "sm_89", "sm_90"):
+                    row = rf"{dtype} d={head_dim} {kind} +{arch} "
+                    assert re.search(row, proc.stdout), (dtype, head_dim, kind, arch)
+    for kernel in ("awq_gemm", "gptq_gemm", "gguf_gemm", "lora_shrink", "lora_expand"):
+        assert kernel in proc.stdout, kernel
+
+
+def test_attention_tiles_fit_each_arch():
+    """What compile_check found on sm_86/sm_89 (99 KB of shared memory per block): fp32 d=256 tiles take one
+    stage there (two need 102,400 B), and 16-bit d=64 decode three stages (two spill); sm_80/sm_90 keep theirs."""
+    for arch in (80, 90):
+        assert ta.attention_tile(256, torch.float32, False, arch).num_stages == 2
+        assert ta.attention_tile(64, torch.float16, True, arch).num_stages == 2
+    for arch in (86, 89):
+        assert ta.attention_tile(256, torch.float32, False, arch).num_stages == 1
+        assert ta.attention_tile(64, torch.bfloat16, True, arch).num_stages == 3
+        assert ta.attention_tile(64, torch.bfloat16, False, arch) == ta.attention_tile(64, torch.bfloat16, False, 80)
+
+
+def test_compile_check_limits_shared_memory_per_arch():
+    ok = dict(kernel="k", config="c", registers=64, spills=0)
+    assert compile_check.Result(arch=80, shared=102_400, **ok).ok
+    assert compile_check.Result(arch=86, shared=101_376, **ok).ok
+    over = compile_check.Result(arch=86, shared=102_400, **ok)
+    assert not over.ok and over.status == "SHARED > 101376"
+    assert not compile_check.Result(arch=90, shared=232_449, **ok).ok
+    with pytest.raises(SystemExit):
+        compile_check.main(["--arch", "75"])
 
 
 def test_compile_check_reports_failures(monkeypatch):
@@ -318,7 +361,7 @@ def test_compile_check_reports_failures(monkeypatch):
         tl.store(x_ptr + tl.arange(0, BLOCK), 1.0)  # BLOCK=3 is not a power of two
 
     x = torch.empty(4, device="meta")
-    compile_check.collect()  # import every kernel module first, so none registers into the patched registry
-    cases = {"broken": lambda: [compile_check.CompileCase(broken, "block=3", (x,), {"BLOCK": 3})]}
+    compile_check.collect(80)  # import every kernel module first, so none registers into the patched registry
+    cases = {"broken": lambda arch: [compile_check.CompileCase(broken, "block=3", (x,), {"BLOCK": 3})]}
     monkeypatch.setattr(compile_check, "_GENERATORS", cases)
     assert compile_check.main(["--arch", "90", "--jobs", "1"]) == 1

@@ -118,3 +118,25 @@ def test_engine_refuses_unsupported_checkpoint(tiny_model, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="AWQ with version 'gemv_fast' is not supported"):
         LLM(str(tmp_path), dtype="float32")
+
+
+def test_act_order_fused_layer_loads_onto_another_device():
+    """Defect seen on CUDA: the second shard's g_idx was compared with the device copy of the first. Module
+    tensors on `meta` stand in for a GPU: any read of their values, or any op mixing them with the host
+    checkpoint tensors, fails there as it fails across CUDA and CPU."""
+    import torch
+
+    from tiffin.engine.models.linear import Linear
+
+    k, group = 128, 32
+    g_idx = torch.randperm(k) % (k // group)
+    method = GPTQConfig(4, group, desc_act=True, sym=True, checkpoint_format="gptq").linear_method("qkv", "torch")
+    with torch.device("meta"):
+        layer = Linear(k, [64, 32], False, torch.float16, method)
+    for shard, n in enumerate(layer.output_sizes):
+        layer.load("qweight", torch.zeros(k // 8, n, dtype=torch.int32), shard)
+        layer.load("g_idx", g_idx, shard)
+    with pytest.raises(ValueError, match="different act-order g_idx"):
+        layer.load("g_idx", g_idx.roll(1), 1)
+    method.process_weights_after_loading(layer)
+    assert layer.perm.device.type == "meta" and layer.qweight.device.type == "meta"

@@ -75,11 +75,6 @@ FILTERS = [
 ]
 
 
-def _params_tensors(ps: list[SamplingParams]):
-    col = lambda name, dt=torch.float32: torch.tensor([getattr(p, name) for p in ps], dtype=dt)
-    return col("temperature"), col("top_k", torch.long), col("top_p"), col("min_p")
-
-
 TOP_K_ONLY = [dict(top_k=1), dict(top_k=7, temperature=0.5), dict(), dict(top_k=100), dict(top_k=3, min_p=0.2)]
 
 
@@ -87,7 +82,7 @@ TOP_K_ONLY = [dict(top_k=1), dict(top_k=7, temperature=0.5), dict(), dict(top_k=
 def test_sampling_probs_match_reference(filters):
     logits = random_logits(len(filters), 64, seed=1)
     ps = [SamplingParams(**f) for f in filters]
-    got = sampling_probs(logits, *_params_tensors(ps))
+    got = sampling_probs(logits, ps)
     for row, p, sp, f in zip(logits.tolist(), got, ps, filters):
         ref = torch.tensor(reference_probs(row, sp.temperature, sp.top_k, sp.top_p, sp.min_p))
         assert torch.equal(p > 0, ref > 0), f  # same support

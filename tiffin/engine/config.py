@@ -1,6 +1,7 @@
 """Engine settings: what the user chooses. Torch-free, so that the Bento derives its settings from these fields
 when `bentoml build` imports the service."""
 
+import re
 from dataclasses import dataclass, field
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -22,8 +23,8 @@ class EngineConfig:
     )
     revision: str | None = _setting(None, "hub revision (branch, tag or commit) of a hub id; default: main")
     tokenizer: str | None = _setting(None, "tokenizer directory; default: the model's")
-    dtype: str = _setting("auto", "float32, bfloat16 or float16; auto: the checkpoint's")
-    device: str = _setting("auto", "cpu or cuda; auto: cuda when available")
+    dtype: str = _setting("auto", "float32, bfloat16 or float16; auto: the checkpoint's (fp32 ones in bf16 on CUDA)")
+    device: str = _setting("auto", "cpu, cuda or cuda:<index>; auto: cuda when available")
     block_size: int = _setting(16, "tokens per KV cache block")
     num_kv_blocks: int | None = _setting(None, "KV cache blocks; default: what kv_cache_memory holds")
     kv_cache_memory: int | None = _setting(
@@ -34,6 +35,9 @@ class EngineConfig:
     max_num_batched_tokens: int = _setting(4096, "tokens one step may compute, prefill chunks and decodes together")
     max_model_len: int | None = _setting(None, "context length; default: the model's")
     kernel_backend: str = _setting("auto", "torch or triton; auto: triton on CUDA, torch on CPU")
+    enforce_eager: bool = _setting(
+        False, "no CUDA graphs: decode steps launch every kernel from Python (graphs are captured on CUDA only)"
+    )
     enable_prefix_caching: bool = _setting(True, "reuse the KV blocks of prompt prefixes seen before")
     seed: int = _setting(0, "seed of the random stream shared by requests that set none")
     enable_lora: bool = _setting(False, "serve LoRA adapters")
@@ -52,8 +56,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be 'auto' or one of {list(DTYPE_NAMES)}, got {self.dtype!r}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:<index>', got {self.device!r}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:

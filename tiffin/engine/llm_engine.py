@@ -22,7 +22,7 @@ from tiffin.engine.grammar import GrammarBackend, GrammarState
 from tiffin.engine.lora import LoRAModel, LoRARegistry, LoRARequest, parse_roots
 from tiffin.engine.model_runner import ModelRunner
 from tiffin.engine.model_source import load_tokenizer, resolve_model_path
-from tiffin.engine.models.config import DTYPES
+from tiffin.engine.models.config import resolve_dtype
 from tiffin.engine.models.gguf_checkpoint import find_gguf, open_gguf
 from tiffin.engine.models.registry import get_model_config
 from tiffin.engine.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
@@ -59,8 +59,7 @@ class LLMEngine:
         config = dataclasses.replace(config, model=resolve_model_path(config.model, config.revision))
         self.config = config
         self.model_config = get_model_config(config.model)
-        if config.dtype != "auto":  # the user's dtype overrides the checkpoint's
-            self.model_config.dtype = DTYPES[config.dtype]
+        self.model_config.dtype = resolve_dtype(config.dtype, self.model_config.dtype, config.torch_device)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.max_model_len = self._max_model_len()
         self.max_prompt_chars = PROMPT_CHARS_SLACK * self.max_model_len * max(map(len, self.tokenizer.get_vocab()))

@@ -1,9 +1,13 @@
 """Turns a SchedulerOutput into one flattened forward pass, then samples."""
 
+import bisect
 import ctypes
+import itertools
 import os
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -19,6 +23,93 @@ from tiffin.engine.sampler import Sampler, SamplerOutput
 from tiffin.engine.scheduler import SchedulerOutput
 
 CPU_KV_CACHE_CAP = 4 << 30  # bytes; like vLLM's CPU backend default
+GiB = 1 << 30
+MAX_GRAPH_BATCH = 512  # like vLLM: larger decode batches are compute-bound, launch overhead no longer shows
+
+
+def decode_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Sizes decode steps are padded to (a CUDA graph each): 1, 2, 4, 8, then every 8, up to the first that holds
+    min(max_num_seqs, 512) sequences."""
+    top, sizes = min(max_num_seqs, MAX_GRAPH_BATCH), []
+    for size in itertools.chain((1, 2, 4), itertools.count(8, 8)):
+        sizes.append(size)
+        if size >= top:
+            return sizes
+
+
+@dataclass
+class HostBatch:
+    """One step's flattened batch as host arrays (see the design's step data flow)."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slots: np.ndarray
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    block_tables: np.ndarray
+    counts: np.ndarray  # tokens scheduled per sequence
+    logits_indices: np.ndarray
+
+
+@dataclass
+class DecodeBuffers:
+    """Inputs of padded decode steps, filled in place every step: CUDA graphs read these very tensors."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor  # [sizes[-1], max_blocks_per_seq rounded up to 16]
+    query_start_loc: torch.Tensor  # 0..sizes[-1]: one token per sequence
+
+
+@dataclass(frozen=True)
+class MemoryProbe:
+    """The device memory readings KV sizing takes; unit tests pass fakes to check the arithmetic with no GPU."""
+
+    mem_get_info: Callable[[torch.device], tuple[int, int]]  # (free, total) bytes, other processes' use counted
+    memory_allocated: Callable[[torch.device], int]
+    max_memory_allocated: Callable[[torch.device], int]
+    reset_peak_memory_stats: Callable[[torch.device], None]
+    synchronize: Callable[[torch.device], None]
+    empty_cache: Callable[[], None]
+
+
+CUDA_MEMORY = MemoryProbe(
+    torch.cuda.mem_get_info,
+    torch.cuda.memory_allocated,
+    torch.cuda.max_memory_allocated,
+    torch.cuda.reset_peak_memory_stats,
+    torch.cuda.synchronize,
+    torch.cuda.empty_cache,
+)
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """Bytes measured by the profiling step."""
+
+    total: int  # the device's memory
+    free: int  # free after it, with the weights loaded and its KV released (CUDA context, other processes: used)
+    peak: int  # what its forward and sampler pass allocated at most on top of what stays allocated
+
+    def kv_blocks(self, utilization: float, bytes_per_block: int, max_blocks_per_seq: int) -> int:
+        """Blocks of what `utilization` of the device leaves once what is in use and the largest step's
+        activations are counted; ValueError naming the numbers when that is not one max_model_len sequence."""
+        budget = int(self.total * utilization)
+        in_use = self.total - self.free
+        left = budget - in_use - self.peak
+        blocks = max(left, 0) // bytes_per_block
+        if blocks < max_blocks_per_seq:
+            raise ValueError(
+                f"max_model_len needs {max_blocks_per_seq} KV blocks ({max_blocks_per_seq * bytes_per_block / GiB:.2f} "
+                f"GiB) for one sequence, but gpu_memory_utilization {utilization} of the device's "
+                f"{self.total / GiB:.2f} GiB ({budget / GiB:.2f} GiB), less {in_use / GiB:.2f} GiB in use (weights, "
+                f"CUDA context, other processes) and {self.peak / GiB:.2f} GiB for the largest step's activations, "
+                f"leaves {left / GiB:.2f} GiB: lower max_model_len or max_num_batched_tokens, or raise "
+                f"gpu_memory_utilization"
+            )
+        return blocks
 
 
 class ModelRunner:
@@ -32,6 +123,9 @@ class ModelRunner:
         self.config, self.model_config = config, model_config
         self.device = config.torch_device
         self.thread_tuner = None
+        if self.device.type == "cuda" and self.device.index is not None:
+            # Triton launches on the current device: cuda:1's tensors must not meet cuda:0's kernels
+            torch.cuda.set_device(self.device)
         if self.device.type == "cpu":
             _keep_freed_memory_mapped()
             kernels.cpu_native.library()  # built (or found in the cache) now, not during the first request
@@ -46,23 +140,43 @@ class ModelRunner:
             else None
         )
         self.sampler = Sampler(eos_token_ids, config.seed)
+        self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
+        if self.device.type == "cuda":  # the interpreter compiles nothing: there warm-up would only cost time
+            self.warm_up()
+        self.decode_sizes: list[int] = []  # padded decode batch sizes; empty: decode steps run unpadded
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Graphs pay where launches dominate: CUDA. The torch attention builds per-step host tensors (not
+        # capturable); LoRA metadata is not in persistent buffers yet. CPU keeps unpadded steps (padding is work).
+        if (
+            self.device.type == "cuda"
+            and self.backend == "triton"
+            and not config.enforce_eager
+            and not config.enable_lora
+        ):
+            self.init_decode_batches(decode_batch_sizes(config.max_num_seqs))
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> SamplerOutput:
         start = time.perf_counter()
         bitmask = fill_bitmask(sched.sampling_seqs, self.model_config.vocab_size)  # filled while the forward runs
-        input_ids, positions, md, logits_indices = self._prepare(sched)
-        hidden = self.model(input_ids, positions, md)
+        batch = self._host_batch(sched)
+        size = self._decode_size(sched)
+        if size:
+            hidden = self._run_decode(size, batch)
+            logits_indices = self._to_device(batch.logits_indices, torch.int64)
+        else:
+            input_ids, positions, md, logits_indices = self._prepare(batch)
+            hidden = self.model(input_ids, positions, md)
         logits = self.model.compute_logits(hidden[logits_indices]).float()
         out = self.sampler(logits, sched.sampling_seqs, bitmask)
         if self.thread_tuner is not None:
-            self.thread_tuner.record(time.perf_counter() - start, len(input_ids))
+            self.thread_tuner.record(time.perf_counter() - start, len(batch.input_ids))
         return out
 
-    def _prepare(self, sched: SchedulerOutput):
+    def _host_batch(self, sched: SchedulerOutput) -> HostBatch:
         seqs, counts = sched.seqs, np.array(sched.num_scheduled_tokens)
         starts = np.array([s.num_computed_tokens for s in seqs])
         seq_lens = starts + counts
@@ -75,77 +189,247 @@ class ModelRunner:
         input_ids = []
         for seq, start, count in zip(seqs, starts, counts):
             input_ids.extend(seq.token_ids[start : start + count])
-        width = max(len(s.block_table) for s in seqs)
-        block_tables = np.zeros((len(seqs), width), dtype=np.int32)
+        block_tables = np.zeros((len(seqs), _round16(max(len(s.block_table) for s in seqs))), dtype=np.int32)
         for i, seq in enumerate(seqs):
             block_tables[i, : len(seq.block_table)] = seq.block_table
         slots = block_tables[req, positions // self.block_size].astype(np.int64) * self.block_size
         slots += positions % self.block_size
-        to = lambda a, dtype: torch.from_numpy(np.ascontiguousarray(a)).to(self.device, dtype)
-        md = kernels.AttentionMetadata(
-            slot_mapping=to(slots, torch.int64),
-            query_start_loc=to(query_start_loc, torch.int32),
-            seq_lens=to(seq_lens, torch.int32),
-            block_tables=to(block_tables, torch.int32),
-            query_start_loc_cpu=query_start_loc.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
-            max_query_len=int(counts.max()),
-            max_seq_len=int(seq_lens.max()),
+        logits_indices = query_start_loc[1:][np.array(sched.sampling)] - 1
+        return HostBatch(
+            np.array(input_ids), positions, slots, query_start_loc, seq_lens, block_tables, counts, logits_indices
         )
-        sampling = np.array(sched.sampling)
-        logits_indices = query_start_loc[1:][sampling] - 1
-        return to(np.array(input_ids), torch.int64), to(positions, torch.int64), md, to(logits_indices, torch.int64)
+
+    def _prepare(self, b: HostBatch):
+        to = self._to_device
+        md = kernels.AttentionMetadata(
+            slot_mapping=to(b.slots, torch.int64),
+            query_start_loc=to(b.query_start_loc, torch.int32),
+            seq_lens=to(b.seq_lens, torch.int32),
+            block_tables=to(b.block_tables, torch.int32),
+            query_start_loc_cpu=b.query_start_loc.tolist(),
+            seq_lens_cpu=b.seq_lens.tolist(),
+            max_query_len=int(b.counts.max()),
+            max_seq_len=int(b.seq_lens.max()),
+        )
+        return to(b.input_ids, torch.int64), to(b.positions, torch.int64), md, to(b.logits_indices, torch.int64)
+
+    def init_decode_batches(self, sizes: list[int]) -> None:
+        """Pad decode-only steps of up to `sizes[-1]` sequences to the next of `sizes`, through persistent input
+        buffers (`DecodeBuffers`); on CUDA, capture one graph per size. Padding rows run token 0 at position 0
+        into the dummy KV block; their outputs are never read."""
+        n, dummy = sizes[-1], self.num_blocks  # the block past the pool (`_allocate_kv_cache`)
+        ints = lambda fill, shape, dtype: torch.full(shape, fill, dtype=dtype, device=self.device)  # noqa: E731
+        self.decode_buffers = DecodeBuffers(
+            input_ids=ints(0, (n,), torch.int64),
+            positions=ints(0, (n,), torch.int64),
+            slot_mapping=ints(dummy * self.block_size, (n,), torch.int64),
+            seq_lens=ints(1, (n,), torch.int32),
+            block_tables=ints(dummy, (n, _round16(self.max_blocks_per_seq)), torch.int32),
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=self.device),
+        )
+        self.decode_sizes = sizes
+        if self.device.type == "cuda":
+            self._capture_graphs()
+
+    def _decode_size(self, sched: SchedulerOutput) -> int:
+        """The padded size of a decode-only step, or 0 when it runs unpadded."""
+        n = len(sched.seqs)
+        if not self.decode_sizes or n > self.decode_sizes[-1] or max(sched.num_scheduled_tokens) > 1:
+            return 0
+        return self.decode_sizes[bisect.bisect_left(self.decode_sizes, n)]
+
+    def _run_decode(self, size: int, b: HostBatch) -> torch.Tensor:
+        """Fill the persistent buffers in place (stale block-table columns past this step's width are never
+        read: no row's context reaches them), then replay the size's graph or, on CPU, run the same inputs."""
+        buf, pad, width = self.decode_buffers, size - len(b.seq_lens), b.block_tables.shape[1]
+        dummy = self.num_blocks
+        stage = (
+            lambda dst, a, fill: dst.copy_(  # noqa: E731
+                self._host(np.concatenate([a, np.full((pad, *a.shape[1:]), fill, a.dtype)]), dst.dtype),
+                non_blocking=True,
+            )
+        )
+        stage(buf.input_ids[:size], b.input_ids, 0)
+        stage(buf.positions[:size], b.positions, 0)
+        stage(buf.slot_mapping[:size], b.slots, dummy * self.block_size)
+        stage(buf.seq_lens[:size], b.seq_lens, 1)
+        stage(buf.block_tables[:size, :width], b.block_tables, dummy)
+        if size in self.graphs:
+            graph, hidden = self.graphs[size]
+            graph.replay()
+            return hidden
+        seq_lens = b.seq_lens.tolist() + [1] * pad
+        return self.model(buf.input_ids[:size], buf.positions[:size], self._decode_metadata(size, seq_lens))
+
+    def _decode_metadata(self, size: int, seq_lens: list[int]) -> kernels.AttentionMetadata:
+        """Views of the persistent buffers. max_seq_len is max_model_len's, whatever the step's contexts: the
+        attention grid (KV splits) then depends on the size alone, as a graph replay needs."""
+        buf = self.decode_buffers
+        return kernels.AttentionMetadata(
+            slot_mapping=buf.slot_mapping[:size],
+            query_start_loc=buf.query_start_loc[: size + 1],
+            seq_lens=buf.seq_lens[:size],
+            block_tables=buf.block_tables[:size],
+            query_start_loc_cpu=list(range(size + 1)),
+            seq_lens_cpu=seq_lens,
+            max_query_len=1,
+            max_seq_len=self.max_blocks_per_seq * self.block_size,
+        )
+
+    @torch.inference_mode()
+    def _capture_graphs(self) -> None:
+        """Largest size first, so that the smaller graphs reuse its memory pool. Each size runs once eagerly
+        first: Triton compiles and cuBLAS picks its kernels outside the capture."""
+        buf, pool = self.decode_buffers, None
+        for size in reversed(self.decode_sizes):
+            md = self._decode_metadata(size, [1] * size)
+            ids, pos = buf.input_ids[:size], buf.positions[:size]
+            self.model(ids, pos, md)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden = self.model(ids, pos, md)
+            pool = graph.pool()
+            self.graphs[size] = graph, hidden
+
+    def _host(self, a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        """`a` as a host tensor: pinned on CUDA, so that copies from it do not block the host (the caching host
+        allocator keeps the pinned block until the copy is done); on CPU the array itself when it has the dtype."""
+        t = torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
+        return t if self.device.type == "cpu" else t.pin_memory()
+
+    def _to_device(self, a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return self._host(a, dtype).to(self.device, non_blocking=True)
 
     def _bytes_per_block(self) -> int:
         mc = self.model_config
         return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * mc.dtype.itemsize
 
     def _num_kv_blocks(self) -> int:
-        """`num_kv_blocks`, else what `kv_cache_memory` holds, else a default share of the device's memory;
-        never more than max_num_seqs sequences of max_model_len could use."""
+        """`num_kv_blocks`, else what `kv_cache_memory` holds, else what `gpu_memory_utilization` of the GPU
+        leaves (a default share of RAM on CPU); never more than max_num_seqs sequences of max_model_len use."""
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
+        most = self.config.max_num_seqs * self.max_blocks_per_seq
+        if self.config.kv_cache_memory is None and self.device.type == "cuda":
+            profile = self._profile_memory(CUDA_MEMORY)
+            return min(
+                profile.kv_blocks(self.config.gpu_memory_utilization, self._bytes_per_block(), self.max_blocks_per_seq),
+                most,
+            )
         memory = self.config.kv_cache_memory
         if memory is None:
-            memory = self._default_kv_memory()
-        blocks = min(memory // self._bytes_per_block(), self.config.max_num_seqs * self.max_blocks_per_seq)
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            memory = min(CPU_KV_CACHE_CAP, available // 4)
+        blocks = min(memory // self._bytes_per_block(), most)
         if blocks < 1:
             raise ValueError(f"KV cache memory of {memory} bytes holds no block of {self._bytes_per_block()} bytes")
         return int(blocks)
 
-    def _default_kv_memory(self) -> int:
-        if self.device.type == "cuda":
-            return self._profile_cuda_memory()
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        return min(CPU_KV_CACHE_CAP, available // 4)
-
-    def _profile_cuda_memory(self) -> int:
-        """What `gpu_memory_utilization` of the GPU leaves after the weights and a forward of the largest step."""
-        torch.cuda.reset_peak_memory_stats()
-        tokens = min(self.config.max_num_batched_tokens, self.max_blocks_per_seq * self.block_size)
-        self.num_blocks = self.max_blocks_per_seq
-        self._allocate_kv_cache()
+    def _profile_memory(self, probe: MemoryProbe) -> MemoryProfile:
+        """Runs the largest step on a KV cache of just the blocks it needs: a forward of max_num_batched_tokens
+        tokens (sequences of at most max_model_len, at most max_num_seqs of them), then a sampler pass over
+        max_num_seqs rows of the vocabulary with every filter and logprobs on. That cache is released before
+        free memory is read, so the real pool is sized from what stays in use."""
         from tiffin.engine.sampling_params import SamplingParams
-        from tiffin.engine.sequence import Sequence  # a throwaway sequence only to shape the profiling batch
+        from tiffin.engine.sequence import Sequence
 
-        seq = Sequence("profile", 0, [0] * tokens, SamplingParams(temperature=0), 1)
-        seq.block_table = list(range(-(-tokens // self.block_size)))
-        sched = SchedulerOutput()
-        sched.add(seq, tokens)
-        self.execute(sched)
-        peak = torch.cuda.max_memory_allocated()
+        c, max_len = self.config, self.max_model_len
+        tokens = min(c.max_num_batched_tokens, c.max_num_seqs * max_len)
+        lengths = [max_len] * (tokens // max_len) + [tokens % max_len] * (tokens % max_len > 0)
+        self.num_blocks = sum(-(-n // self.block_size) for n in lengths)
+        sched = self._synthetic_step([(0, n) for n in lengths])
+        probe.empty_cache()
+        self._allocate_kv_cache()
+        allocated = probe.memory_allocated(self.device)
+        probe.reset_peak_memory_stats(self.device)
+        with torch.inference_mode():
+            input_ids, positions, md, logits_indices = self._prepare(self._host_batch(sched))
+            self.model.compute_logits(self.model(input_ids, positions, md)[logits_indices]).float()
+            del input_ids, positions, md, logits_indices
+            params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01, logprobs=1)
+            seqs = [Sequence("profile", i, [0], params, 1) for i in range(c.max_num_seqs)]
+            self.sampler(torch.zeros(len(seqs), self.model_config.vocab_size, device=self.device), seqs)
+        probe.synchronize(self.device)
+        peak = probe.max_memory_allocated(self.device) - allocated
         del self.kv_cache
-        torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        return max(int(total * self.config.gpu_memory_utilization) - peak, 0)
+        for attn in self.model.layers_kv():
+            attn.k_cache = attn.v_cache = torch.empty(0)
+        probe.empty_cache()
+        free, total = probe.mem_get_info(self.device)
+        return MemoryProfile(total, free, peak)
+
+    def _synthetic_step(self, seqs: list[tuple[int, int]]) -> SchedulerOutput:
+        """A step of throwaway sequences, one per (tokens already in the KV cache, tokens to compute), on
+        consecutive blocks that wrap around the pool (profiling and warm-up read back only finite values)."""
+        from tiffin.engine.sampling_params import SamplingParams
+        from tiffin.engine.sequence import Sequence
+
+        sched, block = SchedulerOutput(), 0
+        for computed, new in seqs:
+            seq = Sequence("synthetic", 0, [0] * (computed + new), SamplingParams(temperature=0), 1)
+            seq.num_computed_tokens = computed
+            blocks = -(-(computed + new) // self.block_size)
+            seq.block_table = [(block + i) % self.num_blocks for i in range(blocks)]
+            block += blocks
+            sched.add(seq, new)
+        return sched
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Launch every Triton kernel variant serving can, so that none compiles after the engine is ready.
+        Variants follow a step's sizes: quantized GEMM tiles and split-K by token count (all counts below the
+        dense branch, per distinct layer); attention by batch and token counts as Triton specializes them (1, a
+        multiple of 16, other) and, for decode-only steps, KV splits, which follow the batch size and the longest
+        context. LoRA kernels launch only with an adapter loaded and are not covered yet."""
+        if self.backend != "triton":
+            return
+        from tiffin.engine.models.linear import Linear
+        from tiffin.kernels.quant import DENSE_MIN_TOKENS
+        from tiffin.kernels.triton_attention import MIN_SPLIT_TOKENS
+        from tiffin.kernels.triton_common import MAX_SPLITS, num_sms
+
+        c = self.config
+        most = min(c.max_num_seqs, c.max_num_batched_tokens)
+        long = min(self.max_model_len - 1, MIN_SPLIT_TOKENS * MAX_SPLITS)  # context for the most KV splits
+        # every batch size whose programs may not fill the GPU twice (KV splits vary), then one of each
+        # specialization class; programs >= sequences, so larger batches never split
+        sizes = sorted({*range(1, 2 * num_sms(self.device) + 1), 16, 17, 32, 33} & set(range(1, most + 1)))
+        contexts = sorted({1, min(long, MIN_SPLIT_TOKENS + 1), long})  # no split, two, as many as fit
+        steps = [[(1, 1)] * (d - 1) + [(ctx, 1)] for d in sizes for ctx in contexts]
+        for tokens in (16, 17, 32, 33):  # prefill chunks, prefills after a cached prefix, mixed steps
+            for seqs in (1, 2, 16):
+                if seqs <= c.max_num_seqs and tokens <= c.max_num_batched_tokens and tokens // seqs > 1:
+                    n, extra = divmod(tokens, seqs)
+                    steps.append([(0, n + extra)] + [(0, n)] * (seqs - 1))
+                    steps.append([(1, n + extra)] + [(1, 1)] * (seqs - 1))
+        steps.append([(0, min(c.max_num_batched_tokens, self.max_model_len))])
+        for step in steps:
+            self.model(*self._prepare(self._host_batch(self._synthetic_step(step)))[:3])
+        seen = set()
+        for layer in self.model.modules():
+            shape = isinstance(layer, Linear) and (type(layer.method), layer.input_size, layer.output_size)
+            if shape and hasattr(layer, "qweight") and shape not in seen:
+                seen.add(shape)
+                x = torch.zeros(DENSE_MIN_TOKENS, layer.input_size, dtype=self.model_config.dtype, device=self.device)
+                for m in range(1, DENSE_MIN_TOKENS):
+                    layer.method.apply(layer, x[:m])
 
     def _allocate_kv_cache(self) -> None:
-        """Zeroed, so that slots never written hold finite values: masked-out attention weights multiply them."""
+        """`num_blocks` blocks and the dummy one, zeroed, so that slots never written hold finite values:
+        masked-out attention weights multiply them."""
         mc = self.model_config
-        shape = (2, mc.num_layers, self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        # one block past the pool: padded decode rows write there (`init_decode_batches`)
+        shape = (2, mc.num_layers, self.num_blocks + 1, self.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=mc.dtype, device=self.device)
         for i, attn in enumerate(self.model.layers_kv()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
+
+def _round16(width: int) -> int:
+    """Block tables are this wide: their row stride is a kernel argument, which Triton specializes by
+    divisibility by 16, so a width that varied by step would compile new kernel variants while serving."""
+    return -(-width // 16) * 16
 
 
 def _keep_freed_memory_mapped() -> None:

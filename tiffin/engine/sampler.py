@@ -60,15 +60,8 @@ class Sampler:
         sampled = logits.max(-1).indices  # same first-max index as argmax, which runs ~8x slower on CPU
         rows = [i for i, p in enumerate(params) if p.temperature >= _GREEDY_EPS]
         if rows:
-            sub = [params[i] for i in rows]
             idx = torch.tensor(rows, device=logits.device)
-            probs = sampling_probs(
-                logits[idx],
-                _column(sub, "temperature", logits),
-                _column(sub, "top_k", logits, torch.long),
-                _column(sub, "top_p", logits),
-                _column(sub, "min_p", logits),
-            )
+            probs = sampling_probs(logits[idx], [params[i] for i in rows])
             sampled[idx] = self._race(probs, [seqs[i].generator for i in rows])
         token_ids = sampled.tolist()
         logprobs = [None] * len(seqs) if raw_logprobs is None else _gather_logprobs(raw_logprobs, sampled, params)
@@ -150,29 +143,26 @@ def apply_penalties(
     )
 
 
-def sampling_probs(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
-) -> torch.Tensor:
-    """The distribution a non-greedy row samples from; parameters are [B] tensors (top_k 0 = off)."""
-    logits = logits / temperature[:, None]
-    if (min_p > 0).any():
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each non-greedy row samples from (top_k 0 = off). Which filters run is decided from
+    `params` on the host: reading the parameter tensors back would stall a GPU every step."""
+    logits = logits / _column(params, "temperature", logits)[:, None]
+    if any(p.min_p > 0 for p in params):
         probs = logits.softmax(-1)
+        min_p = _column(params, "min_p", logits)
         logits = logits.masked_fill(probs < probs.amax(-1, keepdim=True) * min_p[:, None], -torch.inf)
-    if (top_p < 1).any():
-        logits = _top_k_top_p(logits, top_k, top_p)
-    elif (top_k > 0).any():
-        logits = _top_k(logits, top_k)
+    top_k = _column(params, "top_k", logits, torch.long)
+    if any(p.top_p < 1 for p in params):
+        logits = _top_k_top_p(logits, top_k, _column(params, "top_p", logits))
+    elif (max_k := max(p.top_k for p in params)) > 0:
+        logits = _top_k(logits, top_k, max_k)
     return logits.softmax(-1)
 
 
-def _top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+def _top_k(logits: torch.Tensor, top_k: torch.Tensor, max_k: int) -> torch.Tensor:
     """Top-k alone needs only the largest k values, far cheaper than the full sort top-p needs."""
     k = top_k.clamp(max=logits.shape[1])
-    kth = logits.topk(int(k.max()), -1).values.gather(1, (k - 1).clamp(min=0)[:, None])
+    kth = logits.topk(min(max_k, logits.shape[1]), -1).values.gather(1, (k - 1).clamp(min=0)[:, None])
     kth = kth.masked_fill((k == 0)[:, None], -torch.inf)
     return logits.masked_fill(logits < kth, -torch.inf)  # ties with the k-th largest stay in
 

@@ -37,10 +37,20 @@ class AttentionMetadata:
 def write_kv_torch(key, value, k_cache, v_cache, slot_mapping) -> None:
     """Scatter this step's `key`/`value` `[T, num_kv_heads, head_dim]` into the paged caches."""
     keep = slot_mapping >= 0
-    if not bool(keep.all()):
+    if not slot_mapping.is_cpu:
+        key, value, slot_mapping = padding_as_first_kept(key, value, slot_mapping, keep)
+    elif not bool(keep.all()):  # reading `keep` is free on the host, and dropping rows beats copying them
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def padding_as_first_kept(key, value, slot_mapping, keep):
+    """Padding rows become copies of the first kept row: its slot is then written twice with the same values,
+    which needs no host read of `keep` (a stall per layer on a GPU). A step writes at least one token."""
+    first = keep.to(torch.uint8).argmax()
+    rows = torch.where(keep, torch.arange(len(keep), device=keep.device), first)
+    return key[rows], value[rows], slot_mapping[rows]
 
 
 @dataclass

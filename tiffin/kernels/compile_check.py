@@ -1,21 +1,25 @@
 """Compile every Triton kernel configuration the dispatchers can launch for real GPU targets, without a GPU.
 
-    python -m tiffin.kernels.compile_check --arch 80,90
+    python -m tiffin.kernels.compile_check --arch 80,86,89,90
 
 prints one row per (kernel, config, arch) with registers, shared memory and spilled bytes, and exits non-zero
-if any compile fails or spills. Code generation is Triton's own JIT path: each case's example launch
-arguments are specialized exactly as a real launch would be (dtypes, 16-divisibility of pointers and ints),
-then compiled by `triton.compile` for `GPUTarget("cuda", arch, 32)`. Registers and spills are read from the
-cubin with the wheel's cuobjdump (spills are the per-thread stack/local bytes, Triton's `n_spills` x 4).
+if any compile fails, spills, or needs more shared memory than one block of that arch may have (a launch there
+would fail). Dispatchers may pick tiles per arch (`triton_common.arch`): cases are generated per arch, so the
+configuration checked for an arch is the one launched on it.
+
+Code generation is Triton's own JIT path: each case's example launch arguments are specialized exactly as a
+real launch would be (dtypes, 16-divisibility of pointers and ints), then compiled by `triton.compile` for
+`GPUTarget("cuda", arch, 32)`. Registers and spills are read from the cubin with the wheel's cuobjdump (spills
+are the per-thread stack/local bytes, Triton's `n_spills` x 4).
 
 Registering a kernel: put its module in `tiffin/kernels/` (every module there is imported) and decorate a
-generator of cases. Build the cases with the same code that builds real launches, on "meta" tensors, so the
-check cannot drift from what the dispatcher runs:
+generator of one arch's cases. Build the cases with the same code that builds real launches, on "meta" tensors,
+so the check cannot drift from what the dispatcher runs:
 
     from tiffin.kernels.compile_check import CompileCase, register
 
     @register("awq_gemm")
-    def _compile_cases():
+    def _compile_cases(arch: int):
         for ...:
             yield CompileCase(kernel, "fp16 group=128 tile=64x64", args, kwargs)
 """
@@ -33,7 +37,11 @@ import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-_GENERATORS: dict[str, Callable[[], Iterable["CompileCase"]]] = {}
+_GENERATORS: dict[str, Callable[[int], Iterable["CompileCase"]]] = {}
+
+# Shared memory one block may opt in to, bytes: the SM's carve-out less the 1 KB CUDA reserves per block
+# (CUDA C++ Programming Guide, compute capabilities: 8.0 164 KB per SM, 8.6/8.9 100 KB, 9.0 228 KB).
+SHARED_MEMORY_PER_BLOCK = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 
 
 @dataclass(frozen=True)
@@ -55,14 +63,26 @@ class Result:
     error: str = ""
 
     @property
+    def over_shared(self) -> bool:
+        return self.shared > SHARED_MEMORY_PER_BLOCK[self.arch]
+
+    @property
     def ok(self) -> bool:
-        return not self.error and self.spills == 0
+        return not self.error and self.spills == 0 and not self.over_shared
+
+    @property
+    def status(self) -> str:
+        if self.error:
+            return self.error
+        problems = ["SPILLS"] * (self.spills > 0)
+        problems += [f"SHARED > {SHARED_MEMORY_PER_BLOCK[self.arch]}"] * self.over_shared
+        return " ".join(problems) or "ok"
 
 
 def register(name: str) -> Callable:
-    """Decorator: `name`'s cases come from the decorated zero-argument generator."""
+    """Decorator: `name`'s cases for an arch come from the decorated generator, called with the arch."""
 
-    def decorate(generate: Callable[[], Iterable[CompileCase]]) -> Callable:
+    def decorate(generate: Callable[[int], Iterable[CompileCase]]) -> Callable:
         if name in _GENERATORS:
             raise ValueError(f"compile_check: kernel {name!r} registered twice")
         _GENERATORS[name] = generate
@@ -71,14 +91,22 @@ def register(name: str) -> Callable:
     return decorate
 
 
-def collect() -> list[tuple[str, CompileCase]]:
-    """Import every kernel module, then every registered (name, case)."""
+def collect(arch: int, kernels: Iterable[str] | None = None) -> list[tuple[str, CompileCase]]:
+    """Import every kernel module, then every registered (name, case) for `arch` (of `kernels`; None: all)."""
     import tiffin.kernels
 
     for module in pkgutil.iter_modules(tiffin.kernels.__path__):
         if module.name != "compile_check":
             importlib.import_module(f"tiffin.kernels.{module.name}")
-    return [(name, case) for name, generate in _GENERATORS.items() for case in generate()]
+    unknown = set(kernels or ()) - set(_GENERATORS)
+    if unknown:
+        raise ValueError(f"compile_check: no kernel named {sorted(unknown)}; registered: {sorted(_GENERATORS)}")
+    return [
+        (name, case)
+        for name, generate in _GENERATORS.items()
+        if kernels is None or name in kernels
+        for case in generate(arch)
+    ]
 
 
 def compile_case(name: str, case: CompileCase, arch: int) -> Result:
@@ -121,18 +149,18 @@ def _resource_usage(cubin: bytes) -> tuple[int, int]:
     return int(usage["REG"]), int(usage.get("STACK", 0)) + int(usage.get("LOCAL", 0))
 
 
-_CASES: list[tuple[str, CompileCase]] = []  # filled before the worker pool forks
+_CASES: list[tuple[str, CompileCase, int]] = []  # filled before the worker pool forks
 
 
-def _compile_indexed(job: tuple[int, int]) -> Result:
-    index, arch = job
-    return compile_case(*_CASES[index], arch)
+def _compile_indexed(index: int) -> Result:
+    return compile_case(*_CASES[index])
 
 
-def run(archs: Iterable[int], jobs: int = 0) -> list[Result]:
-    """Compile every registered case for every arch, `jobs` processes at a time (0: one per CPU)."""
-    _CASES[:] = collect()
-    work = [(i, arch) for arch in archs for i in range(len(_CASES))]
+def run(archs: Iterable[int], jobs: int = 0, kernels: Iterable[str] | None = None) -> list[Result]:
+    """Compile every registered case (of `kernels`; None: all) for every arch, `jobs` processes at a time
+    (0: one per CPU)."""
+    _CASES[:] = [(name, case, arch) for arch in archs for name, case in collect(arch, kernels)]
+    work = range(len(_CASES))
     jobs = jobs or os.cpu_count() or 1
     if jobs == 1:
         return [_compile_indexed(job) for job in work]
@@ -143,27 +171,29 @@ def run(archs: Iterable[int], jobs: int = 0) -> list[Result]:
 def format_table(results: list[Result]) -> str:
     rows = [("kernel", "config", "arch", "regs", "shared", "spills", "status")]
     for r in results:
-        status = "ok" if r.ok else (r.error or "SPILLS")
-        rows.append((r.kernel, r.config, f"sm_{r.arch}", str(r.registers), str(r.shared), str(r.spills), status))
+        rows.append((r.kernel, r.config, f"sm_{r.arch}", str(r.registers), str(r.shared), str(r.spills), r.status))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1] for row in rows)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--arch", default="80,90", help="comma-separated compute capabilities, e.g. 80,90")
+    parser.add_argument("--arch", default="80,86,89,90", help="comma-separated compute capabilities")
     parser.add_argument("--jobs", type=int, default=0, help="parallel compiles (default: one per CPU)")
+    parser.add_argument("--kernels", help="comma-separated registered kernel names (default: all)")
     args = parser.parse_args(argv)
     try:
         archs = [int(a) for a in args.arch.split(",")]
     except ValueError:
         parser.error(f"--arch must be comma-separated integers, got {args.arch!r}")
+    if unknown := [a for a in archs if a not in SHARED_MEMORY_PER_BLOCK]:
+        parser.error(f"--arch {unknown}: known archs are {sorted(SHARED_MEMORY_PER_BLOCK)}")
     # Triton 3.9 warns once per process that its fp-fusion default will change; the check mirrors the default.
     warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
-    results = run(archs, args.jobs)
+    results = run(archs, args.jobs, args.kernels and args.kernels.split(","))
     print(format_table(results))
     failed = [r for r in results if not r.ok]
-    print(f"{len(results) - len(failed)}/{len(results)} compiled without spills")
+    print(f"{len(results) - len(failed)}/{len(results)} compiled without spills within shared memory")
     return 1 if failed or not results else 0
 
 

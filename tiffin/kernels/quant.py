@@ -18,6 +18,9 @@ import torch
 
 from tiffin.kernels.dispatch import implements, kernel
 
+# From this many rows on the GEMM is compute-bound: dequantizing the weight once and a dense matmul (cuBLAS on a
+# GPU) beats re-dequantizing tiles in every program of the fused kernel; vLLM switches at the same size.
+DENSE_MIN_TOKENS = 256
 AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)  # nibble of a packed word that holds output column c % 8
 QUANT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -92,7 +95,7 @@ def awq_gemm(
 ) -> torch.Tensor:
     """`x [M, K]` @ the AWQ weight -> `[M, N]` in x's dtype (fp32 accumulation on the Triton path)."""
     _check_quant_args(x, qweight.shape[0], scales)
-    return kernel("awq_gemm", backend)(x, qweight, qzeros, scales)
+    return kernel("awq_gemm", _gemm_backend(x, backend))(x, qweight, qzeros, scales)
 
 
 def gptq_gemm(
@@ -108,7 +111,7 @@ def gptq_gemm(
     """`x [M, K]` @ the GPTQ weight -> `[M, N]`; `perm` (act-order) gathers x's columns into the stored row
     order first."""
     _check_quant_args(x, qweight.shape[0] * 32 // bits, scales)
-    return kernel("gptq_gemm", backend)(x, qweight, qzeros, scales, bits, zero_offset, perm)
+    return kernel("gptq_gemm", _gemm_backend(x, backend))(x, qweight, qzeros, scales, bits, zero_offset, perm)
 
 
 def gguf_gemm(
@@ -121,7 +124,7 @@ def gguf_gemm(
 ) -> torch.Tensor:
     """`x [M, K]` @ a GGUF Q4_0 / Q4_1 / Q8_0 weight (see `gguf_dequantize`) -> `[M, N]` in x's dtype."""
     _check_quant_args(x, qweight.shape[1] * 8 // bits, scales)
-    return kernel("gguf_gemm", backend)(x, qweight, scales, mins, bits)
+    return kernel("gguf_gemm", _gemm_backend(x, backend))(x, qweight, scales, mins, bits)
 
 
 @implements("awq_gemm", "torch")
@@ -139,6 +142,11 @@ def gptq_gemm_torch(x, qweight, qzeros, scales, bits: int, zero_offset: int, per
 @implements("gguf_gemm", "torch")
 def gguf_gemm_torch(x, qweight, scales, mins, bits: int) -> torch.Tensor:
     return torch.nn.functional.linear(x, gguf_dequantize(qweight, scales, mins, bits).to(x.dtype))
+
+
+def _gemm_backend(x: torch.Tensor, backend: str) -> str:
+    """The torch implementation is that dequantize-once-then-matmul, on whatever device x is."""
+    return "torch" if x.shape[0] >= DENSE_MIN_TOKENS else backend
 
 
 def _check_quant_args(x: torch.Tensor, k: int, scales: torch.Tensor) -> None:

@@ -33,17 +33,22 @@ MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallel
 WRITE_BLOCK = 1024  # elements of one token's [num_kv_heads * head_dim] row copied per program
 
 
-def attention_tile(head_dim: int, dtype: torch.dtype, decode: bool) -> tc.Tile:
+def attention_tile(head_dim: int, dtype: torch.dtype, decode: bool, arch: int = 80) -> tc.Tile:
     """`block_m` query rows (tokens x query heads of one KV head) per program, `block_n` KV tokens per
     inner-loop step; `block_k` is the QK dot's inner dimension, the padded head dim."""
     d = _pad_head_dim(head_dim)
+    small_shared = arch in (86, 89)  # 99 KB of shared memory per block (sm_80: 163 KB, sm_90: 227 KB)
     if dtype == torch.float32:  # 3xTF32 keeps hi/lo halves of each operand in registers: small tiles, 8 warps
-        return tc.Tile(16 if decode or d > 128 else 32, 32, d, num_warps=8)
+        # a second stage of d=256 K/V tiles takes 100 KB: one stage there
+        stages = 1 if small_shared and d > 128 else 2
+        return tc.Tile(16 if decode or d > 128 else 32, 32, d, num_warps=8, num_stages=stages)
     if decode:  # memory-bound: 16 rows (the GQA group) is the smallest MMA; wide KV steps keep loads in flight
         block_m, block_n = 16, (128 if d <= 32 else 64 if d <= 128 else 32)
     else:
         block_m, block_n = (128, 64) if d <= 128 else (64, 32)
-    return tc.Tile(block_m, block_n, d, num_warps=4 if block_m * d < 8192 else 8)
+    # ptxas caps sm_86/89's two-stage d=64 decode pipeline at 64 registers and spills; three stages do not
+    stages = 3 if small_shared and decode and d == 64 else 2
+    return tc.Tile(block_m, block_n, d, num_warps=4 if block_m * d < 8192 else 8, num_stages=stages)
 
 
 def _pad_head_dim(head_dim: int) -> int:
@@ -285,14 +290,16 @@ def paged_attention_triton(query, k_cache, v_cache, md: AttentionMetadata, scale
 
 
 def paged_attention_launches(
-    query, k_cache, v_cache, md: AttentionMetadata, scale: float, out, splits: int | None = None
+    query, k_cache, v_cache, md: AttentionMetadata, scale: float, out, splits: int | None = None, arch=None
 ) -> list[tc.Launch]:
     """The launches for one call: prefill tiles unless every request decodes, and decode tiles. Decode-only
-    batches may split KV `splits` ways (None: the dispatcher's choice), adding the merge."""
+    batches may split KV `splits` ways (None: the dispatcher's choice), adding the merge. Tiles are `arch`'s
+    (None: the device's)."""
     _check_attention_args(query, k_cache, v_cache, md)
-    decode = _attention(query, k_cache, v_cache, md, scale, out, decode=True)
+    arch = tc.arch(query.device) if arch is None else arch
+    decode = _attention(query, k_cache, v_cache, md, scale, out, arch, decode=True)
     if md.max_query_len > 1:
-        return [_attention(query, k_cache, v_cache, md, scale, out, decode=False), decode]
+        return [_attention(query, k_cache, v_cache, md, scale, out, arch, decode=False), decode]
     if splits is None:
         splits = tc.num_splits(math.prod(decode.grid), triton.cdiv(md.max_seq_len, MIN_SPLIT_TOKENS), query.device)
     if splits == 1:
@@ -307,14 +314,14 @@ def paged_attention_launches(
         (out, part, stats, splits, num_tokens, out.stride(0), out.stride(1)),
         dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, MAX_SPLITS=tc.MAX_SPLITS),
     )
-    return [_attention(query, k_cache, v_cache, md, scale, out, True, splits, part, stats), merge]
+    return [_attention(query, k_cache, v_cache, md, scale, out, arch, True, splits, part, stats), merge]
 
 
-def _attention(query, k_cache, v_cache, md, scale, out, decode, splits=1, part=None, stats=None) -> tc.Launch:
+def _attention(query, k_cache, v_cache, md, scale, out, arch, decode, splits=1, part=None, stats=None) -> tc.Launch:
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1:3]
     num_seqs, group = md.seq_lens.shape[0], num_heads // num_kv_heads
-    tile = attention_tile(head_dim, query.dtype, decode)
+    tile = attention_tile(head_dim, query.dtype, decode, arch)
     heads = min(group, tile.block_m)
     block_q = 1 if decode else tile.block_m // heads
     num_tiles = num_seqs if decode else num_tokens // block_q + num_seqs
@@ -389,7 +396,7 @@ def _check_attention_args(query, k_cache, v_cache, md: AttentionMetadata) -> Non
 
 
 @register("paged_attention")
-def _compile_cases():
+def _compile_cases(arch: int):
     """Every launch the dispatchers can make: each dtype and head dim, the prefill tile, the decode tile with
     and without KV splits, the merge, and the KV write. Block size, GQA ratio and batch shape are runtime
     arguments that do not change the binary."""
@@ -399,7 +406,7 @@ def _compile_cases():
             seen = set()
             for decode_only, splits in ((False, None), (True, 1), (True, 2)):
                 inputs = _example_inputs(dtype, head_dim, decode_only)
-                for launch in paged_attention_launches(*inputs, splits=splits):
+                for launch in paged_attention_launches(*inputs, splits=splits, arch=arch):
                     kind = (
                         "merge"
                         if launch.kernel is _merge_splits_kernel

@@ -22,7 +22,8 @@ MAX_SPLITS = 16  # ways one program's reduction may be split (split-K, split-KV)
 @dataclass(frozen=True)
 class Tile:
     """One program's work: a `block_m x block_n` output tile, reduced `block_k` at a time. Every tile a
-    dispatcher picks compiles without register spills for sm_80 and sm_90 (compile_check verifies)."""
+    dispatcher picks for an arch compiles there without register spills and within its shared memory
+    (compile_check verifies sm_80, sm_86, sm_89, sm_90)."""
 
     block_m: int
     block_n: int
@@ -51,6 +52,8 @@ class Launch:
     kwargs: dict  # constexprs and launch options (num_warps, num_stages)
 
     def __call__(self, device: torch.device) -> None:
+        if _launched is not None:
+            _launched.add(self.variant())
         if device.type == "cuda":
             self.kernel[self.grid](*self.args, **self.kwargs)
         elif device.type == "cpu" and knobs.runtime.interpret:
@@ -60,6 +63,37 @@ class Launch:
             raise ValueError(
                 f"kernel_backend='triton' needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1), got {device}"
             )
+
+    def variant(self) -> tuple:
+        """What selects the compiled binary: the kernel, its constexprs and options, and each argument as Triton
+        specializes it (tensors: dtype and 16-byte alignment; ints: equal to 1, divisible by 16, 32-bit)."""
+        return (self.kernel.fn.__qualname__, tuple(sorted(self.kwargs.items())), tuple(map(_specialized, self.args)))
+
+
+def _specialized(arg) -> object:
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    if isinstance(arg, bool) or arg is None:
+        return arg
+    if isinstance(arg, int):
+        return arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31
+    return type(arg).__name__
+
+
+_launched: set | None = None
+
+
+@contextlib.contextmanager
+def recording_launches():
+    """Collects `Launch.variant()` of every launch made inside: a variant not seen before is a Triton compile."""
+    global _launched
+    outer, _launched = _launched, set()
+    try:
+        yield _launched
+    finally:
+        if outer is not None:
+            outer |= _launched
+        _launched = outer
 
 
 @functools.cache
@@ -91,6 +125,15 @@ def _interpreting(fn):
     finally:
         for ns, before in zip(namespaces, saved):
             ns.update(before)
+
+
+@functools.cache
+def arch(device: torch.device) -> int:
+    """The compute capability (86 for 8.6) a dispatcher picks tiles for; the interpreter runs sm_80's."""
+    if device.type != "cuda":
+        return 80
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
 
 
 @functools.cache

@@ -251,9 +251,9 @@ def expand_launch(h, b_stack, y, slice_offsets: list[int], offsets: torch.Tensor
 
 
 @register("lora_shrink")
-def _compile_shrink():
-    """Every shrink tile the dispatcher picks: per dtype, decode (with and without split-K) and prefill groups,
-    for slot ranks 16 and 64 over a 3-slice (qkv) layer."""
+def _compile_shrink(arch: int):
+    """Every shrink tile the dispatcher picks (the same on every arch): per dtype, decode (with and without
+    split-K) and prefill groups, for slot ranks 16 and 64 over a 3-slice (qkv) layer."""
     seen = set()
     for dtype in tc.DTYPES:
         for rank in (16, 64):
@@ -268,7 +268,7 @@ def _compile_shrink():
 
 
 @register("lora_expand")
-def _compile_expand():
+def _compile_expand(arch: int):
     seen = set()
     for dtype in tc.DTYPES:
         for rank in (16, 64):

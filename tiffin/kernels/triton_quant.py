@@ -29,7 +29,7 @@ from tiffin.kernels.dispatch import implements
 def quant_tile(m: int, group_size: int, dtype: torch.dtype) -> tc.Tile:
     """Decode-sized M gets the smallest MMA height (memory-bound: the words are what costs); larger M gets
     wider tiles. fp32 operands take twice the registers, so its tiles are narrower and spread over 8 warps.
-    Every tile compiles without spills for sm_80 and sm_90 (compile_check)."""
+    Every tile compiles without spills for sm_80, sm_86, sm_89 and sm_90 (compile_check)."""
     fp32 = dtype == torch.float32
     if m <= 16:
         block_m, block_n, block_k, warps = (16, 32, 32, 4) if fp32 else (16, 64, 64, 4)
@@ -251,19 +251,19 @@ def _check_quant_launch(x, qweight, qzeros, scales, mins, perm, awq, gguf, bits,
 
 
 @register("awq_gemm")
-def _compile_awq():
-    """Every tile the dispatcher picks (decode, decode split-K, mid, prefill) per dtype and K step; group size
-    and shapes are runtime arguments except where they shrink BLOCK_K."""
+def _compile_awq(arch: int):
+    """Every tile the dispatcher picks (decode, decode split-K, mid, prefill) per dtype and K step, the same on
+    every arch; group size and shapes are runtime arguments except where they shrink BLOCK_K."""
     yield from _compile_cases(awq=True, variants=[(4, 0, "")])
 
 
 @register("gptq_gemm")
-def _compile_gptq():
+def _compile_gptq(arch: int):
     yield from _compile_cases(awq=False, variants=[(4, 1, ""), (4, 0, "perm"), (8, 1, "perm")])
 
 
 @register("gguf_gemm")
-def _compile_gguf():
+def _compile_gguf(arch: int):
     """Q4_0 and Q8_0 (constant zero), Q4_1 (float minimum); GGUF's groups are always 32."""
     yield from _compile_cases(awq=False, variants=[(4, 8, "gguf"), (8, 0, "gguf"), (4, 0, "gguf min")], groups=(32,))
 

@@ -73,6 +73,10 @@ class _ServiceSettings(BaseModel):
     tool_parser: str = Field(
         "auto", description="tool-call convention: hermes, llama3_json, or auto (from the chat template)"
     )
+    gpu_type: str | None = Field(
+        None, description="GPU the Bento asks for when deployed (BentoCloud names, e.g. nvidia-l4, nvidia-a100-80gb)"
+    )
+    gpus: int = Field(1, ge=1, description="GPUs the Bento asks for when serving on CUDA (device cuda or gpu_type set)")
 
     @model_validator(mode="before")
     @classmethod
@@ -94,6 +98,13 @@ class _ServiceSettings(BaseModel):
         if m is None:
             raise ValueError(f"must be bytes such as 8GiB or 512MiB, got {value!r}")
         return int(float(m[1]) * (1024 if m[3] else 1000) ** " kmgt".index(m[2] or " "))
+
+    def resources(self) -> dict | None:
+        """What a deployment must provide: GPUs when the engine runs on CUDA. `device` auto decides only at start,
+        on whatever machine the Bento lands, so a GPU Bento says `device=cuda` or names its `gpu_type`."""
+        if not (self.device.startswith("cuda") or self.gpu_type):
+            return None
+        return {"gpu": self.gpus} | ({"gpu_type": self.gpu_type} if self.gpu_type else {})
 
     def engine_kwargs(self) -> dict:
         return {f.name: getattr(self, f.name) for f in _ENGINE_SETTINGS} | {
@@ -145,6 +156,7 @@ DRAINING = threading.Event()  # set by SIGTERM: new requests get 503, running on
     name="tiffin",
     labels={"openai_endpoint": "/v1"},
     workers=1,  # one engine per process owns the accelerator
+    resources=settings.resources(),
     traffic={
         "timeout": settings.timeout,
         "concurrency": settings.max_num_seqs,  # what one replica batches; the autoscaling target

@@ -87,16 +87,18 @@ class GPTQLinearMethod(PackedLinearMethod):
         layer.scales = param(torch.empty(k // group_size, n, dtype=SCALES_DTYPE))
         layer.perm = None
         if self.config.desc_act:
-            layer.g_idx = param(torch.full((k,), -1, dtype=torch.int32))
+            # kept on the host: checkpoint tensors arrive there, and the shards of a fused layer are compared
+            # with the first one's before the permutation is sent to the weights' device
+            layer.g_idx = torch.full((k,), -1, dtype=torch.int32, device="cpu")
 
     def load(self, layer: nn.Module, name: str, tensor: torch.Tensor, shard: int | None) -> None:
         if name != "g_idx":
             return super().load(layer, name, tensor, shard)
         if tensor.shape != (layer.input_size,):
             raise ValueError(f"g_idx of shape {tuple(tensor.shape)} does not fit input size {layer.input_size}")
-        tensor = tensor.to(torch.int32)
+        tensor = tensor.to("cpu", torch.int32)
         if not self.config.desc_act:
-            if not torch.equal(tensor, _identity_groups(layer.input_size, layer.group_size, tensor.device)):
+            if not torch.equal(tensor, _identity_groups(layer.input_size, layer.group_size)):
                 raise ValueError("g_idx assigns input rows to groups out of order but desc_act is false")
         elif bool((layer.g_idx < 0).all()):
             layer.g_idx.copy_(tensor)
@@ -108,13 +110,14 @@ class GPTQLinearMethod(PackedLinearMethod):
         """Act-order: sort input rows by group so that groups are contiguous, as the kernels read them."""
         if not self.config.desc_act:
             return
-        g_idx = layer.g_idx.data.long()
+        g_idx = layer.g_idx.long()
         del layer.g_idx
         perm = torch.argsort(g_idx, stable=True)
-        if not torch.equal(g_idx[perm], _identity_groups(layer.input_size, layer.group_size, perm.device).long()):
+        if not torch.equal(g_idx[perm], _identity_groups(layer.input_size, layer.group_size).long()):
             raise ValueError(f"g_idx does not put exactly {layer.group_size} input rows in each group")
-        if torch.equal(perm, torch.arange(layer.input_size, device=perm.device)):
+        if torch.equal(perm, torch.arange(layer.input_size)):
             return
+        perm = perm.to(layer.qweight.device)
         layer.qweight.data = pack_rows(unpack_rows(layer.qweight.data, self.config.bits)[perm], self.config.bits)
         layer.perm = param(perm.to(torch.int32))
 
@@ -132,5 +135,5 @@ class GPTQLinearMethod(PackedLinearMethod):
         return w.T
 
 
-def _identity_groups(k: int, group_size: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(k, dtype=torch.int32, device=device) // group_size
+def _identity_groups(k: int, group_size: int) -> torch.Tensor:
+    return torch.arange(k, dtype=torch.int32) // group_size

@@ -11,6 +11,17 @@ from tiffin.quant import QuantizationConfig
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
+def resolve_dtype(setting: str, checkpoint: torch.dtype, device: torch.device) -> torch.dtype:
+    """`dtype` setting -> the model's dtype. "auto" keeps the checkpoint's, except fp32 on CUDA, which runs in
+    bf16 (fp16 before sm_80, which lacks bf16 tensor cores) as vLLM does: fp32 there halves the batch that fits
+    and runs off the tensor cores' fast path. CPU keeps fp32 (no bf16 matmul units on many CPUs)."""
+    if setting != "auto":
+        return DTYPES[setting]
+    if checkpoint == torch.float32 and device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
+    return checkpoint
+
+
 @dataclass
 class ModelConfig:
     architecture: str

@@ -1,0 +1,47 @@
+"""Warm-up launches every Triton kernel variant before the engine is ready: under the interpreter (which compiles
+nothing) the variants are recorded as Triton specializes them, and serving must launch none that warm-up did not."""
+
+import pytest
+
+from tiffin import LLM, SamplingParams
+from tiffin.kernels import triton_common as tc
+
+PROMPTS = [
+    "Hello, tiffin",
+    "The quick brown fox jumps over the lazy dog " * 12,  # longer than a step: chunked prefill
+    "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16",
+    "a",
+]
+
+
+@pytest.fixture
+def interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def test_no_kernel_variant_is_first_launched_after_warm_up(tiny_model, interpreter):
+    """On CUDA the runner warms up when it starts; on CPU it is called here, on the same runner."""
+    llm = LLM(
+        tiny_model("llama"),
+        dtype="float32",
+        kernel_backend="triton",
+        num_kv_blocks=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+    )
+    with tc.recording_launches() as warm:
+        llm.llm_engine.model_runner.warm_up()
+    kernels = {variant[0] for variant in warm}
+    assert {"_paged_attention_kernel", "_merge_splits_kernel", "_write_kv_kernel"} <= kernels, kernels
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.8, max_tokens=5, n=2, seed=1, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+    ]
+    with tc.recording_launches() as served:
+        llm.generate(PROMPTS, params, use_tqdm=False)
+        llm.generate(PROMPTS[1:3], params[:2], use_tqdm=False)  # prefix-cache hits: prefills after a cached prefix
+    assert served, "serving launched no Triton kernel"
+    new = served - warm
+    assert not new, f"{len(new)} variants first launched while serving, e.g. {sorted(new, key=str)[:2]}"
