@@ -250,6 +250,7 @@ class AsyncLLMEngine:
                 self._lora(*op[1:])
             else:
                 self._fail_all(EngineError("the engine is shut down"))
+                self.engine.shutdown()
                 return False
         self._publish_stats()
         return True

@@ -15,6 +15,7 @@ from tiffin.engine.grammar import fill_bitmask
 from tiffin.engine.lora_slots import LoRASlots
 from tiffin.engine.models.config import ModelConfig
 from tiffin.engine.models.loader import build_model
+from tiffin.engine.parallel import Parallel, Step, TensorParallel
 from tiffin.engine.sampler import Sampler, SamplerOutput
 from tiffin.engine.scheduler import SchedulerOutput
 
@@ -28,9 +29,15 @@ class ModelRunner:
         model_config: ModelConfig,
         max_model_len: int,
         eos_token_ids: set[int],
+        parallel: Parallel | None = None,
     ):
+        """With `tensor_parallel_size` > 1 this is rank 0, which starts the other ranks' workers (`parallel`: a
+        worker's own rank)."""
         self.config, self.model_config = config, model_config
-        self.device = config.torch_device
+        self.device = config.torch_device if parallel is None else parallel.device
+        if parallel is None and config.tensor_parallel_size > 1:
+            parallel = Parallel.start(config, model_config, max_model_len, self.device)
+        self.parallel, tp = parallel, TensorParallel() if parallel is None else parallel.tp
         self.thread_tuner = None
         if self.device.type == "cpu":
             _keep_freed_memory_mapped()
@@ -38,7 +45,8 @@ class ModelRunner:
             self.thread_tuner = ThreadTuner(min(torch.get_num_threads(), usable_cpus()))
         self.block_size = config.block_size
         self.backend = kernels.resolve_backend(config.kernel_backend, self.device)
-        self.model = build_model(model_config, config.model, self.device, max_model_len, self.backend)
+        self.model = build_model(model_config, config.model, self.device, max_model_len, self.backend, tp)
+        self.num_kv_heads = tp.kv_heads(model_config.num_kv_heads)
         self.lora_slots = (
             LoRASlots(self.model, config.max_loras, config.max_lora_rank, model_config.dtype, self.device, self.backend)
             if config.enable_lora
@@ -47,19 +55,34 @@ class ModelRunner:
         self.sampler = Sampler(eos_token_ids, config.seed)
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.num_blocks = self._num_kv_blocks()
+        if parallel is not None:
+            self.num_blocks = parallel.agree_num_blocks(self.num_blocks)
         self._allocate_kv_cache()
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> SamplerOutput:
         start = time.perf_counter()
         bitmask = fill_bitmask(sched.sampling_seqs, self.model_config.vocab_size)  # filled while the forward runs
-        input_ids, positions, md, logits_indices = self._prepare(sched)
-        hidden = self.model(input_ids, positions, md)
-        logits = self.model.compute_logits(hidden[logits_indices]).float()
+        step = Step(*self._prepare(sched))
+        if self.parallel is None:
+            logits = self.run_model(step).float()
+        else:  # the other ranks run the same step on their shards
+            logits = self.parallel.run(step, self.lora_slots, self.run_model).float()
         out = self.sampler(logits, sched.sampling_seqs, bitmask)
         if self.thread_tuner is not None:
-            self.thread_tuner.record(time.perf_counter() - start, len(input_ids))
+            self.thread_tuner.record(time.perf_counter() - start, len(step.input_ids))
         return out
+
+    @torch.inference_mode()
+    def run_model(self, step: Step) -> torch.Tensor | None:
+        """The logits of the step's sampling tokens; with tensor parallelism on rank 0 only (None elsewhere)."""
+        hidden = self.model(step.input_ids, step.positions, step.md)
+        return self.model.compute_logits(hidden[step.logits_indices])
+
+    def shutdown(self) -> None:
+        """End the tensor-parallel workers, if any."""
+        if self.parallel is not None:
+            self.parallel.shutdown()
 
     def _prepare(self, sched: SchedulerOutput):
         seqs, counts = sched.seqs, np.array(sched.num_scheduled_tokens)
@@ -97,7 +120,7 @@ class ModelRunner:
 
     def _bytes_per_block(self) -> int:
         mc = self.model_config
-        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * mc.dtype.itemsize
+        return 2 * mc.num_layers * self.block_size * self.num_kv_heads * mc.head_dim * mc.dtype.itemsize
 
     def _num_kv_blocks(self) -> int:
         """`num_kv_blocks`, else what `kv_cache_memory` holds, else a default share of the device's memory;
@@ -131,7 +154,7 @@ class ModelRunner:
         seq.block_table = list(range(-(-tokens // self.block_size)))
         sched = SchedulerOutput()
         sched.add(seq, tokens)
-        self.execute(sched)
+        self.run_model(Step(*self._prepare(sched)))  # on every rank at once: no step to broadcast
         peak = torch.cuda.max_memory_allocated()
         del self.kv_cache
         torch.cuda.empty_cache()
@@ -141,7 +164,7 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> None:
         """Zeroed, so that slots never written hold finite values: masked-out attention weights multiply them."""
         mc = self.model_config
-        shape = (2, mc.num_layers, self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        shape = (2, mc.num_layers, self.num_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=mc.dtype, device=self.device)
         for i, attn in enumerate(self.model.layers_kv()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]

@@ -13,7 +13,9 @@ from tiffin.quant.base import (
     LinearMethod,
     PackedLinearMethod,
     QuantizationConfig,
+    materialize,
     param,
+    rank_slice,
     register_quant_config,
     supported,
 )
@@ -82,16 +84,21 @@ class GPTQLinearMethod(PackedLinearMethod):
         if k % self.pack:
             raise ValueError(f"input size {k} must be a multiple of {self.pack} for {self.config.bits}-bit rows")
         layer.group_size = group_size
+        # act-order: a row shard's rows may belong to any group of the whole layer, so it keeps every group
+        groups = (getattr(layer, "full_input_size", k) if self.config.desc_act else k) // group_size
         layer.qweight = param(torch.empty(k // self.pack, n, dtype=torch.int32))
-        layer.qzeros = param(torch.empty(k // group_size, n // self.pack, dtype=torch.int32))
-        layer.scales = param(torch.empty(k // group_size, n, dtype=SCALES_DTYPE))
-        layer.perm = None
+        layer.qzeros = param(torch.empty(groups, n // self.pack, dtype=torch.int32))
+        layer.scales = param(torch.empty(groups, n, dtype=SCALES_DTYPE))
+        layer.perm = layer.gather = None
         if self.config.desc_act:
             layer.g_idx = param(torch.full((k,), -1, dtype=torch.int32))
 
     def load(self, layer: nn.Module, name: str, tensor: torch.Tensor, shard: int | None) -> None:
         if name != "g_idx":
             return super().load(layer, name, tensor, shard)
+        if getattr(layer, "split", None) == "row":
+            tensor = rank_slice(tensor, 0, layer.input_size, layer.tp.rank, layer.tp.size)
+        tensor = materialize(tensor)
         if tensor.shape != (layer.input_size,):
             raise ValueError(f"g_idx of shape {tuple(tensor.shape)} does not fit input size {layer.input_size}")
         tensor = tensor.to(torch.int32)
@@ -108,19 +115,42 @@ class GPTQLinearMethod(PackedLinearMethod):
         """Act-order: sort input rows by group so that groups are contiguous, as the kernels read them."""
         if not self.config.desc_act:
             return
-        g_idx = layer.g_idx.data.long()
+        g_idx, k, size = layer.g_idx.data.long(), layer.input_size, layer.group_size
         del layer.g_idx
         perm = torch.argsort(g_idx, stable=True)
-        if not torch.equal(g_idx[perm], _identity_groups(layer.input_size, layer.group_size, perm.device).long()):
-            raise ValueError(f"g_idx does not put exactly {layer.group_size} input rows in each group")
-        if torch.equal(perm, torch.arange(layer.input_size, device=perm.device)):
+        codes = unpack_rows(layer.qweight.data, self.config.bits)[perm]
+        if k < getattr(layer, "full_input_size", k) and int(g_idx.min()) >= 0:
+            self._pad_groups(layer, g_idx[perm], perm, codes)
             return
-        layer.qweight.data = pack_rows(unpack_rows(layer.qweight.data, self.config.bits)[perm], self.config.bits)
+        if not torch.equal(g_idx[perm], _identity_groups(k, size, perm.device).long()):
+            raise ValueError(f"g_idx does not put exactly {size} input rows in each group")
+        if torch.equal(perm, torch.arange(k, device=perm.device)):
+            return
+        layer.qweight.data = pack_rows(codes, self.config.bits)
         layer.perm = param(perm.to(torch.int32))
+
+    def _pad_groups(self, layer: nn.Module, groups: torch.Tensor, perm: torch.Tensor, codes: torch.Tensor) -> None:
+        """An act-order row shard: its rows, sorted by group (`groups`, sorted), hold any number of each group's
+        rows. Every group is padded to `group_size` rows that read a zero input (`gather` points them at a
+        zero column appended to x), so the kernels see whole groups: exact, at the whole layer's row count."""
+        size, num_groups = layer.group_size, layer.scales.shape[0]
+        counts = torch.bincount(groups, minlength=num_groups)
+        if int(counts.max()) > size or len(counts) > num_groups:
+            raise ValueError(f"g_idx puts more than {size} input rows in a group, or names a group past {num_groups}")
+        starts = torch.cumsum(counts, 0) - counts
+        rows = groups * size + torch.arange(len(groups), device=groups.device) - starts[groups]
+        gather = torch.full((num_groups * size,), layer.input_size, dtype=torch.int64, device=perm.device)
+        gather[rows] = perm
+        padded = torch.zeros(num_groups * size, codes.shape[1], dtype=codes.dtype, device=codes.device)
+        padded[rows] = codes
+        layer.qweight.data = pack_rows(padded, self.config.bits)
+        layer.gather = param(gather)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         c = self.config
         x2d = x.reshape(-1, layer.input_size)
+        if layer.gather is not None:
+            x2d = torch.nn.functional.pad(x2d, (0, 1))[:, layer.gather]
         y = gptq_gemm(x2d, layer.qweight, layer.qzeros, layer.scales, c.bits, c.zero_offset, layer.perm, self.backend)
         return y.view(*x.shape[:-1], layer.output_size)
 
