@@ -94,9 +94,9 @@ class Parallel:
         _check_splits(model_config, TensorParallel(0, size))
         if dist.is_initialized():
             raise RuntimeError("a tensor-parallel engine already runs in this process; shut it down first")
-        port = _free_port()
+        port, threads = _free_port(), torch.get_num_threads()
         if device.type == "cpu":  # the ranks share the CPUs: one thread each on as many cores as there are
-            torch.set_num_threads(max(1, torch.get_num_threads() // size))
+            torch.set_num_threads(max(1, threads // size))
         ctx = mp.get_context("spawn")
         conns, procs = [], []
         for rank in range(1, size):
@@ -108,6 +108,7 @@ class Parallel:
             conns.append(parent)
             procs.append(proc)
         self = cls(TensorParallel(0, size), device, config.distributed_timeout, conns, procs)
+        self.threads = threads  # given back at shutdown
         weakref.finalize(self, _stop, conns, procs)  # no orphan workers, even if the engine is never shut down
         try:
             _init_group(config, 0, port)
@@ -193,6 +194,8 @@ class Parallel:
         _stop(self.conns, self.procs)
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self.tp.rank == 0:
+            torch.set_num_threads(self.threads)
 
     def _diagnose(self, error: BaseException) -> str:
         for proc in self.procs:  # a peer that closed the connection may still be exiting

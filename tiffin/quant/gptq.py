@@ -80,12 +80,14 @@ class GPTQLinearMethod(PackedLinearMethod):
     def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
         k, n = layer.input_size, layer.output_size
         group_size = k if self.config.group_size == -1 else self.config.group_size
-        self.check_sizes(layer, group_size)
+        # an act-order row shard's rows may belong to any group of the whole layer: it keeps every group and pads
+        # them (`_pad_groups`), so its rows need not split on group boundaries
+        act_order_shard = self.config.desc_act and self.config.group_size != -1 and k < layer.full_input_size
+        self.check_sizes(layer, k if act_order_shard else group_size)
         if k % self.pack:
             raise ValueError(f"input size {k} must be a multiple of {self.pack} for {self.config.bits}-bit rows")
         layer.group_size = group_size
-        # act-order: a row shard's rows may belong to any group of the whole layer, so it keeps every group
-        groups = (getattr(layer, "full_input_size", k) if self.config.desc_act else k) // group_size
+        groups = (layer.full_input_size if act_order_shard else k) // group_size
         layer.qweight = param(torch.empty(k // self.pack, n, dtype=torch.int32))
         layer.qzeros = param(torch.empty(groups, n // self.pack, dtype=torch.int32))
         layer.scales = param(torch.empty(groups, n, dtype=SCALES_DTYPE))
@@ -119,7 +121,7 @@ class GPTQLinearMethod(PackedLinearMethod):
         del layer.g_idx
         perm = torch.argsort(g_idx, stable=True)
         codes = unpack_rows(layer.qweight.data, self.config.bits)[perm]
-        if k < getattr(layer, "full_input_size", k) and int(g_idx.min()) >= 0:
+        if layer.scales.shape[0] * size > k and int(g_idx.min()) >= 0:  # an act-order row shard
             self._pad_groups(layer, g_idx[perm], perm, codes)
             return
         if not torch.equal(g_idx[perm], _identity_groups(k, size, perm.device).long()):
