@@ -145,6 +145,9 @@ DRAINING = threading.Event()  # set by SIGTERM: new requests get 503, running on
     name="tiffin",
     labels={"openai_endpoint": "/v1"},
     workers=1,  # one engine per process owns the accelerator
+    # tensor parallelism: the one worker's engine spreads the model over this many GPUs (a process per GPU); BentoCloud
+    # picks an instance with that many. Without it, the instance type chosen at deploy decides.
+    resources={"gpu": settings.tensor_parallel_size} if settings.tensor_parallel_size > 1 else None,
     traffic={
         "timeout": settings.timeout,
         "concurrency": settings.max_num_seqs,  # what one replica batches; the autoscaling target
