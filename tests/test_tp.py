@@ -142,6 +142,22 @@ def test_killed_worker_fails_in_flight_requests():
     asyncio.run(main())
 
 
+def test_worker_killed_while_idle_is_reported_at_once(tiny_model):
+    """No step needed: health checks (the Bento's /readyz, /livez) see it, the next request fails with it."""
+    llm = LLM(tiny_model("llama"), tensor_parallel_size=2)
+    worker = tp_workers(llm)[0]
+    try:
+        os.kill(worker.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while llm.llm_engine.failure() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert llm.llm_engine.failure() == "tensor-parallel worker rank 1 died (exit code -9)"
+        with pytest.raises(EngineDeadError, match="rank 1 died"):
+            llm.generate([[5, 6]], GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
 def test_hung_worker_fails_within_the_timeout(tiny_model):
     llm = LLM(tiny_model("llama"), tensor_parallel_size=2, distributed_timeout=3)
     worker = tp_workers(llm)[0]

@@ -237,6 +237,11 @@ class LLMEngine:
         """End the engine's worker processes (tensor parallelism); the engine cannot step afterwards."""
         self.model_runner.shutdown()
 
+    def failure(self) -> str | None:
+        """Why the engine cannot step, found without stepping: a tensor-parallel worker that died or failed."""
+        parallel = self.model_runner.parallel
+        return None if parallel is None else parallel.broken
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

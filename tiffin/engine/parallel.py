@@ -16,7 +16,9 @@ import dataclasses
 import datetime
 import os
 import socket
+import threading
 import weakref
+from multiprocessing.connection import wait
 from typing import NamedTuple
 
 import torch
@@ -85,7 +87,8 @@ class Parallel:
     def __init__(self, tp: TensorParallel, device: torch.device, timeout: float, conns: list, procs: list = ()):
         self.tp, self.device, self.timeout = tp, device, timeout
         self.conns, self.procs = conns, list(procs)  # rank 0: one per worker; a worker: its pipe to rank 0
-        self.broken: str | None = None
+        self.broken: str | None = None  # rank 0: why the group cannot run another step
+        self.stopping = False
 
     @classmethod
     def start(cls, config, model_config, max_model_len: int, device: torch.device) -> "Parallel":
@@ -110,6 +113,7 @@ class Parallel:
         self = cls(TensorParallel(0, size), device, config.distributed_timeout, conns, procs)
         self.threads = threads  # given back at shutdown
         weakref.finalize(self, _stop, conns, procs)  # no orphan workers, even if the engine is never shut down
+        threading.Thread(target=_watch, args=(weakref.ref(self),), name="tiffin-tp-watch", daemon=True).start()
         try:
             _init_group(config, 0, port)
         except Exception as e:
@@ -191,25 +195,24 @@ class Parallel:
 
     def shutdown(self) -> None:
         """End every worker (asked first, then terminated) and leave the process group."""
+        self.stopping = True
         _stop(self.conns, self.procs)
         if dist.is_initialized():
             dist.destroy_process_group()
         if self.tp.rank == 0:
             torch.set_num_threads(self.threads)
 
-    def _diagnose(self, error: BaseException) -> str:
+    def _diagnose(self, error: BaseException | None) -> str:
         for proc in self.procs:  # a peer that closed the connection may still be exiting
             proc.join(1)
         dead = [
             f"rank {r} died (exit code {p.exitcode})" for r, p in enumerate(self.procs, 1) if p.exitcode is not None
         ]
+        cause = "" if error is None else f": {type(error).__name__}: {error}"
         if dead:
-            return f"tensor-parallel worker {', '.join(dead)}: {type(error).__name__}: {error}"
+            return f"tensor-parallel worker {', '.join(dead)}{cause}"
         ranks = ", ".join(str(r) for r in range(1, self.tp.size))
-        return (
-            f"tensor-parallel rank(s) {ranks} did not answer within distributed_timeout={self.timeout:g}s: "
-            f"{type(error).__name__}: {error}"
-        )
+        return f"tensor-parallel rank(s) {ranks} did not answer within distributed_timeout={self.timeout:g}s{cause}"
 
 
 def _pack(values: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -283,6 +286,18 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _watch(ref: weakref.ref) -> None:
+    """Rank 0: a worker that exits while the engine idles marks the group broken at once, so that health checks
+    report it before a request finds it."""
+    parallel = ref()
+    sentinels = [proc.sentinel for proc in parallel.procs]
+    del parallel  # the engine may be collected meanwhile; its finalizer ends the workers and so this wait
+    wait(sentinels)
+    parallel = ref()
+    if parallel is not None and not parallel.stopping and parallel.broken is None:
+        parallel.broken = parallel._diagnose(None)
 
 
 def _stop(conns: list, procs: list) -> None:
