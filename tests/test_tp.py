@@ -28,6 +28,7 @@ QUANT = Path(__file__).parent / "fixtures" / "quant"
 PROMPT_LENS = (1, 7, 23, 41)
 NEW_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+TP2 = (TensorParallel(), TensorParallel(0, 2), TensorParallel(1, 2))
 SEEDED = [SamplingParams(temperature=1.0, top_p=0.9, seed=s, max_tokens=NEW_TOKENS, ignore_eos=True) for s in (1, 2)]
 
 
@@ -116,6 +117,28 @@ def test_shards_are_slices_of_the_checkpoint(tiny_model):
     assert torch.equal(q1, q.chunk(2)[1]) and torch.equal(k1, k) and torch.equal(v1, v)
     assert torch.equal(attn1.o_proj.weight, attn.o_proj.weight.chunk(2, dim=1)[1])
     assert torch.equal(shard.model.embed_tokens.weight, whole.model.embed_tokens.weight.chunk(2)[1])
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in QUANT.iterdir() if p.is_dir()))
+def test_quantized_shards_compute_the_whole_layer(name):
+    """Each fixture's layers, built as ranks 0 and 1 of 2 in this process: a column-parallel layer's shards give
+    their slices of each stacked output, a row-parallel layer's partial outputs sum to the whole one's."""
+    config = get_model_config(QUANT / name)
+    config.dtype = torch.float32
+    whole, *ranks = (build_model(config, QUANT / name, torch.device("cpu"), 64, "torch", tp) for tp in TP2)
+    x = torch.randn(3, config.intermediate_size, generator=torch.Generator().manual_seed(0))
+    layers = [m.model.layers[1] for m in (whole, *ranks)]
+    for path in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+        full, *shards = (layer.get_submodule(path) for layer in layers)
+        expected = full.method.apply(full, x[:, : full.input_size])
+        if shards[0].split == "row":
+            inputs = x[:, : full.input_size].chunk(2, dim=1)
+            got = sum(s.method.apply(s, part) for s, part in zip(shards, inputs))
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        else:
+            for i, piece in enumerate(expected.split(full.output_sizes, dim=1)):
+                got = [s.method.apply(s, x[:, : s.input_size]).split(s.output_sizes, dim=1)[i] for s in shards]
+                assert torch.equal(torch.cat(got, dim=1), piece), (path, i)
 
 
 def test_killed_worker_fails_in_flight_requests():

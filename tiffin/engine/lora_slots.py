@@ -46,7 +46,7 @@ class LoRALayer:
         self.a = torch.zeros(num_slots, len(linear.output_sizes) * rank, linear.input_size, dtype=dtype, device=device)
         self.b = torch.zeros(num_slots, rank, linear.output_size, dtype=dtype, device=device)
         self.rank, self.offsets, self.batch, self.backend = rank, linear.offsets, batch, backend
-        self.linear = linear
+        self.split, self.tp, self.input_size = linear.split, linear.tp, linear.input_size
         self.filled = [False] * num_slots  # whether a slot's adapter has weights for this layer
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -64,11 +64,10 @@ class LoRALayer:
             if ab is not None:
                 a, b = ab
                 r, (lo, hi) = a.shape[0], self.offsets[i : i + 2]
-                tp = self.linear.tp
-                if self.linear.split == "row":
-                    a = rank_slice(a, 1, self.linear.input_size, tp.rank, tp.size)
-                elif self.linear.split == "column":
-                    b = rank_slice(b, 0, hi - lo, tp.rank, tp.size)
+                if self.split == "row":
+                    a = rank_slice(a, 1, self.input_size, self.tp.rank, self.tp.size)
+                elif self.split == "column":
+                    b = rank_slice(b, 0, hi - lo, self.tp.rank, self.tp.size)
                 self.a[slot, i * self.rank : i * self.rank + r].copy_(a)
                 self.b[slot, :r, lo:hi].copy_(b.T)
         self.filled[slot] = slices is not None

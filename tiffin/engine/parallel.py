@@ -229,7 +229,7 @@ def _pack(values: list, device: torch.device) -> tuple[torch.Tensor, torch.Tenso
             parts.append(torch.tensor(v, dtype=torch.int64))
         else:
             header.append((TENSOR_KINDS[v.dtype], v.shape[0], v.shape[1] if v.dim() == 2 else -1))
-            parts.append(torch.as_tensor(v).reshape(-1).to(torch.int64))
+            parts.append(v.reshape(-1).to(torch.int64))
     if len(header) > HEADER_FIELDS:
         raise ValueError(f"a step has {len(header)} fields, the header holds {HEADER_FIELDS}")
     header += [(0, 0, 0)] * (HEADER_FIELDS - len(header))

@@ -82,7 +82,7 @@ class GPTQLinearMethod(PackedLinearMethod):
         group_size = k if self.config.group_size == -1 else self.config.group_size
         # an act-order row shard's rows may belong to any group of the whole layer: it keeps every group and pads
         # them (`_pad_groups`), so its rows need not split on group boundaries
-        act_order_shard = self.config.desc_act and self.config.group_size != -1 and k < layer.full_input_size
+        act_order_shard = self.config.desc_act and self.config.group_size != -1 and layer.split == "row"
         self.check_sizes(layer, k if act_order_shard else group_size)
         if k % self.pack:
             raise ValueError(f"input size {k} must be a multiple of {self.pack} for {self.config.bits}-bit rows")
@@ -98,16 +98,17 @@ class GPTQLinearMethod(PackedLinearMethod):
     def load(self, layer: nn.Module, name: str, tensor: torch.Tensor, shard: int | None) -> None:
         if name != "g_idx":
             return super().load(layer, name, tensor, shard)
-        if getattr(layer, "split", None) == "row":
-            tensor = rank_slice(tensor, 0, layer.input_size, layer.tp.rank, layer.tp.size)
-        tensor = materialize(tensor)
-        if tensor.shape != (layer.input_size,):
-            raise ValueError(f"g_idx of shape {tuple(tensor.shape)} does not fit input size {layer.input_size}")
-        tensor = tensor.to(torch.int32)
+        tensor, k = materialize(tensor).to(torch.int32), layer.full_input_size  # the whole layer's: k entries
+        if tensor.shape != (k,):
+            raise ValueError(f"g_idx of shape {tuple(tensor.shape)} does not fit input size {k}")
         if not self.config.desc_act:
-            if not torch.equal(tensor, _identity_groups(layer.input_size, layer.group_size, tensor.device)):
+            size = k if self.config.group_size == -1 else self.config.group_size
+            if not torch.equal(tensor, _identity_groups(k, size, tensor.device)):
                 raise ValueError("g_idx assigns input rows to groups out of order but desc_act is false")
-        elif bool((layer.g_idx < 0).all()):
+            return
+        if layer.split == "row":
+            tensor = rank_slice(tensor, 0, layer.input_size, layer.tp.rank, layer.tp.size)
+        if bool((layer.g_idx < 0).all()):
             layer.g_idx.copy_(tensor)
         elif not torch.equal(layer.g_idx, tensor):
             # one input permutation per fused layer; shards quantized from the same inputs always agree

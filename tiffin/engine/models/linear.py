@@ -18,8 +18,6 @@ from torch import nn
 from tiffin.engine.parallel import WHOLE, TensorParallel
 from tiffin.quant import LinearMethod, load_shard
 
-SPLITS = (None, "column", "row")
-
 
 class Linear(nn.Module):
     def __init__(
