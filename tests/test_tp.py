@@ -147,10 +147,10 @@ def test_quantized_shards_compute_the_whole_layer(name):
                 assert torch.equal(torch.cat(got, dim=1), piece), (path, i)
 
 
-def test_killed_worker_fails_in_flight_requests():
+def test_killed_worker_fails_in_flight_requests(tiny_model):
     """SIGKILL: the in-flight request ends with an error naming the rank, the engine turns unhealthy (the Bento's
     /readyz answers 503), shutdown leaves no process."""
-    path = make_tiny_model(Path(os.environ.get("TMPDIR", "/tmp")) / "tiffin-tp-kill", arch="llama")
+    path = tiny_model("llama")
 
     async def main() -> None:
         engine = AsyncLLMEngine.from_engine_args(str(path), tensor_parallel_size=2, distributed_timeout=10)
