@@ -196,7 +196,7 @@ class Parallel:
     def shutdown(self) -> None:
         """End every worker (asked first, then terminated) and leave the process group."""
         self.stopping = True
-        _stop(self.conns, self.procs)
+        _stop(self.conns, self.procs, grace=0 if self.broken else 5)  # a hung worker would not answer anyway
         if dist.is_initialized():
             dist.destroy_process_group()
         if self.tp.rank == 0:
@@ -300,14 +300,14 @@ def _watch(ref: weakref.ref) -> None:
         parallel.broken = parallel._diagnose(None)
 
 
-def _stop(conns: list, procs: list) -> None:
+def _stop(conns: list, procs: list, grace: float = 5) -> None:
     for conn in conns:
         try:
             conn.send_bytes(b"x")
         except (OSError, ValueError):  # the worker is gone already
             pass
     for proc in procs:
-        proc.join(5)
+        proc.join(grace)
         if proc.is_alive():
             proc.kill()
             proc.join(5)
