@@ -95,6 +95,8 @@ class Parallel:
         """Rank 0: spawn ranks 1..N-1 (each loads its shard meanwhile) and join the process group."""
         size = config.tensor_parallel_size
         _check_splits(model_config, TensorParallel(0, size))
+        if device.type == "cuda" and torch.cuda.device_count() < size:
+            raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs, {torch.cuda.device_count()} are visible")
         if dist.is_initialized():
             raise RuntimeError("a tensor-parallel engine already runs in this process; shut it down first")
         port, threads = _free_port(), torch.get_num_threads()
