@@ -21,6 +21,7 @@ from tiffin.engine.errors import EngineDeadError
 from tiffin.engine.lora import LoRARequest
 from tiffin.engine.models.loader import build_model
 from tiffin.engine.models.registry import get_model_config
+from tiffin.engine.outputs import EngineStats
 from tiffin.engine.parallel import TensorParallel
 from tiffin.tiny import make_tiny_model
 
@@ -29,7 +30,9 @@ PROMPT_LENS = (1, 7, 23, 41)
 NEW_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 TP2 = (TensorParallel(), TensorParallel(0, 2), TensorParallel(1, 2))
-SEEDED = [SamplingParams(temperature=1.0, top_p=0.9, seed=s, max_tokens=NEW_TOKENS, ignore_eos=True) for s in (1, 2)]
+# per-request seeds, and one request drawing from the engine's own seeded stream (EngineConfig.seed)
+SAMPLED = [SamplingParams(temperature=1.0, top_p=0.9, seed=s, max_tokens=NEW_TOKENS, ignore_eos=True) for s in (1, 2)]
+SAMPLED.append(SamplingParams(temperature=0.8, max_tokens=NEW_TOKENS, ignore_eos=True))
 
 
 def prompts(vocab: int) -> list[dict]:
@@ -40,8 +43,8 @@ def prompts(vocab: int) -> list[dict]:
 def run(llm: LLM, vocab: int, **kwargs) -> list[list[int]]:
     """Greedy outputs, then seeded samples, of one batch (the sampled requests run beside greedy ones)."""
     ps = prompts(vocab)
-    params = [GREEDY] * len(ps) + SEEDED
-    outs = llm.generate(ps + ps[:2], params, use_tqdm=False, **kwargs)
+    params = [GREEDY] * len(ps) + SAMPLED
+    outs = llm.generate(ps + ps[: len(SAMPLED)], params, use_tqdm=False, **kwargs)
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -49,8 +52,8 @@ def tp_workers(llm: LLM) -> list:
     return llm.llm_engine.model_runner.parallel.procs
 
 
-def both(path, vocab: int, **engine_args) -> tuple[list, list]:
-    """The same batch at TP=1 and TP=2; after shutdown, no worker is left. Returns the outputs and the TP=2
+def both(path, vocab: int, **engine_args) -> EngineStats:
+    """The same batch at TP=1 and TP=2 gives the same tokens; after shutdown, no worker is left. Returns the TP=2
     engine's stats."""
     expected = run(LLM(str(path), dtype="float32", **engine_args), vocab)
     llm = LLM(str(path), dtype="float32", tensor_parallel_size=2, distributed_timeout=30, **engine_args)
@@ -91,7 +94,7 @@ def test_lora_mixed_batch_matches_tp1(tiny_model, tmp_path):
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     dirs = [make_adapter(base, tmp_path / f"a{i}", seed=i, r=8, lora_alpha=16, target_modules=targets) for i in (1, 2)]
     loras = [None, LoRARequest("a1", 1, str(dirs[0])), LoRARequest("a2", 2, str(dirs[1])), None]
-    loras += loras[1:3]  # the seeded samples run with adapters too
+    loras += loras[1:4]  # the sampled requests run with adapters too
     vocab = get_model_config(base).vocab_size
     expected = run(LLM(base, dtype="float32", enable_lora=True), vocab, lora_request=loras)
     llm = LLM(base, dtype="float32", enable_lora=True, tensor_parallel_size=2)
