@@ -117,9 +117,16 @@ class Parallel:
         weakref.finalize(self, _stop, conns, procs)  # no orphan workers, even if the engine is never shut down
         threading.Thread(target=_watch, args=(weakref.ref(self),), name="tiffin-tp-watch", daemon=True).start()
         try:
+            for rank, conn in enumerate(conns, 1):  # imports done: the group forms within distributed_timeout
+                self._receive(conn, rank)
             _init_group(config, 0, port)
         except Exception as e:
+            # torch counts default groups from the start of a join: a failed one would leave this process's
+            # count ahead of the next engine's fresh workers, whose joins would then never meet it
+            dist.distributed_c10d._world.group_count = 0
             self.shutdown()
+            if isinstance(e, (EngineDeadError, ValueError)):
+                raise
             raise EngineDeadError(self._diagnose(e)) from e
         return self
 
@@ -128,26 +135,25 @@ class Parallel:
         if self.tp.rank:
             self.conns[0].send(("ready", num_blocks))
             return self.conns[0].recv()
-        counts = [num_blocks]
-        for rank, conn in enumerate(self.conns, 1):
-            reply = self._receive(conn, rank)
-            if reply[0] == "error":
-                self.shutdown()
-                raise ValueError(f"tensor-parallel rank {rank}: {reply[1]}")
-            counts.append(reply[1])
+        counts = [num_blocks] + [self._receive(conn, rank)[1] for rank, conn in enumerate(self.conns, 1)]
         for conn in self.conns:
             conn.send(min(counts))
         return min(counts)
 
-    def _receive(self, conn, rank: int):
+    def _receive(self, conn, rank: int) -> tuple:
+        """A starting worker's next message; its start-up error (or death, or silence) raised, workers ended."""
         if not conn.poll(START_TIMEOUT):
             self.shutdown()
-            raise EngineDeadError(f"tensor-parallel rank {rank} did not load its shard within {START_TIMEOUT:.0f}s")
+            raise EngineDeadError(f"tensor-parallel rank {rank} did not start within {START_TIMEOUT:.0f}s")
         try:
-            return conn.recv()
+            reply = conn.recv()
         except EOFError:
             self.shutdown()
-            raise EngineDeadError(f"tensor-parallel rank {rank} died while loading its shard") from None
+            raise EngineDeadError(f"tensor-parallel rank {rank} died while starting") from None
+        if reply[0] == "error":
+            self.shutdown()
+            raise ValueError(f"tensor-parallel rank {rank}: {reply[1]}")
+        return reply
 
     def run(self, step: Step, lora_slots, forward):
         """Rank 0: send `step` and run `forward(step)`. A failure from here on leaves the group unusable (a rank
@@ -323,6 +329,7 @@ def _worker(config, model_config, max_model_len: int, rank: int, port: int, conn
     try:
         from tiffin.engine.model_runner import ModelRunner
 
+        conn.send(("started",))
         _init_group(config, rank, port)
         device = torch.device("cuda", rank) if config.torch_device.type == "cuda" else config.torch_device
         parallel = Parallel(
