@@ -10,6 +10,7 @@ every engine so the token counts compare like with like. Load and warm-up time a
     python benchmarks/throughput.py --make-model DIR --from-gguf smollm2   # SmolLM2-135M-Instruct, real weights
     python benchmarks/throughput.py MODEL_DIR --peers tiffin --loras 8   # base only vs 8 LoRA adapters
     python benchmarks/throughput.py MODEL_DIR --peers tiffin --json-schema benchmarks/schemas/records.json
+    python benchmarks/throughput.py MODEL_DIR --peers tiffin --tensor-parallel-size 2   # TP=1, then TP=2
 """
 
 import argparse  # noqa: I001  (tiffin is imported before torch: it sets torch's OpenMP defaults)
@@ -119,6 +120,7 @@ def run_tiffin(
     noise: int,
     loras: int = 0,
     json_schema: dict | None = None,
+    tensor_parallel_size: int = 1,
 ) -> list[Result]:
     """With `loras`, the same engine then runs the workload again with that many distinct adapters (random,
     rank LORA_RANK, on every projection) assigned round-robin, so that each step mixes all of them. With
@@ -133,6 +135,7 @@ def run_tiffin(
         max_model_len=max(wl.max_len, warm.max_len),
         max_num_seqs=256,
         max_num_batched_tokens=max_num_batched_tokens,
+        tensor_parallel_size=tensor_parallel_size,
         **lora_args,
     )
     tmp = tempfile.TemporaryDirectory(prefix="tiffin-bench-loras-")
@@ -156,6 +159,7 @@ def run_tiffin(
     results = []
     for lora in [False, True] if loras else [False]:
         name = f"tiffin + {loras} LoRAs" if lora else "tiffin"
+        name += f" TP={tensor_parallel_size}" if tensor_parallel_size > 1 else ""
         check_lengths(f"{name} warm-up", generate(warm, lora), warm.output_lens)
         lens, wall = timed(lambda: generate(wl, lora), noise)  # noqa: B023 (called at once)
         results.append(Result(name, wall))
@@ -173,6 +177,7 @@ def run_tiffin(
             check_lengths("tiffin", generate(wl), wl.output_lens)
             results.append(Result("tiffin", time.perf_counter() - start))
     tmp.cleanup()
+    llm.shutdown()
     return results
 
 
@@ -518,6 +523,13 @@ def main(argv: list[str] | None = None) -> None:
         metavar="N",
         help="also run tiffin with N distinct LoRA adapters spread over the requests (same engine)",
     )
+    ap.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="also run tiffin split across N ranks (N processes on CPU, sharing --threads), after TP=1",
+    )
     args = ap.parse_args(argv)
 
     if args.make_model:
@@ -553,10 +565,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.json_schema:
         with open(args.json_schema) as f:
             json_schema = json.load(f)
+    tp_sizes = [1] + ([args.tensor_parallel_size] if args.tensor_parallel_size > 1 else [])
     runners = {
-        "tiffin": lambda: run_tiffin(
-            args.model, args.dtype, wl, warm, args.max_num_batched_tokens, args.noise, args.loras, json_schema
-        ),
+        "tiffin": lambda: [
+            result
+            for tp in tp_sizes
+            for result in run_tiffin(
+                args.model, args.dtype, wl, warm, args.max_num_batched_tokens, args.noise, args.loras, json_schema, tp
+            )
+        ],
         "hf-cb": lambda: run_hf_cb(args.model, args.dtype, wl, warm, args.max_num_batched_tokens, args.noise),
         "hf-static": lambda: run_hf_static(args.model, args.dtype, wl, warm, args.static_batch, args.noise),
         "vllm": lambda: run_vllm(

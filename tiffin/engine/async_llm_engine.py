@@ -102,7 +102,7 @@ class AsyncLLMEngine:
         self._active: dict[str, _Active] = {}
         self._stats = engine.stats()
         self._closed = False
-        self.dead: str | None = None  # why the engine stopped working, once it did
+        self._dead: str | None = None  # why a step found the engine unable to work
         self._thread = threading.Thread(target=self._run, name="tiffin-engine", daemon=True)
         self._thread.start()
 
@@ -190,6 +190,12 @@ class AsyncLLMEngine:
             self._wakeup.set()
 
     @property
+    def dead(self) -> str | None:
+        """Why the engine stopped working, once it did: a failed step, or a tensor-parallel worker found dead
+        while the engine idles."""
+        return self._dead or self.engine.failure()
+
+    @property
     def healthy(self) -> bool:
         return self.dead is None and not self._closed
 
@@ -229,8 +235,8 @@ class AsyncLLMEngine:
                 outputs = engine.step()
             except Exception as e:  # step() isolates failing requests itself: the engine is broken
                 logger.exception("engine step failed")
-                self.dead = f"engine failed: {type(e).__name__}: {e}"
-                self._fail_all(EngineError(self.dead))
+                self._dead = f"engine failed: {type(e).__name__}: {e}"
+                self._fail_all(EngineError(self._dead))
                 continue
             self._publish_stats()  # first, so a client that sees its last token also sees it counted
             for out in outputs:
@@ -250,6 +256,7 @@ class AsyncLLMEngine:
                 self._lora(*op[1:])
             else:
                 self._fail_all(EngineError("the engine is shut down"))
+                self.engine.shutdown()
                 return False
         self._publish_stats()
         return True

@@ -45,19 +45,35 @@ class EngineConfig:
     max_lora_rank: int = _setting(16, "the largest adapter rank accepted")
     max_cpu_loras: int | None = _setting(None, "adapters cached in host memory (LRU); default max_loras")
     lora_roots: str | None = _setting(None, "directories adapters may be read from (os.pathsep-separated); None: any")
+    tensor_parallel_size: int = _setting(
+        1, "devices (processes) one model is split across: GPUs on CUDA (one per rank), gloo processes on CPU"
+    )
+    distributed_timeout: float = _setting(
+        300.0, "seconds a tensor-parallel collective may wait for a rank before the engine fails, naming it"
+    )
     max_n: int = _setting(64, "samples one request may ask for")
     max_waiting_requests: int | None = _setting(
         None, "sequences queued beyond the running batch (a request with n counts n); more are refused; None: no bound"
     )
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank", "max_n"):
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_loras",
+            "max_lora_rank",
+            "max_n",
+            "tensor_parallel_size",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be 'auto' or one of {list(DTYPE_NAMES)}, got {self.dtype!r}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:<index>', got {self.device!r}")
+        if self.distributed_timeout <= 0:
+            raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:

@@ -15,6 +15,10 @@ class LLM:
         self.llm_engine = LLMEngine(EngineConfig(model=str(model), **kwargs))
         self._counter = 0
 
+    def shutdown(self) -> None:
+        """End the engine's worker processes (tensor parallelism); they also end when this object is collected."""
+        self.llm_engine.shutdown()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

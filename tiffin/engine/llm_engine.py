@@ -135,6 +135,8 @@ class LLMEngine:
         Returns what ran and what it sampled, in `sched` order."""
         try:
             return sched, self.model_runner.execute(sched)
+        except EngineDeadError:  # a tensor-parallel rank is gone: no retry can succeed
+            raise
         except Exception as e:
             if len(sched.seqs) == 1:
                 self._fail(sched.seqs[0].request_id, e)
@@ -229,6 +231,15 @@ class LLMEngine:
         if self.lora_registry is None:
             raise ValueError("LoRA adapters need an engine built with enable_lora=True")
         return self.lora_registry
+
+    def shutdown(self) -> None:
+        """End the engine's worker processes (tensor parallelism); the engine cannot step afterwards."""
+        self.model_runner.shutdown()
+
+    def failure(self) -> str | None:
+        """Why the engine cannot step, found without stepping: a tensor-parallel worker that died or failed."""
+        parallel = self.model_runner.parallel
+        return None if parallel is None else parallel.broken
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -156,8 +156,8 @@ def load_lora_model(
         layer = layers[ours]
         r = _pattern_value(config.get("rank_pattern") or {}, module, config["r"])
         alpha = _pattern_value(config.get("alpha_pattern") or {}, module, config["lora_alpha"])
-        widths = [layer.output_sizes[i] for i in slices]
-        _check_shapes(module, a, b, r, layer.input_size, sum(widths), max_rank)
+        widths = [layer.full_output_sizes[i] for i in slices]  # the checkpoint's, also under tensor parallelism
+        _check_shapes(module, a, b, r, layer.full_input_size, sum(widths), max_rank)
         scale = alpha / (math.sqrt(r) if config.get("use_rslora") else r)
         a, b = a.to(dtype), (b.double() * scale).to(dtype)
         if not (a.isfinite().all() and b.isfinite().all()):  # NaN weights would make every logit NaN

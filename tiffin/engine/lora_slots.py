@@ -5,6 +5,10 @@ layers keep one A block per checkpoint slice.
 
 A slot holds a `LoRAModel` by content (its `identity`), not by id or name: an adapter removed from the engine's
 registry keeps its slot until a step needs the slot for another, so requests still running finish with it.
+
+Tensor parallelism: a slot holds this rank's part of each adapter, cut as its base layer is (a column-parallel
+layer's B by output rows, a row-parallel layer's A by input columns; the row shard's delta joins its all-reduce).
+Rank 0 decides the slots; the other ranks install what it sends with the step (`take_installs` / `follow`).
 """
 
 from collections import OrderedDict
@@ -16,6 +20,7 @@ import torch
 from tiffin.engine.lora import LoRAModel, LoRARequest, load_lora_model
 from tiffin.engine.models.linear import Linear
 from tiffin.kernels.lora import LoRAMetadata, lora_apply
+from tiffin.quant.base import rank_slice
 
 
 class LoRABatch:
@@ -41,6 +46,7 @@ class LoRALayer:
         self.a = torch.zeros(num_slots, len(linear.output_sizes) * rank, linear.input_size, dtype=dtype, device=device)
         self.b = torch.zeros(num_slots, rank, linear.output_size, dtype=dtype, device=device)
         self.rank, self.offsets, self.batch, self.backend = rank, linear.offsets, batch, backend
+        self.split, self.tp, self.input_size = linear.split, linear.tp, linear.input_size
         self.filled = [False] * num_slots  # whether a slot's adapter has weights for this layer
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -58,6 +64,10 @@ class LoRALayer:
             if ab is not None:
                 a, b = ab
                 r, (lo, hi) = a.shape[0], self.offsets[i : i + 2]
+                if self.split == "row":
+                    a = rank_slice(a, 1, self.input_size, self.tp.rank, self.tp.size)
+                elif self.split == "column":
+                    b = rank_slice(b, 0, hi - lo, self.tp.rank, self.tp.size)
                 self.a[slot, i * self.rank : i * self.rank + r].copy_(a)
                 self.b[slot, :r, lo:hi].copy_(b.T)
         self.filled[slot] = slices is not None
@@ -83,6 +93,9 @@ class LoRASlots:
             linear.lora = LoRALayer(linear, self.batch, max_loras, max_lora_rank, self.dtype, device, backend)
         self.slots: list[LoRAModel | None] = [None] * max_loras
         self.slot_lru: OrderedDict[int, None] = OrderedDict.fromkeys(range(max_loras))  # least recent first
+        self.token_slots: torch.Tensor | None = None  # this step's slot per token (None: no adapter)
+        self.sharded = any(linear.tp.size > 1 for linear in self.layers.values())
+        self.installs: list[tuple[int, dict]] = []  # sharded: (slot, adapter layers) installed since last taken
 
     def load(self, request: LoRARequest, roots: list[Path] | None = None) -> LoRAModel:
         """Parse and check an adapter (inside `roots`, if given) against these layers, in the slots' dtype; reads
@@ -94,7 +107,7 @@ class LoRASlots:
         request i's adapter, which runs `num_tokens[i]` tokens."""
         needed = {m.identity: m for m in loras if m is not None}
         if not needed:
-            self.batch.md = None
+            self.batch.md = self.token_slots = None
             return
         if len(needed) > self.max_loras:
             raise RuntimeError(f"a step uses {len(needed)} adapters but there are only {self.max_loras} slots")
@@ -105,14 +118,34 @@ class LoRASlots:
         for slot in slot_of.values():
             self.slot_lru.move_to_end(slot)
         seq_slots = np.array([-1 if m is None else slot_of[m.identity] for m in loras], dtype=np.int64)
-        self.batch.md = LoRAMetadata.build(np.repeat(seq_slots, num_tokens), self.device, self.dtype)
+        self.token_slots = torch.from_numpy(np.repeat(seq_slots, num_tokens))
+        self.batch.md = LoRAMetadata.build(self.token_slots.numpy(), self.device, self.dtype)
+
+    def take_installs(self) -> list[tuple[int, dict]]:
+        """Rank 0: the adapters installed since the last call, for the other ranks to install too."""
+        installs, self.installs = self.installs, []
+        return installs
+
+    def follow(self, installs: list[tuple[int, dict]], token_slots: torch.Tensor | None) -> None:
+        """Another rank: install what rank 0 installed, and take its token -> slot assignment for this step."""
+        for slot, layers in installs:
+            self._fill(slot, layers)
+        self.token_slots = token_slots
+        self.batch.md = (
+            None if token_slots is None else LoRAMetadata.build(token_slots.cpu().numpy(), self.device, self.dtype)
+        )
 
     def _install(self, model: LoRAModel, taken: set[int]) -> int:
         """Put `model` into the lowest free slot (keeping the used slot range short), else the least recently
         used slot this step does not need."""
         free = [i for i, m in enumerate(self.slots) if m is None]
         slot = free[0] if free else next(s for s in self.slot_lru if s not in taken)
-        for name, linear in self.layers.items():
-            linear.lora.set_slot(slot, model.layers.get(name))
+        self._fill(slot, model.layers)
+        if self.sharded:
+            self.installs.append((slot, model.layers))
         self.slots[slot] = model
         return slot
+
+    def _fill(self, slot: int, layers: dict) -> None:
+        for name, linear in self.layers.items():
+            linear.lora.set_slot(slot, layers.get(name))

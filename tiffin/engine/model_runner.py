@@ -19,6 +19,7 @@ from tiffin.engine.grammar import fill_bitmask
 from tiffin.engine.lora_slots import LoRASlots
 from tiffin.engine.models.config import ModelConfig
 from tiffin.engine.models.loader import build_model
+from tiffin.engine.parallel import Parallel, Step, TensorParallel
 from tiffin.engine.sampler import Sampler, SamplerOutput
 from tiffin.engine.scheduler import SchedulerOutput
 
@@ -119,9 +120,15 @@ class ModelRunner:
         model_config: ModelConfig,
         max_model_len: int,
         eos_token_ids: set[int],
+        parallel: Parallel | None = None,
     ):
+        """With `tensor_parallel_size` > 1 this is rank 0, which starts the other ranks' workers (`parallel`: a
+        worker's own rank)."""
         self.config, self.model_config = config, model_config
-        self.device = config.torch_device
+        self.device = config.torch_device if parallel is None else parallel.device
+        if parallel is None and config.tensor_parallel_size > 1:
+            parallel = Parallel.start(config, model_config, max_model_len, self.device)
+        self.parallel, tp = parallel, TensorParallel() if parallel is None else parallel.tp
         self.thread_tuner = None
         if self.device.type == "cuda" and self.device.index is not None:
             # Triton launches on the current device: cuda:1's tensors must not meet cuda:0's kernels
@@ -133,7 +140,8 @@ class ModelRunner:
             self.thread_tuner = ThreadTuner(min(torch.get_num_threads(), usable_cpus()))
         self.block_size = config.block_size
         self.backend = kernels.resolve_backend(config.kernel_backend, self.device)
-        self.model = build_model(model_config, config.model, self.device, max_model_len, self.backend)
+        self.model = build_model(model_config, config.model, self.device, max_model_len, self.backend, tp)
+        self.num_kv_heads = tp.kv_heads(model_config.num_kv_heads)
         self.lora_slots = (
             LoRASlots(self.model, config.max_loras, config.max_lora_rank, model_config.dtype, self.device, self.backend)
             if config.enable_lora
@@ -143,8 +151,11 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.num_blocks = self._num_kv_blocks()
+        if parallel is not None:
+            self.num_blocks = parallel.agree_num_blocks(self.num_blocks)
         self._allocate_kv_cache()
-        if self.device.type == "cuda":  # the interpreter compiles nothing: there warm-up would only cost time
+        # CUDA only: the interpreter compiles nothing. Not with tensor parallelism yet: its steps are collective.
+        if self.device.type == "cuda" and config.tensor_parallel_size == 1:
             self.warm_up()
         self.decode_sizes: list[int] = []  # padded decode batch sizes; empty: decode steps run unpadded
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -155,6 +166,7 @@ class ModelRunner:
             and self.backend == "triton"
             and not config.enforce_eager
             and not config.enable_lora
+            and config.tensor_parallel_size == 1  # a step is broadcast to the other ranks, not replayed
         ):
             self.init_decode_batches(decode_batch_sizes(config.max_num_seqs))
 
@@ -166,15 +178,26 @@ class ModelRunner:
         size = self._decode_size(sched)
         if size:
             hidden = self._run_decode(size, batch)
-            logits_indices = self._to_device(batch.logits_indices, torch.int64)
-        else:
-            input_ids, positions, md, logits_indices = self._prepare(batch)
-            hidden = self.model(input_ids, positions, md)
-        logits = self.model.compute_logits(hidden[logits_indices]).float()
-        out = self.sampler(logits, sched.sampling_seqs, bitmask)
+            logits = self.model.compute_logits(hidden[self._to_device(batch.logits_indices, torch.int64)])
+        elif self.parallel is None:
+            logits = self.run_model(Step(*self._prepare(batch)))
+        else:  # the other ranks run the same step on their shards
+            logits = self.parallel.run(Step(*self._prepare(batch)), self.lora_slots, self.run_model)
+        out = self.sampler(logits.float(), sched.sampling_seqs, bitmask)
         if self.thread_tuner is not None:
             self.thread_tuner.record(time.perf_counter() - start, len(batch.input_ids))
         return out
+
+    @torch.inference_mode()
+    def run_model(self, step: Step) -> torch.Tensor | None:
+        """The logits of the step's sampling tokens; with tensor parallelism on rank 0 only (None elsewhere)."""
+        hidden = self.model(step.input_ids, step.positions, step.md)
+        return self.model.compute_logits(hidden[step.logits_indices])
+
+    def shutdown(self) -> None:
+        """End the tensor-parallel workers, if any."""
+        if self.parallel is not None:
+            self.parallel.shutdown()
 
     def _host_batch(self, sched: SchedulerOutput) -> HostBatch:
         seqs, counts = sched.seqs, np.array(sched.num_scheduled_tokens)
@@ -303,7 +326,7 @@ class ModelRunner:
 
     def _bytes_per_block(self) -> int:
         mc = self.model_config
-        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * mc.dtype.itemsize
+        return 2 * mc.num_layers * self.block_size * self.num_kv_heads * mc.head_dim * mc.dtype.itemsize
 
     def _num_kv_blocks(self) -> int:
         """`num_kv_blocks`, else what `kv_cache_memory` holds, else what `gpu_memory_utilization` of the GPU
@@ -344,9 +367,7 @@ class ModelRunner:
         allocated = probe.memory_allocated(self.device)
         probe.reset_peak_memory_stats(self.device)
         with torch.inference_mode():
-            input_ids, positions, md, logits_indices = self._prepare(self._host_batch(sched))
-            self.model.compute_logits(self.model(input_ids, positions, md)[logits_indices]).float()
-            del input_ids, positions, md, logits_indices
+            self.run_model(Step(*self._prepare(self._host_batch(sched))))  # every rank at once: no broadcast
             params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01, logprobs=1)
             seqs = [Sequence("profile", i, [0], params, 1) for i in range(c.max_num_seqs)]
             self.sampler(torch.zeros(len(seqs), self.model_config.vocab_size, device=self.device), seqs)
@@ -420,7 +441,7 @@ class ModelRunner:
         masked-out attention weights multiply them."""
         mc = self.model_config
         # one block past the pool: padded decode rows write there (`init_decode_batches`)
-        shape = (2, mc.num_layers, self.num_blocks + 1, self.block_size, mc.num_kv_heads, mc.head_dim)
+        shape = (2, mc.num_layers, self.num_blocks + 1, self.block_size, self.num_kv_heads, mc.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=mc.dtype, device=self.device)
         for i, attn in enumerate(self.model.layers_kv()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]

@@ -100,11 +100,14 @@ class _ServiceSettings(BaseModel):
         return int(float(m[1]) * (1024 if m[3] else 1000) ** " kmgt".index(m[2] or " "))
 
     def resources(self) -> dict | None:
-        """What a deployment must provide: GPUs when the engine runs on CUDA. `device` auto decides only at start,
-        on whatever machine the Bento lands, so a GPU Bento says `device=cuda` or names its `gpu_type`."""
-        if not (self.device.startswith("cuda") or self.gpu_type):
+        """What a deployment must provide: GPUs when the engine runs on CUDA, at least one per tensor-parallel rank.
+        `device` auto decides only at start, on whatever machine the Bento lands, so a GPU Bento says
+        `device=cuda`, names its `gpu_type`, or splits the model (`tensor_parallel_size` > 1, not on `device=cpu`)."""
+        split = self.tensor_parallel_size > 1 and self.device != "cpu"
+        if not (self.device.startswith("cuda") or self.gpu_type or split):
             return None
-        return {"gpu": self.gpus} | ({"gpu_type": self.gpu_type} if self.gpu_type else {})
+        gpus = max(self.gpus, self.tensor_parallel_size)
+        return {"gpu": gpus} | ({"gpu_type": self.gpu_type} if self.gpu_type else {})
 
     def engine_kwargs(self) -> dict:
         return {f.name: getattr(self, f.name) for f in _ENGINE_SETTINGS} | {

@@ -99,25 +99,65 @@ class PackedLinearMethod(LinearMethod):
         load_shard(layer, getattr(layer, name), tensor, shard, dim=1, pack=self.tensors[name])
 
     def check_sizes(self, layer: nn.Module, group_size: int) -> None:
+        """Packed shards split on group and word boundaries only: refused here, naming the shape, otherwise."""
+        ranks = getattr(layer, "tp", None)
+        per_rank = f" per rank (tensor_parallel_size {ranks.size})" if ranks is not None and ranks.size > 1 else ""
         if layer.input_size % group_size:
-            raise ValueError(f"group size {group_size} does not divide the layer's input size {layer.input_size}")
+            raise ValueError(
+                f"group size {group_size} does not divide the layer's input size {layer.input_size}{per_rank}"
+            )
         if any(size % self.pack for size in layer.output_sizes):
-            raise ValueError(f"output sizes {layer.output_sizes} must be multiples of {self.pack} for packed zeros")
+            raise ValueError(
+                f"output sizes {layer.output_sizes}{per_rank} must be multiples of {self.pack} for packed zeros"
+            )
 
 
-def load_shard(
-    layer: nn.Module, target: torch.Tensor, tensor: torch.Tensor, shard: int | None, dim: int, pack: int = 1
-) -> None:
+def load_shard(layer: nn.Module, target: torch.Tensor, tensor, shard: int | None, dim: int, pack: int = 1) -> None:
     """Copy `tensor` into `target`, or into shard `shard`'s slice of the output dimension `dim` when the layer
-    stacks several checkpoint tensors (`pack` outputs per element, as packed integer words hold them)."""
+    stacks several checkpoint tensors (`pack` outputs per element, as packed integer words hold them).
+    `tensor` may be a lazy safetensors slice: of a tensor-parallel layer (`layer.split`) only this rank's part
+    is read, along the output `dim` ("column") or the input, the other dim of a 2-D tensor ("row")."""
     target = target.data
     if shard is not None:
         target = target.narrow(dim, layer.offsets[shard] // pack, layer.output_sizes[shard] // pack)
+    split = getattr(layer, "split", None)
+    if split == "column" or (split == "row" and len(shape_of(tensor)) == 2):
+        along = dim if split == "column" else 1 - dim
+        tensor = rank_slice(tensor, along, target.shape[along], layer.tp.rank, layer.tp.size)
+    tensor = materialize(tensor)
     if target.shape != tensor.shape:
         raise ValueError(f"checkpoint tensor of shape {tuple(tensor.shape)} does not fit {tuple(target.shape)}")
     if target.dtype == torch.int32 and tensor.dtype != torch.int32:
         raise ValueError(f"packed tensor must be int32, got {tensor.dtype}")
     target.copy_(tensor)
+
+
+def rank_slice(tensor, dim: int, local: int, rank: int, size: int):
+    """Rank `rank`'s `local` entries along `dim` of a checkpoint tensor split across `size` ranks: the whole
+    tensor when it is that size already (replicated: per-channel scales of a row shard), else slice
+    `rank // replicas` of its `full / local` slices, each held by `replicas` consecutive ranks (MQA/GQA KV
+    heads). Reads only that slice of a lazy safetensors slice."""
+    full = shape_of(tensor)[dim]
+    if full == local or size == 1:
+        return tensor
+    if full % local or size % (full // local):
+        raise ValueError(
+            f"a checkpoint tensor of shape {shape_of(tensor)} cannot split into pieces of {local} along dim {dim} "
+            f"across {size} tensor-parallel ranks"
+        )
+    start = rank // (size // (full // local)) * local
+    index = [slice(None)] * len(shape_of(tensor))
+    index[dim] = slice(start, start + local)
+    return tensor[tuple(index)]
+
+
+def shape_of(tensor) -> tuple[int, ...]:
+    """The shape of a tensor or of a lazy safetensors slice."""
+    return tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else tuple(tensor.get_shape())
+
+
+def materialize(tensor) -> torch.Tensor:
+    return tensor if isinstance(tensor, torch.Tensor) else tensor[:]
 
 
 def param(t: torch.Tensor) -> nn.Parameter:

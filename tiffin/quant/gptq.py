@@ -13,7 +13,9 @@ from tiffin.quant.base import (
     LinearMethod,
     PackedLinearMethod,
     QuantizationConfig,
+    materialize,
     param,
+    rank_slice,
     register_quant_config,
     supported,
 )
@@ -78,14 +80,18 @@ class GPTQLinearMethod(PackedLinearMethod):
     def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
         k, n = layer.input_size, layer.output_size
         group_size = k if self.config.group_size == -1 else self.config.group_size
-        self.check_sizes(layer, group_size)
+        # an act-order row shard's rows may belong to any group of the whole layer: it keeps every group and pads
+        # them (`_pad_groups`), so its rows need not split on group boundaries
+        act_order_shard = self.config.desc_act and self.config.group_size != -1 and layer.split == "row"
+        self.check_sizes(layer, k if act_order_shard else group_size)
         if k % self.pack:
             raise ValueError(f"input size {k} must be a multiple of {self.pack} for {self.config.bits}-bit rows")
         layer.group_size = group_size
+        groups = (layer.full_input_size if act_order_shard else k) // group_size
         layer.qweight = param(torch.empty(k // self.pack, n, dtype=torch.int32))
-        layer.qzeros = param(torch.empty(k // group_size, n // self.pack, dtype=torch.int32))
-        layer.scales = param(torch.empty(k // group_size, n, dtype=SCALES_DTYPE))
-        layer.perm = None
+        layer.qzeros = param(torch.empty(groups, n // self.pack, dtype=torch.int32))
+        layer.scales = param(torch.empty(groups, n, dtype=SCALES_DTYPE))
+        layer.perm = layer.gather = None
         if self.config.desc_act:
             # kept on the host: checkpoint tensors arrive there, and the shards of a fused layer are compared
             # with the first one's before the permutation is sent to the weights' device
@@ -94,13 +100,17 @@ class GPTQLinearMethod(PackedLinearMethod):
     def load(self, layer: nn.Module, name: str, tensor: torch.Tensor, shard: int | None) -> None:
         if name != "g_idx":
             return super().load(layer, name, tensor, shard)
-        if tensor.shape != (layer.input_size,):
-            raise ValueError(f"g_idx of shape {tuple(tensor.shape)} does not fit input size {layer.input_size}")
-        tensor = tensor.to("cpu", torch.int32)
+        tensor, k = materialize(tensor).to("cpu", torch.int32), layer.full_input_size  # the whole layer's: k entries
+        if tensor.shape != (k,):
+            raise ValueError(f"g_idx of shape {tuple(tensor.shape)} does not fit input size {k}")
         if not self.config.desc_act:
-            if not torch.equal(tensor, _identity_groups(layer.input_size, layer.group_size)):
+            size = k if self.config.group_size == -1 else self.config.group_size
+            if not torch.equal(tensor, _identity_groups(k, size)):
                 raise ValueError("g_idx assigns input rows to groups out of order but desc_act is false")
-        elif bool((layer.g_idx < 0).all()):
+            return
+        if layer.split == "row":
+            tensor = rank_slice(tensor, 0, layer.input_size, layer.tp.rank, layer.tp.size)
+        if bool((layer.g_idx < 0).all()):
             layer.g_idx.copy_(tensor)
         elif not torch.equal(layer.g_idx, tensor):
             # one input permutation per fused layer; shards quantized from the same inputs always agree
@@ -110,20 +120,44 @@ class GPTQLinearMethod(PackedLinearMethod):
         """Act-order: sort input rows by group so that groups are contiguous, as the kernels read them."""
         if not self.config.desc_act:
             return
-        g_idx = layer.g_idx.long()
+        g_idx, k, size = layer.g_idx.long(), layer.input_size, layer.group_size  # on the host
         del layer.g_idx
         perm = torch.argsort(g_idx, stable=True)
-        if not torch.equal(g_idx[perm], _identity_groups(layer.input_size, layer.group_size).long()):
-            raise ValueError(f"g_idx does not put exactly {layer.group_size} input rows in each group")
-        if torch.equal(perm, torch.arange(layer.input_size)):
+        device = layer.qweight.device
+        if layer.scales.shape[0] * size > k and int(g_idx.min()) >= 0:  # an act-order row shard
+            codes = unpack_rows(layer.qweight.data, self.config.bits)[perm.to(device)]
+            self._pad_groups(layer, g_idx[perm].to(device), perm.to(device), codes)
             return
-        perm = perm.to(layer.qweight.device)
+        if not torch.equal(g_idx[perm], _identity_groups(k, size).long()):
+            raise ValueError(f"g_idx does not put exactly {size} input rows in each group")
+        if torch.equal(perm, torch.arange(k)):
+            return
+        perm = perm.to(device)
         layer.qweight.data = pack_rows(unpack_rows(layer.qweight.data, self.config.bits)[perm], self.config.bits)
         layer.perm = param(perm.to(torch.int32))
+
+    def _pad_groups(self, layer: nn.Module, groups: torch.Tensor, perm: torch.Tensor, codes: torch.Tensor) -> None:
+        """An act-order row shard: its rows, sorted by group (`groups`, sorted), hold any number of each group's
+        rows. Every group is padded to `group_size` rows that read a zero input (`gather` points them at a
+        zero column appended to x), so the kernels see whole groups: exact, at the whole layer's row count."""
+        size, num_groups = layer.group_size, layer.scales.shape[0]
+        counts = torch.bincount(groups, minlength=num_groups)
+        if int(counts.max()) > size or len(counts) > num_groups:
+            raise ValueError(f"g_idx puts more than {size} input rows in a group, or names a group past {num_groups}")
+        starts = torch.cumsum(counts, 0) - counts
+        rows = groups * size + torch.arange(len(groups), device=groups.device) - starts[groups]
+        gather = torch.full((num_groups * size,), layer.input_size, dtype=torch.int64, device=perm.device)
+        gather[rows] = perm
+        padded = torch.zeros(num_groups * size, codes.shape[1], dtype=codes.dtype, device=codes.device)
+        padded[rows] = codes
+        layer.qweight.data = pack_rows(padded, self.config.bits)
+        layer.gather = param(gather)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         c = self.config
         x2d = x.reshape(-1, layer.input_size)
+        if layer.gather is not None:
+            x2d = torch.nn.functional.pad(x2d, (0, 1))[:, layer.gather]
         y = gptq_gemm(x2d, layer.qweight, layer.qzeros, layer.scales, c.bits, c.zero_offset, layer.perm, self.backend)
         return y.view(*x.shape[:-1], layer.output_size)
 

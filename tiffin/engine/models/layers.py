@@ -1,9 +1,10 @@
 """Layers shared by the model files: RMSNorm, rotary embedding (default, linear and llama3 scaling), the gated
 MLP and the activations it may use (`ACTIVATIONS`, keyed by config.json's `hidden_act`).
 
-Projections are built through `linear(name, input_size, output_sizes, bias)`, the token embedding and output
-head through `embedding(name, vocab_size, hidden_size)`, both supplied by the loader: how each weight is stored
-(plain, AWQ, GPTQ, GGUF) is not the model's business.
+Projections are built through `linear(name, input_size, output_sizes, bias, split, parts)`, the token embedding
+and output head through `embedding(name, vocab_size, hidden_size)`, both supplied by the loader: how each weight
+is stored (plain, AWQ, GPTQ, GGUF) is not the model's business. Sizes are the checkpoint's; `split` ("column",
+"row" or None) and `parts` say how a tensor-parallel rank takes its share (`models/linear.py`).
 """
 
 import math
@@ -14,7 +15,7 @@ from torch import nn
 
 from tiffin import kernels
 
-LinearFactory = Callable[[str, int, list[int], bool], nn.Module]
+LinearFactory = Callable[..., nn.Module]  # (name, input_size, output_sizes, bias, split=None, parts=None)
 EmbeddingFactory = Callable[[str, int, int], nn.Module]  # (name, vocab_size, hidden_size) -> an Embedding
 
 
@@ -82,8 +83,8 @@ class MLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool, linear: LinearFactory):
         super().__init__()
-        self.gate_up_proj = linear("gate_up_proj", hidden_size, [intermediate_size] * 2, bias)
-        self.down_proj = linear("down_proj", intermediate_size, [hidden_size], bias)
+        self.gate_up_proj = linear("gate_up_proj", hidden_size, [intermediate_size] * 2, bias, "column")
+        self.down_proj = linear("down_proj", intermediate_size, [hidden_size], bias, "row")
         self.act_and_mul = ACTIVATIONS[hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

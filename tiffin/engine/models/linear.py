@@ -1,21 +1,50 @@
-"""A linear layer whose weight may be stored several ways (plain, AWQ, GPTQ, ...).
+"""A linear layer whose weight may be stored several ways (plain, AWQ, GPTQ, ...), whole or split across the
+ranks of a tensor-parallel group.
 
 A `Linear` may stack several checkpoint tensors along its output (q/k/v into qkv_proj, gate/up into
 gate_up_proj): shard `i` fills outputs `offsets[i]:offsets[i+1]`. How the weight is stored, loaded and
 applied belongs to its `LinearMethod` (tiffin.quant); the model code only builds `Linear`s and calls them.
+
+Tensor parallelism (vLLM's vocabulary): a column-parallel layer holds this rank's slice of each stacked
+shard's outputs (`parts[i]` distinct slices; fewer than ranks replicates them, as MQA/GQA's KV heads); a
+row-parallel one holds its slice of the inputs and all-reduces its output before the bias; the vocab-parallel
+embedding holds a slice of the vocabulary. `input_size`, `output_sizes` and `offsets` are this rank's; the
+`full_*` sizes are the checkpoint's. Each rank loads only its slice (`load_shard`).
 """
 
 import torch
 from torch import nn
 
+from tiffin.engine.parallel import WHOLE, TensorParallel
 from tiffin.quant import LinearMethod, load_shard
 
 
 class Linear(nn.Module):
     looks_up_rows = False  # whether its method must keep a weight that rows can be looked up in
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype, method: LinearMethod):
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool,
+        dtype: torch.dtype,
+        method: LinearMethod,
+        tp: TensorParallel = WHOLE,
+        split: str | None = None,
+        parts: list[int] | None = None,
+    ):
+        """`input_size` and `output_sizes` are the checkpoint's; `split` is None (replicated), "column" or "row";
+        `parts`: distinct slices of each output shard of a column-parallel layer (default: one per rank)."""
         super().__init__()
+        self.tp, self.split = tp, split
+        self.full_input_size, self.full_output_sizes = input_size, list(output_sizes)
+        if split == "row":
+            input_size = tp.split(input_size, "the input size of a row-parallel layer")
+        elif split == "column":
+            parts = parts or [tp.size] * len(output_sizes)
+            if any(size % n for size, n in zip(output_sizes, parts)):
+                raise ValueError(f"output sizes {output_sizes} do not split into {parts} parts across {tp.size} ranks")
+            output_sizes = [size // n for size, n in zip(output_sizes, parts)]
         self.input_size, self.output_sizes = input_size, list(output_sizes)
         self.output_size = sum(output_sizes)
         self.offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes) + 1)]
@@ -31,22 +60,34 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.method.apply(self, x)
-        y = y if self.bias is None else y + self.bias
-        return y if self.lora is None else self.lora(x, y)
+        if self.lora is not None:  # before the all-reduce: a row shard's delta is its part of the sum too
+            y = self.lora(x, y)
+        if self.split == "row":
+            y = self.tp.all_reduce(y)
+        return y if self.bias is None else y + self.bias
 
 
 class Embedding(Linear):
     """A token embedding `[vocab, hidden]` stored as its method stores a linear weight (plain, or GGUF blocks):
-    `forward` looks rows up; `logits` is the output projection (the tied head, or an untied lm_head)."""
+    `forward` looks rows up; `logits` is the output projection (the tied head, or an untied lm_head).
+    Vocab-parallel: each rank holds `vocab / N` rows; a lookup sums the ranks' rows (zeros where a token is not
+    theirs), the logits are gathered on rank 0 (None elsewhere)."""
 
     looks_up_rows = True
 
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, method: LinearMethod):
-        super().__init__(hidden_size, [vocab_size], False, dtype, method)
+    def __init__(
+        self, vocab_size: int, hidden_size: int, dtype: torch.dtype, method: LinearMethod, tp: TensorParallel = WHOLE
+    ):
+        super().__init__(hidden_size, [vocab_size], False, dtype, method, tp, "column" if tp.size > 1 else None)
         self.dtype = dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.method.embedding(self, ids).to(self.dtype)
+        if self.tp.size == 1:
+            return self.method.embedding(self, ids).to(self.dtype)
+        local = ids - self.tp.rank * self.output_size
+        outside = (local < 0) | (local >= self.output_size)
+        x = self.method.embedding(self, local.masked_fill(outside, 0)).to(self.dtype)
+        return self.tp.all_reduce(x.masked_fill_(outside[:, None], 0))
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, hidden)
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.tp.gather(self.method.apply(self, hidden))

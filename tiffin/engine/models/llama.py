@@ -9,15 +9,30 @@ from torch import nn
 from tiffin import kernels
 from tiffin.engine.models.config import ModelConfig
 from tiffin.engine.models.layers import MLP, EmbeddingFactory, LinearFactory, RMSNorm, RotaryEmbedding, prefixed
+from tiffin.engine.parallel import WHOLE, TensorParallel
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, linear: LinearFactory, rotary: RotaryEmbedding, backend: str):
+    """With tensor parallelism, this rank's query heads and the KV heads they read (split, or replicated when
+    there are fewer KV heads than ranks)."""
+
+    def __init__(
+        self, config: ModelConfig, linear: LinearFactory, rotary: RotaryEmbedding, backend: str, tp: TensorParallel
+    ):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = linear("qkv_proj", config.hidden_size, [q_size, kv_size, kv_size], config.qkv_bias)
-        self.o_proj = linear("o_proj", q_size, [config.hidden_size], False)
+        self.num_heads = tp.split(config.num_heads, "num_attention_heads")
+        self.num_kv_heads, self.head_dim = tp.kv_heads(config.num_kv_heads), config.head_dim
+        q_size, kv_size = config.num_heads * self.head_dim, config.num_kv_heads * self.head_dim
+        kv_parts = config.num_kv_heads // self.num_kv_heads
+        self.qkv_proj = linear(
+            "qkv_proj",
+            config.hidden_size,
+            [q_size, kv_size, kv_size],
+            config.qkv_bias,
+            "column",
+            [tp.size] + [kv_parts] * 2,
+        )
+        self.o_proj = linear("o_proj", q_size, [config.hidden_size], False, "row")
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.dtype)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.dtype)
@@ -41,10 +56,12 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, linear: LinearFactory, rotary: RotaryEmbedding, backend: str):
+    def __init__(
+        self, config: ModelConfig, linear: LinearFactory, rotary: RotaryEmbedding, backend: str, tp: TensorParallel
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
-        self.self_attn = Attention(config, prefixed(linear, "self_attn."), rotary, backend)
+        self.self_attn = Attention(config, prefixed(linear, "self_attn."), rotary, backend, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
         self.mlp = MLP(
             config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias, prefixed(linear, "mlp.")
@@ -63,11 +80,13 @@ class Model(nn.Module):
         embedding: EmbeddingFactory,
         rotary: RotaryEmbedding,
         backend: str,
+        tp: TensorParallel,
     ):
         super().__init__()
         self.embed_tokens = embedding("embed_tokens", config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, prefixed(linear, f"layers.{i}."), rotary, backend) for i in range(config.num_layers)
+            DecoderLayer(config, prefixed(linear, f"layers.{i}."), rotary, backend, tp)
+            for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
 
@@ -89,11 +108,17 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def __init__(
-        self, config: ModelConfig, max_positions: int, backend: str, linear: LinearFactory, embedding: EmbeddingFactory
+        self,
+        config: ModelConfig,
+        max_positions: int,
+        backend: str,
+        linear: LinearFactory,
+        embedding: EmbeddingFactory,
+        tp: TensorParallel = WHOLE,
     ):
         super().__init__()
         rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
-        self.model = Model(config, prefixed(linear, "model."), prefixed(embedding, "model."), rotary, backend)
+        self.model = Model(config, prefixed(linear, "model."), prefixed(embedding, "model."), rotary, backend, tp)
         self.lm_head = (
             None if config.tie_word_embeddings else embedding("lm_head", config.vocab_size, config.hidden_size)
         )
@@ -101,7 +126,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, md):
         return self.model(input_ids, positions, md)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The logits of `hidden`'s rows; with tensor parallelism on rank 0 only (None on the others)."""
         return (self.model.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)
 
     def layers_kv(self):

@@ -16,27 +16,39 @@ from tiffin.engine.models.config import ModelConfig
 from tiffin.engine.models.gguf_checkpoint import find_gguf, open_gguf
 from tiffin.engine.models.linear import Embedding, Linear
 from tiffin.engine.models.registry import get_architecture
+from tiffin.engine.parallel import WHOLE, TensorParallel
 from tiffin.quant import LinearMethod, QuantizationConfig, UnquantizedLinearMethod
+from tiffin.quant.base import materialize
 
 
 def build_model(
-    config: ModelConfig, path: str | Path, device: torch.device, max_positions: int, backend: str
+    config: ModelConfig,
+    path: str | Path,
+    device: torch.device,
+    max_positions: int,
+    backend: str,
+    tp: TensorParallel = WHOLE,
 ) -> torch.nn.Module:
-    """The model of `config` on `device` with the checkpoint's weights; `backend` is the resolved kernel backend
-    every attention and quantized layer runs on."""
+    """The model of `config` on `device` with the checkpoint's weights (this rank's shard of them under tensor
+    parallelism `tp`); `backend` is the resolved kernel backend every attention and quantized layer runs on."""
     model_class = get_architecture(config.architecture).model
+    if tp.size > 1 and find_gguf(path) is not None:
+        raise ValueError("tensor parallelism does not split GGUF checkpoints; serve a safetensors checkpoint")
 
-    def linear(prefix: str, input_size: int, output_sizes: list[int], bias: bool) -> Linear:
+    def linear(
+        prefix: str, input_size: int, output_sizes: list[int], bias: bool, split: str | None = None, parts=None
+    ) -> Linear:
         method = get_linear_method(config.quant_config, model_class.stacked_modules, prefix, backend)
-        return Linear(input_size, output_sizes, bias, config.dtype, method)
+        return Linear(input_size, output_sizes, bias, config.dtype, method, tp, split if tp.size > 1 else None, parts)
 
     def embedding(prefix: str, vocab_size: int, hidden_size: int) -> Embedding:
         quant = config.quant_config
         method = UnquantizedLinearMethod() if quant is None else quant.embedding_method(prefix, backend)
-        return Embedding(vocab_size, hidden_size, config.dtype, method)
+        tp.split(vocab_size, "vocab_size")  # refused by name when the vocabulary does not split
+        return Embedding(vocab_size, hidden_size, config.dtype, method, tp)
 
     with torch.device(device):
-        model = model_class(config, max_positions, backend, linear, embedding)
+        model = model_class(config, max_positions, backend, linear, embedding, tp)
     load_weights(model, checkpoint_weights(path), path)
     for module in model.modules():
         if isinstance(module, Linear):
@@ -82,8 +94,8 @@ def safetensors_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     with tqdm(desc="Loading weights", unit="tensor", total=_count_tensors(files)) as bar:
         for file in files:
             with safe_open(file, framework="pt") as f:
-                for key in f.keys():
-                    yield key, f.get_tensor(key)
+                for key in f.keys():  # lazy: a tensor-parallel layer reads only its rank's slice
+                    yield key, f.get_slice(key)
                     bar.update()
 
 
@@ -138,7 +150,7 @@ def _load_tensor(model, params: dict, key: str, tensor: torch.Tensor) -> list[st
     if isinstance(module, Linear):
         module.load(name, tensor, shard)
         return [f"{module_path}.{n}" for n, _ in module.named_parameters(recurse=False)]
-    param = params[key]
+    param, tensor = params[key], materialize(tensor)
     if param.shape != tensor.shape:
         raise ValueError(f"{key}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
     param.data.copy_(tensor)
