@@ -53,10 +53,11 @@ def test_triton_kept_layer_matches_dequantize_then_matmul(interpreter, qtype, dt
     assert (got.double() - want).abs().max().item() / want.abs().max().item() < TOL[dtype]
 
 
-def test_compile_check_covers_every_gguf_tile():
+@pytest.mark.parametrize("arch", [80, 86, 89, 90])
+def test_compile_check_covers_every_gguf_tile(arch):
     registered = {
         (c.args[0].dtype, c.kwargs["BITS"], c.kwargs["HAS_MIN"], c.kwargs["BLOCK_M"], c.kwargs["SPLIT"])
-        for c in _compile_gguf()
+        for c in _compile_gguf(arch)
     }
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         for m in (1, 16, 17, 32, 33, 4096):
