@@ -83,11 +83,12 @@ def _plan(md: AttentionMetadata, block_size: int, device, native: bool) -> tuple
     starts, seq_lens = md.query_start_loc_cpu, md.seq_lens_cpu
     tables = md.block_tables
     blocks = lambda rows, length: tables[rows, : -(-length // block_size)].reshape(-1)
-    decodes = sorted((i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1), key=seq_lens.__getitem__)
+    decodes = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
     if native:
-        groups = (torch.tensor([starts[i] for i in decodes]), torch.tensor(decodes)) if decodes else None
-        md.torch_plan = groups, _prefill_spans(md, blocks, device)
+        rows_and_seqs = (torch.tensor([starts[i] for i in decodes]), torch.tensor(decodes)) if decodes else None
+        md.torch_plan = rows_and_seqs, _prefill_spans(md, blocks, device)
         return md.torch_plan
+    decodes.sort(key=seq_lens.__getitem__)
     groups = []
     for first in range(0, len(decodes), DECODE_GROUP):
         group = decodes[first : first + DECODE_GROUP]
@@ -120,19 +121,11 @@ def paged_attention_torch(query, k_cache, v_cache, md: AttentionMetadata, scale:
     """`query` `[T, num_heads, head_dim]` -> `[T, num_heads, head_dim]`."""
     out = torch.empty_like(query)
     native = cpu_native.supports(query, k_cache)
-    groups, prefills = _plan(md, k_cache.shape[1], query.device, native)
-    if native:
-        if groups is not None:
-            cpu_native.paged_decode(query, out, k_cache, v_cache, md.block_tables, md.seq_lens, *groups, scale)
-        groups = []
-    for g in groups:
-        q = query[g.rows]
-        k, v = _gather(k_cache, g).to(q.dtype), _gather(v_cache, g).to(q.dtype)
-        if _decode_by_matmuls(q.device.type, q.dtype):
-            out[g.rows] = _decode(q, k.contiguous(), v.contiguous(), g.mask, scale)
-        else:
-            o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=g.mask, scale=scale, enable_gqa=True)
-            out[g.rows] = o.squeeze(2)
+    decodes, prefills = _plan(md, k_cache.shape[1], query.device, native)
+    if not native:
+        _decode_groups(query, out, k_cache, v_cache, decodes, scale)
+    elif decodes is not None:
+        cpu_native.paged_decode(query, out, k_cache, v_cache, md.block_tables, md.seq_lens, *decodes, scale)
     for p in prefills:
         q = query[p.rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         o = F.scaled_dot_product_attention(
@@ -146,6 +139,18 @@ def paged_attention_torch(query, k_cache, v_cache, md: AttentionMetadata, scale:
         )
         out[p.rows] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def _decode_groups(query, out, k_cache, v_cache, groups: list[_Span], scale: float) -> None:
+    """The torch decode path: each group's K/V gathered, then SDPA or grouped matmuls (`_decode_by_matmuls`)."""
+    for g in groups:
+        q = query[g.rows]
+        k, v = _gather(k_cache, g).to(q.dtype), _gather(v_cache, g).to(q.dtype)
+        if _decode_by_matmuls(q.device.type, q.dtype):
+            out[g.rows] = _decode(q, k.contiguous(), v.contiguous(), g.mask, scale)
+        else:
+            o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=g.mask, scale=scale, enable_gqa=True)
+            out[g.rows] = o.squeeze(2)
 
 
 @functools.cache
