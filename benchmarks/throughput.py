@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import tiffin  # noqa: F401
+import tiffin
 import torch
 
 PEERS = ("tiffin", "hf-cb", "hf-static", "vllm")
@@ -375,8 +375,9 @@ def run_vllm(
                 f,
             )
         # A workload this size needs well under 1 GiB of KV cache; don't let vLLM size it from a shared machine's
-        # free RAM.
-        env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ}
+        # free RAM. vLLM runs with its own OpenMP defaults, not the ones tiffin set in this process.
+        inherited = {k: v for k, v in os.environ.items() if k not in tiffin.ENV_SET_BY_TIFFIN}
+        env = {"VLLM_CPU_KVCACHE_SPACE": "1", **inherited}
         proc = subprocess.run([python, script, job, result], env=env, capture_output=True, text=True)
         if proc.returncode != 0 or not os.path.exists(result):
             raise RuntimeError(

@@ -6,8 +6,10 @@ import os
 # torch's OpenMP runtime (libgomp) spins 300,000 iterations at every barrier before it sleeps. Beside a busy
 # process, a thread that waits then burns the core that the thread it waits for needs: W64 throughput fell 10x
 # with one busy neighbour on a 2-core Xeon. 5,000 kept the idle figure and gave 5x more beside the neighbour.
-# libgomp reads it once, when torch loads: a user's own setting wins.
-os.environ.setdefault("GOMP_SPINCOUNT", "5000")
+# libgomp reads it once, when torch loads: a user's own setting wins. What tiffin set is kept, so that benchmarks
+# can start their peers without it.
+ENV_SET_BY_TIFFIN = {name: value for name, value in {"GOMP_SPINCOUNT": "5000"}.items() if name not in os.environ}
+os.environ.update(ENV_SET_BY_TIFFIN)
 
 # Resolved on first access, so that `import tiffin.plugin.service` (which `bentoml build` does) and
 # `import tiffin.tiny` do not pull in torch and transformers.
