@@ -137,13 +137,15 @@ def decode_path(request, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("group", [1, 3, 4])
-def test_torch_decode_paths_match_naive(decode_path, dtype, group):
-    """Decode groups of unequal context lengths (masked) beside a prefill chunk, within the dtype's tolerance."""
+@pytest.mark.parametrize("group", [1, 3, 4, 5])
+@pytest.mark.parametrize("head_dim", [64, 128, 96])  # 96: the native kernel's generic (non-AVX-512) loop
+def test_torch_decode_paths_match_naive(decode_path, dtype, group, head_dim):
+    """Decode groups of unequal context lengths (masked) beside a prefill chunk, within the dtype's tolerance.
+    Contexts of 0-400 tokens: partial tiles of 16 tokens and whole ones, across block boundaries."""
     gen = torch.Generator().manual_seed(group)
     query_lens = [33] + [1] * 40
     context_lens = [64] + torch.randint(0, 400, (40,), generator=gen).tolist()
-    batch = make_batch(query_lens, context_lens, 2 * group, 2, 64, 16, dtype, gen)
+    batch = make_batch(query_lens, context_lens, 2 * group, 2, head_dim, 16, dtype, gen)
     out = paged_attention_torch(*batch, 0.125)
     assert out.dtype == dtype
     assert rel_error(out, naive_attention(*batch, 0.125)) < TOLERANCE[dtype]

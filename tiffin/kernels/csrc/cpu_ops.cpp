@@ -6,7 +6,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -54,6 +58,23 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// Each of `rows` rows of `len` scores becomes e^(score - its max); denom[row] = 1 / the row's sum.
+inline void softmax_rows(float* scores, float* denom, int rows, int len) {
+  for (int r = 0; r < rows; ++r) {
+    float* sr = scores + static_cast<int64_t>(r) * len;
+    float max = sr[0];
+#pragma omp simd reduction(max : max)
+    for (int t = 1; t < len; ++t) max = sr[t] > max ? sr[t] : max;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int t = 0; t < len; ++t) {
+      sr[t] = exp_nonpositive(sr[t] - max);
+      sum += sr[t];
+    }
+    denom[r] = 1.f / sum;
+  }
+}
+
 // One task: the query heads of one sequence that share KV heads [kv_first, kv_end), reading each token's K (then
 // V) rows of those heads together, contiguous in the cache. Scores and the output accumulate in fp32.
 template <typename T>
@@ -85,19 +106,7 @@ void decode_task(const T* q, T* out, const T* k_cache, const T* v_cache, const i
       scores[hq * len + t] = dot;
     }
   }
-  for (int hq = 0; hq < heads; ++hq) {
-    float* sh = scores + hq * len;
-    float max = sh[0];
-#pragma omp simd reduction(max : max)
-    for (int t = 1; t < len; ++t) max = sh[t] > max ? sh[t] : max;
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int t = 0; t < len; ++t) {
-      sh[t] = exp_nonpositive(sh[t] - max);
-      sum += sh[t];
-    }
-    denom[hq] = 1.f / sum;
-  }
+  softmax_rows(scores, denom, heads, len);
   std::memset(acc, 0, sizeof(float) * heads * head_dim);
   for (int t = 0; t < len; ++t) {
     const T* v = slot(v_cache, t);
@@ -113,6 +122,127 @@ void decode_task(const T* q, T* out, const T* k_cache, const T* v_cache, const i
     for (int d = 0; d < head_dim; ++d) out[hq * head_dim + d] = from_float<T>(acc[hq * head_dim + d] * denom[hq]);
 }
 
+#if defined(__AVX512F__)
+// The AVX-512 decode (head_dim 64 or 128): scores 16 tokens at a time for all the task's query heads, each dot
+// product kept as 16 partial sums and the 16 reduced together (one horizontal sum per token cost more than the
+// dot), the next tile's K rows prefetched (blocks lie anywhere in memory); then P·V per KV head. 1.5-2x the
+// generic loop on a 64-sequence decode (Intel Xeon AMX, 1 and 2 threads).
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// Lane i of the result: the sum of v[i]'s 16 lanes (a transpose folded into the additions).
+inline __m512 sum_each(const __m512* v) {
+  __m512 w[8], x[4];
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // x[i]'s 128-bit lane L holds vectors 4i..4i+3 summed within lane L; add the four lanes
+  __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x44), _mm512_shuffle_f32x4(x[0], x[1], 0xEE));
+  __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x44), _mm512_shuffle_f32x4(x[2], x[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+}
+
+// q·k over D dims as 16 partial sums. bf16 uses the CPU's bf16 dot product where it has one (exact products,
+// fp32 sums); otherwise K is widened to fp32 against the fp32 copy of q.
+template <int D, typename T>
+inline __m512 dot_partial(const float* qf, const T* q, const T* k) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, bf16>) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 32)
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + d), (__m512bh)_mm512_loadu_si512(k + d));
+    return acc;
+  }
+#endif
+  __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qf), load16(k));
+  for (int d = 16; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + d), load16(k + d), acc);
+  return acc;
+}
+
+// The task's query heads P·V, one KV head at a time: its query heads' accumulators stay in registers (up to
+// 16 of them), and each token's V row is widened once for all of them.
+template <int D, typename T>
+void weigh_values(T* out, const T* v_cache, const int64_t* offsets, const float* probs, const float* denom, int len,
+                  int kv_heads, int group) {
+  constexpr int V = D / 16, HEADS = V <= 8 ? 16 / V : 1;
+  for (int h = 0; h < kv_heads; ++h) {
+    for (int g0 = h * group; g0 < (h + 1) * group; g0 += HEADS) {
+      const int heads = (h + 1) * group - g0 < HEADS ? (h + 1) * group - g0 : HEADS;
+      __m512 acc[HEADS][V];
+      for (int g = 0; g < HEADS; ++g)
+        for (int j = 0; j < V; ++j) acc[g][j] = _mm512_setzero_ps();
+      for (int t = 0; t < len; ++t) {
+        if (t + 16 < len)
+          for (int l = 0; l < D * static_cast<int>(sizeof(T)); l += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(v_cache + h * D + offsets[t + 16]) + l, _MM_HINT_T0);
+        __m512 v[V];
+        for (int j = 0; j < V; ++j) v[j] = load16(v_cache + h * D + offsets[t] + 16 * j);
+        for (int g = 0; g < HEADS && g < heads; ++g) {
+          const __m512 p = _mm512_set1_ps(probs[(g0 + g) * len + t]);
+          for (int j = 0; j < V; ++j) acc[g][j] = _mm512_fmadd_ps(p, v[j], acc[g][j]);
+        }
+      }
+      alignas(64) float row[D];
+      for (int g = 0; g < heads; ++g) {
+        for (int j = 0; j < V; ++j)
+          _mm512_store_ps(row + 16 * j, _mm512_mul_ps(acc[g][j], _mm512_set1_ps(denom[g0 + g])));
+        for (int d = 0; d < D; ++d) out[(g0 + g) * D + d] = from_float<T>(row[d]);
+      }
+    }
+  }
+}
+
+template <int D, typename T>
+void decode_task_avx512(const T* q, T* out, const T* k_cache, const T* v_cache, const int32_t* block_table, int len,
+                        int kv_first, int kv_end, int group, int num_kv_heads, int block_size, float scale,
+                        std::vector<float>& buf, std::vector<int64_t>& offsets) {
+  const int heads = (kv_end - kv_first) * group;  // query heads of this task, from query head kv_first * group
+  q += kv_first * group * D;
+  out += kv_first * group * D;
+  k_cache += kv_first * D;
+  v_cache += kv_first * D;
+  const int64_t slot_stride = static_cast<int64_t>(num_kv_heads) * D;
+  offsets.resize(len);
+  for (int b = 0, t = 0; t < len; ++b) {  // found once per sequence, shared by its heads and by K and V
+    const int64_t first = static_cast<int64_t>(block_table[b]) * block_size;
+    for (int i = 0; i < block_size && t < len; ++i, ++t) offsets[t] = (first + i) * slot_stride;
+  }
+  buf.resize(static_cast<size_t>(heads) * (D + len + 1));
+  float* qf = buf.data();
+  float* scores = qf + heads * D;
+  float* denom = scores + heads * len;
+  for (int i = 0; i < heads * D; ++i) qf[i] = to_float(q[i]);
+  const __m512 scale16 = _mm512_set1_ps(scale);
+  int t = 0;
+  const int row_lines = (kv_end - kv_first) * D * static_cast<int>(sizeof(T)) / 64;
+  for (; t + 16 <= len; t += 16) {  // every head over one tile of 16 tokens, while its K rows are in L1
+    for (int j = t + 16; j < t + 32 && j < len; ++j)  // the next tile's rows: blocks lie anywhere in memory
+      for (int l = 0; l < row_lines; ++l)
+        _mm_prefetch(reinterpret_cast<const char*>(k_cache + offsets[j]) + 64 * l, _MM_HINT_T0);
+    for (int hq = 0; hq < heads; ++hq) {
+      __m512 part[16];
+      for (int j = 0; j < 16; ++j)
+        part[j] = dot_partial<D>(qf + hq * D, q + hq * D, k_cache + (hq / group) * D + offsets[t + j]);
+      _mm512_storeu_ps(scores + hq * len + t, _mm512_mul_ps(sum_each(part), scale16));
+    }
+  }
+  for (; t < len; ++t)
+    for (int hq = 0; hq < heads; ++hq) {
+      __m512 part = dot_partial<D>(qf + hq * D, q + hq * D, k_cache + (hq / group) * D + offsets[t]);
+      scores[hq * len + t] = _mm512_reduce_add_ps(part) * scale;
+    }
+  softmax_rows(scores, denom, heads, len);
+  weigh_values<D>(out, v_cache, offsets.data(), scores, denom, len, kv_end - kv_first, group);
+}
+#endif
+
 template <typename T>
 void decode(const void* query, int64_t query_row_stride, void* out, int64_t out_row_stride, const void* k_cache,
             const void* v_cache, const int32_t* block_tables, int64_t block_table_stride, const int32_t* seq_lens,
@@ -125,15 +255,25 @@ void decode(const void* query, int64_t query_row_stride, void* out, int64_t out_
 #pragma omp parallel num_threads(num_threads)
   {
     std::vector<float> buf;
+    std::vector<int64_t> offsets;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < num_rows * tasks_per_row; ++task) {
       const int64_t i = task / tasks_per_row;
       const int kv_first = static_cast<int>(task % tasks_per_row) * kv_per_task;
-      decode_task(static_cast<const T*>(query) + rows[i] * query_row_stride,
-                  static_cast<T*>(out) + rows[i] * out_row_stride, static_cast<const T*>(k_cache),
-                  static_cast<const T*>(v_cache), block_tables + seqs[i] * block_table_stride, seq_lens[seqs[i]],
-                  kv_first, kv_first + kv_per_task, num_heads / num_kv_heads, num_kv_heads, head_dim, block_size,
-                  scale, buf);
+      const T* q = static_cast<const T*>(query) + rows[i] * query_row_stride;
+      T* o = static_cast<T*>(out) + rows[i] * out_row_stride;
+      const int32_t* table = block_tables + seqs[i] * block_table_stride;
+      const int group = num_heads / num_kv_heads, len = seq_lens[seqs[i]], kv_end = kv_first + kv_per_task;
+#if defined(__AVX512F__)
+      if (head_dim == 64 || head_dim == 128) {
+        auto run = head_dim == 64 ? decode_task_avx512<64, T> : decode_task_avx512<128, T>;
+        run(q, o, static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), table, len, kv_first, kv_end, group,
+            num_kv_heads, block_size, scale, buf, offsets);
+        continue;
+      }
+#endif
+      decode_task(q, o, static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), table, len, kv_first, kv_end,
+                  group, num_kv_heads, head_dim, block_size, scale, buf);
     }
   }
 }
