@@ -1,11 +1,11 @@
-"""Thread sizing: CPUs from affinity and cgroup quota; the tuner follows synthetic step costs (no timing)."""
+"""Thread sizing: CPUs from affinity and cgroup quota; the sizer follows a fake /proc/stat (no timing)."""
 
 import os
 
 import pytest
 
 from tiffin.engine import cpu_threads
-from tiffin.engine.cpu_threads import PROBE_EVERY_MAX, ThreadTuner, usable_cpus
+from tiffin.engine.cpu_threads import usable_cpus
 
 
 @pytest.mark.parametrize(
@@ -26,39 +26,72 @@ def test_usable_cpus_caps_affinity_by_cgroup_quota(tmp_path, files, want):
     assert usable_cpus(tmp_path) == (affinity if want is None else min(affinity, want))
 
 
-def run(tuner, threads_now, cost_at, steps, tokens=64):
-    """Feed `steps` steps whose per-token cost depends on the thread count in force."""
-    for _ in range(steps):
-        tuner.record(cost_at(threads_now[0]) * tokens, tokens)
+class Machine:
+    """A fake /proc/stat and clocks: `advance(seconds, ours, others)` moves time on with this process using
+    `ours` CPUs and other processes `others` CPUs of this process's affinity mask."""
+
+    def __init__(self, tmp_path, monkeypatch):
+        self.stat, self.wall, self.own, self.busy = tmp_path / "stat", 100.0, 5.0, 7.0
+        self.cpus = sorted(os.sched_getaffinity(0))
+        self.threads = [0]
+        monkeypatch.setattr(cpu_threads.time, "monotonic", lambda: self.wall)
+        monkeypatch.setattr(cpu_threads.time, "process_time", lambda: self.own)
+        monkeypatch.setattr(cpu_threads.torch, "set_num_threads", lambda n: self.threads.__setitem__(0, n))
+        self.write()
+
+    def write(self):
+        hz = os.sysconf("SC_CLK_TCK")
+        per_cpu = round(self.busy * hz / len(self.cpus))  # busy seconds, spread over the mask's CPUs
+        lines = [f"cpu  {per_cpu * len(self.cpus)} 0 0 999999 0 0 0 0 0 0"]
+        lines += [f"cpu{i} {per_cpu} 0 0 {hz * 1000} 7 0 0 {hz * 50} 0 0" for i in self.cpus]  # steal: not busy
+        lines += [f"cpu{max(self.cpus) + 1} {hz * 10**6} 0 0 0 0 0 0 0 0 0", "intr 1 2 3"]  # outside the mask
+        self.stat.write_text("\n".join(lines) + "\n")
+
+    def advance(self, seconds, ours, others):
+        self.wall += seconds
+        self.own += ours * seconds
+        self.busy += (ours + others) * seconds
+        self.write()
 
 
 @pytest.fixture
-def threads_now(monkeypatch):
-    monkeypatch.setenv("TIFFIN_THREAD_TUNING", "1")
-    now = [0]
-    monkeypatch.setattr(cpu_threads.torch, "set_num_threads", lambda n: now.__setitem__(0, n))
-    return now
+def machine(tmp_path, monkeypatch):
+    monkeypatch.delenv("TIFFIN_THREAD_SIZING", raising=False)
+    return Machine(tmp_path, monkeypatch)
 
 
-def test_tuner_follows_a_neighbour_down_and_back_up(threads_now):
-    tuner = ThreadTuner(4)
-    assert threads_now[0] == 4
-    run(tuner, threads_now, lambda n: 1.0 / n, 2000)  # idle machine: more threads are faster
-    assert tuner.threads == 4 and threads_now[0] == 4
-    assert tuner.interval == PROBE_EVERY_MAX  # losing probes back off
-    run(tuner, threads_now, lambda n: {4: 5.0, 3: 2.0, 2: 1.0, 1: 1.5}[n], 400)  # a neighbour: 2 is best
-    assert tuner.threads == 2
-    run(tuner, threads_now, lambda n: 1.0 / n, 400)  # it left
-    assert tuner.threads == 4
+def test_sizer_follows_a_neighbour_down_and_back_up(machine):
+    cpus = len(machine.cpus)
+    if cpus < 2:
+        pytest.skip("needs 2 CPUs in the affinity mask")
+    sizer = cpu_threads.ThreadSizer(cpus, machine.stat)
+    assert machine.threads[0] == cpus and sizer.enabled
+    for others, want in [(0.0, cpus), (0.3, cpus), (0.7, cpus - 1), (1.0, cpus - 1), (cpus, 1), (0.0, cpus)]:
+        machine.advance(cpu_threads.SIZING_INTERVAL, cpus - others if others < cpus else 1, others)
+        sizer.update()
+        assert (sizer.threads, machine.threads[0]) == (want, want), others
 
 
-def test_tuner_ignores_probes_of_another_size_and_can_be_disabled(threads_now, monkeypatch):
-    tuner = ThreadTuner(2)
-    for _ in range(300):  # every probe lands on a step of another size class: no verdict, count kept
-        tokens = 64 if tuner.probe is None else 4096
-        tuner.record((1.0 if threads_now[0] == 2 else 0.1) * tokens, tokens)
-    assert tuner.threads == 2
-    monkeypatch.setenv("TIFFIN_THREAD_TUNING", "0")
-    tuner = ThreadTuner(2)
-    run(tuner, threads_now, lambda n: float(n), 500)
-    assert tuner.threads == 2 and threads_now[0] == 2
+def test_sizer_looks_only_every_interval_and_counts_no_own_time(machine):
+    cpus = len(machine.cpus)
+    sizer = cpu_threads.ThreadSizer(cpus, machine.stat)
+    machine.advance(cpu_threads.SIZING_INTERVAL / 4, 0, cpus)  # too soon to look
+    sizer.update()
+    assert sizer.threads == cpus
+    machine.advance(cpu_threads.SIZING_INTERVAL, cpus, 0)  # this process busy on every CPU: nobody else
+    sizer.update()
+    assert sizer.threads == cpus
+
+
+def test_sizer_stays_within_its_ceiling_and_can_be_disabled(machine, monkeypatch):
+    sizer = cpu_threads.ThreadSizer(1, machine.stat)
+    machine.advance(1.0, 0, 0)
+    sizer.update()
+    assert sizer.threads == 1 and not sizer.enabled
+    for off in [{"stat": machine.stat.parent / "missing"}, {"env": "0"}]:
+        if "env" in off:
+            monkeypatch.setenv("TIFFIN_THREAD_SIZING", off["env"])
+        sizer = cpu_threads.ThreadSizer(2, off.get("stat", machine.stat))
+        machine.advance(1.0, 0, 2.0)
+        sizer.update()
+        assert not sizer.enabled and sizer.threads == 2

@@ -1,30 +1,25 @@
-"""How many threads torch may use on CPU, and keeping that count at what currently runs steps fastest.
+"""How many threads torch may use on CPU, and keeping that count at the CPUs other processes leave free.
 
 Torch's OpenMP threads meet at a barrier after every parallel op, so when another process takes one of their
-cores, every op waits for the descheduled thread: beside one busy process, two threads on two cores run a step
-slower than one thread does. `ThreadTuner` therefore times steps and now and then runs one at a neighbouring
-thread count (one fewer, or one more up to the CPUs this process may use), moving there when it is clearly
-faster per token; a neighbour that comes and goes is followed both ways. It is opt-in (TIFFIN_THREAD_TUNING=1):
-on an idle 2-core Intel AMX machine its probes cost W64 bf16 throughput 755 -> 553 output tok/s.
+cores, every op waits for the descheduled thread: beside one busy process, two threads on two cores run the W64
+bf16 benchmark slower than one thread does (552 vs 674 output tok/s, Intel Xeon AMX, 2 cores). `ThreadSizer`
+therefore measures how busy the CPUs this process may use are, less its own use, and runs as many threads as
+that leaves free. It measures rather than probes: running a step at another thread count to compare costs
+that step, and changing the count costs oneDNN's cached kernels (an earlier probing tuner lost 27% idle).
 """
 
 import logging
 import math
 import os
-import statistics
-from collections import deque
+import time
 from pathlib import Path
 
 import torch
 
 logger = logging.getLogger("tiffin.threads")
 
-# Steps at the current count before the next probe: short after a change, doubling while probes lose, so that
-# on a steady machine the worse count costs PROBE_STEPS / PROBE_EVERY_MAX of the steps.
-PROBE_EVERY_MIN, PROBE_EVERY_MAX = 4, 512  # early: under contention the first steps are the costliest
-PROBE_STEPS = 2
-HISTORY = 8  # recent steps of a size class that a probe is compared with
-MARGIN = 0.9  # a probe must cost under this fraction of the current per-token time to take over
+SIZING_INTERVAL = 0.5  # seconds between looks: a neighbour costs at most this long at the old count
+_BUSY_FIELDS = (0, 1, 2, 5, 6)  # user, nice, system, irq, softirq of a /proc/stat cpu line; not idle, iowait, steal
 
 
 def usable_cpus(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
@@ -49,61 +44,45 @@ def _cgroup_cpu_quota(root: Path) -> float | None:
     return None
 
 
-class ThreadTuner:
-    """Call `record(seconds, tokens)` after every step. Steps are compared per token and only within a size
-    class (log2 of the tokens), so a prefill step is never measured against decode steps."""
+class ThreadSizer:
+    """Call `update()` before each step. Every SIZING_INTERVAL it reads the busy time of the CPUs in this
+    process's affinity mask (/proc/stat) and this process's own CPU time: what others used is subtracted from
+    the CPUs, and the rest, rounded, is the thread count (between 1 and `max_threads`). Off where /proc/stat
+    cannot be read, or with TIFFIN_THREAD_SIZING=0."""
 
-    def __init__(self, max_threads: int):
+    def __init__(self, max_threads: int, stat: Path = Path("/proc/stat")):
         self.max_threads = max(1, max_threads)
         self.threads = self.max_threads
-        self.enabled = self.max_threads > 1 and os.environ.get("TIFFIN_THREAD_TUNING", "0") == "1"
-        self.history: dict[int, deque] = {}  # size class -> per-token seconds at self.threads
-        self.steps = 0
-        self.interval = PROBE_EVERY_MIN
-        self.probe: int | None = None  # thread count under trial
-        self.probe_size = 0
-        self.probe_costs: list[float] = []
-        self.probes = 0
+        self.stat = stat
+        self.cpus = {f"cpu{i}" for i in os.sched_getaffinity(0)} if hasattr(os, "sched_getaffinity") else set()
+        self.last = self._sample()
+        self.enabled = (
+            self.max_threads > 1 and self.last[2] is not None and os.environ.get("TIFFIN_THREAD_SIZING", "1") != "0"
+        )
         torch.set_num_threads(self.threads)
 
-    def record(self, seconds: float, tokens: int) -> None:
-        if not self.enabled:
+    def update(self) -> None:
+        if not self.enabled or time.monotonic() - self.last[0] < SIZING_INTERVAL:
             return
-        size, cost = tokens.bit_length(), seconds / tokens
-        if self.probe is not None:
-            if size != self.probe_size:  # the batch changed shape under the trial: no verdict
-                self.probe = None
-                torch.set_num_threads(self.threads)
-            else:
-                self.probe_costs.append(cost)
-                if len(self.probe_costs) == PROBE_STEPS:
-                    self._decide()
+        sample = self._sample()
+        if sample[2] is None:
             return
-        history = self.history.setdefault(size, deque(maxlen=HISTORY))
-        history.append(cost)
-        self.steps += 1
-        if self.steps >= self.interval and len(history) >= HISTORY // 2:
-            self.steps = 0
-            self.probes += 1
-            # down from the top, up from the bottom, otherwise alternate
-            down = self.threads == self.max_threads or (self.threads > 1 and self.probes % 2)
-            self.probe, self.probe_costs, self.probe_size = self.threads + (-1 if down else 1), [], size
-            torch.set_num_threads(self.probe)
+        wall, own, busy = (now - then for now, then in zip(sample, self.last))
+        self.last = sample
+        others = max(0.0, busy - own) / wall
+        threads = min(self.max_threads, max(1, math.floor(len(self.cpus) - others + 0.5)))
+        if threads != self.threads:
+            logger.info("tiffin: %d -> %d torch threads (other processes use %.1f CPUs)", self.threads, threads, others)
+            self.threads = threads
+            torch.set_num_threads(threads)
 
-    def _decide(self) -> None:
-        current = statistics.median(self.history[self.probe_size])
-        trial = statistics.fmean(self.probe_costs)
-        if trial < MARGIN * current:
-            logger.info(
-                "tiffin: %d -> %d torch threads (%.0f%% less time per token)",
-                self.threads,
-                self.probe,
-                100 * (1 - trial / current),
-            )
-            self.threads = self.probe
-            self.history.clear()
-            self.interval = PROBE_EVERY_MIN
-        else:
-            self.interval = min(2 * self.interval, PROBE_EVERY_MAX)
-        self.probe = None
-        torch.set_num_threads(self.threads)
+    def _sample(self) -> tuple[float, float, float | None]:
+        """(wall clock, this process's CPU seconds, busy CPU seconds of its CPUs or None)."""
+        wall, own = time.monotonic(), time.process_time()
+        try:
+            with open(self.stat) as f:
+                lines = [line.split() for line in f if line.startswith("cpu")]
+        except OSError:
+            return wall, own, None
+        ticks = sum(int(line[1 + i]) for line in lines if line[0] in self.cpus for i in _BUSY_FIELDS)
+        return wall, own, ticks / os.sysconf("SC_CLK_TCK")

@@ -5,7 +5,6 @@ import ctypes
 import itertools
 import os
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -14,7 +13,7 @@ import torch
 
 from tiffin import kernels
 from tiffin.engine.config import EngineConfig
-from tiffin.engine.cpu_threads import ThreadTuner, usable_cpus
+from tiffin.engine.cpu_threads import ThreadSizer, usable_cpus
 from tiffin.engine.grammar import fill_bitmask
 from tiffin.engine.lora_slots import LoRASlots
 from tiffin.engine.models.config import ModelConfig
@@ -129,15 +128,16 @@ class ModelRunner:
         if parallel is None and config.tensor_parallel_size > 1:
             parallel = Parallel.start(config, model_config, max_model_len, self.device)
         self.parallel, tp = parallel, TensorParallel() if parallel is None else parallel.tp
-        self.thread_tuner = None
+        self.thread_sizer = None
         if self.device.type == "cuda" and self.device.index is not None:
             # Triton launches on the current device: cuda:1's tensors must not meet cuda:0's kernels
             torch.cuda.set_device(self.device)
         if self.device.type == "cpu":
             _keep_freed_memory_mapped()
             kernels.cpu_native.library()  # built (or found in the cache) now, not during the first request
+        if self.device.type == "cpu" and parallel is None:  # tensor-parallel ranks keep their even split
             # never more threads than the CPUs we may use; a lower count the user set stays the ceiling
-            self.thread_tuner = ThreadTuner(min(torch.get_num_threads(), usable_cpus()))
+            self.thread_sizer = ThreadSizer(min(torch.get_num_threads(), usable_cpus()))
         self.block_size = config.block_size
         self.backend = kernels.resolve_backend(config.kernel_backend, self.device)
         self.model = build_model(model_config, config.model, self.device, max_model_len, self.backend, tp)
@@ -172,7 +172,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> SamplerOutput:
-        start = time.perf_counter()
+        if self.thread_sizer is not None:
+            self.thread_sizer.update()
         bitmask = fill_bitmask(sched.sampling_seqs, self.model_config.vocab_size)  # filled while the forward runs
         batch = self._host_batch(sched)
         size = self._decode_size(sched)
@@ -184,8 +185,6 @@ class ModelRunner:
         else:  # the other ranks run the same step on their shards
             logits = self.parallel.run(Step(*self._prepare(batch)), self.lora_slots, self.run_model)
         out = self.sampler(logits.float(), sched.sampling_seqs, bitmask)
-        if self.thread_tuner is not None:
-            self.thread_tuner.record(time.perf_counter() - start, len(batch.input_ids))
         return out
 
     @torch.inference_mode()
