@@ -83,6 +83,17 @@ def test_sizer_looks_only_every_interval_and_counts_no_own_time(machine):
     assert sizer.threads == cpus
 
 
+def test_sizer_ignores_a_window_that_spans_an_idle_engine(machine):
+    cpus = len(machine.cpus)
+    sizer = cpu_threads.ThreadSizer(cpus, machine.stat)
+    machine.advance(60.0, 0, cpus)  # no steps for a minute while another process was busy: not evidence of now
+    sizer.update()
+    assert sizer.threads == cpus
+    machine.advance(cpu_threads.SIZING_INTERVAL, 1, cpus - 1)  # still there at the next look: followed
+    sizer.update()
+    assert sizer.threads == 1
+
+
 def test_sizer_stays_within_its_ceiling_and_can_be_disabled(machine, monkeypatch):
     sizer = cpu_threads.ThreadSizer(1, machine.stat)
     machine.advance(1.0, 0, 0)

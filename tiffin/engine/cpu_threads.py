@@ -47,8 +47,9 @@ def _cgroup_cpu_quota(root: Path) -> float | None:
 class ThreadSizer:
     """Call `update()` before each step. Every SIZING_INTERVAL it reads the busy time of the CPUs in this
     process's affinity mask (/proc/stat) and this process's own CPU time: what others used is subtracted from
-    the CPUs, and the rest, rounded, is the thread count (between 1 and `max_threads`). Off where /proc/stat
-    cannot be read, or with TIFFIN_THREAD_SIZING=0."""
+    the CPUs, and the rest, rounded, is the thread count (between 1 and `max_threads`). A window that spans an
+    idle engine (no steps for over two intervals) only starts the next. Off where /proc/stat cannot be read, or
+    with TIFFIN_THREAD_SIZING=0."""
 
     def __init__(self, max_threads: int, stat: Path = Path("/proc/stat")):
         self.max_threads = max(1, max_threads)
@@ -69,6 +70,8 @@ class ThreadSizer:
             return
         wall, own, busy = (now - then for now, then in zip(sample, self.last))
         self.last = sample
+        if wall > 2 * SIZING_INTERVAL:  # the engine sat idle: what ran meanwhile says little about now
+            return
         others = max(0.0, busy - own) / wall
         threads = min(self.max_threads, max(1, math.floor(len(self.cpus) - others + 0.5)))
         if threads != self.threads:
