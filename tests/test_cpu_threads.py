@@ -92,6 +92,9 @@ def test_sizer_ignores_a_window_that_spans_an_idle_engine(machine):
     machine.advance(cpu_threads.SIZING_INTERVAL, 1, cpus - 1)  # still there at the next look: followed
     sizer.update()
     assert sizer.threads == 1
+    machine.advance(10 * cpu_threads.SIZING_INTERVAL, 1, 0)  # one long step, busy: it counts
+    sizer.update()
+    assert sizer.threads == cpus
 
 
 def test_sizer_stays_within_its_ceiling_and_can_be_disabled(machine, monkeypatch):

@@ -48,7 +48,8 @@ class ThreadSizer:
     """Call `update()` before each step. Every SIZING_INTERVAL it reads the busy time of the CPUs in this
     process's affinity mask (/proc/stat) and this process's own CPU time: what others used is subtracted from
     the CPUs, and the rest, rounded, is the thread count (between 1 and `max_threads`). A window that spans an
-    idle engine (no steps for over two intervals) only starts the next. Off where /proc/stat cannot be read, or
+    idle engine (over two intervals, this process using under half a CPU) only starts the next; a long step
+    does not. Off where /proc/stat cannot be read, or
     with TIFFIN_THREAD_SIZING=0."""
 
     def __init__(self, max_threads: int, stat: Path = Path("/proc/stat")):
@@ -70,7 +71,7 @@ class ThreadSizer:
             return
         wall, own, busy = (now - then for now, then in zip(sample, self.last))
         self.last = sample
-        if wall > 2 * SIZING_INTERVAL:  # the engine sat idle: what ran meanwhile says little about now
+        if wall > 2 * SIZING_INTERVAL and own < wall / 2:  # the engine sat idle: that says little about now
             return
         others = max(0.0, busy - own) / wall
         threads = min(self.max_threads, max(1, math.floor(len(self.cpus) - others + 0.5)))
