@@ -40,6 +40,26 @@ def test_rms_norm_of_a_strided_view():
     assert torch.equal(rms_norm(x, weight, 1e-5), reference_rms_norm(x, weight, 1e-5))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tokens", [3, 300])  # 300 x 12 heads x 64 runs multithreaded
+def test_rotary_matches_torch(monkeypatch, dtype, tokens):
+    from tiffin.engine.models.layers import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(tokens)
+    rope = RotaryEmbedding(64, 4096, 10000.0, None)
+    qkv = (torch.randn(tokens, 16, 64, generator=gen) * 3).to(dtype)
+    x = qkv[:, :12]  # the query and key heads of a fused projection: rows 16 heads apart
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    out = rope(positions, x)
+    monkeypatch.setattr(cpu_native, "supports", lambda *tensors: False)
+    ref = RotaryEmbedding(64, 4096, 10000.0, None)(positions, x)
+    assert out.dtype == dtype and out.shape == x.shape
+    if dtype == torch.bfloat16:  # every product and sum rounded as torch rounds them
+        assert torch.equal(out, ref)
+    else:
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+
+
 def test_no_compiler_falls_back_to_torch(monkeypatch, caplog):
     monkeypatch.setattr(cpu_native.shutil, "which", lambda name: None)
     monkeypatch.delenv("CXX", raising=False)

@@ -27,6 +27,7 @@ _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 _DECODE_ARGS = [_i32, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64]
 _DECODE_ARGS += [_i32, _i32, _i32, _i32, ctypes.c_float, _i32]
 _RMS_NORM_ARGS = [_i32, _ptr, _i64, _ptr, _ptr, _i64, _i32, ctypes.c_float, _i32]
+_ROTARY_ARGS = [_i32, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i32, _i32, _i32]
 
 
 @functools.cache
@@ -46,6 +47,7 @@ def library() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(path))
     lib.tiffin_paged_decode.argtypes, lib.tiffin_paged_decode.restype = _DECODE_ARGS, None
     lib.tiffin_rms_norm.argtypes, lib.tiffin_rms_norm.restype = _RMS_NORM_ARGS, None
+    lib.tiffin_rotary.argtypes, lib.tiffin_rotary.restype = _ROTARY_ARGS, None
     return lib
 
 
@@ -90,6 +92,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=x.dtype)
     args = (rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), rows.shape[0], rows.shape[1])
     library().tiffin_rms_norm(DTYPE_CODES[x.dtype], *args, eps, torch.get_num_threads())
+    return out
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`RotaryEmbedding`'s torch result (the same roundings) for `x` `[T, heads, head_dim]` in one pass; `cos`,
+    `sin` are fp32 `[max_positions, head_dim // 2]`."""
+    if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+        raise ValueError("rotary needs each row's heads contiguous")
+    if positions.dtype != torch.int64 or cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise TypeError("rotary needs int64 positions and fp32 cos/sin tables")
+    positions, cos, sin = positions.contiguous(), cos.contiguous(), sin.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype)
+    args = (x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr())
+    library().tiffin_rotary(DTYPE_CODES[x.dtype], *args, x.shape[0], x.shape[1], x.shape[2], torch.get_num_threads())
     return out
 
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from tiffin import kernels
+from tiffin.kernels import cpu_native
 
 LinearFactory = Callable[..., nn.Module]  # (name, input_size, output_sizes, bias, split=None, parts=None)
 EmbeddingFactory = Callable[[str, int, int], nn.Module]  # (name, vocab_size, hidden_size) -> an Embedding
@@ -69,7 +70,10 @@ class RotaryEmbedding(nn.Module):
         self._positions = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Rotate `x` `[T, heads, head_dim]`: the query and key heads in one call (fewer, larger ops)."""
+        """Rotate `x` `[T, heads, head_dim]`: the query and key heads in one call (fewer, larger ops); on CPU in
+        one native pass where it is built (the same rounding)."""
+        if cpu_native.supports(x) and self.cos.dtype == torch.float32 and positions.dtype == torch.int64:
+            return cpu_native.rotary(x, positions, self.cos, self.sin)
         if positions is not self._positions:  # every layer of a step shares one positions tensor
             self._positions = positions
             self._cos_sin = self.cos[positions].to(x.dtype)[:, None], self.sin[positions].to(x.dtype)[:, None]

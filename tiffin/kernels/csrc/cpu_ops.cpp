@@ -298,6 +298,32 @@ void rms_norm(const void* x, int64_t row_stride, const void* weight, void* out, 
   }
 }
 
+// Neox-style rotary embedding of rows `x` [heads, head_dim] into `out` (contiguous): with c, s the cos and sin
+// of the row's position (fp32 tables of head_dim / 2 columns) rounded to T, the first half becomes x1 c - x2 s
+// and the second x2 c + x1 s, every product and sum rounded to T as torch's ops round them.
+template <typename T>
+void rotary(const void* x, int64_t row_stride, const int64_t* positions, const float* cos, const float* sin, void* out,
+            int64_t rows, int heads, int head_dim, int num_threads) {
+  const int half = head_dim / 2;
+  auto r = [](float v) { return to_float(from_float<T>(v)); };
+#pragma omp parallel for num_threads(num_threads) if (rows * heads * head_dim >= (1 << 15))
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* c = cos + positions[i] * half;
+    const float* sn = sin + positions[i] * half;
+    for (int h = 0; h < heads; ++h) {
+      const T* x1 = static_cast<const T*>(x) + i * row_stride + h * head_dim;
+      const T* x2 = x1 + half;
+      T* o = static_cast<T*>(out) + (i * heads + h) * head_dim;
+#pragma omp simd
+      for (int d = 0; d < half; ++d) {
+        const float a = to_float(x1[d]), b = to_float(x2[d]), cd = r(c[d]), sd = r(sn[d]);
+        o[d] = from_float<T>(r(a * cd) - r(b * sd));
+        o[half + d] = from_float<T>(r(b * cd) + r(a * sd));
+      }
+    }
+  }
+}
+
 template <typename F>
 void by_dtype(int dtype, F&& run) {
   if (dtype == 0) run(float{});
@@ -324,5 +350,12 @@ extern "C" void tiffin_paged_decode(int dtype, const void* query, int64_t query_
     decode<decltype(tag)>(query, query_row_stride, out, out_row_stride, k_cache, v_cache, block_tables,
                           block_table_stride, seq_lens, rows, seqs, num_rows, num_heads, num_kv_heads, head_dim,
                           block_size, scale, num_threads);
+  });
+}
+
+extern "C" void tiffin_rotary(int dtype, const void* x, int64_t row_stride, const int64_t* positions, const float* cos,
+                              const float* sin, void* out, int64_t rows, int heads, int head_dim, int num_threads) {
+  by_dtype(dtype, [&](auto tag) {
+    rotary<decltype(tag)>(x, row_stride, positions, cos, sin, out, rows, heads, head_dim, num_threads);
   });
 }
