@@ -4,8 +4,8 @@ Torch's OpenMP threads meet at a barrier after every parallel op, so when anothe
 cores, every op waits for the descheduled thread: beside one busy process, two threads on two cores run the W64
 bf16 benchmark slower than one thread does (552 vs 674 output tok/s, Intel Xeon AMX, 2 cores). `ThreadSizer`
 therefore measures how busy the CPUs this process may use are, less its own use, and runs as many threads as
-that leaves free. It measures rather than probes: running a step at another thread count to compare costs
-that step, and changing the count costs oneDNN's cached kernels (an earlier probing tuner lost 27% idle).
+that leaves free. It measures rather than probes: running steps at another thread count to compare them
+costs those steps (an earlier probing tuner lost 27% of the idle machine's throughput).
 """
 
 import logging
@@ -49,8 +49,7 @@ class ThreadSizer:
     process's affinity mask (/proc/stat) and this process's own CPU time: what others used is subtracted from
     the CPUs, and the rest, rounded, is the thread count (between 1 and `max_threads`). A window that spans an
     idle engine (over two intervals, this process using under half a CPU) only starts the next; a long step
-    does not. Off where /proc/stat cannot be read, or
-    with TIFFIN_THREAD_SIZING=0."""
+    does not. Off where /proc/stat cannot be read, or with TIFFIN_THREAD_SIZING=0."""
 
     def __init__(self, max_threads: int, stat: Path = Path("/proc/stat")):
         self.max_threads = max(1, max_threads)
