@@ -97,7 +97,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """`RotaryEmbedding`'s torch result (the same roundings) for `x` `[T, heads, head_dim]` in one pass; `cos`,
-    `sin` are fp32 `[max_positions, head_dim // 2]`."""
+    `sin` are fp32 `[max_positions, head_dim // 2]`. Positions are not range-checked: the engine keeps every
+    sequence within max_model_len, which the tables cover."""
     if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
         raise ValueError("rotary needs each row's heads contiguous")
     if positions.dtype != torch.int64 or cos.dtype != torch.float32 or sin.dtype != torch.float32:
