@@ -88,22 +88,32 @@ def test_pool_invariants_and_prefix_lookup(ops, num_blocks):
 @given(
     st.lists(st.tuples(st.integers(1, 40), st.integers(1, 12)), min_size=1, max_size=12),
     st.integers(1, 48),
-    st.integers(1, 5),
+    st.integers(1, 8),
+    st.booleans(),
     st.booleans(),
 )
-def test_scheduler_budgets_and_completion(requests, budget, max_seqs, prefix_caching):
+def test_scheduler_budgets_and_completion(requests, budget, max_seqs, prefix_caching, prefill_first):
     num_blocks = max(-(-(p + m) // BLOCK) for p, m in requests)  # the largest request alone just fits
     bm = BlockManager(num_blocks, BLOCK, prefix_caching)
-    config = EngineConfig(model="-", max_num_seqs=max_seqs, max_num_batched_tokens=budget, block_size=BLOCK)
+    config = EngineConfig(
+        model="-", max_num_seqs=max_seqs, max_num_batched_tokens=budget, block_size=BLOCK, prefill_first=prefill_first
+    )
     scheduler = Scheduler(config, bm, max_model_len=1000)
     seqs = [make_seq([i % 3] * p, m) for i, (p, m) in enumerate(requests)]
-    for seq in seqs:
+    for seq in seqs[::2]:  # the rest arrive one per step, while the first ones decode
         scheduler.add(seq)
+    arrivals, decodes_left_out = iter(seqs[1::2]), False
     for _ in range(10_000):
+        if (seq := next(arrivals, None)) is not None:
+            scheduler.add(seq)
         if not scheduler.has_unfinished():
             break
+        decoding = [s for s in scheduler.running if s.num_tokens - s.num_computed_tokens == 1]
         out = scheduler.schedule()
         assert out.seqs, "no progress: the scheduler deadlocked"
+        left_out = budget >= len(decoding) and any(s not in out.seqs and s in scheduler.running for s in decoding)
+        assert not (left_out and (decodes_left_out or not prefill_first)), "decodes left out of two steps in a row"
+        decodes_left_out = left_out
         assert sum(out.num_scheduled_tokens) <= budget
         assert len(scheduler.running) <= max_seqs
         assert len({s.seq_id for s in out.seqs}) == len(out.seqs)
@@ -115,3 +125,23 @@ def test_scheduler_budgets_and_completion(requests, budget, max_seqs, prefix_cac
         raise AssertionError("requests never finished")
     assert all(s.finished and s.num_output_tokens == s.max_tokens for s in seqs)
     assert bm.num_used_blocks == 0
+
+
+def test_prefill_first_runs_a_new_prompt_without_the_decodes():
+    def steps(prefill_first: bool) -> list[list[int]]:
+        config = EngineConfig(model="-", block_size=BLOCK, prefill_first=prefill_first)
+        scheduler = Scheduler(config, BlockManager(32, BLOCK), max_model_len=1000)
+        running = [make_seq([1, 2, 3]), make_seq([4, 5])]
+        for seq in running:
+            scheduler.add(seq)
+        scheduler.update(scheduler.schedule(), [7, 7])  # both prefilled: decoding now
+        scheduler.add(make_seq([6, 7, 8, 9]))
+        scheduled = []
+        for _ in range(2):
+            out = scheduler.schedule()
+            scheduled.append(out.num_scheduled_tokens)
+            scheduler.update(out, [7] * sum(out.sampling))
+        return scheduled
+
+    assert steps(prefill_first=True) == [[4], [1, 1, 1]]
+    assert steps(prefill_first=False) == [[1, 1, 4], [1, 1, 1]]

@@ -2,7 +2,9 @@
 
 A scheduled sequence computes `num_scheduled_tokens` tokens starting at its `num_computed_tokens`; prefill
 chunks and single decode tokens share one forward. A sequence samples when this step brings its computed
-tokens up to all of its tokens. When blocks run out, the most recently admitted running sequence is
+tokens up to all of its tokens. With `prefill_first`, a step that can admit waiting sequences leaves the
+running ones' decodes to the next step, which always includes them: a decode batch never delays a first token,
+and decodes wait at most every other step. When blocks run out, the most recently admitted running sequence is
 preempted by recompute: its blocks are freed and it goes back to the head of the waiting queue.
 """
 
@@ -43,6 +45,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.block_manager = block_manager
         self.max_loras = config.max_loras if config.enable_lora else None
+        self.prefill_first = config.prefill_first
+        self.decodes_waited = False  # the last step left running decodes out
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -54,12 +58,24 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        prefill_only = self.prefill_first and bool(self.waiting) and not self.decodes_waited
+        out = self._schedule(decodes=not prefill_only)
+        if prefill_only and not out.seqs:  # no waiting sequence could be admitted
+            prefill_only, out = False, self._schedule(decodes=True)
+        scheduled = set(map(id, out.seqs))
+        self.decodes_waited = prefill_only and any(id(seq) not in scheduled for seq in self.running)
+        return out
+
+    def _schedule(self, decodes: bool) -> SchedulerOutput:
         out, budget = SchedulerOutput(), self.max_num_batched_tokens
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new == 1 and not decodes:
+                i += 1
+                continue
             while not self.block_manager.allocate_slots(seq, num_new):
                 preempted = True
                 victim = self.running.pop()
