@@ -239,8 +239,7 @@ class AsyncLLMEngine:
                 self._fail_all(EngineError(self._dead))
                 continue
             self._publish_stats()  # first, so a client that sees its last token also sees it counted
-            for out in outputs:
-                self._emit(out)
+            self._emit(outputs)
 
     def _drain_inbox(self) -> bool:
         """Apply queued adds and aborts; False once shutdown was requested."""
@@ -280,28 +279,36 @@ class AsyncLLMEngine:
         _call(loop, _settle, done, result, None)
 
     def _abort(self, request_id: str) -> None:
-        for out in self.engine.abort_request(request_id):
-            self._emit(out)
+        self._emit(self.engine.abort_request(request_id))
 
-    def _emit(self, out: RequestOutput) -> None:
-        active = self._active.get(out.request_id)
-        if active is None:
-            return
-        if out.finished:
-            del self._active[out.request_id]
-        self._push(active, out if out.error is None else EngineError(out.error))
+    def _emit(self, outputs: list[RequestOutput]) -> None:
+        """Hand each output to its request's stream: one wake-up per event loop, not one per request."""
+        pushes: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            active = self._active.get(out.request_id)
+            if active is None:
+                continue
+            if out.finished:
+                del self._active[out.request_id]
+            pushes.setdefault(active.loop, []).append((active, out if out.error is None else EngineError(out.error)))
+        for loop, items in pushes.items():
+            self._push(loop, items)
 
     def _fail_all(self, error: EngineError) -> None:
-        for request_id, active in list(self._active.items()):
+        pushes: dict[asyncio.AbstractEventLoop, list] = {}
+        for request_id, active in self._active.items():
             self.engine.abort_request(request_id)
-            self._push(active, error)
+            pushes.setdefault(active.loop, []).append((active, error))
         self._active.clear()
+        for loop, items in pushes.items():
+            self._push(loop, items)
         self._publish_stats()
 
-    def _push(self, active: _Active, item) -> None:
-        if not _call(active.loop, active.stream.queue.put_nowait, item):
-            self.engine.abort_request(active.stream.request_id)  # its event loop is gone
-            self._active.pop(active.stream.request_id, None)
+    def _push(self, loop: asyncio.AbstractEventLoop, items: list[tuple[_Active, object]]) -> None:
+        if not _call(loop, _put_all, [(active.stream.queue, item) for active, item in items]):
+            for active, _ in items:  # their event loop is gone
+                self.engine.abort_request(active.stream.request_id)
+                self._active.pop(active.stream.request_id, None)
 
     def _publish_stats(self) -> None:
         self._stats = self.engine.stats()
@@ -318,6 +325,11 @@ def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
         return True
     except RuntimeError:  # the loop is closed
         return False
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
 
 
 def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
