@@ -161,6 +161,19 @@ def test_greedy_and_top_k_1_are_argmax():
     assert Sampler(set())(logits, [seq(temperature=0)] * 7).token_ids == argmax  # all-greedy fast path
 
 
+def test_model_dtype_logits_sample_as_their_fp32_copy():
+    logits = random_logits(6, 1000, seed=9).bfloat16()
+    logits[0, 10] = logits[0, 20] = logits[0].max() + 1  # a tie: the first index wins, in either dtype
+    mixed = lambda: [seq(temperature=0), seq(seed=4), seq(temperature=0, logprobs=2), seq(temperature=0), seq()]
+    greedy = lambda: [seq(temperature=0, min_tokens=1)] * 6  # min_tokens bans no token here (no EOS ids)
+    for batch in (mixed, greedy):
+        n = len(batch())
+        reference = Sampler(set(), seed=1)(logits[:n].float(), batch())
+        out = Sampler(set(), seed=1)(logits[:n], batch())
+        assert out.token_ids == reference.token_ids and out.logprobs == reference.logprobs
+    assert Sampler(set())(logits, greedy()).token_ids[0] == 10
+
+
 def test_sampler_leaves_logits_untouched_and_checks_shape():
     logits = random_logits(2, 50, seed=8)
     before = logits.clone()

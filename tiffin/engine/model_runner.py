@@ -184,8 +184,7 @@ class ModelRunner:
             logits = self.run_model(Step(*self._prepare(batch)))
         else:  # the other ranks run the same step on their shards
             logits = self.parallel.run(Step(*self._prepare(batch)), self.lora_slots, self.run_model)
-        out = self.sampler(logits.float(), sched.sampling_seqs, bitmask)
-        return out
+        return self.sampler(logits, sched.sampling_seqs, bitmask)
 
     @torch.inference_mode()
     def run_model(self, step: Step) -> torch.Tensor | None:

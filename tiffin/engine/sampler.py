@@ -44,21 +44,25 @@ class Sampler:
         self._generators: dict[torch.device, torch.Generator] = {}  # one default stream per device
 
     def __call__(self, logits: torch.Tensor, seqs: Seq[SampledSeq], bitmask: Future | None = None) -> SamplerOutput:
-        """`bitmask`: `grammar.fill_bitmask(seqs, vocab)`, for sequences with structured outputs."""
+        """`logits` in any float dtype (the model's); `bitmask`: `grammar.fill_bitmask(seqs, vocab)`, for sequences
+        with structured outputs."""
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits must be [num_seqs={len(seqs)}, vocab], got {tuple(logits.shape)}")
         params = [s.params for s in seqs]
-        raw_logprobs = logits.log_softmax(-1) if any(p.logprobs is not None for p in params) else None
-        if bitmask is not None:
-            apply_bitmask(logits, bitmask)
-        logits = self._mask_min_tokens(logits, seqs)
+        wants_logprobs = any(p.logprobs is not None for p in params)
         penalized = [
             i for i, p in enumerate(params) if p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty
         ]
+        rows = [i for i, p in enumerate(params) if p.temperature >= _GREEDY_EPS]
+        if wants_logprobs or bitmask is not None or penalized or rows:
+            logits = logits.float()  # else all greedy: the model dtype's argmax is fp32's, without the copy
+        raw_logprobs = logits.log_softmax(-1) if wants_logprobs else None
+        if bitmask is not None:
+            apply_bitmask(logits, bitmask)
+        logits = self._mask_min_tokens(logits, seqs)
         if penalized:  # count tensors only for the rows that need them
             logits = self._penalize(logits, [seqs[i] for i in penalized], penalized)
         sampled = logits.max(-1).indices  # same first-max index as argmax, which runs ~8x slower on CPU
-        rows = [i for i, p in enumerate(params) if p.temperature >= _GREEDY_EPS]
         if rows:
             idx = torch.tensor(rows, device=logits.device)
             probs = sampling_probs(logits[idx], [params[i] for i in rows])
