@@ -283,32 +283,34 @@ class AsyncLLMEngine:
 
     def _emit(self, outputs: list[RequestOutput]) -> None:
         """Hand each output to its request's stream: one wake-up per event loop, not one per request."""
-        pushes: dict[asyncio.AbstractEventLoop, list] = {}
+        items = []
         for out in outputs:
             active = self._active.get(out.request_id)
             if active is None:
                 continue
             if out.finished:
                 del self._active[out.request_id]
-            pushes.setdefault(active.loop, []).append((active, out if out.error is None else EngineError(out.error)))
-        for loop, items in pushes.items():
-            self._push(loop, items)
+            items.append((active, out if out.error is None else EngineError(out.error)))
+        self._push(items)
 
     def _fail_all(self, error: EngineError) -> None:
-        pushes: dict[asyncio.AbstractEventLoop, list] = {}
-        for request_id, active in self._active.items():
+        for request_id in self._active:
             self.engine.abort_request(request_id)
-            pushes.setdefault(active.loop, []).append((active, error))
+        items = [(active, error) for active in self._active.values()]
         self._active.clear()
-        for loop, items in pushes.items():
-            self._push(loop, items)
+        self._push(items)
         self._publish_stats()
 
-    def _push(self, loop: asyncio.AbstractEventLoop, items: list[tuple[_Active, object]]) -> None:
-        if not _call(loop, _put_all, [(active.stream.queue, item) for active, item in items]):
-            for active, _ in items:  # their event loop is gone
-                self.engine.abort_request(active.stream.request_id)
-                self._active.pop(active.stream.request_id, None)
+    def _push(self, items: list[tuple[_Active, object]]) -> None:
+        """Put each item on its stream's queue, in one call per event loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Active, object]]] = {}
+        for active, item in items:
+            by_loop.setdefault(active.loop, []).append((active, item))
+        for loop, group in by_loop.items():
+            if not _call(loop, _put_all, [(active.stream.queue, item) for active, item in group]):
+                for active, _ in group:  # their event loop is gone
+                    self.engine.abort_request(active.stream.request_id)
+                    self._active.pop(active.stream.request_id, None)
 
     def _publish_stats(self) -> None:
         self._stats = self.engine.stats()

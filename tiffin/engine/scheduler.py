@@ -62,8 +62,7 @@ class Scheduler:
         out = self._schedule(decodes=not prefill_only)
         if prefill_only and not out.seqs:  # no waiting sequence could be admitted
             prefill_only, out = False, self._schedule(decodes=True)
-        scheduled = set(map(id, out.seqs))
-        self.decodes_waited = prefill_only and any(id(seq) not in scheduled for seq in self.running)
+        self.decodes_waited = prefill_only and len(out.seqs) < len(self.running)  # scheduled ones all run
         return out
 
     def _schedule(self, decodes: bool) -> SchedulerOutput:
