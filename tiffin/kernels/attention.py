@@ -120,6 +120,7 @@ def _prefill_spans(md: AttentionMetadata, blocks, device) -> list[_Span]:
 def paged_attention_torch(query, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
     """`query` `[T, num_heads, head_dim]` -> `[T, num_heads, head_dim]`."""
     out = torch.empty_like(query)
+    out[md.query_start_loc_cpu[-1] :] = 0  # rows past the batch's tokens (padding) belong to no sequence
     native = cpu_native.supports(query, k_cache)
     decodes, prefills = _plan(md, k_cache.shape[1], query.device, native)
     if not native:
