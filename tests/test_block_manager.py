@@ -2,7 +2,7 @@
 
 from collections import Counter
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tiffin.engine.block_manager import BlockManager
@@ -92,6 +92,7 @@ def test_pool_invariants_and_prefix_lookup(ops, num_blocks):
     st.booleans(),
     st.booleans(),
 )
+@example([(4, 1), (1, 2)], 1, 2, False, True)  # a prefill chunk cut to one token by the budget is not a decode
 def test_scheduler_budgets_and_completion(requests, budget, max_seqs, prefix_caching, prefill_first):
     num_blocks = max(-(-(p + m) // BLOCK) for p, m in requests)  # the largest request alone just fits
     bm = BlockManager(num_blocks, BLOCK, prefix_caching)

@@ -71,10 +71,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if num_new == 1 and not decodes:
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            if remaining == 1 and not decodes:  # a prefill chunk cut to one token by the budget is not a decode
                 i += 1
                 continue
+            num_new = min(remaining, budget)
             while not self.block_manager.allocate_slots(seq, num_new):
                 preempted = True
                 victim = self.running.pop()
