@@ -58,17 +58,8 @@ def test_padded_decode_equals_unpadded(tiny_model, monkeypatch):
 
 
 def test_padded_tokens():
-    assert [padded_tokens(n) for n in (1, 64, 65, 72, 73, 128, 129, 300, 4096)] == [
-        1,
-        64,
-        72,
-        72,
-        80,
-        128,
-        144,
-        320,
-        4096,
-    ]
+    cases = {1: 1, 64: 64, 65: 72, 72: 72, 73: 80, 128: 128, 129: 144, 300: 320, 4096: 4096}
+    assert {n: padded_tokens(n) for n in cases} == cases
     padded = [padded_tokens(n) for n in range(1, 4097)]
     assert all(n <= p <= n * 9 / 8 and padded_tokens(p) == p for n, p in enumerate(padded, 1))
     assert len(set(padded)) == 64 + 8 * 6  # exact up to 64, then 8 sizes per power of two
