@@ -74,7 +74,7 @@ def test_padded_prefill_equals_unpadded(tiny_model, monkeypatch):
     def run(pad: bool):
         llm = LLM(path, dtype="bfloat16", num_kv_blocks=64, max_num_seqs=4, enable_prefix_caching=False)
         runner = llm.llm_engine.model_runner
-        assert runner.pads_prefills
+        assert runner.pads_prefills == torch.cpu._is_amx_tile_supported()  # AMX: oneDNN's kernel builds
         runner.pads_prefills = pad
         rows, host_batch = [], runner._host_batch
         monkeypatch.setattr(runner, "_host_batch", lambda s: rows.append(host_batch(s)) or rows[-1])

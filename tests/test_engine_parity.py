@@ -47,3 +47,10 @@ def test_greedy_matches_transformers(case, engine_args):
     assert stats.kv_blocks_used == 0 and stats.num_running == stats.num_waiting == 0
     if "num_kv_blocks" in engine_args:
         assert stats.num_preemptions > 0
+
+
+@pytest.mark.parametrize("fp32_gemm", ["mkl", "onednn"])
+def test_greedy_matches_transformers_with_either_cpu_gemm(case, fp32_gemm, monkeypatch):
+    """fp32 linears run on MKL or oneDNN, whichever this CPU runs faster: both must match."""
+    monkeypatch.setenv("TIFFIN_CPU_FP32_GEMM", fp32_gemm)
+    test_greedy_matches_transformers(case, {})

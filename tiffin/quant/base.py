@@ -8,7 +8,10 @@ AutoAWQ). Anything tiffin cannot run exactly as published is refused here, befor
 the variant named.
 """
 
+import functools
 import json
+import os
+import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import ClassVar
@@ -51,19 +54,20 @@ class UnquantizedLinearMethod(LinearMethod):
         load_shard(layer, getattr(layer, name), tensor, shard, dim=0)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """fp32 on CPU: the same `[out, in]` weight stored column-major, so that MKL's sgemm reads `x @ W^T` with
-        no transpose: 1.2-2x faster for a decode step's few rows, measured on Intel (AMX) Xeon. bf16 goes through
-        oneDNN, which packs the weight itself either way."""
+        """On CPU, a weight whose GEMMs run through oneDNN (`cpu_linears_by_onednn`) is reordered once into
+        oneDNN's blocked layout, which a plain weight is reordered into on every call (bf16: 1.4x a one-token
+        decode step, 1.07x at 64 tokens, measured on the AMX Xeon). A layer that looks rows up (an embedding)
+        keeps the plain weight besides. An fp32 weight left to MKL's sgemm is stored column-major, so that
+        `x @ W^T` needs no transpose: 1.2-2x faster for a decode step's few rows on the AMX Xeon."""
         w = layer.weight
-        if w.device.type == "cpu" and w.dtype == torch.float32:
-            w.data = w.data.t().contiguous().t()
-        # bf16 on CPU: reordered once into oneDNN's blocked layout, which a plain weight is reordered into on
-        # every call (1.4x a one-token decode step, 1.07x at 64 tokens, measured on the AMX Xeon). A layer that
-        # looks rows up (an embedding) keeps the plain weight besides.
-        if w.device.type == "cpu" and w.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
+            return
+        if cpu_linears_by_onednn(w.dtype):
             layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.data, None)
             if not layer.looks_up_rows:
                 w.data = torch.empty(0, dtype=w.dtype)
+        elif w.dtype == torch.float32:
+            w.data = w.data.t().contiguous().t()
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if layer.packed_weight is not None:
@@ -72,6 +76,43 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.embedding(ids, layer.weight)
+
+
+def cpu_linears_by_onednn(dtype: torch.dtype) -> bool:
+    """Whether plain linear layers of `dtype` on CPU run through oneDNN (which builds a kernel per new row count:
+    see ModelRunner's padded prefills); bf16 and fp32 ones with weights prepacked at load. bf16: where oneDNN
+    supports it; fp16: torch sends it there itself. fp32: whichever of oneDNN and MKL's
+    sgemm is faster on this CPU, timed once (`_onednn_sgemm_faster`): MKL by a little on the AMX Xeon at one
+    token (oneDNN 0.91x), oneDNN on AMD EPYC Zen 4 by 1.3-3.2x at 1-256 rows (MKL takes slower code paths on
+    non-Intel CPUs). TIFFIN_CPU_FP32_GEMM=onednn|mkl overrides."""
+    if dtype != torch.float32:
+        return dtype == torch.float16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    choice = os.environ.get("TIFFIN_CPU_FP32_GEMM", "auto")
+    if choice != "auto":
+        return choice == "onednn"
+    return torch.backends.mkldnn.is_available() and _onednn_sgemm_faster()
+
+
+@functools.cache
+def _onednn_sgemm_faster(rows: int = 16, size: int = 1024, calls: int = 15) -> bool:
+    """Times a decode-sized fp32 GEMM (`rows` x `size` by `size` x `size`) both ways, alternating, and keeps
+    oneDNN only when its median is at least 10% lower: ~20 ms once per process."""
+    w = torch.randn(size, size) / size**0.5
+    x = torch.randn(rows, size)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    column_major = w.t().contiguous().t()
+    runs = {
+        "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+        "mkl": lambda: torch.nn.functional.linear(x, column_major),
+    }
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(calls):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    median = {name: sorted(t)[calls // 2] for name, t in times.items()}
+    return median["onednn"] < 0.9 * median["mkl"]
 
 
 # AutoAWQ and GPTQModel both write scales in fp16; the weight is dequantized in it, as the tools do, then
