@@ -6,6 +6,7 @@ import logging
 import pytest
 import torch
 
+from tiffin import kernels
 from tiffin.kernels import cpu_native, rms_norm
 
 
@@ -32,6 +33,27 @@ def test_rms_norm_matches_torch(dtype, rows):
         assert torch.equal(out, ref)
     else:
         torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_argmax_is_torchs_first_max(dtype):
+    """Ties (few distinct values), a maximum in the ragged tail past the last 64-wide chunk, rows of -inf, NaN
+    (torch.max picks the first NaN), one column, and rows many enough to run multithreaded."""
+    gen = torch.Generator().manual_seed(0)
+    cases = [torch.randn(64, 32000, generator=gen), torch.randint(0, 3, (9, 200), generator=gen).float()]
+    tail = torch.zeros(3, 130)
+    tail[:, 129] = 1
+    edge = torch.randn(5, 70, generator=gen)
+    edge[0] = -torch.inf
+    edge[1, [3, 40]] = torch.nan
+    edge[2, 69] = torch.nan
+    edge[3, [0, 65]] = torch.inf
+    cases += [tail, edge, torch.randn(4, 1, generator=gen)]
+    for x in (c.to(dtype) for c in cases):
+        assert torch.equal(cpu_native.argmax(x), x.max(-1).indices)
+    wide = torch.randn(6, 300, generator=gen).to(dtype)
+    assert torch.equal(kernels.argmax(wide[:, 10:250]), wide[:, 10:250].max(-1).indices)  # rows 300 apart
+    assert torch.equal(kernels.argmax(wide.T), wide.T.max(-1).indices)  # columns strided: torch's
 
 
 def test_rms_norm_of_a_strided_view():

@@ -8,7 +8,15 @@ from tiffin.kernels import cpu_native
 from tiffin.kernels.attention import AttentionMetadata
 from tiffin.kernels.dispatch import implements, kernel, resolve_backend
 
-__all__ = ["AttentionMetadata", "paged_attention", "write_kv", "resolve_backend", "rms_norm", "silu_and_mul"]
+__all__ = [
+    "AttentionMetadata",
+    "argmax",
+    "paged_attention",
+    "write_kv",
+    "resolve_backend",
+    "rms_norm",
+    "silu_and_mul",
+]
 
 
 def write_kv(key, value, k_cache, v_cache, slot_mapping, backend: str = "torch") -> None:
@@ -28,6 +36,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "
 def silu_and_mul(gate_up: torch.Tensor, backend: str = "torch") -> torch.Tensor:
     """`[..., 2*I]` -> `[..., I]`: silu(gate) * up."""
     return kernel("silu_and_mul", backend)(gate_up)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its first maximum (the greedy pick), on any device: the native CPU kernel where it runs
+    (6-10x faster than torch's `max`, which tracks the index through its reduction), else `max(-1).indices`
+    (same index as `argmax`, which runs ~8x slower on CPU)."""
+    if x.dim() == 2 and x.stride(1) == 1 and cpu_native.supports(x):
+        return cpu_native.argmax(x)
+    return x.max(-1).indices
 
 
 @implements("rms_norm", "torch")

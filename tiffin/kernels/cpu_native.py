@@ -28,6 +28,7 @@ _DECODE_ARGS = [_i32, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr
 _DECODE_ARGS += [_i32, _i32, _i32, _i32, ctypes.c_float, _i32]
 _RMS_NORM_ARGS = [_i32, _ptr, _i64, _ptr, _ptr, _i64, _i32, ctypes.c_float, _i32]
 _ROTARY_ARGS = [_i32, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i32, _i32, _i32]
+_ARGMAX_ARGS = [_i32, _ptr, _i64, _ptr, _i64, _i64, _i32]
 
 
 @functools.cache
@@ -48,6 +49,7 @@ def library() -> ctypes.CDLL | None:
     lib.tiffin_paged_decode.argtypes, lib.tiffin_paged_decode.restype = _DECODE_ARGS, None
     lib.tiffin_rms_norm.argtypes, lib.tiffin_rms_norm.restype = _RMS_NORM_ARGS, None
     lib.tiffin_rotary.argtypes, lib.tiffin_rotary.restype = _ROTARY_ARGS, None
+    lib.tiffin_argmax.argtypes, lib.tiffin_argmax.restype = _ARGMAX_ARGS, None
     return lib
 
 
@@ -107,6 +109,16 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: tor
     out = torch.empty(x.shape, dtype=x.dtype)
     args = (x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr())
     library().tiffin_rotary(DTYPE_CODES[x.dtype], *args, x.shape[0], x.shape[1], x.shape[2], torch.get_num_threads())
+    return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """`x.max(-1).indices` (the first maximum; NaN above all) of `x` `[rows, size]`, int64."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError("argmax needs 2-d rows with contiguous columns")
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    args = (x.data_ptr(), x.stride(0), out.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
+    library().tiffin_argmax(DTYPE_CODES[x.dtype], *args)
     return out
 
 

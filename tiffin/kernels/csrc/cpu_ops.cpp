@@ -324,6 +324,37 @@ void rotary(const void* x, int64_t row_stride, const int64_t* positions, const f
   }
 }
 
+// Each row's index of its first maximum, NaN counting as above everything (as torch.max): the greedy pick. torch
+// tracks the index through its whole reduction; here one vectorized pass finds the max, and a search in vectorized
+// chunks of 64 its first occurrence: 64 x 32000 bf16 logits, 2 threads, AMD Zen 4: 850 -> 141 us (fp32 844 -> 88).
+template <typename T>
+void argmax(const void* x, int64_t row_stride, int64_t* out, int64_t rows, int64_t size, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * size >= (1 << 16))
+  for (int64_t i = 0; i < rows; ++i) {
+    const T* row = static_cast<const T*>(x) + i * row_stride;
+    float max = -INFINITY;
+    int nan = 0;
+#pragma omp simd reduction(max : max) reduction(| : nan)
+    for (int64_t d = 0; d < size; ++d) {
+      const float v = to_float(row[d]);
+      max = v > max ? v : max;
+      nan |= v != v;
+    }
+    const float pick = max;  // NaN rows: the first NaN (NaN != NaN), found by the plain scan below
+    int64_t chunk = 0;
+    for (; !nan && chunk < size; chunk += 64) {
+      const int64_t end = chunk + 64 < size ? chunk + 64 : size;
+      int hit = 0;
+#pragma omp simd reduction(| : hit)
+      for (int64_t d = chunk; d < end; ++d) hit |= to_float(row[d]) == pick;
+      if (hit) break;
+    }
+    int64_t at = chunk;
+    while (at < size && (nan ? to_float(row[at]) == to_float(row[at]) : to_float(row[at]) != pick)) ++at;
+    out[i] = at < size ? at : 0;  // no pick: a row of -inf only, whose first is torch's
+  }
+}
+
 template <typename F>
 void by_dtype(int dtype, F&& run) {
   if (dtype == 0) run(float{});
@@ -358,4 +389,9 @@ extern "C" void tiffin_rotary(int dtype, const void* x, int64_t row_stride, cons
   by_dtype(dtype, [&](auto tag) {
     rotary<decltype(tag)>(x, row_stride, positions, cos, sin, out, rows, heads, head_dim, num_threads);
   });
+}
+
+extern "C" void tiffin_argmax(int dtype, const void* x, int64_t row_stride, int64_t* out, int64_t rows, int64_t size,
+                              int num_threads) {
+  by_dtype(dtype, [&](auto tag) { argmax<decltype(tag)>(x, row_stride, out, rows, size, num_threads); });
 }
