@@ -10,6 +10,7 @@ the variant named.
 
 import functools
 import json
+import logging
 import os
 import time
 from abc import ABC, abstractmethod
@@ -18,6 +19,8 @@ from typing import ClassVar
 
 import torch
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 
 class LinearMethod(ABC):
@@ -112,7 +115,16 @@ def _onednn_sgemm_faster(rows: int = 16, size: int = 1024, calls: int = 15) -> b
             run()
             times[name].append(time.perf_counter() - start)
     median = {name: sorted(t)[calls // 2] for name, t in times.items()}
-    return median["onednn"] < 0.9 * median["mkl"]
+    faster = median["onednn"] < 0.9 * median["mkl"]
+    logger.info(
+        "fp32 linears on CPU: %s (a %dx%d GEMM took %.0f us on oneDNN, %.0f us on MKL; TIFFIN_CPU_FP32_GEMM picks one)",
+        "oneDNN" if faster else "MKL",
+        rows,
+        size,
+        median["onednn"] * 1e6,
+        median["mkl"] * 1e6,
+    )
+    return faster
 
 
 # AutoAWQ and GPTQModel both write scales in fp16; the weight is dequantized in it, as the tools do, then
