@@ -84,10 +84,10 @@ class UnquantizedLinearMethod(LinearMethod):
 def cpu_linears_by_onednn(dtype: torch.dtype) -> bool:
     """Whether plain linear layers of `dtype` on CPU run through oneDNN (which builds a kernel per new row count:
     see ModelRunner's padded prefills); bf16 and fp32 ones with weights prepacked at load. bf16: where oneDNN
-    supports it; fp16: torch sends it there itself. fp32: whichever of oneDNN and MKL's
-    sgemm is faster on this CPU, timed once (`_onednn_sgemm_faster`): MKL by a little on the AMX Xeon at one
-    token (oneDNN 0.91x), oneDNN on AMD EPYC Zen 4 by 1.3-3.2x at 1-256 rows (MKL takes slower code paths on
-    non-Intel CPUs). TIFFIN_CPU_FP32_GEMM=onednn|mkl overrides."""
+    supports it; fp16: torch sends it there itself. fp32: whichever of oneDNN and MKL's sgemm is faster on this
+    CPU, timed once (`_onednn_sgemm_faster`): MKL by a little on the AMX Xeon at one token (oneDNN 0.91x), oneDNN
+    on AMD EPYC Zen 4 by 1.2-3.2x at 16-256 rows (MKL takes slower code paths on non-Intel CPUs).
+    TIFFIN_CPU_FP32_GEMM=onednn|mkl overrides."""
     if dtype != torch.float32:
         return dtype == torch.float16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
     choice = os.environ.get("TIFFIN_CPU_FP32_GEMM", "auto")
@@ -100,8 +100,9 @@ def cpu_linears_by_onednn(dtype: torch.dtype) -> bool:
 def _onednn_sgemm_faster(rows: int = 16, size: int = 1024, calls: int = 15) -> bool:
     """Times a decode-sized fp32 GEMM (`rows` x `size` by `size` x `size`) both ways, alternating, and keeps
     oneDNN only when its median is at least 10% lower: ~20 ms once per process."""
-    w = torch.randn(size, size) / size**0.5
-    x = torch.randn(rows, size)
+    gen = torch.Generator().manual_seed(0)  # not torch's global generator: loading a model leaves it alone
+    w = torch.randn(size, size, generator=gen) / size**0.5
+    x = torch.randn(rows, size, generator=gen)
     packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
     column_major = w.t().contiguous().t()
     runs = {
