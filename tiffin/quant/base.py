@@ -57,7 +57,7 @@ class UnquantizedLinearMethod(LinearMethod):
         load_shard(layer, getattr(layer, name), tensor, shard, dim=0)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """On CPU, a weight whose GEMMs run through oneDNN (`cpu_linears_by_onednn`) is reordered once into
+        """On CPU, a weight whose GEMMs run through oneDNN (`_prepacks_for_onednn`) is reordered once into
         oneDNN's blocked layout, which a plain weight is reordered into on every call (bf16: 1.4x a one-token
         decode step, 1.07x at 64 tokens, measured on the AMX Xeon). A layer that looks rows up (an embedding)
         keeps the plain weight besides. An fp32 weight left to MKL's sgemm is stored column-major, so that
@@ -65,7 +65,7 @@ class UnquantizedLinearMethod(LinearMethod):
         w = layer.weight
         if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
             return
-        if cpu_linears_by_onednn(w.dtype):
+        if _prepacks_for_onednn(w.dtype):
             layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.data, None)
             if not layer.looks_up_rows:
                 w.data = torch.empty(0, dtype=w.dtype)
@@ -81,15 +81,14 @@ class UnquantizedLinearMethod(LinearMethod):
         return torch.nn.functional.embedding(ids, layer.weight)
 
 
-def cpu_linears_by_onednn(dtype: torch.dtype) -> bool:
-    """Whether plain linear layers of `dtype` on CPU run through oneDNN (which builds a kernel per new row count:
-    see ModelRunner's padded prefills); bf16 and fp32 ones with weights prepacked at load. bf16: where oneDNN
-    supports it; fp16: torch sends it there itself. fp32: whichever of oneDNN and MKL's sgemm is faster on this
-    CPU, timed once (`_onednn_sgemm_faster`): MKL by a little on the AMX Xeon at one token (oneDNN 0.91x), oneDNN
-    on AMD EPYC Zen 4 by 1.2-3.2x at 16-256 rows (MKL takes slower code paths on non-Intel CPUs).
+def _prepacks_for_onednn(dtype: torch.dtype) -> bool:
+    """Whether plain CPU linears of `dtype` (bf16 or fp32) run through oneDNN, with weights prepacked at load.
+    bf16: where oneDNN supports it. fp32: whichever of oneDNN and MKL's sgemm is faster on this CPU, timed once
+    (`_onednn_sgemm_faster`): MKL by a little on the AMX Xeon at one token (oneDNN 0.91x), oneDNN on AMD EPYC
+    Zen 4 by 1.2-3.2x at 16-256 rows (MKL takes slower code paths on non-Intel CPUs).
     TIFFIN_CPU_FP32_GEMM=onednn|mkl overrides."""
-    if dtype != torch.float32:
-        return dtype == torch.float16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
     choice = os.environ.get("TIFFIN_CPU_FP32_GEMM", "auto")
     if choice != "auto":
         return choice == "onednn"
