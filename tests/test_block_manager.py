@@ -5,11 +5,11 @@ from collections import Counter
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from tiffin.engine.block_manager import BlockManager
 from tiffin.engine.config import EngineConfig
+from tiffin.engine.core.block_manager import BlockManager
+from tiffin.engine.core.scheduler import Scheduler
+from tiffin.engine.core.sequence import Sequence
 from tiffin.engine.sampling_params import SamplingParams
-from tiffin.engine.scheduler import Scheduler
-from tiffin.engine.sequence import Sequence
 
 BLOCK = 4
 

@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from tiffin.engine import cpu_threads
-from tiffin.engine.cpu_threads import usable_cpus
+from tiffin.engine.worker import cpu_threads
+from tiffin.engine.worker.cpu_threads import usable_cpus
 
 
 @pytest.mark.parametrize(

@@ -2,12 +2,15 @@
 and padding, eagerly; the graphs themselves need a GPU, everything they read is checked here. Prefill steps on CPU
 at bf16 pad to `padded_tokens`."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from tiffin import LLM, SamplingParams
-from tiffin.engine.model_runner import decode_batch_sizes, padded_tokens
+from tiffin.engine.worker.batch import padded_tokens
+from tiffin.engine.worker.cuda_graphs import decode_batch_sizes
 
 PROMPTS = ["Hello, tiffin", "The quick brown fox jumps", "1 2 3", "a", "Once upon a time in a land far away"]
 
@@ -33,17 +36,19 @@ def test_padded_decode_equals_unpadded(tiny_model, monkeypatch):
     want = _generate(LLM(path, num_kv_blocks=64, max_num_seqs=16))
     llm = LLM(path, num_kv_blocks=64, max_num_seqs=16)
     runner = llm.llm_engine.model_runner
-    assert runner.decode_sizes == [] and not runner.graphs  # CPU default: unpadded
-    runner.init_decode_batches(decode_batch_sizes(16))
-    sizes, run = [], runner._run_decode
+    assert runner.decode_graphs is None  # CPU default: unpadded
+    runner.pad_decodes(decode_batch_sizes(16))
+    graphs = runner.decode_graphs
+    assert not graphs.graphs
+    sizes, run = [], graphs.run
 
-    def record(size, batch):
+    def record(size, batch, *args):
         sizes.append((size, len(batch.seq_lens)))
         # the step's attention grid must not depend on its contexts: max_seq_len is max_model_len's
-        assert runner._decode_metadata(size, [1] * size).max_seq_len == runner.max_blocks_per_seq * runner.block_size
-        return run(size, batch)
+        assert graphs.metadata(size, [1] * size).max_seq_len == runner.max_blocks_per_seq * runner.block_size
+        return run(size, batch, *args)
 
-    monkeypatch.setattr(runner, "_run_decode", record)
+    monkeypatch.setattr(graphs, "run", record)
     got = _generate(llm)
     assert (8, 5) in sizes and any(n < size for size, n in sizes)  # padded steps ran, with padding rows
     for (want_ids, want_lp), (got_ids, got_lp) in zip(want, got, strict=True):
@@ -74,10 +79,10 @@ def test_padded_prefill_equals_unpadded(tiny_model, monkeypatch):
     def run(pad: bool):
         llm = LLM(path, dtype="bfloat16", num_kv_blocks=64, max_num_seqs=4, enable_prefix_caching=False)
         runner = llm.llm_engine.model_runner
-        assert runner.pads_prefills == torch.cpu._is_amx_tile_supported()  # AMX: oneDNN's kernel builds
-        runner.pads_prefills = pad
-        rows, host_batch = [], runner._host_batch
-        monkeypatch.setattr(runner, "_host_batch", lambda s: rows.append(host_batch(s)) or rows[-1])
+        assert runner.policy.pad_prefills == torch.cpu._is_amx_tile_supported()  # AMX: oneDNN's kernel builds
+        runner.policy = dataclasses.replace(runner.policy, pad_prefills=pad)
+        rows, host_batch = [], runner.host_batch
+        monkeypatch.setattr(runner, "host_batch", lambda s: rows.append(host_batch(s)) or rows[-1])
         outs = [c for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]
         return outs, [(len(b.input_ids), b.query_start_loc[-1]) for b in rows], runner.kv_cache
 

@@ -7,7 +7,7 @@ import pytest
 
 bentoml = pytest.importorskip("bentoml")
 
-from tiffin.engine.model_source import HUB_FILES  # noqa: E402
+from tiffin.engine.models.source import HUB_FILES  # noqa: E402
 from tiffin.plugin import model_store  # noqa: E402
 from tiffin.smollm2 import smollm2_gguf  # noqa: E402
 

@@ -3,7 +3,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from tiffin.engine.detokenizer import IncrementalDetokenizer
+from tiffin.engine.core.detokenizer import IncrementalDetokenizer
 from tiffin.engine.sampling_params import SamplingParams
 from tiffin.tiny import IM_END_ID, SPECIAL_TOKENS
 

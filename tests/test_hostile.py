@@ -16,7 +16,7 @@ pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
 from tiffin import AsyncLLMEngine, SamplingParams  # noqa: E402
-from tiffin.engine.async_llm_engine import EngineError  # noqa: E402
+from tiffin.engine.errors import EngineError  # noqa: E402
 from tiffin.engine.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
 from tiffin.plugin.openai_api import OpenAIServing, _Format, create_app  # noqa: E402
 

@@ -4,7 +4,7 @@ on CPU through a fake memory probe that records what was live when each reading 
 import pytest
 
 from tiffin import LLM
-from tiffin.engine.model_runner import GiB, MemoryProbe, MemoryProfile
+from tiffin.engine.worker.kv_cache import GiB, MemoryProbe, MemoryProfile, profile_memory
 
 BLOCK = 2 << 20  # bytes per KV block
 
@@ -57,7 +57,7 @@ def test_profiling_uses_only_the_blocks_it_needs_and_frees_them(tiny_model, monk
     llm = LLM(tiny_model("llama"), num_kv_blocks=64, max_model_len=100, max_num_batched_tokens=250, max_num_seqs=5)
     runner = llm.llm_engine.model_runner
     seen = {}
-    host_batch, sample = runner._host_batch, runner.sampler.__call__
+    host_batch, sample = runner.host_batch, runner.sampler.__call__
 
     def record_batch(sched):
         seen["lengths"] = sched.num_scheduled_tokens
@@ -68,10 +68,10 @@ def test_profiling_uses_only_the_blocks_it_needs_and_frees_them(tiny_model, monk
         seen["logits"] = tuple(logits.shape)
         return sample(logits, seqs, bitmask)
 
-    monkeypatch.setattr(runner, "_host_batch", record_batch)
+    monkeypatch.setattr(runner, "host_batch", record_batch)
     monkeypatch.setattr(runner, "sampler", record_sample)
     probe = FakeProbe(runner)
-    profile = runner._profile_memory(probe.memory())
+    profile = profile_memory(runner, probe.memory())
     # 250 tokens as sequences of at most max_model_len (100 -> 7 blocks of 16), blocks disjoint
     assert seen["lengths"] == [100, 100, 50]
     assert seen["tables"] == [list(range(7)), list(range(7, 14)), [14, 15, 16, 17]]

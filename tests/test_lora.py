@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tiffin import LLM, LoRARequest, SamplingParams
-from tiffin.engine.lora import LoRARegistry
+from tiffin.engine.lora.registry import LoRARegistry
 
 NEW_TOKENS = 24
 PROMPT_LENS = (3, 17, 40, 9, 33, 21, 5, 60, 12, 27, 48, 7)
@@ -254,7 +254,7 @@ def test_lora_needs_enable_lora(tiny_model, fp_case):
         llm.generate("hi", GREEDY, use_tqdm=False, lora_request=LoRARequest("x", 1, str(fp_case[1]["qv-r8"])))
     with pytest.raises(ValueError, match="enable_lora"):
         llm.llm_engine.list_loras()
-    assert llm.llm_engine.model_runner.model.model.layers[0].self_attn.qkv_proj.lora is None
+    assert llm.llm_engine.model_runner.model.model.layers[0].self_attn.qkv_proj.adapters is None
 
 
 @pytest.mark.parametrize(

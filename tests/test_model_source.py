@@ -6,7 +6,7 @@ import shutil
 import pytest
 from huggingface_hub import constants
 
-from tiffin.engine.model_source import resolve_model_path
+from tiffin.engine.models.source import resolve_model_path
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

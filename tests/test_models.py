@@ -9,7 +9,8 @@ import torch
 from transformers.activations import ACT2FN
 
 from tiffin.engine.models.layers import ACTIVATIONS
-from tiffin.engine.models.registry import ARCHITECTURES, get_model_config
+from tiffin.engine.models.loader import get_model_config
+from tiffin.engine.models.registry import ARCHITECTURES
 from tiffin.quant import QUANT_CONFIGS, QuantizationConfig, UnquantizedLinearMethod, get_quant_config
 from tiffin.tiny import make_config
 

@@ -15,8 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from tiffin import LLM, SamplingParams
 from tiffin.engine.models.linear import Linear
-from tiffin.engine.models.loader import build_model, checkpoint_names
-from tiffin.engine.models.registry import get_model_config
+from tiffin.engine.models.loader import build_model, checkpoint_names, get_model_config
 
 FIXTURES = Path(__file__).parent / "fixtures" / "quant"
 REFERENCE = "reference/dequantized.safetensors"  # each tool's own dequantized weights [out, in]

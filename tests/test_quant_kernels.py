@@ -13,8 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tiffin.engine.models.linear import Linear
-from tiffin.engine.models.loader import build_model
-from tiffin.engine.models.registry import get_model_config
+from tiffin.engine.models.loader import build_model, get_model_config
 from tiffin.kernels import quant as quant_ops
 from tiffin.kernels.quant import (
     DENSE_MIN_TOKENS,

@@ -4,8 +4,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from tiffin.engine.sampler import Sampler, apply_penalties, sampling_probs
 from tiffin.engine.sampling_params import SamplingParams
+from tiffin.engine.worker.sampler import Sampler, apply_penalties, sampling_probs
 
 
 @dataclass

@@ -252,7 +252,7 @@ def test_tool_call_round_trip(client, tool_choice):
 
 
 def test_grammar_failure_fails_only_that_request(http, monkeypatch):
-    from tiffin.engine.grammar import GrammarState
+    from tiffin.engine.structured.backend import GrammarState
 
     monkeypatch.setattr(GrammarState, "verdict", lambda self, ids: ("error", "the grammar rejected token 7"))
     body = {"prompt": "x", "max_tokens": 5, "structured_outputs": {"regex": "[a-z]+"}}

@@ -167,7 +167,7 @@ def test_preemption_rebuilds_grammar_state(tiny_model):
 
 
 def test_grammar_error_fails_only_its_request(llm, monkeypatch):
-    from tiffin.engine.grammar import GrammarState
+    from tiffin.engine.structured.backend import GrammarState
 
     verdict = GrammarState.verdict
     monkeypatch.setattr(

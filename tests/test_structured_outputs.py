@@ -11,8 +11,8 @@ xgrammar = pytest.importorskip("xgrammar")
 
 from xgrammar.testing import _is_grammar_accept_string as accepts  # noqa: E402
 
-from tiffin.engine.grammar import GrammarBackend, GrammarState, apply_bitmask, fill_bitmask  # noqa: E402
-from tiffin.engine.structured_outputs import StructuredOutputsParams, unenforced_keyword  # noqa: E402
+from tiffin.engine.structured.backend import GrammarBackend, GrammarState, apply_bitmask, fill_bitmask  # noqa: E402
+from tiffin.engine.structured.params import StructuredOutputsParams, unenforced_keyword  # noqa: E402
 
 I, S = {"type": "integer"}, {"type": "string"}
 OBJ = {"type": "object", "properties": {"a": I}}

@@ -16,13 +16,12 @@ import torch
 from lora_adapters import make_adapter
 
 from tiffin import LLM, SamplingParams
-from tiffin.engine.async_llm_engine import AsyncLLMEngine, EngineError
-from tiffin.engine.errors import EngineDeadError
-from tiffin.engine.lora import LoRARequest
-from tiffin.engine.models.loader import build_model
-from tiffin.engine.models.registry import get_model_config
+from tiffin.engine.async_llm_engine import AsyncLLMEngine
+from tiffin.engine.distributed.tensor_parallel import TensorParallel
+from tiffin.engine.errors import EngineDeadError, EngineError
+from tiffin.engine.lora.request import LoRARequest
+from tiffin.engine.models.loader import build_model, get_model_config
 from tiffin.engine.outputs import EngineStats
-from tiffin.engine.parallel import TensorParallel
 from tiffin.tiny import make_tiny_model
 
 QUANT = Path(__file__).parent / "fixtures" / "quant"
@@ -49,7 +48,7 @@ def run(llm: LLM, vocab: int, **kwargs) -> list[list[int]]:
 
 
 def tp_workers(llm: LLM) -> list:
-    return llm.llm_engine.model_runner.parallel.procs
+    return llm.llm_engine.model_runner.group.procs
 
 
 def both(path, vocab: int, **engine_args) -> EngineStats:
@@ -158,7 +157,7 @@ def test_killed_worker_fails_in_flight_requests(tiny_model):
 
     async def main() -> None:
         engine = AsyncLLMEngine.from_engine_args(str(path), tensor_parallel_size=2, distributed_timeout=10)
-        worker = engine.engine.model_runner.parallel.procs[0]
+        worker = engine.engine.model_runner.group.procs[0]
         try:
             stream = await engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=900, ignore_eos=True))
             await stream.__anext__()  # running

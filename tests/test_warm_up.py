@@ -4,6 +4,7 @@ nothing) the variants are recorded as Triton specializes them, and serving must 
 import pytest
 
 from tiffin import LLM, SamplingParams
+from tiffin.engine.worker.warm_up import warm_up_triton
 from tiffin.kernels import triton_common as tc
 
 PROMPTS = [
@@ -30,7 +31,7 @@ def test_no_kernel_variant_is_first_launched_after_warm_up(tiny_model, interpret
         max_num_batched_tokens=64,
     )
     with tc.recording_launches() as warm:
-        llm.llm_engine.model_runner.warm_up()
+        warm_up_triton(llm.llm_engine.model_runner)
     kernels = {variant[0] for variant in warm}
     assert {"_paged_attention_kernel", "_merge_splits_kernel", "_write_kv_kernel"} <= kernels, kernels
     params = [

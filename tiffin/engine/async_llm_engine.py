@@ -23,16 +23,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from tiffin.engine.config import EngineConfig
+from tiffin.engine.errors import EngineError
 from tiffin.engine.llm_engine import LLMEngine, PromptType
-from tiffin.engine.lora import LoRARequest
+from tiffin.engine.lora.request import LoRARequest
 from tiffin.engine.outputs import EngineStats, RequestOutput
 from tiffin.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineError(RuntimeError):
-    """The engine failed while running a request (not the request's fault)."""
 
 
 class RequestStream:

@@ -1,8 +1,22 @@
 """Engine exceptions that servers map to responses; importable without torch."""
 
 
+class ParamError(ValueError):
+    """A request parameter that cannot be served; `param` names it as the API spells it (OpenAI's error `param`).
+
+    Invariant: every validation error that concerns one request field is a ParamError naming that field."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 class QueueFull(RuntimeError):
     """The waiting queue holds max_waiting_requests sequences: try again later."""
+
+
+class EngineError(RuntimeError):
+    """The engine failed while running a request (not the request's fault)."""
 
 
 class EngineDeadError(RuntimeError):

@@ -4,8 +4,8 @@ from tqdm.auto import tqdm
 
 from tiffin.engine.chat import render_chat
 from tiffin.engine.config import EngineConfig
-from tiffin.engine.llm_engine import LLMEngine, PromptType
-from tiffin.engine.lora import LoRARequest
+from tiffin.engine.llm_engine import LLMEngine, PromptType, TokenizedPrompt
+from tiffin.engine.lora.request import LoRARequest
 from tiffin.engine.outputs import RequestOutput
 from tiffin.engine.sampling_params import SamplingParams
 
@@ -32,7 +32,7 @@ class LLM:
         """Generate for every prompt; outputs come back in input order. `lora_request`: one adapter for all
         prompts or one (or None: the base model) per prompt. An invalid prompt raises ValueError before any
         request is queued."""
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict, TokenizedPrompt)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):

@@ -9,29 +9,41 @@ import dataclasses
 import functools
 import json
 import logging
+import os
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
-from tiffin.engine.block_manager import BlockManager
 from tiffin.engine.config import EngineConfig
-from tiffin.engine.detokenizer import IncrementalDetokenizer
-from tiffin.engine.errors import EngineDeadError, QueueFull
-from tiffin.engine.grammar import GrammarBackend, GrammarState
-from tiffin.engine.lora import LoRAModel, LoRARegistry, LoRARequest, parse_roots
-from tiffin.engine.model_runner import ModelRunner
-from tiffin.engine.model_source import load_tokenizer, resolve_model_path
+from tiffin.engine.core.block_manager import BlockManager
+from tiffin.engine.core.detokenizer import IncrementalDetokenizer
+from tiffin.engine.core.scheduler import Scheduler, SchedulerOutput
+from tiffin.engine.core.sequence import Sequence
+from tiffin.engine.errors import EngineDeadError, ParamError, QueueFull
+from tiffin.engine.lora.peft import parse_roots
+from tiffin.engine.lora.registry import LoRARegistry
+from tiffin.engine.lora.request import LoRAModel, LoRARequest
 from tiffin.engine.models.config import resolve_dtype
 from tiffin.engine.models.gguf_checkpoint import find_gguf, open_gguf
-from tiffin.engine.models.registry import get_model_config
+from tiffin.engine.models.loader import get_model_config
+from tiffin.engine.models.source import load_tokenizer, resolve_model_path
 from tiffin.engine.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
-from tiffin.engine.sampler import SamplerOutput
-from tiffin.engine.sampling_params import ParamError, SamplingParams
-from tiffin.engine.scheduler import Scheduler, SchedulerOutput
-from tiffin.engine.sequence import Sequence
+from tiffin.engine.sampling_params import SamplingParams
+from tiffin.engine.structured.backend import GrammarBackend, GrammarState
+from tiffin.engine.worker.model_runner import ModelRunner
+from tiffin.engine.worker.sampler import SamplerOutput
 
-PromptType = str | list[int] | dict
+
+class TokenizedPrompt(NamedTuple):
+    """A prompt as the engine runs it: its text (None when it came as token ids) and its checked token ids."""
+
+    text: str | None
+    token_ids: list[int]
+
+
+PromptType = str | list[int] | dict | TokenizedPrompt
 # A prompt longer than this many characters per token of the context is refused before tokenizing: no token of
 # the vocabulary is longer, with room for normalizers that shrink text (NFC composes up to 3 characters into 1).
 PROMPT_CHARS_SLACK = 4
@@ -79,6 +91,7 @@ class LLMEngine:
         self.num_prompt_tokens = self.num_generation_tokens = 0
         self._failed: list[str] = []  # requests failed during this step
         self._grammar_backend: GrammarBackend | None = None  # made for the first structured-outputs request
+        self.check_invariants = os.environ.get("TIFFIN_CHECK_INVARIANTS") == "1"  # after every step (tests set it)
 
     def add_request(
         self,
@@ -90,24 +103,33 @@ class LLMEngine:
         """Queue a request, run with the adapter of `lora_request` if given (loaded now unless cached; a
         `load_lora` result is taken as is). Raises ValueError, leaving the engine untouched, if the request is
         invalid or can never fit in the context or the KV cache; QueueFull if max_waiting_requests sequences wait
-        already. A dict prompt with `prompt_token_ids` (what `tokenize` returns) is not tokenized again."""
+        already. A `TokenizedPrompt` (what `tokenize` returns) is not tokenized again."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = params or SamplingParams()
         self._check_params(params)
-        text, token_ids = self.tokenize(prompt).values()
+        text, token_ids = self.tokenize(prompt)
         max_tokens = self._check_lengths(len(token_ids), params)
         waiting, limit = len(self.scheduler.waiting), self.config.max_waiting_requests
         if limit is not None and waiting + params.n > limit:
             raise QueueFull(f"{waiting} sequences are waiting (max_waiting_requests={limit}); retry later")
         lora = None if lora_request is None else self._loras().resolve(lora_request)
         grammar = None if params.structured_outputs is None else self._grammars().compile(params.structured_outputs)
-        seqs = [Sequence(request_id, i, token_ids, params, max_tokens, self.eos_token_ids) for i in range(params.n)]
+        seqs = [
+            Sequence(
+                request_id,
+                i,
+                token_ids,
+                params,
+                max_tokens,
+                self.eos_token_ids,
+                lora,
+                None if grammar is None else GrammarState(grammar),
+                IncrementalDetokenizer(self.tokenizer, token_ids, params),
+            )
+            for i in range(params.n)
+        ]
         for seq in seqs:
-            seq.lora, seq.cache_key = lora, b"" if lora is None else lora.identity
-            seq.grammar = None if grammar is None else GrammarState(grammar)
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params)
-            seq.logprobs = [] if params.logprobs is not None else None
             self.scheduler.add(seq)
         self.requests[request_id] = Request(request_id, text, token_ids, seqs)
         self.num_prompt_tokens += len(token_ids)
@@ -128,6 +150,8 @@ class LLMEngine:
         for seq in seqs:
             self._add_logprobs(seq, logprobs[seq.seq_id])
         changed, self._failed = [*self._failed, *(s.request_id for s in seqs)], []
+        if self.check_invariants:
+            self.block_manager.check_invariants([*self.scheduler.running, *self.scheduler.waiting])
         return failed + [self._output(self.requests[rid]) for rid in dict.fromkeys(changed) if rid in self.requests]
 
     def _execute(self, sched: SchedulerOutput) -> tuple[SchedulerOutput, SamplerOutput]:
@@ -238,8 +262,8 @@ class LLMEngine:
 
     def failure(self) -> str | None:
         """Why the engine cannot step, found without stepping: a tensor-parallel worker that died or failed."""
-        parallel = self.model_runner.parallel
-        return None if parallel is None else parallel.broken
+        group = self.model_runner.group
+        return None if group is None else group.broken
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -292,11 +316,13 @@ class LLMEngine:
             request.error,
         )
 
-    def tokenize(self, prompt: PromptType) -> dict:
-        """`{"prompt": text or None, "prompt_token_ids": ids}`, checked; thread-safe, so servers tokenize off
-        the engine thread. ParamError for a bad prompt, and for text too long for the context, refused before
-        tokenizing it. A dict prompt may say `add_special_tokens: False` (a rendered chat template)."""
-        if isinstance(prompt, dict):
+    def tokenize(self, prompt: PromptType) -> TokenizedPrompt:
+        """The prompt's text and token ids, checked; thread-safe, so servers tokenize off the engine thread.
+        ParamError for a bad prompt, and for text too long for the context, refused before tokenizing it. A dict
+        prompt may say `add_special_tokens: False` (a rendered chat template)."""
+        if isinstance(prompt, TokenizedPrompt):
+            text, token_ids = prompt
+        elif isinstance(prompt, dict):
             text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
             if token_ids is None and not isinstance(text, str):
                 raise ParamError("prompt", "prompt dict needs 'prompt' (a string) or 'prompt_token_ids'")
@@ -326,7 +352,7 @@ class LLMEngine:
                 "prompt",
                 f"prompt has {len(token_ids)} tokens, the model's maximum context length is {self.max_model_len}",
             )
-        return {"prompt": text, "prompt_token_ids": list(token_ids)}
+        return TokenizedPrompt(text, list(token_ids))
 
     def _check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot know: the limits of this model and engine."""

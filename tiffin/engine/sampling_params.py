@@ -3,19 +3,12 @@
 import math
 from dataclasses import dataclass, field
 
-from tiffin.engine.structured_outputs import StructuredOutputsParams
+from tiffin.engine.errors import ParamError
+from tiffin.engine.structured.params import StructuredOutputsParams
 
 INT64 = (-(2**63), 2**63 - 1)  # what torch takes for seeds and token ids
 MAX_STOP = 64  # stop strings, and stop token ids: checked against every generated token
 MAX_STOP_LENGTH = 1024  # characters of one stop string
-
-
-class ParamError(ValueError):
-    """A request parameter that cannot be served; `param` names it as the API spells it (OpenAI's error `param`)."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from tiffin.smollm2 import default_cache_dir
+from tiffin.cache import default_cache_dir
 
 logger = logging.getLogger(__name__)
 

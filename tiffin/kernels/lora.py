@@ -46,6 +46,7 @@ class LoRAMetadata:
     padded_real: torch.Tensor | None = None  # [T'] int64: the real rows of that layout, in sorted order
     pad_mask: torch.Tensor | None = None  # [G, pad_width, 1]: 1 on real rows, 0 on repeats
     token_rows: torch.Tensor | None = None  # [T] int64: each token's row in the layout; a zeroed row for base
+    token_slots: np.ndarray | None = None  # [T] host: what `build` was given
 
     @classmethod
     def build(cls, token_slots: np.ndarray, device: torch.device, dtype: torch.dtype) -> "LoRAMetadata":
@@ -73,6 +74,7 @@ class LoRAMetadata:
             width,
             groups,
             padded,
+            token_slots=slots,
         )
         if padded:
             if used.size < slots.size and len(groups) * width == used.size:

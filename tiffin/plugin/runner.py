@@ -39,7 +39,7 @@ class TiffinRunnable(bentoml.legacy.Runnable):
     def __init__(self, model: str | None = None, **engine_kwargs):
         """`model`: a local HF directory or BentoML model tag (None: the built-in tiny model);
         `engine_kwargs`: the `LLM` / EngineConfig keywords."""
-        from tiffin import LLM
+        from tiffin.engine.llm import LLM
 
         self.llm = LLM(resolve_model(model)[0], **engine_kwargs)
         self._lock = threading.Lock()  # LLM is synchronous; concurrent callers take turns
@@ -73,7 +73,7 @@ class TiffinRunnable(bentoml.legacy.Runnable):
         return self._generate(prompts, max_tokens, temperature, top_p, top_k, stop, seed)
 
     def _generate(self, prompts: list[str], max_tokens, temperature, top_p, top_k, stop, seed) -> list[str]:
-        from tiffin import SamplingParams
+        from tiffin.engine.sampling_params import SamplingParams
 
         params = SamplingParams(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop, seed=seed

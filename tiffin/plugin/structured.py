@@ -7,8 +7,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tiffin.engine.sampling_params import ParamError
-from tiffin.engine.structured_outputs import StructuredOutputsParams
+from tiffin.engine.errors import ParamError
+from tiffin.engine.structured.params import StructuredOutputsParams
 from tiffin.plugin.tools import ChatTool, NamedToolChoice, ToolChoice, ToolParser, check_tools, chosen_tools
 
 

@@ -17,8 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from tiffin.engine.detokenizer import partial_prefix_len
-from tiffin.engine.structured_outputs import StructuredOutputsParams, check_json_schema
+from tiffin.engine.core.detokenizer import partial_prefix_len
+from tiffin.engine.structured.params import StructuredOutputsParams, check_json_schema
 
 
 class FunctionDefinition(BaseModel):

@@ -12,9 +12,10 @@ Invariants kept here:
 
 import hashlib
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
 
-from tiffin.engine.sequence import Sequence
+from tiffin.engine.core.sequence import Sequence
 
 
 def hash_block(parent: bytes, token_ids: list[int], extra_key: bytes = b"") -> bytes:
@@ -95,6 +96,16 @@ class BlockManager:
             old, self.block_hash[block] = self.block_hash[block], None
             if old is not None and self.cached.get(old) == block:
                 del self.cached[old]
+
+    def check_invariants(self, seqs: Iterable[Sequence]) -> None:
+        """AssertionError unless the invariants above hold, `seqs` being every sequence that holds blocks."""
+        held = Counter(block for seq in seqs for block in seq.block_table)
+        assert all(self.ref_cnt[block] == n for block, n in held.items()), "a ref count is not its block tables'"
+        assert min(self.ref_cnt, default=0) >= 0 and sum(self.ref_cnt) == held.total(), "a block has stray refs"
+        assert not held.keys() & self.free.keys(), "a referenced block is in the free queue"
+        assert len(self.free) == self.ref_cnt.count(0), "a free block is missing from the free queue"
+        assert all(self.block_hash[block] == h for h, block in self.cached.items()), "the hash map disagrees"
+        assert len(self.cached) == len(self.block_hash) - self.block_hash.count(None), "a hashed block is unmapped"
 
     def _pop_free(self) -> int:
         block, _ = self.free.popitem(last=False)

@@ -11,9 +11,9 @@ preempted by recompute: its blocks are freed and it goes back to the head of the
 from collections import deque
 from dataclasses import dataclass, field
 
-from tiffin.engine.block_manager import BlockManager
 from tiffin.engine.config import EngineConfig
-from tiffin.engine.sequence import Sequence, SequenceStatus
+from tiffin.engine.core.block_manager import BlockManager
+from tiffin.engine.core.sequence import Sequence, SequenceStatus
 
 
 @dataclass

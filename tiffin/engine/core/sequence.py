@@ -5,9 +5,11 @@ from enum import Enum, auto
 
 import torch
 
-from tiffin.engine.detokenizer import IncrementalDetokenizer
+from tiffin.engine.core.detokenizer import IncrementalDetokenizer
+from tiffin.engine.lora.request import LoRAModel
 from tiffin.engine.outputs import Logprob
 from tiffin.engine.sampling_params import SamplingParams
+from tiffin.engine.structured.backend import GrammarState
 
 
 class SequenceStatus(Enum):
@@ -31,7 +33,13 @@ class Sequence:
         params: SamplingParams,
         max_tokens: int,
         eos_token_ids: frozenset[int] = frozenset(),
+        lora: LoRAModel | None = None,
+        grammar: GrammarState | None = None,
+        detokenizer: IncrementalDetokenizer | None = None,
     ):
+        """`max_tokens`: params.max_tokens, or what the context leaves when that is None; `lora`: the adapter it
+        runs with (None: the base model); `grammar`: its matcher when params.structured_outputs is set;
+        `detokenizer`: None for sequences that need no text (profiling, scheduler tests)."""
         self.seq_id = next(Sequence._ids)
         self.request_id = request_id
         self.index = index
@@ -42,13 +50,13 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # hash chain of full blocks, filled by the BlockManager
         self.num_hashed_blocks = 0  # leading blocks of block_table that are in the prefix cache
-        self.cache_key = b""  # extra prefix-cache key (e.g. the LoRA adapter's identity)
-        self.lora = None  # the LoRAModel this sequence runs with; None: the base model
-        self.detokenizer: IncrementalDetokenizer | None = None  # None: no text (profiling, scheduler tests)
-        self.logprobs: list[dict[int, Logprob]] | None = None  # per output token, when params.logprobs is set
-        self.grammar = None  # its GrammarState when params.structured_outputs is set
+        self.lora = lora
+        self.cache_key = b"" if lora is None else lora.identity  # its blocks' prefix-cache key beside the tokens
+        self.grammar = grammar
+        self.detokenizer = detokenizer
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None  # per output token
         self.params = params
-        self.max_tokens = max_tokens  # params.max_tokens, or what the context leaves when that is None
+        self.max_tokens = max_tokens
         self.eos_token_ids = eos_token_ids
         seed = None if params.seed is None else params.seed + index
         self.generator = None if seed is None else torch.Generator().manual_seed(seed)

@@ -1,87 +1,39 @@
-"""Tensor parallelism: one model split across N ranks, one process per rank (vLLM's and nano-vllm's scheme).
+"""A tensor-parallel group: one model split across N ranks, one process per rank (vLLM's and nano-vllm's scheme).
 
 Rank 0 is the engine's own process: it schedules, builds each step's flattened batch, broadcasts it, samples
-and detokenizes. Ranks 1..N-1 are worker processes started here (`torch.multiprocessing` spawn); each builds a
-`ModelRunner` of its rank (its shard of the weights, its share of the KV cache) and loops: wait for the
-doorbell, receive the step's batch, run the forward. torch.distributed runs the collectives: NCCL on CUDA, gloo
-on CPU, every one bounded by `distributed_timeout`.
+and detokenizes. Ranks 1..N-1 are worker processes started here (`torch.multiprocessing` spawn); each runs the
+entry point it is given, which loads its shard and loops: wait for the doorbell, receive the step, run the
+forward. torch.distributed runs the collectives: NCCL on CUDA, gloo on CPU, every one bounded by
+`distributed_timeout`. This module knows nothing of what a step holds (`wire` carries it).
 
-A step's batch travels as two broadcasts: a fixed-size int64 header (the layout) and one int64 payload holding
-every index tensor, whatever fields the attention metadata has. A per-worker pipe carries what must not wait
-on a collective: the doorbell (so an idle engine never times a collective out), the KV block count agreed at
-start, a worker's start-up error, and the stop; a worker whose engine process dies sees the pipe close and exits.
+A per-worker pipe carries what must not wait on a collective: the doorbell (so an idle engine never times a
+collective out), the KV block count agreed at start, a worker's start-up error, and the stop; a worker whose
+engine process dies sees the pipe close and exits.
+
+Invariant: every rank runs the same step in the same order; a collective that fails makes the group broken,
+naming the rank; shutdown (or the engine process's death, closing the pipe) ends every worker.
 """
 
-import dataclasses
 import datetime
 import os
 import socket
 import threading
 import weakref
+from collections.abc import Callable
 from multiprocessing.connection import wait
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tiffin.engine.distributed import wire
+from tiffin.engine.distributed.tensor_parallel import TensorParallel
 from tiffin.engine.errors import EngineDeadError
 
-HEADER_FIELDS = 24  # value slots in the step header: (kind, dim0, dim1) each
-INT_KIND, LIST_KIND, NONE_KIND = 1, 2, 3
-TENSOR_KINDS = {torch.int64: 4, torch.int32: 5}
 START_TIMEOUT = 600.0  # seconds a worker may take to load its shard
 
 
-@dataclasses.dataclass(frozen=True)
-class TensorParallel:
-    """This process's place in the tensor-parallel group; the default is a model served whole."""
-
-    rank: int = 0
-    size: int = 1
-
-    def split(self, total: int, what: str) -> int:
-        """This rank's share of `total` units of `what` (heads, vocabulary rows, ...); ValueError naming it."""
-        if total % self.size:
-            raise ValueError(f"{what} ({total}) is not divisible by tensor_parallel_size {self.size}")
-        return total // self.size
-
-    def kv_heads(self, total: int) -> int:
-        """KV heads per rank: split, or replicated when there are fewer than ranks (MQA/GQA), so that each rank
-        holds the KV heads its query heads read."""
-        if total >= self.size:
-            return self.split(total, "num_key_value_heads")
-        if self.size % total:
-            raise ValueError(f"tensor_parallel_size {self.size} is not a multiple of num_key_value_heads ({total})")
-        return 1
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
-            dist.all_reduce(x)
-        return x
-
-    def gather(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Every rank's `x` concatenated along the last dim, on rank 0; None on the others."""
-        if self.size == 1:
-            return x
-        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
-        dist.gather(x.contiguous(), parts, dst=0)
-        return torch.cat(parts, dim=-1) if self.rank == 0 else None
-
-
-WHOLE = TensorParallel()  # no tensor parallelism: one rank holds the whole model
-
-
-class Step(NamedTuple):
-    """One step's batch, as `ModelRunner._prepare` builds it."""
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    md: object  # kernels.AttentionMetadata
-    logits_indices: torch.Tensor
-
-
-class Parallel:
+class WorkerGroup:
     """The group's collectives and, on rank 0, its worker processes."""
 
     def __init__(self, tp: TensorParallel, device: torch.device, timeout: float, conns: list, procs: list = ()):
@@ -91,10 +43,10 @@ class Parallel:
         self.stopping = False
 
     @classmethod
-    def start(cls, config, model_config, max_model_len: int, device: torch.device) -> "Parallel":
-        """Rank 0: spawn ranks 1..N-1 (each loads its shard meanwhile) and join the process group."""
+    def start(cls, config, device: torch.device, entry: Callable, args: tuple) -> "WorkerGroup":
+        """Rank 0: spawn ranks 1..N-1, each running `entry(group, *args)` (which loads its shard meanwhile), and
+        join the process group."""
         size = config.tensor_parallel_size
-        _check_splits(model_config, TensorParallel(0, size))
         if device.type == "cuda" and torch.cuda.device_count() < size:
             raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs, {torch.cuda.device_count()} are visible")
         if dist.is_initialized():
@@ -106,8 +58,8 @@ class Parallel:
         conns, procs = [], []
         for rank in range(1, size):
             parent, child = ctx.Pipe()
-            args = (config, model_config, max_model_len, rank, port, child, torch.get_num_threads())
-            proc = ctx.Process(target=_worker, args=args, name=f"tiffin-tp{rank}", daemon=True)
+            worker_args = (config, rank, port, child, torch.get_num_threads(), entry, args)
+            proc = ctx.Process(target=_worker, args=worker_args, name=f"tiffin-tp{rank}", daemon=True)
             proc.start()
             child.close()
             conns.append(parent)
@@ -155,51 +107,39 @@ class Parallel:
             raise ValueError(f"tensor-parallel rank {rank}: {reply[1]}")
         return reply
 
-    def run(self, step: Step, lora_slots, forward):
-        """Rank 0: send `step` and run `forward(step)`. A failure from here on leaves the group unusable (a rank
-        may be waiting in a collective): it fails the engine, naming the rank at fault."""
+    def run(self, values: list, extra: object, forward: Callable[[], object]):
+        """Rank 0: send a step (`values` in the wire format, `extra` any picklable object or None) and run
+        `forward()`. A failure from here on leaves the group unusable (a rank may be waiting in a collective):
+        it fails the engine, naming the rank at fault."""
         if self.broken:
             raise EngineDeadError(self.broken)
         try:
-            self.broadcast_step(step, lora_slots)
-            return forward(step)
+            for conn in self.conns:
+                conn.send_bytes(b"s")
+            header, payload = wire.pack([extra is not None, *values], self.device)
+            dist.broadcast(header, 0)
+            dist.broadcast(payload, 0)
+            if extra is not None:
+                dist.broadcast_object_list([extra], 0, device=self.device)
+            return forward()
         except Exception as e:
             self.broken = self._diagnose(e)
             raise EngineDeadError(self.broken) from e
 
-    def broadcast_step(self, step: Step | None, lora_slots) -> Step | None:
-        """Rank 0 sends `step` and the adapters it installed this step; a worker installs those into its own
-        slots and returns the step, or None when told to stop."""
-        if self.tp.rank == 0:
-            for conn in self.conns:
-                conn.send_bytes(b"s")
-            installs = [] if lora_slots is None else lora_slots.take_installs()
-            lora = None if lora_slots is None or lora_slots.token_slots is None else lora_slots.token_slots
-            md = [getattr(step.md, f.name) for f in dataclasses.fields(step.md)]
-            header, payload = _pack(
-                [step.input_ids, step.positions, step.logits_indices, lora, len(installs), *md], self.device
-            )
-            dist.broadcast(header, 0)
-            dist.broadcast(payload, 0)
-            if installs:
-                dist.broadcast_object_list([installs], 0, device=self.device)
-            return step
+    def receive(self) -> tuple[list, object] | None:
+        """A worker: the next step's `(values, extra)` as rank 0 sent them, or None when told to stop."""
         if self.conns[0].recv_bytes() != b"s":
             return None
-        header = torch.empty(HEADER_FIELDS * 3, dtype=torch.int64, device=self.device)
+        header = torch.empty(wire.HEADER_FIELDS * 3, dtype=torch.int64, device=self.device)
         dist.broadcast(header, 0)
         layout = header.view(-1, 3).tolist()
-        payload = torch.empty(sum(_numel(*v) for v in layout), dtype=torch.int64, device=self.device)
+        payload = torch.empty(wire.payload_size(layout), dtype=torch.int64, device=self.device)
         dist.broadcast(payload, 0)
-        values = _unpack(layout, payload)
-        installs = [None]
-        if values[4]:
-            dist.broadcast_object_list(installs, 0, device=self.device)
-        if lora_slots is not None:
-            lora_slots.follow(installs[0] or [], values[3])
-        from tiffin.kernels import AttentionMetadata
-
-        return Step(values[0], values[1], AttentionMetadata(*values[5:]), values[2])
+        has_extra, *values = wire.unpack(layout, payload)
+        extra = [None]
+        if has_extra:
+            dist.broadcast_object_list(extra, 0, device=self.device)
+        return values, extra[0]
 
     def shutdown(self) -> None:
         """End every worker (asked first, then terminated) and leave the process group."""
@@ -221,60 +161,6 @@ class Parallel:
             return f"tensor-parallel worker {', '.join(dead)}{cause}"
         ranks = ", ".join(str(r) for r in range(1, self.tp.size))
         return f"tensor-parallel rank(s) {ranks} did not answer within distributed_timeout={self.timeout:g}s{cause}"
-
-
-def _pack(values: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The header, (kind, dim0, dim1) per value (dim1 -1 for a 1-D tensor), and the int64 payload holding every
-    list and tensor among `values`."""
-    header, parts = [], []
-    for v in values:
-        if v is None:
-            header.append((NONE_KIND, 0, 0))
-        elif isinstance(v, int):
-            header.append((INT_KIND, v, 0))
-        elif isinstance(v, list):
-            header.append((LIST_KIND, len(v), 0))
-            parts.append(torch.tensor(v, dtype=torch.int64))
-        else:
-            header.append((TENSOR_KINDS[v.dtype], v.shape[0], v.shape[1] if v.dim() == 2 else -1))
-            parts.append(v.reshape(-1).to(torch.int64))
-    if len(header) > HEADER_FIELDS:
-        raise ValueError(f"a step has {len(header)} fields, the header holds {HEADER_FIELDS}")
-    header += [(0, 0, 0)] * (HEADER_FIELDS - len(header))
-    payload = torch.cat([p.to(device) for p in parts])
-    return torch.tensor(header, dtype=torch.int64, device=device), payload
-
-
-def _numel(kind: int, d0: int, d1: int) -> int:
-    if kind == LIST_KIND:
-        return d0
-    return d0 * max(d1, 1) if kind in TENSOR_KINDS.values() else 0
-
-
-def _unpack(layout: list, payload: torch.Tensor) -> list:
-    dtypes = {kind: dtype for dtype, kind in TENSOR_KINDS.items()}
-    host = payload.cpu()  # the lists are host-side values: one copy for all of them
-    values, offset = [], 0
-    for kind, d0, d1 in layout:
-        n = _numel(kind, d0, d1)
-        if kind == INT_KIND:
-            values.append(d0)
-        elif kind == LIST_KIND:
-            values.append(host[offset : offset + n].tolist())
-        elif kind == NONE_KIND:
-            values.append(None)
-        elif kind:
-            values.append(payload[offset : offset + n].view((d0, d1) if d1 >= 0 else (d0,)).to(dtypes[kind]))
-        offset += n
-    return values
-
-
-def _check_splits(model_config, tp: TensorParallel) -> None:
-    """Refuse a model the ranks cannot share, by name, before any worker starts (the layers check again)."""
-    tp.split(model_config.num_heads, "num_attention_heads")
-    tp.kv_heads(model_config.num_kv_heads)
-    tp.split(model_config.intermediate_size, "intermediate_size")
-    tp.split(model_config.vocab_size, "vocab_size")
 
 
 def _init_group(config, rank: int, port: int) -> None:
@@ -299,13 +185,13 @@ def _free_port() -> int:
 def _watch(ref: weakref.ref) -> None:
     """Rank 0: a worker that exits while the engine idles marks the group broken at once, so that health checks
     report it before a request finds it."""
-    parallel = ref()
-    sentinels = [proc.sentinel for proc in parallel.procs]
-    del parallel  # the engine may be collected meanwhile; its finalizer ends the workers and so this wait
+    group = ref()
+    sentinels = [proc.sentinel for proc in group.procs]
+    del group  # the engine may be collected meanwhile; its finalizer ends the workers and so this wait
     wait(sentinels)
-    parallel = ref()
-    if parallel is not None and not parallel.stopping and parallel.broken is None:
-        parallel.broken = parallel._diagnose(None)
+    group = ref()
+    if group is not None and not group.stopping and group.broken is None:
+        group.broken = group._diagnose(None)
 
 
 def _stop(conns: list, procs: list, grace: float = 5) -> None:
@@ -323,25 +209,22 @@ def _stop(conns: list, procs: list, grace: float = 5) -> None:
         conn.close()
 
 
-def _worker(config, model_config, max_model_len: int, rank: int, port: int, conn, threads: int) -> None:
-    """Rank `rank`'s process: load the shard, then run forwards until told to stop or the engine is gone."""
+def _worker(config, rank: int, port: int, conn, threads: int, entry: Callable, args: tuple) -> None:
+    """Rank `rank`'s process: join the group, then hand it to `entry`, which runs until told to stop."""
     torch.set_num_threads(threads)
     try:
-        from tiffin.engine.model_runner import ModelRunner
-
         conn.send(("started",))
         _init_group(config, rank, port)
         device = torch.device("cuda", rank) if config.torch_device.type == "cuda" else config.torch_device
-        parallel = Parallel(
+        group = WorkerGroup(
             TensorParallel(rank, config.tensor_parallel_size), device, config.distributed_timeout, [conn]
         )
-        runner = ModelRunner(config, model_config, max_model_len, set(), parallel)
+        serve = entry(group, *args)
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
         os._exit(1)
     try:
-        while (step := parallel.broadcast_step(None, runner.lora_slots)) is not None:
-            runner.run_model(step)
+        serve()
     except EOFError:  # the engine process is gone
         os._exit(0)
     dist.destroy_process_group()

@@ -1,5 +1,5 @@
 """The device side of multi-LoRA, owned by the ModelRunner: `LoRASlots` installs each step's adapters into a fixed
-number of slots and builds the token -> slot metadata; the `LoRALayer` on each `Linear` (`linear.lora`) adds
+number of slots and builds the token -> slot metadata; the `LoRALayer` on each `Linear` (`linear.adapters`) adds
 `B[slot] A[slot] x` after the base method ran, so it serves plain and quantized (AWQ/GPTQ) bases alike. Fused
 layers keep one A block per checkpoint slice.
 
@@ -8,7 +8,7 @@ registry keeps its slot until a step needs the slot for another, so requests sti
 
 Tensor parallelism: a slot holds this rank's part of each adapter, cut as its base layer is (a column-parallel
 layer's B by output rows, a row-parallel layer's A by input columns; the row shard's delta joins its all-reduce).
-Rank 0 decides the slots; the other ranks install what it sends with the step (`take_installs` / `follow`).
+Rank 0 decides the slots; the other ranks install what it sends with the step (`pop_installs` / `install`).
 """
 
 from collections import OrderedDict
@@ -17,16 +17,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tiffin.engine.lora import LoRAModel, LoRARequest, load_lora_model
+from tiffin.engine.lora.peft import load_lora_model
+from tiffin.engine.lora.request import LoRAModel, LoRARequest
 from tiffin.engine.models.linear import Linear
 from tiffin.kernels.lora import LoRAMetadata, lora_apply
 from tiffin.quant.base import rank_slice
-
-
-class LoRABatch:
-    """This step's token -> slot metadata, shared by every LoRALayer (None: no token uses an adapter)."""
-
-    md: LoRAMetadata | None = None
 
 
 class LoRALayer:
@@ -36,7 +31,6 @@ class LoRALayer:
     def __init__(
         self,
         linear: Linear,
-        batch: LoRABatch,
         num_slots: int,
         rank: int,
         dtype: torch.dtype,
@@ -45,12 +39,12 @@ class LoRALayer:
     ):
         self.a = torch.zeros(num_slots, len(linear.output_sizes) * rank, linear.input_size, dtype=dtype, device=device)
         self.b = torch.zeros(num_slots, rank, linear.output_size, dtype=dtype, device=device)
-        self.rank, self.offsets, self.batch, self.backend = rank, linear.offsets, batch, backend
+        self.rank, self.offsets, self.backend = rank, linear.offsets, backend
         self.split, self.tp, self.input_size = linear.split, linear.tp, linear.input_size
         self.filled = [False] * num_slots  # whether a slot's adapter has weights for this layer
 
-    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        md = self.batch.md
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, md: LoRAMetadata | None) -> torch.Tensor:
+        """`y` (the base output of `x`) plus each token's adapter delta; `md`: the step's token -> slot map."""
         if md is None or not any(self.filled[: md.num_slots]):
             return y
         x2, y2 = x.reshape(-1, x.shape[-1]).to(self.a.dtype), y.view(-1, y.shape[-1])
@@ -88,12 +82,10 @@ class LoRASlots:
         self.dtype, self.device = torch.float32 if device.type == "cpu" else dtype, device
         self.layers = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
         self.stacked_modules = dict(model.stacked_modules)
-        self.batch = LoRABatch()
         for linear in self.layers.values():
-            linear.lora = LoRALayer(linear, self.batch, max_loras, max_lora_rank, self.dtype, device, backend)
+            linear.adapters = LoRALayer(linear, max_loras, max_lora_rank, self.dtype, device, backend)
         self.slots: list[LoRAModel | None] = [None] * max_loras
         self.slot_lru: OrderedDict[int, None] = OrderedDict.fromkeys(range(max_loras))  # least recent first
-        self.token_slots: torch.Tensor | None = None  # this step's slot per token (None: no adapter)
         self.sharded = any(linear.tp.size > 1 for linear in self.layers.values())
         self.installs: list[tuple[int, dict]] = []  # sharded: (slot, adapter layers) installed since last taken
 
@@ -102,13 +94,12 @@ class LoRASlots:
         no mutable state, so any thread may call it."""
         return load_lora_model(request, self.layers, self.stacked_modules, self.max_lora_rank, self.dtype, roots)
 
-    def prepare(self, loras: list[LoRAModel | None], num_tokens: np.ndarray) -> None:
-        """Install this step's adapters into slots and set the token -> slot metadata. `loras[i]` is scheduled
-        request i's adapter, which runs `num_tokens[i]` tokens."""
+    def prepare(self, loras: list[LoRAModel | None], num_tokens: np.ndarray) -> LoRAMetadata | None:
+        """Install this step's adapters into slots; the step's token -> slot metadata (None: no adapter).
+        `loras[i]` is scheduled request i's adapter, which runs `num_tokens[i]` tokens."""
         needed = {m.identity: m for m in loras if m is not None}
         if not needed:
-            self.batch.md = self.token_slots = None
-            return
+            return None
         if len(needed) > self.max_loras:
             raise RuntimeError(f"a step uses {len(needed)} adapters but there are only {self.max_loras} slots")
         slot_of = {m.identity: i for i, m in enumerate(self.slots) if m is not None and m.identity in needed}
@@ -118,22 +109,20 @@ class LoRASlots:
         for slot in slot_of.values():
             self.slot_lru.move_to_end(slot)
         seq_slots = np.array([-1 if m is None else slot_of[m.identity] for m in loras], dtype=np.int64)
-        self.token_slots = torch.from_numpy(np.repeat(seq_slots, num_tokens))
-        self.batch.md = LoRAMetadata.build(self.token_slots.numpy(), self.device, self.dtype)
+        return self.metadata(np.repeat(seq_slots, num_tokens))
 
-    def take_installs(self) -> list[tuple[int, dict]]:
+    def metadata(self, token_slots: np.ndarray) -> LoRAMetadata:
+        return LoRAMetadata.build(token_slots, self.device, self.dtype)
+
+    def pop_installs(self) -> list[tuple[int, dict]]:
         """Rank 0: the adapters installed since the last call, for the other ranks to install too."""
         installs, self.installs = self.installs, []
         return installs
 
-    def follow(self, installs: list[tuple[int, dict]], token_slots: torch.Tensor | None) -> None:
-        """Another rank: install what rank 0 installed, and take its token -> slot assignment for this step."""
+    def install(self, installs: list[tuple[int, dict]]) -> None:
+        """Another rank: install what rank 0 installed (`pop_installs`) into the same slots."""
         for slot, layers in installs:
             self._fill(slot, layers)
-        self.token_slots = token_slots
-        self.batch.md = (
-            None if token_slots is None else LoRAMetadata.build(token_slots.cpu().numpy(), self.device, self.dtype)
-        )
 
     def _install(self, model: LoRAModel, taken: set[int]) -> int:
         """Put `model` into the lowest free slot (keeping the used slot range short), else the least recently
@@ -148,4 +137,4 @@ class LoRASlots:
 
     def _fill(self, slot: int, layers: dict) -> None:
         for name, linear in self.layers.items():
-            linear.lora.set_slot(slot, layers.get(name))
+            linear.adapters.set_slot(slot, layers.get(name))

@@ -1,6 +1,6 @@
 """GGUF files (llama.cpp's format), read with the `gguf` package: the Hugging Face config their metadata
 implies and their tensors under Hugging Face names (the tokenizer and chat template: transformers' GGUF
-conversion, `tiffin.engine.model_source.load_tokenizer`).
+conversion, `tiffin.engine.models.source.load_tokenizer`).
 
 Q4_0, Q4_1 and Q8_0 tensors stay quantized (tiffin.quant.gguf) where a layer can hold them: the config names
 them in its `quantization_config`, and they come out as stored (the raw blocks, `uint8 [rows, row_bytes]`).
@@ -21,10 +21,9 @@ from gguf import GGMLQuantizationType as QType
 from gguf import Keys
 from tqdm.auto import tqdm
 
+from tiffin.engine.models.registry import gguf_architecture
 from tiffin.quant.gguf import KEPT_TYPES
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-SUPPORTED_ARCHITECTURES = "llama (llama.cpp writes Mistral as llama too), qwen2, qwen3"
 TYPES = (
     QType.F32,
     QType.F16,
@@ -76,12 +75,8 @@ class GGUFCheckpoint:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.reader = gguf.GGUFReader(self.path)
-        self.arch = self.reader.fields[Keys.General.ARCHITECTURE].contents()
-        if self.arch not in ARCHITECTURES:
-            raise ValueError(
-                f"{self.path.name}: GGUF architecture {self.arch!r} is not supported; tiffin reads "
-                f"{SUPPORTED_ARCHITECTURES}"
-            )
+        self.arch = self.reader.fields[Keys.General.ARCHITECTURE].contents()  # llama.cpp's name
+        self.architecture = gguf_architecture(self.arch, self.path.name)
         self.tensor_types = {t.name: t.tensor_type for t in self.reader.tensors}
         unsupported = sorted({t.name for t in self.tensor_types.values() if t not in TYPES})
         if unsupported:
@@ -93,7 +88,6 @@ class GGUFCheckpoint:
             raise ValueError(
                 f"{self.path.name}: GGUF per-frequency RoPE factors (rope_freqs: llama3 scaling) are not supported"
             )
-        self.architecture = ARCHITECTURES[self.arch]
         self.hf_names = self._hf_names()
 
     def field(self, key: str, default=None):

@@ -15,6 +15,7 @@ from torch import nn
 
 from tiffin import kernels
 from tiffin.kernels import cpu_native
+from tiffin.kernels.lora import LoRAMetadata
 
 LinearFactory = Callable[..., nn.Module]  # (name, input_size, output_sizes, bias, split=None, parts=None)
 EmbeddingFactory = Callable[[str, int, int], nn.Module]  # (name, vocab_size, hidden_size) -> an Embedding
@@ -91,8 +92,8 @@ class MLP(nn.Module):
         self.down_proj = linear("down_proj", intermediate_size, [hidden_size], bias, "row")
         self.act_and_mul = ACTIVATIONS[hidden_act]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, lora: LoRAMetadata | None = None) -> torch.Tensor:
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x, lora)), lora)
 
 
 def prefixed(factory: LinearFactory | EmbeddingFactory, prefix: str) -> LinearFactory | EmbeddingFactory:

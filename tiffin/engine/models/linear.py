@@ -15,7 +15,8 @@ embedding holds a slice of the vocabulary. `input_size`, `output_sizes` and `off
 import torch
 from torch import nn
 
-from tiffin.engine.parallel import WHOLE, TensorParallel
+from tiffin.engine.distributed.tensor_parallel import UNSHARDED, TensorParallel
+from tiffin.kernels.lora import LoRAMetadata
 from tiffin.quant import LinearMethod, load_shard
 
 
@@ -29,7 +30,7 @@ class Linear(nn.Module):
         bias: bool,
         dtype: torch.dtype,
         method: LinearMethod,
-        tp: TensorParallel = WHOLE,
+        tp: TensorParallel = UNSHARDED,
         split: str | None = None,
         parts: list[int] | None = None,
     ):
@@ -51,17 +52,18 @@ class Linear(nn.Module):
         self.method = method
         self.method.create_weights(self, dtype)
         self.bias = nn.Parameter(torch.empty(self.output_size, dtype=dtype), requires_grad=False) if bias else None
-        self.lora = None  # a LoRALayer (tiffin.engine.lora_slots) adds its adapters' delta to the output
+        self.adapters = None  # a LoRALayer (tiffin.engine.lora.slots) adds its adapters' delta to the output
 
     def load(self, name: str, tensor: torch.Tensor, shard: int | None) -> None:
         if name == "bias":
             return load_shard(self, self.bias, tensor, shard, dim=0)
         self.method.load(self, name, tensor, shard)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoRAMetadata | None = None) -> torch.Tensor:
+        """`lora`: the step's token -> adapter slot map, for a layer that holds adapters."""
         y = self.method.apply(self, x)
-        if self.lora is not None:  # before the all-reduce: a row shard's delta is its part of the sum too
-            y = self.lora(x, y)
+        if self.adapters is not None:  # before the all-reduce: a row shard's delta is its part of the sum too
+            y = self.adapters(x, y, lora)
         if self.split == "row":
             y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
@@ -76,7 +78,12 @@ class Embedding(Linear):
     looks_up_rows = True
 
     def __init__(
-        self, vocab_size: int, hidden_size: int, dtype: torch.dtype, method: LinearMethod, tp: TensorParallel = WHOLE
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        method: LinearMethod,
+        tp: TensorParallel = UNSHARDED,
     ):
         super().__init__(hidden_size, [vocab_size], False, dtype, method, tp, "column" if tp.size > 1 else None)
         self.dtype = dtype

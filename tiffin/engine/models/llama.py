@@ -1,15 +1,17 @@
 """The Llama family in plain torch: Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k RMSNorm).
 
-The model sees one flattened batch (`input_ids[T]`, `positions[T]`) and attention metadata, never requests.
+The model sees one flattened batch (`input_ids[T]`, `positions[T]`), its attention metadata and, when adapters
+are loaded, its LoRA metadata (token -> adapter slot), never requests.
 """
 
 import torch
 from torch import nn
 
 from tiffin import kernels
+from tiffin.engine.distributed.tensor_parallel import UNSHARDED, TensorParallel
 from tiffin.engine.models.config import ModelConfig
 from tiffin.engine.models.layers import MLP, EmbeddingFactory, LinearFactory, RMSNorm, RotaryEmbedding, prefixed
-from tiffin.engine.parallel import WHOLE, TensorParallel
+from tiffin.kernels.lora import LoRAMetadata
 
 
 class Attention(nn.Module):
@@ -42,8 +44,10 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.k_cache = self.v_cache = torch.empty(0)  # set by the ModelRunner
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, md: kernels.AttentionMetadata) -> torch.Tensor:
-        qk, v = self.qkv_proj(x).split([self.qkv_proj.offsets[2], self.qkv_proj.output_sizes[2]], dim=-1)
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, md: kernels.AttentionMetadata, lora: LoRAMetadata | None
+    ) -> torch.Tensor:
+        qk, v = self.qkv_proj(x, lora).split([self.qkv_proj.offsets[2], self.qkv_proj.output_sizes[2]], dim=-1)
         qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
@@ -52,7 +56,7 @@ class Attention(nn.Module):
         q, k = self.rotary(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
         kernels.write_kv(k, v, self.k_cache, self.v_cache, md.slot_mapping, self.backend)
         o = kernels.paged_attention(q, self.k_cache, self.v_cache, md, self.scale, self.backend)
-        return self.o_proj(o.flatten(1))
+        return self.o_proj(o.flatten(1), lora)
 
 
 class DecoderLayer(nn.Module):
@@ -67,9 +71,9 @@ class DecoderLayer(nn.Module):
             config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias, prefixed(linear, "mlp.")
         )
 
-    def forward(self, x, positions, md):
-        x = x + self.self_attn(self.input_layernorm(x), positions, md)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, positions, md, lora):
+        x = x + self.self_attn(self.input_layernorm(x), positions, md, lora)
+        return x + self.mlp(self.post_attention_layernorm(x), lora)
 
 
 class Model(nn.Module):
@@ -90,10 +94,10 @@ class Model(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
 
-    def forward(self, input_ids, positions, md):
+    def forward(self, input_ids, positions, md, lora):
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
-            x = layer(x, positions, md)
+            x = layer(x, positions, md, lora)
         return self.norm(x)
 
 
@@ -114,7 +118,7 @@ class LlamaForCausalLM(nn.Module):
         backend: str,
         linear: LinearFactory,
         embedding: EmbeddingFactory,
-        tp: TensorParallel = WHOLE,
+        tp: TensorParallel = UNSHARDED,
     ):
         super().__init__()
         rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
@@ -123,8 +127,8 @@ class LlamaForCausalLM(nn.Module):
             None if config.tie_word_embeddings else embedding("lm_head", config.vocab_size, config.hidden_size)
         )
 
-    def forward(self, input_ids, positions, md):
-        return self.model(input_ids, positions, md)
+    def forward(self, input_ids, positions, md, lora=None):
+        return self.model(input_ids, positions, md, lora)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The logits of `hidden`'s rows; with tensor parallelism on rank 0 only (None on the others)."""

@@ -1,4 +1,5 @@
-"""Build a model from a Hugging Face directory or a GGUF file and stream its weights into it.
+"""Read a checkpoint, a Hugging Face directory or a GGUF file: its config, then the model built and its weights
+streamed into it.
 
 Weights arrive as (Hugging Face name, tensor) pairs from a weight source picked by the files present
 (`WEIGHT_SOURCES`); a new checkpoint format is a reader yielding such pairs plus its entry there.
@@ -12,13 +13,27 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from tiffin.engine.distributed.tensor_parallel import UNSHARDED, TensorParallel
 from tiffin.engine.models.config import ModelConfig
 from tiffin.engine.models.gguf_checkpoint import find_gguf, open_gguf
 from tiffin.engine.models.linear import Embedding, Linear
 from tiffin.engine.models.registry import get_architecture
-from tiffin.engine.parallel import WHOLE, TensorParallel
-from tiffin.quant import LinearMethod, QuantizationConfig, UnquantizedLinearMethod
+from tiffin.quant import LinearMethod, QuantizationConfig, UnquantizedLinearMethod, get_quant_config
 from tiffin.quant.base import materialize
+
+
+def get_model_config(path: str | Path) -> ModelConfig:
+    """The checkpoint's ModelConfig, its quantization included; ValueError, before any weight is read, for an
+    architecture, activation or quantization tiffin cannot serve. `path`: a Hugging Face directory, or a GGUF
+    file (or a directory holding one), whose metadata implies the config."""
+    gguf = find_gguf(path)
+    if gguf is None:
+        raw = json.loads((Path(path) / "config.json").read_text())
+    else:
+        checkpoint = open_gguf(gguf)
+        raw = checkpoint.config(get_architecture(checkpoint.architecture).model.stacked_modules)
+    arch = get_architecture((raw.get("architectures") or ["?"])[0])
+    return ModelConfig.from_hf(raw, get_quant_config(path, raw), arch.qkv_bias, arch.qk_norm)
 
 
 def build_model(
@@ -27,7 +42,7 @@ def build_model(
     device: torch.device,
     max_positions: int,
     backend: str,
-    tp: TensorParallel = WHOLE,
+    tp: TensorParallel = UNSHARDED,
 ) -> torch.nn.Module:
     """The model of `config` on `device` with the checkpoint's weights (this rank's shard of them under tensor
     parallelism `tp`); `backend` is the resolved kernel backend every attention and quantized layer runs on."""

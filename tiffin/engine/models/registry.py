@@ -1,17 +1,12 @@
 """Which model class serves each architecture (config.json's `architectures[0]`), and what the architecture
-implies that its config.json leaves unsaid. A Llama variant is one line in `ARCHITECTURES`; a new family is a
-model file built from `layers.py` plus its line here."""
+implies that its config.json leaves unsaid: the only place that names architectures. A Llama variant is one
+line in `ARCHITECTURES`; a new family is a model file built from `layers.py` plus its line here."""
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from torch import nn
 
-from tiffin.engine.models.config import ModelConfig
-from tiffin.engine.models.gguf_checkpoint import find_gguf, open_gguf
 from tiffin.engine.models.llama import LlamaForCausalLM
-from tiffin.quant import get_quant_config
 
 
 @dataclass(frozen=True)
@@ -19,32 +14,30 @@ class Architecture:
     model: type[nn.Module]
     qkv_bias: bool = False  # q/k/v projections carry a bias (o_proj does not)
     qk_norm: bool = False  # per-head RMSNorm on q and k before rotary
+    gguf_name: str | None = None  # llama.cpp's name for it in GGUF files, where tiffin reads those
 
 
 ARCHITECTURES: dict[str, Architecture] = {
-    "LlamaForCausalLM": Architecture(LlamaForCausalLM),
-    "MistralForCausalLM": Architecture(LlamaForCausalLM),
-    "Qwen2ForCausalLM": Architecture(LlamaForCausalLM, qkv_bias=True),
-    "Qwen3ForCausalLM": Architecture(LlamaForCausalLM, qk_norm=True),
+    "LlamaForCausalLM": Architecture(LlamaForCausalLM, gguf_name="llama"),
+    "MistralForCausalLM": Architecture(LlamaForCausalLM),  # llama.cpp writes Mistral as llama
+    "Qwen2ForCausalLM": Architecture(LlamaForCausalLM, qkv_bias=True, gguf_name="qwen2"),
+    "Qwen3ForCausalLM": Architecture(LlamaForCausalLM, qk_norm=True, gguf_name="qwen3"),
     "IQuestCoderForCausalLM": Architecture(LlamaForCausalLM),
 }
-
-
-def get_model_config(path: str | Path) -> ModelConfig:
-    """The checkpoint's ModelConfig, its quantization included; ValueError, before any weight is read, for an
-    architecture, activation or quantization tiffin cannot serve. `path`: a Hugging Face directory, or a GGUF
-    file (or a directory holding one), whose metadata implies the config."""
-    gguf = find_gguf(path)
-    if gguf is None:
-        raw = json.loads((Path(path) / "config.json").read_text())
-    else:
-        checkpoint = open_gguf(gguf)
-        raw = checkpoint.config(get_architecture(checkpoint.architecture).model.stacked_modules)
-    arch = get_architecture((raw.get("architectures") or ["?"])[0])
-    return ModelConfig.from_hf(raw, get_quant_config(path, raw), arch.qkv_bias, arch.qk_norm)
 
 
 def get_architecture(name: str) -> Architecture:
     if name not in ARCHITECTURES:
         raise ValueError(f"unsupported architecture {name!r}; tiffin serves {', '.join(ARCHITECTURES)}")
     return ARCHITECTURES[name]
+
+
+def gguf_architecture(gguf_name: str, file: str) -> str:
+    """The architecture a GGUF file's `general.architecture` names; ValueError naming those tiffin reads."""
+    names = {a.gguf_name: name for name, a in ARCHITECTURES.items() if a.gguf_name}
+    if gguf_name not in names:
+        raise ValueError(
+            f"{file}: GGUF architecture {gguf_name!r} is not supported; tiffin reads {', '.join(names)} (llama.cpp "
+            f"writes Mistral as llama)"
+        )
+    return names[gguf_name]

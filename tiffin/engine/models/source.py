@@ -46,6 +46,7 @@ def resolve_model_path(model: str, revision: str | None = None) -> str:
 def load_tokenizer(path: str):
     """The tokenizer of a Hugging Face directory, or transformers' conversion of a GGUF file's vocabulary,
     merges and chat template."""
+    # here, not at the top: the Bento's model store imports this module, and `bentoml build` must not load torch
     from transformers import AutoTokenizer
 
     from tiffin.engine.models.gguf_checkpoint import find_gguf

@@ -12,7 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from tiffin.engine.structured_outputs import StructuredOutputsParams
+from tiffin.engine.structured.params import StructuredOutputsParams
 
 CACHE_SIZE = 256  # compiled grammars kept
 

@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from tiffin.engine.errors import ParamError
+
 # Keywords xgrammar accepts and then does not enforce (oneOf degrades to anyOf; allOf is dropped).
 NOT_ENFORCED = frozenset(
     {
@@ -89,8 +91,6 @@ class StructuredOutputsParams:
     key: bytes = field(init=False, repr=False, compare=False)  # identifies the grammar: the compile cache key
 
     def __post_init__(self) -> None:
-        from tiffin.engine.sampling_params import ParamError  # which imports this module
-
         try:
             self._check()
         except ValueError as e:

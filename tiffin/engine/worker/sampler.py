@@ -12,9 +12,9 @@ from typing import Protocol
 import torch
 
 from tiffin import kernels
-from tiffin.engine.grammar import GrammarState, apply_bitmask
 from tiffin.engine.outputs import Logprob
 from tiffin.engine.sampling_params import SamplingParams
+from tiffin.engine.structured.backend import GrammarState, apply_bitmask
 
 _GREEDY_EPS = 1e-5  # dividing by a smaller temperature overflows float32; such rows sample greedily
 

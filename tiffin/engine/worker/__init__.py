@@ -1,0 +1,8 @@
+"""How a step runs on the device: `ModelRunner` turns a `SchedulerOutput` into one flattened forward and samples
+(`batch`: the step as host arrays, then as `ModelInput`), with what it decides at start chosen by `policy`:
+KV cache sizing and storage (`kv_cache`), padded decode steps and their CUDA graphs (`cuda_graphs`), warm-up,
+CPU thread sizing; under tensor parallelism, rank 0 sends each step to the other ranks' runners (`tp_worker`).
+
+Invariants: only the runner builds tensors whose shape changes per step; a CUDA graph's inputs live in
+persistent buffers filled in place; the KV pool is sized after a profiling step whose KV is freed first.
+"""

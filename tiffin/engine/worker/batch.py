@@ -1,0 +1,92 @@
+"""A step's batch at the worker: a `SchedulerOutput` flattened into host arrays (`HostBatch`), then those
+arrays on the device as the model takes them (`ModelInput`). The data flow of one step, in the design's terms:
+`input_ids[T]`, `positions[T]`, `slot_mapping[T]`, `query_start_loc[B+1]`, `seq_lens[B]`,
+`block_tables[B, max_blocks]`, `logits_indices[S]` (the last token of each sampling sequence)."""
+
+from dataclasses import dataclass
+from itertools import chain
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from tiffin.engine.core.scheduler import SchedulerOutput
+from tiffin.engine.core.sequence import Sequence
+from tiffin.engine.sampling_params import SamplingParams
+from tiffin.kernels import AttentionMetadata
+from tiffin.kernels.lora import LoRAMetadata
+
+
+@dataclass
+class HostBatch:
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slots: np.ndarray  # the KV cache slot of each token; -1: a padding row, written nowhere
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    block_tables: np.ndarray
+    query_lens: np.ndarray  # tokens scheduled per sequence
+    logits_indices: np.ndarray
+
+
+class ModelInput(NamedTuple):
+    """What one forward takes, on the device: also what rank 0 sends the other tensor-parallel ranks."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor
+    lora: LoRAMetadata | None = None
+
+
+def host_batch(sched: SchedulerOutput, block_size: int, pad_prefills: bool = False) -> HostBatch:
+    """`sched` flattened; with `pad_prefills`, a step with a prefill runs `padded_tokens` rows."""
+    seqs, query_lens = sched.seqs, np.array(sched.num_scheduled_tokens)
+    starts = np.array([s.num_computed_tokens for s in seqs])
+    seq_lens = starts + query_lens
+    query_start_loc = np.concatenate([[0], np.cumsum(query_lens)])
+    # token i of the batch belongs to request req[i] at position positions[i]
+    req = np.repeat(np.arange(len(seqs)), query_lens)
+    positions = np.arange(query_start_loc[-1]) - query_start_loc[req] + starts[req]
+    input_ids = np.array(list(chain.from_iterable(s.token_ids[a : a + n] for s, a, n in zip(seqs, starts, query_lens))))
+    block_tables = np.zeros((len(seqs), round16(max(len(s.block_table) for s in seqs))), dtype=np.int32)
+    for i, seq in enumerate(seqs):
+        block_tables[i, : len(seq.block_table)] = seq.block_table
+    slots = block_tables[req, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    logits_indices = query_start_loc[1:][np.array(sched.sampling)] - 1
+    if pad_prefills and query_lens.max() > 1:
+        pad = padded_tokens(len(input_ids)) - len(input_ids)
+        input_ids, positions = np.pad(input_ids, (0, pad)), np.pad(positions, (0, pad))
+        slots = np.pad(slots, (0, pad), constant_values=-1)
+    return HostBatch(input_ids, positions, slots, query_start_loc, seq_lens, block_tables, query_lens, logits_indices)
+
+
+def padded_tokens(tokens: int) -> int:
+    """A prefill step's token count rounded up to one of 8 sizes per power of two (at most 1/8 more), kept as is
+    up to 64: on a CPU with AMX, oneDNN builds a kernel for each new row count of a bf16 linear and reuses it
+    after, and prompts come in every length (figures: benchmarks/README.md). The padding rows belong to no
+    sequence: slot -1, not written to the KV cache, not attended to, not sampled."""
+    if tokens <= 64:
+        return tokens
+    step = 1 << (tokens.bit_length() - 4)
+    return -(-tokens // step) * step
+
+
+def round16(width: int) -> int:
+    """Block tables are this wide: their row stride is a kernel argument, which Triton specializes by
+    divisibility by 16, so a width that varied by step would compile new kernel variants while serving."""
+    return -(-width // 16) * 16
+
+
+def synthetic_step(seqs: list[tuple[int, int]], block_size: int, num_blocks: int) -> SchedulerOutput:
+    """A step of throwaway sequences, one per (tokens already in the KV cache, tokens to compute), on
+    consecutive blocks that wrap around the pool (profiling and warm-up read back only finite values)."""
+    sched, block = SchedulerOutput(), 0
+    for computed, new in seqs:
+        seq = Sequence("synthetic", 0, [0] * (computed + new), SamplingParams(temperature=0), 1)
+        seq.num_computed_tokens = computed
+        blocks = -(-(computed + new) // block_size)
+        seq.block_table = [(block + i) % num_blocks for i in range(blocks)]
+        block += blocks
+        sched.add(seq, new)
+    return sched

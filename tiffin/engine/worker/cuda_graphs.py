@@ -1,0 +1,119 @@
+"""Decode-only steps padded to a few batch sizes, their inputs in persistent buffers, one CUDA graph per size.
+
+Invariant: a graph's inputs live in `DecodeBuffers` and are filled in place; its attention grid depends on the
+batch size alone (max_seq_len is max_model_len's). Padding rows run token 0 at position 0 into the dummy KV
+block past the pool; their outputs are never read."""
+
+import bisect
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tiffin.engine.core.scheduler import SchedulerOutput
+from tiffin.engine.worker.batch import HostBatch, round16
+from tiffin.kernels import AttentionMetadata
+
+MAX_GRAPH_BATCH = 512  # like vLLM: larger decode batches are compute-bound, launch overhead no longer shows
+
+
+def decode_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Sizes decode steps are padded to (a CUDA graph each): 1, 2, 4, 8, then every 8, up to the first that holds
+    min(max_num_seqs, 512) sequences."""
+    top, sizes = min(max_num_seqs, MAX_GRAPH_BATCH), []
+    for size in itertools.chain((1, 2, 4), itertools.count(8, 8)):
+        sizes.append(size)
+        if size >= top:
+            return sizes
+
+
+@dataclass
+class DecodeBuffers:
+    """Inputs of padded decode steps, filled in place every step: CUDA graphs read these very tensors."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor  # [sizes[-1], max_blocks_per_seq rounded up to 16]
+    query_start_loc: torch.Tensor  # 0..sizes[-1]: one token per sequence
+
+
+class DecodeGraphs:
+    """Pads decode-only steps of up to `sizes[-1]` sequences to the next of `sizes`; on CUDA, replays the size's
+    graph (`capture`), elsewhere runs the same padded inputs eagerly (how the tests run this path on CPU)."""
+
+    def __init__(self, sizes: list[int], device: torch.device, block_size: int, dummy_block: int, max_blocks: int):
+        self.sizes, self.device, self.block_size, self.dummy = sizes, device, block_size, dummy_block
+        self.max_seq_len = max_blocks * block_size
+        n = sizes[-1]
+        ints = lambda fill, shape, dtype: torch.full(shape, fill, dtype=dtype, device=device)
+        self.buffers = DecodeBuffers(
+            input_ids=ints(0, (n,), torch.int64),
+            positions=ints(0, (n,), torch.int64),
+            slot_mapping=ints(dummy_block * block_size, (n,), torch.int64),
+            seq_lens=ints(1, (n,), torch.int32),
+            block_tables=ints(dummy_block, (n, round16(max_blocks)), torch.int32),
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=device),
+        )
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def size_for(self, sched: SchedulerOutput) -> int:
+        """The padded size of a decode-only step, or 0 when it runs unpadded."""
+        n = len(sched.seqs)
+        if n > self.sizes[-1] or max(sched.num_scheduled_tokens) > 1:
+            return 0
+        return self.sizes[bisect.bisect_left(self.sizes, n)]
+
+    def run(self, size: int, b: HostBatch, model: Callable, host: Callable) -> torch.Tensor:
+        """Fill the buffers in place (stale block-table columns past this step's width are never read: no row's
+        context reaches them), then replay the size's graph or run `model` on them. `host(array, dtype)`: the
+        array as a host tensor the copy can read without blocking."""
+        buf, pad, width = self.buffers, size - len(b.seq_lens), b.block_tables.shape[1]
+        stage = lambda dst, a, fill: dst.copy_(
+            host(np.concatenate([a, np.full((pad, *a.shape[1:]), fill, a.dtype)]), dst.dtype), non_blocking=True
+        )
+        stage(buf.input_ids[:size], b.input_ids, 0)
+        stage(buf.positions[:size], b.positions, 0)
+        stage(buf.slot_mapping[:size], b.slots, self.dummy * self.block_size)
+        stage(buf.seq_lens[:size], b.seq_lens, 1)
+        stage(buf.block_tables[:size, :width], b.block_tables, self.dummy)
+        if size in self.graphs:
+            graph, hidden = self.graphs[size]
+            graph.replay()
+            return hidden
+        seq_lens = b.seq_lens.tolist() + [1] * pad
+        return model(buf.input_ids[:size], buf.positions[:size], self.metadata(size, seq_lens))
+
+    def metadata(self, size: int, seq_lens: list[int]) -> AttentionMetadata:
+        """Views of the buffers. max_seq_len is max_model_len's, whatever the step's contexts: the attention grid
+        (KV splits) then depends on the size alone, as a graph replay needs."""
+        buf = self.buffers
+        return AttentionMetadata(
+            slot_mapping=buf.slot_mapping[:size],
+            query_start_loc=buf.query_start_loc[: size + 1],
+            seq_lens=buf.seq_lens[:size],
+            block_tables=buf.block_tables[:size],
+            query_start_loc_cpu=list(range(size + 1)),
+            seq_lens_cpu=seq_lens,
+            max_query_len=1,
+            max_seq_len=self.max_seq_len,
+        )
+
+    @torch.inference_mode()
+    def capture(self, model: Callable) -> None:
+        """Largest size first, so that the smaller graphs reuse its memory pool. Each size runs once eagerly
+        first: Triton compiles and cuBLAS picks its kernels outside the capture."""
+        buf, pool = self.buffers, None
+        for size in reversed(self.sizes):
+            md = self.metadata(size, [1] * size)
+            ids, pos = buf.input_ids[:size], buf.positions[:size]
+            model(ids, pos, md)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden = model(ids, pos, md)
+            pool = graph.pool()
+            self.graphs[size] = graph, hidden

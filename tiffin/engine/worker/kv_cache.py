@@ -1,0 +1,148 @@
+"""The KV cache's size and storage.
+
+Invariant: on CUDA the pool is sized after a profiling step (the largest batch on just its blocks, the sampler
+at max_num_seqs rows) whose KV is freed first; one max_model_len sequence fits or start fails naming the
+numbers. Every layer's K and V live in one zeroed tensor with one block past the pool, which padded decode rows
+write (`cuda_graphs`)."""
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tiffin.engine.config import EngineConfig
+from tiffin.engine.core.sequence import Sequence
+from tiffin.engine.models.config import ModelConfig
+from tiffin.engine.sampling_params import SamplingParams
+from tiffin.engine.worker.batch import synthetic_step
+
+CPU_KV_CACHE_CAP = 4 << 30  # bytes; like vLLM's CPU backend default
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class MemoryProbe:
+    """The device memory readings KV sizing takes; unit tests pass fakes to check the arithmetic with no GPU."""
+
+    mem_get_info: Callable[[torch.device], tuple[int, int]]  # (free, total) bytes, other processes' use counted
+    memory_allocated: Callable[[torch.device], int]
+    max_memory_allocated: Callable[[torch.device], int]
+    reset_peak_memory_stats: Callable[[torch.device], None]
+    synchronize: Callable[[torch.device], None]
+    empty_cache: Callable[[], None]
+
+
+CUDA_MEMORY = MemoryProbe(
+    torch.cuda.mem_get_info,
+    torch.cuda.memory_allocated,
+    torch.cuda.max_memory_allocated,
+    torch.cuda.reset_peak_memory_stats,
+    torch.cuda.synchronize,
+    torch.cuda.empty_cache,
+)
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """Bytes measured by the profiling step."""
+
+    total: int  # the device's memory
+    free: int  # free after it, with the weights loaded and its KV released (CUDA context, other processes: used)
+    peak: int  # what its forward and sampler pass allocated at most on top of what stays allocated
+
+    def kv_blocks(self, utilization: float, bytes_per_block: int, max_blocks_per_seq: int) -> int:
+        """Blocks of what `utilization` of the device leaves once what is in use and the largest step's
+        activations are counted; ValueError naming the numbers when that is not one max_model_len sequence."""
+        budget = int(self.total * utilization)
+        in_use = self.total - self.free
+        left = budget - in_use - self.peak
+        blocks = max(left, 0) // bytes_per_block
+        if blocks < max_blocks_per_seq:
+            raise ValueError(
+                f"max_model_len needs {max_blocks_per_seq} KV blocks ({max_blocks_per_seq * bytes_per_block / GiB:.2f} "
+                f"GiB) for one sequence, but gpu_memory_utilization {utilization} of the device's "
+                f"{self.total / GiB:.2f} GiB ({budget / GiB:.2f} GiB), less {in_use / GiB:.2f} GiB in use (weights, "
+                f"CUDA context, other processes) and {self.peak / GiB:.2f} GiB for the largest step's activations, "
+                f"leaves {left / GiB:.2f} GiB: lower max_model_len or max_num_batched_tokens, or raise "
+                f"gpu_memory_utilization"
+            )
+        return blocks
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """One block's shape across every layer."""
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int  # this rank's
+    head_dim: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, model_config: ModelConfig, block_size: int, num_kv_heads: int) -> "KVCacheSpec":
+        mc = model_config
+        return cls(mc.num_layers, block_size, num_kv_heads, mc.head_dim, mc.dtype)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def allocate(self, num_blocks: int, device: torch.device, layers_kv: list) -> torch.Tensor:
+        """`num_blocks` blocks and the dummy one, zeroed so that slots never written hold finite values (masked-out
+        attention weights multiply them); each attention layer gets its K and V views."""
+        shape = (2, self.num_layers, num_blocks + 1, self.block_size, self.num_kv_heads, self.head_dim)
+        kv_cache = torch.zeros(shape, dtype=self.dtype, device=device)
+        for i, attn in enumerate(layers_kv):
+            attn.k_cache, attn.v_cache = kv_cache[0, i], kv_cache[1, i]
+        return kv_cache
+
+
+def num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, max_blocks_per_seq: int, profile: Callable) -> int:
+    """`num_kv_blocks`, else what `kv_cache_memory` holds, else what `gpu_memory_utilization` of the GPU leaves
+    (`profile()` measures the largest step; a default share of RAM on CPU); never more than max_num_seqs
+    sequences of max_model_len use."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    most = config.max_num_seqs * max_blocks_per_seq
+    if config.kv_cache_memory is None and config.torch_device.type == "cuda":
+        kv_blocks = profile().kv_blocks(config.gpu_memory_utilization, spec.bytes_per_block, max_blocks_per_seq)
+        return min(kv_blocks, most)
+    memory = config.kv_cache_memory
+    if memory is None:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        memory = min(CPU_KV_CACHE_CAP, available // 4)
+    blocks = min(memory // spec.bytes_per_block, most)
+    if blocks < 1:
+        raise ValueError(f"KV cache memory of {memory} bytes holds no block of {spec.bytes_per_block} bytes")
+    return int(blocks)
+
+
+def profile_memory(runner, probe: MemoryProbe) -> MemoryProfile:
+    """Runs `runner`'s largest step on a KV cache of just the blocks it needs: a forward of
+    max_num_batched_tokens tokens (sequences of at most max_model_len, at most max_num_seqs of them), then a
+    sampler pass over max_num_seqs rows of the vocabulary with every filter and logprobs on. That cache is
+    released before free memory is read, so the real pool is sized from what stays in use."""
+    c, max_len, block_size = runner.config, runner.max_model_len, runner.block_size
+    tokens = min(c.max_num_batched_tokens, c.max_num_seqs * max_len)
+    lengths = [max_len] * (tokens // max_len) + [tokens % max_len] * (tokens % max_len > 0)
+    runner.num_blocks = sum(-(-n // block_size) for n in lengths)
+    sched = synthetic_step([(0, n) for n in lengths], block_size, runner.num_blocks)
+    probe.empty_cache()
+    runner.allocate_kv_cache()
+    allocated = probe.memory_allocated(runner.device)
+    probe.reset_peak_memory_stats(runner.device)
+    with torch.inference_mode():
+        runner.run_model(runner.prepare(sched))  # every rank at once: no broadcast
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01, logprobs=1)
+        seqs = [Sequence("profile", i, [0], params, 1) for i in range(c.max_num_seqs)]
+        runner.sampler(torch.zeros(len(seqs), runner.model_config.vocab_size, device=runner.device), seqs)
+    probe.synchronize(runner.device)
+    peak = probe.max_memory_allocated(runner.device) - allocated
+    del runner.kv_cache
+    for attn in runner.model.layers_kv():
+        attn.k_cache = attn.v_cache = torch.empty(0)
+    probe.empty_cache()
+    free, total = probe.mem_get_info(runner.device)
+    return MemoryProfile(total, free, peak)

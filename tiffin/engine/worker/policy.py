@@ -1,0 +1,37 @@
+"""What a model runner does beyond prepare -> forward -> sample, decided once at start by one pure function of
+the device, dtype, kernel backend, CPU features and engine settings."""
+
+from dataclasses import dataclass
+
+import torch
+
+from tiffin.engine.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class RunnerPolicy:
+    size_threads: bool  # follow the CPU left to this process between steps (`ThreadSizer`)
+    pad_prefills: bool  # steps with a prefill run `padded_tokens` rows, each size's GEMMs built at start
+    warm_up_triton: bool  # launch every Triton variant a step can, before the engine reports ready
+    capture_graphs: bool  # decode-only steps padded to captured sizes and replayed as CUDA graphs
+
+
+def choose_policy(
+    device: torch.device, dtype: torch.dtype, backend: str, has_amx: bool, config: EngineConfig
+) -> RunnerPolicy:
+    cpu, single = device.type == "cpu", config.tensor_parallel_size == 1
+    return RunnerPolicy(
+        # tensor-parallel ranks keep their even split of the CPUs
+        size_threads=cpu and single,
+        # oneDNN builds an AMX kernel per new row count of a bf16/fp16 linear; LoRA maps adapters per real token
+        pad_prefills=cpu and backend == "torch" and dtype != torch.float32 and has_amx and not config.enable_lora,
+        # the interpreter compiles nothing; tensor-parallel steps are collective (no lone warm-up forwards)
+        warm_up_triton=device.type == "cuda" and backend == "triton" and single,
+        # graphs pay where launches dominate; the torch attention builds per-step host tensors; LoRA metadata is
+        # not in persistent buffers yet; a tensor-parallel step is broadcast to the other ranks, not replayed
+        capture_graphs=device.type == "cuda"
+        and backend == "triton"
+        and not config.enforce_eager
+        and not config.enable_lora
+        and single,
+    )

@@ -1,0 +1,56 @@
+"""The model runner under tensor parallelism: rank 0 starts the group and sends each step; ranks 1..N-1 each run
+a `ModelRunner` of their rank (their shard of the weights, their share of the KV cache) on what it receives.
+
+A step crosses as the wire format's values: input_ids, positions, logits indices, the LoRA slot of each token
+(None without adapters) and every AttentionMetadata field; the adapters rank 0 installed this step, if any,
+follow as one pickled object."""
+
+import dataclasses
+
+import torch
+
+from tiffin.engine.config import EngineConfig
+from tiffin.engine.distributed.group import WorkerGroup
+from tiffin.engine.distributed.tensor_parallel import TensorParallel
+from tiffin.engine.lora.slots import LoRASlots
+from tiffin.engine.models.config import ModelConfig
+from tiffin.engine.worker.batch import ModelInput
+from tiffin.kernels import AttentionMetadata
+
+
+def start(config: EngineConfig, model_config: ModelConfig, max_model_len: int, device, runner_cls) -> WorkerGroup:
+    """Rank 0: refuse a model the ranks cannot share, by name, before any worker starts (the layers check again);
+    then start ranks 1..N-1, each building a `runner_cls` of its rank."""
+    tp = TensorParallel(0, config.tensor_parallel_size)
+    tp.split(model_config.num_heads, "num_attention_heads")
+    tp.kv_heads(model_config.num_kv_heads)
+    tp.split(model_config.intermediate_size, "intermediate_size")
+    tp.split(model_config.vocab_size, "vocab_size")
+    return WorkerGroup.start(config, device, _serve_rank, (runner_cls, config, model_config, max_model_len))
+
+
+def run(group: WorkerGroup, inputs: ModelInput, lora_slots: LoRASlots | None, forward):
+    """Rank 0: send `inputs` (and the adapters installed for them) to the other ranks, then run `forward()`."""
+    installs = None if lora_slots is None else lora_slots.pop_installs() or None
+    token_slots = None if inputs.lora is None else torch.from_numpy(inputs.lora.token_slots)
+    attn = [getattr(inputs.attn, f.name) for f in dataclasses.fields(inputs.attn)]
+    return group.run([inputs.input_ids, inputs.positions, inputs.logits_indices, token_slots, *attn], installs, forward)
+
+
+def _serve_rank(group: WorkerGroup, runner_cls, config, model_config, max_model_len):
+    """A worker's entry point: build its rank's runner (start-up errors reach rank 0), then the loop to run."""
+    runner = runner_cls(config, model_config, max_model_len, set(), group)
+
+    def serve() -> None:
+        while (step := group.receive()) is not None:
+            runner.run_model(_decode(step, runner.lora_slots))
+
+    return serve
+
+
+def _decode(step: tuple[list, object], lora_slots: LoRASlots | None) -> ModelInput:
+    (input_ids, positions, logits_indices, token_slots, *attn), installs = step
+    if installs:
+        lora_slots.install(installs)
+    lora = None if token_slots is None else lora_slots.metadata(token_slots.cpu().numpy())
+    return ModelInput(input_ids, positions, AttentionMetadata(*attn), logits_indices, lora)

@@ -1,0 +1,66 @@
+"""Work done at start so that serving never pays a first-use cost: every Triton kernel variant compiled, and on
+CPUs with AMX every padded GEMM size built by oneDNN."""
+
+import torch
+
+from tiffin.engine.models.linear import Embedding, Linear
+from tiffin.engine.worker.batch import padded_tokens, synthetic_step
+from tiffin.kernels.quant import DENSE_MIN_TOKENS
+
+
+@torch.inference_mode()
+def warm_up_triton(runner) -> None:
+    """Launch every Triton kernel variant serving can through `runner`'s model. Variants follow a step's sizes:
+    quantized GEMM tiles and split-K by token count (all counts below the dense branch, per distinct layer);
+    attention by batch and token counts as Triton specializes them (1, a multiple of 16, other) and, for
+    decode-only steps, KV splits, which follow the batch size and the longest context. LoRA kernels launch only
+    with an adapter loaded and are not covered yet."""
+    # here, not at the top: a torch-backend process never imports triton
+    from tiffin.kernels.triton_attention import MIN_SPLIT_TOKENS
+    from tiffin.kernels.triton_common import MAX_SPLITS, num_sms
+
+    c = runner.config
+    most = min(c.max_num_seqs, c.max_num_batched_tokens)
+    long = min(runner.max_model_len - 1, MIN_SPLIT_TOKENS * MAX_SPLITS)  # context for the most KV splits
+    # every batch size whose programs may not fill the GPU twice (KV splits vary), then one of each
+    # specialization class; programs >= sequences, so larger batches never split
+    sizes = sorted({*range(1, 2 * num_sms(runner.device) + 1), 16, 17, 32, 33} & set(range(1, most + 1)))
+    contexts = sorted({1, min(long, MIN_SPLIT_TOKENS + 1), long})  # no split, two, as many as fit
+    steps = [[(1, 1)] * (d - 1) + [(ctx, 1)] for d in sizes for ctx in contexts]
+    for tokens in (16, 17, 32, 33):  # prefill chunks, prefills after a cached prefix, mixed steps
+        for seqs in (1, 2, 16):
+            if seqs <= c.max_num_seqs and tokens <= c.max_num_batched_tokens and tokens // seqs > 1:
+                n, extra = divmod(tokens, seqs)
+                steps.append([(0, n + extra)] + [(0, n)] * (seqs - 1))
+                steps.append([(1, n + extra)] + [(1, 1)] * (seqs - 1))
+    steps.append([(0, min(c.max_num_batched_tokens, runner.max_model_len))])
+    for step in steps:
+        inputs = runner.prepare(synthetic_step(step, runner.block_size, runner.num_blocks))
+        runner.model(inputs.input_ids, inputs.positions, inputs.attn)
+    for layer in distinct_linears(runner.model):
+        if hasattr(layer, "qweight"):
+            x = torch.zeros(DENSE_MIN_TOKENS, layer.input_size, dtype=runner.model_config.dtype, device=runner.device)
+            for m in range(1, DENSE_MIN_TOKENS):
+                layer.method.apply(layer, x[:m])
+
+
+@torch.inference_mode()
+def warm_padded_sizes(model: torch.nn.Module, dtype: torch.dtype, max_tokens: int) -> None:
+    """Run each distinct projection at every `padded_tokens` size up to min(max_tokens, 1,024) rows, so that
+    oneDNN has built their kernels before serving. Larger steps build theirs on first use, where the build costs
+    less next to the step's work."""
+    most = padded_tokens(min(max_tokens, 1024))
+    sizes = sorted({padded_tokens(n) for n in range(1, most + 1)})
+    for layer in distinct_linears(model):
+        x = torch.zeros(most, layer.input_size, dtype=dtype, device=next(model.parameters()).device)
+        for m in sizes:
+            layer.method.apply(layer, x[:m])
+
+
+def distinct_linears(model: torch.nn.Module) -> list[Linear]:
+    """One projection layer (not the embedding) per distinct (method, input size, output size)."""
+    layers = {}
+    for layer in model.modules():
+        if isinstance(layer, Linear) and not isinstance(layer, Embedding):
+            layers.setdefault((type(layer.method), layer.input_size, layer.output_size), layer)
+    return list(layers.values())
