@@ -4,7 +4,7 @@ import pytest
 import torch
 
 torch.set_num_threads(2)
-# every engine the tests build, in-process or served, checks the block manager's invariants after each step
+# every engine the tests build in-process checks the block manager's invariants after each step
 os.environ.setdefault("TIFFIN_CHECK_INVARIANTS", "1")
 
 

@@ -279,6 +279,7 @@ def test_resolve_backend(monkeypatch):
 # ---- engine end to end -----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 def test_engine_greedy_triton_equals_torch(interpreter, tiny_model, arch):
     """Greedy tokens through the Triton kernels equal the torch path: prefill tiles spanning several query
@@ -305,6 +306,8 @@ def test_engine_greedy_triton_equals_torch(interpreter, tiny_model, arch):
 # ---- compile check ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_compile_check_every_arch():
     """Every registered kernel configuration (attention, quantized GEMMs, LoRA) compiles for sm_80, sm_86, sm_89
     and sm_90 without spills and within the arch's shared memory per block, with the tiles its dispatcher picks

@@ -11,6 +11,8 @@ import torch
 from tiffin.engine.config import EngineConfig
 from tiffin.engine.models.config import resolve_dtype
 
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
+
 
 def test_auto_dtype_downcasts_fp32_only_on_cuda(monkeypatch):
     cpu, cuda1 = torch.device("cpu"), torch.device("cuda:1")

@@ -31,6 +31,7 @@ def test_an_op_implemented_twice_is_refused():
         implements("rms_norm", "torch")(lambda x, weight, eps: x)
 
 
+@pytest.mark.subprocess
 def test_torch_path_never_imports_triton():
     code = (
         "import sys, torch, tiffin, tiffin.engine.llm_engine, tiffin.kernels.lora, tiffin.kernels.quant\n"

@@ -11,6 +11,8 @@ from bento_server import BentoServer  # noqa: E402
 from tiffin import LLM, SamplingParams  # noqa: E402
 from tiffin.plugin.runner import make_runner  # noqa: E402
 
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
+
 PROMPTS = ["Hello, tiffin", "The quick brown fox"]
 
 

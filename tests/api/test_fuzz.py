@@ -27,6 +27,8 @@ from tiffin.plugin.openai_api import (  # noqa: E402
     create_app,
 )
 
+pytestmark = [pytest.mark.slow]
+
 EXAMPLES = int(os.environ.get("TIFFIN_FUZZ_EXAMPLES", 2000))
 VOCAB = 2048  # the tiny model's
 

@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
+
 pytest.importorskip("bentoml")
 yaml = pytest.importorskip("yaml")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SAVE_MODEL = """
 import bentoml
 with bentoml.models.create("my-llm") as model:

@@ -23,6 +23,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from tiffin.tiny import IM_END_ID  # noqa: E402
 
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
+
 MODEL = "tiffin-tiny-llama"
 PROMPT = "The quick brown fox"
 NEW_TOKENS = 16

@@ -17,7 +17,7 @@ from tiffin import LLM, SamplingParams
 from tiffin.engine.models.linear import Linear
 from tiffin.engine.models.loader import build_model, checkpoint_names, get_model_config
 
-FIXTURES = Path(__file__).parent / "fixtures" / "quant"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "quant"
 REFERENCE = "reference/dequantized.safetensors"  # each tool's own dequantized weights [out, in]
 NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / REFERENCE).exists())
 QUANT_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx")

@@ -18,7 +18,7 @@ from tiffin.engine.lora.registry import LoRARegistry
 
 NEW_TOKENS = 24
 PROMPT_LENS = (3, 17, 40, 9, 33, 21, 5, 60, 12, 27, 48, 7)
-AWQ_FIXTURE = Path(__file__).parent / "fixtures" / "quant" / "awq-g64"
+AWQ_FIXTURE = Path(__file__).parents[1] / "fixtures" / "quant" / "awq-g64"
 AWQ_REFERENCE = AWQ_FIXTURE / "reference" / "dequantized.safetensors"  # AutoAWQ's own dequantized weights
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
@@ -378,6 +378,7 @@ def test_loader_folds_scaling_and_pads_fused_slices(loader, fp_case):
     torch.testing.assert_close(b, rs_tensors[key.format(0, "self_attn.o_proj", "B")] * 6 / 16**0.5)
 
 
+@pytest.mark.slow
 def test_triton_kernels_in_the_engine(fp_case, monkeypatch):
     """The engine on the Triton path (attention and LoRA kernels under the interpreter) still gives PEFT's tokens."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")

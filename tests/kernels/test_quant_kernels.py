@@ -28,7 +28,7 @@ from tiffin.kernels.quant import (
 )
 from tiffin.kernels.triton_quant import _compile_awq, _compile_gptq, quant_gemm_launch, quant_tile
 
-FIXTURES = Path(__file__).parent / "fixtures" / "quant"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "quant"
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # column stored in nibble i of a word
 

@@ -13,7 +13,9 @@ from tiffin import LLM, SamplingParams
 from tiffin.engine.models.gguf_checkpoint import open_gguf
 from tiffin.smollm2 import smollm2_gguf
 
-REFERENCE = json.loads((Path(__file__).parent / "fixtures" / "smollm2" / "reference.json").read_text())
+pytestmark = [pytest.mark.slow, pytest.mark.network]
+
+REFERENCE = json.loads((Path(__file__).parents[1] / "fixtures" / "smollm2" / "reference.json").read_text())
 NEAR_TIE = 1e-3
 MAX_WEIGHT_RATIO = 0.4  # kept-quantized weight bytes / the model's bf16 size
 

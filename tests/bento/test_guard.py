@@ -21,6 +21,8 @@ from starlette.routing import Mount, Route  # noqa: E402
 
 from tiffin.plugin.guard import Guard  # noqa: E402
 
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
+
 KEY, ADMIN = "sk-user-key", "sk-admin-key"
 
 

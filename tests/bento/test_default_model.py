@@ -11,6 +11,8 @@ from tiffin.engine.models.source import HUB_FILES  # noqa: E402
 from tiffin.plugin import model_store  # noqa: E402
 from tiffin.smollm2 import smollm2_gguf  # noqa: E402
 
+pytestmark = [pytest.mark.slow]
+
 
 @pytest.fixture
 def store(tmp_path):
@@ -33,6 +35,7 @@ def test_default_model_falls_back_to_tiny_offline(store, monkeypatch, caplog):
     assert name == model_store.TINY_MODEL_TAG and "no network" in caplog.text and "tiny model" in caplog.text
 
 
+@pytest.mark.network
 def test_default_model_is_smollm2_in_the_store(store):
     try:
         gguf = smollm2_gguf()

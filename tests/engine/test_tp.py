@@ -24,7 +24,9 @@ from tiffin.engine.models.loader import build_model, get_model_config
 from tiffin.engine.outputs import EngineStats
 from tiffin.tiny import make_tiny_model
 
-QUANT = Path(__file__).parent / "fixtures" / "quant"
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
+
+QUANT = Path(__file__).parents[1] / "fixtures" / "quant"
 PROMPT_LENS = (1, 7, 23, 41)
 NEW_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)

@@ -18,6 +18,8 @@ from bento_server import BentoServer  # noqa: E402
 
 from tiffin import LLM, SamplingParams  # noqa: E402
 
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
+
 NUM_KV_BLOCKS = 256  # passed as `--arg`; the kv total gauge shows it arrived
 MODEL = "tiffin-tiny-llama"
 CONTEXT = 1024  # the tiny model's max_position_embeddings

@@ -7,6 +7,8 @@ from tiffin import LLM, SamplingParams
 from tiffin.engine.worker.warm_up import warm_up_triton
 from tiffin.kernels import triton_common as tc
 
+pytestmark = [pytest.mark.slow]
+
 PROMPTS = [
     "Hello, tiffin",
     "The quick brown fox jumps over the lazy dog " * 12,  # longer than a step: chunked prefill
