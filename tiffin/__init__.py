@@ -3,12 +3,10 @@
 import importlib
 import os
 
-# torch's OpenMP runtime (libgomp) spins 300,000 iterations at every barrier before it sleeps. Beside a busy
-# process, a thread that waits then burns the core that the thread it waits for needs: W64 throughput fell 10x
-# with one busy neighbour on a 2-core Xeon. 20,000 (the thread sizer dropping to one thread beside a busy
-# process) gave 3-10% more than 5,000 idle and the same beside the neighbour; 50,000 lost 6% there. libgomp
-# reads it once, when torch loads: a user's own setting wins. What tiffin set is kept, so that benchmarks can
-# start their peers without it.
+# torch's OpenMP runtime (libgomp) spins 300,000 iterations at every barrier before it sleeps: beside a busy
+# process, a waiting thread burns the core the thread it waits for needs. 20,000 keeps the idle speed and the
+# speed beside a neighbour (figures: benchmarks/README.md). libgomp reads it once, when torch loads: a user's
+# own setting wins. What tiffin set is kept, so that benchmarks can start their peers without it.
 ENV_SET_BY_TIFFIN = {name: value for name, value in {"GOMP_SPINCOUNT": "20000"}.items() if name not in os.environ}
 os.environ.update(ENV_SET_BY_TIFFIN)
 

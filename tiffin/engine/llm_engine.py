@@ -137,15 +137,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled forward; return the outputs of requests that changed (failed ones included)."""
         failed = self._fail_broken_grammars()
-        sched = self.scheduler.schedule()
-        if not sched.seqs:
+        scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.seqs:
             self._wait_for_grammars()
             return failed
-        sched, sampled = self._execute(sched)
-        if not sched.seqs:
+        scheduler_output, sampled = self._execute(scheduler_output)
+        if not scheduler_output.seqs:
             self._probe()
-        logprobs = dict(zip((s.seq_id for s in sched.sampling_seqs), sampled.logprobs))
-        seqs = self.scheduler.update(sched, sampled.token_ids)
+        logprobs = dict(zip((s.seq_id for s in scheduler_output.sampling_seqs), sampled.logprobs))
+        seqs = self.scheduler.update(scheduler_output, sampled.token_ids)
         self.num_generation_tokens += len(seqs)
         for seq in seqs:
             self._add_logprobs(seq, logprobs[seq.seq_id])
@@ -154,23 +154,23 @@ class LLMEngine:
             self.block_manager.check_invariants([*self.scheduler.running, *self.scheduler.waiting])
         return failed + [self._output(self.requests[rid]) for rid in dict.fromkeys(changed) if rid in self.requests]
 
-    def _execute(self, sched: SchedulerOutput) -> tuple[SchedulerOutput, SamplerOutput]:
-        """Run `sched`; if it raises, run each half (recursively) and fail the requests that fail alone.
-        Returns what ran and what it sampled, in `sched` order."""
+    def _execute(self, scheduler_output: SchedulerOutput) -> tuple[SchedulerOutput, SamplerOutput]:
+        """Run `scheduler_output`; if it raises, run each half (recursively) and fail the requests that fail alone.
+        Returns what ran and what it sampled, in `scheduler_output` order."""
         try:
-            return sched, self.model_runner.execute(sched)
+            return scheduler_output, self.model_runner.execute(scheduler_output)
         except EngineDeadError:  # a tensor-parallel rank is gone: no retry can succeed
             raise
         except Exception as e:
-            if len(sched.seqs) == 1:
-                self._fail(sched.seqs[0].request_id, e)
+            if len(scheduler_output.seqs) == 1:
+                self._fail(scheduler_output.seqs[0].request_id, e)
                 return SchedulerOutput(), SamplerOutput([], [])
         ran, sampled = SchedulerOutput(), SamplerOutput([], [])
-        mid = len(sched.seqs) // 2
-        for part in (range(mid), range(mid, len(sched.seqs))):
-            alive = [i for i in part if not sched.seqs[i].finished]  # not a failed request's other samples
+        mid = len(scheduler_output.seqs) // 2
+        for part in (range(mid), range(mid, len(scheduler_output.seqs))):
+            alive = [i for i in part if not scheduler_output.seqs[i].finished]  # not a failed request's other samples
             if alive:
-                part_ran, part_sampled = self._execute(sched.select(alive))
+                part_ran, part_sampled = self._execute(scheduler_output.select(alive))
                 for seq, num_new in zip(part_ran.seqs, part_ran.num_scheduled_tokens):
                     ran.add(seq, num_new)
                 sampled.token_ids += part_sampled.token_ids
@@ -381,10 +381,10 @@ class LLMEngine:
         return max_tokens
 
     def _max_model_len(self) -> int:
-        mc = self.model_config
-        limit = mc.max_position_embeddings
-        if mc.sliding_window:  # attention here is full; beyond the window it would differ from the model's
-            limit = min(limit, mc.sliding_window)
+        model_config = self.model_config
+        limit = model_config.max_position_embeddings
+        if model_config.sliding_window:  # attention here is full; beyond the window it would differ from the model's
+            limit = min(limit, model_config.sliding_window)
         if self.config.max_model_len is None:
             return limit
         if self.config.max_model_len > limit:

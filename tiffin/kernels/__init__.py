@@ -40,8 +40,8 @@ def silu_and_mul(gate_up: torch.Tensor, backend: str = "torch") -> torch.Tensor:
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """Each row's index of its first maximum (the greedy pick), on any device: the native CPU kernel where it runs
-    (6-10x faster than torch's `max`, which tracks the index through its reduction), else `max(-1).indices`
-    (same index as `argmax`, which runs ~8x slower on CPU)."""
+    (torch's `max` tracks the index through its reduction: several times slower), else `max(-1).indices` (the
+    same index as `argmax`, which is slower still on CPU)."""
     if x.dim() == 2 and x.stride(1) == 1 and cpu_native.supports(x):
         return cpu_native.argmax(x)
     return x.max(-1).indices

@@ -157,8 +157,8 @@ def _decode_groups(query, out, k_cache, v_cache, groups: list[_Span], scale: flo
 @functools.cache
 def _decode_by_matmuls(device_type: str, dtype: torch.dtype) -> bool:
     """Whether one-token queries skip SDPA for `_decode`. SDPA's CPU flash kernel runs bf16/fp16 on AMX tiles
-    where the CPU has them (Xeon 4th gen+): there it is ~2x faster than `_decode` (gather included). Without AMX
-    (AMD Zen 4, older Xeons) it was measured ~10x slower than grouped matmuls. At fp32 it is never the slower.
+    where the CPU has them (Xeon 4th gen+), and there it is the faster; without AMX (AMD Zen 4, older Xeons)
+    grouped matmuls are, by far; at fp32 SDPA is never the slower (figures: benchmarks/README.md).
     TIFFIN_CPU_DECODE=sdpa|matmul overrides, for measuring."""
     choice = os.environ.get("TIFFIN_CPU_DECODE", "auto")
     if choice != "auto":

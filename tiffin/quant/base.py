@@ -58,10 +58,9 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """On CPU, a weight whose GEMMs run through oneDNN (`_prepacks_for_onednn`) is reordered once into
-        oneDNN's blocked layout, which a plain weight is reordered into on every call (bf16: 1.4x a one-token
-        decode step, 1.07x at 64 tokens, measured on the AMX Xeon). A layer that looks rows up (an embedding)
-        keeps the plain weight besides. An fp32 weight left to MKL's sgemm is stored column-major, so that
-        `x @ W^T` needs no transpose: 1.2-2x faster for a decode step's few rows on the AMX Xeon."""
+        oneDNN's blocked layout, which a plain weight is reordered into on every call. A layer that looks rows up
+        (an embedding) keeps the plain weight besides. An fp32 weight left to MKL's sgemm is stored column-major,
+        so that `x @ W^T` needs no transpose (figures for both: benchmarks/README.md)."""
         w = layer.weight
         if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
             return
@@ -84,9 +83,8 @@ class UnquantizedLinearMethod(LinearMethod):
 def _prepacks_for_onednn(dtype: torch.dtype) -> bool:
     """Whether plain CPU linears of `dtype` (bf16 or fp32) run through oneDNN, with weights prepacked at load.
     bf16: where oneDNN supports it. fp32: whichever of oneDNN and MKL's sgemm is faster on this CPU, timed once
-    (`_onednn_sgemm_faster`): MKL by a little on the AMX Xeon at one token (oneDNN 0.91x), oneDNN on AMD EPYC
-    Zen 4 by 1.2-3.2x at 16-256 rows (MKL takes slower code paths on non-Intel CPUs).
-    TIFFIN_CPU_FP32_GEMM=onednn|mkl overrides."""
+    (`_onednn_sgemm_faster`), since the winner differs by CPU maker (MKL takes slower code paths on non-Intel
+    CPUs). TIFFIN_CPU_FP32_GEMM=onednn|mkl overrides."""
     if dtype == torch.bfloat16:
         return torch.ops.mkldnn._is_mkldnn_bf16_supported()
     choice = os.environ.get("TIFFIN_CPU_FP32_GEMM", "auto")

@@ -46,7 +46,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_loras = config.max_loras if config.enable_lora else None
         self.prefill_first = config.prefill_first
-        self.decodes_waited = False  # the last step left running decodes out
+        self.last_step_skipped_decodes = False  # the last step left running decodes out
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -58,11 +58,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        prefill_only = self.prefill_first and bool(self.waiting) and not self.decodes_waited
+        prefill_only = self.prefill_first and bool(self.waiting) and not self.last_step_skipped_decodes
         out = self._schedule(decodes=not prefill_only)
         if prefill_only and not out.seqs:  # no waiting sequence could be admitted
             prefill_only, out = False, self._schedule(decodes=True)
-        self.decodes_waited = prefill_only and len(out.seqs) < len(self.running)  # scheduled ones all run
+        self.last_step_skipped_decodes = prefill_only and len(out.seqs) < len(self.running)  # scheduled ones all run
         return out
 
     def _schedule(self, decodes: bool) -> SchedulerOutput:

@@ -43,12 +43,12 @@ class LoRALayer:
         self.split, self.tp, self.input_size = linear.split, linear.tp, linear.input_size
         self.filled = [False] * num_slots  # whether a slot's adapter has weights for this layer
 
-    def __call__(self, x: torch.Tensor, y: torch.Tensor, md: LoRAMetadata | None) -> torch.Tensor:
-        """`y` (the base output of `x`) plus each token's adapter delta; `md`: the step's token -> slot map."""
-        if md is None or not any(self.filled[: md.num_slots]):
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, lora: LoRAMetadata | None) -> torch.Tensor:
+        """`y` (the base output of `x`) plus each token's adapter delta; `lora`: the step's token -> slot map."""
+        if lora is None or not any(self.filled[: lora.num_slots]):
             return y
         x2, y2 = x.reshape(-1, x.shape[-1]).to(self.a.dtype), y.view(-1, y.shape[-1])
-        lora_apply(x2, self.a, self.b, y2, self.offsets, md, self.backend)
+        lora_apply(x2, self.a, self.b, y2, self.offsets, lora, self.backend)
         return y
 
     def set_slot(self, slot: int, slices: list[tuple[torch.Tensor, torch.Tensor] | None] | None) -> None:

@@ -45,7 +45,11 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = torch.empty(0)  # set by the ModelRunner
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, md: kernels.AttentionMetadata, lora: LoRAMetadata | None
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: kernels.AttentionMetadata,
+        lora: LoRAMetadata | None,
     ) -> torch.Tensor:
         qk, v = self.qkv_proj(x, lora).split([self.qkv_proj.offsets[2], self.qkv_proj.output_sizes[2]], dim=-1)
         qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -54,8 +58,8 @@ class Attention(nn.Module):
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         q, k = self.rotary(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
-        kernels.write_kv(k, v, self.k_cache, self.v_cache, md.slot_mapping, self.backend)
-        o = kernels.paged_attention(q, self.k_cache, self.v_cache, md, self.scale, self.backend)
+        kernels.write_kv(k, v, self.k_cache, self.v_cache, attn_metadata.slot_mapping, self.backend)
+        o = kernels.paged_attention(q, self.k_cache, self.v_cache, attn_metadata, self.scale, self.backend)
         return self.o_proj(o.flatten(1), lora)
 
 
@@ -71,8 +75,8 @@ class DecoderLayer(nn.Module):
             config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias, prefixed(linear, "mlp.")
         )
 
-    def forward(self, x, positions, md, lora):
-        x = x + self.self_attn(self.input_layernorm(x), positions, md, lora)
+    def forward(self, x, positions, attn_metadata, lora):
+        x = x + self.self_attn(self.input_layernorm(x), positions, attn_metadata, lora)
         return x + self.mlp(self.post_attention_layernorm(x), lora)
 
 
@@ -94,10 +98,10 @@ class Model(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
 
-    def forward(self, input_ids, positions, md, lora):
+    def forward(self, input_ids, positions, attn_metadata, lora):
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
-            x = layer(x, positions, md, lora)
+            x = layer(x, positions, attn_metadata, lora)
         return self.norm(x)
 
 
@@ -127,8 +131,8 @@ class LlamaForCausalLM(nn.Module):
             None if config.tie_word_embeddings else embedding("lm_head", config.vocab_size, config.hidden_size)
         )
 
-    def forward(self, input_ids, positions, md, lora=None):
-        return self.model(input_ids, positions, md, lora)
+    def forward(self, input_ids, positions, attn_metadata, lora=None):
+        return self.model(input_ids, positions, attn_metadata, lora)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The logits of `hidden`'s rows; with tensor parallelism on rank 0 only (None on the others)."""

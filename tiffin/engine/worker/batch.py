@@ -39,9 +39,9 @@ class ModelInput(NamedTuple):
     lora: LoRAMetadata | None = None
 
 
-def host_batch(sched: SchedulerOutput, block_size: int, pad_prefills: bool = False) -> HostBatch:
-    """`sched` flattened; with `pad_prefills`, a step with a prefill runs `padded_tokens` rows."""
-    seqs, query_lens = sched.seqs, np.array(sched.num_scheduled_tokens)
+def host_batch(scheduler_output: SchedulerOutput, block_size: int, pad_prefills: bool = False) -> HostBatch:
+    """`scheduler_output` flattened; with `pad_prefills`, a step with a prefill runs `padded_tokens` rows."""
+    seqs, query_lens = scheduler_output.seqs, np.array(scheduler_output.num_scheduled_tokens)
     starts = np.array([s.num_computed_tokens for s in seqs])
     seq_lens = starts + query_lens
     query_start_loc = np.concatenate([[0], np.cumsum(query_lens)])
@@ -53,7 +53,7 @@ def host_batch(sched: SchedulerOutput, block_size: int, pad_prefills: bool = Fal
     for i, seq in enumerate(seqs):
         block_tables[i, : len(seq.block_table)] = seq.block_table
     slots = block_tables[req, positions // block_size].astype(np.int64) * block_size + positions % block_size
-    logits_indices = query_start_loc[1:][np.array(sched.sampling)] - 1
+    logits_indices = query_start_loc[1:][np.array(scheduler_output.sampling)] - 1
     if pad_prefills and query_lens.max() > 1:
         pad = padded_tokens(len(input_ids)) - len(input_ids)
         input_ids, positions = np.pad(input_ids, (0, pad)), np.pad(positions, (0, pad))
@@ -81,12 +81,12 @@ def round16(width: int) -> int:
 def synthetic_step(seqs: list[tuple[int, int]], block_size: int, num_blocks: int) -> SchedulerOutput:
     """A step of throwaway sequences, one per (tokens already in the KV cache, tokens to compute), on
     consecutive blocks that wrap around the pool (profiling and warm-up read back only finite values)."""
-    sched, block = SchedulerOutput(), 0
+    scheduler_output, block = SchedulerOutput(), 0
     for computed, new in seqs:
         seq = Sequence("synthetic", 0, [0] * (computed + new), SamplingParams(temperature=0), 1)
         seq.num_computed_tokens = computed
         blocks = -(-(computed + new) // block_size)
         seq.block_table = [(block + i) % num_blocks for i in range(blocks)]
         block += blocks
-        sched.add(seq, new)
-    return sched
+        scheduler_output.add(seq, new)
+    return scheduler_output

@@ -1,11 +1,10 @@
 """How many threads torch may use on CPU, and keeping that count at the CPUs other processes leave free.
 
 Torch's OpenMP threads meet at a barrier after every parallel op, so when another process takes one of their
-cores, every op waits for the descheduled thread: beside one busy process, two threads on two cores run the W64
-bf16 benchmark slower than one thread does (552 vs 674 output tok/s, Intel Xeon AMX, 2 cores). `ThreadSizer`
-therefore measures how busy the CPUs this process may use are, less its own use, and runs as many threads as
-that leaves free. It measures rather than probes: running steps at another thread count to compare them
-costs those steps (an earlier probing tuner lost 27% of the idle machine's throughput).
+cores, every op waits for the descheduled thread: beside one busy process two threads run slower than one.
+`ThreadSizer` therefore measures how busy the CPUs this process may use are, less its own use, and runs as many
+threads as that leaves free. It measures rather than probes: steps run at another thread count to compare them
+cost what they lose (figures for both: benchmarks/README.md).
 """
 
 import logging

@@ -60,10 +60,10 @@ class DecodeGraphs:
         )
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
-    def size_for(self, sched: SchedulerOutput) -> int:
+    def size_for(self, scheduler_output: SchedulerOutput) -> int:
         """The padded size of a decode-only step, or 0 when it runs unpadded."""
-        n = len(sched.seqs)
-        if n > self.sizes[-1] or max(sched.num_scheduled_tokens) > 1:
+        n = len(scheduler_output.seqs)
+        if n > self.sizes[-1] or max(scheduler_output.num_scheduled_tokens) > 1:
             return 0
         return self.sizes[bisect.bisect_left(self.sizes, n)]
 
@@ -108,12 +108,12 @@ class DecodeGraphs:
         first: Triton compiles and cuBLAS picks its kernels outside the capture."""
         buf, pool = self.buffers, None
         for size in reversed(self.sizes):
-            md = self.metadata(size, [1] * size)
+            attn_metadata = self.metadata(size, [1] * size)
             ids, pos = buf.input_ids[:size], buf.positions[:size]
-            model(ids, pos, md)
+            model(ids, pos, attn_metadata)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                hidden = model(ids, pos, md)
+                hidden = model(ids, pos, attn_metadata)
             pool = graph.pool()
             self.graphs[size] = graph, hidden

@@ -82,8 +82,8 @@ class KVCacheSpec:
 
     @classmethod
     def of(cls, model_config: ModelConfig, block_size: int, num_kv_heads: int) -> "KVCacheSpec":
-        mc = model_config
-        return cls(mc.num_layers, block_size, num_kv_heads, mc.head_dim, mc.dtype)
+        model_config = model_config
+        return cls(model_config.num_layers, block_size, num_kv_heads, model_config.head_dim, model_config.dtype)
 
     @property
     def bytes_per_block(self) -> int:
@@ -128,13 +128,13 @@ def profile_memory(runner, probe: MemoryProbe) -> MemoryProfile:
     tokens = min(c.max_num_batched_tokens, c.max_num_seqs * max_len)
     lengths = [max_len] * (tokens // max_len) + [tokens % max_len] * (tokens % max_len > 0)
     runner.num_blocks = sum(-(-n // block_size) for n in lengths)
-    sched = synthetic_step([(0, n) for n in lengths], block_size, runner.num_blocks)
+    scheduler_output = synthetic_step([(0, n) for n in lengths], block_size, runner.num_blocks)
     probe.empty_cache()
     runner.allocate_kv_cache()
     allocated = probe.memory_allocated(runner.device)
     probe.reset_peak_memory_stats(runner.device)
     with torch.inference_mode():
-        runner.run_model(runner.prepare(sched))  # every rank at once: no broadcast
+        runner.run_model(runner.prepare(scheduler_output))  # every rank at once: no broadcast
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01, logprobs=1)
         seqs = [Sequence("profile", i, [0], params, 1) for i in range(c.max_num_seqs)]
         runner.sampler(torch.zeros(len(seqs), runner.model_config.vocab_size, device=runner.device), seqs)

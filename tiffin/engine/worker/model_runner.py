@@ -82,21 +82,23 @@ class ModelRunner:
             self.pad_decodes(decode_batch_sizes(config.max_num_seqs))
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> SamplerOutput:
+    def execute(self, scheduler_output: SchedulerOutput) -> SamplerOutput:
         if self.thread_sizer is not None:
             self.thread_sizer.update()
-        bitmask = fill_bitmask(sched.sampling_seqs, self.model_config.vocab_size)  # filled while the forward runs
-        size = 0 if self.decode_graphs is None else self.decode_graphs.size_for(sched)
+        bitmask = fill_bitmask(
+            scheduler_output.sampling_seqs, self.model_config.vocab_size
+        )  # filled while the forward runs
+        size = 0 if self.decode_graphs is None else self.decode_graphs.size_for(scheduler_output)
         if size:
-            batch = self.host_batch(sched)
+            batch = self.host_batch(scheduler_output)
             hidden = self.decode_graphs.run(size, batch, self.model, self._host)
             logits = self.model.compute_logits(hidden[self._to_device(batch.logits_indices, torch.int64)])
         elif self.group is None:
-            logits = self.run_model(self.prepare(sched))
+            logits = self.run_model(self.prepare(scheduler_output))
         else:  # the other ranks run the same step on their shards
-            inputs = self.prepare(sched)
+            inputs = self.prepare(scheduler_output)
             logits = tp_worker.run(self.group, inputs, self.lora_slots, lambda: self.run_model(inputs))
-        return self.sampler(logits, sched.sampling_seqs, bitmask)
+        return self.sampler(logits, scheduler_output.sampling_seqs, bitmask)
 
     @torch.inference_mode()
     def run_model(self, inputs: ModelInput) -> torch.Tensor | None:
@@ -109,12 +111,12 @@ class ModelRunner:
         if self.group is not None:
             self.group.shutdown()
 
-    def host_batch(self, sched: SchedulerOutput) -> HostBatch:
-        return host_batch(sched, self.block_size, self.policy.pad_prefills)
+    def host_batch(self, scheduler_output: SchedulerOutput) -> HostBatch:
+        return host_batch(scheduler_output, self.block_size, self.policy.pad_prefills)
 
-    def prepare(self, sched: SchedulerOutput) -> ModelInput:
-        """`sched` as the model takes it on the device; installs the step's adapters."""
-        b = self.host_batch(sched)
+    def prepare(self, scheduler_output: SchedulerOutput) -> ModelInput:
+        """`scheduler_output` as the model takes it on the device; installs the step's adapters."""
+        b = self.host_batch(scheduler_output)
         to = self._to_device
         attn = kernels.AttentionMetadata(
             slot_mapping=to(b.slots, torch.int64),
@@ -126,7 +128,11 @@ class ModelRunner:
             max_query_len=int(b.query_lens.max()),
             max_seq_len=int(b.seq_lens.max()),
         )
-        lora = None if self.lora_slots is None else self.lora_slots.prepare([s.lora for s in sched.seqs], b.query_lens)
+        lora = (
+            None
+            if self.lora_slots is None
+            else self.lora_slots.prepare([s.lora for s in scheduler_output.seqs], b.query_lens)
+        )
         return ModelInput(
             to(b.input_ids, torch.int64), to(b.positions, torch.int64), attn, to(b.logits_indices, torch.int64), lora
         )
