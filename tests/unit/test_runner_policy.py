@@ -1,0 +1,42 @@
+"""What a model runner does beyond prepare -> forward -> sample, as `choose_policy` decides it from the device,
+dtype, backend, CPU features and settings, without building a runner."""
+
+import pytest
+import torch
+
+from tiffin.engine.config import EngineConfig
+from tiffin.engine.worker.policy import RunnerPolicy, choose_policy
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
+
+
+def policy(device=CPU, dtype=torch.bfloat16, backend="torch", amx=True, **settings) -> RunnerPolicy:
+    return choose_policy(device, dtype, backend, amx, EngineConfig(model="unused", **settings))
+
+
+def test_cpu_pads_prefills_only_where_amx_builds_kernels_per_row_count():
+    assert policy() == RunnerPolicy(size_threads=True, pad_prefills=True, warm_up_triton=False, capture_graphs=False)
+    assert not policy(amx=False).pad_prefills  # AMD Zen 4: the build is cheaper than the padding rows
+    assert not policy(dtype=torch.float32).pad_prefills  # MKL/oneDNN fp32 builds nothing per row count
+    assert not policy(enable_lora=True).pad_prefills  # adapters map per real token
+    assert not policy(backend="triton").pad_prefills  # the interpreter, in tests
+
+
+def test_tensor_parallel_ranks_keep_their_even_thread_split():
+    assert policy().size_threads and not policy(tensor_parallel_size=2).size_threads
+    assert not policy(device=CUDA, backend="triton").size_threads
+
+
+@pytest.mark.parametrize(
+    "settings, backend, warm, graphs",
+    [
+        ({}, "triton", True, True),
+        ({"enforce_eager": True}, "triton", True, False),
+        ({"enable_lora": True}, "triton", True, False),
+        ({"tensor_parallel_size": 2}, "triton", False, False),
+        ({}, "torch", False, False),
+    ],
+)
+def test_cuda_warms_up_and_captures_graphs_on_triton(settings, backend, warm, graphs):
+    p = policy(device=CUDA, backend=backend, **settings)
+    assert (p.warm_up_triton, p.capture_graphs, p.pad_prefills) == (warm, graphs, False)
