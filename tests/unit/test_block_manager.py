@@ -2,6 +2,7 @@
 
 from collections import Counter
 
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -146,3 +147,27 @@ def test_prefill_first_runs_a_new_prompt_without_the_decodes():
 
     assert steps(prefill_first=True) == [[4], [1, 1, 1]]
     assert steps(prefill_first=False) == [[1, 1, 4], [1, 1, 1]]
+
+
+def test_check_invariants_names_each_corruption():
+    bm, seqs = BlockManager(8, BLOCK), [make_seq(list(range(10))), make_seq(list(range(10)) + [7])]
+    for seq in seqs:
+        assert bm.allocate_slots(seq, seq.num_tokens, bm.get_computed_blocks(seq))
+    bm.check_invariants(seqs)
+    corruptions = {
+        "ref count": lambda: bm.ref_cnt.__setitem__(seqs[0].block_table[-1], 2),
+        "stray refs": lambda: bm.ref_cnt.__setitem__(next(iter(bm.free)), 1),
+        "referenced block is in the free queue": lambda: bm.free.__setitem__(seqs[0].block_table[0], None),
+        "missing from the free queue": lambda: bm.free.pop(next(iter(bm.free))),
+        "twice": lambda: seqs[1].block_table.append(seqs[1].block_table[-1]),
+        "hash map": lambda: bm.cached.__setitem__(b"x", seqs[0].block_table[0]),
+        "unmapped": lambda: bm.block_hash.__setitem__(next(iter(bm.free)), b"y"),
+    }
+    for message, corrupt in corruptions.items():
+        saved = (list(bm.ref_cnt), dict(bm.free), dict(bm.cached), list(bm.block_hash), list(seqs[1].block_table))
+        corrupt()
+        with pytest.raises(AssertionError, match=message):
+            bm.check_invariants(seqs)
+        bm.ref_cnt, bm.cached, bm.block_hash, seqs[1].block_table = saved[0], saved[2], saved[3], saved[4]
+        bm.free = type(bm.free)(saved[1])
+        bm.check_invariants(seqs)

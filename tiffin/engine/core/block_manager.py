@@ -99,6 +99,8 @@ class BlockManager:
 
     def check_invariants(self, seqs: Iterable[Sequence]) -> None:
         """AssertionError unless the invariants above hold, `seqs` being every sequence that holds blocks."""
+        seqs = list(seqs)
+        assert all(len(set(seq.block_table)) == len(seq.block_table) for seq in seqs), "a table holds a block twice"
         held = Counter(block for seq in seqs for block in seq.block_table)
         assert all(self.ref_cnt[block] == n for block, n in held.items()), "a ref count is not its block tables'"
         assert min(self.ref_cnt, default=0) >= 0 and sum(self.ref_cnt) == held.total(), "a block has stray refs"
