@@ -1,7 +1,15 @@
 import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from tiffin import AsyncLLMEngine
+    from tiffin.plugin.openai.serving import OpenAIServing
 
 torch.set_num_threads(2)
 # every engine the tests build in-process checks the block manager's invariants after each step
@@ -23,9 +31,81 @@ def tiny_model(tmp_path_factory):
     return get
 
 
+@dataclass
+class InProcessOpenAI:
+    """An engine on a tiny checkpoint, the OpenAI serving over it (model name "tiny") and the app, in-process."""
+
+    engine: "AsyncLLMEngine"
+    serving: "OpenAIServing"
+    app: "FastAPI"
+
+    def __enter__(self) -> "InProcessOpenAI":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def openai_app(tiny_model):
+    """`openai_app(arch="llama", **engine_args)` -> an `InProcessOpenAI`; with `enable_lora`, it serves adapters
+    from `lora_roots` as the Bento does. As a context manager it shuts its engine down on exit; an engine still
+    running when the session ends is shut down then."""
+    made = []
+
+    def make(arch: str = "llama", **engine_args) -> InProcessOpenAI:
+        from tiffin import AsyncLLMEngine
+        from tiffin.plugin.openai.app import create_app
+        from tiffin.plugin.openai.serving import OpenAIServing
+
+        engine = AsyncLLMEngine.from_engine_args(tiny_model(arch), **engine_args)
+        lora = None
+        if engine_args.get("enable_lora"):
+            from tiffin.plugin.lora import LoRAServing
+
+            lora = LoRAServing(engine, engine_args["lora_roots"], "tiny")
+        serving = OpenAIServing(engine, "tiny", lora=lora)
+        made.append(InProcessOpenAI(engine, serving, create_app(serving)))
+        return made[-1]
+
+    yield make
+    for api in made:
+        api.engine.shutdown()  # a second shutdown is a no-op
+
+
 @pytest.fixture(scope="module")
 def interpreter():
     """Triton kernels launched while this is active run under Triton's CPU interpreter."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRITON_INTERPRET", "1")
         yield
+
+
+@pytest.fixture(scope="module")
+def bento_server(tmp_path_factory):
+    """`bento_server(target="tiffin.plugin.service:Tiffin", args=..., env=...)` -> a `BentoServer` with its BentoML
+    home and log in a fresh tmp dir, returned once `ready` answers 200 (None: at once, to watch it start); every
+    server it started is stopped when the module ends (a stopped one stays stopped)."""
+    from pathlib import Path
+
+    from tiffin.testing.servers import SOURCE_ROOT, TIFFIN_SERVICE, BentoServer
+
+    started = []
+
+    def start(
+        target: str = TIFFIN_SERVICE,
+        *,
+        args: dict | None = None,
+        env: dict | None = None,
+        working_dir: Path = SOURCE_ROOT,
+        ready: str | None = "/readyz",
+        timeout: float = 180,
+    ) -> BentoServer:
+        started.append(BentoServer(tmp_path_factory.mktemp("bento"), target, args, env, working_dir))
+        if ready:
+            started[-1].wait(ready, 200, timeout)
+        return started[-1]
+
+    yield start
+    for server in started:
+        server.stop()

@@ -18,14 +18,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from tiffin import AsyncLLMEngine  # noqa: E402
-from tiffin.plugin.openai_api import (  # noqa: E402
-    ChatCompletionRequest,
-    CompletionRequest,
-    LoadLoRAAdapterRequest,
-    OpenAIServing,
-    create_app,
-)
+from tiffin.plugin.openai.protocol import ChatCompletionRequest, CompletionRequest, LoadLoRAAdapterRequest  # noqa: E402
 
 pytestmark = [pytest.mark.slow]
 
@@ -132,13 +125,12 @@ def _standard_json(raw: str):
 
 
 @pytest.fixture(scope="module")
-def fuzz_client(tiny_model):
-    engine = AsyncLLMEngine.from_engine_args(tiny_model("llama"), num_kv_blocks=128, max_n=4, max_num_seqs=64)
-    app = create_app()
-    app.state.serving = OpenAIServing(engine, "tiny")
-    with TestClient(app, raise_server_exceptions=False) as client:
-        yield client, engine
-    engine.shutdown()
+def fuzz_client(openai_app):
+    with (
+        openai_app(num_kv_blocks=128, max_n=4, max_num_seqs=64) as api,
+        TestClient(api.app, raise_server_exceptions=False) as client,
+    ):
+        yield client, api.engine
 
 
 def test_fuzzed_bodies_never_get_a_5xx(fuzz_client):

@@ -18,19 +18,21 @@ from fastapi.testclient import TestClient  # noqa: E402
 from tiffin import AsyncLLMEngine, SamplingParams  # noqa: E402
 from tiffin.engine.errors import EngineError  # noqa: E402
 from tiffin.engine.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
-from tiffin.plugin.openai_api import OpenAIServing, _Format, create_app  # noqa: E402
+from tiffin.plugin.openai.responses import ChatResponses, CompletionResponses  # noqa: E402
 
 BASE = {"prompt": "hello", "max_tokens": 4}
 
 
 @pytest.fixture(scope="module")
-def client(tiny_model):
-    engine = AsyncLLMEngine.from_engine_args(tiny_model("llama"), num_kv_blocks=256, max_num_seqs=32)
-    app = create_app()
-    app.state.serving = OpenAIServing(engine, "tiny")
-    with TestClient(app) as client:
+def api(openai_app):
+    with openai_app(num_kv_blocks=256, max_num_seqs=32) as api:
+        yield api
+
+
+@pytest.fixture(scope="module")
+def client(api):
+    with TestClient(api.app) as client:
         yield client
-    engine.shutdown()
 
 
 def refused(client, body, param, status=400, endpoint="completions"):
@@ -66,8 +68,8 @@ def test_2_lone_surrogates(client):
     still_serving(client)
 
 
-def test_3_prompt_far_beyond_the_context_is_not_tokenized(client, monkeypatch):
-    tokenizer = client.app.state.serving.engine.tokenizer
+def test_3_prompt_far_beyond_the_context_is_not_tokenized(client, api, monkeypatch):
+    tokenizer = api.engine.tokenizer
     lengths = []
     encode = tokenizer.encode
     monkeypatch.setattr(tokenizer, "encode", lambda text, *a, **kw: lengths.append(len(text)) or encode(text, *a, **kw))
@@ -112,7 +114,7 @@ def test_9_non_finite_logprobs_never_reach_json():
     )
     final = RequestOutput("r", "p", [3], [out], True)
     for chat in (False, True):
-        fmt = _Format("chatcmpl" if chat else "cmpl", "o", "c", "m", 1, 1)
+        fmt = (ChatResponses if chat else CompletionResponses)(model="m", n=1, logprobs=1)
         json.dumps(fmt.response([final]), allow_nan=False)
         json.dumps(fmt.delta_chunks(0, final), allow_nan=False)
 
@@ -185,11 +187,9 @@ async def _run_one(engine):
 
 
 @pytest.fixture(scope="module")
-def lora(tiny_model, tmp_path_factory):
+def lora(tiny_model, openai_app, tmp_path_factory):
     from lora_adapters import make_adapter
     from transformers import AutoModelForCausalLM
-
-    from tiffin.plugin.lora import LoRAServing
 
     base = tiny_model("llama")
     root, outside = tmp_path_factory.mktemp("roots"), tmp_path_factory.mktemp("outside")
@@ -197,14 +197,11 @@ def lora(tiny_model, tmp_path_factory):
     kw = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     for name, seed, where in (("a", 1, root), ("b", 2, root), ("evil", 3, outside)):
         make_adapter(base, where / name, seed=seed, model=hf, scale=4.0, **kw)
-    engine = AsyncLLMEngine.from_engine_args(
-        base, num_kv_blocks=128, enable_lora=True, max_loras=1, max_cpu_loras=1, lora_roots=str(root)
-    )
-    app = create_app()
-    app.state.serving = OpenAIServing(engine, "tiny", lora=LoRAServing(engine, str(root), "tiny"))
-    with TestClient(app) as client:
+    with (
+        openai_app(num_kv_blocks=128, enable_lora=True, max_loras=1, max_cpu_loras=1, lora_roots=str(root)) as api,
+        TestClient(api.app) as client,
+    ):
         yield client, root, outside
-    engine.shutdown()
 
 
 def _load(client, name, path):

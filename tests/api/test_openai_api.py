@@ -9,21 +9,15 @@ pytest.importorskip("fastapi")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from tiffin import AsyncLLMEngine  # noqa: E402
-from tiffin.plugin.openai_api import OpenAIServing, create_app  # noqa: E402
-
 
 @pytest.fixture(scope="module")
-def app(tiny_model):
-    engine = AsyncLLMEngine.from_engine_args(tiny_model("llama"), num_kv_blocks=64)
-    app = create_app()
-    app.state.serving = OpenAIServing(engine, "tiny")
-    yield app
-    engine.shutdown()
+def api(openai_app):
+    with openai_app(num_kv_blocks=64) as api:
+        yield api
 
 
-def test_failure_mid_stream_sends_error_event_then_done(app, monkeypatch):
-    runner = app.state.serving.engine.engine.model_runner
+def test_failure_mid_stream_sends_error_event_then_done(api, monkeypatch):
+    app, runner = api.app, api.engine.engine.model_runner
     execute, calls = runner.execute, []
 
     def flaky(sched):

@@ -14,9 +14,6 @@ pytest.importorskip("xgrammar")
 from fastapi.testclient import TestClient  # noqa: E402
 from pydantic import BaseModel, Field  # noqa: E402
 
-from tiffin import AsyncLLMEngine  # noqa: E402
-from tiffin.plugin.openai_api import OpenAIServing, create_app  # noqa: E402
-
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -49,13 +46,9 @@ class Pet(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def http(tiny_model):
-    engine = AsyncLLMEngine.from_engine_args(tiny_model("qwen2"), num_kv_blocks=256)
-    app = create_app()
-    app.state.serving = OpenAIServing(engine, "tiny")
-    with TestClient(app) as client:
+def http(openai_app):
+    with openai_app("qwen2", num_kv_blocks=256) as api, TestClient(api.app) as client:
         yield client
-    engine.shutdown()
 
 
 @pytest.fixture(scope="module")

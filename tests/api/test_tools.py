@@ -11,8 +11,8 @@ pytest.importorskip("xgrammar")
 from xgrammar.testing import _is_grammar_accept_string as accepts  # noqa: E402
 
 from tiffin.engine.errors import ParamError  # noqa: E402
-from tiffin.plugin.structured import ResponseFormat, request_structured_outputs  # noqa: E402
-from tiffin.plugin.tools import (  # noqa: E402
+from tiffin.plugin.openai.structured import ResponseFormat, request_structured_outputs  # noqa: E402
+from tiffin.plugin.openai.tools import (  # noqa: E402
     ChatTool,
     HermesToolParser,
     Llama3JsonToolParser,

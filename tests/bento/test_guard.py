@@ -12,7 +12,6 @@ import pytest
 
 pytest.importorskip("bentoml")
 
-from bento_server import BentoServer  # noqa: E402
 from fastapi import FastAPI  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 from starlette.applications import Starlette  # noqa: E402
@@ -99,14 +98,12 @@ def test_draining_turns_new_requests_away():
     assert client.get("/livez").status_code == 200
 
 
-def test_waiting_queue_bound_is_a_429_with_retry_after(tiny_model):
-    from tiffin import AsyncLLMEngine, SamplingParams
+def test_waiting_queue_bound_is_a_429_with_retry_after(openai_app):
+    from tiffin import SamplingParams
     from tiffin.engine.errors import QueueFull
-    from tiffin.plugin.openai_api import OpenAIServing, create_app
 
-    engine = AsyncLLMEngine.from_engine_args(
-        tiny_model("llama"), num_kv_blocks=64, max_num_seqs=1, max_waiting_requests=2
-    )
+    api = openai_app(num_kv_blocks=64, max_num_seqs=1, max_waiting_requests=2)
+    engine = api.engine
 
     async def fill_then_add():
         long = SamplingParams(max_tokens=500, ignore_eos=True)
@@ -120,8 +117,7 @@ def test_waiting_queue_bound_is_a_429_with_retry_after(tiny_model):
 
     try:
         asyncio.run(fill_then_add())
-        app = create_app()
-        app.state.serving = OpenAIServing(engine, "tiny")
+        app = api.app
 
         async def full(*args):
             raise QueueFull("max_waiting_requests=2 sequences are waiting")
@@ -138,25 +134,16 @@ def test_waiting_queue_bound_is_a_429_with_retry_after(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("serve-guard")
-    (tmp / "adapters").mkdir()
-    srv = BentoServer(
-        tmp,
-        "tiffin.plugin.service:Tiffin",
+def server(bento_server, tmp_path_factory):
+    return bento_server(
         args={"model": "tiffin-tiny-llama", "num_kv_blocks": 128, "max_request_body": "1MiB"},
         env={
             "TIFFIN_API_KEY": KEY,
             "TIFFIN_ADMIN_API_KEY": ADMIN,
-            "TIFFIN_LORA_ROOTS": str(tmp / "adapters"),
+            "TIFFIN_LORA_ROOTS": str(tmp_path_factory.mktemp("adapters")),
             "TIFFIN_SHUTDOWN_GRACE_PERIOD": "60",
         },
     )
-    try:
-        srv.wait("/readyz", 200, timeout=180)
-        yield srv
-    finally:
-        srv.stop()
 
 
 def test_bento_routes_need_the_key(server):

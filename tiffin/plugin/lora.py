@@ -21,7 +21,7 @@ from pathlib import Path
 
 from tiffin.engine.lora.peft import confine, parse_roots
 from tiffin.engine.lora.request import LoRARequest
-from tiffin.plugin.openai_api import APIError
+from tiffin.plugin.openai.protocol import APIError
 
 MAX_NAME_LENGTH = 256
 

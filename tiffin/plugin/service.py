@@ -5,7 +5,7 @@ argument wins); see `Settings`. With no model set, the Bento serves SmolLM2-135M
 into the BentoML model store on first start (offline: the built-in tiny model; see tiffin.plugin.model_store).
 A model-store tag or a hub id (`bentoml build --arg model=org/name`) is packed into the built Bento. Weights
 load in a background thread: /livez answers at once, /readyz is 503 until the engine is up. The
-OpenAI-compatible API (tiffin.plugin.openai_api) is mounted at /v1; with TIFFIN_LORA_ROOTS set it serves LoRA
+OpenAI-compatible API (tiffin.plugin.openai) is mounted at /v1; with TIFFIN_LORA_ROOTS set it serves LoRA
 adapters too (tiffin.plugin.lora). Every route but the probes sits behind tiffin.plugin.guard (API keys, body
 limit, draining); SIGTERM stops admitting requests and lets running ones finish for up to
 `shutdown_grace_period` seconds.
@@ -33,11 +33,12 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 from tiffin.engine.config import EngineConfig
 from tiffin.engine.errors import QueueFull
 from tiffin.engine.sampling_params import SamplingParams
-from tiffin.plugin import structured
 from tiffin.plugin.guard import Guard
 from tiffin.plugin.metrics import engine_metrics
 from tiffin.plugin.model_store import bento_model, is_hub_id, resolve_model
-from tiffin.plugin.openai_api import OpenAIServing, create_app
+from tiffin.plugin.openai import structured
+from tiffin.plugin.openai.app import attach_serving, create_app
+from tiffin.plugin.openai.serving import OpenAIServing
 
 logger = logging.getLogger("tiffin.service")
 
@@ -150,7 +151,7 @@ class GenerateRequest(BaseModel):
 
 
 settings = bentoml.use_arguments(Settings)
-openai_app = create_app()
+openai_app = create_app()  # answers 503 until _load attaches the serving
 DRAINING = threading.Event()  # set by SIGTERM: new requests get 503, running ones finish
 
 
@@ -217,9 +218,10 @@ class Tiffin:
                 from tiffin.plugin.lora import LoRAServing
 
                 lora = LoRAServing(engine, settings.lora_roots, served)
-            openai_app.state.serving = OpenAIServing(
+            serving = OpenAIServing(
                 engine, served, on_finished=self.metrics.on_finished, lora=lora, tool_parser=settings.tool_parser
             )
+            attach_serving(openai_app, serving)
             import xgrammar  # noqa: F401 (structured outputs import it, slowly: not on a request's event loop)
 
             self.engine = engine

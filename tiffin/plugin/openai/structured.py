@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tiffin.engine.errors import ParamError
 from tiffin.engine.structured.params import StructuredOutputsParams
-from tiffin.plugin.tools import ChatTool, NamedToolChoice, ToolChoice, ToolParser, check_tools, chosen_tools
+from tiffin.plugin.openai.tools import ChatTool, NamedToolChoice, ToolChoice, ToolParser, check_tools, chosen_tools
 
 
 class JsonSchemaSpec(BaseModel):

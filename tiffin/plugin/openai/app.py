@@ -1,0 +1,93 @@
+"""The OpenAI-compatible FastAPI app: routes onto an `OpenAIServing`, and OpenAI's error shape for every failure.
+
+Invariants:
+- Every error response, a validation failure, an unknown route or an unexpected exception included, is OpenAI's
+  `{"error": {"message", "type", "param", "code"}}`; a refused field is named in `param`.
+- Until a serving is attached, and once its engine is dead or shut down, every route answers 503.
+- A 429 (the engine's waiting queue is full) carries `Retry-After`."""
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException
+
+from tiffin.plugin.openai.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+)
+from tiffin.plugin.openai.serving import OpenAIServing
+
+
+def create_app(serving: OpenAIServing | None = None) -> FastAPI:
+    """The app over `serving`. Without one its routes answer 503 until `attach_serving` hands it over: the
+    Bento's app exists from import on (`@bentoml.asgi_app`), its engine only once the weights are loaded."""
+    app = FastAPI(title="tiffin OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+    attach_serving(app, serving)
+
+    def ready() -> OpenAIServing:
+        current: OpenAIServing | None = app.state.serving
+        if current is None:
+            raise APIError(503, "the model is still loading", type="service_unavailable")
+        if not current.engine.healthy:
+            raise APIError(503, current.engine.dead or "the engine is shut down", type="service_unavailable")
+        return current
+
+    # no return annotations on routes: FastAPI would read them as response models
+    @app.get("/models")
+    async def models():
+        return ready().models()
+
+    @app.post("/completions")
+    async def completions(req: CompletionRequest, raw: Request):
+        return await ready().completions(req, raw)
+
+    @app.post("/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request):
+        return await ready().chat(req, raw)
+
+    def lora():
+        lora = ready().lora
+        if lora is None:
+            raise APIError(400, "LoRA adapters are not enabled on this server (set TIFFIN_LORA_ROOTS)")
+        return lora
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(req: LoadLoRAAdapterRequest):
+        return PlainTextResponse(await lora().load(req.lora_name, req.lora_path))
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(req: UnloadLoRAAdapterRequest):
+        return PlainTextResponse(await lora().unload(req.lora_name))
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers={"Retry-After": "1"} if e.status == 429 else None)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        err = e.errors()[0]
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        if err.get("type") == "json_invalid":
+            return JSONResponse(APIError(400, f"invalid JSON body: {err.get('msg')}").body(), status_code=400)
+        field = loc[0] if loc else None
+        where = ".".join(loc) or "body"
+        return JSONResponse(APIError(400, f"{where}: {err.get('msg')}", param=field).body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def server_error(_: Request, e: Exception) -> JSONResponse:
+        return JSONResponse(APIError(500, f"{type(e).__name__}: {e}", type="server_error").body(), status_code=500)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, e: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(e.status_code, str(e.detail), type=kind).body(), status_code=e.status_code)
+
+    return app
+
+
+def attach_serving(app: FastAPI, serving: OpenAIServing | None) -> None:
+    """Hand `serving` to an app made by `create_app`; its routes use it from the next request on."""
+    app.state.serving = serving

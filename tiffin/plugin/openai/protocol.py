@@ -1,0 +1,194 @@
+"""The OpenAI request bodies and their validation into `SamplingParams`.
+
+Invariants:
+- Validation errors carry the OpenAI `param` they concern: a refusal beyond the field types is an `APIError`
+  (OpenAI's error shape, `APIError.body()`); a field-type error is pydantic's, which the app answers the same way.
+- Numbers and booleans are strict: a string is never coerced into one, and a JSON integer is a valid float.
+- Every string in a body is valid Unicode: a JSON-escaped lone surrogate is refused before it reaches the
+  tokenizer or a JSON response.
+- A field sent as null means its default; unknown fields are ignored."""
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
+
+from tiffin.engine.errors import ParamError
+from tiffin.engine.sampling_params import SamplingParams
+from tiffin.plugin.openai.structured import ResponseFormat, request_structured_outputs
+from tiffin.plugin.openai.tools import ChatTool, ToolChoice, ToolParser
+
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]  # accepts JSON integers, not strings or booleans
+Bool = Annotated[bool, Strict()]
+Name = Annotated[str, Strict(), Field(max_length=256)]  # echoed back in errors: kept short
+
+
+class APIError(Exception):
+    """A refused or failed request, answered with `status` and OpenAI's error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(e: ValueError) -> APIError:
+    """A refused request as a 400, naming the parameter at fault when validation raised a ParamError."""
+    return APIError(400, str(e), param=e.param if isinstance(e, ParamError) else None)
+
+
+class _Body(BaseModel):
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, body):
+        """JSON may escape a lone surrogate, which no encoder (tokenizer, JSON response) accepts."""
+        for key, value in body.items() if isinstance(body, dict) else ():
+            stack = [value]
+            while stack:  # not recursive: nesting depth is the client's choice
+                item = stack.pop()
+                if isinstance(item, str):
+                    try:
+                        item.encode()
+                    except UnicodeEncodeError:
+                        raise APIError(400, f"{key}: text must be valid Unicode (lone surrogate)", param=key) from None
+                elif isinstance(item, dict):
+                    stack += [*item, *item.values()]
+                elif isinstance(item, list):
+                    stack += item
+        return body
+
+
+class StreamOptions(BaseModel):
+    include_usage: Bool = False
+
+
+class SamplingRequest(_Body):
+    """Fields shared by /completions and /chat/completions (null means the default)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: Name | None = None
+    n: Int | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
+    stop: str | list[str] | None = None
+    seed: Int | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: Name | None = None
+    stream: Bool | None = None
+    stream_options: StreamOptions | None = None
+    # vLLM extras
+    top_k: Int | None = None
+    min_p: Float | None = None
+    repetition_penalty: Float | None = None
+    ignore_eos: Bool | None = None
+    min_tokens: Int | None = None
+    stop_token_ids: list[Int] | None = None
+    include_stop_str_in_output: Bool | None = None
+    skip_special_tokens: Bool | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: json | regex | choice | grammar | json_object
+
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, tool_parser: ToolParser | None = None
+    ) -> SamplingParams:
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+        given = {k: v for k, v in self.model_dump(include=_SAMPLING_FIELDS).items() if v is not None}
+        try:
+            structured = request_structured_outputs(
+                self.response_format, self.structured_outputs, *self._tool_request(), tool_parser
+            )
+            return SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs, structured_outputs=structured)
+        except ValueError as e:
+            raise bad_request(e) from None
+
+    def _tool_request(self) -> tuple:
+        """(tools, tool_choice, parallel_tool_calls) where the endpoint takes tools."""
+        return None, None, True
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+_SAMPLING_FIELDS = {
+    "n",
+    "temperature",
+    "top_p",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "ignore_eos",
+    "min_tokens",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+}
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[Int] | list[list[Int]]
+    max_tokens: Int | None = 16  # null: up to the context length
+    logprobs: Int | None = None
+    echo: Bool | None = None
+    suffix: str | None = None
+    best_of: Int | None = None
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The prompts to complete: a text, a list of texts, one token-id list or a list of them."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if not self.prompt:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        return [self.prompt] if isinstance(self.prompt[0], int) else self.prompt
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... reach the chat template
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
+    logprobs: Bool | None = None
+    top_logprobs: Int | None = None
+    add_generation_prompt: Bool = True
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"
+    parallel_tool_calls: Bool = True
+
+    def _tool_request(self) -> tuple:
+        return self.tools, self.tool_choice, self.parallel_tool_calls
+
+    @property
+    def uses_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+
+class LoadLoRAAdapterRequest(_Body):
+    lora_name: Annotated[str, Strict()]
+    lora_path: Annotated[str, Strict(), Field(max_length=4096)]
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    lora_name: Annotated[str, Strict()]

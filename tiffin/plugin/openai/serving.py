@@ -1,0 +1,250 @@
+"""`OpenAIServing`: OpenAI requests run on an `AsyncLLMEngine`, answered whole or as server-sent events.
+
+Invariants:
+- Every request the engine was given is aborted when its answer is no longer wanted: a prompt of a batch is
+  refused, another prompt's stream fails, the client disconnects, or a stream's reader stops.
+- A failure before the first byte is an `APIError` (the app answers it in OpenAI's error shape); once a stream
+  has started it is reported in-band, as one error event, and every stream ends with `data: [DONE]`.
+- A request whose structured-outputs grammar failed fails alone, as a 500, while the engine keeps serving.
+- `on_finished` sees each finished request once."""
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from tiffin.engine.chat import render_chat
+from tiffin.engine.errors import ParamError, QueueFull
+from tiffin.engine.outputs import RequestOutput
+from tiffin.engine.sampling_params import SamplingParams
+from tiffin.plugin.openai.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingRequest,
+    bad_request,
+)
+from tiffin.plugin.openai.responses import ChatResponses, CompletionResponses, ResponseBuilder
+from tiffin.plugin.openai.tools import ToolParser, make_parser, template_messages
+
+if TYPE_CHECKING:  # torch, which `bentoml build` need not import
+    from tiffin.engine.async_llm_engine import AsyncLLMEngine, RequestStream
+    from tiffin.engine.lora.request import LoRARequest
+    from tiffin.plugin.lora import LoRAServing
+
+Answer = dict | StreamingResponse  # the SSE stream when the request asked for `stream`
+
+
+class OpenAIServing:
+    """The OpenAI endpoints of one engine: its base model under `model_name`, and its loaded LoRA adapters."""
+
+    def __init__(
+        self,
+        engine: "AsyncLLMEngine",
+        model_name: str,
+        on_finished: "Callable[[RequestStream, RequestOutput], None] | None" = None,
+        lora: "LoRAServing | None" = None,
+        tool_parser: str = "auto",
+    ) -> None:
+        """`on_finished(stream, output)` is called for each finished request (metrics). `lora`: set when
+        adapters are enabled. `tool_parser`: the tool-call convention, "auto" to follow the chat template."""
+        self.engine = engine
+        self.model_name = model_name
+        self.created = int(time.time())
+        self.on_finished = on_finished
+        self.lora = lora
+        self.tool_parser: ToolParser = make_parser(tool_parser, getattr(engine.tokenizer, "chat_template", None))
+
+    def models(self) -> dict:
+        """The base model's card, then one per loaded LoRA adapter with the base model as `parent`."""
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "tiffin",
+            "max_model_len": self.engine.max_model_len,
+        }
+        adapters = self.lora.registry.added() if self.lora else []
+        cards = [{**card, "id": r.lora_name, "root": r.lora_path, "parent": self.model_name} for r in adapters]
+        return {"object": "list", "data": [card, *cards]}
+
+    async def completions(self, req: CompletionRequest, raw: Request) -> Answer:
+        lora = self._check_model(req.model)
+        if req.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        if req.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        if req.best_of not in (None, 1):
+            raise APIError(400, "best_of is not supported", param="best_of")
+        prompts = req.prompts()
+        params = req.sampling_params(req.max_tokens, req.logprobs)
+        builder = CompletionResponses(model=req.model or self.model_name, n=params.n, logprobs=req.logprobs)
+        return await self._serve(req, raw, builder, prompts, params, lora)
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Answer:
+        lora = self._check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = req.sampling_params(max_tokens, logprobs, self.tool_parser)
+        builder = ChatResponses(
+            model=req.model or self.model_name,
+            n=params.n,
+            logprobs=logprobs,
+            tool_parser=self.tool_parser if req.uses_tools else None,
+        )
+        prompt = await asyncio.to_thread(self._render_chat, req)  # templates are slow on long text
+        try:
+            prompt = await self.engine.tokenize(prompt)
+        except ParamError as e:
+            raise APIError(400, f"messages: {e}", param="messages") from None
+        return await self._serve(req, raw, builder, [prompt], params, lora)
+
+    def _check_model(self, model: str | None) -> "LoRARequest | None":
+        """The LoRARequest for an adapter's name, None for the base model; 404 for any other name."""
+        if model is None or model == self.model_name:
+            return None
+        lora = self.lora.registry.get(model) if self.lora else None
+        if lora is None:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        return lora
+
+    def _render_chat(self, req: ChatCompletionRequest) -> dict:
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        for m in messages:
+            if isinstance(m.get("content"), list) and any(p.get("type") != "text" for p in m["content"]):
+                raise APIError(400, "only text content parts are supported", param="messages")
+        try:
+            messages = template_messages(messages)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.uses_tools else None
+        try:
+            return render_chat(self.engine.tokenizer, messages, req.add_generation_prompt, tools=tools)
+        except Exception as e:  # a template may raise on roles or content it does not accept
+            raise APIError(400, f"messages: the chat template failed: {e}", param="messages") from None
+
+    async def _serve(
+        self,
+        req: SamplingRequest,
+        raw: Request,
+        builder: ResponseBuilder,
+        prompts: list,
+        params: SamplingParams,
+        lora: "LoRARequest | None",
+    ) -> Answer:
+        streams = await self._open(prompts, params, builder.id, lora)
+        if req.stream:
+            return StreamingResponse(self._sse(streams, builder, req.include_usage), media_type="text/event-stream")
+        finals = await _unless_disconnected(raw, self._collect(streams))
+        return builder.response(finals)
+
+    async def _open(
+        self, prompts: list, params: SamplingParams, request_id: str, lora: "LoRARequest | None"
+    ) -> list["RequestStream"]:
+        """Queue every prompt; a refused one aborts those already queued and becomes a 400."""
+        streams = []
+        try:
+            for i, prompt in enumerate(prompts):
+                streams.append(await self.engine.add_request(f"{request_id}-{i}", prompt, params, lora))
+        except ValueError as e:
+            raise bad_request(e) from None
+        except QueueFull as e:
+            raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
+        finally:
+            if len(streams) < len(prompts):
+                for s in streams:
+                    s.close()
+        return streams
+
+    async def _collect(self, streams: list["RequestStream"]) -> list[RequestOutput]:
+        finals = [None] * len(streams)
+        async for i, out in self._merge(streams):
+            finals[i] = out
+        return finals
+
+    async def _sse(
+        self, streams: list["RequestStream"], builder: ResponseBuilder, include_usage: bool
+    ) -> AsyncIterator[str]:
+        finals = [None] * len(streams)
+        try:
+            for chunk in builder.first_chunks():
+                yield _event(chunk)
+            async for i, out in self._merge(streams):
+                finals[i] = out
+                for chunk in builder.delta_chunks(i, out):
+                    yield _event(chunk)
+            if include_usage:
+                yield _event(builder.usage_chunk(finals))
+        except Exception as e:  # the status line is sent already: report in-band
+            yield _event(APIError(500, f"generation failed: {e}", type="server_error").body())
+        yield "data: [DONE]\n\n"
+
+    async def _merge(self, streams: list["RequestStream"]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, newest output) from several request streams. Outputs are cumulative, so a slow
+        reader skips intermediate ones. Leaving early aborts every unfinished request."""
+        latest: dict[int, Any] = {}
+        ready = asyncio.Event()
+
+        async def pump(i: int, stream: "RequestStream") -> None:
+            try:
+                async for out in stream:
+                    latest[i] = out
+                    ready.set()
+            except Exception as e:
+                latest[i] = e
+                ready.set()
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        pending = set(range(len(streams)))
+        try:
+            while pending:
+                await ready.wait()
+                ready.clear()
+                for i in list(latest):
+                    item = latest.pop(i)
+                    if isinstance(item, Exception):
+                        raise item
+                    failed = [o.stop_reason for o in item.outputs if o.finish_reason == "error"]
+                    if failed:  # a structured-outputs grammar failed this request (and only it)
+                        raise APIError(500, failed[0], type="server_error")
+                    if item.finished:
+                        pending.discard(i)
+                        if self.on_finished is not None:
+                            self.on_finished(streams[i], item)
+                    yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            for s in streams:
+                s.close()
+
+
+async def _unless_disconnected(raw: Request, coro: Coroutine[Any, Any, list[RequestOutput]]) -> list[RequestOutput]:
+    """Await `coro`, cancelling it (so its requests abort) if the client hangs up first."""
+    task = asyncio.ensure_future(coro)
+
+    async def disconnected() -> None:
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise APIError(499, "client disconnected")
+    return task.result()
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
