@@ -10,7 +10,6 @@ Starts `bentoml serve tiffin.plugin.service:Tiffin` (the built-in tiny model) on
 import argparse
 import functools
 import json
-import sys
 import tempfile
 import threading
 import time
@@ -19,8 +18,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from bento_server import BentoServer  # noqa: E402
+from tiffin.testing.servers import BentoServer
 
 STREAM = {"prompt": "The quick brown fox", "max_tokens": 200, "ignore_eos": True, "stream": True, "temperature": 0}
 
@@ -80,16 +78,11 @@ def huge_requests(server: BentoServer, names: list[str]) -> list:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
-    server = BentoServer(
-        Path(tempfile.mkdtemp()),
-        "tiffin.plugin.service:Tiffin",
-        args={"model": "tiffin-tiny-llama", "num_kv_blocks": 512},
-    )
-    try:
+    args = parser.parse_args(argv)
+    with BentoServer(Path(tempfile.mkdtemp()), args={"model": "tiffin-tiny-llama", "num_kv_blocks": 512}) as server:
         server.wait("/readyz", 200, timeout=300)
         run_streams(server, 8)  # warm up
         base_rss = worker_rss(server)
@@ -104,8 +97,6 @@ def main() -> None:
             time.sleep(2)
             rss = worker_rss(server)
             print(f"worker RSS after: {rss / 2**20:.0f} MiB ({(rss / base_rss - 1) * 100:+.1f}%)")
-    finally:
-        server.stop()
 
 
 if __name__ == "__main__":

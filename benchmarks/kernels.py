@@ -8,7 +8,7 @@ Prefill: fresh prompts (no cached prefix) of 512-8192 tokens, causal; TFLOP/s of
 torch SDPA on contiguous tensors (FlashAttention's ceiling, no paging).
 
     python benchmarks/kernels.py [--dtype bfloat16] [--num-heads 32] [--num-kv-heads 8] [--head-dim 128]
-                                 [--block-size 16]
+                                 [--block-size 16] [--quick]
 """
 
 import argparse
@@ -20,6 +20,10 @@ from triton.testing import do_bench
 from tiffin.kernels import AttentionMetadata, paged_attention, write_kv
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+DECODE = {"batches": (1, 4, 16, 64, 256), "contexts": (512, 1024, 2048, 4096, 8192)}
+PREFILL = ((1, 512), (8, 512), (1, 2048), (4, 2048), (1, 8192))  # (batch, tokens)
+# --quick: one size of each, so that the tests see the benchmark run
+QUICK_DECODE, QUICK_PREFILL = {"batches": (4,), "contexts": (512,)}, ((1, 512),)
 
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
@@ -65,7 +69,7 @@ def make_batch(query_lens, context_lens, args, dtype):
     return query, k_cache, v_cache, md
 
 
-def bench_decode(args, dtype, copy_gbs: float) -> None:
+def bench_decode(args, dtype, copy_gbs: float, batches: tuple[int, ...], contexts: tuple[int, ...]) -> None:
     scale = args.head_dim**-0.5
     elt = torch.finfo(dtype).bits // 8
     print(
@@ -73,8 +77,8 @@ def bench_decode(args, dtype, copy_gbs: float) -> None:
         f"block {args.block_size}); copy bandwidth {copy_gbs:.0f} GB/s"
     )
     print(f"{'batch':>5} {'context':>7} {'triton us':>10} {'GB/s':>7} {'% copy':>6} {'torch us':>9} {'speedup':>7}")
-    for batch in (1, 4, 16, 64, 256):
-        for context in (512, 1024, 2048, 4096, 8192):
+    for batch in batches:
+        for context in contexts:
             query, k_cache, v_cache, md = make_batch([1] * batch, [context - 1] * batch, args, dtype)
             triton_ms = do_bench(lambda: paged_attention(query, k_cache, v_cache, md, scale, backend="triton"))
             torch_ms = do_bench(lambda: paged_attention(query, k_cache, v_cache, md, scale, backend="torch"))
@@ -90,11 +94,11 @@ def bench_decode(args, dtype, copy_gbs: float) -> None:
             del query, k_cache, v_cache, md
 
 
-def bench_prefill(args, dtype) -> None:
+def bench_prefill(args, dtype, sizes: tuple[tuple[int, int], ...]) -> None:
     scale = args.head_dim**-0.5
     print(f"\nprefill ({dtype}, causal, no cached prefix)")
     print(f"{'batch':>5} {'tokens':>6} {'triton ms':>9} {'TFLOP/s':>7} {'SDPA ms':>8} {'SDPA TFLOP/s':>12}")
-    for batch, length in ((1, 512), (8, 512), (1, 2048), (4, 2048), (1, 8192)):
+    for batch, length in sizes:
         query, k_cache, v_cache, md = make_batch([length] * batch, [0] * batch, args, dtype)
         # 2 matmuls (QK^T, PV) x 2 flops per multiply-add over the causal half of the score matrix
         flops = 4 * batch * length * (length + 1) / 2 * args.num_heads * args.head_dim
@@ -116,14 +120,15 @@ def main() -> None:
     parser.add_argument("--num-kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--quick", action="store_true", help="one decode and one prefill size only")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/kernels.py needs a CUDA GPU")
     torch.manual_seed(0)
     dtype = DTYPES[args.dtype]
     print(torch.cuda.get_device_name())
-    bench_decode(args, dtype, copy_bandwidth())
-    bench_prefill(args, dtype)
+    bench_decode(args, dtype, copy_bandwidth(), **(QUICK_DECODE if args.quick else DECODE))
+    bench_prefill(args, dtype, QUICK_PREFILL if args.quick else PREFILL)
 
 
 if __name__ == "__main__":

@@ -4,20 +4,15 @@ Runs the same workload with `enable_prefix_caching` on and off in one process an
 use and mean time to first token (all requests arrive at once).
 
     python benchmarks/prefix.py --model DIR [--dtype bfloat16]
-    python benchmarks/prefix.py --make-model DIR   # the ~40M benchmark model (see throughput.py)
+    python benchmarks/prefix.py --make-model DIR [--shape llama-40m]   # a benchmark model (common.SHAPES)
 """
 
 import argparse
-import random
 import time
 
+from common import SHAPES, make_model, markdown_table, shared_prefix_prompts, vocab_size
+
 from tiffin import LLM, SamplingParams
-
-
-def workload(vocab: int, n: int, system_len: int, question_len: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    system = [rng.randrange(vocab) for _ in range(system_len)]
-    return [system + [rng.randrange(vocab) for _ in range(question_len)] for _ in range(n)]
 
 
 def run(model: str, dtype: str, prompts: list[list[int]], output_len: int, caching: bool) -> dict:
@@ -44,40 +39,40 @@ def run(model: str, dtype: str, prompts: list[list[int]], output_len: int, cachi
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model")
-    parser.add_argument("--make-model", metavar="DIR")
+    parser.add_argument("--make-model", metavar="DIR", help="write a random benchmark Llama (--shape) to DIR, use it")
+    parser.add_argument("--shape", default="llama-40m", choices=SHAPES, help="the --make-model shape")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--n", type=int, default=32)
     parser.add_argument("--system-len", type=int, default=1000)
     parser.add_argument("--question-len", type=int, default=50)
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.make_model:
-        from throughput import make_model
-
-        make_model(args.make_model)
+        make_model(args.make_model, args.shape)
         args.model = args.model or args.make_model
     if not args.model:
         parser.error("--model or --make-model is required")
-    from tiffin.engine.models.loader import get_model_config
-
-    vocab = get_model_config(args.model).vocab_size
-    prompts = workload(vocab, args.n, args.system_len, args.question_len, args.seed)
+    prompts = shared_prefix_prompts(args.n, args.system_len, args.question_len, vocab_size(args.model), args.seed)
     off, on = (run(args.model, args.dtype, prompts, args.output_len, c) for c in (False, True))
     print(
         f"{args.n} requests, {args.system_len}-token shared prefix + {args.question_len}-token questions, "
         f"{args.output_len} output tokens, {args.dtype}\n"
     )
-    print("| prefix caching | peak KV blocks | mean TTFT s | wall s | cache hit rate |")
-    print("|---|---|---|---|---|")
-    for r in (off, on):
-        print(
-            f"| {r['caching']} | {r['peak_blocks']} | {r['mean_ttft_s']:.3f} | {r['wall_s']:.2f} "
-            f"| {r['hit_rate']:.1%} |"
-        )
+    rows = [
+        {
+            "prefix caching": r["caching"],
+            "peak KV blocks": r["peak_blocks"],
+            "mean TTFT s": f"{r['mean_ttft_s']:.3f}",
+            "wall s": f"{r['wall_s']:.2f}",
+            "cache hit rate": f"{r['hit_rate']:.1%}",
+        }
+        for r in (off, on)
+    ]
+    print(markdown_table(rows))
     print(
         f"\npeak blocks on/off = {on['peak_blocks'] / off['peak_blocks']:.2f}x; "
         f"mean TTFT off/on = {off['mean_ttft_s'] / on['mean_ttft_s']:.1f}x lower with caching"

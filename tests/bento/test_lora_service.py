@@ -16,7 +16,6 @@ import torch
 openai = pytest.importorskip("openai")
 pytest.importorskip("bentoml")
 
-from bento_server import BentoServer  # noqa: E402
 from lora_adapters import ADAPTERS, PeftReference, make_adapter  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
@@ -65,24 +64,16 @@ def adapters(tiny_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(adapters, tmp_path_factory):
-    root = adapters[0]
-    srv = BentoServer(
-        tmp_path_factory.mktemp("serve-lora"),
-        "tiffin.plugin.service:Tiffin",
+def server(adapters, bento_server):
+    return bento_server(
         args={"model": MODEL, "num_kv_blocks": 256},
         env={
-            "TIFFIN_LORA_ROOTS": str(root),
+            "TIFFIN_LORA_ROOTS": str(adapters[0]),
             "TIFFIN_MAX_LORAS": "2",
             "TIFFIN_MAX_LORA_RANK": "16",
             "TIFFIN_MAX_NUM_SEQS": "16",
         },
     )
-    try:
-        srv.wait("/readyz", 200, timeout=180)
-        yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

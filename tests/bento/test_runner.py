@@ -6,8 +6,6 @@ import pytest
 
 bentoml = pytest.importorskip("bentoml")
 
-from bento_server import BentoServer  # noqa: E402
-
 from tiffin import LLM, SamplingParams  # noqa: E402
 from tiffin.plugin.runner import make_runner  # noqa: E402
 
@@ -35,17 +33,13 @@ def test_runner_init_local(tiny_model, expected):
         runner.destroy()
 
 
-def test_runner_service_over_http(tiny_model, expected, tmp_path):
-    server = BentoServer(
-        tmp_path,
+def test_runner_service_over_http(tiny_model, expected, bento_server):
+    server = bento_server(
         "legacy_runner_bento:svc",
         env={"TIFFIN_MODEL": str(tiny_model("llama"))},
         working_dir=Path(__file__).parent,
+        timeout=120,
     )
-    try:
-        server.wait("/readyz", 200, timeout=120)
-        with bentoml.SyncHTTPClient(server.url) as client:
-            assert client.generate(prompt=PROMPTS[1], max_tokens=12, temperature=0) == expected[1]
-            assert client.generate_batch(prompts=PROMPTS, max_tokens=12, temperature=0) == expected
-    finally:
-        server.stop()
+    with bentoml.SyncHTTPClient(server.url) as client:
+        assert client.generate(prompt=PROMPTS[1], max_tokens=12, temperature=0) == expected[1]
+        assert client.generate_batch(prompts=PROMPTS, max_tokens=12, temperature=0) == expected

@@ -14,8 +14,6 @@ import pytest
 openai = pytest.importorskip("openai")
 bentoml = pytest.importorskip("bentoml")
 
-from bento_server import BentoServer  # noqa: E402
-
 from tiffin import LLM, SamplingParams  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
@@ -26,24 +24,19 @@ CONTEXT = 1024  # the tiny model's max_position_embeddings
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("serve")
-    gate = tmp / "load-gate"
-    srv = BentoServer(
-        tmp,
-        "tiffin.plugin.service:Tiffin",
+def server(bento_server, tmp_path_factory):
+    gate = tmp_path_factory.mktemp("gate") / "load-gate"
+    srv = bento_server(
         args={"model": MODEL, "num_kv_blocks": NUM_KV_BLOCKS},
         env={"TIFFIN_LOAD_GATE": str(gate), "TIFFIN_MAX_NUM_SEQS": "16"},
+        ready="/livez",
+        timeout=90,
     )
-    try:
-        srv.wait("/livez", 200, timeout=90)
-        time.sleep(0.5)  # the loader is parked on the gate: readiness must not flip by itself
-        srv.before_load = (srv.status("/readyz"), srv.http.get("/v1/models"))
-        gate.touch()
-        srv.wait("/readyz", 200, timeout=120)
-        yield srv
-    finally:
-        srv.stop()
+    time.sleep(0.5)  # the loader is parked on the gate: readiness must not flip by itself
+    srv.before_load = (srv.status("/readyz"), srv.http.get("/v1/models"))
+    gate.touch()
+    srv.wait("/readyz", 200, timeout=120)
+    return srv
 
 
 @pytest.fixture(scope="module")

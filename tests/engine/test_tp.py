@@ -207,25 +207,19 @@ def test_hung_worker_fails_within_the_timeout(tiny_model):
     assert not worker.is_alive()
 
 
-def test_bento_serves_tp2_like_tp1(tiny_model, tmp_path):
+def test_bento_serves_tp2_like_tp1(tiny_model, bento_server):
     """`bentoml serve` with tensor_parallel_size=2 answers the OpenAI API as TP=1 does, and shuts its worker down."""
-    from bento_server import BentoServer
-
     prompt = "def main():"
     expected = LLM(tiny_model("llama")).generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].text
     args = {"model": "tiffin-tiny-llama", "tensor_parallel_size": 2, "device": "cpu", "shutdown_grace_period": 1}
-    srv = BentoServer(tmp_path, "tiffin.plugin.service:Tiffin", args=args)
-    try:
-        srv.wait("/readyz", 200, timeout=180)
-        body = {"model": "tiffin-tiny-llama", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0}
-        answer = srv.http.post("/v1/completions", json=body | {"ignore_eos": True}, timeout=60)
-        assert answer.status_code == 200, answer.text
-        assert answer.json()["choices"][0]["text"] == expected
-        family = psutil.Process(srv.proc.pid).children(recursive=True)
-        workers = [p for p in family if "spawn_main" in " ".join(p.cmdline())]
-        assert len(workers) == 1
-        srv.proc.send_signal(signal.SIGTERM)  # the server's own shutdown must end the rank-1 worker
-        srv.proc.wait(30)
-        assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in workers)
-    finally:
-        srv.stop()
+    srv = bento_server(args=args)
+    body = {"model": "tiffin-tiny-llama", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0}
+    answer = srv.http.post("/v1/completions", json=body | {"ignore_eos": True}, timeout=60)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["text"] == expected
+    family = psutil.Process(srv.proc.pid).children(recursive=True)
+    workers = [p for p in family if "spawn_main" in " ".join(p.cmdline())]
+    assert len(workers) == 1
+    srv.proc.send_signal(signal.SIGTERM)  # the server's own shutdown must end the rank-1 worker
+    srv.proc.wait(30)
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in workers)

@@ -1,0 +1,115 @@
+"""Every benchmark script runs: its `--help`, then its cheapest real invocation, as the subprocess a user starts,
+so that a broken benchmark fails here. tiffin alone: vLLM is not installed, so a run that names it must be
+refused, saying it is absent. The scripts of each test run side by side, to keep the wall time short."""
+
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiffin.testing.servers import free_port
+from tiffin.tiny import make_tiny_model
+
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = sorted(p.name for p in (REPO / "benchmarks").glob("*.py") if p.name != "common.py")
+
+
+def run_side_by_side(commands: dict[str, list[str]], env: dict[str, str]) -> dict[str, subprocess.CompletedProcess]:
+    """Each `python benchmarks/<name> ARGS...` from the repository root, all at once."""
+
+    def run(argv: list[str]) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, f"benchmarks/{argv[0]}", *argv[1:]]
+        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+    with ThreadPoolExecutor(len(commands)) as pool:
+        return dict(zip(commands, pool.map(run, commands.values())))
+
+
+def output(run: subprocess.CompletedProcess) -> str:
+    return f"exit {run.returncode}\n--- stdout\n{run.stdout[-3000:]}\n--- stderr\n{run.stderr[-5000:]}"
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict[str, str]:
+    """As a user runs them: none of the test session's TIFFIN_* settings, and BentoML's home in a scratch dir."""
+    home = tmp_path_factory.mktemp("bentoml")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIFFIN_")}
+    return env | {"BENTOML_HOME": str(home), "BENTOML_DO_NOT_TRACK": "true"}
+
+
+@pytest.fixture(scope="module")
+def runs(env, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    tmp = tmp_path_factory.mktemp("bench")
+    tiny = str(make_tiny_model(tmp / "tiny"))
+    cheap = ["--n", "2", "--prompt-len", "8:16", "--output-len", "4:8"]
+    return run_side_by_side(
+        {
+            "throughput.py": ["throughput.py", tiny, "--peers", "tiffin,hf-cb,hf-static", *cheap, "--loras", "2"]
+            + ["--json-schema", "benchmarks/schemas/records.json"],
+            "throughput.py vllm": ["throughput.py", tiny, "--peers", "tiffin,vllm", "--vllm-python", sys.executable],
+            "serve.py": ["serve.py", "--model", tiny, "--servers", "tiffin", "--concurrency", "2", *cheap]
+            + ["--port", str(free_port())],
+            "serve.py vllm": ["serve.py", "--model", tiny, "--vllm-python", sys.executable],
+            "prefix.py": ["prefix.py", "--make-model", str(tmp / "llama-40m"), "--n", "2", "--system-len", "32"]
+            + ["--question-len", "8", "--output-len", "2"],
+            "hostile.py": ["hostile.py", "--rounds", "1"],
+            "kernels.py": ["kernels.py", "--quick"],
+        },
+        env,
+    )
+
+
+def test_help(env):
+    helps = run_side_by_side({name: [name, "--help"] for name in SCRIPTS}, env)
+    for name, run in helps.items():
+        assert run.returncode == 0 and "usage:" in run.stdout, f"{name} --help: {output(run)}"
+
+
+def test_every_benchmark_has_a_cheapest_run(runs):
+    assert sorted({name.split()[0] for name in runs}) == SCRIPTS
+
+
+def test_throughput(runs):
+    run = runs["throughput.py"]
+    assert run.returncode == 0, output(run)
+    for engine in ("tiffin", "tiffin + 2 LoRAs", "tiffin + json schema", "hf-cb", "hf-static (batch 16)"):
+        assert f"\n| {engine} | bfloat16 | 2 |" in run.stdout, output(run)
+
+
+def test_serve(runs):
+    run = runs["serve.py"]
+    assert run.returncode == 0, output(run)
+    assert "\n| tiffin | concurrency 2 | 2 |" in run.stdout, output(run)
+
+
+@pytest.mark.parametrize("name", ["throughput.py vllm", "serve.py vllm"])
+def test_an_absent_peer_is_refused_by_name(runs, name):
+    run = runs[name]
+    assert run.returncode == 2 and "cannot import vllm" in run.stderr, output(run)
+
+
+def test_prefix(runs):
+    run = runs["prefix.py"]
+    assert run.returncode == 0, output(run)
+    assert "\n| off |" in run.stdout and "\n| on |" in run.stdout and "peak blocks on/off" in run.stdout, output(run)
+
+
+def test_hostile(runs):
+    run = runs["hostile.py"]
+    assert run.returncode == 0, output(run)
+    for line in ("20 MB body: 413", "8 MB prompt: 400", "8 MB chat: 400", "worker RSS after"):
+        assert line in run.stdout, output(run)
+
+
+def test_kernels(runs):
+    run = runs["kernels.py"]
+    if torch.cuda.is_available():
+        assert run.returncode == 0 and "prefill" in run.stdout, output(run)
+    else:
+        assert run.returncode == 1 and "needs a CUDA GPU" in run.stderr, output(run)
