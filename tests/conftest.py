@@ -73,6 +73,24 @@ def openai_app(tiny_model):
         api.engine.shutdown()  # a second shutdown is a no-op
 
 
+@pytest.fixture
+def fail_step(monkeypatch):
+    """`fail_step(runner, n, error)`: the model runner's n-th step from now raises `error`; the others run."""
+
+    def arm(runner, n: int, error: Exception) -> None:
+        execute, calls = runner.execute, []
+
+        def flaky(scheduler_output):
+            calls.append(1)
+            if len(calls) == n:
+                raise error
+            return execute(scheduler_output)
+
+        monkeypatch.setattr(runner, "execute", flaky)
+
+    return arm
+
+
 @pytest.fixture(scope="module")
 def interpreter():
     """Triton kernels launched while this is active run under Triton's CPU interpreter."""

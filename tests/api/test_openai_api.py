@@ -16,17 +16,9 @@ def api(openai_app):
         yield api
 
 
-def test_failure_mid_stream_sends_error_event_then_done(api, monkeypatch):
-    app, runner = api.app, api.engine.engine.model_runner
-    execute, calls = runner.execute, []
-
-    def flaky(sched):
-        calls.append(1)
-        if len(calls) == 4:
-            raise RuntimeError("device lost")
-        return execute(sched)
-
-    monkeypatch.setattr(runner, "execute", flaky)
+def test_failure_mid_stream_sends_error_event_then_done(api, fail_step, monkeypatch):
+    app = api.app
+    fail_step(api.engine.engine.model_runner, 4, RuntimeError("device lost"))
     body = {"prompt": "Hello", "max_tokens": 50, "ignore_eos": True, "stream": True, "temperature": 0}
     with TestClient(app) as client, client.stream("POST", "/completions", json=body) as r:
         assert r.status_code == 200

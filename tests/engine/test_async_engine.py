@@ -141,19 +141,9 @@ def test_refused_requests_raise_before_streaming(engines):
     assert idle.num_running == 0 and idle.kv_blocks_used == 0
 
 
-def test_engine_failure_fails_requests_in_flight_not_the_loop(engines, monkeypatch):
+def test_engine_failure_fails_requests_in_flight_not_the_loop(engines, fail_step):
     llm, engine = engines
-    runner = engine.engine.model_runner
-    execute = runner.execute
-    calls = []
-
-    def flaky(sched):
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("device lost")
-        return execute(sched)
-
-    monkeypatch.setattr(runner, "execute", flaky)
+    fail_step(engine.engine.model_runner, 3, RuntimeError("device lost"))
     with pytest.raises(EngineError, match="device lost"):
         asyncio.run(_collect(engine, PROMPTS[0], SamplingParams(max_tokens=50, ignore_eos=True), "fail"))
     idle = asyncio.run(_wait_idle(engine))
