@@ -126,7 +126,14 @@ def test_greedy_matches_peft_on_awq_base(tmp_path):
     expected = [ref.generate(p, a, NEW_TOKENS) for p, a in zip(prompts, assign)]
     assert all(e != ref.generate(p, None, NEW_TOKENS) for p, e, a in zip(prompts, expected, assign) if a)
 
-    llm = LLM(str(AWQ_FIXTURE), dtype="float32", kernel_backend="torch", enable_lora=True, max_loras=4)
+    llm = LLM(
+        str(AWQ_FIXTURE),
+        dtype="float32",
+        kernel_backend="torch",
+        enable_lora=True,
+        max_loras=4,
+        cpu_quant_compute="exact",
+    )
     assert (
         type(llm.llm_engine.model_runner.model.model.layers[0].self_attn.qkv_proj.method).__name__ == "AWQLinearMethod"
     )

@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from tiffin import LLM, SamplingParams
 from tiffin.engine.models.linear import Linear
 from tiffin.engine.models.loader import build_model, checkpoint_names, get_model_config
+from tiffin.testing.perplexity import heldout_text, perplexity
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "quant"
 REFERENCE = "reference/dequantized.safetensors"  # each tool's own dequantized weights [out, in]
@@ -109,7 +110,7 @@ def test_greedy_matches_transformers_with_the_tools_weights(name):
     with torch.inference_mode():
         hf = reference_model(path)
         expected = [reference_generate(hf, p) for p in prompts]
-    llm = LLM(str(path), dtype="float32", kernel_backend="torch")
+    llm = LLM(str(path), dtype="float32", kernel_backend="torch", cpu_quant_compute="exact")
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out, (tokens, logprobs) in zip(prompts, outs, expected):
@@ -124,7 +125,7 @@ def test_weight_memory(name):
     """4-bit linears (packed weights, zeros, scales, act-order perm) <= 0.3x their fp16 size; the engine
     reports the model's weight bytes."""
     path = FIXTURES / name
-    llm = LLM(str(path), dtype="float16", kernel_backend="torch", num_kv_blocks=8)
+    llm = LLM(str(path), dtype="float16", kernel_backend="torch", num_kv_blocks=8, cpu_quant_compute="exact")
     engine = llm.llm_engine
     model = engine.model_runner.model
     quant_bytes = fp16_bytes = 0
@@ -138,3 +139,21 @@ def test_weight_memory(name):
         v.numel() * 2 for k, v in load_file(path / "model.safetensors").items() if not k.endswith(QUANT_SUFFIXES)
     )
     assert engine.stats().weight_bytes < plain
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_int8_perplexity_is_within_0_3_percent_of_exact(name):
+    """The int8 path (activations quantized per block of 32, weights repacked) against the exact one on 20,000
+    tokens of held-out prose; its 4-bit linears hold at most 0.35x the bytes of bf16."""
+    results = {}
+    for mode in ("exact", "int8"):
+        llm = LLM(str(FIXTURES / name), dtype="float32", cpu_quant_compute=mode, num_kv_blocks=40)
+        ids = llm.get_tokenizer().encode(heldout_text(), add_special_tokens=False)[:20000]
+        results[mode] = perplexity(llm, ids)
+        if mode == "int8":
+            layers = [m for m in llm.llm_engine.model_runner.model.modules() if getattr(m, "blocks", None) is not None]
+            assert layers and all(not hasattr(m, "qweight") for m in layers)  # repacked, the checkpoint's copy gone
+            bf16 = sum(2 * m.input_size * m.output_size for m in layers)
+            share = 0.57 if "8bit" in name else 0.35  # 9 and 5 bits a weight, padding aside
+            assert sum(p.nbytes for m in layers for p in m.parameters()) <= share * bf16
+    assert abs(results["int8"] / results["exact"] - 1) < 0.003, results

@@ -30,7 +30,7 @@ def smollm2() -> Path:
 
 @pytest.fixture(scope="module")
 def llm(smollm2):
-    return LLM(str(smollm2), dtype="float32", max_model_len=512)
+    return LLM(str(smollm2), dtype="float32", max_model_len=512, cpu_quant_compute="exact")
 
 
 def test_greedy_parity_with_transformers_gguf_load(llm):

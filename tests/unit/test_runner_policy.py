@@ -10,12 +10,14 @@ from tiffin.engine.worker.policy import RunnerPolicy, choose_policy
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 
 
-def policy(device=CPU, dtype=torch.bfloat16, backend="torch", amx=True, **settings) -> RunnerPolicy:
-    return choose_policy(device, dtype, backend, amx, EngineConfig(model="unused", **settings))
+def policy(device=CPU, dtype=torch.bfloat16, backend="torch", amx=True, native=True, **settings) -> RunnerPolicy:
+    return choose_policy(device, dtype, backend, amx, EngineConfig(model="unused", **settings), native)
 
 
 def test_cpu_pads_prefills_only_where_amx_builds_kernels_per_row_count():
-    assert policy() == RunnerPolicy(size_threads=True, pad_prefills=True, warm_up_triton=False, capture_graphs=False)
+    assert policy() == RunnerPolicy(
+        size_threads=True, pad_prefills=True, warm_up_triton=False, capture_graphs=False, int8_quantized=True
+    )
     assert not policy(amx=False).pad_prefills  # AMD Zen 4: the build is cheaper than the padding rows
     assert not policy(dtype=torch.float32).pad_prefills  # MKL/oneDNN fp32 builds nothing per row count
     assert not policy(enable_lora=True).pad_prefills  # adapters map per real token
@@ -40,3 +42,11 @@ def test_tensor_parallel_ranks_keep_their_even_thread_split():
 def test_cuda_warms_up_and_captures_graphs_on_triton(settings, backend, warm, graphs):
     p = policy(device=CUDA, backend=backend, **settings)
     assert (p.warm_up_triton, p.capture_graphs, p.pad_prefills) == (warm, graphs, False)
+
+
+def test_quantized_layers_run_int8_on_cpu_unless_exact_asked_or_no_native_kernels():
+    assert policy().int8_quantized and policy(dtype=torch.float32).int8_quantized
+    assert not policy(cpu_quant_compute="exact").int8_quantized
+    assert not policy(native=False).int8_quantized  # no compiler: the torch path, which is exact
+    assert not policy(backend="triton").int8_quantized
+    assert not policy(device=CUDA, backend="triton").int8_quantized

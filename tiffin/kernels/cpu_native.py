@@ -20,15 +20,18 @@ from tiffin.cache import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 2}
+ACT_DTYPE_CODES = {**DTYPE_CODES, torch.float16: 1}  # the quantized GEMMs read and write fp16 too
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 _DECODE_ARGS = [_i32, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64]
 _DECODE_ARGS += [_i32, _i32, _i32, _i32, ctypes.c_float, _i32]
 _RMS_NORM_ARGS = [_i32, _ptr, _i64, _ptr, _ptr, _i64, _i32, ctypes.c_float, _i32]
 _ROTARY_ARGS = [_i32, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i32, _i32, _i32]
 _ARGMAX_ARGS = [_i32, _ptr, _i64, _ptr, _i64, _i64, _i32]
+_INT8_GEMM_ARGS = [_i32, _ptr, _i64, _i64, _i64, _i32, _ptr, _i64, _ptr, _ptr, _i32, _ptr, _i64, _i32]
+_QUANTIZE_ACTS_ARGS = [_i32, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i32]
 
 
 @functools.cache
@@ -50,18 +53,21 @@ def library() -> ctypes.CDLL | None:
     lib.tiffin_rms_norm.argtypes, lib.tiffin_rms_norm.restype = _RMS_NORM_ARGS, None
     lib.tiffin_rotary.argtypes, lib.tiffin_rotary.restype = _ROTARY_ARGS, None
     lib.tiffin_argmax.argtypes, lib.tiffin_argmax.restype = _ARGMAX_ARGS, None
+    lib.tiffin_int8_gemm.argtypes, lib.tiffin_int8_gemm.restype = _INT8_GEMM_ARGS, None
+    lib.tiffin_quantize_acts.argtypes, lib.tiffin_quantize_acts.restype = _QUANTIZE_ACTS_ARGS, None
     return lib
 
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(b"\0".join(s.encode() for s in [SOURCE.read_text(), version, *FLAGS, _cpu_flags()]))
-    path = default_cache_dir() / "native" / f"{SOURCE.stem}-{key.hexdigest()[:16]}.so"
+    texts = [source.read_text() for source in SOURCES]
+    key = hashlib.sha256(b"\0".join(s.encode() for s in [*texts, version, *FLAGS, _cpu_flags()]))
+    path = default_cache_dir() / "native" / f"cpu_ops-{key.hexdigest()[:16]}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # built aside, renamed: racing builds are fine
             built = Path(tmp) / path.name
-            command = [compiler, *FLAGS, str(SOURCE), "-o", str(built)]
+            command = [compiler, *FLAGS, *map(str, SOURCES), "-o", str(built)]
             subprocess.run(command, capture_output=True, text=True, check=True)
             os.replace(built, path)
     return path
@@ -166,3 +172,44 @@ def paged_decode(
         scale,
         torch.get_num_threads(),
     )
+
+
+def int8_gemm(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int
+) -> torch.Tensor:
+    """`x [M, K]` (fp32, bf16 or fp16; K a multiple of 32) quantized to int8 per block of 32, against weight rows
+    in the block layout of `tiffin.kernels.int8_gemm` -> `[M, N]` in x's dtype."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError("int8_gemm needs 2-d x with contiguous rows")
+    n = codes.shape[0]
+    y = torch.empty(x.shape[0], n, dtype=x.dtype)
+    library().tiffin_int8_gemm(
+        ACT_DTYPE_CODES[x.dtype],
+        x.data_ptr(),
+        x.stride(0),
+        x.shape[0],
+        x.shape[1],
+        bits,
+        codes.data_ptr(),
+        n,
+        scales.data_ptr(),
+        offsets.data_ptr(),
+        ACT_DTYPE_CODES[x.dtype],
+        y.data_ptr(),
+        y.stride(0),
+        torch.get_num_threads(),
+    )
+    return y
+
+
+def quantize_acts(x: torch.Tensor, padded_blocks: int) -> tuple[torch.Tensor, ...]:
+    """The int8 GEMM's quantized activations, for tests: codes `[M, padded_blocks * 32]`, one scale a block
+    `[M, padded_blocks]` and `scale * sum(codes)` a block `[M, padded_blocks]`."""
+    m, k = x.shape
+    q = torch.empty(m, padded_blocks * 32, dtype=torch.int8)
+    dx = torch.empty(m, padded_blocks, dtype=torch.float32)
+    sx = torch.empty(m, padded_blocks, dtype=torch.float32)
+    library().tiffin_quantize_acts(
+        ACT_DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), m, k, q.data_ptr(), dx.data_ptr(), sx.data_ptr(), 1
+    )
+    return q, dx, sx

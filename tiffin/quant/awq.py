@@ -6,8 +6,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tiffin.kernels.quant import awq_dequantize, awq_gemm
+from tiffin.kernels.int8_gemm import dequantize_blocks, int8_gemm
+from tiffin.kernels.quant import awq_dequantize, awq_gemm, unpack_awq
 from tiffin.quant.base import (
+    INT8_BACKEND,
     SCALES_DTYPE,
     LinearMethod,
     PackedLinearMethod,
@@ -75,11 +77,23 @@ class AWQLinearMethod(PackedLinearMethod):
         layer.qweight = param(torch.empty(k, n // 8, dtype=torch.int32))
         layer.qzeros = param(torch.empty(groups, n // 8, dtype=torch.int32))
         layer.scales = param(torch.empty(groups, n, dtype=SCALES_DTYPE))
+        layer.blocks = None
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if self.backend == INT8_BACKEND:
+            self.repack_for_int8(layer, unpack_awq(layer.qweight.data), unpack_awq(layer.qzeros.data), 4)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        y = awq_gemm(x.reshape(-1, layer.input_size), layer.qweight, layer.qzeros, layer.scales, self.backend)
+        x2 = x.reshape(-1, layer.input_size)
+        if layer.blocks is not None:
+            y = int8_gemm(x2, layer.blocks)
+        else:
+            y = awq_gemm(x2, layer.qweight, layer.qzeros, layer.scales, self.backend)
         return y.view(*x.shape[:-1], layer.output_size)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
-        """The layer's weight `[out, in]` in the scales' dtype (what `apply` multiplies by)."""
+        """The layer's weight `[out, in]` as `apply` multiplies by it: in the scales' dtype, or float32 from the
+        int8 backend's blocks."""
+        if layer.blocks is not None:
+            return dequantize_blocks(layer.blocks)
         return awq_dequantize(layer.qweight, layer.qzeros, layer.scales).T

@@ -20,6 +20,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from tiffin.kernels.int8_gemm import BLOCK, BlockWeights, from_groups
+
 logger = logging.getLogger(__name__)
 
 
@@ -128,6 +130,21 @@ def _onednn_sgemm_faster(rows: int = 16, size: int = 1024, calls: int = 15) -> b
 # AutoAWQ and GPTQModel both write scales in fp16; the weight is dequantized in it, as the tools do, then
 # cast to the activations' dtype.
 SCALES_DTYPE = torch.float16
+# The kernel backend of quantized layers on CPU with `cpu_quant_compute="int8"`: native kernels on int8
+# activations against the weights in `tiffin.kernels.int8_gemm`'s block layout, repacked once at load.
+INT8_BACKEND = "int8"
+
+
+def keep_blocks(layer: nn.Module, blocks: BlockWeights | None, checkpoint_tensors: tuple[str, ...]) -> None:
+    """Make `blocks` the layer's weight and drop the checkpoint's tensors, which the int8 kernels never read;
+    `layer.blocks` stays None where the layer cannot take the block layout (it keeps its exact path)."""
+    layer.blocks = blocks
+    if blocks is None:
+        return
+    layer.block_codes, layer.block_scales = param(blocks.codes), param(blocks.scales)
+    layer.block_offsets = param(blocks.offsets)  # parameters: counted in the model's weight bytes
+    for name in checkpoint_tensors:
+        delattr(layer, name)
 
 
 class PackedLinearMethod(LinearMethod):
@@ -148,6 +165,14 @@ class PackedLinearMethod(LinearMethod):
                 f"about this layer"
             )
         load_shard(layer, getattr(layer, name), tensor, shard, dim=1, pack=self.tensors[name])
+
+    def repack_for_int8(self, layer: nn.Module, codes: torch.Tensor, zeros: torch.Tensor, bits: int) -> None:
+        """With the int8 backend, the weight in the block layout (`from_groups`: codes `[K, N]`, integer zeros and
+        the layer's scales `[groups, N]`), where whole blocks fit: K and the group size multiples of 32."""
+        k, groups = codes.shape[0], layer.scales.shape[0]
+        fits = k % BLOCK == 0 and k // groups % BLOCK == 0
+        blocks = from_groups(codes, zeros, layer.scales.data, bits) if fits else None
+        keep_blocks(layer, blocks, ("qweight", "qzeros", "scales"))
 
     def check_sizes(self, layer: nn.Module, group_size: int) -> None:
         """Packed shards split on group and word boundaries only: refused here, naming the shape, otherwise."""

@@ -18,12 +18,15 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from torch import nn
 
+from tiffin.kernels.int8_gemm import dequantize_blocks, from_gguf, int8_gemm
 from tiffin.kernels.quant import gguf_dequantize, gguf_gemm
 from tiffin.quant.base import (
+    INT8_BACKEND,
     SCALES_DTYPE,
     LinearMethod,
     QuantizationConfig,
     UnquantizedLinearMethod,
+    keep_blocks,
     load_shard,
     param,
     register_quant_config,
@@ -93,6 +96,7 @@ class GGUFLinearMethod(LinearMethod):
         layer.qweight = param(torch.empty(n, k * bits // 8, dtype=torch.int8 if bits == 8 else torch.uint8))
         layer.scales = param(torch.empty(n, k // GROUP_SIZE, dtype=SCALES_DTYPE))
         layer.mins = param(torch.empty_like(layer.scales)) if self.quant.has_min else None
+        layer.blocks = None
 
     def load(self, layer: nn.Module, name: str, tensor: torch.Tensor, shard: int | None) -> None:
         if name != "weight" or tensor.dtype != torch.uint8:
@@ -103,16 +107,30 @@ class GGUFLinearMethod(LinearMethod):
         if mins is not None:
             load_shard(layer, layer.mins, mins, shard, dim=0)
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """The int8 backend reads GGUF's blocks as they are, with fp16 offsets: `-8d` (Q4_0), the minimum (Q4_1),
+        `-128d` beside codes + 128 (Q8_0)."""
+        if self.backend == INT8_BACKEND:
+            blocks = from_gguf(layer.qweight.data, layer.scales.data, layer.mins, self.quant.bits)
+            keep_blocks(layer, blocks, ("qweight", "scales", "mins"))
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, layer.input_size)
-        y = gguf_gemm(x2, layer.qweight, layer.scales, layer.mins, self.quant.bits, self.backend)
+        if layer.blocks is not None:
+            y = int8_gemm(x2, layer.blocks)
+        else:
+            y = gguf_gemm(x2, layer.qweight, layer.scales, layer.mins, self.quant.bits, self.backend)
         return y.view(*x.shape[:-1], layer.output_size)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
-        """The layer's weight `[out, in]` in float32 (what `apply` multiplies by)."""
+        """The layer's weight `[out, in]` in float32, exactly (what the exact path multiplies by)."""
+        if layer.blocks is not None:
+            return dequantize_blocks(layer.blocks)
         return gguf_dequantize(layer.qweight, layer.scales, layer.mins, self.quant.bits)
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of the weight, float32 `[len(ids), in]`."""
+        """Rows `ids` of the weight, float32 `[len(ids), in]`, exactly."""
+        if layer.blocks is not None:
+            return dequantize_blocks(layer.blocks, ids)
         mins = None if layer.mins is None else layer.mins[ids]
         return gguf_dequantize(layer.qweight[ids], layer.scales[ids], mins, self.quant.bits)

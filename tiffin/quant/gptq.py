@@ -7,8 +7,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tiffin.kernels.quant import gptq_dequantize, gptq_gemm, pack_rows, unpack_rows
+from tiffin.kernels.int8_gemm import dequantize_blocks, int8_gemm
+from tiffin.kernels.quant import gptq_dequantize, gptq_gemm, pack_rows, unpack_cols, unpack_rows
 from tiffin.quant.base import (
+    INT8_BACKEND,
     SCALES_DTYPE,
     LinearMethod,
     PackedLinearMethod,
@@ -91,7 +93,7 @@ class GPTQLinearMethod(PackedLinearMethod):
         layer.qweight = param(torch.empty(k // self.pack, n, dtype=torch.int32))
         layer.qzeros = param(torch.empty(groups, n // self.pack, dtype=torch.int32))
         layer.scales = param(torch.empty(groups, n, dtype=SCALES_DTYPE))
-        layer.perm = layer.gather = None
+        layer.perm = layer.gather = layer.blocks = None
         if self.config.desc_act:
             # kept on the host: checkpoint tensors arrive there, and the shards of a fused layer are compared
             # with the first one's before the permutation is sent to the weights' device
@@ -117,7 +119,15 @@ class GPTQLinearMethod(PackedLinearMethod):
             raise ValueError("the shards of a fused layer carry different act-order g_idx")
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """Act-order: sort input rows by group so that groups are contiguous, as the kernels read them."""
+        """Act-order: sort input rows by group so that groups are contiguous, as the kernels read them; then, with
+        the int8 backend, repack into its block layout."""
+        self._sort_groups(layer)
+        if self.backend == INT8_BACKEND:
+            c = self.config
+            zeros = unpack_cols(layer.qzeros.data, c.bits) + c.zero_offset
+            self.repack_for_int8(layer, unpack_rows(layer.qweight.data, c.bits), zeros, c.bits)
+
+    def _sort_groups(self, layer: nn.Module) -> None:
         if not self.config.desc_act:
             return
         g_idx, k, size = layer.g_idx.long(), layer.input_size, layer.group_size  # on the host
@@ -158,12 +168,21 @@ class GPTQLinearMethod(PackedLinearMethod):
         x2d = x.reshape(-1, layer.input_size)
         if layer.gather is not None:
             x2d = torch.nn.functional.pad(x2d, (0, 1))[:, layer.gather]
-        y = gptq_gemm(x2d, layer.qweight, layer.qzeros, layer.scales, c.bits, c.zero_offset, layer.perm, self.backend)
+        if layer.blocks is not None:
+            y = int8_gemm(x2d if layer.perm is None else x2d[:, layer.perm], layer.blocks)
+        else:
+            y = gptq_gemm(
+                x2d, layer.qweight, layer.qzeros, layer.scales, c.bits, c.zero_offset, layer.perm, self.backend
+            )
         return y.view(*x.shape[:-1], layer.output_size)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
-        """The layer's weight `[out, in]` in the scales' dtype, input rows in the checkpoint's order."""
-        w = gptq_dequantize(layer.qweight, layer.qzeros, layer.scales, self.config.bits, self.config.zero_offset)
+        """The layer's weight `[out, in]` as `apply` multiplies by it (in the scales' dtype, or float32 from the int8
+        backend's blocks), input rows in the checkpoint's order."""
+        if layer.blocks is not None:
+            w = dequantize_blocks(layer.blocks).T
+        else:
+            w = gptq_dequantize(layer.qweight, layer.qzeros, layer.scales, self.config.bits, self.config.zero_offset)
         if layer.perm is not None:
             w = torch.empty_like(w).index_copy_(0, layer.perm.long(), w)
         return w.T

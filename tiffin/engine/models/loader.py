@@ -43,9 +43,12 @@ def build_model(
     max_positions: int,
     backend: str,
     tp: TensorParallel = UNSHARDED,
+    quant_backend: str | None = None,
 ) -> torch.nn.Module:
     """The model of `config` on `device` with the checkpoint's weights (this rank's shard of them under tensor
-    parallelism `tp`); `backend` is the resolved kernel backend every attention and quantized layer runs on."""
+    parallelism `tp`); `backend` is the resolved kernel backend every layer runs on, `quant_backend` (default:
+    `backend`) the one of quantized layers."""
+    quant_backend = quant_backend or backend
     model_class = get_architecture(config.architecture).model
     if tp.size > 1 and find_gguf(path) is not None:
         raise ValueError("tensor parallelism does not split GGUF checkpoints; serve a safetensors checkpoint")
@@ -53,12 +56,12 @@ def build_model(
     def linear(
         prefix: str, input_size: int, output_sizes: list[int], bias: bool, split: str | None = None, parts=None
     ) -> Linear:
-        method = get_linear_method(config.quant_config, model_class.stacked_modules, prefix, backend)
+        method = get_linear_method(config.quant_config, model_class.stacked_modules, prefix, quant_backend)
         return Linear(input_size, output_sizes, bias, config.dtype, method, tp, split if tp.size > 1 else None, parts)
 
     def embedding(prefix: str, vocab_size: int, hidden_size: int) -> Embedding:
         quant = config.quant_config
-        method = UnquantizedLinearMethod() if quant is None else quant.embedding_method(prefix, backend)
+        method = UnquantizedLinearMethod() if quant is None else quant.embedding_method(prefix, quant_backend)
         tp.split(vocab_size, "vocab_size")  # refused by name when the vocabulary does not split
         return Embedding(vocab_size, hidden_size, config.dtype, method, tp)
 

@@ -25,6 +25,7 @@ from tiffin.engine.worker.cuda_graphs import DecodeGraphs, decode_batch_sizes
 from tiffin.engine.worker.policy import choose_policy
 from tiffin.engine.worker.sampler import Sampler, SamplerOutput
 from tiffin.engine.worker.warm_up import warm_padded_sizes, warm_up_triton
+from tiffin.quant.base import INT8_BACKEND
 
 
 class ModelRunner:
@@ -41,9 +42,8 @@ class ModelRunner:
         self.config, self.model_config, self.max_model_len = config, model_config, max_model_len
         self.device = config.torch_device if group is None else group.device
         self.backend = kernels.resolve_backend(config.kernel_backend, self.device)
-        self.policy = choose_policy(
-            self.device, model_config.dtype, self.backend, torch.cpu._is_amx_tile_supported(), config
-        )
+        amx, native = torch.cpu._is_amx_tile_supported(), kernels.cpu_native.library() is not None
+        self.policy = choose_policy(self.device, model_config.dtype, self.backend, amx, config, native)
         if group is None and config.tensor_parallel_size > 1:
             group = tp_worker.start(config, model_config, max_model_len, self.device, ModelRunner)
         self.group, tp = group, UNSHARDED if group is None else group.tp
@@ -52,13 +52,15 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         if self.device.type == "cpu":
             _keep_freed_memory_mapped()
-            kernels.cpu_native.library()  # built (or found in the cache) now, not during the first request
         # never more threads than the CPUs we may use; a lower count the user set stays the ceiling
         self.thread_sizer = (
             ThreadSizer(min(torch.get_num_threads(), usable_cpus())) if self.policy.size_threads else None
         )
         self.block_size = config.block_size
-        self.model = build_model(model_config, config.model, self.device, max_model_len, self.backend, tp)
+        quant_backend = INT8_BACKEND if self.policy.int8_quantized else self.backend
+        self.model = build_model(
+            model_config, config.model, self.device, max_model_len, self.backend, tp, quant_backend
+        )
         self.lora_slots = (
             LoRASlots(self.model, config.max_loras, config.max_lora_rank, model_config.dtype, self.device, self.backend)
             if config.enable_lora

@@ -14,13 +14,16 @@ class RunnerPolicy:
     pad_prefills: bool  # steps with a prefill run `padded_tokens` rows, each size's GEMMs built at start
     warm_up_triton: bool  # launch every Triton variant a step can, before the engine reports ready
     capture_graphs: bool  # decode-only steps padded to captured sizes and replayed as CUDA graphs
+    int8_quantized: bool  # quantized layers run the native int8 kernels (`cpu_quant_compute`)
 
 
 def choose_policy(
-    device: torch.device, dtype: torch.dtype, backend: str, has_amx: bool, config: EngineConfig
+    device: torch.device, dtype: torch.dtype, backend: str, has_amx: bool, config: EngineConfig, native: bool = True
 ) -> RunnerPolicy:
+    """`native`: whether the native CPU kernels are built (a machine without a compiler runs the torch ones)."""
     cpu, single = device.type == "cpu", config.tensor_parallel_size == 1
     return RunnerPolicy(
+        int8_quantized=cpu and backend == "torch" and native and config.cpu_quant_compute == "int8",
         # tensor-parallel ranks keep their even split of the CPUs
         size_threads=cpu and single,
         # oneDNN builds an AMX kernel per new row count of a bf16/fp16 linear; LoRA maps adapters per real token

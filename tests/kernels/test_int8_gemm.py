@@ -1,0 +1,119 @@
+"""The int8 GEMM of quantized layers on CPU: the native kernel against the torch reference of the same arithmetic
+(exact integer block dot products, fp32 sums), the reference against float64 algebra on the dequantized weight
+and activations, and the repacking of GGUF / AWQ / GPTQ weights against each format's own dequantization."""
+
+import pytest
+import torch
+
+from tiffin.kernels import cpu_native
+from tiffin.kernels import int8_gemm as ig
+from tiffin.kernels.quant import awq_dequantize, gguf_dequantize, gptq_dequantize, unpack_awq, unpack_cols, unpack_rows
+
+native = pytest.mark.skipif(cpu_native.library() is None, reason="no C++ compiler: the native kernels are not built")
+SHAPES = [(1, 64, 1), (1, 576, 960), (3, 96, 17), (7, 1056, 33), (64, 1536, 40), (300, 544, 7)]  # (M, K, N)
+
+
+def random_blocks(n: int, k: int, bits: int, seed: int) -> ig.BlockWeights:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, generator=g)
+    scales = torch.rand(n, k // 32, generator=g) * 0.02
+    return ig.pack_codes(codes, scales, -(2 ** (bits - 1)) * scales * torch.rand(n, k // 32, generator=g), bits)
+
+
+@native
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m, k, n", SHAPES)
+def test_native_kernel_is_the_reference_arithmetic(m, k, n, bits):
+    w = random_blocks(n, k, bits, seed=m + k + n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 3
+    x[0, :32] = 0  # a block of zeros: scale 0
+    want = ig.int8_gemm_reference(x, w)
+    # the kernel sums each block's 8 partial dot products in fp32 where the reference sums the exact total: the
+    # two differ by fp32 roundings of terms as large as the largest output
+    torch.testing.assert_close(ig.int8_gemm(x, w), want, rtol=0, atol=2e-6 * float(want.abs().max()))
+
+
+@native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_activations_in_and_out(dtype):
+    w, x = random_blocks(48, 320, 4, seed=1), torch.randn(5, 320).to(dtype)
+    got, want = ig.int8_gemm(x, w), ig.int8_gemm_reference(x, w)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, rtol=torch.finfo(dtype).eps, atol=1e-5 * float(want.abs().max()))
+
+
+@native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_activation_quantization_is_bit_exact(dtype):
+    x = (torch.randn(9, 352) * torch.logspace(-3, 3, 352)).to(dtype)
+    x[1, 32:64] = 0
+    q, dx, sx = cpu_native.quantize_acts(x, ig.padded_blocks(352))
+    want_q, want_dx = ig.quantize_activations(x, ig.padded_blocks(352))
+    assert torch.equal(q, want_q) and torch.equal(dx, want_dx)
+    assert torch.equal(sx, want_dx * want_q.view(9, -1, 32).sum(-1).float())
+    assert int(q.abs().max()) == 127 and not q[:, 352:].any()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_reference_is_the_product_of_the_dequantized_operands(bits):
+    """Independent of the block bookkeeping: (qx * dx) @ (q * d + m)^T in float64."""
+    m, k, n = 4, 160, 24
+    w, x = random_blocks(n, k, bits, seed=7), torch.randn(m, k)
+    qx, dx = ig.quantize_activations(x, ig.padded_blocks(k))
+    acts = (qx.view(m, -1, 32).double() * dx[..., None].double()).view(m, -1)[:, :k]
+    want = acts @ ig.dequantize_blocks(w).double().T
+    torch.testing.assert_close(ig.int8_gemm_reference(x, w).double(), want, rtol=1e-5, atol=1e-5)
+
+
+def gguf_rows(n: int, k: int, bits: int, with_mins: bool, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    if bits == 4:
+        qweight = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    else:
+        qweight = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    scales = (torch.rand(n, k // 32, generator=g) * 0.01).half()
+    mins = (-torch.rand(n, k // 32, generator=g) * 0.1).half() if with_mins else None
+    return qweight, scales, mins
+
+
+@pytest.mark.parametrize("bits, with_mins", [(4, False), (4, True), (8, False)], ids=["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_dequantize_exactly_as_llama_cpp(bits, with_mins):
+    qweight, scales, mins = gguf_rows(12, 96, bits, with_mins, seed=bits)
+    blocks = ig.from_gguf(qweight, scales, mins, bits)
+    want = gguf_dequantize(qweight, scales, mins, bits)
+    assert torch.equal(ig.dequantize_blocks(blocks), want)
+    assert torch.equal(ig.dequantize_blocks(blocks, torch.tensor([3, 0, 3])), want[[3, 0, 3]])
+
+
+def test_awq_and_gptq_blocks_match_their_dequantization():
+    """`(q - z) * s` the tools compute in fp16; the blocks' `q * s + (-z * s)` keeps `-z * s` in fp16: equal to
+    fp16 rounding."""
+    g = torch.Generator().manual_seed(3)
+    k, n, group = 256, 16, 64
+    qweight = torch.randint(-(2**31), 2**31 - 1, (k, n // 8), dtype=torch.int32, generator=g)
+    qzeros = torch.randint(-(2**31), 2**31 - 1, (k // group, n // 8), dtype=torch.int32, generator=g)
+    scales = (torch.rand(k // group, n, generator=g) * 0.01 + 1e-3).half()
+    fp16_step = lambda zeros: float((zeros * scales.float()).abs().max()) * 2**-10  # rounding of -z * s and (q - z) * s
+    awq = ig.from_groups(unpack_awq(qweight), unpack_awq(qzeros), scales, 4)
+    want = awq_dequantize(qweight, qzeros, scales).T.float()
+    torch.testing.assert_close(ig.dequantize_blocks(awq), want, rtol=0, atol=fp16_step(unpack_awq(qzeros)))
+    for bits in (4, 8):
+        rows = torch.randint(-(2**31), 2**31 - 1, (k * bits // 32, n), dtype=torch.int32, generator=g)
+        zeros = torch.randint(-(2**31), 2**31 - 1, (k // group, n * bits // 32), dtype=torch.int32, generator=g)
+        gptq = ig.from_groups(unpack_rows(rows, bits), unpack_cols(zeros, bits) + 1, scales, bits)
+        want = gptq_dequantize(rows, zeros, scales, bits, 1).T.float()
+        step = fp16_step(unpack_cols(zeros, bits) + 1)
+        torch.testing.assert_close(ig.dequantize_blocks(gptq), want, rtol=0, atol=step)
+
+
+@native
+def test_threads_split_the_output_rows():
+    w, x = random_blocks(4096, 576, 4, seed=11), torch.randn(3, 576)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ig.int8_gemm(x, w)
+        torch.set_num_threads(max(2, before))
+        assert torch.equal(ig.int8_gemm(x, w), one)
+    finally:
+        torch.set_num_threads(before)
