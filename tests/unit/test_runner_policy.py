@@ -16,7 +16,12 @@ def policy(device=CPU, dtype=torch.bfloat16, backend="torch", amx=True, native=T
 
 def test_cpu_pads_prefills_only_where_amx_builds_kernels_per_row_count():
     assert policy() == RunnerPolicy(
-        size_threads=True, pad_prefills=True, warm_up_triton=False, capture_graphs=False, int8_quantized=True
+        size_threads=True,
+        pad_prefills=True,
+        warm_up_triton=False,
+        capture_graphs=False,
+        int8_quantized=True,
+        native_decode=True,
     )
     assert not policy(amx=False).pad_prefills  # AMD Zen 4: the build is cheaper than the padding rows
     assert not policy(dtype=torch.float32).pad_prefills  # MKL/oneDNN fp32 builds nothing per row count
@@ -50,3 +55,11 @@ def test_quantized_layers_run_int8_on_cpu_unless_exact_asked_or_no_native_kernel
     assert not policy(native=False).int8_quantized  # no compiler: the torch path, which is exact
     assert not policy(backend="triton").int8_quantized
     assert not policy(device=CUDA, backend="triton").int8_quantized
+
+
+def test_native_decode_needs_the_int8_kernels_and_nothing_between_them():
+    assert policy().native_decode
+    assert not policy(cpu_quant_compute="exact").native_decode
+    assert not policy(enable_lora=True).native_decode  # adapter deltas go between the kernels
+    assert not policy(tensor_parallel_size=2).native_decode  # so do the all-reduces
+    assert not policy(native=False).native_decode

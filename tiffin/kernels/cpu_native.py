@@ -21,6 +21,7 @@ from tiffin.cache import default_cache_dir
 logger = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 2}
 ACT_DTYPE_CODES = {**DTYPE_CODES, torch.float16: 1}  # the quantized GEMMs read and write fp16 too
@@ -32,6 +33,7 @@ _ROTARY_ARGS = [_i32, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i32, _i32, _i32
 _ARGMAX_ARGS = [_i32, _ptr, _i64, _ptr, _i64, _i64, _i32]
 _INT8_GEMM_ARGS = [_i32, _ptr, _i64, _i64, _i64, _i32, _ptr, _i64, _ptr, _ptr, _i32, _ptr, _i64, _i32]
 _QUANTIZE_ACTS_ARGS = [_i32, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i32]
+_DECODE_LAYERS_ARGS = [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i32]
 
 
 @functools.cache
@@ -55,12 +57,13 @@ def library() -> ctypes.CDLL | None:
     lib.tiffin_argmax.argtypes, lib.tiffin_argmax.restype = _ARGMAX_ARGS, None
     lib.tiffin_int8_gemm.argtypes, lib.tiffin_int8_gemm.restype = _INT8_GEMM_ARGS, None
     lib.tiffin_quantize_acts.argtypes, lib.tiffin_quantize_acts.restype = _QUANTIZE_ACTS_ARGS, None
+    lib.tiffin_decode_layers.argtypes, lib.tiffin_decode_layers.restype = _DECODE_LAYERS_ARGS, None
     return lib
 
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    texts = [source.read_text() for source in SOURCES]
+    texts = [source.read_text() for source in [*SOURCES, *HEADERS]]
     key = hashlib.sha256(b"\0".join(s.encode() for s in [*texts, version, *FLAGS, _cpu_flags()]))
     path = default_cache_dir() / "native" / f"cpu_ops-{key.hexdigest()[:16]}.so"
     if not path.exists():
@@ -175,13 +178,12 @@ def paged_decode(
 
 
 def int8_gemm(
-    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int, n: int
 ) -> torch.Tensor:
-    """`x [M, K]` (fp32, bf16 or fp16; K a multiple of 32) quantized to int8 per block of 32, against weight rows
-    in the block layout of `tiffin.kernels.int8_gemm` -> `[M, N]` in x's dtype."""
+    """`x [M, K]` (fp32, bf16 or fp16; K a multiple of 32) quantized to int8 per block of 32, against the `n`
+    weight rows in the block layout of `tiffin.kernels.int8_gemm` -> `[M, n]` in x's dtype."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError("int8_gemm needs 2-d x with contiguous rows")
-    n = codes.shape[0]
     y = torch.empty(x.shape[0], n, dtype=x.dtype)
     library().tiffin_int8_gemm(
         ACT_DTYPE_CODES[x.dtype],
@@ -202,13 +204,13 @@ def int8_gemm(
     return y
 
 
-def quantize_acts(x: torch.Tensor, padded_blocks: int) -> tuple[torch.Tensor, ...]:
-    """The int8 GEMM's quantized activations, for tests: codes `[M, padded_blocks * 32]`, one scale a block
-    `[M, padded_blocks]` and `scale * sum(codes)` a block `[M, padded_blocks]`."""
+def quantize_acts(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The int8 GEMM's quantized activations, for tests: codes `[M, K]`, one scale a block `[M, K / 32]` and
+    `scale * sum(codes)` a block `[M, K / 32]`."""
     m, k = x.shape
-    q = torch.empty(m, padded_blocks * 32, dtype=torch.int8)
-    dx = torch.empty(m, padded_blocks, dtype=torch.float32)
-    sx = torch.empty(m, padded_blocks, dtype=torch.float32)
+    q = torch.empty(m, k, dtype=torch.int8)
+    dx = torch.empty(m, k // 32, dtype=torch.float32)
+    sx = torch.empty(m, k // 32, dtype=torch.float32)
     library().tiffin_quantize_acts(
         ACT_DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), m, k, q.data_ptr(), dx.data_ptr(), sx.data_ptr(), 1
     )

@@ -2,16 +2,17 @@
 
 Every weight row is blocks of 32 inputs, each block unsigned codes `q` (4 or 8 bits) with a scale `d` and an
 offset `m`: `w = q * d + m`. GGUF's Q4_0 (`m = -8d`), Q4_1 (`m` stored) and Q8_0 (codes + 128, `m = -128d`)
-are this layout as stored; AWQ and GPTQ (`w = (q - z) * s` per group) repack into it once at load (`d = s`,
-`m = -z * s`, a group of 64 or 128 inputs being 2 or 4 blocks). Activations are quantized per row and block to
-int8 (`dx = max|x| / 127`, `qx = round(x / dx)`), so a block contributes `d * dx * sum(q * qx) + m * dx *
+are this arithmetic as stored; AWQ and GPTQ (`w = (q - z) * s` per group) too (`d = s`, `m = -z * s`, a group of
+64 or 128 inputs being 2 or 4 blocks). All are repacked once at load. Activations are quantized per row and block
+to int8 (`dx = max|x| / 127`, `qx = round(x / dx)`), so a block contributes `d * dx * sum(q * qx) + m * dx *
 sum(qx)`: an exact integer dot product, then fp32 (`int8_gemm_reference` is that arithmetic in torch; the native
-kernel computes the same with AVX-512 VNNI). Scales and offsets are kept in fp16, as GGUF stores them and AWQ /
-GPTQ scales are: a weight takes 5 bits (9 at 8 bits).
+kernel, `kernels/csrc/cpu_quant.cpp`, computes the same with AVX-512 VNNI). Scales and offsets are kept in fp16,
+as GGUF stores them and AWQ / GPTQ scales are: a weight takes 5 bits (9 at 8 bits).
 
-Layout (`BlockWeights`): `codes` uint8 `[N, nb2 * 32 * bits / 8]` with nb2 the row's blocks rounded up to even
-(4-bit: block b's 16 bytes hold inputs 0..15 in the low nibbles, 16..31 in the high ones, as GGUF's Q4), and
-`scales` / `offsets` fp16 `[N, nb2]`; padding is zero.
+Layout (`BlockWeights`), rows interleaved by 16 (padded with zero rows) so that a vector lane is an output row:
+`codes` uint8 `[groups, blocks * 16 * 32 * bits / 8]`, per group and block the registers of 16 rows x 4 inputs
+(quad t: inputs 4t..4t+3), 8-bit quads 0..7 in turn, 4-bit quads t and t + 4 in the low and high nibbles of
+register t; `scales` / `offsets` fp16 `[groups, blocks * 16]`.
 """
 
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import torch
 from tiffin.kernels import cpu_native
 
 BLOCK = 32
+LANES = 16  # weight rows interleaved
 
 
 @dataclass
@@ -29,21 +31,19 @@ class BlockWeights:
     scales: torch.Tensor
     offsets: torch.Tensor
     bits: int
-    in_features: int  # K, before padding
-
-    @property
-    def out_features(self) -> int:
-        return self.codes.shape[0]
+    in_features: int  # K
+    out_features: int  # N, before padding to whole groups of 16
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.codes, self.scales, self.offsets))
 
 
-def padded_blocks(in_features: int) -> int:
-    """A row's blocks rounded up to even (the kernel reads them in pairs)."""
-    nb = in_features // BLOCK
-    return nb + nb % 2
+def _interleave(t: torch.Tensor) -> torch.Tensor:
+    """`[N, blocks, ...]` -> `[groups, blocks, 16, ...]`, rows padded with zeros to whole groups."""
+    groups = -(-t.shape[0] // LANES)
+    padded = torch.nn.functional.pad(t, (0,) * (2 * (t.dim() - 1)) + (0, groups * LANES - t.shape[0]))
+    return padded.view(groups, LANES, *t.shape[1:]).transpose(1, 2)
 
 
 def pack_codes(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int) -> BlockWeights:
@@ -51,19 +51,12 @@ def pack_codes(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
     `[N, K]` (K a multiple of 32) and per-block scales and offsets `[N, K / 32]`."""
     n, k = codes.shape
     if k % BLOCK or scales.shape != (n, k // BLOCK) or offsets.shape != scales.shape:
-        raise ValueError(
-            f"codes [N, K] need K a multiple of {BLOCK} and [N, K/{BLOCK}] scales, got {tuple(codes.shape)}"
-        )
-    nb2 = padded_blocks(k)
-    padded = torch.zeros(n, nb2 * BLOCK, dtype=torch.uint8)
-    padded[:, :k] = codes
-    if bits == 4:  # a block's inputs j and j + 16 share byte j
-        halves = padded.view(n, nb2, 2, 16)
-        packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, -1)
-    else:
-        packed = padded
-    fp16 = lambda t: torch.nn.functional.pad(t.to(torch.float16), (0, nb2 - k // BLOCK))
-    return BlockWeights(packed.contiguous(), fp16(scales), fp16(offsets), bits, k)
+        raise ValueError(f"codes [N, K] need K a multiple of {BLOCK} and [N, K/{BLOCK}] scales, got {codes.shape}")
+    quads = _interleave(codes.to(torch.uint8).view(n, k // BLOCK, 8, 4)).transpose(2, 3)  # [G, blocks, quad, 16, 4]
+    if bits == 4:
+        quads = quads[:, :, :4] | (quads[:, :, 4:] << 4)
+    fp16 = lambda t: _interleave(t.to(torch.float16)).reshape(quads.shape[0], -1).contiguous()
+    return BlockWeights(quads.reshape(quads.shape[0], -1).contiguous(), fp16(scales), fp16(offsets), bits, k, n)
 
 
 def from_gguf(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int) -> BlockWeights:
@@ -94,48 +87,49 @@ def int8_gemm(x: torch.Tensor, w: BlockWeights) -> torch.Tensor:
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"int8_gemm: x must be [M, {w.in_features}], got {tuple(x.shape)}")
     if x.device.type == "cpu" and x.dtype in cpu_native.ACT_DTYPE_CODES and cpu_native.library() is not None:
-        return cpu_native.int8_gemm(x.contiguous(), w.codes, w.scales, w.offsets, w.bits)
+        return cpu_native.int8_gemm(x.contiguous(), w.codes, w.scales, w.offsets, w.bits, w.out_features)
     return int8_gemm_reference(x, w).to(x.dtype)
 
 
-def quantize_activations(x: torch.Tensor, padded: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row and block of 32: int8 codes `[M, padded * 32]` and scales `[M, padded]` (zero past K)."""
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row and block of 32: int8 codes `[M, K]` and scales `[M, K / 32]`."""
     m, k = x.shape
     blocks = x.float().view(m, k // BLOCK, BLOCK)
     d = blocks.abs().amax(-1) / 127
     inverse = torch.where(d != 0, 1 / d, torch.zeros_like(d))
-    q = (blocks * inverse[..., None]).round().clamp(-127, 127).to(torch.int8).view(m, k)
-    pad = padded * BLOCK - k
-    return torch.nn.functional.pad(q, (0, pad)), torch.nn.functional.pad(d, (0, padded - k // BLOCK))
+    return (blocks * inverse[..., None]).round().clamp(-127, 127).to(torch.int8).view(m, k), d
 
 
-def unpack_codes(w: BlockWeights) -> torch.Tensor:
-    """The codes `[N, nb2 * 32]` as integers."""
-    if w.bits == 8:
-        return w.codes
-    halves = w.codes.view(w.out_features, -1, 16)
-    return torch.cat([halves & 0xF, halves >> 4], dim=-1).view(w.out_features, -1)
+def unpack_codes(w: BlockWeights, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The codes `[N, K]` (or of rows `rows`) as integers, in input order."""
+    rows = torch.arange(w.out_features) if rows is None else rows
+    quads = w.codes[rows // LANES].view(len(rows), w.in_features // BLOCK, -1, LANES, 4)
+    quads = quads[torch.arange(len(rows)), :, :, rows % LANES]  # [R, blocks, 4 or 8, 4]
+    if w.bits == 4:
+        quads = torch.cat([quads & 0xF, quads >> 4], dim=2)
+    return quads.reshape(len(rows), w.in_features)
+
+
+def _per_row(t: torch.Tensor, w: BlockWeights, rows: torch.Tensor) -> torch.Tensor:
+    """Scales or offsets `[R, K / 32]` of rows `rows`, as float32."""
+    return t.view(t.shape[0], -1, LANES)[rows // LANES, :, rows % LANES].float()
 
 
 def dequantize_blocks(w: BlockWeights, rows: torch.Tensor | None = None) -> torch.Tensor:
     """The weight `[N, K]` (or its rows `rows`) in float32: `q * d + m`, exact for GGUF's blocks (each product
     and sum is representable)."""
-    pick = (lambda t: t) if rows is None else (lambda t: t[rows])
-    blocks = BlockWeights(pick(w.codes), pick(w.scales), pick(w.offsets), w.bits, w.in_features)
-    n, nb2 = blocks.out_features, padded_blocks(w.in_features)
-    q = unpack_codes(blocks).view(n, nb2, BLOCK).float()
-    d, m = blocks.scales[:, :nb2, None].float(), blocks.offsets[:, :nb2, None].float()
-    return (q * d + m).view(n, -1)[:, : w.in_features]
+    rows = torch.arange(w.out_features) if rows is None else rows
+    q = unpack_codes(w, rows).view(len(rows), -1, BLOCK).float()
+    d, m = _per_row(w.scales, w, rows)[..., None], _per_row(w.offsets, w, rows)[..., None]
+    return (q * d + m).view(len(rows), -1)
 
 
 def int8_gemm_reference(x: torch.Tensor, w: BlockWeights) -> torch.Tensor:
     """The kernel's arithmetic in torch: exact integer block dot products, each scaled and summed in fp32."""
-    nb2 = padded_blocks(w.in_features)
-    qx, dx = quantize_activations(x, nb2)
-    m, n = x.shape[0], w.out_features
-    qx_blocks = qx.view(m, nb2, BLOCK).to(torch.int64)
-    q_blocks = unpack_codes(w).view(n, nb2, BLOCK).to(torch.int64)
-    dots = torch.einsum("mbj,nbj->mnb", qx_blocks, q_blocks).float()  # exact: |dot| < 2^24
-    d, offsets = w.scales.float(), w.offsets.float()
+    qx, dx = quantize_activations(x)
+    m, n, rows = x.shape[0], w.out_features, torch.arange(w.out_features)
+    qx_blocks = qx.view(m, -1, BLOCK).to(torch.int64)
+    dots = torch.einsum("mbj,nbj->mnb", qx_blocks, unpack_codes(w).view(n, -1, BLOCK).to(torch.int64)).float()
+    d, offsets = _per_row(w.scales, w, rows), _per_row(w.offsets, w, rows)
     sx = dx * qx_blocks.sum(-1).float()
     return (dots * (d[None] * dx[:, None])).sum(-1) + sx @ offsets.T

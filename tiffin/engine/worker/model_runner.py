@@ -20,6 +20,7 @@ from tiffin.engine.models.loader import build_model
 from tiffin.engine.structured.backend import fill_bitmask
 from tiffin.engine.worker import kv_cache, tp_worker
 from tiffin.engine.worker.batch import HostBatch, ModelInput, host_batch
+from tiffin.engine.worker.cpu_decode import CpuDecoder
 from tiffin.engine.worker.cpu_threads import ThreadSizer, usable_cpus
 from tiffin.engine.worker.cuda_graphs import DecodeGraphs, decode_batch_sizes
 from tiffin.engine.worker.policy import choose_policy
@@ -75,6 +76,7 @@ class ModelRunner:
         if group is not None:
             self.num_blocks = group.agree_num_blocks(self.num_blocks)
         self.allocate_kv_cache()
+        self.cpu_decoder = CpuDecoder.build(self.model, self.block_size) if self.policy.native_decode else None
         if self.policy.warm_up_triton:
             warm_up_triton(self)
         if self.policy.pad_prefills:
@@ -105,7 +107,10 @@ class ModelRunner:
     @torch.inference_mode()
     def run_model(self, inputs: ModelInput) -> torch.Tensor | None:
         """The logits of the step's sampling tokens; with tensor parallelism on rank 0 only (None elsewhere)."""
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, inputs.lora)
+        if self.cpu_decoder is not None and inputs.attn.max_query_len == 1:
+            hidden = self.cpu_decoder(inputs.input_ids, inputs.positions, inputs.attn)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, inputs.lora)
         return self.model.compute_logits(hidden[inputs.logits_indices])
 
     def shutdown(self) -> None:

@@ -15,6 +15,7 @@ class RunnerPolicy:
     warm_up_triton: bool  # launch every Triton variant a step can, before the engine reports ready
     capture_graphs: bool  # decode-only steps padded to captured sizes and replayed as CUDA graphs
     int8_quantized: bool  # quantized layers run the native int8 kernels (`cpu_quant_compute`)
+    native_decode: bool  # decode-only steps of int8 models run natively, all layers in one call (`cpu_decode`)
 
 
 def choose_policy(
@@ -22,8 +23,11 @@ def choose_policy(
 ) -> RunnerPolicy:
     """`native`: whether the native CPU kernels are built (a machine without a compiler runs the torch ones)."""
     cpu, single = device.type == "cpu", config.tensor_parallel_size == 1
+    int8 = cpu and backend == "torch" and native and config.cpu_quant_compute == "int8"
     return RunnerPolicy(
-        int8_quantized=cpu and backend == "torch" and native and config.cpu_quant_compute == "int8",
+        int8_quantized=int8,
+        # adapters add their deltas between the kernels; a tensor-parallel layer all-reduces between them
+        native_decode=int8 and single and not config.enable_lora,
         # tensor-parallel ranks keep their even split of the CPUs
         size_threads=cpu and single,
         # oneDNN builds an AMX kernel per new row count of a bf16/fp16 linear; LoRA maps adapters per real token

@@ -12,32 +12,9 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_types.h"
+
 namespace {
-
-struct bf16 {
-  uint16_t bits;
-};
-
-inline float to_float(float x) { return x; }
-inline float to_float(bf16 x) {
-  uint32_t u = static_cast<uint32_t>(x.bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-template <typename T>
-T from_float(float x);
-template <>
-float from_float<float>(float x) { return x; }
-template <>
-bf16 from_float<bf16>(float x) {  // round to nearest even, as torch does
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  if (std::isnan(x)) return bf16{0x7FC0};
-  u += 0x7FFF + ((u >> 16) & 1);
-  return bf16{static_cast<uint16_t>(u >> 16)};
-}
 
 // e^x for x <= 0 (softmax after subtracting the max): Cephes' expf polynomial, written so that the compiler
 // vectorizes it (libm's expf is a scalar call). Relative error ~2e-7.
@@ -355,11 +332,6 @@ void argmax(const void* x, int64_t row_stride, int64_t* out, int64_t rows, int64
   }
 }
 
-template <typename F>
-void by_dtype(int dtype, F&& run) {
-  if (dtype == 0) run(float{});
-  if (dtype == 2) run(bf16{});
-}
 
 }  // namespace
 

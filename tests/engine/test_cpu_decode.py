@@ -1,0 +1,122 @@
+"""Decode steps of int8 models on CPU in one native call (`engine/worker/cpu_decode.py`) against the model's torch
+code on the same kernels: each layer equal to float rounding (SiLU's exp is the native step's own), in bf16 the
+whole step bit for bit, and generation through the engine with the same tokens."""
+
+import ctypes
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+from gguf_files import write_gguf
+
+from tiffin import LLM, SamplingParams
+from tiffin.engine.core.scheduler import SchedulerOutput
+from tiffin.engine.core.sequence import Sequence
+from tiffin.kernels import cpu_native
+
+pytestmark = pytest.mark.skipif(cpu_native.library() is None, reason="no C++ compiler: no native kernels")
+WRITTEN = {"llama": QType.Q4_0, "mistral": QType.Q8_0, "qwen2": QType.Q8_0, "qwen3": QType.Q4_0}
+
+
+@pytest.fixture(scope="module")
+def gguf_model(tiny_model, tmp_path_factory):
+    paths = {}
+
+    def get(arch: str):
+        if arch not in paths:
+            paths[arch] = write_gguf(tiny_model(arch), tmp_path_factory.mktemp(arch) / f"{arch}.gguf", WRITTEN[arch])
+        return paths[arch]
+
+    return get
+
+
+def decode_inputs(llm: LLM, prompts: list[list[int]]):
+    """The runner's inputs for one decode step of `prompts`, their KV written by a prefill of all but the last."""
+    runner, step = llm.llm_engine.model_runner, SchedulerOutput()
+    seqs = [Sequence(f"s{i}", 0, p, SamplingParams(), 1) for i, p in enumerate(prompts)]
+    blocks = 0
+    for seq in seqs:
+        needed = -(-len(seq.token_ids) // runner.block_size)
+        seq.block_table = list(range(blocks, blocks + needed))
+        blocks += needed
+        step.add(seq, len(seq.token_ids) - 1)
+    with torch.inference_mode():
+        prefill = runner.prepare(step)
+        runner.model(prefill.input_ids, prefill.positions, prefill.attn)
+    decode = SchedulerOutput()
+    for seq in seqs:
+        seq.num_computed_tokens = len(seq.token_ids) - 1
+        decode.add(seq, 1)
+    return runner.prepare(decode)
+
+
+def native_layers(llm: LLM, inputs, num_layers: int) -> torch.Tensor:
+    """The hidden state after the first `num_layers` decoder layers, natively."""
+    decoder, attn = llm.llm_engine.model_runner.cpu_decoder, inputs.attn
+    x = decoder.model.model.embed_tokens(inputs.input_ids).contiguous()
+    header = decoder.decoder
+    saved, header.num_layers = header.num_layers, num_layers
+    try:
+        cpu_native.library().tiffin_decode_layers(
+            ctypes.addressof(header), x.data_ptr(), len(x), inputs.positions.data_ptr(),
+            attn.slot_mapping.data_ptr(), attn.block_tables.data_ptr(), attn.block_tables.stride(0),
+            attn.seq_lens.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+    finally:
+        header.num_layers = saved
+    return x
+
+
+PROMPTS = [[5, 9, 300, 17, 1200, 44, 8], [1, 2, 3, 4], list(range(100, 140))]
+
+
+@pytest.mark.parametrize("arch", WRITTEN)
+def test_each_layer_is_the_torch_layer(gguf_model, arch):
+    llm = LLM(str(gguf_model(arch)), dtype="float32", num_kv_blocks=16)
+    runner = llm.llm_engine.model_runner
+    assert runner.cpu_decoder is not None
+    inputs = decode_inputs(llm, PROMPTS)
+    layers = runner.model.model.layers
+    with torch.inference_mode():
+        x = runner.model.model.embed_tokens(inputs.input_ids)
+        for i, layer in enumerate(layers):
+            want = layer(x, inputs.positions, inputs.attn, None)
+            got = native_layers(llm, inputs, i + 1)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
+            x = got  # the next layer from the same input on both sides: a flipped int8 code stays local
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_bf16_steps_are_bit_identical(gguf_model, arch):
+    llm = LLM(str(gguf_model(arch)), dtype="bfloat16", num_kv_blocks=16)
+    runner = llm.llm_engine.model_runner
+    inputs = decode_inputs(llm, PROMPTS)
+    with torch.inference_mode():
+        want = runner.model(inputs.input_ids, inputs.positions, inputs.attn)
+        got = runner.cpu_decoder(inputs.input_ids, inputs.positions, inputs.attn)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("arch", WRITTEN)
+def test_generation_takes_the_native_steps_and_the_same_tokens(gguf_model, arch, monkeypatch):
+    llm = LLM(str(gguf_model(arch)), dtype="bfloat16", num_kv_blocks=64, max_num_seqs=4)
+    runner = llm.llm_engine.model_runner
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1),
+        SamplingParams(max_tokens=9, seed=3),
+    ]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    calls, native = [], runner.cpu_decoder.__call__
+    monkeypatch.setattr(runner, "cpu_decoder", lambda *a: calls.append(len(a[0])) or native(*a))
+    got = [llm.generate(prompts, p, use_tqdm=False) for p in params]
+    assert calls and max(calls) == len(PROMPTS)  # decode steps of the whole batch ran natively
+    monkeypatch.setattr(runner, "cpu_decoder", None)
+    want = [llm.generate(prompts, p, use_tqdm=False) for p in params]
+    for g, w in zip(sum(got, []), sum(want, [])):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].logprobs == w.outputs[0].logprobs
+
+
+def test_adapters_and_exact_mode_keep_the_torch_steps(gguf_model):
+    assert LLM(str(gguf_model("llama")), cpu_quant_compute="exact").llm_engine.model_runner.cpu_decoder is None
+    assert LLM(str(gguf_model("llama")), enable_lora=True).llm_engine.model_runner.cpu_decoder is None

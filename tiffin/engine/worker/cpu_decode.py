@@ -1,0 +1,140 @@
+"""Decode-only steps on CPU in one native call for all decoder layers (`kernels/csrc/cpu_decode.cpp`), for a
+Llama-family model whose projections all run the int8 kernels: at batch 1 the ~15 ops a layer costs in Python
+take longer than their work. The native step runs the same kernels in the same order as the model's torch code
+(SiLU aside: its own exp), so its outputs match the model's to float rounding.
+
+Invariant: only decode-only steps (one query token a sequence), with no LoRA adapter, run natively."""
+
+import ctypes
+
+import torch
+
+from tiffin.engine.models.llama import LlamaForCausalLM
+from tiffin.kernels import AttentionMetadata, cpu_native, silu_and_mul
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+class _QuantLinear(ctypes.Structure):
+    _fields_ = [
+        ("codes", _ptr),
+        ("scales", _ptr),
+        ("offsets", _ptr),
+        ("bias", _ptr),
+        ("out_features", _i64),
+        ("in_features", _i64),
+        ("bits", _i64),
+    ]
+
+
+class _DecoderLayer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", _ptr),
+        ("post_norm", _ptr),
+        ("q_norm", _ptr),
+        ("k_norm", _ptr),
+        ("qkv", _QuantLinear),
+        ("o", _QuantLinear),
+        ("gate_up", _QuantLinear),
+        ("down", _QuantLinear),
+        ("k_cache", _ptr),
+        ("v_cache", _ptr),
+    ]
+
+
+class _Decoder(ctypes.Structure):
+    _fields_ = [
+        ("dtype", _i64),
+        *[(name, _i64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "block_size")],
+        ("num_layers", _i64),
+        ("eps", ctypes.c_double),
+        ("scale", ctypes.c_double),
+        ("cos", _ptr),
+        ("sin", _ptr),
+        ("layers", ctypes.POINTER(_DecoderLayer)),
+    ]
+
+
+def _ptr_of(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _linear(layer) -> _QuantLinear:
+    b = layer.blocks
+    return _QuantLinear(b.codes.data_ptr(), b.scales.data_ptr(), b.offsets.data_ptr(), _ptr_of(layer.bias),
+                        b.out_features, b.in_features, b.bits)  # fmt: skip
+
+
+class CpuDecoder:
+    def __init__(self, model: LlamaForCausalLM, block_size: int):
+        """`model`'s layers as the native step reads them; its KV caches must be allocated already."""
+        inner, attn = model.model, model.model.layers[0].self_attn
+        layers = []
+        for layer in inner.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            norms = (a.q_norm.weight, a.k_norm.weight) if a.qk_norm else (None, None)
+            layers.append(
+                _DecoderLayer(
+                    layer.input_layernorm.weight.data_ptr(),
+                    layer.post_attention_layernorm.weight.data_ptr(),
+                    *map(_ptr_of, norms),
+                    *map(_linear, (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)),
+                    a.k_cache.data_ptr(),
+                    a.v_cache.data_ptr(),
+                )
+            )
+        self.layers = (_DecoderLayer * len(layers))(*layers)
+        self.model, self.rotary = model, attn.rotary  # the tensors the pointers point into stay alive
+        self.dtype = inner.norm.weight.dtype
+        self.decoder = _Decoder(
+            cpu_native.DTYPE_CODES[self.dtype],
+            inner.norm.weight.shape[0],
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.head_dim,
+            inner.layers[0].mlp.down_proj.input_size,
+            block_size,
+            len(layers),
+            inner.norm.eps,
+            attn.scale,
+            attn.rotary.cos.data_ptr(),
+            attn.rotary.sin.data_ptr(),
+            self.layers,
+        )
+
+    @classmethod
+    def build(cls, model: torch.nn.Module, block_size: int) -> "CpuDecoder | None":
+        """A native decoder for `model`, or None where its steps must run in torch: not the Llama family, a
+        projection not on the int8 kernels (plain, or an adapter slot), an activation other than SiLU, a dtype
+        other than fp32 / bf16."""
+        if not isinstance(model, LlamaForCausalLM) or cpu_native.library() is None:
+            return None
+        inner = model.model
+        for layer in inner.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if any(getattr(x, "blocks", None) is None or x.adapters is not None for x in linears):
+                return None
+            if mlp.act_and_mul is not silu_and_mul:
+                return None
+        if inner.norm.weight.dtype not in cpu_native.DTYPE_CODES:
+            return None
+        return cls(model, block_size)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+        """The final norm's output `[T, hidden]` of a decode-only step (one token a sequence)."""
+        inner = self.model.model
+        x = inner.embed_tokens(input_ids).contiguous()
+        tables = attn.block_tables
+        cpu_native.library().tiffin_decode_layers(
+            ctypes.addressof(self.decoder),
+            x.data_ptr(),
+            len(input_ids),
+            positions.data_ptr(),
+            attn.slot_mapping.data_ptr(),
+            tables.data_ptr(),
+            tables.stride(0),
+            attn.seq_lens.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return inner.norm(x)

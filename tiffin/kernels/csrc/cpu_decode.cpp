@@ -1,0 +1,162 @@
+// A decode step of a Llama-family model's decoder layers in one call, from the kernels the model's torch path
+// runs one by one (RMSNorm, the int8 GEMM of quantized projections, rotary, paged decode attention): at batch 1 a
+// step's ~400 small ops cost more in Python than their work (tiffin/engine/worker/cpu_decode.py decides when it
+// runs). Each layer: h = norm(x); q, k, v = h Wqkv (+ bias); q, k = norm_qk(q, k); q, k = rotary(q, k); K/V
+// written to their slots; a = attention(q); x += a Wo; h = norm(x); x += (silu(h Wg) * h Wu) Wd. Every result is
+// rounded to the model dtype where torch rounds it.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu_types.h"
+
+extern "C" void tiffin_rms_norm(int dtype, const void* x, int64_t row_stride, const void* weight, void* out,
+                                int64_t rows, int size, float eps, int num_threads);
+extern "C" void tiffin_rotary(int dtype, const void* x, int64_t row_stride, const int64_t* positions, const float* cos,
+                              const float* sin, void* out, int64_t rows, int heads, int head_dim, int num_threads);
+extern "C" void tiffin_paged_decode(int dtype, const void* query, int64_t query_row_stride, void* out,
+                                    int64_t out_row_stride, const void* k_cache, const void* v_cache,
+                                    const int32_t* block_tables, int64_t block_table_stride, const int32_t* seq_lens,
+                                    const int64_t* rows, const int64_t* seqs, int64_t num_rows, int num_heads,
+                                    int num_kv_heads, int head_dim, int block_size, float scale, int num_threads);
+extern "C" void tiffin_int8_gemm(int dtype, const void* x, int64_t x_stride, int64_t m, int64_t k, int bits,
+                                 const uint8_t* codes, int64_t n, const uint16_t* scales, const uint16_t* offsets,
+                                 int out_dtype, void* y, int64_t y_stride, int threads);
+
+struct QuantLinear {  // a projection in tiffin.kernels.int8_gemm's block layout
+  const uint8_t* codes;
+  const uint16_t* scales;
+  const uint16_t* offsets;
+  const void* bias;  // model dtype, or null
+  int64_t out_features, in_features;
+  int64_t bits;
+};
+
+struct DecoderLayer {
+  const void* input_norm;
+  const void* post_norm;
+  const void* q_norm;  // per-head RMSNorm weights (Qwen3), or null
+  const void* k_norm;
+  QuantLinear qkv, o, gate_up, down;
+  void* k_cache;  // [blocks, block_size, kv_heads, head_dim]
+  void* v_cache;
+};
+
+struct Decoder {
+  int64_t dtype;  // 0 fp32, 2 bf16
+  int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size, num_layers;
+  double eps, scale;
+  const float* cos;  // [max_positions, head_dim / 2]
+  const float* sin;
+  const DecoderLayer* layers;
+};
+
+namespace {
+
+template <typename T>
+struct Step {
+  const Decoder& d;
+  int64_t tokens;
+  const int64_t* positions;
+  const int64_t* slots;
+  int threads;
+  std::vector<T> h, qkv, qk, attn, gate_up, act, out;
+  std::vector<int64_t> rows;
+
+  void linear(const QuantLinear& w, const T* x, T* y) {
+    tiffin_int8_gemm(static_cast<int>(d.dtype), x, w.in_features, tokens, w.in_features, static_cast<int>(w.bits),
+                     w.codes, w.out_features, w.scales, w.offsets, static_cast<int>(d.dtype), y, w.out_features,
+                     threads);
+    if (w.bias != nullptr) {
+      const T* b = static_cast<const T*>(w.bias);
+      for (int64_t t = 0; t < tokens; ++t)
+        for (int64_t j = 0; j < w.out_features; ++j) {
+          T& v = y[t * w.out_features + j];
+          v = from_float<T>(to_float(v) + to_float(b[j]));
+        }
+    }
+  }
+
+  void add(T* x, const T* y, int64_t n) {  // x += y, rounded
+    for (int64_t i = 0; i < n; ++i) x[i] = from_float<T>(to_float(x[i]) + to_float(y[i]));
+  }
+
+  void attention(const DecoderLayer& layer, const int32_t* block_tables, int64_t table_stride,
+                 const int32_t* seq_lens) {
+    const int64_t q_size = d.heads * d.head_dim, kv_size = d.kv_heads * d.head_dim, width = q_size + 2 * kv_size;
+    const int dtype = static_cast<int>(d.dtype), heads = static_cast<int>(d.heads + d.kv_heads);
+    linear(layer.qkv, h.data(), qkv.data());
+    if (layer.q_norm != nullptr) {  // per head, q and k heads in place
+      for (int64_t t = 0; t < tokens; ++t) {
+        T* row = &qkv[t * width];
+        tiffin_rms_norm(dtype, row, d.head_dim, layer.q_norm, row, d.heads, static_cast<int>(d.head_dim),
+                        static_cast<float>(d.eps), 1);
+        tiffin_rms_norm(dtype, row + q_size, d.head_dim, layer.k_norm, row + q_size, d.kv_heads,
+                        static_cast<int>(d.head_dim), static_cast<float>(d.eps), 1);
+      }
+    }
+    tiffin_rotary(dtype, qkv.data(), width, positions, d.cos, d.sin, qk.data(), tokens, heads,
+                  static_cast<int>(d.head_dim), threads);
+    for (int64_t t = 0; t < tokens; ++t) {  // this token's K and V into its cache slot (-1: padding, none)
+      if (slots[t] < 0) continue;
+      const int64_t at = slots[t] * kv_size;
+      std::memcpy(static_cast<T*>(layer.k_cache) + at, &qk[t * (q_size + kv_size) + q_size], kv_size * sizeof(T));
+      std::memcpy(static_cast<T*>(layer.v_cache) + at, &qkv[t * width + q_size + kv_size], kv_size * sizeof(T));
+    }
+    tiffin_paged_decode(dtype, qk.data(), q_size + kv_size, attn.data(), q_size, layer.k_cache, layer.v_cache,
+                        block_tables, table_stride, seq_lens, rows.data(), rows.data(), tokens,
+                        static_cast<int>(d.heads), static_cast<int>(d.kv_heads), static_cast<int>(d.head_dim),
+                        static_cast<int>(d.block_size), static_cast<float>(d.scale), threads);
+  }
+
+  void mlp(const DecoderLayer& layer) {
+    const int64_t inter = d.intermediate;
+    linear(layer.gate_up, h.data(), gate_up.data());
+    for (int64_t t = 0; t < tokens; ++t) {
+      const T* g = &gate_up[t * 2 * inter];
+      for (int64_t j = 0; j < inter; ++j) {  // silu(g) * u, each rounded as torch's two ops round
+        const float gate = to_float(g[j]);
+        const float silu = to_float(from_float<T>(gate / (1.f + std::exp(-gate))));
+        act[t * inter + j] = from_float<T>(silu * to_float(g[inter + j]));
+      }
+    }
+    linear(layer.down, act.data(), out.data());
+  }
+
+  void run(T* x, const int32_t* block_tables, int64_t table_stride, const int32_t* seq_lens) {
+    const int64_t q_size = d.heads * d.head_dim, kv_size = d.kv_heads * d.head_dim, hidden = d.hidden;
+    h.resize(tokens * hidden), out.resize(tokens * hidden), attn.resize(tokens * q_size);
+    qkv.resize(tokens * (q_size + 2 * kv_size)), qk.resize(tokens * (q_size + kv_size));
+    gate_up.resize(tokens * 2 * d.intermediate), act.resize(tokens * d.intermediate);
+    rows.resize(tokens);
+    for (int64_t t = 0; t < tokens; ++t) rows[t] = t;
+    const int dtype = static_cast<int>(d.dtype);
+    for (int64_t i = 0; i < d.num_layers; ++i) {
+      const DecoderLayer& layer = d.layers[i];
+      tiffin_rms_norm(dtype, x, hidden, layer.input_norm, h.data(), tokens, static_cast<int>(hidden),
+                      static_cast<float>(d.eps), threads);
+      attention(layer, block_tables, table_stride, seq_lens);
+      linear(layer.o, attn.data(), out.data());
+      add(x, out.data(), tokens * hidden);
+      tiffin_rms_norm(dtype, x, hidden, layer.post_norm, h.data(), tokens, static_cast<int>(hidden),
+                      static_cast<float>(d.eps), threads);
+      mlp(layer);
+      add(x, out.data(), tokens * hidden);
+    }
+  }
+};
+
+}  // namespace
+
+// Every decoder layer on `tokens` one-token queries: x [tokens, hidden] (the embeddings) becomes the last layer's
+// output, before the final norm. Each token is one sequence: its block table row, its length with this token.
+extern "C" void tiffin_decode_layers(const Decoder* decoder, void* x, int64_t tokens, const int64_t* positions,
+                                     const int64_t* slot_mapping, const int32_t* block_tables, int64_t table_stride,
+                                     const int32_t* seq_lens, int threads) {
+  by_dtype(static_cast<int>(decoder->dtype), [&](auto tag) {
+    using T = decltype(tag);
+    Step<T> step{*decoder, tokens, positions, slot_mapping, threads};
+    step.run(static_cast<T*>(x), block_tables, table_stride, seq_lens);
+  });
+}
