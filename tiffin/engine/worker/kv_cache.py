@@ -5,10 +5,12 @@ at max_num_seqs rows) whose KV is freed first; one max_model_len sequence fits o
 numbers. Every layer's K and V live in one zeroed tensor with one block past the pool, which padded decode rows
 write (`cuda_graphs`)."""
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tiffin.engine.config import EngineConfig
@@ -91,9 +93,14 @@ class KVCacheSpec:
 
     def allocate(self, num_blocks: int, device: torch.device, layers_kv: list) -> torch.Tensor:
         """`num_blocks` blocks and the dummy one, zeroed so that slots never written hold finite values (masked-out
-        attention weights multiply them); each attention layer gets its K and V views."""
+        attention weights multiply them); each attention layer gets its K and V views. On CPU the zeros are the
+        operating system's (calloc): pages take memory once written, so the pool costs what requests use."""
         shape = (2, self.num_layers, num_blocks + 1, self.block_size, self.num_kv_heads, self.head_dim)
-        kv_cache = torch.zeros(shape, dtype=self.dtype, device=device)
+        if device.type == "cpu":
+            zeros = np.zeros(math.prod(shape) * self.dtype.itemsize, dtype=np.uint8)
+            kv_cache = torch.from_numpy(zeros).view(self.dtype).view(shape)
+        else:
+            kv_cache = torch.zeros(shape, dtype=self.dtype, device=device)
         for i, attn in enumerate(layers_kv):
             attn.k_cache, attn.v_cache = kv_cache[0, i], kv_cache[1, i]
         return kv_cache
