@@ -3,6 +3,7 @@ code on the same kernels: each layer equal to float rounding (SiLU's exp is the 
 whole step bit for bit, and generation through the engine with the same tokens."""
 
 import ctypes
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from tiffin.kernels import cpu_native
 
 pytestmark = pytest.mark.skipif(cpu_native.library() is None, reason="no C++ compiler: no native kernels")
 WRITTEN = {"llama": QType.Q4_0, "mistral": QType.Q8_0, "qwen2": QType.Q8_0, "qwen3": QType.Q4_0}
+QUANT = Path(__file__).parents[1] / "fixtures" / "quant"
 
 
 @pytest.fixture(scope="module")
@@ -97,9 +99,19 @@ def test_bf16_steps_are_bit_identical(gguf_model, arch):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("compute", ["native", "int8"])
 @pytest.mark.parametrize("arch", WRITTEN)
-def test_generation_takes_the_native_steps_and_the_same_tokens(gguf_model, arch, monkeypatch):
-    llm = LLM(str(gguf_model(arch)), dtype="bfloat16", num_kv_blocks=64, max_num_seqs=4)
+def test_generation_takes_the_native_steps_and_the_same_tokens(gguf_model, arch, compute, monkeypatch):
+    # no prefix cache: the second run's prompts compute as the first's did (in native mode a step's arithmetic
+    # follows its size: 15-bit activations for decode-sized steps, bf16 dot products for prompt-sized ones)
+    llm = LLM(
+        str(gguf_model(arch)),
+        dtype="bfloat16",
+        num_kv_blocks=64,
+        max_num_seqs=4,
+        cpu_quant_compute=compute,
+        enable_prefix_caching=False,
+    )
     runner = llm.llm_engine.model_runner
     params = [
         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1),
@@ -117,6 +129,22 @@ def test_generation_takes_the_native_steps_and_the_same_tokens(gguf_model, arch,
         assert g.outputs[0].logprobs == w.outputs[0].logprobs
 
 
-def test_adapters_and_exact_mode_keep_the_torch_steps(gguf_model):
+def test_adapters_exact_mode_and_act_order_keep_the_torch_steps(gguf_model):
     assert LLM(str(gguf_model("llama")), cpu_quant_compute="exact").llm_engine.model_runner.cpu_decoder is None
     assert LLM(str(gguf_model("llama")), enable_lora=True).llm_engine.model_runner.cpu_decoder is None
+    act_order = LLM(str(QUANT / "gptq-4bit-g64-actorder-sym"), num_kv_blocks=16)  # its inputs are permuted first
+    assert act_order.llm_engine.model_runner.cpu_decoder is None
+
+
+@pytest.mark.parametrize("name", ["awq-g64", "gptq-4bit-g32-asym", "gptq-8bit-perchannel-sym"])
+def test_awq_and_gptq_steps_are_the_torch_steps(name, monkeypatch):
+    llm = LLM(str(QUANT / name), dtype="bfloat16", num_kv_blocks=64, enable_prefix_caching=False)
+    runner = llm.llm_engine.model_runner
+    assert runner.cpu_decoder is not None
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
+    prompts = [{"prompt_token_ids": [t % 512 for t in p]} for p in PROMPTS]  # the fixtures' vocabulary
+    got = llm.generate(prompts, params, use_tqdm=False)
+    monkeypatch.setattr(runner, "cpu_decoder", None)
+    want = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert [o.outputs[0].logprobs for o in got] == [o.outputs[0].logprobs for o in want]

@@ -1,6 +1,7 @@
-"""The int8 GEMM of quantized layers on CPU: the native kernel against the torch reference of the same arithmetic
-(exact integer block dot products, fp32 sums), the reference against float64 algebra on the dequantized weight
-and activations, and the repacking of GGUF / AWQ / GPTQ weights against each format's own dequantization."""
+"""The block GEMMs of quantized layers on CPU: the native kernels against the torch reference of the same
+arithmetic (exact integer block dot products at one or two activation levels, or bf16 dot products; fp32 sums), the
+reference against float64 algebra on the dequantized weight and activations, and the repacking of GGUF / AWQ /
+GPTQ weights against each format's own dequantization."""
 
 import pytest
 import torch
@@ -13,24 +14,40 @@ native = pytest.mark.skipif(cpu_native.library() is None, reason="no C++ compile
 SHAPES = [(1, 64, 1), (1, 576, 960), (3, 96, 17), (7, 1056, 33), (64, 1536, 40), (300, 544, 7)]  # (M, K, N)
 
 
-def random_blocks(n: int, k: int, bits: int, seed: int) -> ig.BlockWeights:
+def random_blocks(n: int, k: int, bits: int, seed: int, levels: int = 1) -> ig.BlockWeights:
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, generator=g)
     scales = torch.rand(n, k // 32, generator=g) * 0.02
-    return ig.pack_codes(codes, scales, -(2 ** (bits - 1)) * scales * torch.rand(n, k // 32, generator=g), bits)
+    offsets = -(2 ** (bits - 1)) * scales * torch.rand(n, k // 32, generator=g)
+    return ig.pack_codes(codes, scales, offsets, bits, levels)
 
 
 @native
+@pytest.mark.parametrize("levels", [1, 2])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("m, k, n", SHAPES)
-def test_native_kernel_is_the_reference_arithmetic(m, k, n, bits):
-    w = random_blocks(n, k, bits, seed=m + k + n)
+def test_native_kernel_is_the_reference_arithmetic(m, k, n, bits, levels):
+    w = random_blocks(n, k, bits, seed=m + k + n, levels=levels)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 3
     x[0, :32] = 0  # a block of zeros: scale 0
     want = ig.int8_gemm_reference(x, w)
-    # the kernel sums each block's 8 partial dot products in fp32 where the reference sums the exact total: the
+    # the kernels sum partial dot products in fp32 where the reference sums exact totals, or in another order: the
     # two differ by fp32 roundings of terms as large as the largest output
-    torch.testing.assert_close(ig.int8_gemm(x, w), want, rtol=0, atol=2e-6 * float(want.abs().max()))
+    torch.testing.assert_close(ig.int8_gemm(x, w), want, rtol=0, atol=1e-5 * float(want.abs().max()))
+
+
+@native
+def test_prompt_sized_inputs_take_bf16_dot_products_at_two_levels():
+    w2, w1 = random_blocks(40, 1536, 4, seed=3, levels=2), random_blocks(40, 1536, 4, seed=3)
+    rows = cpu_native.bf16_min_rows() or 32
+    small, large = torch.randn(rows - 1, 1536), torch.randn(rows, 1536)
+    assert ig.in_bf16(large, w2) == (cpu_native.bf16_min_rows() is not None)
+    assert not ig.in_bf16(small, w2) and not ig.in_bf16(large, w1)
+    # bf16 operands, sums in float64: the bf16 path differs by fp32 roundings only
+    want = large.bfloat16().double() @ ig.dequantize_blocks(w2).bfloat16().double().T
+    got = ig.int8_gemm(large, w2).double()
+    tolerance = 1e-5 if ig.in_bf16(large, w2) else 1e-3  # without the CPU's bf16: 15-bit activations
+    torch.testing.assert_close(got, want, rtol=0, atol=tolerance * float(want.abs().max()))
 
 
 @native
@@ -47,20 +64,27 @@ def test_half_activations_in_and_out(dtype):
 def test_activation_quantization_is_bit_exact(dtype):
     x = (torch.randn(9, 352) * torch.logspace(-3, 3, 352)).to(dtype)
     x[1, 32:64] = 0
-    q, dx, sx = cpu_native.quantize_acts(x)
-    want_q, want_dx = ig.quantize_activations(x)
-    assert torch.equal(q, want_q) and torch.equal(dx, want_dx)
-    assert torch.equal(sx, want_dx * want_q.view(9, -1, 32).sum(-1).float())
-    assert int(q.abs().max()) == 127
+    for levels in (1, 2):
+        q, q2, dx, sx = cpu_native.quantize_acts(x, levels)
+        want_q, want_dx = ig.quantize_activations(x, levels)
+        assert torch.equal(127 * q.int() + q2 if levels == 2 else q, want_q) and torch.equal(dx, want_dx)
+        assert torch.equal(sx, want_dx * want_q.view(9, -1, 32).sum(-1).float())
+        assert int(q.abs().max()) == 127 and (0 < int(q2.abs().max()) <= 64 if levels == 2 else not q2.any())
 
 
+@pytest.mark.parametrize("levels", [1, 2])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_reference_is_the_product_of_the_dequantized_operands(bits):
-    """Independent of the block bookkeeping: (qx * dx) @ (q * d + m)^T in float64."""
+def test_reference_is_the_product_of_the_dequantized_operands(bits, levels):
+    """Independent of the block bookkeeping: (qx * dx) @ (q * d + m)^T in float64, qx within half a step of x."""
     m, k, n = 4, 160, 24
-    w, x = random_blocks(n, k, bits, seed=7), torch.randn(m, k)
-    qx, dx = ig.quantize_activations(x)
+    w, x = (
+        random_blocks(n, k, bits, seed=7, levels=levels),
+        torch.randn(m, k, generator=torch.Generator().manual_seed(1)),
+    )
+    qx, dx = ig.quantize_activations(x, levels)
     acts = (qx.view(m, -1, 32).double() * dx[..., None].double()).view(m, -1)
+    # half a step, give or take the rounding of 1 / step
+    assert ((acts - x.double()).abs().view(m, -1, 32) <= dx[..., None].double() * 0.5 * (1 + 1e-6)).all()
     want = acts @ ig.dequantize_blocks(w).double().T
     torch.testing.assert_close(ig.int8_gemm_reference(x, w).double(), want, rtol=1e-5, atol=1e-5)
 

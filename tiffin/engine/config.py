@@ -36,10 +36,12 @@ class EngineConfig:
     max_model_len: int | None = _setting(None, "context length; default: the model's")
     kernel_backend: str = _setting("auto", "torch or triton; auto: triton on CUDA, torch on CPU")
     cpu_quant_compute: str = _setting(
-        "int8",
-        "quantized weights (GGUF, AWQ, GPTQ) on CPU: int8 (activations quantized to int8 per block of 32, native "
-        "kernels on the stored blocks, as llama.cpp) or exact (dequantized, then multiplied in the model dtype: "
-        "transformers' numerics)",
+        "native",
+        "quantized weights (GGUF, AWQ, GPTQ) on CPU: native (kernels on the stored blocks; decode-sized inputs "
+        "quantized per block of 32 to 15 bits, prompt-sized ones in bf16 dot products where the CPU has them), "
+        "int8 (the same kernels with activations in int8 per block of 32, llama.cpp's scheme: its answers, which "
+        "may differ from the model's), or exact (dequantized, then multiplied in the model dtype: transformers' "
+        "numerics, several times slower)",
     )
     enforce_eager: bool = _setting(
         False, "no CUDA graphs: decode steps launch every kernel from Python (graphs are captured on CUDA only)"
@@ -81,8 +83,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be 'auto' or one of {list(DTYPE_NAMES)}, got {self.dtype!r}")
-        if self.cpu_quant_compute not in ("int8", "exact"):
-            raise ValueError(f"cpu_quant_compute must be 'int8' or 'exact', got {self.cpu_quant_compute!r}")
+        if self.cpu_quant_compute not in ("native", "int8", "exact"):
+            raise ValueError(f"cpu_quant_compute must be 'native', 'int8' or 'exact', got {self.cpu_quant_compute!r}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:<index>', got {self.device!r}")
         if self.distributed_timeout <= 0:

@@ -31,8 +31,8 @@ _DECODE_ARGS += [_i32, _i32, _i32, _i32, ctypes.c_float, _i32]
 _RMS_NORM_ARGS = [_i32, _ptr, _i64, _ptr, _ptr, _i64, _i32, ctypes.c_float, _i32]
 _ROTARY_ARGS = [_i32, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i32, _i32, _i32]
 _ARGMAX_ARGS = [_i32, _ptr, _i64, _ptr, _i64, _i64, _i32]
-_INT8_GEMM_ARGS = [_i32, _ptr, _i64, _i64, _i64, _i32, _ptr, _i64, _ptr, _ptr, _i32, _ptr, _i64, _i32]
-_QUANTIZE_ACTS_ARGS = [_i32, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i32]
+_BLOCK_GEMM_ARGS = [_i32, _ptr, _i64, _i64, _i64, _i32, _ptr, _i64, _ptr, _ptr, _i32, _ptr, _i64, _i32, _i32]
+_QUANTIZE_ACTS_ARGS = [_i32, _ptr, _i64, _i64, _i64, _i32, _ptr, _ptr, _ptr, _ptr, _i32]
 _DECODE_LAYERS_ARGS = [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i32]
 
 
@@ -55,9 +55,10 @@ def library() -> ctypes.CDLL | None:
     lib.tiffin_rms_norm.argtypes, lib.tiffin_rms_norm.restype = _RMS_NORM_ARGS, None
     lib.tiffin_rotary.argtypes, lib.tiffin_rotary.restype = _ROTARY_ARGS, None
     lib.tiffin_argmax.argtypes, lib.tiffin_argmax.restype = _ARGMAX_ARGS, None
-    lib.tiffin_int8_gemm.argtypes, lib.tiffin_int8_gemm.restype = _INT8_GEMM_ARGS, None
+    lib.tiffin_block_gemm.argtypes, lib.tiffin_block_gemm.restype = _BLOCK_GEMM_ARGS, None
     lib.tiffin_quantize_acts.argtypes, lib.tiffin_quantize_acts.restype = _QUANTIZE_ACTS_ARGS, None
     lib.tiffin_decode_layers.argtypes, lib.tiffin_decode_layers.restype = _DECODE_LAYERS_ARGS, None
+    lib.tiffin_bf16_min_rows.argtypes, lib.tiffin_bf16_min_rows.restype = [], ctypes.c_int64
     return lib
 
 
@@ -177,41 +178,42 @@ def paged_decode(
     )
 
 
-def int8_gemm(
-    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int, n: int
+def bf16_min_rows() -> int | None:
+    """The fewest activation rows `block_gemm` runs in bf16 dot products at two levels; None where it never does."""
+    rows = library().tiffin_bf16_min_rows()
+    return None if rows < 0 else rows
+
+
+def block_gemm(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    bits: int,
+    n: int,
+    levels: int,
 ) -> torch.Tensor:
-    """`x [M, K]` (fp32, bf16 or fp16; K a multiple of 32) quantized to int8 per block of 32, against the `n`
-    weight rows in the block layout of `tiffin.kernels.int8_gemm` -> `[M, n]` in x's dtype."""
+    """`x [M, K]` (fp32, bf16 or fp16; K a multiple of 32) against the `n` weight rows in the block layout of
+    `tiffin.kernels.int8_gemm` -> `[M, n]` in x's dtype; `levels` of int8 activation codes (see
+    `kernels/csrc/cpu_quant.cpp`'s `tiffin_block_gemm` for the bf16 dot products)."""
     if x.dim() != 2 or x.stride(1) != 1:
-        raise ValueError("int8_gemm needs 2-d x with contiguous rows")
+        raise ValueError("block_gemm needs 2-d x with contiguous rows")
     y = torch.empty(x.shape[0], n, dtype=x.dtype)
-    library().tiffin_int8_gemm(
-        ACT_DTYPE_CODES[x.dtype],
-        x.data_ptr(),
-        x.stride(0),
-        x.shape[0],
-        x.shape[1],
-        bits,
-        codes.data_ptr(),
-        n,
-        scales.data_ptr(),
-        offsets.data_ptr(),
-        ACT_DTYPE_CODES[x.dtype],
-        y.data_ptr(),
-        y.stride(0),
-        torch.get_num_threads(),
+    code = ACT_DTYPE_CODES[x.dtype]
+    args = (codes.data_ptr(), n, scales.data_ptr(), offsets.data_ptr(), code, y.data_ptr(), y.stride(0), levels)
+    library().tiffin_block_gemm(
+        code, x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], bits, *args, torch.get_num_threads()
     )
     return y
 
 
-def quantize_acts(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The int8 GEMM's quantized activations, for tests: codes `[M, K]`, one scale a block `[M, K / 32]` and
-    `scale * sum(codes)` a block `[M, K / 32]`."""
+def quantize_acts(x: torch.Tensor, levels: int = 1) -> tuple[torch.Tensor, ...]:
+    """The int8 GEMM's quantized activations, for tests: codes `[M, K]` (and the second level's, zeros with one),
+    the step of the activation integer a block `[M, K / 32]` and `step * sum(integer)` a block `[M, K / 32]`."""
     m, k = x.shape
-    q = torch.empty(m, k, dtype=torch.int8)
+    q, q2 = torch.empty(m, k, dtype=torch.int8), torch.zeros(m, k, dtype=torch.int8)
     dx = torch.empty(m, k // 32, dtype=torch.float32)
     sx = torch.empty(m, k // 32, dtype=torch.float32)
-    library().tiffin_quantize_acts(
-        ACT_DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), m, k, q.data_ptr(), dx.data_ptr(), sx.data_ptr(), 1
-    )
-    return q, dx, sx
+    args = (q.data_ptr(), q2.data_ptr(), dx.data_ptr(), sx.data_ptr(), 1)
+    library().tiffin_quantize_acts(ACT_DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), m, k, levels, *args)
+    return q, q2, dx, sx

@@ -33,6 +33,7 @@ class BlockWeights:
     bits: int
     in_features: int  # K
     out_features: int  # N, before padding to whole groups of 16
+    levels: int = 1  # of int8 codes the activations are quantized to (2: 15 bits a block)
 
     @property
     def nbytes(self) -> int:
@@ -46,7 +47,9 @@ def _interleave(t: torch.Tensor) -> torch.Tensor:
     return padded.view(groups, LANES, *t.shape[1:]).transpose(1, 2)
 
 
-def pack_codes(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int) -> BlockWeights:
+def pack_codes(
+    codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int, levels: int = 1
+) -> BlockWeights:
     """Weights `w[n, k] = codes[n, k] * scales[n, k // 32] + offsets[n, k // 32]` from unpacked unsigned codes
     `[N, K]` (K a multiple of 32) and per-block scales and offsets `[N, K / 32]`."""
     n, k = codes.shape
@@ -56,10 +59,13 @@ def pack_codes(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
     if bits == 4:
         quads = quads[:, :, :4] | (quads[:, :, 4:] << 4)
     fp16 = lambda t: _interleave(t.to(torch.float16)).reshape(quads.shape[0], -1).contiguous()
-    return BlockWeights(quads.reshape(quads.shape[0], -1).contiguous(), fp16(scales), fp16(offsets), bits, k, n)
+    codes = quads.reshape(quads.shape[0], -1).contiguous()
+    return BlockWeights(codes, fp16(scales), fp16(offsets), bits, k, n, levels)
 
 
-def from_gguf(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int) -> BlockWeights:
+def from_gguf(
+    qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int, levels: int = 1
+) -> BlockWeights:
     """GGUF Q4_0 / Q4_1 / Q8_0 rows as `tiffin.quant.gguf` keeps them (see `gguf_dequantize`)."""
     n = qweight.shape[0]
     if bits == 4:
@@ -69,35 +75,51 @@ def from_gguf(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | 
     else:
         codes = (qweight.view(n, -1).to(torch.int16) + 128).to(torch.uint8)
         offsets = -128 * scales.float()
-    return pack_codes(codes, scales, offsets, bits)
+    return pack_codes(codes, scales, offsets, bits, levels)
 
 
-def from_groups(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, bits: int) -> BlockWeights:
+def from_groups(
+    codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, bits: int, levels: int = 1
+) -> BlockWeights:
     """AWQ / GPTQ: codes `[K, N]` in 0..2^bits-1, zeros (as integers) and scales `[K / G, N]`, `w = (q - z) * s`
     per group of G = K / groups consecutive inputs (G a multiple of 32)."""
     k, n = codes.shape
     per_group = k // scales.shape[0] // BLOCK
     expand = lambda t: t.T.repeat_interleave(per_group, dim=1)  # [N, K / 32]
     s = expand(scales).float()
-    return pack_codes(codes.T.to(torch.uint8), s, -expand(zeros).float() * s, bits)
+    return pack_codes(codes.T.to(torch.uint8), s, -expand(zeros).float() * s, bits, levels)
 
 
 def int8_gemm(x: torch.Tensor, w: BlockWeights) -> torch.Tensor:
     """`x [M, K]` @ the weight -> `[M, N]` in x's dtype; natively where `cpu_native` runs, else the reference."""
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"int8_gemm: x must be [M, {w.in_features}], got {tuple(x.shape)}")
-    if x.device.type == "cpu" and x.dtype in cpu_native.ACT_DTYPE_CODES and cpu_native.library() is not None:
-        return cpu_native.int8_gemm(x.contiguous(), w.codes, w.scales, w.offsets, w.bits, w.out_features)
-    return int8_gemm_reference(x, w).to(x.dtype)
+    if x.device.type != "cpu" or x.dtype not in cpu_native.ACT_DTYPE_CODES or cpu_native.library() is None:
+        return int8_gemm_reference(x, w).to(x.dtype)
+    return cpu_native.block_gemm(x.contiguous(), w.codes, w.scales, w.offsets, w.bits, w.out_features, w.levels)
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row and block of 32: int8 codes `[M, K]` and scales `[M, K / 32]`."""
+def in_bf16(x: torch.Tensor, w: BlockWeights) -> bool:
+    """Whether `x` times `w` runs in bf16 dot products: prompt-sized inputs at two activation levels, where the
+    arithmetic (not reading the weights) bounds the call and the CPU has them."""
+    rows = cpu_native.bf16_min_rows() if cpu_native.library() is not None else None
+    return w.levels == 2 and rows is not None and x.shape[0] >= rows
+
+
+def quantize_activations(x: torch.Tensor, levels: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row and block of 32: integer codes `[M, K]` and their step `[M, K / 32]`, x ~ code * step. One level:
+    int8 codes of step `d = max|x| / 127`; two: `127 q1 + q2`, q1 those codes and q2 the int8 codes of what they
+    leave (`x - q1 d`, rounded once) at step `d / 127`, the step of the sum."""
     m, k = x.shape
     blocks = x.float().view(m, k // BLOCK, BLOCK)
-    d = blocks.abs().amax(-1) / 127
-    inverse = torch.where(d != 0, 1 / d, torch.zeros_like(d))
-    return (blocks * inverse[..., None]).round().clamp(-127, 127).to(torch.int8).view(m, k), d
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    code = lambda v, step: (v * torch.where(step != 0, 1 / step, 0)).round().clamp(-127, 127)
+    q = code(blocks, d)
+    if levels == 2:
+        rest = (blocks.double() - q.double() * d.double()).float()  # one rounding, as the kernel's fma
+        d = d / 127
+        q = 127 * q + code(rest, d)
+    return q.to(torch.int32 if levels == 2 else torch.int8).view(m, k), d.squeeze(-1)
 
 
 def unpack_codes(w: BlockWeights, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -125,8 +147,12 @@ def dequantize_blocks(w: BlockWeights, rows: torch.Tensor | None = None) -> torc
 
 
 def int8_gemm_reference(x: torch.Tensor, w: BlockWeights) -> torch.Tensor:
-    """The kernel's arithmetic in torch: exact integer block dot products, each scaled and summed in fp32."""
-    qx, dx = quantize_activations(x)
+    """The kernels' arithmetic in torch: exact integer block dot products, each scaled and summed in fp32; or for
+    `in_bf16` calls, bf16 activations times the weight rounded to bf16, summed in fp32."""
+    if in_bf16(x, w):
+        weight = dequantize_blocks(w).bfloat16().float()
+        return x.bfloat16().float() @ weight.T
+    qx, dx = quantize_activations(x, w.levels)
     m, n, rows = x.shape[0], w.out_features, torch.arange(w.out_features)
     qx_blocks = qx.view(m, -1, BLOCK).to(torch.int64)
     dots = torch.einsum("mbj,nbj->mnb", qx_blocks, unpack_codes(w).view(n, -1, BLOCK).to(torch.int64)).float()

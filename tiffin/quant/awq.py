@@ -9,7 +9,7 @@ from torch import nn
 from tiffin.kernels.int8_gemm import dequantize_blocks, int8_gemm
 from tiffin.kernels.quant import awq_dequantize, awq_gemm, unpack_awq
 from tiffin.quant.base import (
-    INT8_BACKEND,
+    INT8_BACKENDS,
     SCALES_DTYPE,
     LinearMethod,
     PackedLinearMethod,
@@ -80,7 +80,7 @@ class AWQLinearMethod(PackedLinearMethod):
         layer.blocks = None
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        if self.backend == INT8_BACKEND:
+        if self.backend in INT8_BACKENDS:
             self.repack_for_int8(layer, unpack_awq(layer.qweight.data), unpack_awq(layer.qzeros.data), 4)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:

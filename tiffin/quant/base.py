@@ -130,9 +130,10 @@ def _onednn_sgemm_faster(rows: int = 16, size: int = 1024, calls: int = 15) -> b
 # AutoAWQ and GPTQModel both write scales in fp16; the weight is dequantized in it, as the tools do, then
 # cast to the activations' dtype.
 SCALES_DTYPE = torch.float16
-# The kernel backend of quantized layers on CPU with `cpu_quant_compute="int8"`: native kernels on int8
-# activations against the weights in `tiffin.kernels.int8_gemm`'s block layout, repacked once at load.
-INT8_BACKEND = "int8"
+# The kernel backends of quantized layers on CPU (`cpu_quant_compute` "native" or "int8"): native kernels against
+# the weights in `tiffin.kernels.int8_gemm`'s block layout, repacked once at load, on activations quantized to two
+# levels of int8 codes (15 bits; bf16 dot products for prompt-sized inputs) or one. Backend -> activation levels.
+INT8_BACKENDS = {"native": 2, "int8": 1}
 
 
 def keep_blocks(layer: nn.Module, blocks: BlockWeights | None, checkpoint_tensors: tuple[str, ...]) -> None:
@@ -171,7 +172,7 @@ class PackedLinearMethod(LinearMethod):
         the layer's scales `[groups, N]`), where whole blocks fit: K and the group size multiples of 32."""
         k, groups = codes.shape[0], layer.scales.shape[0]
         fits = k % BLOCK == 0 and k // groups % BLOCK == 0
-        blocks = from_groups(codes, zeros, layer.scales.data, bits) if fits else None
+        blocks = from_groups(codes, zeros, layer.scales.data, bits, INT8_BACKENDS[self.backend]) if fits else None
         keep_blocks(layer, blocks, ("qweight", "qzeros", "scales"))
 
     def check_sizes(self, layer: nn.Module, group_size: int) -> None:

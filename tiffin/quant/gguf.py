@@ -21,7 +21,7 @@ from torch import nn
 from tiffin.kernels.int8_gemm import dequantize_blocks, from_gguf, int8_gemm
 from tiffin.kernels.quant import gguf_dequantize, gguf_gemm
 from tiffin.quant.base import (
-    INT8_BACKEND,
+    INT8_BACKENDS,
     SCALES_DTYPE,
     LinearMethod,
     QuantizationConfig,
@@ -110,8 +110,9 @@ class GGUFLinearMethod(LinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """The int8 backend reads GGUF's blocks as they are, with fp16 offsets: `-8d` (Q4_0), the minimum (Q4_1),
         `-128d` beside codes + 128 (Q8_0)."""
-        if self.backend == INT8_BACKEND:
-            blocks = from_gguf(layer.qweight.data, layer.scales.data, layer.mins, self.quant.bits)
+        if self.backend in INT8_BACKENDS:
+            levels = INT8_BACKENDS[self.backend]
+            blocks = from_gguf(layer.qweight.data, layer.scales.data, layer.mins, self.quant.bits, levels)
             keep_blocks(layer, blocks, ("qweight", "scales", "mins"))
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from torch import nn
 from tiffin.kernels.int8_gemm import dequantize_blocks, int8_gemm
 from tiffin.kernels.quant import gptq_dequantize, gptq_gemm, pack_rows, unpack_cols, unpack_rows
 from tiffin.quant.base import (
-    INT8_BACKEND,
+    INT8_BACKENDS,
     SCALES_DTYPE,
     LinearMethod,
     PackedLinearMethod,
@@ -122,7 +122,7 @@ class GPTQLinearMethod(PackedLinearMethod):
         """Act-order: sort input rows by group so that groups are contiguous, as the kernels read them; then, with
         the int8 backend, repack into its block layout."""
         self._sort_groups(layer)
-        if self.backend == INT8_BACKEND:
+        if self.backend in INT8_BACKENDS:
             c = self.config
             zeros = unpack_cols(layer.qzeros.data, c.bits) + c.zero_offset
             self.repack_for_int8(layer, unpack_rows(layer.qweight.data, c.bits), zeros, c.bits)

@@ -24,6 +24,7 @@ class _QuantLinear(ctypes.Structure):
         ("out_features", _i64),
         ("in_features", _i64),
         ("bits", _i64),
+        ("levels", _i64),
     ]
 
 
@@ -62,7 +63,7 @@ def _ptr_of(t: torch.Tensor | None) -> int | None:
 def _linear(layer) -> _QuantLinear:
     b = layer.blocks
     return _QuantLinear(b.codes.data_ptr(), b.scales.data_ptr(), b.offsets.data_ptr(), _ptr_of(layer.bias),
-                        b.out_features, b.in_features, b.bits)  # fmt: skip
+                        b.out_features, b.in_features, b.bits, b.levels)  # fmt: skip
 
 
 class CpuDecoder:
@@ -105,8 +106,8 @@ class CpuDecoder:
     @classmethod
     def build(cls, model: torch.nn.Module, block_size: int) -> "CpuDecoder | None":
         """A native decoder for `model`, or None where its steps must run in torch: not the Llama family, a
-        projection not on the int8 kernels (plain, or an adapter slot), an activation other than SiLU, a dtype
-        other than fp32 / bf16."""
+        projection not on the int8 kernels (plain, or an adapter slot) or whose inputs are permuted first, an
+        activation other than SiLU, a dtype other than fp32 / bf16."""
         if not isinstance(model, LlamaForCausalLM) or cpu_native.library() is None:
             return None
         inner = model.model
@@ -115,6 +116,8 @@ class CpuDecoder:
             linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if any(getattr(x, "blocks", None) is None or x.adapters is not None for x in linears):
                 return None
+            if any(getattr(x, "perm", None) is not None or getattr(x, "gather", None) is not None for x in linears):
+                return None  # act-order GPTQ: its inputs are permuted first
             if mlp.act_and_mul is not silu_and_mul:
                 return None
         if inner.norm.weight.dtype not in cpu_native.DTYPE_CODES:

@@ -26,7 +26,6 @@ from tiffin.engine.worker.cuda_graphs import DecodeGraphs, decode_batch_sizes
 from tiffin.engine.worker.policy import choose_policy
 from tiffin.engine.worker.sampler import Sampler, SamplerOutput
 from tiffin.engine.worker.warm_up import warm_padded_sizes, warm_up_triton
-from tiffin.quant.base import INT8_BACKEND
 
 
 class ModelRunner:
@@ -58,7 +57,7 @@ class ModelRunner:
             ThreadSizer(min(torch.get_num_threads(), usable_cpus())) if self.policy.size_threads else None
         )
         self.block_size = config.block_size
-        quant_backend = INT8_BACKEND if self.policy.int8_quantized else self.backend
+        quant_backend = config.cpu_quant_compute if self.policy.int8_quantized else self.backend
         self.model = build_model(
             model_config, config.model, self.device, max_model_len, self.backend, tp, quant_backend
         )

@@ -23,7 +23,7 @@ def choose_policy(
 ) -> RunnerPolicy:
     """`native`: whether the native CPU kernels are built (a machine without a compiler runs the torch ones)."""
     cpu, single = device.type == "cpu", config.tensor_parallel_size == 1
-    int8 = cpu and backend == "torch" and native and config.cpu_quant_compute == "int8"
+    int8 = cpu and backend == "torch" and native and config.cpu_quant_compute != "exact"
     return RunnerPolicy(
         int8_quantized=int8,
         # adapters add their deltas between the kernels; a tensor-parallel layer all-reduces between them

@@ -20,9 +20,9 @@ extern "C" void tiffin_paged_decode(int dtype, const void* query, int64_t query_
                                     const int32_t* block_tables, int64_t block_table_stride, const int32_t* seq_lens,
                                     const int64_t* rows, const int64_t* seqs, int64_t num_rows, int num_heads,
                                     int num_kv_heads, int head_dim, int block_size, float scale, int num_threads);
-extern "C" void tiffin_int8_gemm(int dtype, const void* x, int64_t x_stride, int64_t m, int64_t k, int bits,
-                                 const uint8_t* codes, int64_t n, const uint16_t* scales, const uint16_t* offsets,
-                                 int out_dtype, void* y, int64_t y_stride, int threads);
+extern "C" void tiffin_block_gemm(int dtype, const void* x, int64_t x_stride, int64_t m, int64_t k, int bits,
+                                  const uint8_t* codes, int64_t n, const uint16_t* scales, const uint16_t* offsets,
+                                  int out_dtype, void* y, int64_t y_stride, int levels, int threads);
 
 struct QuantLinear {  // a projection in tiffin.kernels.int8_gemm's block layout
   const uint8_t* codes;
@@ -30,7 +30,7 @@ struct QuantLinear {  // a projection in tiffin.kernels.int8_gemm's block layout
   const uint16_t* offsets;
   const void* bias;  // model dtype, or null
   int64_t out_features, in_features;
-  int64_t bits;
+  int64_t bits, levels;
 };
 
 struct DecoderLayer {
@@ -65,9 +65,9 @@ struct Step {
   std::vector<int64_t> rows;
 
   void linear(const QuantLinear& w, const T* x, T* y) {
-    tiffin_int8_gemm(static_cast<int>(d.dtype), x, w.in_features, tokens, w.in_features, static_cast<int>(w.bits),
-                     w.codes, w.out_features, w.scales, w.offsets, static_cast<int>(d.dtype), y, w.out_features,
-                     threads);
+    tiffin_block_gemm(static_cast<int>(d.dtype), x, w.in_features, tokens, w.in_features, static_cast<int>(w.bits),
+                      w.codes, w.out_features, w.scales, w.offsets, static_cast<int>(d.dtype), y, w.out_features,
+                      static_cast<int>(w.levels), threads);
     if (w.bias != nullptr) {
       const T* b = static_cast<const T*>(w.bias);
       for (int64_t t = 0; t < tokens; ++t)

@@ -15,6 +15,10 @@
 // - 8-bit codes: 512 bytes, 8 registers; register t's byte 4l + j is input 4t + j of row l.
 // - scales and offsets: fp16 `[groups, blocks, 16]`.
 // Activations: int8 codes `[M, K]` in input order, their scales `dx [M, blocks]` and `dx * sum(qx) [M, blocks]`.
+// With two levels, a second int8 code a block holds what the first left, at 1/127 of its step: the activation
+// is `dx * (127 q1 + q2)` with `dx = max|x| / 127^2`, 15 bits a block (`q1` exact: `127 q1 + q2` fits 16 bits),
+// for two integer dot products a block where one does not reach the model's own answers (a flipped argmax on
+// SmolLM2-135M at one level, as llama.cpp's scheme flips it).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -90,13 +94,15 @@ inline void store_value(void* y, int dtype, int64_t i, float v) {  // rounding t
 
 struct Acts {  // one call's quantized activations, reused by the thread across calls
   std::vector<int8_t> q;   // [M, K]
-  std::vector<float> dx;   // [M, blocks]
-  std::vector<float> sx;   // [M, blocks]: dx * sum(q)
+  std::vector<int8_t> q2;  // [M, K]: the second level's codes (two levels only)
+  std::vector<float> dx;   // [M, blocks]: the step of the activation's integer, 127 q + q2 with two levels
+  std::vector<float> sx;   // [M, blocks]: dx * the sum of that integer
   int64_t k = 0, blocks = 0;
 };
 
-// Per block: d = max|x| / 127, q = nearest-even(x * (1 / d)) (0 where d is 0).
-void quantize_row(const void* x, int dtype, int64_t k, int8_t* q, float* dx, float* sx) {
+// Per block: d = max|x| / 127, q = nearest-even(x * (1 / d)) (0 where d is 0); with two levels then, for the rest
+// r = x - q d (one rounding), d2 = d / 127 and q2 = nearest-even(r * (1 / d2)).
+void quantize_row(const void* x, int dtype, int64_t k, int levels, int8_t* q, int8_t* q2, float* dx, float* sx) {
   float vals[QK];
   for (int64_t b = 0; b < k / QK; ++b) {
     float amax = 0.f;
@@ -104,31 +110,40 @@ void quantize_row(const void* x, int dtype, int64_t k, int8_t* q, float* dx, flo
       vals[j] = load_value(x, dtype, b * QK + j);
       amax = std::max(amax, std::fabs(vals[j]));
     }
-    const float d = amax / 127.f;
-    const float id = d != 0.f ? 1.f / d : 0.f;
+    const float d = amax / 127.f, d2 = d / 127.f;
+    const float id = d != 0.f ? 1.f / d : 0.f, id2 = d2 != 0.f ? 1.f / d2 : 0.f;
     int sum = 0;
     for (int j = 0; j < QK; ++j) {
       const int v = std::min(127, std::max(-127, static_cast<int>(std::nearbyint(vals[j] * id))));
       q[b * QK + j] = static_cast<int8_t>(v);
-      sum += v;
+      if (levels == 1) {
+        sum += v;
+        continue;
+      }
+      const float rest = std::fma(static_cast<float>(-v), d, vals[j]);
+      const int v2 = std::min(127, std::max(-127, static_cast<int>(std::nearbyint(rest * id2))));
+      q2[b * QK + j] = static_cast<int8_t>(v2);
+      sum += 127 * v + v2;
     }
-    dx[b] = d;
-    sx[b] = d * static_cast<float>(sum);
+    dx[b] = levels == 1 ? d : d2;
+    sx[b] = dx[b] * static_cast<float>(sum);
   }
 }
 
-Acts& quantize(const void* x, int dtype, int64_t row_stride, int64_t m, int64_t k, int threads) {
+Acts& quantize(const void* x, int dtype, int64_t row_stride, int64_t m, int64_t k, int levels, int threads) {
   thread_local Acts mine;
   Acts& a = mine;  // the calling thread's: the team below must not name the thread-local itself (theirs)
   a.k = k, a.blocks = k / QK;
   a.q.resize(m * k);
+  a.q2.resize(levels == 2 ? m * k : 0);
   a.dx.resize(m * a.blocks);
   a.sx.resize(m * a.blocks);
   const int elem = dtype == 0 ? 4 : 2;
 #pragma omp parallel for num_threads(threads) if (m * k >= (1 << 16))
   for (int64_t r = 0; r < m; ++r) {
     const void* row = static_cast<const char*>(x) + r * row_stride * elem;
-    quantize_row(row, dtype, k, &a.q[r * k], &a.dx[r * a.blocks], &a.sx[r * a.blocks]);
+    int8_t* q2 = levels == 2 ? &a.q2[r * k] : nullptr;
+    quantize_row(row, dtype, k, levels, &a.q[r * k], q2, &a.dx[r * a.blocks], &a.sx[r * a.blocks]);
   }
   return a;
 }
@@ -141,8 +156,22 @@ struct Weights {
 };
 
 #if TIFFIN_VNNI
+// Quad t (and, 4-bit, quad t + 4) of activation row i's block `q` against the row groups' codes, into dots[.][i].
+template <int BITS, int GR, int MC>
+inline void accumulate(__m512i (&dots)[GR][MC], int i, const int8_t* q, int t, const __m512i* lo, const __m512i* hi) {
+  int32_t quad;
+  std::memcpy(&quad, q + 4 * t, 4);
+  const __m512i aq = _mm512_set1_epi32(quad);
+  for (int g = 0; g < GR; ++g) dots[g][i] = _mm512_dpbusd_epi32(dots[g][i], lo[g], aq);
+  if constexpr (BITS == 4) {
+    std::memcpy(&quad, q + 4 * (t + 4), 4);
+    const __m512i ah = _mm512_set1_epi32(quad);
+    for (int g = 0; g < GR; ++g) dots[g][i] = _mm512_dpbusd_epi32(dots[g][i], hi[g], ah);
+  }
+}
+
 // Activation rows m0..m0+MC against row groups g0..g0+GR.
-template <int BITS, int MC, int GR>
+template <int BITS, int LEVELS, int MC, int GR>
 void tile(const Acts& a, int64_t m0, const Weights& w, int64_t g0, void* y, int out_dtype, int64_t y_stride) {
   constexpr int64_t block_bytes = LANES * QK * BITS / 8;
   const int64_t group_bytes = a.blocks * block_bytes;
@@ -150,9 +179,9 @@ void tile(const Acts& a, int64_t m0, const Weights& w, int64_t g0, void* y, int 
   for (int g = 0; g < GR; ++g)
     for (int i = 0; i < MC; ++i) acc[g][i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < a.blocks; ++b) {
-    __m512i dots[GR][MC];
+    __m512i dots[GR][MC], rests[GR][MC];  // per level
     for (int g = 0; g < GR; ++g)
-      for (int i = 0; i < MC; ++i) dots[g][i] = _mm512_setzero_si512();
+      for (int i = 0; i < MC; ++i) dots[g][i] = rests[g][i] = _mm512_setzero_si512();
     for (int t = 0; t < (BITS == 4 ? 4 : 8); ++t) {
       __m512i lo[GR], hi[GR];
       for (int g = 0; g < GR; ++g) {
@@ -165,17 +194,15 @@ void tile(const Acts& a, int64_t m0, const Weights& w, int64_t g0, void* y, int 
         }
       }
       for (int i = 0; i < MC; ++i) {
-        const int8_t* q = &a.q[(m0 + i) * a.k + b * QK];
-        int32_t quad;
-        std::memcpy(&quad, q + 4 * t, 4);
-        const __m512i aq = _mm512_set1_epi32(quad);
-        for (int g = 0; g < GR; ++g) dots[g][i] = _mm512_dpbusd_epi32(dots[g][i], lo[g], aq);
-        if constexpr (BITS == 4) {
-          std::memcpy(&quad, q + 4 * (t + 4), 4);
-          const __m512i ah = _mm512_set1_epi32(quad);
-          for (int g = 0; g < GR; ++g) dots[g][i] = _mm512_dpbusd_epi32(dots[g][i], hi[g], ah);
-        }
+        const int64_t at = (m0 + i) * a.k + b * QK;
+        accumulate<BITS, GR>(dots, i, &a.q[at], t, lo, hi);
+        if constexpr (LEVELS == 2) accumulate<BITS, GR>(rests, i, &a.q2[at], t, lo, hi);
       }
+    }
+    if constexpr (LEVELS == 2) {  // 127 q1 + q2: (x << 7) - x + rest
+      for (int g = 0; g < GR; ++g)
+        for (int i = 0; i < MC; ++i)
+          dots[g][i] = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(dots[g][i], 7), dots[g][i]), rests[g][i]);
     }
     for (int g = 0; g < GR; ++g) {
       const int64_t at = ((g0 + g) * a.blocks + b) * LANES;
@@ -202,13 +229,13 @@ void tile(const Acts& a, int64_t m0, const Weights& w, int64_t g0, void* y, int 
   }
 }
 #else
-template <int BITS, int MC, int GR>
+template <int BITS, int LEVELS, int MC, int GR>
 void tile(const Acts& a, int64_t m0, const Weights& w, int64_t g0, void* y, int out_dtype, int64_t y_stride) {
   constexpr int64_t block_bytes = LANES * QK * BITS / 8;
   for (int64_t g = g0; g < g0 + GR; ++g) {
     for (int l = 0; l < LANES && g * LANES + l < w.n; ++l) {
       for (int i = 0; i < MC; ++i) {
-        const int8_t* q = &a.q[(m0 + i) * a.k];
+        const int64_t row = (m0 + i) * a.k;
         float acc = 0.f;
         for (int64_t b = 0; b < a.blocks; ++b) {
           const uint8_t* block = w.codes + (g * a.blocks + b) * block_bytes;
@@ -222,7 +249,8 @@ void tile(const Acts& a, int64_t m0, const Weights& w, int64_t g0, void* y, int 
               const uint8_t packed = block[(quad % 4) * 64 + byte];
               code = quad < 4 ? packed & 0x0F : packed >> 4;
             }
-            dot += code * q[b * QK + j];
+            const int32_t act = LEVELS == 1 ? a.q[row + b * QK + j] : 127 * a.q[row + b * QK + j] + a.q2[row + b * QK + j];
+            dot += code * act;
           }
           const int64_t at = (g * a.blocks + b) * LANES + l;
           acc += static_cast<float>(dot) * (half_to_float(w.scales[at]) * a.dx[(m0 + i) * a.blocks + b]);
@@ -235,17 +263,140 @@ void tile(const Acts& a, int64_t m0, const Weights& w, int64_t g0, void* y, int 
 }
 #endif
 
+#if TIFFIN_VNNI && defined(__AVX512BF16__)
+// Prompt-sized inputs are bound by arithmetic: there each task turns its row groups' blocks into bf16 weights once
+// (`q * d + m` in fp32, rounded to nearest even), in the pairs `vdpbf16ps` reads (lane l: rows l's inputs 2j,
+// 2j + 1), and multiplies every row of bf16 activations by them, accumulating in fp32 across the whole input.
+#define TIFFIN_BF16 1
+inline __m512i bf16_bits(__m512 v) {  // fp32 -> bf16 bits in each 32-bit lane's low half, nearest even
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+}
+
+// Group g's weights as bf16 pairs: out[j] = 16 lanes (rows), each (input 2j, input 2j + 1).
+template <int BITS>
+void group_to_bf16(const Weights& w, int64_t blocks, int64_t g, __m512i* out) {
+  constexpr int64_t block_bytes = LANES * QK * BITS / 8;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t at = (g * blocks + b) * LANES;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales + at)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.offsets + at)));
+    const uint8_t* block = w.codes + (g * blocks + b) * block_bytes;
+    for (int quad = 0; quad < 8; ++quad) {  // inputs 4 quad .. 4 quad + 3 of every row
+      __m512i v = _mm512_loadu_si512(block + (BITS == 4 ? quad % 4 : quad) * 64);
+      if constexpr (BITS == 4) v = quad < 4 ? _mm512_and_si512(v, _mm512_set1_epi8(0x0F))
+                                            : _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+      __m512i bits[4];
+      for (int j = 0; j < 4; ++j) {
+        const __m512i code = _mm512_and_si512(_mm512_srli_epi32(v, 8 * j), _mm512_set1_epi32(0xFF));
+        bits[j] = bf16_bits(_mm512_fmadd_ps(_mm512_cvtepi32_ps(code), d, m));
+      }
+      out[b * 16 + quad * 2] = _mm512_or_si512(bits[0], _mm512_slli_epi32(bits[1], 16));
+      out[b * 16 + quad * 2 + 1] = _mm512_or_si512(bits[2], _mm512_slli_epi32(bits[3], 16));
+    }
+  }
+}
+
+// Rows m0..m0+MC of bf16 activation pairs `x` against GR row groups' bf16 weight pairs `wb` (`pairs` each): MC x
+// GR accumulators, GR weight loads and MC broadcasts a pair of inputs, so that loads do not bound the dot products.
+template <int MC, int GR>
+void bf16_tile(const uint32_t* x, int64_t pairs, const __m512i* wb, int64_t m0, void* y, int out_dtype,
+               int64_t y_stride, int64_t n0, int64_t n) {
+  __m512 acc[MC][GR];
+  for (int i = 0; i < MC; ++i)
+    for (int g = 0; g < GR; ++g) acc[i][g] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < pairs; ++j) {
+    __m512bh wv[GR];
+    for (int g = 0; g < GR; ++g) wv[g] = (__m512bh)wb[g * pairs + j];
+    for (int i = 0; i < MC; ++i) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(x[(m0 + i) * pairs + j]);
+      for (int g = 0; g < GR; ++g) acc[i][g] = _mm512_dpbf16_ps(acc[i][g], wv[g], xv);
+    }
+  }
+  for (int i = 0; i < MC; ++i) {
+    for (int g = 0; g < GR; ++g) {
+      const int64_t first = n0 + g * LANES, lanes = std::min<int64_t>(LANES, n - first);
+      if (out_dtype == 0 && lanes == LANES) {
+        _mm512_storeu_ps(static_cast<float*>(y) + (m0 + i) * y_stride + first, acc[i][g]);
+        continue;
+      }
+      alignas(64) float out[LANES];
+      _mm512_store_ps(out, acc[i][g]);
+      for (int l = 0; l < lanes; ++l) store_value(y, out_dtype, (m0 + i) * y_stride + first + l, out[l]);
+    }
+  }
+}
+
+template <int GR>
+void bf16_rows(const uint32_t* x, int64_t m, int64_t pairs, const __m512i* wb, void* y, int out_dtype,
+               int64_t y_stride, int64_t n0, int64_t n) {
+  int64_t m0 = 0;
+  for (; m0 + 6 <= m; m0 += 6) bf16_tile<6, GR>(x, pairs, wb, m0, y, out_dtype, y_stride, n0, n);
+  for (; m0 < m; ++m0) bf16_tile<1, GR>(x, pairs, wb, m0, y, out_dtype, y_stride, n0, n);
+}
+
+template <int BITS>
+void gemm_bf16(const void* x, int dtype, int64_t x_stride, int64_t m, int64_t k, const Weights& w, void* y,
+               int out_dtype, int64_t y_stride, int threads) {
+  const int64_t pairs = k / 2, blocks = k / QK, groups = (w.n + LANES - 1) / LANES;
+  thread_local std::vector<uint32_t> mine;
+  std::vector<uint32_t>& xb = mine;  // the calling thread's, as `quantize`'s
+  xb.resize(m * pairs);
+  const int elem = dtype == 0 ? 4 : 2;
+#pragma omp parallel for num_threads(threads)
+  for (int64_t r = 0; r < m; ++r) {  // the activations as bf16 pairs, rounded to nearest even
+    const char* row = static_cast<const char*>(x) + r * x_stride * elem;
+    uint32_t* out = &xb[r * pairs];
+    for (int64_t j = 0; j < k; j += 32) {  // k: whole blocks of 32
+      __m512i both;
+      if (dtype == 2) {
+        both = _mm512_loadu_si512(row + j * 2);
+      } else {
+        __m512 lo, hi;
+        if (dtype == 0) {
+          lo = _mm512_loadu_ps(reinterpret_cast<const float*>(row) + j);
+          hi = _mm512_loadu_ps(reinterpret_cast<const float*>(row) + j + 16);
+        } else {
+          lo = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + j * 2)));
+          hi = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + j * 2 + 32)));
+        }
+        both = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // 32 bf16 in order
+      }
+      _mm512_storeu_si512(out + j / 2, both);
+    }
+  }
+#pragma omp parallel num_threads(threads)
+  {
+    constexpr int64_t GT = 4;  // row groups a task turns into bf16, then multiplies together
+    std::vector<__m512i> wb(GT * pairs);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < (groups + GT - 1) / GT; ++t) {
+      const int64_t g0 = t * GT, count = std::min(GT, groups - g0);
+      for (int64_t g = 0; g < count; ++g) group_to_bf16<BITS>(w, blocks, g0 + g, &wb[g * pairs]);
+      const int64_t n0 = g0 * LANES;
+      switch (count) {
+        case 4: bf16_rows<4>(xb.data(), m, pairs, wb.data(), y, out_dtype, y_stride, n0, w.n); break;
+        case 3: bf16_rows<3>(xb.data(), m, pairs, wb.data(), y, out_dtype, y_stride, n0, w.n); break;
+        case 2: bf16_rows<2>(xb.data(), m, pairs, wb.data(), y, out_dtype, y_stride, n0, w.n); break;
+        default: bf16_rows<1>(xb.data(), m, pairs, wb.data(), y, out_dtype, y_stride, n0, w.n); break;
+      }
+    }
+  }
+}
+#endif
+
 // Row groups g0..g1 against every row of activations, MC rows of them at a time.
-template <int BITS, int MC>
+template <int BITS, int LEVELS, int MC>
 void rows(const Acts& a, int64_t m0, const Weights& w, int64_t g0, int64_t g1, void* y, int out_dtype,
           int64_t y_stride) {
   constexpr int GR = MC <= 2 ? 4 : 2;
   int64_t g = g0;
-  for (; g + GR <= g1; g += GR) tile<BITS, MC, GR>(a, m0, w, g, y, out_dtype, y_stride);
-  for (; g < g1; ++g) tile<BITS, MC, 1>(a, m0, w, g, y, out_dtype, y_stride);
+  for (; g + GR <= g1; g += GR) tile<BITS, LEVELS, MC, GR>(a, m0, w, g, y, out_dtype, y_stride);
+  for (; g < g1; ++g) tile<BITS, LEVELS, MC, 1>(a, m0, w, g, y, out_dtype, y_stride);
 }
 
-template <int BITS>
+template <int BITS, int LEVELS>
 void gemm(const Acts& a, int64_t m, const Weights& w, void* y, int out_dtype, int64_t y_stride, int threads) {
   constexpr int64_t GT = 4;  // row groups a task reads: their codes stay in L1 across the activation rows
   const int64_t groups = (w.n + LANES - 1) / LANES, tasks = (groups + GT - 1) / GT;
@@ -254,11 +405,11 @@ void gemm(const Acts& a, int64_t m, const Weights& w, void* y, int out_dtype, in
   for (int64_t t = 0; t < tasks; ++t) {
     const int64_t g0 = t * GT, g1 = std::min(groups, g0 + GT);
     int64_t m0 = 0;
-    for (; m0 + 4 <= m; m0 += 4) rows<BITS, 4>(a, m0, w, g0, g1, y, out_dtype, y_stride);
+    for (; m0 + 4 <= m; m0 += 4) rows<BITS, LEVELS, 4>(a, m0, w, g0, g1, y, out_dtype, y_stride);
     switch (m - m0) {
-      case 3: rows<BITS, 3>(a, m0, w, g0, g1, y, out_dtype, y_stride); break;
-      case 2: rows<BITS, 2>(a, m0, w, g0, g1, y, out_dtype, y_stride); break;
-      case 1: rows<BITS, 1>(a, m0, w, g0, g1, y, out_dtype, y_stride); break;
+      case 3: rows<BITS, LEVELS, 3>(a, m0, w, g0, g1, y, out_dtype, y_stride); break;
+      case 2: rows<BITS, LEVELS, 2>(a, m0, w, g0, g1, y, out_dtype, y_stride); break;
+      case 1: rows<BITS, LEVELS, 1>(a, m0, w, g0, g1, y, out_dtype, y_stride); break;
       default: break;
     }
   }
@@ -266,21 +417,43 @@ void gemm(const Acts& a, int64_t m, const Weights& w, void* y, int out_dtype, in
 
 }  // namespace
 
-// y[m, n] (out_dtype, row stride y_stride) = x[m, :k] (dtype: 0 fp32, 1 fp16, 2 bf16) against the weight rows.
-extern "C" void tiffin_int8_gemm(int dtype, const void* x, int64_t x_stride, int64_t m, int64_t k, int bits,
-                                 const uint8_t* codes, int64_t n, const uint16_t* scales, const uint16_t* offsets,
-                                 int out_dtype, void* y, int64_t y_stride, int threads) {
-  const Acts& a = quantize(x, dtype, x_stride, m, k, threads);
-  const Weights w{codes, scales, offsets, n};
-  if (bits == 4) gemm<4>(a, m, w, y, out_dtype, y_stride, threads);
-  if (bits == 8) gemm<8>(a, m, w, y, out_dtype, y_stride, threads);
-}
-
-// The activation quantization alone, for tests: q [m, k], dx and sx [m, k / 32].
-extern "C" void tiffin_quantize_acts(int dtype, const void* x, int64_t x_stride, int64_t m, int64_t k, int8_t* q,
-                                     float* dx, float* sx, int threads) {
-  const Acts& a = quantize(x, dtype, x_stride, m, k, threads);
+// The activation quantization alone, for tests: q and q2 [m, k] (q2 with two levels), dx and sx [m, k / 32].
+extern "C" void tiffin_quantize_acts(int dtype, const void* x, int64_t x_stride, int64_t m, int64_t k, int levels,
+                                     int8_t* q, int8_t* q2, float* dx, float* sx, int threads) {
+  const Acts& a = quantize(x, dtype, x_stride, m, k, levels, threads);
   std::memcpy(q, a.q.data(), a.q.size());
+  std::memcpy(q2, a.q2.data(), a.q2.size());
   std::memcpy(dx, a.dx.data(), a.dx.size() * sizeof(float));
   std::memcpy(sx, a.sx.data(), a.sx.size() * sizeof(float));
+}
+
+// The fewest activation rows that take bf16 dot products at two levels (from about here arithmetic, not reading
+// the weights, bounds a call), or -1 where the CPU has none.
+extern "C" int64_t tiffin_bf16_min_rows() {
+#if TIFFIN_BF16
+  return 32;
+#else
+  return -1;
+#endif
+}
+
+// y[m, n] (out_dtype, row stride y_stride) = x[m, :k] (dtype: 0 fp32, 1 fp16, 2 bf16) against the weight rows, the
+// activations quantized per block of 32 to `levels` (1 or 2) of int8 codes, or at two levels and from
+// `tiffin_bf16_min_rows` rows on, rounded to bf16 against the weights turned into bf16 (fp32 sums either way).
+extern "C" void tiffin_block_gemm(int dtype, const void* x, int64_t x_stride, int64_t m, int64_t k, int bits,
+                                  const uint8_t* codes, int64_t n, const uint16_t* scales, const uint16_t* offsets,
+                                  int out_dtype, void* y, int64_t y_stride, int levels, int threads) {
+  const Weights w{codes, scales, offsets, n};
+#if TIFFIN_BF16
+  if (levels == 2 && m >= tiffin_bf16_min_rows()) {
+    if (bits == 4) gemm_bf16<4>(x, dtype, x_stride, m, k, w, y, out_dtype, y_stride, threads);
+    if (bits == 8) gemm_bf16<8>(x, dtype, x_stride, m, k, w, y, out_dtype, y_stride, threads);
+    return;
+  }
+#endif
+  const Acts& a = quantize(x, dtype, x_stride, m, k, levels, threads);
+  if (bits == 4 && levels == 1) gemm<4, 1>(a, m, w, y, out_dtype, y_stride, threads);
+  if (bits == 4 && levels == 2) gemm<4, 2>(a, m, w, y, out_dtype, y_stride, threads);
+  if (bits == 8 && levels == 1) gemm<8, 1>(a, m, w, y, out_dtype, y_stride, threads);
+  if (bits == 8 && levels == 2) gemm<8, 2>(a, m, w, y, out_dtype, y_stride, threads);
 }
