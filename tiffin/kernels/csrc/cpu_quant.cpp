@@ -24,73 +24,10 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define TIFFIN_VNNI 1
-#endif
+
+#include "cpu_blocks.h"
 
 namespace {
-
-constexpr int QK = 32;    // inputs per block
-constexpr int LANES = 16;  // weight rows interleaved
-
-inline float half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
-  uint32_t u;
-  if (exp == 0x1F) {
-    u = sign | 0x7F800000 | (mant << 13);
-  } else if (exp) {
-    u = sign | ((exp + 112) << 23) | (mant << 13);
-  } else if (mant) {  // subnormal
-    int e = 113;
-    uint32_t m = mant;
-    while (!(m & 0x400)) m <<= 1, --e;
-    u = sign | (static_cast<uint32_t>(e) << 23) | ((m & 0x3FF) << 13);
-  } else {
-    u = sign;
-  }
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline float load_value(const void* x, int dtype, int64_t i) {  // dtype: 0 fp32, 1 fp16, 2 bf16
-  if (dtype == 0) return static_cast<const float*>(x)[i];
-  const uint16_t h = static_cast<const uint16_t*>(x)[i];
-  if (dtype == 1) return half_to_float(h);
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline void store_value(void* y, int dtype, int64_t i, float v) {  // rounding to nearest even, as torch
-  if (dtype == 0) {
-    static_cast<float*>(y)[i] = v;
-    return;
-  }
-  uint32_t u;
-  std::memcpy(&u, &v, sizeof u);
-  uint16_t h;
-  if (dtype == 2) {
-    h = std::isnan(v) ? 0x7FC0 : static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-  } else {
-    const uint32_t sign = (u >> 16) & 0x8000, abs = u & 0x7FFFFFFF;
-    if (abs >= 0x7F800000) {
-      h = sign | 0x7C00 | (abs > 0x7F800000 ? 0x200 : 0);
-    } else if (abs >= 0x477FF000) {  // rounds past 65504
-      h = sign | 0x7C00;
-    } else if (abs < 0x38800000) {  // subnormal or zero: exact steps of 2^-24
-      float a;
-      std::memcpy(&a, &abs, sizeof a);
-      h = sign | static_cast<uint16_t>(std::nearbyint(a * 16777216.f));
-    } else {
-      const uint32_t r = abs + 0xFFF + ((abs >> 13) & 1);
-      h = sign | static_cast<uint16_t>((r - (112u << 23)) >> 13);
-    }
-  }
-  static_cast<uint16_t*>(y)[i] = h;
-}
 
 struct Acts {  // one call's quantized activations, reused by the thread across calls
   std::vector<int8_t> q;   // [M, K]
@@ -148,12 +85,6 @@ Acts& quantize(const void* x, int dtype, int64_t row_stride, int64_t m, int64_t 
   return a;
 }
 
-struct Weights {
-  const uint8_t* codes;
-  const uint16_t* scales;
-  const uint16_t* offsets;
-  int64_t n;  // rows, before padding to whole groups
-};
 
 #if TIFFIN_VNNI
 // Quad t (and, 4-bit, quad t + 4) of activation row i's block `q` against the row groups' codes, into dots[.][i].
@@ -263,128 +194,6 @@ void tile(const Acts& a, int64_t m0, const Weights& w, int64_t g0, void* y, int 
 }
 #endif
 
-#if TIFFIN_VNNI && defined(__AVX512BF16__)
-// Prompt-sized inputs are bound by arithmetic: there each task turns its row groups' blocks into bf16 weights once
-// (`q * d + m` in fp32, rounded to nearest even), in the pairs `vdpbf16ps` reads (lane l: rows l's inputs 2j,
-// 2j + 1), and multiplies every row of bf16 activations by them, accumulating in fp32 across the whole input.
-#define TIFFIN_BF16 1
-inline __m512i bf16_bits(__m512 v) {  // fp32 -> bf16 bits in each 32-bit lane's low half, nearest even
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-}
-
-// Group g's weights as bf16 pairs: out[j] = 16 lanes (rows), each (input 2j, input 2j + 1).
-template <int BITS>
-void group_to_bf16(const Weights& w, int64_t blocks, int64_t g, __m512i* out) {
-  constexpr int64_t block_bytes = LANES * QK * BITS / 8;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t at = (g * blocks + b) * LANES;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales + at)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.offsets + at)));
-    const uint8_t* block = w.codes + (g * blocks + b) * block_bytes;
-    for (int quad = 0; quad < 8; ++quad) {  // inputs 4 quad .. 4 quad + 3 of every row
-      __m512i v = _mm512_loadu_si512(block + (BITS == 4 ? quad % 4 : quad) * 64);
-      if constexpr (BITS == 4) v = quad < 4 ? _mm512_and_si512(v, _mm512_set1_epi8(0x0F))
-                                            : _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
-      __m512i bits[4];
-      for (int j = 0; j < 4; ++j) {
-        const __m512i code = _mm512_and_si512(_mm512_srli_epi32(v, 8 * j), _mm512_set1_epi32(0xFF));
-        bits[j] = bf16_bits(_mm512_fmadd_ps(_mm512_cvtepi32_ps(code), d, m));
-      }
-      out[b * 16 + quad * 2] = _mm512_or_si512(bits[0], _mm512_slli_epi32(bits[1], 16));
-      out[b * 16 + quad * 2 + 1] = _mm512_or_si512(bits[2], _mm512_slli_epi32(bits[3], 16));
-    }
-  }
-}
-
-// Rows m0..m0+MC of bf16 activation pairs `x` against GR row groups' bf16 weight pairs `wb` (`pairs` each): MC x
-// GR accumulators, GR weight loads and MC broadcasts a pair of inputs, so that loads do not bound the dot products.
-template <int MC, int GR>
-void bf16_tile(const uint32_t* x, int64_t pairs, const __m512i* wb, int64_t m0, void* y, int out_dtype,
-               int64_t y_stride, int64_t n0, int64_t n) {
-  __m512 acc[MC][GR];
-  for (int i = 0; i < MC; ++i)
-    for (int g = 0; g < GR; ++g) acc[i][g] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < pairs; ++j) {
-    __m512bh wv[GR];
-    for (int g = 0; g < GR; ++g) wv[g] = (__m512bh)wb[g * pairs + j];
-    for (int i = 0; i < MC; ++i) {
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(x[(m0 + i) * pairs + j]);
-      for (int g = 0; g < GR; ++g) acc[i][g] = _mm512_dpbf16_ps(acc[i][g], wv[g], xv);
-    }
-  }
-  for (int i = 0; i < MC; ++i) {
-    for (int g = 0; g < GR; ++g) {
-      const int64_t first = n0 + g * LANES, lanes = std::min<int64_t>(LANES, n - first);
-      if (out_dtype == 0 && lanes == LANES) {
-        _mm512_storeu_ps(static_cast<float*>(y) + (m0 + i) * y_stride + first, acc[i][g]);
-        continue;
-      }
-      alignas(64) float out[LANES];
-      _mm512_store_ps(out, acc[i][g]);
-      for (int l = 0; l < lanes; ++l) store_value(y, out_dtype, (m0 + i) * y_stride + first + l, out[l]);
-    }
-  }
-}
-
-template <int GR>
-void bf16_rows(const uint32_t* x, int64_t m, int64_t pairs, const __m512i* wb, void* y, int out_dtype,
-               int64_t y_stride, int64_t n0, int64_t n) {
-  int64_t m0 = 0;
-  for (; m0 + 6 <= m; m0 += 6) bf16_tile<6, GR>(x, pairs, wb, m0, y, out_dtype, y_stride, n0, n);
-  for (; m0 < m; ++m0) bf16_tile<1, GR>(x, pairs, wb, m0, y, out_dtype, y_stride, n0, n);
-}
-
-template <int BITS>
-void gemm_bf16(const void* x, int dtype, int64_t x_stride, int64_t m, int64_t k, const Weights& w, void* y,
-               int out_dtype, int64_t y_stride, int threads) {
-  const int64_t pairs = k / 2, blocks = k / QK, groups = (w.n + LANES - 1) / LANES;
-  thread_local std::vector<uint32_t> mine;
-  std::vector<uint32_t>& xb = mine;  // the calling thread's, as `quantize`'s
-  xb.resize(m * pairs);
-  const int elem = dtype == 0 ? 4 : 2;
-#pragma omp parallel for num_threads(threads)
-  for (int64_t r = 0; r < m; ++r) {  // the activations as bf16 pairs, rounded to nearest even
-    const char* row = static_cast<const char*>(x) + r * x_stride * elem;
-    uint32_t* out = &xb[r * pairs];
-    for (int64_t j = 0; j < k; j += 32) {  // k: whole blocks of 32
-      __m512i both;
-      if (dtype == 2) {
-        both = _mm512_loadu_si512(row + j * 2);
-      } else {
-        __m512 lo, hi;
-        if (dtype == 0) {
-          lo = _mm512_loadu_ps(reinterpret_cast<const float*>(row) + j);
-          hi = _mm512_loadu_ps(reinterpret_cast<const float*>(row) + j + 16);
-        } else {
-          lo = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + j * 2)));
-          hi = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + j * 2 + 32)));
-        }
-        both = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // 32 bf16 in order
-      }
-      _mm512_storeu_si512(out + j / 2, both);
-    }
-  }
-#pragma omp parallel num_threads(threads)
-  {
-    constexpr int64_t GT = 4;  // row groups a task turns into bf16, then multiplies together
-    std::vector<__m512i> wb(GT * pairs);
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < (groups + GT - 1) / GT; ++t) {
-      const int64_t g0 = t * GT, count = std::min(GT, groups - g0);
-      for (int64_t g = 0; g < count; ++g) group_to_bf16<BITS>(w, blocks, g0 + g, &wb[g * pairs]);
-      const int64_t n0 = g0 * LANES;
-      switch (count) {
-        case 4: bf16_rows<4>(xb.data(), m, pairs, wb.data(), y, out_dtype, y_stride, n0, w.n); break;
-        case 3: bf16_rows<3>(xb.data(), m, pairs, wb.data(), y, out_dtype, y_stride, n0, w.n); break;
-        case 2: bf16_rows<2>(xb.data(), m, pairs, wb.data(), y, out_dtype, y_stride, n0, w.n); break;
-        default: bf16_rows<1>(xb.data(), m, pairs, wb.data(), y, out_dtype, y_stride, n0, w.n); break;
-      }
-    }
-  }
-}
-#endif
 
 // Row groups g0..g1 against every row of activations, MC rows of them at a time.
 template <int BITS, int LEVELS, int MC>
@@ -429,13 +238,7 @@ extern "C" void tiffin_quantize_acts(int dtype, const void* x, int64_t x_stride,
 
 // The fewest activation rows that take bf16 dot products at two levels (from about here arithmetic, not reading
 // the weights, bounds a call), or -1 where the CPU has none.
-extern "C" int64_t tiffin_bf16_min_rows() {
-#if TIFFIN_BF16
-  return 32;
-#else
-  return -1;
-#endif
-}
+extern "C" int64_t tiffin_bf16_min_rows() { return tiffin_bf16_gemm_built() ? 32 : -1; }
 
 // y[m, n] (out_dtype, row stride y_stride) = x[m, :k] (dtype: 0 fp32, 1 fp16, 2 bf16) against the weight rows, the
 // activations quantized per block of 32 to `levels` (1 or 2) of int8 codes, or at two levels and from
@@ -444,13 +247,10 @@ extern "C" void tiffin_block_gemm(int dtype, const void* x, int64_t x_stride, in
                                   const uint8_t* codes, int64_t n, const uint16_t* scales, const uint16_t* offsets,
                                   int out_dtype, void* y, int64_t y_stride, int levels, int threads) {
   const Weights w{codes, scales, offsets, n};
-#if TIFFIN_BF16
-  if (levels == 2 && m >= tiffin_bf16_min_rows()) {
-    if (bits == 4) gemm_bf16<4>(x, dtype, x_stride, m, k, w, y, out_dtype, y_stride, threads);
-    if (bits == 8) gemm_bf16<8>(x, dtype, x_stride, m, k, w, y, out_dtype, y_stride, threads);
+  if (levels == 2 && tiffin_bf16_gemm_built() && m >= tiffin_bf16_min_rows()) {
+    tiffin_bf16_gemm(dtype, x, x_stride, m, k, bits, w, out_dtype, y, y_stride, threads);
     return;
   }
-#endif
   const Acts& a = quantize(x, dtype, x_stride, m, k, levels, threads);
   if (bits == 4 && levels == 1) gemm<4, 1>(a, m, w, y, out_dtype, y_stride, threads);
   if (bits == 4 && levels == 2) gemm<4, 2>(a, m, w, y, out_dtype, y_stride, threads);
