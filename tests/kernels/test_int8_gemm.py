@@ -141,3 +141,27 @@ def test_threads_split_the_output_rows():
         assert torch.equal(ig.int8_gemm(x, w), one)
     finally:
         torch.set_num_threads(before)
+
+
+@native
+def test_the_portable_path_is_the_same_arithmetic(tmp_path):
+    """The C++ that CPUs without AVX-512 VNNI (or BF16) compile, built here with those turned off."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    compiler = shutil.which("c++") or shutil.which("g++")
+    portable = tmp_path / "portable.so"
+    flags = [*cpu_native.FLAGS, "-mno-avx512vnni", "-mno-avx512bf16"]
+    subprocess.run([compiler, *flags, *map(str, cpu_native.SOURCES), "-o", str(portable)], check=True)
+    lib = ctypes.CDLL(str(portable))
+    lib.tiffin_block_gemm.argtypes = cpu_native._BLOCK_GEMM_ARGS
+    lib.tiffin_quant_kernels.restype = ctypes.c_char_p
+    assert lib.tiffin_quant_kernels().startswith(b"portable")
+    for bits, levels, m in [(4, 1, 3), (8, 2, 5), (4, 2, 40)]:  # 40 rows at two levels: bf16 where built, not here
+        w, x = random_blocks(24, 96, bits, seed=bits + m, levels=levels), torch.randn(m, 96)
+        y = torch.empty(m, 24)
+        weights = (w.codes.data_ptr(), 24, w.scales.data_ptr(), w.offsets.data_ptr())
+        lib.tiffin_block_gemm(0, x.data_ptr(), 96, m, 96, bits, *weights, 0, y.data_ptr(), 24, levels, 1)
+        want = ig.int8_gemm_reference(x, w, bf16=False)  # integers, whatever the row count
+        torch.testing.assert_close(y, want, rtol=0, atol=1e-5 * float(want.abs().max()))

@@ -59,6 +59,8 @@ def library() -> ctypes.CDLL | None:
     lib.tiffin_quantize_acts.argtypes, lib.tiffin_quantize_acts.restype = _QUANTIZE_ACTS_ARGS, None
     lib.tiffin_decode_layers.argtypes, lib.tiffin_decode_layers.restype = _DECODE_LAYERS_ARGS, None
     lib.tiffin_bf16_min_rows.argtypes, lib.tiffin_bf16_min_rows.restype = [], ctypes.c_int64
+    lib.tiffin_quant_kernels.argtypes, lib.tiffin_quant_kernels.restype = [], ctypes.c_char_p
+    logger.info("native CPU kernels for quantized layers: %s", lib.tiffin_quant_kernels().decode())
     return lib
 
 

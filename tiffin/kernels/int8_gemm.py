@@ -146,10 +146,10 @@ def dequantize_blocks(w: BlockWeights, rows: torch.Tensor | None = None) -> torc
     return (q * d + m).view(len(rows), -1)
 
 
-def int8_gemm_reference(x: torch.Tensor, w: BlockWeights) -> torch.Tensor:
+def int8_gemm_reference(x: torch.Tensor, w: BlockWeights, bf16: bool | None = None) -> torch.Tensor:
     """The kernels' arithmetic in torch: exact integer block dot products, each scaled and summed in fp32; or for
-    `in_bf16` calls, bf16 activations times the weight rounded to bf16, summed in fp32."""
-    if in_bf16(x, w):
+    `in_bf16` calls (`bf16` overrides), bf16 activations times the weight rounded to bf16, summed in fp32."""
+    if in_bf16(x, w) if bf16 is None else bf16:
         weight = dequantize_blocks(w).bfloat16().float()
         return x.bfloat16().float() @ weight.T
     qx, dx = quantize_activations(x, w.levels)

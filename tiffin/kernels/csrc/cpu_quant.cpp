@@ -240,6 +240,16 @@ extern "C" void tiffin_quantize_acts(int dtype, const void* x, int64_t x_stride,
 // the weights, bounds a call), or -1 where the CPU has none.
 extern "C" int64_t tiffin_bf16_min_rows() { return tiffin_bf16_gemm_built() ? 32 : -1; }
 
+// What this build computes quantized layers with, for the log.
+extern "C" const char* tiffin_quant_kernels() {
+#if TIFFIN_VNNI
+  return tiffin_bf16_gemm_built() ? "AVX-512 VNNI integer dot products; AVX-512 BF16 for prompt-sized steps"
+                                  : "AVX-512 VNNI integer dot products";
+#else
+  return "portable C++ (no AVX-512 VNNI on this CPU: several times slower)";
+#endif
+}
+
 // y[m, n] (out_dtype, row stride y_stride) = x[m, :k] (dtype: 0 fp32, 1 fp16, 2 bf16) against the weight rows, the
 // activations quantized per block of 32 to `levels` (1 or 2) of int8 codes, or at two levels and from
 // `tiffin_bf16_min_rows` rows on, rounded to bf16 against the weights turned into bf16 (fp32 sums either way).
