@@ -79,6 +79,18 @@ struct Weights {
   int64_t n;  // rows, before padding to whole groups
 };
 
+#if TIFFIN_VNNI
+// The first `lanes` (of 16) outputs in `acc` to y's elements at..at+lanes, as out_dtype.
+inline void store_outputs(__m512 acc, void* y, int out_dtype, int64_t at, int64_t lanes) {
+  if (out_dtype == 0 && lanes == LANES) {
+    _mm512_storeu_ps(static_cast<float*>(y) + at, acc);
+    return;
+  }
+  alignas(64) float out[LANES];
+  _mm512_store_ps(out, acc);
+  for (int l = 0; l < lanes; ++l) store_value(y, out_dtype, at + l, out[l]);
+}
+#endif
 }  // namespace
 
 // The bf16 GEMM (cpu_quant_bf16.cpp): built where the CPU has AVX-512 BF16.

@@ -148,15 +148,7 @@ void tile(const Acts& a, int64_t m0, const Weights& w, int64_t g0, void* y, int 
   }
   for (int g = 0; g < GR; ++g) {
     const int64_t n0 = (g0 + g) * LANES, lanes = std::min<int64_t>(LANES, w.n - n0);
-    for (int i = 0; i < MC; ++i) {
-      if (out_dtype == 0 && lanes == LANES) {
-        _mm512_storeu_ps(static_cast<float*>(y) + (m0 + i) * y_stride + n0, acc[g][i]);
-        continue;
-      }
-      alignas(64) float out[LANES];
-      _mm512_store_ps(out, acc[g][i]);
-      for (int l = 0; l < lanes; ++l) store_value(y, out_dtype, (m0 + i) * y_stride + n0 + l, out[l]);
-    }
+    for (int i = 0; i < MC; ++i) store_outputs(acc[g][i], y, out_dtype, (m0 + i) * y_stride + n0, lanes);
   }
 }
 #else

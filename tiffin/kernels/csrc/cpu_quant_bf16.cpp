@@ -60,14 +60,8 @@ void bf16_tile(const uint32_t* x, int64_t pairs, const uint32_t* wb, int64_t m0,
   }
   for (int i = 0; i < MC; ++i) {
     for (int g = 0; g < GR; ++g) {
-      const int64_t first = n0 + g * LANES, lanes = std::min<int64_t>(LANES, n - first);
-      if (out_dtype == 0 && lanes == LANES) {
-        _mm512_storeu_ps(static_cast<float*>(y) + (m0 + i) * y_stride + first, acc[i][g]);
-        continue;
-      }
-      alignas(64) float out[LANES];
-      _mm512_store_ps(out, acc[i][g]);
-      for (int l = 0; l < lanes; ++l) store_value(y, out_dtype, (m0 + i) * y_stride + first + l, out[l]);
+      const int64_t first = n0 + g * LANES;
+      store_outputs(acc[i][g], y, out_dtype, (m0 + i) * y_stride + first, std::min<int64_t>(LANES, n - first));
     }
   }
 }
