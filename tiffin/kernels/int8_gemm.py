@@ -1,13 +1,16 @@
-"""Quantized linears on int8 activations: the CPU's fast path for GGUF, AWQ and GPTQ weights (llama.cpp's scheme).
+"""Quantized linears on CPU, on the stored blocks: the fast path of GGUF, AWQ and GPTQ weights.
 
 Every weight row is blocks of 32 inputs, each block unsigned codes `q` (4 or 8 bits) with a scale `d` and an
 offset `m`: `w = q * d + m`. GGUF's Q4_0 (`m = -8d`), Q4_1 (`m` stored) and Q8_0 (codes + 128, `m = -128d`)
 are this arithmetic as stored; AWQ and GPTQ (`w = (q - z) * s` per group) too (`d = s`, `m = -z * s`, a group of
-64 or 128 inputs being 2 or 4 blocks). All are repacked once at load. Activations are quantized per row and block
-to int8 (`dx = max|x| / 127`, `qx = round(x / dx)`), so a block contributes `d * dx * sum(q * qx) + m * dx *
-sum(qx)`: an exact integer dot product, then fp32 (`int8_gemm_reference` is that arithmetic in torch; the native
-kernel, `kernels/csrc/cpu_quant.cpp`, computes the same with AVX-512 VNNI). Scales and offsets are kept in fp16,
-as GGUF stores them and AWQ / GPTQ scales are: a weight takes 5 bits (9 at 8 bits).
+64 or 128 inputs being 2 or 4 blocks). All are repacked once at load. Scales and offsets are kept in fp16, as
+GGUF stores them and AWQ / GPTQ scales are: a weight takes 5 bits (9 at 8 bits).
+
+Activations are quantized per row and block (`quantize_activations`): one level of int8 codes (`dx = max|x| /
+127`, llama.cpp's scheme) or two (15 bits), so a block contributes `d * dx * sum(q * qx) + m * dx * sum(qx)`: an
+exact integer dot product, then fp32. At two levels, steps from `cpu_native.bf16_min_rows()` rows on (bound by
+arithmetic, not by reading the weights) run bf16 dot products instead (`in_bf16`). `int8_gemm_reference` is each
+arithmetic in torch; the native kernels (`kernels/csrc/cpu_quant*.cpp`) compute the same with AVX-512 VNNI / BF16.
 
 Layout (`BlockWeights`), rows interleaved by 16 (padded with zero rows) so that a vector lane is an output row:
 `codes` uint8 `[groups, blocks * 16 * 32 * bits / 8]`, per group and block the registers of 16 rows x 4 inputs
