@@ -196,7 +196,7 @@ def block_gemm(
     levels: int,
 ) -> torch.Tensor:
     """`x [M, K]` (fp32, bf16 or fp16; K a multiple of 32) against the `n` weight rows in the block layout of
-    `tiffin.kernels.int8_gemm` -> `[M, n]` in x's dtype; `levels` of int8 activation codes (see
+    `tiffin.kernels.block_gemm` -> `[M, n]` in x's dtype; `levels` of int8 activation codes (see
     `kernels/csrc/cpu_quant.cpp`'s `tiffin_block_gemm` for the bf16 dot products)."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError("block_gemm needs 2-d x with contiguous rows")

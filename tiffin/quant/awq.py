@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tiffin.kernels.int8_gemm import dequantize_blocks, int8_gemm
+from tiffin.kernels.block_gemm import block_gemm, dequantize_blocks
 from tiffin.kernels.quant import awq_dequantize, awq_gemm, unpack_awq
 from tiffin.quant.base import (
     INT8_BACKENDS,
@@ -86,7 +86,7 @@ class AWQLinearMethod(PackedLinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, layer.input_size)
         if layer.blocks is not None:
-            y = int8_gemm(x2, layer.blocks)
+            y = block_gemm(x2, layer.blocks)
         else:
             y = awq_gemm(x2, layer.qweight, layer.qzeros, layer.scales, self.backend)
         return y.view(*x.shape[:-1], layer.output_size)

@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from tiffin.kernels.int8_gemm import BLOCK, BlockWeights, from_groups
+from tiffin.kernels.block_gemm import BLOCK, BlockWeights, from_groups
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ def _onednn_sgemm_faster(rows: int = 16, size: int = 1024, calls: int = 15) -> b
 # cast to the activations' dtype.
 SCALES_DTYPE = torch.float16
 # The kernel backends of quantized layers on CPU (`cpu_quant_compute` "native" or "int8"): native kernels against
-# the weights in `tiffin.kernels.int8_gemm`'s block layout, repacked once at load, on activations quantized to two
+# the weights in `tiffin.kernels.block_gemm`'s block layout, repacked once at load, on activations quantized to two
 # levels of int8 codes (15 bits; bf16 dot products for prompt-sized inputs) or one. Backend -> activation levels.
 INT8_BACKENDS = {"native": 2, "int8": 1}
 

@@ -18,7 +18,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from torch import nn
 
-from tiffin.kernels.int8_gemm import dequantize_blocks, from_gguf, int8_gemm
+from tiffin.kernels.block_gemm import block_gemm, dequantize_blocks, from_gguf
 from tiffin.kernels.quant import gguf_dequantize, gguf_gemm
 from tiffin.quant.base import (
     INT8_BACKENDS,
@@ -118,7 +118,7 @@ class GGUFLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, layer.input_size)
         if layer.blocks is not None:
-            y = int8_gemm(x2, layer.blocks)
+            y = block_gemm(x2, layer.blocks)
         else:
             y = gguf_gemm(x2, layer.qweight, layer.scales, layer.mins, self.quant.bits, self.backend)
         return y.view(*x.shape[:-1], layer.output_size)

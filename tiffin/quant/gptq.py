@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tiffin.kernels.int8_gemm import dequantize_blocks, int8_gemm
+from tiffin.kernels.block_gemm import block_gemm, dequantize_blocks
 from tiffin.kernels.quant import gptq_dequantize, gptq_gemm, pack_rows, unpack_cols, unpack_rows
 from tiffin.quant.base import (
     INT8_BACKENDS,
@@ -169,7 +169,7 @@ class GPTQLinearMethod(PackedLinearMethod):
         if layer.gather is not None:
             x2d = torch.nn.functional.pad(x2d, (0, 1))[:, layer.gather]
         if layer.blocks is not None:
-            y = int8_gemm(x2d if layer.perm is None else x2d[:, layer.perm], layer.blocks)
+            y = block_gemm(x2d if layer.perm is None else x2d[:, layer.perm], layer.blocks)
         else:
             y = gptq_gemm(
                 x2d, layer.qweight, layer.qzeros, layer.scales, c.bits, c.zero_offset, layer.perm, self.backend

@@ -24,7 +24,7 @@ extern "C" void tiffin_block_gemm(int dtype, const void* x, int64_t x_stride, in
                                   const uint8_t* codes, int64_t n, const uint16_t* scales, const uint16_t* offsets,
                                   int out_dtype, void* y, int64_t y_stride, int levels, int threads);
 
-struct QuantLinear {  // a projection in tiffin.kernels.int8_gemm's block layout
+struct QuantLinear {  // a projection in tiffin.kernels.block_gemm's block layout
   const uint8_t* codes;
   const uint16_t* scales;
   const uint16_t* offsets;

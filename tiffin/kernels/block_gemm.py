@@ -9,7 +9,7 @@ GGUF stores them and AWQ / GPTQ scales are: a weight takes 5 bits (9 at 8 bits).
 Activations are quantized per row and block (`quantize_activations`): one level of int8 codes (`dx = max|x| /
 127`, llama.cpp's scheme) or two (15 bits), so a block contributes `d * dx * sum(q * qx) + m * dx * sum(qx)`: an
 exact integer dot product, then fp32. At two levels, steps from `cpu_native.bf16_min_rows()` rows on (bound by
-arithmetic, not by reading the weights) run bf16 dot products instead (`in_bf16`). `int8_gemm_reference` is each
+arithmetic, not by reading the weights) run bf16 dot products instead (`in_bf16`). `block_gemm_reference` is each
 arithmetic in torch; the native kernels (`kernels/csrc/cpu_quant*.cpp`) compute the same with AVX-512 VNNI / BF16.
 
 Layout (`BlockWeights`), rows interleaved by 16 (padded with zero rows) so that a vector lane is an output row:
@@ -93,12 +93,12 @@ def from_groups(
     return pack_codes(codes.T.to(torch.uint8), s, -expand(zeros).float() * s, bits, levels)
 
 
-def int8_gemm(x: torch.Tensor, w: BlockWeights) -> torch.Tensor:
+def block_gemm(x: torch.Tensor, w: BlockWeights) -> torch.Tensor:
     """`x [M, K]` @ the weight -> `[M, N]` in x's dtype; natively where `cpu_native` runs, else the reference."""
     if x.dim() != 2 or x.shape[1] != w.in_features:
-        raise ValueError(f"int8_gemm: x must be [M, {w.in_features}], got {tuple(x.shape)}")
+        raise ValueError(f"block_gemm: x must be [M, {w.in_features}], got {tuple(x.shape)}")
     if x.device.type != "cpu" or x.dtype not in cpu_native.ACT_DTYPE_CODES or cpu_native.library() is None:
-        return int8_gemm_reference(x, w).to(x.dtype)
+        return block_gemm_reference(x, w).to(x.dtype)
     return cpu_native.block_gemm(x.contiguous(), w.codes, w.scales, w.offsets, w.bits, w.out_features, w.levels)
 
 
@@ -149,7 +149,7 @@ def dequantize_blocks(w: BlockWeights, rows: torch.Tensor | None = None) -> torc
     return (q * d + m).view(len(rows), -1)
 
 
-def int8_gemm_reference(x: torch.Tensor, w: BlockWeights, bf16: bool | None = None) -> torch.Tensor:
+def block_gemm_reference(x: torch.Tensor, w: BlockWeights, bf16: bool | None = None) -> torch.Tensor:
     """The kernels' arithmetic in torch: exact integer block dot products, each scaled and summed in fp32; or for
     `in_bf16` calls (`bf16` overrides), bf16 activations times the weight rounded to bf16, summed in fp32."""
     if in_bf16(x, w) if bf16 is None else bf16:

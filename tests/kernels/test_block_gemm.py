@@ -6,8 +6,8 @@ GPTQ weights against each format's own dequantization."""
 import pytest
 import torch
 
+from tiffin.kernels import block_gemm as ig
 from tiffin.kernels import cpu_native
-from tiffin.kernels import int8_gemm as ig
 from tiffin.kernels.quant import awq_dequantize, gguf_dequantize, gptq_dequantize, unpack_awq, unpack_cols, unpack_rows
 
 native = pytest.mark.skipif(cpu_native.library() is None, reason="no C++ compiler: the native kernels are not built")
@@ -30,10 +30,10 @@ def test_native_kernel_is_the_reference_arithmetic(m, k, n, bits, levels):
     w = random_blocks(n, k, bits, seed=m + k + n, levels=levels)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 3
     x[0, :32] = 0  # a block of zeros: scale 0
-    want = ig.int8_gemm_reference(x, w)
+    want = ig.block_gemm_reference(x, w)
     # the kernels sum partial dot products in fp32 where the reference sums exact totals, or in another order: the
     # two differ by fp32 roundings of terms as large as the largest output
-    torch.testing.assert_close(ig.int8_gemm(x, w), want, rtol=0, atol=1e-5 * float(want.abs().max()))
+    torch.testing.assert_close(ig.block_gemm(x, w), want, rtol=0, atol=1e-5 * float(want.abs().max()))
 
 
 @native
@@ -45,7 +45,7 @@ def test_prompt_sized_inputs_take_bf16_dot_products_at_two_levels():
     assert not ig.in_bf16(small, w2) and not ig.in_bf16(large, w1)
     # bf16 operands, sums in float64: the bf16 path differs by fp32 roundings only
     want = large.bfloat16().double() @ ig.dequantize_blocks(w2).bfloat16().double().T
-    got = ig.int8_gemm(large, w2).double()
+    got = ig.block_gemm(large, w2).double()
     tolerance = 1e-5 if ig.in_bf16(large, w2) else 1e-3  # without the CPU's bf16: 15-bit activations
     torch.testing.assert_close(got, want, rtol=0, atol=tolerance * float(want.abs().max()))
 
@@ -54,7 +54,7 @@ def test_prompt_sized_inputs_take_bf16_dot_products_at_two_levels():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_activations_in_and_out(dtype):
     w, x = random_blocks(48, 320, 4, seed=1), torch.randn(5, 320).to(dtype)
-    got, want = ig.int8_gemm(x, w), ig.int8_gemm_reference(x, w)
+    got, want = ig.block_gemm(x, w), ig.block_gemm_reference(x, w)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want, rtol=torch.finfo(dtype).eps, atol=1e-5 * float(want.abs().max()))
 
@@ -86,7 +86,7 @@ def test_reference_is_the_product_of_the_dequantized_operands(bits, levels):
     # half a step, give or take the rounding of 1 / step
     assert ((acts - x.double()).abs().view(m, -1, 32) <= dx[..., None].double() * 0.5 * (1 + 1e-6)).all()
     want = acts @ ig.dequantize_blocks(w).double().T
-    torch.testing.assert_close(ig.int8_gemm_reference(x, w).double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ig.block_gemm_reference(x, w).double(), want, rtol=1e-5, atol=1e-5)
 
 
 def gguf_rows(n: int, k: int, bits: int, with_mins: bool, seed: int):
@@ -136,9 +136,9 @@ def test_threads_split_the_output_rows():
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = ig.int8_gemm(x, w)
+        one = ig.block_gemm(x, w)
         torch.set_num_threads(max(2, before))
-        assert torch.equal(ig.int8_gemm(x, w), one)
+        assert torch.equal(ig.block_gemm(x, w), one)
     finally:
         torch.set_num_threads(before)
 
@@ -163,5 +163,5 @@ def test_the_portable_path_is_the_same_arithmetic(tmp_path):
         y = torch.empty(m, 24)
         weights = (w.codes.data_ptr(), 24, w.scales.data_ptr(), w.offsets.data_ptr())
         lib.tiffin_block_gemm(0, x.data_ptr(), 96, m, 96, bits, *weights, 0, y.data_ptr(), 24, levels, 1)
-        want = ig.int8_gemm_reference(x, w, bf16=False)  # integers, whatever the row count
+        want = ig.block_gemm_reference(x, w, bf16=False)  # integers, whatever the row count
         torch.testing.assert_close(y, want, rtol=0, atol=1e-5 * float(want.abs().max()))
