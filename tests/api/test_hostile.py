@@ -1,6 +1,6 @@
-"""Hostile and careless requests against the OpenAI app in-process (issue #16): each defect the hostile-input
-run found (numbered as in the issue) is refused by name with a 4xx, a failing request fails alone, adapters are
-confined at every read, and the engine keeps serving."""
+"""Hostile and careless requests against the OpenAI app in-process: each defect a hostile-input run found is
+refused by name with a 4xx, a failing request fails alone, adapters are confined at every read, and the engine
+keeps serving."""
 
 import asyncio
 import json
@@ -50,13 +50,13 @@ def still_serving(client):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
 
 
-def test_1_top_k_beyond_the_vocabulary(client):
+def test_top_k_beyond_the_vocabulary(client):
     for top_k in (2**63, 10**6):
         assert "top_k" in refused(client, {**BASE, "top_k": top_k}, "top_k")
     still_serving(client)
 
 
-def test_2_lone_surrogates(client):
+def test_lone_surrogates(client):
     chat = '{"messages": [{"role": "user", "content": "hi \\ud800"}], "max_tokens": 2}'
     refused(client, b'{"prompt": "hi \\ud800", "max_tokens": 2}', "prompt")
     refused(client, chat.encode(), "messages", endpoint="chat/completions")
@@ -68,7 +68,7 @@ def test_2_lone_surrogates(client):
     still_serving(client)
 
 
-def test_3_prompt_far_beyond_the_context_is_not_tokenized(client, api, monkeypatch):
+def test_prompt_far_beyond_the_context_is_not_tokenized(client, api, monkeypatch):
     tokenizer = api.engine.tokenizer
     lengths = []
     encode = tokenizer.encode
@@ -82,19 +82,19 @@ def test_3_prompt_far_beyond_the_context_is_not_tokenized(client, api, monkeypat
     still_serving(client)
 
 
-def test_4_stop_lists_are_capped(client):
+def test_stop_lists_are_capped(client):
     refused(client, {**BASE, "stop_token_ids": list(range(1_000_000)), "min_tokens": 2, "n": 8}, "stop_token_ids")
     refused(client, {**BASE, "stop": ["x"] * 1000}, "stop")
     refused(client, {**BASE, "stop": "x" * 100_000}, "stop")
     still_serving(client)
 
 
-def test_5_n_is_bounded(client):
+def test_n_is_bounded(client):
     assert "n" in refused(client, {**BASE, "n": 10_000}, "n")
     still_serving(client)
 
 
-def test_6_seed_out_of_range_names_seed(client):
+def test_seed_out_of_range_names_seed(client):
     refused(client, {**BASE, "seed": 2**70}, "seed")
     refused(client, {**BASE, "seed": -(2**70)}, "seed")
     seeded = {**BASE, "seed": 2**63 - 1, "n": 2, "temperature": 1.0}
@@ -108,7 +108,7 @@ def test_unsupported_fields_are_refused_by_name(client):
     assert client.post("/completions", json={**BASE, "best_of": 1}).status_code == 200
 
 
-def test_9_non_finite_logprobs_never_reach_json():
+def test_non_finite_logprobs_never_reach_json():
     out = CompletionOutput(
         0, "ab", [1, 2], "length", None, [{1: Logprob(math.nan, 1, "a")}, {2: Logprob(-math.inf, 1, "b")}]
     )
@@ -213,7 +213,7 @@ def _text(client, model):
     return r.status_code, r.json()
 
 
-def test_7_an_evicted_adapter_is_reread_only_from_where_it_was_loaded(lora):
+def test_an_evicted_adapter_is_reread_only_from_where_it_was_loaded(lora):
     client, root, outside = lora
     assert _load(client, "evil", outside / "evil").status_code == 400  # outside the roots
     shutil.copytree(outside / "evil", root / "evil-inside")
@@ -249,7 +249,7 @@ def test_7_an_evicted_adapter_is_reread_only_from_where_it_was_loaded(lora):
         ({"target_modules": 5, "r": "4"}, "r"),
     ],
 )
-def test_8_bad_adapter_configs_are_400_naming_the_field(lora, change, field):
+def test_bad_adapter_configs_are_400_naming_the_field(lora, change, field):
     client, root, _ = lora
     name = f"cfg-{field}-{abs(hash(json.dumps(change))) % 1000}"
     shutil.copytree(root / "b", root / name)
@@ -260,7 +260,7 @@ def test_8_bad_adapter_configs_are_400_naming_the_field(lora, change, field):
     still_serving(client)
 
 
-def test_9_non_finite_adapter_weights_are_refused(lora):
+def test_non_finite_adapter_weights_are_refused(lora):
     from safetensors.torch import load_file, save_file
 
     client, root, _ = lora
