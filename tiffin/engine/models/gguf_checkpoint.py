@@ -8,19 +8,28 @@ Every other tensor comes out dequantized to float32 by the `gguf` package (vecto
 llama.cpp's converter interleaves the rows of every llama-family q/k projection (its rotary embedding pairs
 adjacent dims, Hugging Face's pairs halves); the rows are put back here, whatever their type, since a row
 is always whole blocks.
+
+Model files are untrusted input. Before the `gguf` package parses one, its header is checked against the file's
+size (`gguf_header`); then every metadata value read is checked for its type and bounds, and every dimension
+it declares against the tensors present, each refusal a ValueError naming the field. So a file that opens
+builds no layer larger than its own tensors, and nothing sized per position beyond MAX_CONTEXT.
 """
 
 import functools
+import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
-from gguf import Keys
+from gguf import GGUFValueType, Keys
 from tqdm.auto import tqdm
 
+from tiffin.engine.models.gguf_header import check_header
 from tiffin.engine.models.registry import gguf_architecture
 from tiffin.quant.gguf import KEPT_TYPES
 
@@ -52,6 +61,27 @@ LAYER_MODULES = (
     "mlp.down_proj",
 )
 GLOBAL_MODULES = ("model.embed_tokens", "model.norm", "lm_head")
+# the tensors that pin every dimension the metadata declares (q_norm/k_norm and lm_head are optional)
+REQUIRED_MODULES = ("model.embed_tokens", "model.norm")
+REQUIRED_LAYER_MODULES = tuple(m for m in LAYER_MODULES if m not in ("self_attn.q_norm", "self_attn.k_norm"))
+# The longest context a GGUF file may declare: above any published model's (10M tokens), and far below the
+# 2^32 that would make the per-position tables (rotary cos/sin, block tables) sized from it exhaust memory.
+MAX_CONTEXT = 1 << 24
+MAX_INT = (1 << 31) - 1  # sizes and ids stay within torch's int32 indexing
+BLOCK = re.compile(r"blk\.(\d+)\.")
+
+
+class Dims(NamedTuple):
+    """The model dimensions a GGUF file's metadata declares, each checked against the tensors it sizes."""
+
+    vocab: int
+    hidden: int
+    ffn: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    context: int
 
 
 def find_gguf(path: str | Path) -> Path | None:
@@ -72,59 +102,103 @@ def open_gguf(path: Path) -> "GGUFCheckpoint":
 
 
 class GGUFCheckpoint:
+    """One GGUF file, parsed once. Invariant: a checkpoint that constructs is consistent (see the module's
+    docstring): `dims` holds the checked dimensions and every tensor has the shape they imply."""
+
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        check_header(self.path)
         self.reader = gguf.GGUFReader(self.path)
-        self.arch = self.reader.fields[Keys.General.ARCHITECTURE].contents()  # llama.cpp's name
+        self.arch = ""  # llama.cpp's name, which keys are spelled with: general.architecture's own is not
+        self.arch = self.text(Keys.General.ARCHITECTURE)
         self.architecture = gguf_architecture(self.arch, self.path.name)
         self.tensor_types = {t.name: t.tensor_type for t in self.reader.tensors}
+        # ggml lists dims innermost first
+        self.tensor_shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in self.reader.tensors}
         unsupported = sorted({t.name for t in self.tensor_types.values() if t not in TYPES})
         if unsupported:
-            raise ValueError(
-                f"{self.path.name}: GGUF tensor type(s) {', '.join(unsupported)} not supported; tiffin reads "
+            raise self.fail(
+                f"tensor type(s) {', '.join(unsupported)} not supported; tiffin reads "
                 f"{', '.join(t.name for t in TYPES)}"
             )
         if "rope_freqs.weight" in self.tensor_types:
-            raise ValueError(
-                f"{self.path.name}: GGUF per-frequency RoPE factors (rope_freqs: llama3 scaling) are not supported"
-            )
-        self.hf_names = self._hf_names()
+            raise self.fail("per-frequency RoPE factors (rope_freqs: llama3 scaling) are not supported")
+        layers = self._block_count()
+        self.hf_names = self._hf_names(layers)
+        self.dims = self._dims(layers)
 
-    def field(self, key: str, default=None):
-        field = self.reader.fields.get(key.format(arch=self.arch))
-        return default if field is None else field.contents()
+    def key(self, key: str) -> str:
+        return key.format(arch=self.arch)
+
+    def fail(self, message: str) -> ValueError:
+        return ValueError(f"{self.path.name}: GGUF {message}")
+
+    def field(self, key: str, default: Any = None) -> Any:
+        field = self.reader.fields.get(self.key(key))
+        if field is None:
+            return default
+        try:
+            return field.contents()
+        except ValueError as e:  # a string that is not UTF-8
+            raise self.fail(f"{self.key(key)}: {e}") from None
+
+    def text(self, key: str, default: str | None = None) -> str:
+        value = self.field(key, default)
+        if value is None:
+            raise self.fail(f"metadata lacks {self.key(key)}")
+        if not isinstance(value, str):
+            raise self.fail(f"{self.key(key)} is {value!r}, not a string")
+        return value
+
+    def integer(self, key: str, default: int | None = None, low: int = 1, high: int = MAX_INT) -> int | None:
+        """Metadata `key`, `default` when absent; ValueError naming it unless an integer from `low` to `high`."""
+        value = self.field(key, default)
+        if value is not None and (type(value) is not int or not low <= value <= high):
+            raise self.fail(f"{self.key(key)} is {value!r}; expected an integer from {low} to {high}")
+        return value
+
+    def required(self, key: str) -> int:
+        value = self.integer(key)
+        if value is None:
+            raise self.fail(f"metadata lacks {self.key(key)}")
+        return value
+
+    def positive(self, key: str, default: float | None = None) -> float:
+        """Metadata `key`, `default` when absent; ValueError naming it unless a finite number above 0."""
+        value = self.field(key, default)
+        if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
+            raise self.fail(f"{self.key(key)} is {value!r}; expected a finite number above 0")
+        return value
 
     def config(self, stacked_modules: dict[str, tuple[str, int]]) -> dict:
         """The config.json a Hugging Face checkpoint of this model would carry, with the tensors that stay
         quantized in its `quantization_config` (see `kept`)."""
-        heads = self.field(Keys.Attention.HEAD_COUNT)
-        hidden = self.field(Keys.LLM.EMBEDDING_LENGTH)
-        vocab = self.field(Keys.LLM.VOCAB_SIZE) or len(self.field(Keys.Tokenizer.LIST))
+        dims = self.dims
         config = {
             "architectures": [self.architecture],
             "model_type": self.architecture.removesuffix("ForCausalLM").lower(),
-            "vocab_size": vocab,
-            "hidden_size": hidden,
-            "intermediate_size": self.field(Keys.LLM.FEED_FORWARD_LENGTH),
-            "num_hidden_layers": self.field(Keys.LLM.BLOCK_COUNT),
-            "num_attention_heads": heads,
-            "num_key_value_heads": self.field(Keys.Attention.HEAD_COUNT_KV, heads),
-            "head_dim": self.field(Keys.Attention.KEY_LENGTH) or hidden // heads,
-            "rms_norm_eps": self.field(Keys.Attention.LAYERNORM_RMS_EPS, 1e-6),
-            "rope_theta": self.field(Keys.Rope.FREQ_BASE, 10000.0),
-            "max_position_embeddings": self.field(Keys.LLM.CONTEXT_LENGTH, 2048),
+            "vocab_size": dims.vocab,
+            "hidden_size": dims.hidden,
+            "intermediate_size": dims.ffn,
+            "num_hidden_layers": dims.layers,
+            "num_attention_heads": dims.heads,
+            "num_key_value_heads": dims.kv_heads,
+            "head_dim": dims.head_dim,
+            "rms_norm_eps": self.positive(Keys.Attention.LAYERNORM_RMS_EPS, 1e-6),
+            "rope_theta": self.positive(Keys.Rope.FREQ_BASE, 10000.0),
+            "max_position_embeddings": dims.context,
             "tie_word_embeddings": "output.weight" not in self.tensor_types,
             "attention_bias": "blk.0.attn_q.bias" in self.tensor_types,
-            "sliding_window": self.field(Keys.Attention.SLIDING_WINDOW),
+            "sliding_window": self.integer(Keys.Attention.SLIDING_WINDOW, low=0),  # 0: none, as before
             "bos_token_id": self.field(Keys.Tokenizer.BOS_ID),
             "eos_token_id": self.field(Keys.Tokenizer.EOS_ID),
             "quantization_config": {"quant_method": "gguf", "kept": self.kept(stacked_modules)},
         }
-        scaling = self.field(Keys.Rope.SCALING_TYPE, "none")
+        scaling = self.text(Keys.Rope.SCALING_TYPE, "none")
         if scaling == "linear":
-            config["rope_scaling"] = {"rope_type": "linear", "factor": self.field(Keys.Rope.SCALING_FACTOR)}
+            config["rope_scaling"] = {"rope_type": "linear", "factor": self.positive(Keys.Rope.SCALING_FACTOR)}
         elif scaling != "none":
-            raise ValueError(f"{self.path.name}: GGUF RoPE scaling {scaling!r} is not supported (none, linear)")
+            raise self.fail(f"RoPE scaling {scaling!r} is not supported (none, linear)")
         return config
 
     def kept(self, stacked_modules: dict[str, tuple[str, int]]) -> dict[str, str]:
@@ -149,32 +223,119 @@ class GGUFCheckpoint:
 
     def weights(self, kept: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, tensor) for every tensor: the raw blocks of those `kept`, the others float32."""
-        config = self.config({})
         for t in tqdm(self.reader.tensors, desc="Loading weights", unit="tensor"):
             name = self.hf_names[t.name]
-            shape = tuple(int(d) for d in reversed(t.shape))  # ggml lists dims innermost first
+            shape = self.tensor_shapes[t.name]
             if name in kept:
                 data = t.data.reshape(shape[0], -1)
             else:
                 data = gguf.dequantize(t.data, t.tensor_type).reshape(shape)
             if self.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
-                heads = config["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"]
+                heads = self.dims.heads if ".q_proj." in name else self.dims.kv_heads
                 data = _undo_rope_permutation(data, heads)
             yield name, torch.from_numpy(np.array(data))  # a copy: the reader's arrays map the file read-only
 
-    def _hf_names(self) -> dict[str, str]:
-        layers = self.field(Keys.LLM.BLOCK_COUNT)
+    def _block_count(self) -> int:
+        """block_count, once it names exactly the blocks whose blk.N tensors the file holds: the name map and
+        the layers are built per block, so a count the tensors do not back is refused before either."""
+        layers = self.required(Keys.LLM.BLOCK_COUNT)
+        present = {int(m[1]) for name in self.tensor_types if (m := BLOCK.match(name))}
+        if len(present) != layers or present != set(range(layers)):  # lengths first: range(2^31) as a set takes GBs
+            held = f"{len(present)} blocks" + (f", blk.{min(present)} to blk.{max(present)}" if present else "")
+            raise self.fail(f"{self.key(Keys.LLM.BLOCK_COUNT)} is {layers}, but the file holds tensors of {held}")
+        return layers
+
+    def _hf_names(self, layers: int) -> dict[str, str]:
+        """GGUF tensor name -> Hugging Face name, once every tensor that pins a dimension is present."""
         arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == self.arch)
         name_map = gguf.get_tensor_name_map(arch, layers)
-        hf = [*GLOBAL_MODULES, *(f"model.layers.{i}.{m}" for i in range(layers) for m in LAYER_MODULES)]
-        to_hf = {name_map.get_name(name): name for name in hf}
+        layer_modules = [f"model.layers.{i}.{m}" for i in range(layers) for m in LAYER_MODULES]
+        to_hf = {name_map.get_name(name): name for name in (*GLOBAL_MODULES, *layer_modules)}
         names = {}
         for name in self.tensor_types:
             base, _, suffix = name.rpartition(".")
             if base not in to_hf:
-                raise ValueError(f"{self.path.name}: GGUF tensor {name!r} has no place in a {self.arch} model")
+                raise self.fail(f"tensor {name!r} has no place in a {self.arch} model")
             names[name] = f"{to_hf[base]}.{suffix}"
+        required = [
+            *REQUIRED_MODULES,
+            *(f"model.layers.{i}.{m}" for i in range(layers) for m in REQUIRED_LAYER_MODULES),
+        ]
+        missing = sorted(set(required) - {name.removesuffix(".weight") for name in names.values()})
+        if missing:
+            gguf_names = {hf: base for base, hf in to_hf.items()}
+            raise self.fail(f"file lacks tensor(s) {', '.join(gguf_names[m] + '.weight' for m in missing[:8])}")
         return names
+
+    def _dims(self, layers: int) -> Dims:
+        hidden = self.required(Keys.LLM.EMBEDDING_LENGTH)
+        heads = self.required(Keys.Attention.HEAD_COUNT)
+        kv_heads = self.integer(Keys.Attention.HEAD_COUNT_KV, heads)
+        if heads % kv_heads:
+            raise self.fail(
+                f"{self.key(Keys.Attention.HEAD_COUNT_KV)} ({kv_heads}) does not divide "
+                f"{self.key(Keys.Attention.HEAD_COUNT)} ({heads})"
+            )
+        head_dim = self.integer(Keys.Attention.KEY_LENGTH) or hidden // heads
+        if head_dim % 2 or not head_dim:  # the rotary embedding turns halves of each head
+            raise self.fail(f"head dimension {self.head_dim_source()} = {head_dim} is not a positive even number")
+        token_list = self.reader.fields.get(Keys.Tokenizer.LIST)
+        is_list = token_list is not None and token_list.types[:1] == [GGUFValueType.ARRAY]
+        tokens = len(token_list.data) if is_list else None
+        vocab = self.integer(Keys.LLM.VOCAB_SIZE) or tokens
+        if not vocab:
+            raise self.fail(f"metadata lacks {self.key(Keys.LLM.VOCAB_SIZE)} and {Keys.Tokenizer.LIST}")
+        if tokens is not None and tokens > vocab:
+            vocab_size = self.key(Keys.LLM.VOCAB_SIZE)
+            raise self.fail(f"{Keys.Tokenizer.LIST} holds {tokens} tokens, more than {vocab_size} = {vocab}")
+        for key in (Keys.Tokenizer.BOS_ID, Keys.Tokenizer.EOS_ID, Keys.Tokenizer.EOT_ID, Keys.Tokenizer.EOM_ID):
+            self.integer(key, low=0, high=vocab - 1)
+        ffn = self.required(Keys.LLM.FEED_FORWARD_LENGTH)
+        context = self.integer(Keys.LLM.CONTEXT_LENGTH, 2048, high=MAX_CONTEXT)
+        dims = Dims(vocab, hidden, ffn, layers, heads, kv_heads, head_dim, context)
+        self._check_shapes(dims)
+        return dims
+
+    def head_dim_source(self) -> str:
+        """The metadata the head dimension comes from: key_length, else embedding_length / head_count."""
+        if self.field(Keys.Attention.KEY_LENGTH) is not None:
+            return self.key(Keys.Attention.KEY_LENGTH)
+        return f"{self.key(Keys.LLM.EMBEDDING_LENGTH)} / {self.key(Keys.Attention.HEAD_COUNT)}"
+
+    def _check_shapes(self, dims: Dims) -> None:
+        """Every weight and bias has the shape `dims` implies; the refusal names the metadata behind each
+        dimension that differs."""
+        vocab = (dims.vocab, f"{self.key(Keys.LLM.VOCAB_SIZE)} = {dims.vocab}")
+        hidden = (dims.hidden, f"{self.key(Keys.LLM.EMBEDDING_LENGTH)} = {dims.hidden}")
+        ffn = (dims.ffn, f"{self.key(Keys.LLM.FEED_FORWARD_LENGTH)} = {dims.ffn}")
+        source = self.head_dim_source()
+        head = (dims.head_dim, f"{source} = {dims.head_dim}")
+        q_label = f"{self.key(Keys.Attention.HEAD_COUNT)} × {source} = {dims.heads} × {dims.head_dim}"
+        kv_label = f"{self.key(Keys.Attention.HEAD_COUNT_KV)} × {source} = {dims.kv_heads} × {dims.head_dim}"
+        q, kv = (dims.heads * dims.head_dim, q_label), (dims.kv_heads * dims.head_dim, kv_label)
+        expected = {
+            "embed_tokens": (vocab, hidden),
+            "lm_head": (vocab, hidden),
+            "norm": (hidden,),
+            "input_layernorm": (hidden,),
+            "post_attention_layernorm": (hidden,),
+            "q_proj": (q, hidden),
+            "k_proj": (kv, hidden),
+            "v_proj": (kv, hidden),
+            "o_proj": (hidden, q),
+            "q_norm": (head,),
+            "k_norm": (head,),
+            "gate_proj": (ffn, hidden),
+            "up_proj": (ffn, hidden),
+            "down_proj": (hidden, ffn),
+        }
+        for name, hf in self.hf_names.items():
+            module, _, suffix = hf.rpartition(".")
+            want = expected[module.rpartition(".")[2]][: 1 if suffix == "bias" else None]
+            shape, sizes = self.tensor_shapes[name], tuple(size for size, _ in want)
+            if shape != sizes:
+                wrong = [label for (size, label), got in zip(want, shape) if size != got] or [l for _, l in want]
+                raise self.fail(f"tensor {name!r} has shape {list(shape)}, not {list(sizes)} ({'; '.join(wrong)})")
 
 
 def _undo_rope_permutation(rows: np.ndarray, heads: int) -> np.ndarray:
