@@ -1,23 +1,54 @@
-"""`tiffin` command line: offline generation and `quantize` (AutoAWQ / GPTQModel wrappers)."""
+"""`tiffin` command line: offline generation and `quantize` (AutoAWQ / GPTQModel wrappers).
+
+Errors are one line on stderr: a bad argument exits 2 (argparse's convention). `generate` checks its arguments
+before it loads anything, and a model it cannot fetch, read or serve exits 1, without a traceback."""
 
 import argparse
 import sys
+from typing import NoReturn
 
-DEFAULT_TINY = ".tiffin-cache/tiny-llama"
+from tiffin.cache import default_cache_dir
+from tiffin.engine.config import DTYPE_NAMES
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's, with its errors on one line (the usage is in --help); its subcommands' parsers are of this
+    class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def generate(args: argparse.Namespace) -> None:
-    from tiffin import LLM, SamplingParams
+    from tiffin.engine.errors import ParamError
+    from tiffin.engine.models.source import resolve_model_path
+    from tiffin.engine.sampling_params import SamplingParams
 
-    model = args.model
-    if model is None:
-        from tiffin.tiny import make_tiny_model
+    try:
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    except ParamError as e:
+        args.parser.error(f"argument --{e.param.replace('_', '-')}: {e}")
+    try:
+        model = default_tiny_model() if args.model is None else resolve_model_path(args.model)
+    except ValueError as e:  # neither a path nor a hub id, or a hub id not cached while offline
+        args.parser.error(f"argument --model: {e}")
+    except OSError as e:  # the hub cannot be reached or has no such model
+        sys.exit(f"{args.parser.prog}: error: {e}")
+    from tiffin import LLM
 
-        model = make_tiny_model(DEFAULT_TINY)
-    llm = LLM(model, dtype=args.dtype)
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-    for out in llm.generate(args.prompts, params, use_tqdm=False):
+    try:
+        outputs = LLM(model, dtype=args.dtype).generate(args.prompts, params, use_tqdm=False)
+    except (OSError, ValueError) as e:  # a model tiffin cannot read or serve
+        sys.exit(f"{args.parser.prog}: error: {e}")
+    for out in outputs:
         print(f"{out.prompt!r} -> {out.outputs[0].text!r}")
+
+
+def default_tiny_model() -> str:
+    """The built-in tiny checkpoint, written under the user's cache folder (never the working directory)."""
+    from tiffin.tiny import make_tiny_model
+
+    return str(make_tiny_model(default_cache_dir() / "tiny-llama"))
 
 
 def quantize(args: argparse.Namespace) -> None:
@@ -42,18 +73,18 @@ def quantize(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="tiffin")
+    parser = ArgumentParser(prog="tiffin")
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="generate text offline")
     gen.add_argument("prompts", nargs="+")
     gen.add_argument(
         "--model", help="Hugging Face directory, .gguf file or hub id (org/name); default: the built-in tiny model"
     )
-    gen.add_argument("--dtype", default="auto")
+    gen.add_argument("--dtype", default="auto", choices=("auto", *DTYPE_NAMES))
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int)
-    gen.set_defaults(run=generate)
+    gen.set_defaults(run=generate, parser=gen)
     q = commands.add_parser("quantize", help="quantize a local model with AutoAWQ or GPTQModel (tiffin[quantize])")
     q.add_argument("model", help="local Hugging Face model directory")
     q.add_argument("output", help="directory for the quantized checkpoint")
