@@ -259,6 +259,30 @@ def test_sync_http_client(server, llm):
             c.generate(prompt="x", temperature=-1)
 
 
+COERCIBLE = [  # (field, value): what a lax validator would run as another value
+    ("max_tokens", True),
+    ("max_tokens", "4"),
+    ("max_tokens", 4.0),
+    ("seed", "12"),
+    ("ignore_eos", "yes"),
+    ("ignore_eos", 1),
+    ("temperature", "0.5"),
+    ("top_k", False),
+    ("prompt", 5),
+]
+
+
+@pytest.mark.parametrize("api", ["generate", "generate_stream"])
+def test_typed_endpoints_take_json_types_as_the_v1_routes_do(server, api):
+    for field, value in COERCIBLE:
+        r = server.http.post(f"/{api}", json={"prompt": "x", "max_tokens": 2, field: value})
+        assert r.status_code == 400, (field, value, r.text)
+        body = r.json()  # BentoML's shape for a validation error, naming the field
+        assert "validation error" in body["error"] and [d["loc"][-1] for d in body["detail"]] == [field], body
+    body = {"prompt": "x", "max_tokens": 2, "temperature": 0, "top_p": 1, "seed": 12, "ignore_eos": True}
+    assert server.http.post(f"/{api}", json=body).status_code == 200  # a JSON integer is a valid float
+
+
 def test_metrics(server, client):
     before = server.metrics()
     client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})

@@ -196,3 +196,18 @@ def test_min_tokens_is_refused_with_a_grammar():
         SamplingParams(min_tokens=2, structured_outputs=StructuredOutputsParams(choice=["a"]))
     with pytest.raises(ValueError, match="structured_outputs must be"):
         SamplingParams(structured_outputs={"choice": ["a"]})
+
+
+def test_a_grammar_past_its_deadline_fails_only_its_request(tiny_model, monkeypatch):
+    from structured_specs import slow_compiles
+
+    release = slow_compiles(monkeypatch)
+    llm = LLM(tiny_model("llama"), num_kv_blocks=64, grammar_compile_timeout=0.3)
+    so = StructuredOutputsParams(choice=["late"])
+    params = [SamplingParams(max_tokens=5, structured_outputs=so), SamplingParams(max_tokens=3, ignore_eos=True)]
+    try:
+        outs = [o.outputs[0] for o in llm.generate(["a", "b"], params, use_tqdm=False)]
+    finally:
+        release.set()
+    assert outs[0].finish_reason == "error" and "grammar_compile_timeout=0.3" in outs[0].stop_reason
+    assert len(outs[1].token_ids) == 3

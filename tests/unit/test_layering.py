@@ -31,6 +31,8 @@ LAYERS = [
             "tiffin.engine.sampling_params",
             "tiffin.engine.outputs",
             "tiffin.engine.structured.params",
+            "tiffin.engine.structured.limits",
+            "tiffin.engine.structured.formats",
         ],
     ),
     ("quantization formats", ["tiffin.quant"]),

@@ -5,7 +5,10 @@ thread-safe inbox that the thread drains between steps, and the thread hands out
 asyncio loop with `call_soon_threadsafe`. Torch releases the GIL inside kernels, so the event loop keeps
 serving HTTP while a step runs.
 
-Prompts are tokenized in a worker thread before they reach the inbox, so a long prompt never stalls a step. A
+Prompts are tokenized in a worker thread before they reach the inbox, so a long prompt never stalls a step; chat
+templates render on threads of their own (`render_chat`), each within its time limit; a structured-outputs
+grammar is compiled (`GrammarBackend`'s threads) before its request reaches the inbox, so the engine never waits
+on one, and a grammar that fails or misses its deadline is refused like any invalid request. A
 request the engine fails ends its stream with EngineError while the others go on; an engine that cannot run
 at all (EngineDeadError) fails every request, in flight or new, and reports `healthy` False.
 
@@ -14,22 +17,30 @@ back until it resolves, so each output's text extends the previous one and delta
 """
 
 import asyncio
+import functools
 import logging
 import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from tiffin.engine.config import EngineConfig
-from tiffin.engine.errors import EngineError
-from tiffin.engine.llm_engine import LLMEngine, PromptType
+from tiffin.engine.errors import EngineError, ParamError
+from tiffin.engine.llm_engine import LLMEngine, PromptType, TokenizedPrompt
 from tiffin.engine.lora.request import LoRARequest
 from tiffin.engine.outputs import EngineStats, RequestOutput
 from tiffin.engine.sampling_params import SamplingParams
+from tiffin.engine.structured.backend import compile_error
+from tiffin.engine.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
+# Threads that render chat templates, apart from those that tokenize: a render runs up to chat_template_timeout.
+# Renders are Python, taking turns on the GIL, so more threads add no speed; they let more slow renders reach their
+# deadlines together instead of queueing behind each other.
+CHAT_TEMPLATE_THREADS = 8
 
 
 class RequestStream:
@@ -100,6 +111,7 @@ class AsyncLLMEngine:
         self._stats = engine.stats()
         self._closed = False
         self._dead: str | None = None  # why a step found the engine unable to work
+        self._templates = ThreadPoolExecutor(CHAT_TEMPLATE_THREADS, thread_name_prefix="tiffin-chat-template")
         self._thread = threading.Thread(target=self._run, name="tiffin-engine", daemon=True)
         self._thread.start()
 
@@ -120,16 +132,20 @@ class AsyncLLMEngine:
         """Queue a request and return its stream once the engine accepted it; ValueError if it was refused
         (bad prompt, too long for the context, duplicate id, an adapter that cannot load), QueueFull if too many
         wait already, EngineError if the engine is shut down or dead; raised before any output. The prompt is
-        tokenized and an adapter not cached is read first, both off the engine thread (steps go on meanwhile)."""
+        tokenized, a structured-outputs grammar compiled (`compile_grammar`) and an adapter not cached read first,
+        all off the engine thread (steps go on meanwhile)."""
         self._check_running()
         prompt = await self.tokenize(prompt)
+        params = params or SamplingParams()
+        if params.structured_outputs is not None:
+            await self.compile_grammar(params.structured_outputs)
         lora = lora_request
         if lora is not None and not (self.lora_registry and self.lora_registry.is_cached(lora.lora_int_id)):
             lora = await asyncio.to_thread(self.engine.load_lora, lora)
         loop = asyncio.get_running_loop()
         accepted = loop.create_future()
         stream = RequestStream(request_id, self.abort)
-        self._post(("add", request_id, prompt, params or SamplingParams(), lora, stream, loop, accepted))
+        self._post(("add", request_id, prompt, params, lora, stream, loop, accepted))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -140,9 +156,39 @@ class AsyncLLMEngine:
             raise
         return stream
 
+    async def compile_grammar(self, structured: StructuredOutputsParams) -> None:
+        """Wait until `structured`'s grammar is compiled and cached, where the engine will find it. ParamError if
+        it fails, or takes longer than grammar_compile_timeout: a compile cannot be interrupted, so it goes on in
+        the background and is cached, while one still queued that nobody waits for is dropped (QueueFull if
+        too many are compiling already)."""
+        backend = await asyncio.to_thread(self.engine.grammars)  # the first call imports xgrammar
+        timeout = self.engine.config.grammar_compile_timeout
+        loop = asyncio.get_running_loop()
+        compiled = loop.create_future()  # of our own: cancelling it on timeout leaves the compile alone
+        future = backend.compile(structured, waiter=True)
+        future.add_done_callback(lambda _: _call(loop, _settle, compiled, None, None))
+        try:
+            await asyncio.wait_for(compiled, timeout)
+        except TimeoutError:
+            message = f"structured_outputs: the grammar did not compile within grammar_compile_timeout={timeout:g} s"
+            raise ParamError("structured_outputs", message) from None
+        finally:
+            backend.release(structured.key, future)
+        if future.exception() is not None:
+            raise ParamError("structured_outputs", f"structured_outputs: {compile_error(future.exception())}")
+
     async def tokenize(self, prompt: PromptType) -> dict:
         """`LLMEngine.tokenize` in a worker thread (tokenizers release the GIL): steps and the event loop go on."""
         return await asyncio.to_thread(self.engine.tokenize, prompt)
+
+    async def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs
+    ) -> TokenizedPrompt:
+        """`LLMEngine.render_chat` on a chat-template thread: however long a template runs (up to its timeout),
+        steps, the event loop and the tokenizing of other prompts go on."""
+        self._check_running()
+        render = functools.partial(self.engine.render_chat, messages, add_generation_prompt, **template_kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self._templates, render)
 
     async def generate(
         self,
@@ -211,6 +257,7 @@ class AsyncLLMEngine:
         self._closed = True
         self._post(("shutdown",))
         self._thread.join(timeout)
+        self._templates.shutdown(wait=False, cancel_futures=True)
 
     def _post(self, op: tuple) -> None:
         self._inbox.append(op)

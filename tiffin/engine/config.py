@@ -68,6 +68,33 @@ class EngineConfig:
     max_waiting_requests: int | None = _setting(
         None, "sequences queued beyond the running batch (a request with n counts n); more are refused; None: no bound"
     )
+    grammar_compile_timeout: float = _setting(
+        5.0,
+        "seconds a structured-outputs request's schema or grammar may take to be checked, and then to be compiled; "
+        "past either, the request is refused (400) naming this setting. A compile cannot be interrupted: it "
+        "finishes in the background, on its own thread, and is cached",
+    )
+    grammar_cache_bytes: int = _setting(
+        256 << 20,
+        "bytes of compiled structured-outputs grammars kept for reuse (least recently used dropped first); a grammar "
+        "that compiles to more than this is refused (400)",
+    )
+    chat_template_timeout: float = _setting(
+        1.0,
+        "seconds the chat template (code from the model's files) may take to render one conversation; a longer "
+        "render is stopped there and its request refused",
+    )
+    chat_template_max_chars: int | None = _setting(
+        None,
+        "characters a chat template render may write, and the longest string it may build on the way (everything "
+        "it builds together: 8 times this); more is refused before it is built. None: the longest prompt the "
+        "context holds, the most the engine tokenizes",
+    )
+    control_tokens_in_messages: bool = _setting(
+        False,
+        "encode a control token spelled inside a chat message (`<|im_end|>`) as that control token, so that a "
+        "message can close its turn and open others; False: as the text it is, only the chat template writes them",
+    )
 
     def __post_init__(self) -> None:
         for name in (
@@ -89,6 +116,14 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:<index>', got {self.device!r}")
         if self.distributed_timeout <= 0:
             raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
+        if self.grammar_compile_timeout <= 0:
+            raise ValueError(f"grammar_compile_timeout must be > 0 seconds, got {self.grammar_compile_timeout}")
+        if self.grammar_cache_bytes < 1:
+            raise ValueError(f"grammar_cache_bytes must be >= 1, got {self.grammar_cache_bytes}")
+        if self.chat_template_timeout <= 0:
+            raise ValueError(f"chat_template_timeout must be > 0 seconds, got {self.chat_template_timeout}")
+        if self.chat_template_max_chars is not None and self.chat_template_max_chars < 1:
+            raise ValueError(f"chat_template_max_chars must be >= 1, got {self.chat_template_max_chars}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:

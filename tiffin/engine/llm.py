@@ -2,7 +2,6 @@
 
 from tqdm.auto import tqdm
 
-from tiffin.engine.chat import render_chat
 from tiffin.engine.config import EngineConfig
 from tiffin.engine.llm_engine import LLMEngine, PromptType, TokenizedPrompt
 from tiffin.engine.lora.request import LoRARequest
@@ -59,10 +58,11 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, rendered by the tokenizer's chat template."""
+        """Generate replies to one conversation or a list of them, rendered by the tokenizer's chat template
+        (`LLMEngine.render_chat`: within the engine's chat template limits, control tokens in messages as text)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tokenizer, kwargs = self.get_tokenizer(), chat_template_kwargs or {}
-        prompts = [render_chat(tokenizer, c, add_generation_prompt, **kwargs) for c in conversations]
+        kwargs = chat_template_kwargs or {}
+        prompts = [self.llm_engine.render_chat(c, add_generation_prompt, **kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -5,17 +5,20 @@ A step that raises is retried on halves of its batch until each failing request 
 every request of a batch fails alone and a one-token probe forward fails too, the engine itself is broken:
 `step()` raises EngineDeadError."""
 
+import copy
 import dataclasses
 import functools
 import json
 import logging
 import os
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+from tiffin.engine.chat import ChatSettings, render_chat
 from tiffin.engine.config import EngineConfig
 from tiffin.engine.core.block_manager import BlockManager
 from tiffin.engine.core.detokenizer import IncrementalDetokenizer
@@ -73,6 +76,7 @@ class LLMEngine:
         self.model_config = get_model_config(config.model)
         self.model_config.dtype = resolve_dtype(config.dtype, self.model_config.dtype, config.torch_device)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self._chat_tokenizers = threading.local()  # render_chat's, a copy per thread
         self.max_model_len = self._max_model_len()
         self.max_prompt_chars = PROMPT_CHARS_SLACK * self.max_model_len * max(map(len, self.tokenizer.get_vocab()))
         self.eos_token_ids = frozenset(self._eos_token_ids())
@@ -91,6 +95,7 @@ class LLMEngine:
         self.num_prompt_tokens = self.num_generation_tokens = 0
         self._failed: list[str] = []  # requests failed during this step
         self._grammar_backend: GrammarBackend | None = None  # made for the first structured-outputs request
+        self._grammar_backend_lock = threading.Lock()
         self.check_invariants = os.environ.get("TIFFIN_CHECK_INVARIANTS") == "1"  # after every step (tests set it)
 
     def add_request(
@@ -114,7 +119,7 @@ class LLMEngine:
         if limit is not None and waiting + params.n > limit:
             raise QueueFull(f"{waiting} sequences are waiting (max_waiting_requests={limit}); retry later")
         lora = None if lora_request is None else self._loras().resolve(lora_request)
-        grammar = None if params.structured_outputs is None else self._grammars().compile(params.structured_outputs)
+        grammar = None if params.structured_outputs is None else self.grammars().compile(params.structured_outputs)
         seqs = [
             Sequence(
                 request_id,
@@ -124,7 +129,7 @@ class LLMEngine:
                 max_tokens,
                 self.eos_token_ids,
                 lora,
-                None if grammar is None else GrammarState(grammar),
+                None if grammar is None else GrammarState(grammar, self.config.grammar_compile_timeout),
                 IncrementalDetokenizer(self.tokenizer, token_ids, params),
             )
             for i in range(params.n)
@@ -233,10 +238,18 @@ class LLMEngine:
         """The ids of the adapters in the host cache."""
         return self._loras().cached_ids()
 
-    def _grammars(self) -> GrammarBackend:
-        if self._grammar_backend is None:
-            self._grammar_backend = GrammarBackend(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-        return self._grammar_backend
+    def grammars(self) -> GrammarBackend:
+        """The structured-outputs backend, made for the first request that needs one; safe from any thread (a
+        server compiles a request's grammar before handing the request to the engine)."""
+        with self._grammar_backend_lock:
+            if self._grammar_backend is None:
+                self._grammar_backend = GrammarBackend(
+                    self.tokenizer,
+                    self.model_config.vocab_size,
+                    self.eos_token_ids,
+                    cache_bytes=self.config.grammar_cache_bytes,
+                )
+            return self._grammar_backend
 
     def _fail_broken_grammars(self) -> list[RequestOutput]:
         """Finish the waiting sequences whose grammar failed to compile: only their requests fail."""
@@ -353,6 +366,21 @@ class LLMEngine:
                 f"prompt has {len(token_ids)} tokens, the model's maximum context length is {self.max_model_len}",
             )
         return TokenizedPrompt(text, list(token_ids))
+
+    def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs
+    ) -> TokenizedPrompt:
+        """One conversation rendered within the chat template limits (tiffin.engine.chat; chat_template_max_chars
+        defaults to the longest prompt `tokenize` takes) and checked as `tokenize` checks a prompt; thread-safe: each
+        thread has a copy of the tokenizer, since encoding control tokens as text sets a flag on it for that encode.
+        ParamError when it cannot be rendered or does not fit."""
+        tokenizer = getattr(self._chat_tokenizers, "tokenizer", None)
+        if tokenizer is None:
+            tokenizer = self._chat_tokenizers.tokenizer = copy.deepcopy(self.tokenizer)
+        config = self.config
+        max_chars = config.chat_template_max_chars or self.max_prompt_chars
+        settings = ChatSettings(config.chat_template_timeout, max_chars, config.control_tokens_in_messages)
+        return self.tokenize(render_chat(tokenizer, messages, add_generation_prompt, settings, **template_kwargs))
 
     def _check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot know: the limits of this model and engine."""

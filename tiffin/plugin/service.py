@@ -13,6 +13,7 @@ limit, draining); SIGTERM stops admitting requests and lets running ones finish 
 Torch and the engine are imported inside the loader thread, so `bentoml build` imports this module quickly.
 """
 
+import gc
 import logging
 import os
 import re
@@ -38,6 +39,7 @@ from tiffin.plugin.metrics import engine_metrics
 from tiffin.plugin.model_store import bento_model, is_hub_id, resolve_model
 from tiffin.plugin.openai import structured
 from tiffin.plugin.openai.app import attach_serving, create_app
+from tiffin.plugin.openai.protocol import Bool, Float, Int
 from tiffin.plugin.openai.serving import OpenAIServing
 
 logger = logging.getLogger("tiffin.service")
@@ -89,7 +91,7 @@ class _ServiceSettings(BaseModel):
         }
         return {**env, **args}
 
-    @field_validator("kv_cache_memory", "max_request_body", mode="before", check_fields=False)
+    @field_validator("kv_cache_memory", "max_request_body", "grammar_cache_bytes", mode="before", check_fields=False)
     @classmethod
     def _bytes(cls, value):
         """Besides a byte count, "8GiB", "512MiB" and "2GB"."""
@@ -129,17 +131,18 @@ Settings = create_model(
 
 
 class GenerateRequest(BaseModel):
-    """The request of the typed APIs: a prompt and how to sample its completion."""
+    """The request of the typed APIs: a prompt and how to sample its completion. Its numbers and booleans are
+    strict, as the /v1 routes' are: a string or a boolean is never run as a number (BentoML answers 400)."""
 
     prompt: str
-    max_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
+    max_tokens: Int = 128
+    temperature: Float = 1.0
+    top_p: Float = 1.0
+    top_k: Int = 0
+    min_p: Float = 0.0
     stop: list[str] | None = None
-    seed: int | None = None
-    ignore_eos: bool = False
+    seed: Int | None = None
+    ignore_eos: Bool = False
     structured_outputs: dict[str, Any] | None = None  # as the OpenAI API's: json, regex, choice, grammar, ...
 
     def sampling_params(self) -> SamplingParams:
@@ -224,6 +227,10 @@ class Tiffin:
             attach_serving(openai_app, serving)
             import xgrammar  # noqa: F401 (structured outputs import it, slowly: not on a request's event loop)
 
+            # What loading made lives as long as the process: out of the collector's sight, so that a full
+            # collection (a large request body can trigger one) walks only what requests make, not millions of
+            # objects for a quarter of a second while every stream waits.
+            gc.freeze()
             self.engine = engine
             logger.info("tiffin: %s loaded from %s in %.1fs", name, path, time.monotonic() - started)
         except Exception as e:  # /livez turns 503 so that an orchestrator restarts the replica
@@ -253,8 +260,17 @@ class Tiffin:
                 sent = len(text)
 
     async def _texts(self, request: GenerateRequest) -> AsyncGenerator[str, None]:
-        """Cumulative output text of one request; leaving early aborts it."""
-        params = request.sampling_params()
+        """Cumulative output text of one request; leaving early aborts it. A failure of its grammar while it
+        runs is an error (500), not a short answer."""
+        if request.structured_outputs is None:
+            params = request.sampling_params()
+        else:  # checking a schema and building its grammar may take a second: not on the event loop
+            try:
+                params = await structured.off_loop(
+                    request.sampling_params, settings.grammar_compile_timeout, "structured_outputs"
+                )
+            except ValueError as e:
+                raise InvalidArgument(str(e)) from None
         if self.engine is None or not self.engine.healthy:
             raise ServiceUnavailable("the model is still loading" if self.engine is None else "the engine failed")
         try:
@@ -267,6 +283,8 @@ class Tiffin:
             async for out in stream:
                 if out.finished:
                     self.metrics.on_finished(stream, out)
+                if out.outputs[0].finish_reason == "error":
+                    raise BentoMLException(f"generation failed: {out.outputs[0].stop_reason}")
                 yield out.outputs[0].text
         finally:
             stream.close()

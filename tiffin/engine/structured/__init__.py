@@ -1,5 +1,8 @@
 """Structured outputs: what a request's output must match (`params.StructuredOutputsParams`, checked when the
-request is made) and the xgrammar backend that compiles it and masks each step's logits (`backend`).
+request is made, within `limits`; `formats` are enforced as patterns) and the xgrammar backend that compiles it
+and masks each step's logits (`backend`).
 
-Invariant: a JSON schema is enforced in full or refused with the keyword named (`params`).
+Invariants: a JSON schema is enforced in full or refused with the keyword named (`params`); a spec past `limits`
+is refused naming the limit before anything recursive or costly reads it; compiles run on a bounded pool and
+queue, and the cache stays within its bytes (`backend`).
 """

@@ -1,31 +1,68 @@
 """The xgrammar backend of structured outputs: compiled grammars, per-sequence matchers, the step's bitmask.
 
-Compiling a grammar against the vocabulary takes milliseconds to seconds, so it runs on a worker thread while
-the engine keeps stepping; a sequence waits for its grammar before its first step. Compiled grammars are
-cached by `StructuredOutputsParams.key` (LRU, bounded); xgrammar's own unbounded cache is off. Each sequence
-owns a matcher (n > 1 samples diverge), advanced with every token it samples."""
+Compiling a grammar against the vocabulary takes milliseconds to seconds, in C++ that cannot be interrupted
+(and that releases the GIL), so compiles run on a pool of worker threads while the engine steps and servers
+answer; a sequence waits for its grammar before its first step. Each sequence owns a matcher (n > 1 samples
+diverge), advanced with every token it samples.
+
+Invariants (`GrammarBackend`):
+- A compile never runs on its caller's thread; at most `workers` run at once, so one slow compile leaves the
+  others room, and at most MAX_PENDING are queued or running: more are refused (QueueFull).
+- A queued compile that every caller who asked to wait for it gave up on (`release`) never starts; a running
+  one finishes and is cached.
+- Compiled grammars are cached by `StructuredOutputsParams.key`: at most `cache_size` of them and `cache_bytes`
+  bytes (least recently used first out); a grammar larger than `cache_bytes`, or one that allows no output,
+  fails its compile with a ValueError saying so. xgrammar's own unbounded cache is off."""
 
 import functools
+import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
+from tiffin.engine.errors import QueueFull
 from tiffin.engine.structured.params import StructuredOutputsParams
 
-CACHE_SIZE = 256  # compiled grammars kept
+CACHE_SIZE = 256  # compiled grammars kept, however small
+CACHE_BYTES = 256 << 20  # EngineConfig.grammar_cache_bytes' default
+WORKERS = 4  # compiles at once; each takes one core while it runs
+MAX_PENDING = 64  # compiles queued or running
+
+
+@dataclass
+class _Entry:
+    future: Future
+    waiters: int = 0  # callers of compile(waiter=True) that have not released it
+    held: bool = False  # a caller that never releases (the engine) uses it: never cancelled
+    nbytes: int = 0  # once compiled
 
 
 class GrammarBackend:
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int], cache_size: int = CACHE_SIZE):
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        stop_token_ids: set[int],
+        cache_size: int = CACHE_SIZE,
+        cache_bytes: int = CACHE_BYTES,
+        workers: int = WORKERS,
+    ):
         import xgrammar
 
-        self.cache_size = cache_size
-        self._cache: OrderedDict[bytes, Future] = OrderedDict()
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="tiffin-grammar")
-        # The tokenizer's vocabulary is read once, on the worker too (a second or so for 150k tokens).
-        self._compiler = self._worker.submit(
+        self.vocab_size = vocab_size
+        self.cache_size, self.cache_bytes = cache_size, cache_bytes
+        self.cached_bytes = 0  # of the compiled grammars in the cache
+        self._cache: OrderedDict[bytes, _Entry] = OrderedDict()
+        self._pending = 0
+        # Reentrant: a future finished (or cancelled) while compile() or release() holds it runs _compiled at once.
+        self._lock = threading.RLock()
+        self._workers = ThreadPoolExecutor(workers, thread_name_prefix="tiffin-grammar")
+        # The tokenizer's vocabulary is read once, on a worker too (a second or so for 150k tokens).
+        self._compiler = self._workers.submit(
             lambda: xgrammar.GrammarCompiler(
                 xgrammar.TokenizerInfo.from_huggingface(
                     tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids)
@@ -35,17 +72,76 @@ class GrammarBackend:
             )
         )
 
-    def compile(self, params: StructuredOutputsParams) -> Future:
-        """A future of the compiled grammar; the engine thread is the only caller."""
-        future = self._cache.get(params.key)
-        if future is None:
-            future = self._worker.submit(lambda: self._compiler.result().compile_grammar(params.xgrammar_grammar))
-            self._cache[params.key] = future
-            if len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(params.key)
-        return future
+    def compile(self, params: StructuredOutputsParams, waiter: bool = False) -> Future:
+        """A future of the compiled grammar, cached or newly queued; safe from any thread. A `waiter` calls
+        `release` once it stops waiting; any other caller keeps the compile from being cancelled. QueueFull if
+        MAX_PENDING compiles are queued or running already."""
+        with self._lock:
+            entry = self._cache.get(params.key)
+            if entry is None:
+                if self._pending >= MAX_PENDING:
+                    raise QueueFull(f"{self._pending} structured-outputs grammars are compiling; retry later")
+                entry = _Entry(self._workers.submit(self._compile, params.xgrammar_grammar))
+                self._pending += 1
+                self._cache[params.key] = entry
+                entry.future.add_done_callback(functools.partial(self._compiled, params.key, entry))
+                self._evict()
+            else:
+                self._cache.move_to_end(params.key)
+            entry.waiters += waiter
+            entry.held |= not waiter
+            return entry.future
+
+    def release(self, key: bytes, future: Future) -> None:
+        """A waiter of `compile(waiter=True)` stopped waiting: a compile nobody waits for any more that has not
+        started is cancelled and forgotten."""
+        with self._lock:
+            entry = self._cache.get(key)
+            if entry is None or entry.future is not future:
+                return
+            entry.waiters -= 1
+            if entry.waiters == 0 and not entry.held and future.cancel():
+                del self._cache[key]
+
+    def _compile(self, grammar):
+        import xgrammar
+
+        compiled = self._compiler.result().compile_grammar(grammar)
+        size = compiled.memory_size_bytes
+        if size > self.cache_bytes:
+            del compiled  # the exception's traceback, cached with it, must not keep the grammar alive
+            raise ValueError(
+                f"the grammar compiles to {size} bytes, more than grammar_cache_bytes={self.cache_bytes} allows"
+            )
+        bitmask = xgrammar.allocate_token_bitmask(1, self.vocab_size)
+        xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+        if not bitmask.any():  # not even a stop token: every output would be rejected at its first token
+            raise ValueError("the grammar allows no output: no token can begin it")
+        return compiled
+
+    def _compiled(self, key: bytes, entry: _Entry, future: Future) -> None:
+        with self._lock:
+            self._pending -= 1
+            if future.cancelled() or future.exception() is not None or self._cache.get(key) is not entry:
+                return
+            entry.nbytes = future.result().memory_size_bytes
+            self.cached_bytes += entry.nbytes
+            self._evict()
+
+    def _evict(self) -> None:
+        """Least recently used first: any entry while there are more than cache_size (a compile still running
+        goes on for its waiters), then compiled ones while they take more than cache_bytes."""
+        for key, entry in list(self._cache.items()):
+            if len(self._cache) > self.cache_size or (self.cached_bytes > self.cache_bytes and entry.future.done()):
+                del self._cache[key]
+                self.cached_bytes -= entry.nbytes
+            elif self.cached_bytes <= self.cache_bytes:
+                break
+
+
+def compile_error(e: BaseException) -> str:
+    """Why a grammar did not compile, as a request's error says it."""
+    return f"grammar compilation failed: {e if isinstance(e, ValueError) else f'{type(e).__name__}: {e}'}"
 
 
 def fill_bitmask(seqs: Sequence, vocab_size: int) -> Future | None:
@@ -93,8 +189,11 @@ class GrammarState:
     """One sequence's position in its grammar. The matcher is built from the sequence's output tokens when
     first needed, so that a sequence can drop it (preemption) and get it back in the state its tokens imply."""
 
-    def __init__(self, compiled: Future):
+    def __init__(self, compiled: Future, timeout: float | None = None):
+        """`timeout`: seconds the compile may still take (grammar_compile_timeout) before `error` says so."""
         self.compiled = compiled
+        self.timeout = timeout
+        self._deadline = None if timeout is None else time.monotonic() + timeout
         self._matcher = None
         self.num_accepted = 0  # output tokens the matcher has consumed
 
@@ -104,11 +203,12 @@ class GrammarState:
 
     @property
     def error(self) -> str | None:
-        """Why the grammar could not be compiled, once it is known."""
-        if not self.compiled.done() or self.compiled.exception() is None:
-            return None
-        e = self.compiled.exception()
-        return f"grammar compilation failed: {type(e).__name__}: {e}"
+        """Why the grammar could not be compiled, once it is known, or its compile is past the deadline."""
+        if not self.compiled.done():
+            late = self._deadline is not None and time.monotonic() > self._deadline
+            return f"the grammar did not compile within grammar_compile_timeout={self.timeout:g} s" if late else None
+        e = self.compiled.exception()  # never cancelled: the engine holds what it compiles
+        return None if e is None else compile_error(e)
 
     @property
     def matcher(self):

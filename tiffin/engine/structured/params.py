@@ -5,17 +5,25 @@ part of JSON Schema: some keywords it drops (with at most a log line), and on on
 family of keywords only ($ref, else anyOf, else enum/const, else the type's own keywords), dropping the
 others. `unenforced_keyword` finds every such case, so that a request names the keyword in a 400 instead of
 getting output that does not validate. The lists below were measured against xgrammar 0.2.9 and are checked
-by tests/test_structured_outputs.py: each refused case lets through an instance the schema forbids.
+by tests/test_structured_outputs.py: each refused case lets through an instance the schema forbids. A `$ref` is
+enforced only within the schema (xgrammar reads no other document, and let any JSON through in place of one);
+a `format` only as `formats` enforces it.
+
+A spec is refused, naming the limit, before anything recursive or costly reads it when it exceeds `limits`: so
+checking it and building its grammar take bounded time (on a worker thread in a server: up to a second).
 
 xgrammar is imported on first use: `tiffin.plugin.service` imports this module and must stay light."""
 
 import hashlib
 import json
 import re
+import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
 from tiffin.engine.errors import ParamError
+from tiffin.engine.structured import limits
+from tiffin.engine.structured.formats import FORMATS, PATTERNS
 
 # Keywords xgrammar accepts and then does not enforce (oneOf degrades to anyOf; allOf is dropped).
 NOT_ENFORCED = frozenset(
@@ -38,25 +46,6 @@ NOT_ENFORCED = frozenset(
         "contentSchema",
         "$dynamicRef",
         "$recursiveRef",
-    }
-)
-# `format` values xgrammar turns into a grammar; it lets any string through for the others.
-FORMATS = frozenset(
-    {
-        "date",
-        "time",
-        "date-time",
-        "duration",
-        "email",
-        "hostname",
-        "ipv4",
-        "ipv6",
-        "uri",
-        "uri-reference",
-        "uri-template",
-        "uuid",
-        "json-pointer",
-        "relative-json-pointer",
     }
 )
 # Keywords that constrain one instance type; xgrammar applies them only on a node that declares its type.
@@ -105,16 +94,23 @@ class StructuredOutputsParams:
         if self.kind == "json":
             spec = self.json = check_json_schema(_load_json(spec, "json"))
         elif self.kind == "structural_tag":
+            tag = _load_json(spec, "structural_tag")
+            limits.check_shape(tag, "structural_tag")
             spec = self.structural_tag = _map_tag_schemas(
-                _load_json(spec, "structural_tag"),
-                lambda node: {**node, "json_schema": check_json_schema(node.get("json_schema"))},
+                tag, lambda node: {**node, "json_schema": check_json_schema(node.get("json_schema"))}
             )
-        elif self.kind == "choice" and (
-            not isinstance(spec, list) or not spec or not all(isinstance(c, str) and c for c in spec)
-        ):
-            raise ValueError("choice must be a non-empty list of non-empty strings")
-        elif self.kind in ("regex", "grammar") and not isinstance(spec, str):
-            raise ValueError(f"{self.kind} must be a string")
+        elif self.kind == "choice":
+            if not isinstance(spec, list) or not spec or not all(isinstance(c, str) and c for c in spec):
+                raise ValueError("choice must be a non-empty list of non-empty strings")
+            limits.check_shape(spec, "choice")
+        elif self.kind in ("regex", "grammar"):
+            if not isinstance(spec, str):
+                raise ValueError(f"{self.kind} must be a string")
+            limits.check_text(spec, self.kind)
+            if self.kind == "grammar":
+                limits.check_grammar_rules(spec)
+            elif problem := limits.regex_problem(spec):
+                raise ValueError(f"regex: {problem}")
         text = json.dumps([self.kind, spec, self.disable_any_whitespace], sort_keys=True)
         self.key = hashlib.sha256(text.encode()).digest()
         self._grammar = _build_grammar(self.kind, spec, self.disable_any_whitespace)
@@ -126,17 +122,24 @@ class StructuredOutputsParams:
 
 
 def check_json_schema(schema: Any) -> dict | bool:
-    """`schema` if it is a valid JSON schema whose every keyword the backend enforces; else ValueError."""
+    """`schema` if it is a valid JSON schema within `limits` whose every keyword the backend enforces, every
+    `$ref` within it; else ValueError. Its size, nesting and regexes are checked first, without recursing:
+    jsonschema's check recurses, and compiles the regexes with Python's re."""
     from jsonschema import Draft202012Validator, exceptions, validators
 
     if not isinstance(schema, (dict, bool)):
         raise ValueError("the JSON schema must be an object or a boolean")
-    try:
-        validators.validator_for(schema, default=Draft202012Validator).check_schema(schema)
-    except exceptions.SchemaError as e:
-        where = "/".join(map(str, e.absolute_path))
-        raise ValueError(f"invalid JSON schema at #/{where}: {e.message}") from None
-    problem = unenforced_keyword(schema)
+    limits.check_shape(schema, "the JSON schema")
+    limits.check_schema_patterns(schema)
+    # before jsonschema's check, which takes a few tenths of a second on the largest schemas within `limits`
+    problem = _reference_problem(schema)
+    if problem is None:
+        try:
+            validators.validator_for(schema, default=Draft202012Validator).check_schema(schema)
+        except exceptions.SchemaError as e:
+            where = "/".join(map(str, e.absolute_path))
+            raise ValueError(f"invalid JSON schema at #/{where}: {e.message}") from None
+        problem = unenforced_keyword(schema)
     if problem is not None:
         keyword, path, why = problem
         raise ValueError(f"JSON schema keyword '{keyword}' at {path} cannot be enforced: {why}")
@@ -181,6 +184,8 @@ def xgrammar_schema(schema: Any) -> Any:
     node = dict(schema)
     if ("minLength" in node or "maxLength" in node) and "pattern" not in node and "format" not in node:
         node["pattern"] = f"^[^\\x00-\\x1f]{{{node.pop('minLength', 0)},{node.pop('maxLength', '')}}}$"
+    if node.get("format") in PATTERNS and "string" in _types(node):  # xgrammar's own lets invalid values through
+        node["pattern"] = f"^{PATTERNS[node.pop('format')]}$"
     for keyword, key, sub in _subschemas(schema):
         if key is None:
             node[keyword] = xgrammar_schema(sub)
@@ -190,9 +195,13 @@ def xgrammar_schema(schema: Any) -> Any:
     return node
 
 
-def _check_typed_node(schema: dict, path: str) -> tuple[str, str, str] | None:
+def _types(schema: dict) -> set[str]:
     types = schema.get("type")
-    types = {types} if isinstance(types, str) else set(types or ())
+    return {types} if isinstance(types, str) else set(types or ())
+
+
+def _check_typed_node(schema: dict, path: str) -> tuple[str, str, str] | None:
+    types = _types(schema)
     if "integer" in types:
         types.add("number")
     for keyword in schema:
@@ -237,17 +246,20 @@ def _check_values_match_type(schema: dict, leader: str, path: str) -> tuple[str,
 
 
 def _subschemas(schema: dict):
-    """(keyword, name or index or None, subschema) of every place xgrammar reads a schema from.
+    """(keyword, name or index or None, subschema) of every place xgrammar reads a schema from; a keyword whose
+    value is of the wrong kind has none (jsonschema's check refuses it, possibly after `_reference_problem`).
     unevaluated*/additionalItems are left out: the grammar only writes what other keywords evaluate."""
     for keyword in ("properties", "patternProperties", "$defs", "definitions"):
-        for name, sub in (schema.get(keyword) or {}).items():
-            yield keyword, name, sub
+        if isinstance(schema.get(keyword), dict):
+            for name, sub in schema[keyword].items():
+                yield keyword, name, sub
     for keyword in ("additionalProperties", "items"):
         if isinstance(schema.get(keyword), dict):
             yield keyword, None, schema[keyword]
     for keyword in ("prefixItems", "anyOf"):
-        for i, sub in enumerate(schema.get(keyword) or ()):
-            yield keyword, i, sub
+        if isinstance(schema.get(keyword), list):
+            for i, sub in enumerate(schema[keyword]):
+                yield keyword, i, sub
 
 
 def _map_tag_schemas(tag: Any, fn) -> Any:
@@ -262,12 +274,72 @@ def _map_tag_schemas(tag: Any, fn) -> Any:
 
 
 def _load_json(spec, name: str):
-    if isinstance(spec, str):
-        try:
-            return json.loads(spec)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{name} is not valid JSON: {e}") from None
-    return spec
+    return limits.load_json(spec, name) if isinstance(spec, str) else spec
+
+
+_OUTSIDE, _MISSING = object(), object()
+
+
+def _resolve(schema: Any, ref: str) -> Any:
+    """The node of `schema` that `ref` names ('#', or '#' and a JSON pointer, percent-decoded); _OUTSIDE for a
+    reference to another document or an anchor, _MISSING for a pointer to nothing."""
+    if ref != "#" and not ref.startswith("#/"):
+        return _OUTSIDE
+    node = schema
+    for token in ref[2:].split("/") if ref != "#" else ():
+        token = urllib.parse.unquote(token).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and token in node:
+            node = node[token]
+        elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
+            node = node[int(token)]
+        else:
+            return _MISSING
+    return node
+
+
+def _reference_problem(schema: Any) -> tuple[str, str, str] | None:
+    """('$ref', where, why) for a `$ref` that points outside `schema` or to nothing, or past which schemas nest
+    more than MAX_NESTING deep, counting a `$ref`'s target as its child (xgrammar's conversion grows as the cube
+    of a chain of `$ref`s; the JSON itself nests no deeper than that already); else None. Iterative, and each
+    node's height is walked once; a `$ref` back to a schema on the way down loops the grammar, not deepens it."""
+    heights: dict[int, int] = {}  # id(node) -> schema levels from it down
+    stack: list[list] = []  # [node, path, children not yet walked, height of the tallest child walked]
+
+    def enter(node: dict, path: str) -> tuple[str, str, str] | None:
+        children = [(sub, f"{path}/{k}" if key is None else f"{path}/{k}/{key}") for k, key, sub in _subschemas(node)]
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            target = _resolve(schema, ref)
+            if target is _OUTSIDE:
+                return "$ref", path, f"{ref!r} is not within the schema ('#/...'): xgrammar reads no other document"
+            if target is _MISSING:
+                return "$ref", path, f"{ref!r} does not resolve within the schema"
+            children.append((target, ref))
+        stack.append([node, path, children, 0])
+        return None
+
+    problem = enter(schema, "#") if isinstance(schema, dict) else None
+    while stack and problem is None:
+        top = stack[-1]
+        if not top[2]:
+            stack.pop()
+            heights[id(top[0])] = top[3] + 1
+            if stack:
+                stack[-1][3] = max(stack[-1][3], top[3] + 1)
+            continue
+        child, path = top[2].pop()
+        if not isinstance(child, dict) or any(child is entry[0] for entry in stack):
+            continue
+        height = heights.get(id(child))
+        if len(stack) + (height or 1) > limits.MAX_NESTING:
+            limit = limits.MAX_NESTING
+            why = f"schemas nest more than {limit} deep through it (a $ref target counts); at most {limit} are accepted"
+            return "$ref", path, why
+        if height is None:
+            problem = enter(child, path)
+        else:
+            top[3] = max(top[3], height)
+    return problem
 
 
 def _regex_error(pattern: str) -> str | None:

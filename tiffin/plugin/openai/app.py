@@ -4,11 +4,19 @@ Invariants:
 - Every error response, a validation failure, an unknown route or an unexpected exception included, is OpenAI's
   `{"error": {"message", "type", "param", "code"}}`; a refused field is named in `param`.
 - Until a serving is attached, and once its engine is dead or shut down, every route answers 503.
-- A 429 (the engine's waiting queue is full) carries `Retry-After`."""
+- A 429 (the engine's waiting queue is full) carries `Retry-After`.
+- A request body is parsed and validated off the event loop (`_body`), as FastAPI would (the same refusals):
+  a body of megabytes takes a fifth of a second, which on the loop would stall every stream and probe."""
+
+import asyncio
+import email.message
+import json
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from tiffin.plugin.openai.protocol import (
@@ -19,6 +27,8 @@ from tiffin.plugin.openai.protocol import (
     UnloadLoRAAdapterRequest,
 )
 from tiffin.plugin.openai.serving import OpenAIServing
+
+Body = TypeVar("Body", bound=BaseModel)
 
 
 def create_app(serving: OpenAIServing | None = None) -> FastAPI:
@@ -41,11 +51,13 @@ def create_app(serving: OpenAIServing | None = None) -> FastAPI:
         return ready().models()
 
     @app.post("/completions")
-    async def completions(req: CompletionRequest, raw: Request):
+    async def completions(raw: Request):
+        req = await _body(raw, CompletionRequest)
         return await ready().completions(req, raw)
 
     @app.post("/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, raw: Request):
+    async def chat_completions(raw: Request):
+        req = await _body(raw, ChatCompletionRequest)
         return await ready().chat(req, raw)
 
     def lora():
@@ -55,11 +67,13 @@ def create_app(serving: OpenAIServing | None = None) -> FastAPI:
         return lora
 
     @app.post("/load_lora_adapter")
-    async def load_lora_adapter(req: LoadLoRAAdapterRequest):
+    async def load_lora_adapter(raw: Request):
+        req = await _body(raw, LoadLoRAAdapterRequest)
         return PlainTextResponse(await lora().load(req.lora_name, req.lora_path))
 
     @app.post("/unload_lora_adapter")
-    async def unload_lora_adapter(req: UnloadLoRAAdapterRequest):
+    async def unload_lora_adapter(raw: Request):
+        req = await _body(raw, UnloadLoRAAdapterRequest)
         return PlainTextResponse(await lora().unload(req.lora_name))
 
     @app.exception_handler(APIError)
@@ -86,6 +100,39 @@ def create_app(serving: OpenAIServing | None = None) -> FastAPI:
         return JSONResponse(APIError(e.status_code, str(e.detail), type=kind).body(), status_code=e.status_code)
 
     return app
+
+
+async def _body(raw: Request, model: type[Body]) -> Body:
+    """The request body as `model`, parsed and validated on a worker thread, refused as FastAPI refuses a body
+    parameter: JSON only under a JSON content type, RequestValidationError for what does not decode or validate
+    (APIError for what the model refuses itself), a 400 HTTPException for text that cannot be decoded."""
+    body = await raw.body()
+    message = email.message.Message()
+    message["content-type"] = raw.headers.get("content-type", "")
+    subtype = message.get_content_subtype()
+    is_json = message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+    def parse() -> Body:
+        if not body:
+            raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required"}])
+        try:
+            data = json.loads(body) if is_json else body
+        except json.JSONDecodeError as e:
+            error = {
+                "type": "json_invalid",
+                "loc": ("body", e.pos),
+                "msg": "JSON decode error",
+                "ctx": {"error": e.msg},
+            }
+            raise RequestValidationError([error], body=e.doc) from None
+        except (ValueError, RecursionError):  # not UTF-8, -16 or -32; nested past what json.loads can recurse
+            raise HTTPException(status_code=400, detail="There was an error parsing the body") from None
+        try:
+            return model.model_validate(data)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors(include_url=False)) from None
+
+    return await asyncio.to_thread(parse)
 
 
 def attach_serving(app: FastAPI, serving: OpenAIServing | None) -> None:

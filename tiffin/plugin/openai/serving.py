@@ -5,7 +5,10 @@ Invariants:
   refused, another prompt's stream fails, the client disconnects, or a stream's reader stops.
 - A failure before the first byte is an `APIError` (the app answers it in OpenAI's error shape); once a stream
   has started it is reported in-band, as one error event, and every stream ends with `data: [DONE]`.
-- A request whose structured-outputs grammar failed fails alone, as a 500, while the engine keeps serving.
+- A request's structured outputs are checked off the event loop and its grammar compiled before it is queued,
+  each within grammar_compile_timeout: past a limit, the deadline or a failed compile, it is a 400 naming the
+  field that asked for it. A grammar that fails later (a rejected token) fails its request alone, as a 500,
+  while the engine keeps serving.
 - `on_finished` sees each finished request once."""
 
 import asyncio
@@ -17,8 +20,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from tiffin.engine.chat import render_chat
-from tiffin.engine.errors import ParamError, QueueFull
+from tiffin.engine.errors import QueueFull
 from tiffin.engine.outputs import RequestOutput
 from tiffin.engine.sampling_params import SamplingParams
 from tiffin.plugin.openai.protocol import (
@@ -29,10 +31,12 @@ from tiffin.plugin.openai.protocol import (
     bad_request,
 )
 from tiffin.plugin.openai.responses import ChatResponses, CompletionResponses, ResponseBuilder
+from tiffin.plugin.openai.structured import as_field, off_loop
 from tiffin.plugin.openai.tools import ToolParser, make_parser, template_messages
 
 if TYPE_CHECKING:  # torch, which `bentoml build` need not import
     from tiffin.engine.async_llm_engine import AsyncLLMEngine, RequestStream
+    from tiffin.engine.llm_engine import TokenizedPrompt
     from tiffin.engine.lora.request import LoRARequest
     from tiffin.plugin.lora import LoRAServing
 
@@ -81,7 +85,7 @@ class OpenAIServing:
         if req.best_of not in (None, 1):
             raise APIError(400, "best_of is not supported", param="best_of")
         prompts = req.prompts()
-        params = req.sampling_params(req.max_tokens, req.logprobs)
+        params = await self._sampling_params(req, req.max_tokens, req.logprobs)
         builder = CompletionResponses(model=req.model or self.model_name, n=params.n, logprobs=req.logprobs)
         return await self._serve(req, raw, builder, prompts, params, lora)
 
@@ -91,18 +95,14 @@ class OpenAIServing:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = req.sampling_params(max_tokens, logprobs, self.tool_parser)
+        params = await self._sampling_params(req, max_tokens, logprobs, self.tool_parser)
         builder = ChatResponses(
             model=req.model or self.model_name,
             n=params.n,
             logprobs=logprobs,
             tool_parser=self.tool_parser if req.uses_tools else None,
         )
-        prompt = await asyncio.to_thread(self._render_chat, req)  # templates are slow on long text
-        try:
-            prompt = await self.engine.tokenize(prompt)
-        except ParamError as e:
-            raise APIError(400, f"messages: {e}", param="messages") from None
+        prompt = await self._render_chat(req)
         return await self._serve(req, raw, builder, [prompt], params, lora)
 
     def _check_model(self, model: str | None) -> "LoRARequest | None":
@@ -114,20 +114,25 @@ class OpenAIServing:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
         return lora
 
-    def _render_chat(self, req: ChatCompletionRequest) -> dict:
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        for m in messages:
-            if isinstance(m.get("content"), list) and any(p.get("type") != "text" for p in m["content"]):
-                raise APIError(400, "only text content parts are supported", param="messages")
-        try:
-            messages = template_messages(messages)
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
+    async def _render_chat(self, req: ChatCompletionRequest) -> "TokenizedPrompt":
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.uses_tools else None
         try:
-            return render_chat(self.engine.tokenizer, messages, req.add_generation_prompt, tools=tools)
-        except Exception as e:  # a template may raise on roles or content it does not accept
-            raise APIError(400, f"messages: the chat template failed: {e}", param="messages") from None
+            messages = template_messages([m.model_dump(exclude_none=True) for m in req.messages])
+            return await self.engine.render_chat(messages, req.add_generation_prompt, tools=tools)
+        except ValueError as e:  # the history, the template (failed or past its limits), or too long a prompt
+            message = str(e) if str(e).startswith("messages") else f"messages: {e}"
+            raise APIError(400, message, param="messages") from None
+
+    async def _sampling_params(self, req: SamplingRequest, *args) -> SamplingParams:
+        """`req.sampling_params(*args)`, on a checking thread when the request constrains its output."""
+        field = _constraining_field(req)
+        if field is None:
+            return req.sampling_params(*args)
+        try:
+            timeout = self.engine.engine.config.grammar_compile_timeout
+            return await off_loop(lambda: req.sampling_params(*args), timeout, field)
+        except ValueError as e:
+            raise bad_request(e) from None
 
     async def _serve(
         self,
@@ -138,22 +143,28 @@ class OpenAIServing:
         params: SamplingParams,
         lora: "LoRARequest | None",
     ) -> Answer:
-        streams = await self._open(prompts, params, builder.id, lora)
+        streams = await self._open(prompts, params, builder.id, lora, _constraining_field(req))
         if req.stream:
             return StreamingResponse(self._sse(streams, builder, req.include_usage), media_type="text/event-stream")
         finals = await _unless_disconnected(raw, self._collect(streams))
         return builder.response(finals)
 
     async def _open(
-        self, prompts: list, params: SamplingParams, request_id: str, lora: "LoRARequest | None"
+        self,
+        prompts: list,
+        params: SamplingParams,
+        request_id: str,
+        lora: "LoRARequest | None",
+        structured_field: str | None,
     ) -> list["RequestStream"]:
-        """Queue every prompt; a refused one aborts those already queued and becomes a 400."""
+        """Queue every prompt; a refused one aborts those already queued and becomes a 400 (a refused grammar
+        names `structured_field`, the request field that asked for it)."""
         streams = []
         try:
             for i, prompt in enumerate(prompts):
                 streams.append(await self.engine.add_request(f"{request_id}-{i}", prompt, params, lora))
         except ValueError as e:
-            raise bad_request(e) from None
+            raise bad_request(as_field(e, structured_field)) from None
         except QueueFull as e:
             raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
         finally:
@@ -223,6 +234,15 @@ class OpenAIServing:
                 task.cancel()
             for s in streams:
                 s.close()
+
+
+def _constraining_field(req: SamplingRequest) -> str | None:
+    """The request field whose structured outputs need checking: at most one may constrain the output."""
+    if req.response_format is not None and req.response_format.type != "text":
+        return "response_format"
+    if req.structured_outputs is not None:
+        return "structured_outputs"
+    return "tools" if getattr(req, "tools", None) else None
 
 
 async def _unless_disconnected(raw: Request, coro: Coroutine[Any, Any, list[RequestOutput]]) -> list[RequestOutput]:

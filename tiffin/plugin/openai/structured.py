@@ -1,15 +1,37 @@
 """The OpenAI API's ways of asking for structured output, turned into one `StructuredOutputsParams`:
 `response_format` (json_object, json_schema), vLLM's `structured_outputs` field, and the grammar that
-`tool_choice` "required" or a named function implies."""
+`tool_choice` "required" or a named function implies; and `off_loop`, where servers check them.
 
+Invariant: checking a request's structured outputs (jsonschema's checks, building its xgrammar grammar) never
+runs on the event loop, and a server waits for it at most grammar_compile_timeout seconds."""
+
+import asyncio
 import dataclasses
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from tiffin.engine.errors import ParamError
 from tiffin.engine.structured.params import StructuredOutputsParams
 from tiffin.plugin.openai.tools import ChatTool, NamedToolChoice, ToolChoice, ToolParser, check_tools, chosen_tools
+
+T = TypeVar("T")
+# jsonschema's checks hold the GIL, so more threads would not check faster; two let a slow check (up to about a
+# second within `tiffin.engine.structured.limits`) leave room for the next, apart from the tokenizing threads.
+_CHECKS = ThreadPoolExecutor(2, thread_name_prefix="tiffin-structured-check")
+
+
+async def off_loop(check: Callable[[], T], timeout: float, param: str) -> T:
+    """`check()`, which checks a request's structured outputs, on a checking thread; ParamError naming `param`
+    once it has taken `timeout` seconds (it then finishes unobserved, or never starts if still queued)."""
+    try:
+        return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(_CHECKS, check), timeout)
+    except TimeoutError:
+        raise ParamError(
+            param, f"{param}: checking it took longer than grammar_compile_timeout={timeout:g} s"
+        ) from None
 
 
 class JsonSchemaSpec(BaseModel):
@@ -59,6 +81,14 @@ def request_structured_outputs(
         except ValueError as e:
             raise ParamError(param, f"{param}: {str(e).removeprefix('structured_outputs: ')}") from None
     return None
+
+
+def as_field(e: ValueError, field: str | None) -> ValueError:
+    """The engine's refusal of a grammar (a ParamError on `structured_outputs`), named after `field`, the request
+    field that asked for the grammar (response_format, tools)."""
+    if not isinstance(e, ParamError) or e.param != "structured_outputs" or field in (None, "structured_outputs"):
+        return e
+    return ParamError(field, f"{field}: {str(e).removeprefix('structured_outputs: ')}")
 
 
 def _from_response_format(fmt: ResponseFormat) -> StructuredOutputsParams:

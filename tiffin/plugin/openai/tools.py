@@ -231,18 +231,33 @@ class ToolCallStream:
 
 def template_messages(messages: list[dict]) -> list[dict]:
     """OpenAI history as chat templates read it: a call's arguments as a mapping (OpenAI sends JSON text), and
-    no null content (an assistant turn that only called tools)."""
-    for m in messages:
+    no null content (an assistant turn that only called tools). ValueError naming the message and call whose
+    `tool_calls` is not a list of function calls, each with a name and arguments that are a JSON object."""
+    for i, m in enumerate(messages):
         if m.get("content") is None:
             m["content"] = ""
-        for call in m.get("tool_calls") or ():
-            function = call.get("function") or {}
-            if isinstance(function.get("arguments"), str):
-                try:
-                    function["arguments"] = json.loads(function["arguments"])
-                except json.JSONDecodeError:
-                    raise ValueError("messages: a tool call's function.arguments is not valid JSON") from None
+        calls = m.get("tool_calls")
+        if calls is not None and not isinstance(calls, list):
+            raise ValueError(f"messages[{i}].tool_calls: must be a list of tool calls")
+        for j, call in enumerate(calls or ()):
+            where = f"messages[{i}].tool_calls[{j}]"
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise ValueError(f"{where}: must be an object whose function has a name, a string")
+            if "arguments" in function:
+                function["arguments"] = _arguments(function["arguments"], f"{where}.function.arguments")
     return messages
+
+
+def _arguments(arguments: Any, where: str) -> dict:
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            raise ValueError(f"{where}: not valid JSON") from None
+    if not isinstance(arguments, dict):
+        raise ValueError(f"{where}: must be a JSON object")
+    return arguments
 
 
 def _call(text: str, arguments_key: str) -> ToolCall | None:
