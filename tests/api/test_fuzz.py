@@ -10,6 +10,7 @@ import os
 import sys
 
 import pytest
+from structured_specs import nested_schema, ref_chain
 
 pytest.importorskip("fastapi")
 hypothesis = pytest.importorskip("hypothesis")
@@ -35,6 +36,51 @@ text = valid(st.text(max_size=40), st.sampled_from(["hi \ud800", "\ud83d\ude00",
 unit = valid(st.floats(0, 1), st.floats() | st.integers())
 token_ids = valid(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=24), st.lists(st.integers(), max_size=4))
 small_or_out_of_range = valid(st.integers(1, 2), st.integers(max_value=0) | st.integers(min_value=1025))
+
+
+# Structured outputs on both sides of the limits of tiffin.engine.structured.limits (issue #32): deep, wide, long
+# $ref chains, huge patterns and repetition counts, references outside the schema, formats; sizes are sampled
+# rather than drawn so that each example stays cheap.
+hostile_patterns = st.one_of(
+    st.sampled_from([1, 63, 65, 3000]).map(lambda n: "(" * n + "a" + ")" * n),
+    st.sampled_from([0, 100_000, 100_001, 2**32, 10**20]).map(lambda n: f"^a{{{n}}}$"),
+    st.text(max_size=12),
+)
+hostile_schemas = st.one_of(
+    st.sampled_from([1, 30, 33, 100, 400]).map(nested_schema),
+    st.sampled_from([2, 4095, 4097, 6000]).map(lambda n: {"anyOf": [{"type": "integer"}] * n}),
+    st.sampled_from([1, 60, 64, 200]).map(ref_chain),
+    hostile_patterns.map(lambda p: {"type": "string", "pattern": p}),
+    st.sampled_from(["http://example.com/s.json", "file:///etc/passwd", "#x", "#/$defs/none", "#", "#/$defs"]).map(
+        lambda ref: {"$defs": {}, "type": "object", "properties": {"a": {"$ref": ref}}}
+    ),
+    st.sampled_from(["date", "date-time", "time", "ipv4", "ipv6", "uuid", "email", "uri", "hostname", "x"]).map(
+        lambda fmt: {"type": "string", "format": fmt}
+    ),
+)
+hostile_structured_outputs = st.one_of(
+    hostile_schemas.map(lambda schema: {"json": schema}),
+    st.sampled_from([3, 5000]).map(lambda n: {"json": "[" * n + "]" * n}),
+    hostile_patterns.map(lambda regex: {"regex": regex}),
+    st.sampled_from(["root ::= root", 'root ::= "a" root', "root ::= r0\n" + "r0 ::= r0 r0\n" * 2000]).map(
+        lambda grammar: {"grammar": grammar}
+    ),
+    st.sampled_from([10, 20_000]).map(lambda n: {"choice": [f"choice number {i}" for i in range(n)]}),
+)
+# Tool-call histories: assistant turns that called tools, well formed or not (issue #32's item 4)
+tool_call = st.fixed_dictionaries(
+    {"function": st.fixed_dictionaries({"name": text}, optional={"arguments": text | json_values}) | json_values},
+    optional={"id": text, "type": st.just("function") | text},
+)
+tool_calls = valid(st.lists(tool_call, max_size=3), json_values | st.lists(json_values, max_size=2))
+content = text | st.lists(st.fixed_dictionaries({"type": text, "text": text}), max_size=2)
+message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant"]) | text}, optional={"content": content}
+)
+tool_history_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["assistant", "tool"]) | text},
+    optional={"content": content, "tool_calls": tool_calls, "tool_call_id": text | json_values},
+)
 BY_NAME = {  # fields whose range decides the cost of a request, or that need a shape to get anywhere
     "max_tokens": small_or_out_of_range,
     "max_completion_tokens": small_or_out_of_range,
@@ -42,15 +88,7 @@ BY_NAME = {  # fields whose range decides the cost of a request, or that need a 
     "n": st.integers(-1, 10) | st.integers(),
     "prompt": text | token_ids | st.lists(text, max_size=3) | st.lists(token_ids, max_size=3),
     "messages": valid(
-        st.lists(
-            st.fixed_dictionaries(
-                {"role": st.sampled_from(["user", "system", "assistant"]) | text},
-                optional={"content": text | st.lists(st.fixed_dictionaries({"type": text, "text": text}), max_size=2)},
-            ),
-            min_size=1,
-            max_size=3,
-        ),
-        st.lists(json_values, max_size=2),
+        st.lists(valid(message, tool_history_message), min_size=1, max_size=3), st.lists(json_values, max_size=2)
     ),
     "stop": text | st.lists(text, max_size=70),
     "stop_token_ids": st.lists(st.integers(-2, VOCAB) | st.integers(), max_size=70),
@@ -70,9 +108,11 @@ BY_NAME = {  # fields whose range decides the cost of a request, or that need a 
     | st.fixed_dictionaries(
         {"type": st.sampled_from(["text", "json_object", "json_schema", "xml"]) | text},
         optional={"json_schema": json_values},
-    ),
-    "structured_outputs": json_values,
-    "tools": json_values,
+    )
+    | hostile_schemas.map(lambda schema: {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}),
+    "structured_outputs": json_values | hostile_structured_outputs,
+    "tools": json_values
+    | hostile_schemas.map(lambda schema: [{"type": "function", "function": {"name": "f", "parameters": schema}}]),
     "tool_choice": st.sampled_from(["none", "auto", "required"]) | json_values,
 }
 
