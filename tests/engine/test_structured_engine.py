@@ -151,6 +151,17 @@ def test_n_samples_and_ignore_eos_end_with_the_grammar(llm):
         _check(o, SCHEMA)
 
 
+def test_strings_come_back_as_the_characters_the_grammar_counted(llm):
+    """Sampled freely, the byte-level vocabulary spells bytes that xgrammar alone takes for one character
+    (F0 87 B0 91, not UTF-8): one output in 256 came back as 7 characters, 4 of them U+FFFD."""
+    schema = {"type": "array", "prefixItems": [{"type": "string", "maxLength": 4}], "items": False, "minItems": 1}
+    so = StructuredOutputsParams(json=schema)
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=60, structured_outputs=so) for i in range(256)]
+    for out in llm.generate(["x"] * len(params), params, use_tqdm=False):
+        assert "\ufffd" not in out.outputs[0].text
+        _check(out.outputs[0], schema)
+
+
 def test_preemption_rebuilds_grammar_state(tiny_model):
     """A KV cache too small for the batch preempts requests; their outputs match an unpreempted run."""
     so = StructuredOutputsParams(json=SCHEMA)

@@ -156,7 +156,8 @@ def test_a_grammar_with_no_possible_output_fails_its_compile(tokenizer):
 
 def test_the_cache_is_bounded_in_bytes_and_refuses_a_grammar_larger_than_it(tokenizer):
     lists = [[f"option {i} of list {n}" for i in range(400)] for n in range(6)]
-    sizes = [_backend(tokenizer).compile(StructuredOutputsParams(choice=c)).result(30).memory_size_bytes for c in lists]
+    compiled = [_backend(tokenizer).compile(StructuredOutputsParams(choice=c)).result(30).compiled for c in lists]
+    sizes = [c.memory_size_bytes for c in compiled]
     budget = int(2.5 * max(sizes))
     backend = _backend(tokenizer, cache_bytes=budget)
     for choices in lists:

@@ -21,16 +21,25 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 
 from tiffin.engine.errors import QueueFull
 from tiffin.engine.structured.params import StructuredOutputsParams
+from tiffin.engine.structured.utf8 import INVALID, START, Utf8Table
 
 CACHE_SIZE = 256  # compiled grammars kept, however small
 CACHE_BYTES = 256 << 20  # EngineConfig.grammar_cache_bytes' default
 WORKERS = 4  # compiles at once; each takes one core while it runs
 MAX_PENDING = 64  # compiles queued or running
+
+
+class Grammar(NamedTuple):
+    """What a compile gives: xgrammar's compiled grammar and the vocabulary's UTF-8 table."""
+
+    compiled: Any  # xgrammar.CompiledGrammar, imported lazily
+    utf8: Utf8Table
 
 
 @dataclass
@@ -51,7 +60,6 @@ class GrammarBackend:
         cache_bytes: int = CACHE_BYTES,
         workers: int = WORKERS,
     ):
-        import xgrammar
 
         self.vocab_size = vocab_size
         self.cache_size, self.cache_bytes = cache_size, cache_bytes
@@ -62,15 +70,16 @@ class GrammarBackend:
         self._lock = threading.RLock()
         self._workers = ThreadPoolExecutor(workers, thread_name_prefix="tiffin-grammar")
         # The tokenizer's vocabulary is read once, on a worker too (a second or so for 150k tokens).
-        self._compiler = self._workers.submit(
-            lambda: xgrammar.GrammarCompiler(
-                xgrammar.TokenizerInfo.from_huggingface(
-                    tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids)
-                ),
-                max_threads=1,
-                cache_enabled=False,
-            )
+        self._vocabulary = self._workers.submit(self._read_vocabulary, tokenizer, sorted(stop_token_ids))
+
+    def _read_vocabulary(self, tokenizer, stop_token_ids: list[int]) -> tuple[Any, Utf8Table]:
+        import xgrammar
+
+        info = xgrammar.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=self.vocab_size, stop_token_ids=stop_token_ids
         )
+        compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        return compiler, Utf8Table(info.decoded_vocab, self.vocab_size)
 
     def compile(self, params: StructuredOutputsParams, waiter: bool = False) -> Future:
         """A future of the compiled grammar, cached or newly queued; safe from any thread. A `waiter` calls
@@ -106,7 +115,8 @@ class GrammarBackend:
     def _compile(self, grammar):
         import xgrammar
 
-        compiled = self._compiler.result().compile_grammar(grammar)
+        compiler, utf8 = self._vocabulary.result()
+        compiled = compiler.compile_grammar(grammar)
         size = compiled.memory_size_bytes
         if size > self.cache_bytes:
             del compiled  # the exception's traceback, cached with it, must not keep the grammar alive
@@ -117,14 +127,14 @@ class GrammarBackend:
         xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
         if not bitmask.any():  # not even a stop token: every output would be rejected at its first token
             raise ValueError("the grammar allows no output: no token can begin it")
-        return compiled
+        return Grammar(compiled, utf8)
 
     def _compiled(self, key: bytes, entry: _Entry, future: Future) -> None:
         with self._lock:
             self._pending -= 1
             if future.cancelled() or future.exception() is not None or self._cache.get(key) is not entry:
                 return
-            entry.nbytes = future.result().memory_size_bytes
+            entry.nbytes = future.result().compiled.memory_size_bytes
             self.cached_bytes += entry.nbytes
             self._evict()
 
@@ -154,12 +164,15 @@ def fill_bitmask(seqs: Sequence, vocab_size: int) -> Future | None:
     for i in rows:
         seqs[i].grammar.sync(seqs[i].output_token_ids)  # a no-op unless preemption dropped the matcher
     matchers = [seqs[i].grammar.matcher for i in rows]
+    utf8_states = [seqs[i].grammar.utf8_state for i in rows]
+    utf8 = seqs[rows[0]].grammar.utf8  # one vocabulary, one table
 
     def fill():
         import xgrammar
 
         bitmask = xgrammar.allocate_token_bitmask(len(seqs), vocab_size)
         _batch_matcher().batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
+        utf8.mask(bitmask, rows, utf8_states)
         return bitmask, rows
 
     return _fill_worker().submit(fill)
@@ -186,8 +199,9 @@ def _fill_worker() -> ThreadPoolExecutor:
 
 
 class GrammarState:
-    """One sequence's position in its grammar. The matcher is built from the sequence's output tokens when
-    first needed, so that a sequence can drop it (preemption) and get it back in the state its tokens imply."""
+    """One sequence's position in its grammar, and in a UTF-8 character (tiffin.engine.structured.utf8). The
+    matcher is built from the sequence's output tokens when first needed, so that a sequence can drop it
+    (preemption) and get it back in the state its tokens imply."""
 
     def __init__(self, compiled: Future, timeout: float | None = None):
         """`timeout`: seconds the compile may still take (grammar_compile_timeout) before `error` says so."""
@@ -196,6 +210,8 @@ class GrammarState:
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._matcher = None
         self.num_accepted = 0  # output tokens the matcher has consumed
+        self.utf8: Utf8Table | None = None
+        self.utf8_state = START
 
     @property
     def ready(self) -> bool:
@@ -220,12 +236,14 @@ class GrammarState:
         if self._matcher is None:
             import xgrammar
 
-            self._matcher = xgrammar.GrammarMatcher(self.compiled.result())
-            self.num_accepted = 0
+            grammar = self.compiled.result()
+            self._matcher, self.utf8 = xgrammar.GrammarMatcher(grammar.compiled), grammar.utf8
+            self.num_accepted, self.utf8_state = 0, START
         for token in output_token_ids[self.num_accepted :]:
-            if not self._matcher.accept_token(token):
+            utf8_state = self.utf8.next_state[self.utf8_state][token]
+            if utf8_state == INVALID or not self._matcher.accept_token(token):
                 return False
-            self.num_accepted += 1
+            self.num_accepted, self.utf8_state = self.num_accepted + 1, utf8_state
         return True
 
     def verdict(self, output_token_ids: list[int]) -> tuple[str, str | None] | None:
