@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 from tiffin.engine.config import EngineConfig
 from tiffin.engine.errors import QueueFull
 from tiffin.engine.sampling_params import SamplingParams
+from tiffin.plugin import first_byte_timeout
 from tiffin.plugin.guard import Guard
 from tiffin.plugin.metrics import engine_metrics
 from tiffin.plugin.model_store import bento_model, is_hub_id, resolve_model
@@ -43,6 +44,7 @@ from tiffin.plugin.openai.protocol import Bool, Float, Int
 from tiffin.plugin.openai.serving import OpenAIServing
 
 logger = logging.getLogger("tiffin.service")
+first_byte_timeout.install()
 
 
 # EngineConfig fields the service sets itself: it resolves the model (a path, store tag or hub id; the checkpoint
