@@ -107,7 +107,9 @@ def test_waiting_queue_bound_is_a_429_with_retry_after(openai_app):
 
     async def fill_then_add():
         long = SamplingParams(max_tokens=500, ignore_eos=True)
-        streams = [await engine.add_request(f"fill-{i}", "x", long) for i in range(3)]  # 1 runs, 2 wait
+        streams = [await engine.add_request("fill-0", "x", long)]
+        await anext(streams[0])  # running: the engine took it out of the queue
+        streams += [await engine.add_request(f"fill-{i}", "x", long) for i in (1, 2)]  # they wait
         try:
             with pytest.raises(QueueFull, match="max_waiting_requests=2"):
                 await engine.add_request("one-too-many", "x", SamplingParams(max_tokens=1))
@@ -165,6 +167,55 @@ def test_bento_routes_need_the_key(server):
     started = time.monotonic()
     r = http.post("/v1/completions", content=b"x" * (20 << 20), headers=bearer(KEY))
     assert r.status_code == 413 and time.monotonic() - started < 10
+
+
+# Every route BentoML serves besides tiffin's (docs, schema, healthz, metrics, static content, the typed APIs),
+# and spellings of the probes and routes a router might normalise
+UNPROTECTED_LOOKING = ["/", "/docs", "/docs.json", "/schema.json", "/healthz", "/metrics", "/static_content/index.css"]
+UNPROTECTED_LOOKING += ["/generate", "/generate_stream", "/livez/", "//docs", "/readyz/../docs", "/livez%2F..%2Fdocs"]
+UNPROTECTED_LOOKING += ["/v1/openapi.json", "/v1/docs", "/v1/models/"]
+ADMIN_SPELLINGS = [
+    "/v1/load_lora_adapter/",
+    "/v1//load_lora_adapter",
+    "//v1/load_lora_adapter",
+    "/v1/./load_lora_adapter",
+]
+ADMIN_SPELLINGS += ["/v1/%6Coad_lora_adapter", "/V1/load_lora_adapter", "/v1/load_lora_adapter?x=1"]
+ADMIN_SPELLINGS += ["/v1/load_lora_adapter%2F", "/v1/x/../load_lora_adapter", "/v1/unload_lora_adapter/"]
+
+
+def _raw(server, method: str, path: str, headers: dict, body: bytes = b"") -> httpx.Response:
+    """A request with its path as written: httpx would normalise dot segments."""
+    request = server.http.build_request(method, "/", headers=headers, content=body)
+    request.url = request.url.copy_with(raw_path=path.encode())
+    return server.http.send(request)
+
+
+@pytest.mark.parametrize("method", ["GET", "POST", "OPTIONS", "HEAD"])
+def test_no_route_but_the_probes_answers_without_the_key(server, method):
+    for path in UNPROTECTED_LOOKING:
+        body = b'{"prompt": "x", "max_tokens": 1}' if method == "POST" else b""
+        r = _raw(server, method, path, {"content-type": "application/json"}, body)
+        assert r.status_code == 401, (method, path, r.status_code, r.text[:200])
+
+
+@pytest.mark.parametrize(
+    "authorization", [f"Basic {KEY}", KEY, f"Bearer {KEY}x", f"Bearer {KEY[:-1]}", "Bearer", f"Bearer{KEY}", ""]
+)
+def test_only_the_bearer_scheme_with_the_exact_key_passes(server, authorization):
+    assert server.http.get("/v1/models", headers={"authorization": authorization}).status_code == 401
+    assert server.http.get("/v1/models", headers={"authorization": f"bearer  {KEY}"}).status_code == 200
+
+
+def test_the_user_key_reaches_no_admin_route_however_spelled(server):
+    """Each spelling is refused, unknown (404) or redirected (307) to the route itself, which refuses it."""
+    load = b'{"lora_name": "x", "lora_path": "missing"}'
+    for path in ADMIN_SPELLINGS:
+        r = _raw(server, "POST", path, {**bearer(KEY), "content-type": "application/json"}, load)
+        assert r.status_code in (401, 404, 307), (path, r.status_code, r.text[:200])
+        if r.status_code == 307:
+            target = httpx.URL(r.headers["location"]).raw_path.decode()
+            assert _raw(server, "POST", target, bearer(KEY), load).status_code == 401, (path, target)
 
 
 def test_sigterm_lets_the_running_stream_finish(server):
