@@ -6,6 +6,7 @@ on first start), which is byte-identical to the `tiny_model` fixture's checkpoin
 file, so /readyz is seen answering 503 before the weights load.
 """
 
+import http.client
 import time
 
 import httpx
@@ -281,6 +282,22 @@ def test_typed_endpoints_take_json_types_as_the_v1_routes_do(server, api):
         assert "validation error" in body["error"] and [d["loc"][-1] for d in body["detail"]] == [field], body
     body = {"prompt": "x", "max_tokens": 2, "temperature": 0, "top_p": 1, "seed": 12, "ignore_eos": True}
     assert server.http.post(f"/{api}", json=body).status_code == 200  # a JSON integer is a valid float
+
+
+def test_an_idle_connection_outlives_the_clients_keep_alive(server):
+    """httpx and the openai SDK keep an idle connection 5 s; uvicorn closed it at 5 s too, and a client reusing it
+    as it closed got a reset. The server now waits longer: a request 6 s after the last is answered."""
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        for pause in (0, 6):
+            time.sleep(pause)
+            conn.request("GET", "/livez")
+            response = conn.getresponse()  # RemoteDisconnected if the server closed the connection
+            assert response.status == 200 and response.read(), f"after {pause} s idle"
+            assert conn.sock is not None  # the same connection
+    finally:
+        conn.close()
 
 
 def test_metrics(server, client):

@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 from tiffin.engine.config import EngineConfig
 from tiffin.engine.errors import QueueFull
 from tiffin.engine.sampling_params import SamplingParams
-from tiffin.plugin import first_byte_timeout
+from tiffin.plugin import http_server
 from tiffin.plugin.guard import Guard
 from tiffin.plugin.metrics import engine_metrics
 from tiffin.plugin.model_store import bento_model, is_hub_id, resolve_model
@@ -44,7 +44,6 @@ from tiffin.plugin.openai.protocol import Bool, Float, Int
 from tiffin.plugin.openai.serving import OpenAIServing
 
 logger = logging.getLogger("tiffin.service")
-first_byte_timeout.install()
 
 
 # EngineConfig fields the service sets itself: it resolves the model (a path, store tag or hub id; the checkpoint
@@ -63,6 +62,12 @@ class _ServiceSettings(BaseModel):
     )
     served_model_name: str | None = Field(None, description="the OpenAI `model` name; default: the model's name")
     timeout: float = Field(600.0, description="seconds to the first byte of a response (BentoML traffic timeout)")
+    keep_alive_timeout: float = Field(
+        75.0,
+        gt=0,
+        description="seconds an idle client connection stays open: longer than clients keep theirs (5 in httpx "
+        "and the openai SDK), so that none reuses a connection the server is closing",
+    )
     load_gate: str | None = Field(None, description="test hook: weight loading waits until this path exists")
     lora_roots: str | None = Field(
         None, description="directories adapters may load from (os.pathsep-separated); set: LoRA on"
@@ -156,6 +161,7 @@ class GenerateRequest(BaseModel):
 
 
 settings = bentoml.use_arguments(Settings)
+http_server.install(settings.keep_alive_timeout)
 openai_app = create_app()  # answers 503 until _load attaches the serving
 DRAINING = threading.Event()  # set by SIGTERM: new requests get 503, running ones finish
 

@@ -13,7 +13,7 @@ pytest.importorskip("bentoml")
 
 from bentoml._internal.server.http.traffic import TimeoutMiddleware  # noqa: E402
 
-from tiffin.plugin import first_byte_timeout  # noqa: E402
+from tiffin.plugin import http_server  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 REQUEST = contextvars.ContextVar("request")
@@ -26,8 +26,11 @@ class Marker:
 
 @pytest.fixture(autouse=True)
 def installed(monkeypatch):
+    import uvicorn
+
     monkeypatch.setattr(TimeoutMiddleware, "__call__", TimeoutMiddleware.__call__)  # put back after the test
-    first_byte_timeout.install()
+    monkeypatch.setattr(uvicorn.Config, "__init__", uvicorn.Config.__init__)
+    http_server.install(keep_alive=75)
 
 
 async def answer(scope, receive, send):
