@@ -35,13 +35,14 @@ class MemoryProbe:
     empty_cache: Callable[[], None]
 
 
+# looked up at each call, not bound at import: tests emulate torch.cuda (`tiffin.testing.cuda_emulation`)
 CUDA_MEMORY = MemoryProbe(
-    torch.cuda.mem_get_info,
-    torch.cuda.memory_allocated,
-    torch.cuda.max_memory_allocated,
-    torch.cuda.reset_peak_memory_stats,
-    torch.cuda.synchronize,
-    torch.cuda.empty_cache,
+    lambda device: torch.cuda.mem_get_info(device),
+    lambda device: torch.cuda.memory_allocated(device),
+    lambda device: torch.cuda.max_memory_allocated(device),
+    lambda device: torch.cuda.reset_peak_memory_stats(device),
+    lambda device: torch.cuda.synchronize(device),
+    lambda: torch.cuda.empty_cache(),
 )
 
 
