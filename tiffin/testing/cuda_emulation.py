@@ -85,6 +85,7 @@ class CudaEmulation:
         self.uploads: list[str] = []
         self.reads: list[str] = []
         self.launches: list[str] = []
+        self.replays = 0  # graph replays, never reset
         self._patches: contextlib.ExitStack | None = None
 
     # -- counters ----------------------------------------------------------------------------------------------
@@ -281,12 +282,15 @@ def _make_device_context(emu: CudaEmulation):
     return device
 
 
-class _Generator(torch.Generator):
+_TorchGenerator = torch.Generator  # the class itself: torch.Generator is patched while the emulation runs
+
+
+class _Generator(_TorchGenerator):
     """A CUDA generator is a CPU one: device tensors are CPU memory."""
 
     def __new__(cls, device="cpu"):
         device = torch.device(device)
-        return torch.Generator.__new__(cls, device="cpu" if device.type == "cuda" else device)
+        return _TorchGenerator.__new__(cls, device="cpu" if device.type == "cuda" else device)
 
     def __init__(self, device="cpu"):
         pass
@@ -386,7 +390,8 @@ class _Graph:
     def replay(self) -> None:
         if not self.captured:
             raise EmulatedCudaError("replay of a graph never captured")
-        with _no_modes():
+        self.emu.replays += 1
+        with _no_modes(), torch.inference_mode():  # captured tensors may be inference tensors
             for node in self.nodes:
                 node.replay()
 
@@ -423,15 +428,19 @@ class _CaptureMode(TorchDispatchMode):
         ):
             raise EmulatedCudaError(f"{func} inside a CUDA graph capture: its result depends on device data")
         out = func(*args, **kwargs)
-        if func not in _NOT_REPLAYED and not _only_views(func):
+        if func not in _NOT_REPLAYED and not _only_views(func, args, kwargs, out):
             self.graph.nodes.append(_Node(func, args, kwargs, out))
         return out
 
 
-def _only_views(func) -> bool:
-    """An op whose outputs all alias an input without writing it (view, slice, t, ...)."""
-    returns = func._schema.returns
-    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+def _only_views(func, args, kwargs, out) -> bool:
+    """Whether the op only made views of its inputs (view, slice, t; `to` or `reshape` when they copied nothing,
+    as composite ops reach here unexpanded in inference mode), writing nothing."""
+    if any(r.alias_info is not None and r.alias_info.is_write for r in func._schema.returns):
+        return False
+    inputs = {t.untyped_storage() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+    outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    return bool(outs) and all(t.untyped_storage() in inputs for t in outs)
 
 
 class _DeviceMode(TorchFunctionMode):
