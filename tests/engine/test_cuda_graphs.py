@@ -11,6 +11,7 @@ from gguf_files import write_gguf
 
 from tiffin import LLM, SamplingParams
 from tiffin.engine.worker import model_runner
+from tiffin.kernels.quant import DENSE_MIN_TOKENS
 
 QUANT = Path(__file__).parents[1] / "fixtures" / "quant"
 PROMPTS = ["Hello, tiffin", "The quick brown fox jumps", "1 2 3", "Once upon a time in a land far away"]
@@ -86,3 +87,24 @@ def test_graphed_decode_equals_eager_quantized(cuda_emulation, no_warm_up, name)
 def test_graphed_decode_equals_eager_gguf(tiny_model, cuda_emulation, no_warm_up, tmp_path, qtype):
     path = write_gguf(tiny_model("llama"), tmp_path / f"{qtype.name}.gguf", qtype)
     graphed_equals_eager(path, cuda_emulation)
+
+
+@pytest.mark.slow
+def test_awq_captures_the_dense_size(cuda_emulation, no_warm_up, monkeypatch):
+    """max_num_seqs=256 captures a size-256 graph, which reaches the dense dequantize branch (DENSE_MIN_TOKENS). It
+    failed to start: `torch.tensor(AWQ_NIBBLE, device=...)`, a pageable upload, inside the capture. Sizes 1, 2, 4
+    and 256 only (the sizes between take the fused kernel, as the graphs above do); five requests make one decode
+    step replay the size-256 graph."""
+    assert DENSE_MIN_TOKENS == 256
+    monkeypatch.setattr(model_runner, "decode_batch_sizes", lambda n: [1, 2, 4, 256])
+    kwargs = dict(max_num_seqs=256, num_kv_blocks=300)  # fp32: the dense and fused GEMMs agree to rounding
+    params = SamplingParams(temperature=0, max_tokens=2, logprobs=2, ignore_eos=True)
+    run = lambda llm: [
+        (c.token_ids, c.logprobs) for o in llm.generate(PROMPTS + ["a"], params, use_tqdm=False) for c in o.outputs
+    ]
+    want = run(build(QUANT / "awq-g64", eager=True, **kwargs))
+    llm = build(QUANT / "awq-g64", eager=False, **kwargs)
+    assert sorted(llm.llm_engine.model_runner.decode_graphs.graphs) == [1, 2, 4, 256]
+    replays = cuda_emulation.replays
+    assert_same(run(llm), want)
+    assert cuda_emulation.replays == replays + 1
