@@ -3,13 +3,15 @@ kernels under the interpreter): decode steps replayed from captured graphs give 
 same engine run eagerly, for each architecture, quantization and batch shape; the defects the emulation found,
 each pinned by a test. fp32 and fp16 only: the interpreter computes bf16 dots wrongly."""
 
+import asyncio
 from pathlib import Path
 
 import pytest
+import torch
 from gguf import GGMLQuantizationType as QType
 from gguf_files import write_gguf
 
-from tiffin import LLM, SamplingParams
+from tiffin import LLM, AsyncLLMEngine, SamplingParams
 from tiffin.engine.worker import model_runner
 from tiffin.kernels.quant import DENSE_MIN_TOKENS
 
@@ -108,3 +110,34 @@ def test_awq_captures_the_dense_size(cuda_emulation, no_warm_up, monkeypatch):
     replays = cuda_emulation.replays
     assert_same(run(llm), want)
     assert cuda_emulation.replays == replays + 1
+
+
+def test_engine_thread_launches_on_the_engine_device(tiny_model, cuda_emulation, no_warm_up):
+    """`device="cuda:1"` under AsyncLLMEngine: the engine is built in this thread, its steps run in `tiffin-engine`,
+    whose current device was cuda:0: Triton launched there with cuda:1's tensors (an illegal address on a GPU)."""
+    path = tiny_model("llama")
+    want = generate(build(path, eager=True))  # on cuda:0, in this thread
+    engine = AsyncLLMEngine.from_engine_args(
+        str(path), device="cuda:1", dtype="float32", num_kv_blocks=64, max_num_seqs=4, max_model_len=96
+    )
+    params = [
+        SamplingParams(temperature=0, max_tokens=5, logprobs=2, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.9, max_tokens=4, seed=1, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=1.0, max_tokens=2, seed=2, ignore_eos=True),
+    ]
+
+    async def final(prompt: str, p: SamplingParams):
+        async for out in engine.generate(prompt, p):
+            last = out
+        return last.outputs[0]
+
+    async def run_all():
+        return await asyncio.gather(*(final(prompt, p) for prompt, p in zip(PROMPTS, params)))
+
+    try:
+        assert engine.engine.model_runner.kv_cache.device == torch.device("cuda", 1)
+        outs = asyncio.run(run_all())
+    finally:
+        engine.shutdown()
+    assert_same([(c.token_ids, c.logprobs) for c in outs], want)

@@ -48,7 +48,8 @@ class ModelRunner:
             group = tp_worker.start(config, model_config, max_model_len, self.device, ModelRunner)
         self.group, tp = group, UNSHARDED if group is None else group.tp
         if self.device.type == "cuda" and self.device.index is not None:
-            # Triton launches on the current device: cuda:1's tensors must not meet cuda:0's kernels
+            # Triton launches on the current device: cuda:1's tensors must not meet cuda:0's kernels (for the
+            # start-up work here; steps set it themselves, `execute`)
             torch.cuda.set_device(self.device)
         if self.device.type == "cpu":
             _keep_freed_memory_mapped()
@@ -84,8 +85,17 @@ class ModelRunner:
         if self.policy.capture_graphs:
             self.pad_decodes(decode_batch_sizes(config.max_num_seqs))
 
-    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> SamplerOutput:
+        """One step, under the runner's device whichever thread calls it: Triton launches on the calling thread's
+        current device, not on its tensors' (the engine thread of `AsyncLLMEngine` is not the one that built
+        the runner, and its current device is cuda:0 whatever `device` says)."""
+        if self.device.type != "cuda":
+            return self._execute(scheduler_output)
+        with torch.cuda.device(self.device):
+            return self._execute(scheduler_output)
+
+    @torch.inference_mode()
+    def _execute(self, scheduler_output: SchedulerOutput) -> SamplerOutput:
         if self.thread_sizer is not None:
             self.thread_sizer.update()
         bitmask = fill_bitmask(
