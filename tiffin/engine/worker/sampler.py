@@ -85,7 +85,8 @@ class Sampler:
         if not rows:
             return logits
         index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
-        return logits.index_put(index, torch.tensor(-torch.inf, device=logits.device))
+        # in the logits' dtype: all-greedy batches keep the model's (bf16 on CUDA), and index_put does not cast
+        return logits.index_put(index, torch.full((), -torch.inf, dtype=logits.dtype, device=logits.device))
 
     def _penalize(self, logits: torch.Tensor, seqs: list[SampledSeq], rows: list[int]) -> torch.Tensor:
         params = [s.params for s in seqs]
