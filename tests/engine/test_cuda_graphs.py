@@ -141,3 +141,30 @@ def test_engine_thread_launches_on_the_engine_device(tiny_model, cuda_emulation,
     finally:
         engine.shutdown()
     assert_same([(c.token_ids, c.logprobs) for c in outs], want)
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graphed", "eager"])
+def test_a_decode_step_uploads_once_and_reads_the_tokens(tiny_model, cuda_emulation, no_warm_up, eager):
+    """Host <-> device traffic of one decode step with every sampling feature but structured outputs: one pinned
+    upload (the batch and the sampler's parameters), one read of the sampled tokens, one of the logprobs. Before,
+    ~20 uploads (each parameter column, index and seeded row's noise its own pageable copy) and 8 reads."""
+    llm = build(tiny_model("llama"), eager=eager)
+    engine = llm.llm_engine
+    params = [
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=8, min_tokens=4, top_p=0.9, min_p=0.05),
+        SamplingParams(temperature=0.8, top_k=5, max_tokens=8, repetition_penalty=1.2, presence_penalty=0.5),
+        SamplingParams(temperature=0, max_tokens=8, logprobs=2, frequency_penalty=0.3),
+    ]
+    for i, p in enumerate(params):
+        engine.add_request(str(i), PROMPTS[i], p)
+    engine.step()  # the prefill
+    for with_logprobs in (True, False):
+        if not with_logprobs:
+            engine.abort_request("3")
+            engine.step()
+        cuda_emulation.reset_counts()
+        engine.step()
+        assert len(cuda_emulation.uploads) == 1 and cuda_emulation.uploads[0].endswith("pinned"), cuda_emulation.uploads
+        assert len(cuda_emulation.reads) == 1 + with_logprobs, cuda_emulation.reads
+    assert cuda_emulation.replays == (0 if eager else 3)

@@ -47,7 +47,7 @@ def test_copies_are_counted_and_memory_tracked(cuda_emulation):
     emu = cuda_emulation
     before = emu.allocated(0)
     x = torch.arange(8.0).to("cuda")
-    assert emu.uploads == ["to cuda:0 (8,)"] and emu.allocated(0) == before + 32
+    assert emu.uploads == ["to cuda:0 (8,), pageable"] and emu.allocated(0) == before + 32
     assert x.tolist() == list(range(8)) and x.cpu().device.type == "cpu" and len(emu.reads) == 2
     host = x.cpu()
     host += 1

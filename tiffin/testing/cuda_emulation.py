@@ -493,6 +493,10 @@ class _DeviceMode(TorchFunctionMode):
                     emu.reads.append(f"setitem {tuple(value.shape)}")
             return func(*args, **kwargs)
 
+        if kwargs.get("pin_memory"):  # a factory allocating pinned host memory
+            out = func(*args, **{**kwargs, "pin_memory": False})
+            emu._pinned.add(out.untyped_storage())
+            return out
         target = kwargs.get("device")
         if target is not None:
             target = torch.device(target) if not isinstance(target, int) else torch.device("cuda", target)
@@ -524,14 +528,12 @@ class _DeviceMode(TorchFunctionMode):
     def _upload_from(self, data, what: str) -> None:
         """A host -> device copy of `data` (a host tensor, an array or a list)."""
         emu = self.emu
-        if isinstance(data, torch.Tensor):
-            if emu.device_of(data) is not None:
-                return
-            if not emu.is_pinned(data):
-                emu._check_capture(f"pageable upload ({what})")
-        else:
+        if isinstance(data, torch.Tensor) and emu.device_of(data) is not None:
+            return
+        pinned = isinstance(data, torch.Tensor) and emu.is_pinned(data)
+        if not pinned:
             emu._check_capture(f"pageable upload ({what})")
-        emu.uploads.append(what)
+        emu.uploads.append(f"{what}, {'pinned' if pinned else 'pageable'}")
 
     def _to(self, func, name, args, kwargs):
         emu, src = self.emu, args[0]
