@@ -14,6 +14,7 @@ from gguf_files import write_gguf
 from tiffin import LLM, AsyncLLMEngine, SamplingParams
 from tiffin.engine.worker import model_runner
 from tiffin.kernels.quant import DENSE_MIN_TOKENS
+from tiffin.testing.cuda_emulation import CudaEmulation
 
 QUANT = Path(__file__).parents[1] / "fixtures" / "quant"
 PROMPTS = ["Hello, tiffin", "The quick brown fox jumps", "1 2 3", "Once upon a time in a land far away"]
@@ -168,3 +169,35 @@ def test_a_decode_step_uploads_once_and_reads_the_tokens(tiny_model, cuda_emulat
         assert len(cuda_emulation.uploads) == 1 and cuda_emulation.uploads[0].endswith("pinned"), cuda_emulation.uploads
         assert len(cuda_emulation.reads) == 1 + with_logprobs, cuda_emulation.reads
     assert cuda_emulation.replays == (0 if eager else 3)
+
+
+@pytest.mark.slow
+def test_memory_stays_within_utilization_with_graphs_and_the_worst_sampler(tiny_model, no_warm_up):
+    """KV sizing on an emulated device of 12 MiB at utilization 0.5: after start (KV cache and graphs) and the
+    largest step sampled with every filter, penalty and seed, the peak stays within 6 MiB. Before, the pool was
+    sized before the graphs were captured (their memory came on top) and the profiled sampler ran no penalties
+    (their [rows, vocab] counts came on top); and start failed: the profiling step read `cpu_decoder` before it
+    was set."""
+    total, utilization = 12 << 20, 0.5
+    with pytest.MonkeyPatch.context() as patched, CudaEmulation(total_memory=total):
+        patched.setenv("TRITON_INTERPRET", "1")
+        config = dict(max_num_seqs=32, max_model_len=96, max_num_batched_tokens=96, num_kv_blocks=None)
+        llm = build(tiny_model("llama"), eager=False, gpu_memory_utilization=utilization, **config)
+        runner = llm.llm_engine.model_runner
+        params = SamplingParams(
+            temperature=0.8,
+            top_k=5,
+            top_p=0.9,
+            min_p=0.01,
+            logprobs=20,
+            min_tokens=2,
+            max_tokens=3,
+            seed=1,
+            repetition_penalty=1.2,
+            frequency_penalty=0.1,
+            presence_penalty=0.1,
+            ignore_eos=True,
+        )
+        llm.generate([{"prompt_token_ids": [5] * 90}] + [{"prompt_token_ids": [7]}] * 31, params, use_tqdm=False)
+        assert torch.cuda.max_memory_allocated() <= total * utilization
+        assert runner.num_blocks < 32 * runner.max_blocks_per_seq  # sized by memory, not by max_num_seqs

@@ -384,6 +384,7 @@ class _Graph:
 
     def capture_end(self) -> None:
         self._mode.__exit__(None, None, None)
+        del self._mode  # it refers to this graph: no cycle keeps the captured tensors alive past the graph
         self.emu._local.capture = None
         self.captured = True
 

@@ -68,6 +68,7 @@ class ModelRunner:
             else None
         )
         self.sampler = Sampler(eos_token_ids, config.seed)
+        self.cpu_decoder: CpuDecoder | None = None  # built after sizing; the profiling step runs without it
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.kv_spec = kv_cache.KVCacheSpec.of(model_config, self.block_size, tp.kv_heads(model_config.num_kv_heads))
         self.num_blocks = kv_cache.num_kv_blocks(
