@@ -32,6 +32,10 @@ def test_devices_follow_tensors_and_threads(cuda_emulation):
     assert torch.ones(2).device.type == "cpu"
     with pytest.raises(EmulatedCudaError, match="devices"):
         torch.ones(4, device="cuda:0") + x
+    with pytest.raises(EmulatedCudaError, match=r"host tensors of shapes \[\(4,\)\]"):
+        torch.ones(4) + x
+    assert (x + torch.tensor(2.0)).device == x.device  # a host scalar passes as a value
+    assert x[torch.tensor([0, 2])].device == x.device  # host indices are moved by torch
     torch.cuda.set_device(1)
     seen = []
     thread = threading.Thread(target=lambda: seen.append(torch.cuda.current_device()))
@@ -86,7 +90,7 @@ def test_graph_replays_ops_and_launches_on_the_captured_tensors(cuda_emulation):
     for value in (1.0, 3.0):
         static_in.copy_(torch.full((4,), value).pin_memory())
         graph.replay()
-        assert torch.equal(out, (torch.full((4,), value) * 2 + 1).sin())
+        assert torch.equal(out.cpu(), (torch.full((4,), value) * 2 + 1).sin())
 
 
 @pytest.mark.parametrize(

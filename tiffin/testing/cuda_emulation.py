@@ -68,6 +68,8 @@ _DATA_DEPENDENT.discard(aten.nonzero_static.default)  # its size is given
 _NOT_REPLAYED = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default}
 _HOST_READS = {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__", "__array__"}
 _DATA_FACTORIES = {"tensor", "as_tensor", "asarray"}
+# torch moves host index tensors to the device itself in indexing (a hidden copy, but no error)
+_HOST_INDEX_OK = {"__getitem__", "__setitem__", "index_put", "index_put_"}
 
 
 class CudaEmulation:
@@ -133,7 +135,7 @@ class CudaEmulation:
 
     def _tag(self, t: torch.Tensor, index: int) -> None:
         storage = t.untyped_storage()
-        if storage.data_ptr() == 0 or storage in self._device_of:
+        if storage in self._device_of:  # empty tensors too: each has a storage of its own
             return
         self._device_of[storage] = index
         nbytes = storage.nbytes()
@@ -513,13 +515,16 @@ class _DeviceMode(TorchFunctionMode):
                 return out
             return func(*args, **kwargs)  # explicitly on the host (or meta)
 
-        devices = {
-            where
-            for t in tree_flatten((args, kwargs))[0]
-            if isinstance(t, torch.Tensor) and (where := emu.device_of(t)) is not None
-        }
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        places = [emu.device_of(t) for t in tensors]
+        devices = {where for where in places if where is not None}
         if len(devices) > 1:
             raise EmulatedCudaError(f"{name}: tensors on devices {sorted(devices)} in one op")
+        if devices and name not in _HOST_INDEX_OK:
+            # host scalars (0-dim) pass as values; a host array in a device op is an error on a GPU
+            host = [tuple(t.shape) for t, where in zip(tensors, places) if where is None and t.dim()]
+            if host:
+                raise EmulatedCudaError(f"{name}: host tensors of shapes {host} with cuda:{min(devices)} tensors")
         out = func(*args, **kwargs)
         if devices:
             index = devices.pop()
