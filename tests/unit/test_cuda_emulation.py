@@ -120,3 +120,18 @@ def test_capture_allows_pinned_uploads(cuda_emulation):
     with torch.cuda.graph(torch.cuda.CUDAGraph()):
         x.copy_(pinned, non_blocking=True)
     assert x.tolist() == [1] * 4
+
+
+def test_replay_of_memory_freed_since_the_capture_raises(cuda_emulation):
+    """A graph keeps addresses: what it read from outside its pool must outlive it (a cache that a later step
+    replaces is freed, and a GPU replay reads whatever reuses that memory)."""
+    persistent = torch.ones(4, device="cuda")
+    cache = {"table": torch.arange(4.0, device="cuda")}
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = persistent * cache["table"]
+    graph.replay()
+    assert out.tolist() == [0, 1, 2, 3]
+    cache["table"] = torch.zeros(4, device="cuda")  # the captured one is freed
+    with pytest.raises(EmulatedCudaError, match=r"float32 \(4,\) tensor allocated outside its capture and freed"):
+        graph.replay()

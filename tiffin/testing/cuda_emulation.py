@@ -29,6 +29,7 @@ peak are tracked from tagged storages, behind `torch.cuda.memory_allocated` / `m
 """
 
 import contextlib
+import dataclasses
 import threading
 import time
 import weakref
@@ -220,7 +221,7 @@ class CudaEmulation:
         original_launch = triton_common.Launch.__call__
 
         def launch(self_launch, device: torch.device) -> None:
-            emu._launch(self_launch, lambda: original_launch(self_launch, torch.device("cpu")))
+            emu._launch(self_launch, lambda launch: original_launch(launch, torch.device("cpu")))
 
         patch(triton_common.Launch, "__call__", launch)
 
@@ -256,9 +257,10 @@ class CudaEmulation:
                     )
         self.launches.append(launch.kernel.fn.__name__)
         if self.capturing is not None:
-            self.capturing.nodes.append(_Node(None, (), {}, None, run))
+            again = lambda *args: run(dataclasses.replace(launch, args=args))
+            self.capturing.nodes.append(_Node(again, launch.args, {}, None))
         with _no_modes():
-            run()
+            run(launch)
 
 
 @contextlib.contextmanager
@@ -354,21 +356,40 @@ def _stream_context(stream):
 
 
 class _Node:
-    """One recorded op: an aten op (`func`) or a Triton launch (`run`)."""
+    """One recorded op: an aten op, or a Triton launch (`func` then runs it on `args`, and `out` is None)."""
 
-    __slots__ = ("func", "args", "kwargs", "out", "run")
+    __slots__ = ("func", "args", "kwargs", "out")
 
-    def __init__(self, func, args, kwargs, out, run=None):
-        self.func, self.args, self.kwargs, self.out, self.run = func, args, kwargs, out, run
+    def __init__(self, func, args, kwargs, out):
+        self.func, self.args, self.kwargs, self.out = func, args, kwargs, out
 
     def replay(self) -> None:
-        if self.run is not None:
-            self.run()
-            return
-        fresh = self.func(*self.args, **self.kwargs)
-        for captured, new in zip(tree_flatten(self.out)[0], tree_flatten(fresh)[0]):
+        resolve = lambda tree: tree_map_only(_Outside, _Outside.get, tree)
+        fresh = self.func(*resolve(self.args), **resolve(self.kwargs))
+        for captured, new in zip(tree_flatten(resolve(self.out))[0], tree_flatten(fresh)[0]):
             if isinstance(captured, torch.Tensor) and captured is not new and captured.data_ptr() != new.data_ptr():
                 captured.copy_(new)
+
+
+class _Outside:
+    """A tensor a capture read or wrote but did not allocate: the graph keeps its address, not its memory. Replay
+    rebuilds it from its storage while that lives and raises once it is freed (a GPU would read or write memory
+    reused since, as a graph does with a tensor a later step frees)."""
+
+    __slots__ = ("storage", "dtype", "size", "stride", "offset")
+
+    def __init__(self, t: torch.Tensor):
+        self.storage = weakref.ref(t.untyped_storage())
+        self.dtype, self.size, self.stride, self.offset = t.dtype, t.shape, t.stride(), t.storage_offset()
+
+    def get(self) -> torch.Tensor:
+        storage = self.storage()
+        if storage is None:
+            raise EmulatedCudaError(
+                f"graph replay uses a {self.dtype} {tuple(self.size)} tensor allocated outside its capture and freed "
+                f"since: on a GPU, memory reused by others"
+            )
+        return torch.empty(0, dtype=self.dtype).set_(storage, self.offset, self.size, self.stride)
 
 
 class _Graph:
@@ -376,6 +397,7 @@ class _Graph:
 
     def __init__(self, emu: CudaEmulation):
         self.emu, self.nodes, self.captured = emu, [], False
+        self.inside: set = set()  # storages allocated by the capture: its pool, which the graph keeps
 
     def capture_begin(self, pool=None, capture_error_mode: str = "global") -> None:
         if self.emu.capturing is not None:
@@ -389,6 +411,12 @@ class _Graph:
         del self._mode  # it refers to this graph: no cycle keeps the captured tensors alive past the graph
         self.emu._local.capture = None
         self.captured = True
+        with _no_modes():
+            weaken = lambda tree: tree_map_only(
+                torch.Tensor, lambda t: t if t.untyped_storage() in self.inside else _Outside(t), tree
+            )
+            for node in self.nodes:
+                node.args, node.kwargs, node.out = weaken(node.args), weaken(node.kwargs), weaken(node.out)
 
     def replay(self) -> None:
         if not self.captured:
@@ -431,6 +459,10 @@ class _CaptureMode(TorchDispatchMode):
         ):
             raise EmulatedCudaError(f"{func} inside a CUDA graph capture: its result depends on device data")
         out = func(*args, **kwargs)
+        inputs = {t.untyped_storage() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage() not in inputs:
+                self.graph.inside.add(t.untyped_storage())
         if func not in _NOT_REPLAYED and not _only_views(func, args, kwargs, out):
             self.graph.nodes.append(_Node(func, args, kwargs, out))
         return out

@@ -148,7 +148,9 @@ def profile_memory(runner, probe: MemoryProbe) -> MemoryProfile:
     reserved = probe.memory_reserved(runner.device)
     probe.reset_peak_memory_stats(runner.device)
     with torch.inference_mode():
-        runner.run_model(runner.prepare(scheduler_output))  # every rank at once: no broadcast
+        # a step holds its inputs and logits while it samples: so does this one (every rank at once: no broadcast)
+        inputs = runner.prepare(scheduler_output)
+        logits = runner.run_model(inputs)
         worst = dict(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01, logprobs=20, min_tokens=2)
         worst |= dict(repetition_penalty=1.1, frequency_penalty=0.1, presence_penalty=0.1)
         seqs = [
@@ -158,6 +160,7 @@ def profile_memory(runner, probe: MemoryProbe) -> MemoryProfile:
         for seq in seqs:
             seq.append_token(0)  # an output token: the penalties count outputs
         runner.sampler(torch.zeros(len(seqs), runner.model_config.vocab_size, device=runner.device), seqs)
+        del inputs, logits
     probe.synchronize(runner.device)
     peak = probe.max_memory_reserved(runner.device) - reserved
     graphs = 0
