@@ -10,18 +10,23 @@ memory; any other op's results take the device of its tensor arguments. The mode
 native CPU kernels, which check `device.type`, stay out). `.pin_memory()` returns a copy marked pinned.
 
 What it enforces, each raising `EmulatedCudaError`:
-- ops mixing tensors of two CUDA devices;
+- ops mixing tensors of two CUDA devices, or a host array with device tensors (host scalars pass as values, host
+  index tensors as torch moves them);
 - a Triton launch (`triton_common.Launch`) whose tensors are not all on the launching thread's current device
   (Triton launches on the thread's current device, whatever its pointers);
 - inside a capture: host reads of device memory (`.item()`, `.tolist()`, `.cpu()`, `bool(t)`, ...), uploads
   from pageable memory (`torch.tensor(data, device=...)`, `.to(device)` / `copy_` from unpinned memory) and
-  ops whose output shape depends on the data (nonzero, masked_select, unique, boolean indexing, ...).
+  ops whose output shape depends on the data (nonzero, masked_select, unique, boolean indexing, ...);
+- a replay that uses a tensor the capture did not allocate (outside its pool) and whose memory was freed since.
 
 A capture (`torch.cuda.graph`) records, in its thread, every aten op (a `TorchDispatchMode`) and Triton launch
 issued inside; `replay()` re-runs them on the very tensors captured, copying fresh results into the captured
-outputs, as a CUDA graph replays kernels on fixed addresses. Ops that only make views are not recorded (their
-outputs alias their inputs). Host-side ops captured are replayed too, which a real graph would not do: they
-recompute what they computed, so results do not change.
+outputs, as a CUDA graph replays kernels on fixed addresses. What the capture allocated (its pool) the graph
+keeps; what it used from outside it keeps by address only (a weak reference to the storage). Ops that only make
+views are not recorded (their outputs alias their inputs). Host-side ops captured are replayed too, which a real
+graph would not do: they recompute what they computed, so results do not change. Not modelled: streams (work
+runs when issued), the pool's reuse of memory freed within a capture (a graph here holds every intermediate, so
+graph memory reads higher than on a GPU), bf16 (the interpreter's bf16 dots are wrong: test in fp32/fp16).
 
 Counted, for tests to assert per step: `uploads` (host -> device copies) and `reads` (device -> host), each a
 list of short descriptions; `launches` (the Triton kernels launched, by name). `allocated(device)` and the
