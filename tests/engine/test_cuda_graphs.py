@@ -201,3 +201,18 @@ def test_memory_stays_within_utilization_with_graphs_and_the_worst_sampler(tiny_
         llm.generate([{"prompt_token_ids": [5] * 90}] + [{"prompt_token_ids": [7]}] * 31, params, use_tqdm=False)
         assert torch.cuda.max_memory_allocated() <= total * utilization
         assert runner.num_blocks < 32 * runner.max_blocks_per_seq  # sized by memory, not by max_num_seqs
+
+
+@pytest.mark.slow
+def test_seeded_rows_draw_on_the_device_independently_of_the_batch(tiny_model, cuda_emulation, no_warm_up):
+    """A seeded request's noise is drawn on the device (a twin of its generator there), not on the host and
+    uploaded: its tokens are the same alone or beside others, and no step uploads a vocabulary's worth of noise."""
+    llm = build(tiny_model("llama"), eager=True)
+    seeded = SamplingParams(temperature=1.0, max_tokens=6, seed=7, ignore_eos=True)
+    others = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)
+    alone = llm.generate(PROMPTS[0], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    cuda_emulation.reset_counts()
+    batch = llm.generate(PROMPTS, [seeded, others, others, seeded], use_tqdm=False)
+    assert batch[0].outputs[0].token_ids == alone
+    vocab = llm.llm_engine.model_config.vocab_size
+    assert not [u for u in cuda_emulation.uploads if f"({vocab},)" in u or f", {vocab})" in u]
