@@ -91,7 +91,7 @@ class Rotation:
         r, positions = self.rotary, self.positions
         if cpu_native.supports(x) and r.cos.dtype == torch.float32 and positions.dtype == torch.int64:
             return cpu_native.rotary(x, positions, r.cos, r.sin)
-        if self._cos_sin is None or self._cos_sin[0].dtype != x.dtype:
+        if self._cos_sin is None:
             self._cos_sin = r.cos[positions].to(x.dtype)[:, None], r.sin[positions].to(x.dtype)[:, None]
         cos, sin = self._cos_sin
         x1, x2 = x.chunk(2, dim=-1)

@@ -83,7 +83,12 @@ class DecodeGraphs:
                 upload.add(padded(b.block_tables, self.dummy, np.int32)),
             ),
         ]
-        return lambda: [dst.copy_(upload.get(part)) for dst, part in parts] and None
+
+        def fill() -> None:
+            for dst, part in parts:
+                dst.copy_(upload.get(part))
+
+        return fill
 
     def run(self, size: int, b: HostBatch, model: Callable, fill: Callable[[], None]) -> torch.Tensor:
         """`fill` the buffers (`stage`), then replay the size's graph or run `model` on them."""

@@ -46,7 +46,7 @@ class SamplingInputs:
     there from the sequences' params and added to the step's `Upload`, so that it travels with the batch."""
 
     def __init__(self, seqs: Seq[SampledSeq], upload: Upload, vocab: int, eos_token_ids: frozenset[int]):
-        self.upload, self.vocab, self._parts = upload, vocab, {}
+        self.upload, self.vocab, self._parts, self.generators = upload, vocab, {}, []
         params = self.params = [s.params for s in seqs]
         self.wants_logprobs = any(p.logprobs is not None for p in params)
         self.penalized = [
@@ -61,10 +61,9 @@ class SamplingInputs:
             for name in ("temperature", "min_p", "top_p"):
                 self._add(name, floats(sampled, name))
             self._add("top_k", ints([p.top_k for p in sampled]))
-            generators = [seqs[i].generator for i in self.rows]
-            self.generators = generators
-            if any(g is not None for g in generators):
-                self._add("unseeded", ints([i for i, g in enumerate(generators) if g is None]))
+            self.generators = [seqs[i].generator for i in self.rows]  # of the sampled rows
+            if any(g is not None for g in self.generators):
+                self._add("unseeded", ints([i for i, g in enumerate(self.generators) if g is None]))
         banned_rows, banned_cols = [], []
         for i, s in enumerate(seqs):
             p = s.params
