@@ -99,6 +99,17 @@ def interpreter():
         yield
 
 
+@pytest.fixture
+def cuda_emulation(monkeypatch):
+    """CUDA emulated on the CPU (`tiffin.testing.cuda_emulation`), Triton kernels under the interpreter: engines
+    built with `device="cuda"` take their CUDA paths (graphs, warm-up, pinned uploads) on CPU tensors."""
+    from tiffin.testing.cuda_emulation import CudaEmulation
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with CudaEmulation() as emulation:
+        yield emulation
+
+
 @pytest.fixture(scope="module")
 def bento_server(tmp_path_factory):
     """`bento_server(target="tiffin.plugin.service:Tiffin", args=..., env=...)` -> a `BentoServer` with its BentoML

@@ -14,6 +14,8 @@ def test_pool_gets_what_utilization_leaves():
     # 0.9 * 24 GiB = 21.6 GiB, less 4 GiB in use and 1 GiB of activations: 16.6 GiB
     want = (int(24 * GiB * 0.9) - 4 * GiB - 1 * GiB) // BLOCK
     assert profile.kv_blocks(0.9, BLOCK, max_blocks_per_seq=8) == want == 8499
+    with_graphs = MemoryProfile(total=24 * GiB, free=20 * GiB, peak=1 * GiB, graphs=GiB // 2)  # held for good
+    assert with_graphs.kv_blocks(0.9, BLOCK, max_blocks_per_seq=8) == want - (GiB // 2) // BLOCK
 
 
 def test_a_sequence_that_cannot_fit_is_refused_with_the_numbers():
@@ -45,8 +47,8 @@ class FakeProbe:
 
         return MemoryProbe(
             mem_get_info=mem_get_info,
-            memory_allocated=allocated,
-            max_memory_allocated=lambda device: 1000 + 300 * (1 << 20),
+            memory_reserved=allocated,
+            max_memory_reserved=lambda device: 1000 + 300 * (1 << 20),
             reset_peak_memory_stats=lambda device: self.calls.append(("reset",)),
             synchronize=lambda device: None,
             empty_cache=lambda: None,

@@ -325,3 +325,22 @@ def test_valid_params_normalise():
     p = SamplingParams(top_k=-1, stop="x", stop_token_ids=(2,), max_tokens=None, min_tokens=100, logprobs=20)
     assert p.top_k == 0 and p.stop_strs == ["x"] and p.stop_token_ids == [2]
     assert SamplingParams(stop=["a", "b"]).stop_strs == ["a", "b"] and SamplingParams().stop_strs == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_min_tokens_masks_eos_of_greedy_rows_in_the_model_dtype(dtype):
+    """All-greedy batches stay in the model's dtype (bf16 on CUDA): the -inf written over the banned columns must
+    be of that dtype too (an fp32 index_put into bf16 logits failed: "dtypes must match")."""
+    eos, stop = 7, 3
+    logits = random_logits(3, 32, seed=5)
+    logits[:, eos] = logits[:, stop] = 100.0  # the EOS and the stop token would win
+    seqs = [
+        seq(output=[1], temperature=0, min_tokens=2, stop_token_ids=[stop]),  # both banned
+        seq(output=[1, 2], temperature=0, min_tokens=2, stop_token_ids=[stop]),  # min_tokens reached
+        seq(temperature=0, min_tokens=1, ignore_eos=True, stop_token_ids=[stop]),  # only the stop token banned
+    ]
+    out = Sampler({eos}).__call__(logits.to(dtype), seqs)
+    banned = logits.clone()
+    banned[0, [eos, stop]] = banned[2, stop] = -math.inf
+    assert out.token_ids == banned.to(dtype).float().argmax(-1).tolist()
+    assert out.token_ids[0] not in (eos, stop) and out.token_ids[1] in (eos, stop) and out.token_ids[2] == eos

@@ -27,7 +27,10 @@ QUANT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
     """`[R, C/8]` int32 -> `[R, C]` int32 codes in 0..15, columns in natural order."""
-    shifts = 4 * torch.tensor(AWQ_NIBBLE, dtype=torch.int32, device=packed.device)
+    # AWQ_NIBBLE[c] = 4 * (c % 2) + c // 2, computed on the device: no host data to upload (which a CUDA graph
+    # capture cannot hold: the size-256 decode graph dequantizes)
+    c = torch.arange(8, dtype=torch.int32, device=packed.device)
+    shifts = 4 * (4 * (c % 2) + c // 2)
     return ((packed[:, :, None] >> shifts) & 0xF).flatten(1)
 
 

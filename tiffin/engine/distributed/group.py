@@ -47,8 +47,12 @@ class WorkerGroup:
         """Rank 0: spawn ranks 1..N-1, each running `entry(group, *args)` (which loads its shard meanwhile), and
         join the process group."""
         size = config.tensor_parallel_size
-        if device.type == "cuda" and torch.cuda.device_count() < size:
-            raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs, {torch.cuda.device_count()} are visible")
+        last = rank_device(device, size - 1)
+        if device.type == "cuda" and torch.cuda.device_count() <= last.index:
+            raise ValueError(
+                f"tensor_parallel_size {size} on {rank_device(device, 0)} needs {rank_device(device, 0)} and {last}"
+                f"{' and the GPUs between' if size > 2 else ''}: {torch.cuda.device_count()} are visible"
+            )
         if dist.is_initialized():
             raise RuntimeError("a tensor-parallel engine already runs in this process; shut it down first")
         port, threads = _free_port(), torch.get_num_threads()
@@ -142,11 +146,15 @@ class WorkerGroup:
         return values, extra[0]
 
     def shutdown(self) -> None:
-        """End every worker (asked first, then terminated) and leave the process group."""
+        """End every worker (asked first, then terminated) and leave the process group: destroyed, or aborted when
+        broken under NCCL (destroying waits on communicators that a peer dead mid-collective leaves hanging)."""
         self.stopping = True
         _stop(self.conns, self.procs, grace=0 if self.broken else 5)  # a hung worker would not answer anyway
         if dist.is_initialized():
-            dist.destroy_process_group()
+            if self.broken and dist.get_backend() == "nccl":
+                dist.distributed_c10d._abort_process_group()
+            else:
+                dist.destroy_process_group()
         if self.tp.rank == 0:
             torch.set_num_threads(self.threads)
 
@@ -163,16 +171,30 @@ class WorkerGroup:
         return f"tensor-parallel rank(s) {ranks} did not answer within distributed_timeout={self.timeout:g}s{cause}"
 
 
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank `rank`'s device: on CUDA the rank-th GPU from the configured one (`cuda:1` with two ranks: cuda:1 and
+    cuda:2), so that rank 0 computes where the engine was told to and no two ranks share a GPU."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
 def _init_group(config, rank: int, port: int) -> None:
-    device = config.torch_device
-    if device.type == "cuda":
-        torch.cuda.set_device(rank)
+    device = rank_device(config.torch_device, rank)
+    nccl = device.type == "cuda"
+    if nccl:
+        torch.cuda.set_device(device)
+        # a collective that fails or times out raises in the rank waiting on it, which names the rank at fault
+        # (`WorkerGroup.run`), and only aborts the communicators: by default NCCL's watchdog ends the process
+        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo",
+        "nccl" if nccl else "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=config.tensor_parallel_size,
         timeout=datetime.timedelta(seconds=config.distributed_timeout),
+        device_id=device if nccl else None,  # the communicator bound to the rank's GPU from the start
     )
 
 
@@ -215,7 +237,7 @@ def _worker(config, rank: int, port: int, conn, threads: int, entry: Callable, a
     try:
         conn.send(("started",))
         _init_group(config, rank, port)
-        device = torch.device("cuda", rank) if config.torch_device.type == "cuda" else config.torch_device
+        device = rank_device(config.torch_device, rank)
         group = WorkerGroup(
             TensorParallel(rank, config.tensor_parallel_size), device, config.distributed_timeout, [conn]
         )

@@ -68,16 +68,31 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.arange(max_positions).float()[:, None] * inv_freq[None, :]  # one half: both halves share it
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
-        self._positions = None
+
+    def at(self, positions: torch.Tensor) -> "Rotation":
+        """The rotation of one forward's tokens, which every layer applies."""
+        return Rotation(self, positions)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.at(positions)(x)
+
+
+class Rotation:
+    """One forward's rotation: its tokens' cos/sin rows are gathered at the first layer and reused by the others.
+    It lives for one forward only, so a forward captured in a CUDA graph gathers inside the capture (a cache that
+    outlived the forward made replays rotate by the positions of the pass before the capture)."""
+
+    def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor):
+        self.rotary, self.positions, self._cos_sin = rotary, positions, None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Rotate `x` `[T, heads, head_dim]`: the query and key heads in one call (fewer, larger ops); on CPU in
         one native pass where it is built (the same rounding)."""
-        if cpu_native.supports(x) and self.cos.dtype == torch.float32 and positions.dtype == torch.int64:
-            return cpu_native.rotary(x, positions, self.cos, self.sin)
-        if positions is not self._positions:  # every layer of a step shares one positions tensor
-            self._positions = positions
-            self._cos_sin = self.cos[positions].to(x.dtype)[:, None], self.sin[positions].to(x.dtype)[:, None]
+        r, positions = self.rotary, self.positions
+        if cpu_native.supports(x) and r.cos.dtype == torch.float32 and positions.dtype == torch.int64:
+            return cpu_native.rotary(x, positions, r.cos, r.sin)
+        if self._cos_sin is None:
+            self._cos_sin = r.cos[positions].to(x.dtype)[:, None], r.sin[positions].to(x.dtype)[:, None]
         cos, sin = self._cos_sin
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

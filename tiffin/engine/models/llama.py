@@ -10,7 +10,15 @@ from torch import nn
 from tiffin import kernels
 from tiffin.engine.distributed.tensor_parallel import UNSHARDED, TensorParallel
 from tiffin.engine.models.config import ModelConfig
-from tiffin.engine.models.layers import MLP, EmbeddingFactory, LinearFactory, RMSNorm, RotaryEmbedding, prefixed
+from tiffin.engine.models.layers import (
+    MLP,
+    EmbeddingFactory,
+    LinearFactory,
+    RMSNorm,
+    RotaryEmbedding,
+    Rotation,
+    prefixed,
+)
 from tiffin.kernels.lora import LoRAMetadata
 
 
@@ -39,7 +47,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.dtype)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.dtype)
         self.qk_norm = config.qk_norm
-        self.rotary = rotary
+        self.rotary = rotary  # applied through the forward's `Rotation`; the native decode step reads its tables
         self.backend = backend
         self.scale = self.head_dim**-0.5
         self.k_cache = self.v_cache = torch.empty(0)  # set by the ModelRunner
@@ -47,7 +55,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        rotation: Rotation,
         attn_metadata: kernels.AttentionMetadata,
         lora: LoRAMetadata | None,
     ) -> torch.Tensor:
@@ -57,7 +65,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
-        q, k = self.rotary(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = rotation(qk).split([self.num_heads, self.num_kv_heads], dim=1)
         kernels.write_kv(k, v, self.k_cache, self.v_cache, attn_metadata.slot_mapping, self.backend)
         o = kernels.paged_attention(q, self.k_cache, self.v_cache, attn_metadata, self.scale, self.backend)
         return self.o_proj(o.flatten(1), lora)
@@ -75,8 +83,8 @@ class DecoderLayer(nn.Module):
             config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias, prefixed(linear, "mlp.")
         )
 
-    def forward(self, x, positions, attn_metadata, lora):
-        x = x + self.self_attn(self.input_layernorm(x), positions, attn_metadata, lora)
+    def forward(self, x, rotation, attn_metadata, lora):
+        x = x + self.self_attn(self.input_layernorm(x), rotation, attn_metadata, lora)
         return x + self.mlp(self.post_attention_layernorm(x), lora)
 
 
@@ -97,11 +105,12 @@ class Model(nn.Module):
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+        self.rotary = rotary
 
     def forward(self, input_ids, positions, attn_metadata, lora):
-        x = self.embed_tokens(input_ids)
+        x, rotation = self.embed_tokens(input_ids), self.rotary.at(positions)
         for layer in self.layers:
-            x = layer(x, positions, attn_metadata, lora)
+            x = layer(x, rotation, attn_metadata, lora)
         return self.norm(x)
 
 

@@ -29,6 +29,46 @@ class HostBatch:
     logits_indices: np.ndarray
 
 
+class Upload:
+    """One step's host arrays, copied to the device in one transfer from one pinned buffer (on CUDA: a copy from
+    pageable memory makes the host wait for the device, and every copy is a launch). `add` an array, `send` once,
+    then `get` each array as a device tensor viewing its part of the copy. On CPU `get` returns the arrays
+    themselves, as tensors."""
+
+    def __init__(self, device: torch.device):
+        self.device, self._arrays, self._sent = device, [], None
+
+    def add(self, a: np.ndarray) -> int:
+        if self._sent is not None:
+            raise RuntimeError("Upload.add after send")
+        self._arrays.append(np.ascontiguousarray(a))
+        return len(self._arrays) - 1
+
+    def send(self) -> None:
+        """Copy what was added; a second call does nothing."""
+        if self._sent is not None:
+            return
+        if self.device.type == "cpu":
+            self._sent = [torch.from_numpy(a) for a in self._arrays]
+            return
+        offsets, total = [], 0
+        for a in self._arrays:  # each part 8-byte aligned: any dtype views its bytes
+            offsets.append(total)
+            total += -(-a.nbytes // 8) * 8
+        host = torch.empty(max(total, 8), dtype=torch.uint8, pin_memory=True)
+        view = host.numpy()
+        for a, offset in zip(self._arrays, offsets):
+            view[offset : offset + a.nbytes] = a.reshape(-1).view(np.uint8)
+        device = host.to(self.device, non_blocking=True)
+        self._sent = [
+            device[offset : offset + a.nbytes].view(torch.from_numpy(a[:0].reshape(-1)).dtype).view(a.shape)
+            for a, offset in zip(self._arrays, offsets)
+        ]
+
+    def get(self, index: int) -> torch.Tensor:
+        return self._sent[index]
+
+
 class ModelInput(NamedTuple):
     """What one forward takes, on the device: also what rank 0 sends the other tensor-parallel ranks."""
 

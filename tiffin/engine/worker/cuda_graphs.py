@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from tiffin.engine.core.scheduler import SchedulerOutput
-from tiffin.engine.worker.batch import HostBatch, round16
+from tiffin.engine.worker.batch import HostBatch, Upload, round16
 from tiffin.kernels import AttentionMetadata
 
 MAX_GRAPH_BATCH = 512  # like vLLM: larger decode batches are compute-bound, launch overhead no longer shows
@@ -67,24 +67,38 @@ class DecodeGraphs:
             return 0
         return self.sizes[bisect.bisect_left(self.sizes, n)]
 
-    def run(self, size: int, b: HostBatch, model: Callable, host: Callable) -> torch.Tensor:
-        """Fill the buffers in place (stale block-table columns past this step's width are never read: no row's
-        context reaches them), then replay the size's graph or run `model` on them. `host(array, dtype)`: the
-        array as a host tensor the copy can read without blocking."""
-        buf, pad, width = self.buffers, size - len(b.seq_lens), b.block_tables.shape[1]
-        stage = lambda dst, a, fill: dst.copy_(
-            host(np.concatenate([a, np.full((pad, *a.shape[1:]), fill, a.dtype)]), dst.dtype), non_blocking=True
-        )
-        stage(buf.input_ids[:size], b.input_ids, 0)
-        stage(buf.positions[:size], b.positions, 0)
-        stage(buf.slot_mapping[:size], b.slots, self.dummy * self.block_size)
-        stage(buf.seq_lens[:size], b.seq_lens, 1)
-        stage(buf.block_tables[:size, :width], b.block_tables, self.dummy)
+    def stage(self, size: int, b: HostBatch, upload: Upload) -> Callable[[], None]:
+        """Add the step's inputs, padded to `size` rows, to `upload`; the function returned copies them into the
+        buffers once it is sent (device to device). Stale block-table columns past this step's width are never
+        read: no row's context reaches them."""
+        buf, pad = self.buffers, size - len(b.seq_lens)
+        padded = lambda a, fill, dtype: np.concatenate([a, np.full((pad, *a.shape[1:]), fill, a.dtype)]).astype(dtype)
+        parts = [
+            (buf.input_ids[:size], upload.add(padded(b.input_ids, 0, np.int64))),
+            (buf.positions[:size], upload.add(padded(b.positions, 0, np.int64))),
+            (buf.slot_mapping[:size], upload.add(padded(b.slots, self.dummy * self.block_size, np.int64))),
+            (buf.seq_lens[:size], upload.add(padded(b.seq_lens, 1, np.int32))),
+            (
+                buf.block_tables[:size, : b.block_tables.shape[1]],
+                upload.add(padded(b.block_tables, self.dummy, np.int32)),
+            ),
+        ]
+
+        def fill() -> None:
+            for dst, part in parts:
+                dst.copy_(upload.get(part))
+
+        return fill
+
+    def run(self, size: int, b: HostBatch, model: Callable, fill: Callable[[], None]) -> torch.Tensor:
+        """`fill` the buffers (`stage`), then replay the size's graph or run `model` on them."""
+        fill()
         if size in self.graphs:
             graph, hidden = self.graphs[size]
             graph.replay()
             return hidden
-        seq_lens = b.seq_lens.tolist() + [1] * pad
+        seq_lens = b.seq_lens.tolist() + [1] * (size - len(b.seq_lens))
+        buf = self.buffers
         return model(buf.input_ids[:size], buf.positions[:size], self.metadata(size, seq_lens))
 
     def metadata(self, size: int, seq_lens: list[int]) -> AttentionMetadata:

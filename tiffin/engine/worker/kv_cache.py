@@ -1,9 +1,9 @@
 """The KV cache's size and storage.
 
-Invariant: on CUDA the pool is sized after a profiling step (the largest batch on just its blocks, the sampler
-at max_num_seqs rows) whose KV is freed first; one max_model_len sequence fits or start fails naming the
-numbers. Every layer's K and V live in one zeroed tensor with one block past the pool, which padded decode rows
-write (`cuda_graphs`)."""
+Invariant: on CUDA the pool is sized after a profiling step (the largest batch on just its blocks, the sampler's
+worst case at max_num_seqs rows, the decode graphs captured) whose KV and graphs are freed first; one
+max_model_len sequence fits or start fails naming the numbers. Every layer's K and V live in one zeroed tensor
+with one block past the pool, which padded decode rows write (`cuda_graphs`)."""
 
 import math
 import os
@@ -18,6 +18,7 @@ from tiffin.engine.core.sequence import Sequence
 from tiffin.engine.models.config import ModelConfig
 from tiffin.engine.sampling_params import SamplingParams
 from tiffin.engine.worker.batch import synthetic_step
+from tiffin.engine.worker.cuda_graphs import DecodeGraphs, decode_batch_sizes
 
 CPU_KV_CACHE_CAP = 4 << 30  # bytes; like vLLM's CPU backend default
 GiB = 1 << 30
@@ -28,20 +29,22 @@ class MemoryProbe:
     """The device memory readings KV sizing takes; unit tests pass fakes to check the arithmetic with no GPU."""
 
     mem_get_info: Callable[[torch.device], tuple[int, int]]  # (free, total) bytes, other processes' use counted
-    memory_allocated: Callable[[torch.device], int]
-    max_memory_allocated: Callable[[torch.device], int]
+    # reserved, not allocated: the caching allocator's blocks, fragmentation included, are what the device lacks
+    memory_reserved: Callable[[torch.device], int]
+    max_memory_reserved: Callable[[torch.device], int]
     reset_peak_memory_stats: Callable[[torch.device], None]
     synchronize: Callable[[torch.device], None]
     empty_cache: Callable[[], None]
 
 
+# looked up at each call, not bound at import: tests emulate torch.cuda (`tiffin.testing.cuda_emulation`)
 CUDA_MEMORY = MemoryProbe(
-    torch.cuda.mem_get_info,
-    torch.cuda.memory_allocated,
-    torch.cuda.max_memory_allocated,
-    torch.cuda.reset_peak_memory_stats,
-    torch.cuda.synchronize,
-    torch.cuda.empty_cache,
+    lambda device: torch.cuda.mem_get_info(device),
+    lambda device: torch.cuda.memory_reserved(device),
+    lambda device: torch.cuda.max_memory_reserved(device),
+    lambda device: torch.cuda.reset_peak_memory_stats(device),
+    lambda device: torch.cuda.synchronize(device),
+    lambda: torch.cuda.empty_cache(),
 )
 
 
@@ -51,21 +54,23 @@ class MemoryProfile:
 
     total: int  # the device's memory
     free: int  # free after it, with the weights loaded and its KV released (CUDA context, other processes: used)
-    peak: int  # what its forward and sampler pass allocated at most on top of what stays allocated
+    peak: int  # what its forward and sampler pass reserved at most on top of what stays reserved
+    graphs: int = 0  # what the decode graphs captured on its cache held (their pool stays reserved for good)
 
     def kv_blocks(self, utilization: float, bytes_per_block: int, max_blocks_per_seq: int) -> int:
         """Blocks of what `utilization` of the device leaves once what is in use and the largest step's
         activations are counted; ValueError naming the numbers when that is not one max_model_len sequence."""
         budget = int(self.total * utilization)
         in_use = self.total - self.free
-        left = budget - in_use - self.peak
+        left = budget - in_use - self.peak - self.graphs
         blocks = max(left, 0) // bytes_per_block
         if blocks < max_blocks_per_seq:
             raise ValueError(
                 f"max_model_len needs {max_blocks_per_seq} KV blocks ({max_blocks_per_seq * bytes_per_block / GiB:.2f} "
                 f"GiB) for one sequence, but gpu_memory_utilization {utilization} of the device's "
                 f"{self.total / GiB:.2f} GiB ({budget / GiB:.2f} GiB), less {in_use / GiB:.2f} GiB in use (weights, "
-                f"CUDA context, other processes) and {self.peak / GiB:.2f} GiB for the largest step's activations, "
+                f"CUDA context, other processes), {self.peak / GiB:.2f} GiB for the largest step's activations and "
+                f"{self.graphs / GiB:.2f} GiB for the CUDA graphs, "
                 f"leaves {left / GiB:.2f} GiB: lower max_model_len or max_num_batched_tokens, or raise "
                 f"gpu_memory_utilization"
             )
@@ -129,8 +134,10 @@ def num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, max_blocks_per_seq: i
 def profile_memory(runner, probe: MemoryProbe) -> MemoryProfile:
     """Runs `runner`'s largest step on a KV cache of just the blocks it needs: a forward of
     max_num_batched_tokens tokens (sequences of at most max_model_len, at most max_num_seqs of them), then a
-    sampler pass over max_num_seqs rows of the vocabulary with every filter and logprobs on. That cache is
-    released before free memory is read, so the real pool is sized from what stays in use."""
+    sampler pass over max_num_seqs rows of the vocabulary with every filter, penalty, seeded draw and 20 logprobs
+    on (the sampler's worst case). When the runner captures CUDA graphs, they are captured on that cache too and
+    what they hold measured, then dropped. That cache is released before free memory is read, so the real pool
+    is sized from what stays in use."""
     c, max_len, block_size = runner.config, runner.max_model_len, runner.block_size
     tokens = min(c.max_num_batched_tokens, c.max_num_seqs * max_len)
     lengths = [max_len] * (tokens // max_len) + [tokens % max_len] * (tokens % max_len > 0)
@@ -138,18 +145,37 @@ def profile_memory(runner, probe: MemoryProbe) -> MemoryProfile:
     scheduler_output = synthetic_step([(0, n) for n in lengths], block_size, runner.num_blocks)
     probe.empty_cache()
     runner.allocate_kv_cache()
-    allocated = probe.memory_allocated(runner.device)
+    reserved = probe.memory_reserved(runner.device)
     probe.reset_peak_memory_stats(runner.device)
     with torch.inference_mode():
-        runner.run_model(runner.prepare(scheduler_output))  # every rank at once: no broadcast
-        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01, logprobs=1)
-        seqs = [Sequence("profile", i, [0], params, 1) for i in range(c.max_num_seqs)]
+        # a step holds its inputs and logits while it samples: so does this one (every rank at once: no broadcast)
+        inputs = runner.prepare(scheduler_output)
+        logits = runner.run_model(inputs)
+        worst = dict(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01, logprobs=20, min_tokens=2)
+        worst |= dict(repetition_penalty=1.1, frequency_penalty=0.1, presence_penalty=0.1)
+        seqs = [
+            Sequence("profile", i, [0], SamplingParams(**worst, seed=i if i % 2 else None), 1)
+            for i in range(c.max_num_seqs)
+        ]
+        for seq in seqs:
+            seq.append_token(0)  # an output token: the penalties count outputs
         runner.sampler(torch.zeros(len(seqs), runner.model_config.vocab_size, device=runner.device), seqs)
+        del inputs, logits
     probe.synchronize(runner.device)
-    peak = probe.max_memory_allocated(runner.device) - allocated
+    peak = probe.max_memory_reserved(runner.device) - reserved
+    graphs = 0
+    if runner.policy.capture_graphs:
+        before = probe.memory_reserved(runner.device)
+        decode = DecodeGraphs(
+            decode_batch_sizes(c.max_num_seqs), runner.device, block_size, runner.num_blocks, runner.max_blocks_per_seq
+        )
+        decode.capture(runner.model)
+        probe.synchronize(runner.device)
+        graphs = probe.memory_reserved(runner.device) - before
+        del decode
     del runner.kv_cache
     for attn in runner.model.layers_kv():
         attn.k_cache = attn.v_cache = torch.empty(0)
     probe.empty_cache()
     free, total = probe.mem_get_info(runner.device)
-    return MemoryProfile(total, free, peak)
+    return MemoryProfile(total, free, peak, graphs)

@@ -19,7 +19,7 @@ from tiffin.engine.models.config import ModelConfig
 from tiffin.engine.models.loader import build_model
 from tiffin.engine.structured.backend import fill_bitmask
 from tiffin.engine.worker import kv_cache, tp_worker
-from tiffin.engine.worker.batch import HostBatch, ModelInput, host_batch
+from tiffin.engine.worker.batch import HostBatch, ModelInput, Upload, host_batch
 from tiffin.engine.worker.cpu_decode import CpuDecoder
 from tiffin.engine.worker.cpu_threads import ThreadSizer, usable_cpus
 from tiffin.engine.worker.cuda_graphs import DecodeGraphs, decode_batch_sizes
@@ -48,7 +48,8 @@ class ModelRunner:
             group = tp_worker.start(config, model_config, max_model_len, self.device, ModelRunner)
         self.group, tp = group, UNSHARDED if group is None else group.tp
         if self.device.type == "cuda" and self.device.index is not None:
-            # Triton launches on the current device: cuda:1's tensors must not meet cuda:0's kernels
+            # Triton launches on the current device: cuda:1's tensors must not meet cuda:0's kernels (for the
+            # start-up work here; steps set it themselves, `execute`)
             torch.cuda.set_device(self.device)
         if self.device.type == "cpu":
             _keep_freed_memory_mapped()
@@ -67,6 +68,7 @@ class ModelRunner:
             else None
         )
         self.sampler = Sampler(eos_token_ids, config.seed)
+        self.cpu_decoder: CpuDecoder | None = None  # built after sizing; the profiling step runs without it
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.kv_spec = kv_cache.KVCacheSpec.of(model_config, self.block_size, tp.kv_heads(model_config.num_kv_heads))
         self.num_blocks = kv_cache.num_kv_blocks(
@@ -84,24 +86,39 @@ class ModelRunner:
         if self.policy.capture_graphs:
             self.pad_decodes(decode_batch_sizes(config.max_num_seqs))
 
-    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> SamplerOutput:
+        """One step, under the runner's device whichever thread calls it: Triton launches on the calling thread's
+        current device, not on its tensors' (the engine thread of `AsyncLLMEngine` is not the one that built
+        the runner, and its current device is cuda:0 whatever `device` says)."""
+        if self.device.type != "cuda":
+            return self._execute(scheduler_output)
+        with torch.cuda.device(self.device):
+            return self._execute(scheduler_output)
+
+    @torch.inference_mode()
+    def _execute(self, scheduler_output: SchedulerOutput) -> SamplerOutput:
         if self.thread_sizer is not None:
             self.thread_sizer.update()
         bitmask = fill_bitmask(
             scheduler_output.sampling_seqs, self.model_config.vocab_size
         )  # filled while the forward runs
+        # the step's host arrays (the batch's, the sampler's) go to the device in one pinned copy
+        upload = Upload(self.device)
+        sampling = self.sampler.stage(scheduler_output.sampling_seqs, upload, self.model_config.vocab_size)
         size = 0 if self.decode_graphs is None else self.decode_graphs.size_for(scheduler_output)
         if size:
             batch = self.host_batch(scheduler_output)
-            hidden = self.decode_graphs.run(size, batch, self.model, self._host)
-            logits = self.model.compute_logits(hidden[self._to_device(batch.logits_indices, torch.int64)])
+            fill = self.decode_graphs.stage(size, batch, upload)
+            logits_indices = upload.add(batch.logits_indices.astype(np.int64))
+            upload.send()
+            hidden = self.decode_graphs.run(size, batch, self.model, fill)
+            logits = self.model.compute_logits(hidden[upload.get(logits_indices)])
         elif self.group is None:
-            logits = self.run_model(self.prepare(scheduler_output))
+            logits = self.run_model(self.prepare(scheduler_output, upload))
         else:  # the other ranks run the same step on their shards
-            inputs = self.prepare(scheduler_output)
+            inputs = self.prepare(scheduler_output, upload)
             logits = tp_worker.run(self.group, inputs, self.lora_slots, lambda: self.run_model(inputs))
-        return self.sampler(logits, scheduler_output.sampling_seqs, bitmask)
+        return self.sampler(logits, scheduler_output.sampling_seqs, bitmask, sampling)
 
     @torch.inference_mode()
     def run_model(self, inputs: ModelInput) -> torch.Tensor | None:
@@ -120,15 +137,28 @@ class ModelRunner:
     def host_batch(self, scheduler_output: SchedulerOutput) -> HostBatch:
         return host_batch(scheduler_output, self.block_size, self.policy.pad_prefills)
 
-    def prepare(self, scheduler_output: SchedulerOutput) -> ModelInput:
-        """`scheduler_output` as the model takes it on the device; installs the step's adapters."""
+    def prepare(self, scheduler_output: SchedulerOutput, upload: Upload | None = None) -> ModelInput:
+        """`scheduler_output` as the model takes it on the device, sent with what `upload` holds already;
+        installs the step's adapters."""
         b = self.host_batch(scheduler_output)
-        to = self._to_device
+        upload = upload or Upload(self.device)
+        arrays = (
+            (b.input_ids, np.int64),
+            (b.positions, np.int64),
+            (b.slots, np.int64),
+            (b.query_start_loc, np.int32),
+            (b.seq_lens, np.int32),
+            (b.block_tables, np.int32),
+            (b.logits_indices, np.int64),
+        )
+        parts = [upload.add(a.astype(dtype, copy=False)) for a, dtype in arrays]
+        upload.send()
+        input_ids, positions, slots, query_start_loc, seq_lens, block_tables, logits_indices = map(upload.get, parts)
         attn = kernels.AttentionMetadata(
-            slot_mapping=to(b.slots, torch.int64),
-            query_start_loc=to(b.query_start_loc, torch.int32),
-            seq_lens=to(b.seq_lens, torch.int32),
-            block_tables=to(b.block_tables, torch.int32),
+            slot_mapping=slots,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
             query_start_loc_cpu=b.query_start_loc.tolist(),
             seq_lens_cpu=b.seq_lens.tolist(),
             max_query_len=int(b.query_lens.max()),
@@ -139,9 +169,7 @@ class ModelRunner:
             if self.lora_slots is None
             else self.lora_slots.prepare([s.lora for s in scheduler_output.seqs], b.query_lens)
         )
-        return ModelInput(
-            to(b.input_ids, torch.int64), to(b.positions, torch.int64), attn, to(b.logits_indices, torch.int64), lora
-        )
+        return ModelInput(input_ids, positions, attn, logits_indices, lora)
 
     def pad_decodes(self, sizes: list[int]) -> None:
         """Pad decode-only steps of up to `sizes[-1]` sequences to the next of `sizes` (`DecodeGraphs`); on
@@ -152,15 +180,6 @@ class ModelRunner:
 
     def allocate_kv_cache(self) -> None:
         self.kv_cache = self.kv_spec.allocate(self.num_blocks, self.device, self.model.layers_kv())
-
-    def _host(self, a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        """`a` as a host tensor: pinned on CUDA, so that copies from it do not block the host (the caching host
-        allocator keeps the pinned block until the copy is done); on CPU the array itself when it has the dtype."""
-        t = torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
-        return t if self.device.type == "cpu" else t.pin_memory()
-
-    def _to_device(self, a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return self._host(a, dtype).to(self.device, non_blocking=True)
 
 
 def _keep_freed_memory_mapped() -> None:

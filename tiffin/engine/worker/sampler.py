@@ -3,18 +3,21 @@
 Order: logprobs of the raw logits -> structured-output grammar and min_tokens masking -> penalties -> greedy argmax, or
 temperature -> min_p -> top_k -> top_p -> exponential-race sampling."""
 
+import weakref
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future
 from dataclasses import dataclass
 from itertools import chain
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from tiffin import kernels
 from tiffin.engine.outputs import Logprob
 from tiffin.engine.sampling_params import SamplingParams
 from tiffin.engine.structured.backend import GrammarState, apply_bitmask
+from tiffin.engine.worker.batch import Upload
 
 _GREEDY_EPS = 1e-5  # dividing by a smaller temperature overflows float32; such rows sample greedily
 
@@ -38,86 +41,153 @@ class SamplerOutput:
     logprobs: list[dict[int, Logprob] | None]  # per row; None where params.logprobs is None
 
 
+class SamplingInputs:
+    """What a step's sampling needs from the host (row indices, parameter columns, banned and seen tokens), decided
+    there from the sequences' params and added to the step's `Upload`, so that it travels with the batch."""
+
+    def __init__(self, seqs: Seq[SampledSeq], upload: Upload, vocab: int, eos_token_ids: frozenset[int]):
+        self.upload, self.vocab, self._parts, self.generators = upload, vocab, {}, []
+        params = self.params = [s.params for s in seqs]
+        self.wants_logprobs = any(p.logprobs is not None for p in params)
+        self.penalized = [
+            i for i, p in enumerate(params) if p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty
+        ]
+        self.rows = [i for i, p in enumerate(params) if p.temperature >= _GREEDY_EPS]  # sampled, not greedy
+        ints = lambda values: np.array(values, dtype=np.int64)
+        floats = lambda params, name: np.array([getattr(p, name) for p in params], dtype=np.float32)
+        if self.rows:
+            sampled = [params[i] for i in self.rows]
+            self._add("rows", ints(self.rows))
+            for name in ("temperature", "min_p", "top_p"):
+                self._add(name, floats(sampled, name))
+            self._add("top_k", ints([p.top_k for p in sampled]))
+            self.generators = [seqs[i].generator for i in self.rows]  # of the sampled rows
+            if any(g is not None for g in self.generators):
+                self._add("unseeded", ints([i for i, g in enumerate(self.generators) if g is None]))
+        banned_rows, banned_cols = [], []
+        for i, s in enumerate(seqs):
+            p = s.params
+            if s.num_output_tokens < p.min_tokens:
+                banned = p.stop_token_set if p.ignore_eos else p.stop_token_set | eos_token_ids
+                banned = [t for t in banned if t < vocab]
+                banned_rows += [i] * len(banned)
+                banned_cols += banned
+        if banned_rows:
+            self._add("banned_rows", ints(banned_rows))
+            self._add("banned_cols", ints(banned_cols))
+        if self.penalized:
+            pen = [seqs[i] for i in self.penalized]
+            self._add("penalized", ints(self.penalized))
+            for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"):
+                self._add(name, floats([s.params for s in pen], name))
+            self._add("output_tokens", _flat_indices([s.output_token_ids for s in pen], vocab))
+            self.repetition = any(s.params.repetition_penalty != 1 for s in pen)
+            if self.repetition:
+                self._add("seen_tokens", _flat_indices([s.prompt_token_ids + s.output_token_ids for s in pen], vocab))
+        if self.wants_logprobs:
+            self._add("logprob_rows", ints([i for i, p in enumerate(params) if p.logprobs is not None]))
+
+    def _add(self, name: str, a: np.ndarray) -> None:
+        self._parts[name] = self.upload.add(a)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._parts
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.upload.get(self._parts[name])
+
+
 class Sampler:
     def __init__(self, eos_token_ids: set[int], seed: int = 0):
         self.eos_token_ids = frozenset(eos_token_ids)
         self.seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}  # one default stream per device
+        self._twins: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a sequence's generator -> `_twin`
 
-    def __call__(self, logits: torch.Tensor, seqs: Seq[SampledSeq], bitmask: Future | None = None) -> SamplerOutput:
+    def stage(self, seqs: Seq[SampledSeq], upload: Upload, vocab: int) -> SamplingInputs:
+        """Add what sampling `seqs` will need from the host to the step's `upload` (before it is sent)."""
+        return SamplingInputs(seqs, upload, vocab, self.eos_token_ids)
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        seqs: Seq[SampledSeq],
+        bitmask: Future | None = None,
+        inputs: SamplingInputs | None = None,
+    ) -> SamplerOutput:
         """`logits` in any float dtype (the model's); `bitmask`: `grammar.fill_bitmask(seqs, vocab)`, for sequences
-        with structured outputs."""
+        with structured outputs; `inputs`: `stage(seqs, ...)`, sent with the step's batch (staged and sent here
+        when None). Device -> host: the sampled tokens, and one read of the logprobs when asked."""
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits must be [num_seqs={len(seqs)}, vocab], got {tuple(logits.shape)}")
-        params = [s.params for s in seqs]
-        wants_logprobs = any(p.logprobs is not None for p in params)
-        penalized = [
-            i for i, p in enumerate(params) if p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty
-        ]
-        rows = [i for i, p in enumerate(params) if p.temperature >= _GREEDY_EPS]
-        if wants_logprobs or bitmask is not None or penalized or rows:
+        if inputs is None or inputs.vocab != logits.shape[1]:
+            inputs = self.stage(seqs, Upload(logits.device), logits.shape[1])
+        inputs.upload.send()
+        params, rows = inputs.params, inputs.rows
+        if inputs.wants_logprobs or bitmask is not None or inputs.penalized or rows:
             logits = logits.float()  # else all greedy: the model dtype's argmax is fp32's, without the copy
-        raw_logprobs = logits.log_softmax(-1) if wants_logprobs else None
+        raw_logprobs = logits.log_softmax(-1) if inputs.wants_logprobs else None
         if bitmask is not None:
             apply_bitmask(logits, bitmask)
-        logits = self._mask_min_tokens(logits, seqs)
-        if penalized:  # count tensors only for the rows that need them
-            logits = self._penalize(logits, [seqs[i] for i in penalized], penalized)
+        if "banned_rows" in inputs:
+            # -inf in the logits' dtype: all-greedy batches keep the model's (bf16 on CUDA), and index_put does not
+            # cast
+            index = inputs["banned_rows"], inputs["banned_cols"]
+            logits = logits.index_put(index, torch.full((), -torch.inf, dtype=logits.dtype, device=logits.device))
+        if inputs.penalized:  # count tensors only for the rows that need them
+            idx = inputs["penalized"]
+            penalized = _penalties(
+                logits[idx],
+                inputs["output_tokens"],
+                inputs["seen_tokens"] if inputs.repetition else None,
+                inputs["repetition_penalty"],
+                inputs["frequency_penalty"],
+                inputs["presence_penalty"],
+            )
+            logits = logits.index_put((idx,), penalized)
         sampled = kernels.argmax(logits)
         if rows:
-            idx = torch.tensor(rows, device=logits.device)
-            probs = sampling_probs(logits[idx], [params[i] for i in rows])
-            sampled[idx] = self._race(probs, [seqs[i].generator for i in rows])
+            idx = inputs["rows"]
+            columns = {name: inputs[name] for name in ("temperature", "min_p", "top_k", "top_p")}
+            probs = sampling_probs(logits[idx], [params[i] for i in rows], columns)
+            unseeded = inputs["unseeded"] if "unseeded" in inputs else None
+            sampled[idx] = self._race(probs, inputs.generators, unseeded)
         token_ids = sampled.tolist()
-        logprobs = [None] * len(seqs) if raw_logprobs is None else _gather_logprobs(raw_logprobs, sampled, params)
+        logprobs = (
+            [None] * len(seqs)
+            if raw_logprobs is None
+            else _gather_logprobs(raw_logprobs, sampled, params, inputs["logprob_rows"])
+        )
         return SamplerOutput(token_ids, logprobs)
 
-    def _mask_min_tokens(self, logits: torch.Tensor, seqs: Seq[SampledSeq]) -> torch.Tensor:
-        rows, cols = [], []
-        vocab = logits.shape[1]
-        for i, s in enumerate(seqs):
-            p = s.params
-            if s.num_output_tokens < p.min_tokens:
-                banned = p.stop_token_set if p.ignore_eos else p.stop_token_set | self.eos_token_ids
-                banned = [t for t in banned if t < vocab]
-                rows += [i] * len(banned)
-                cols += banned
-        if not rows:
-            return logits
-        index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
-        return logits.index_put(index, torch.tensor(-torch.inf, device=logits.device))
-
-    def _penalize(self, logits: torch.Tensor, seqs: list[SampledSeq], rows: list[int]) -> torch.Tensor:
-        params = [s.params for s in seqs]
-        idx = torch.tensor(rows, device=logits.device)
-        penalized = apply_penalties(
-            logits[idx],
-            [s.prompt_token_ids for s in seqs],
-            [s.output_token_ids for s in seqs],
-            *(
-                _column(params, name, logits)
-                for name in ("repetition_penalty", "frequency_penalty", "presence_penalty")
-            ),
-        )
-        return logits.index_put((idx,), penalized)
-
-    def _race(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    def _race(
+        self, probs: torch.Tensor, generators: list[torch.Generator | None], unseeded: torch.Tensor | None
+    ) -> torch.Tensor:
         """argmax(probs / q), q ~ Exp(1) iid, picks token i with probability probs[i]. A seeded row draws
-        its q from its own generator, so its tokens do not depend on the rest of the batch."""
+        its q from its own generator, so its tokens do not depend on the rest of the batch (`unseeded`: the
+        other rows, when there are seeded ones)."""
         q = torch.empty_like(probs)
-        unseeded = [i for i, g in enumerate(generators) if g is None]
-        if len(unseeded) == len(generators):
+        if unseeded is None:
             q.exponential_(generator=self._default_generator(probs.device))
-        elif unseeded:
-            idx = torch.tensor(unseeded, device=probs.device)
-            q[idx] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
+        elif len(unseeded):
+            q[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
                 generator=self._default_generator(probs.device)
             )
         for i, g in enumerate(generators):
-            if g is not None:  # drawn on the generator's own device: the same seed gives the same q anywhere
-                q[i] = torch.empty(probs.shape[1], device=g.device).exponential_(generator=g)
+            if g is not None:
+                q[i] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=self._twin(g, q.device))
         # exponential_ may return exactly 0, which would turn a zero-probability token into 0/0 = nan
         return kernels.argmax(probs.div_(q.clamp_(min=torch.finfo(q.dtype).tiny)))
+
+    def _twin(self, generator: torch.Generator, device: torch.device) -> torch.Generator:
+        """A seeded sequence's generator on the device its row is sampled on, seeded alike (drawing a vocabulary's
+        worth of noise on the host and uploading it would stall a GPU every step). A seed gives the same tokens
+        on every device of a kind, not across kinds (the generators' streams differ)."""
+        if generator.device == device:
+            return generator
+        if generator not in self._twins:
+            self._twins[generator] = torch.Generator(device=device).manual_seed(generator.initial_seed())
+        return self._twins[generator]
 
     def _default_generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
@@ -135,10 +205,30 @@ def apply_penalties(
 ) -> torch.Tensor:
     """vLLM's penalties; each penalty is a [B] tensor. Repetition covers prompt and output tokens,
     frequency and presence only output tokens. Returns a new tensor."""
-    vocab = logits.shape[1]
-    output_counts = _token_counts(output_token_ids, vocab, logits.device)
-    if (repetition_penalties != 1).any():
-        seen = (output_counts > 0) | (_token_counts(prompt_token_ids, vocab, logits.device) > 0)
+    vocab, device = logits.shape[1], logits.device
+    output = torch.from_numpy(_flat_indices(output_token_ids, vocab)).to(device)
+    seen = torch.from_numpy(_flat_indices([p + o for p, o in zip(prompt_token_ids, output_token_ids)], vocab))
+    return _penalties(logits, output, seen.to(device), repetition_penalties, frequency_penalties, presence_penalties)
+
+
+def _penalties(
+    logits: torch.Tensor,
+    output_tokens: torch.Tensor,
+    seen_tokens: torch.Tensor | None,
+    repetition_penalties: torch.Tensor,
+    frequency_penalties: torch.Tensor,
+    presence_penalties: torch.Tensor,
+) -> torch.Tensor:
+    """`apply_penalties` on `_flat_indices` of the output tokens and of the tokens seen (prompt and output; None:
+    no repetition penalty in the batch). Counts are accumulated in place (a bincount would read its maximum back
+    to size its output)."""
+    rows, vocab = logits.shape
+    output_counts = torch.zeros(rows * vocab, dtype=logits.dtype, device=logits.device)
+    output_counts.index_add_(0, output_tokens, torch.ones(len(output_tokens), dtype=logits.dtype, device=logits.device))
+    output_counts = output_counts.view(rows, vocab)
+    if seen_tokens is not None:
+        seen = torch.zeros(rows * vocab, dtype=torch.bool, device=logits.device)
+        seen = seen.index_fill_(0, seen_tokens, True).view(rows, vocab)
         rep = repetition_penalties[:, None]
         logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
     return (
@@ -148,17 +238,22 @@ def apply_penalties(
     )
 
 
-def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def sampling_probs(
+    logits: torch.Tensor, params: list[SamplingParams], columns: dict[str, torch.Tensor] | None = None
+) -> torch.Tensor:
     """The distribution each non-greedy row samples from (top_k 0 = off). Which filters run is decided from
-    `params` on the host: reading the parameter tensors back would stall a GPU every step."""
-    logits = logits / _column(params, "temperature", logits)[:, None]
+    `params` on the host: reading the parameter tensors back would stall a GPU every step. `columns`: the
+    parameters as device tensors (temperature, min_p, top_k, top_p), already uploaded (made here when None)."""
+    column = lambda name, dtype=torch.float32: (
+        columns[name] if columns is not None else _column(params, name, logits, dtype)
+    )
+    logits = logits / column("temperature")[:, None]
     if any(p.min_p > 0 for p in params):
         probs = logits.softmax(-1)
-        min_p = _column(params, "min_p", logits)
-        logits = logits.masked_fill(probs < probs.amax(-1, keepdim=True) * min_p[:, None], -torch.inf)
-    top_k = _column(params, "top_k", logits, torch.long)
+        logits = logits.masked_fill(probs < probs.amax(-1, keepdim=True) * column("min_p")[:, None], -torch.inf)
+    top_k = column("top_k", torch.long)
     if any(p.top_p < 1 for p in params):
-        logits = _top_k_top_p(logits, top_k, _column(params, "top_p", logits))
+        logits = _top_k_top_p(logits, top_k, column("top_p"))
     elif (max_k := max(p.top_k for p in params)) > 0:
         logits = _top_k(logits, top_k, max_k)
     return logits.softmax(-1)
@@ -191,41 +286,36 @@ def _gather_logprobs(
     raw_logprobs: torch.Tensor,
     sampled: torch.Tensor,
     params: list[SamplingParams],
+    rows: torch.Tensor,
 ) -> list[dict[int, Logprob] | None]:
-    """Top-`logprobs` entries plus the sampled token per row; rank = 1 + number of strictly more likely
-    tokens (tied tokens share a rank)."""
-    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-    lp = raw_logprobs[torch.tensor(rows, device=raw_logprobs.device)]
-    tokens = sampled[torch.tensor(rows, device=sampled.device)]
+    """Top-`logprobs` entries plus the sampled token per row of `rows` (the rows that asked); rank = 1 + number of
+    strictly more likely tokens (tied tokens share a rank). One read back: every number in one float64 table
+    (token ids and ranks are exact there)."""
+    lp, tokens = raw_logprobs[rows], sampled[rows]
     token_lp = lp.gather(1, tokens[:, None])
     token_rank = (lp > token_lp).sum(-1) + 1
-    k = min(max(params[i].logprobs for i in rows), lp.shape[1])
+    asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+    k = min(max(params[i].logprobs for i in asked), lp.shape[1])
     top_lp, top_ids = lp.topk(k, -1)
     # Anything strictly more likely than one of the top k is itself among the top k.
     top_rank = (top_lp[:, None, :] > top_lp[:, :, None]).sum(-1) + 1
+    columns = (tokens[:, None], token_lp, token_rank[:, None], top_ids, top_lp, top_rank)
+    table = torch.cat([c.double() for c in columns], dim=1).tolist()
     out: list[dict[int, Logprob] | None] = [None] * len(params)
-    for i, tok, tlp, trank, ids, lps, ranks in zip(
-        rows,
-        tokens.tolist(),
-        token_lp[:, 0].tolist(),
-        token_rank.tolist(),
-        top_ids.tolist(),
-        top_lp.tolist(),
-        top_rank.tolist(),
-    ):
+    for i, row in zip(asked, table):
         n = params[i].logprobs
-        entry = {tok: Logprob(tlp, trank)}
-        entry.update((t, Logprob(v, rk)) for t, v, rk in zip(ids[:n], lps[:n], ranks[:n]))
+        ids, lps, ranks = row[3 : 3 + k], row[3 + k : 3 + 2 * k], row[3 + 2 * k :]
+        entry = {int(row[0]): Logprob(row[1], int(row[2]))}
+        entry.update((int(t), Logprob(v, int(rk))) for t, v, rk in zip(ids[:n], lps[:n], ranks[:n]))
         out[i] = entry
     return out
 
 
-def _token_counts(token_ids: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[B, V] float counts of each token id per row, built in one bincount."""
-    lengths = torch.tensor([len(t) for t in token_ids], device=device)
-    flat = torch.tensor(list(chain.from_iterable(token_ids)), dtype=torch.long, device=device)
-    rows = torch.repeat_interleave(torch.arange(len(token_ids), device=device), lengths)
-    return torch.bincount(rows * vocab + flat, minlength=len(token_ids) * vocab).view(-1, vocab).float()
+def _flat_indices(token_ids: list[list[int]], vocab: int) -> np.ndarray:
+    """Row r's token t at r * vocab + t: the rows' tokens as indices into a flattened [rows, vocab] tensor."""
+    lengths = np.array([len(t) for t in token_ids], dtype=np.int64)
+    flat = np.fromiter(chain.from_iterable(token_ids), dtype=np.int64, count=int(lengths.sum()))
+    return np.repeat(np.arange(len(token_ids), dtype=np.int64) * vocab, lengths) + flat
 
 
 def _column(params: list[SamplingParams], name: str, like: torch.Tensor, dtype=torch.float32) -> torch.Tensor:

@@ -1,0 +1,218 @@
+"""The engine's CUDA path run on the CPU through the CUDA emulation (`tiffin.testing.cuda_emulation`, Triton
+kernels under the interpreter): decode steps replayed from captured graphs give the tokens (and logprobs) of the
+same engine run eagerly, for each architecture, quantization and batch shape; the defects the emulation found,
+each pinned by a test. fp32 and fp16 only: the interpreter computes bf16 dots wrongly."""
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+from gguf_files import write_gguf
+
+from tiffin import LLM, AsyncLLMEngine, SamplingParams
+from tiffin.engine.worker import model_runner
+from tiffin.kernels.quant import DENSE_MIN_TOKENS
+from tiffin.testing.cuda_emulation import CudaEmulation
+
+QUANT = Path(__file__).parents[1] / "fixtures" / "quant"
+PROMPTS = ["Hello, tiffin", "The quick brown fox jumps", "1 2 3", "Once upon a time in a land far away"]
+
+
+def generate(llm: LLM) -> list:
+    """One batch that shrinks as its requests end (decode batches of 4, 3, 2, 1: padded and exact graph sizes):
+    greedy with logprobs, greedy, and seeded samples -> (tokens, logprobs) per request."""
+    params = [
+        SamplingParams(temperature=0, max_tokens=5, logprobs=2, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.9, max_tokens=4, seed=1, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=1.0, max_tokens=2, seed=2, ignore_eos=True),
+    ]
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return [(c.token_ids, c.logprobs) for o in outs for c in o.outputs]
+
+
+def assert_same(got: list, want: list) -> None:
+    for (got_ids, got_lp), (want_ids, want_lp) in zip(got, want, strict=True):
+        assert got_ids == want_ids
+        for g, w in zip(got_lp or [], want_lp or [], strict=True):
+            assert g.keys() == w.keys()
+            assert [g[t].logprob for t in g] == pytest.approx([w[t].logprob for t in w], abs=1e-3)
+
+
+def build(path, eager: bool, **kwargs) -> LLM:
+    kwargs = dict(device="cuda", dtype="float32", num_kv_blocks=64, max_num_seqs=4, max_model_len=96) | kwargs
+    return LLM(str(path), enforce_eager=eager, **kwargs)
+
+
+@pytest.fixture
+def no_warm_up(monkeypatch):
+    """Warm-up launches every kernel variant (one test keeps it): seconds under the interpreter, for nothing here."""
+    monkeypatch.setattr(model_runner, "warm_up_triton", lambda runner: None)
+
+
+def graphed_equals_eager(path, emu, **kwargs) -> None:
+    want = generate(build(path, eager=True, **kwargs))
+    llm = build(path, eager=False, **kwargs)
+    graphs = llm.llm_engine.model_runner.decode_graphs
+    assert graphs is not None and sorted(graphs.graphs) == graphs.sizes == [1, 2, 4]
+    replays = emu.replays
+    got = generate(llm)
+    assert emu.replays - replays == 4  # every decode step ran from a graph
+    assert_same(got, want)
+
+
+def test_graphed_decode_equals_eager_llama(tiny_model, cuda_emulation, monkeypatch):
+    """The graphed engine warms up, as an engine starts on a GPU. Failed before `Rotation`: the capture reused the
+    cos/sin rows of the eager pass before it, so tokens differed from the second on."""
+    with monkeypatch.context() as patched:
+        patched.setattr(model_runner, "warm_up_triton", lambda runner: None)
+        want = generate(build(tiny_model("llama"), eager=True))
+    llm = build(tiny_model("llama"), eager=False)
+    assert_same(generate(llm), want)
+    assert cuda_emulation.replays == 4
+
+
+@pytest.mark.parametrize("arch", ["qwen3", pytest.param("qwen2", marks=pytest.mark.slow), "mistral"])
+def test_graphed_decode_equals_eager_architectures(tiny_model, cuda_emulation, no_warm_up, arch):
+    graphed_equals_eager(tiny_model(arch), cuda_emulation, dtype="float16")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["awq-g64", "gptq-4bit-g64-actorder-sym"])
+def test_graphed_decode_equals_eager_quantized(cuda_emulation, no_warm_up, name):
+    graphed_equals_eager(QUANT / name, cuda_emulation, dtype="float16")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q8_0], ids=["Q4_0", "Q8_0"])
+def test_graphed_decode_equals_eager_gguf(tiny_model, cuda_emulation, no_warm_up, tmp_path, qtype):
+    path = write_gguf(tiny_model("llama"), tmp_path / f"{qtype.name}.gguf", qtype)
+    graphed_equals_eager(path, cuda_emulation)
+
+
+@pytest.mark.slow
+def test_awq_captures_the_dense_size(cuda_emulation, no_warm_up, monkeypatch):
+    """max_num_seqs=256 captures a size-256 graph, which reaches the dense dequantize branch (DENSE_MIN_TOKENS). It
+    failed to start: `torch.tensor(AWQ_NIBBLE, device=...)`, a pageable upload, inside the capture. Sizes 1, 2, 4
+    and 256 only (the sizes between take the fused kernel, as the graphs above do); five requests make one decode
+    step replay the size-256 graph."""
+    assert DENSE_MIN_TOKENS == 256
+    monkeypatch.setattr(model_runner, "decode_batch_sizes", lambda n: [1, 2, 4, 256])
+    kwargs = dict(max_num_seqs=256, num_kv_blocks=300)  # fp32: the dense and fused GEMMs agree to rounding
+    params = SamplingParams(temperature=0, max_tokens=2, logprobs=2, ignore_eos=True)
+    run = lambda llm: [
+        (c.token_ids, c.logprobs) for o in llm.generate(PROMPTS + ["a"], params, use_tqdm=False) for c in o.outputs
+    ]
+    want = run(build(QUANT / "awq-g64", eager=True, **kwargs))
+    llm = build(QUANT / "awq-g64", eager=False, **kwargs)
+    assert sorted(llm.llm_engine.model_runner.decode_graphs.graphs) == [1, 2, 4, 256]
+    replays = cuda_emulation.replays
+    assert_same(run(llm), want)
+    assert cuda_emulation.replays == replays + 1
+
+
+def test_engine_thread_launches_on_the_engine_device(tiny_model, cuda_emulation, no_warm_up):
+    """`device="cuda:1"` under AsyncLLMEngine: the engine is built in this thread, its steps run in `tiffin-engine`,
+    whose current device was cuda:0: Triton launched there with cuda:1's tensors (an illegal address on a GPU)."""
+    path = tiny_model("llama")
+    want = generate(build(path, eager=True))  # on cuda:0, in this thread
+    engine = AsyncLLMEngine.from_engine_args(
+        str(path), device="cuda:1", dtype="float32", num_kv_blocks=64, max_num_seqs=4, max_model_len=96
+    )
+    params = [
+        SamplingParams(temperature=0, max_tokens=5, logprobs=2, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.9, max_tokens=4, seed=1, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=1.0, max_tokens=2, seed=2, ignore_eos=True),
+    ]
+
+    async def final(prompt: str, p: SamplingParams):
+        async for out in engine.generate(prompt, p):
+            last = out
+        return last.outputs[0]
+
+    async def run_all():
+        return await asyncio.gather(*(final(prompt, p) for prompt, p in zip(PROMPTS, params)))
+
+    try:
+        assert engine.engine.model_runner.kv_cache.device == torch.device("cuda", 1)
+        outs = asyncio.run(run_all())
+    finally:
+        engine.shutdown()
+    assert_same([(c.token_ids, c.logprobs) for c in outs], want)
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graphed", "eager"])
+def test_a_decode_step_uploads_once_and_reads_the_tokens(tiny_model, cuda_emulation, no_warm_up, eager):
+    """Host <-> device traffic of one decode step with every sampling feature but structured outputs: one pinned
+    upload (the batch and the sampler's parameters), one read of the sampled tokens, one of the logprobs. Before,
+    ~20 uploads (each parameter column, index and seeded row's noise its own pageable copy) and 8 reads."""
+    llm = build(tiny_model("llama"), eager=eager)
+    engine = llm.llm_engine
+    params = [
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=8, min_tokens=4, top_p=0.9, min_p=0.05),
+        SamplingParams(temperature=0.8, top_k=5, max_tokens=8, repetition_penalty=1.2, presence_penalty=0.5),
+        SamplingParams(temperature=0, max_tokens=8, logprobs=2, frequency_penalty=0.3),
+    ]
+    for i, p in enumerate(params):
+        engine.add_request(str(i), PROMPTS[i], p)
+    engine.step()  # the prefill
+    for with_logprobs in (True, False):
+        if not with_logprobs:
+            engine.abort_request("3")
+            engine.step()
+        cuda_emulation.reset_counts()
+        engine.step()
+        assert len(cuda_emulation.uploads) == 1 and cuda_emulation.uploads[0].endswith("pinned"), cuda_emulation.uploads
+        assert len(cuda_emulation.reads) == 1 + with_logprobs, cuda_emulation.reads
+    assert cuda_emulation.replays == (0 if eager else 3)
+
+
+@pytest.mark.slow
+def test_memory_stays_within_utilization_with_graphs_and_the_worst_sampler(tiny_model, no_warm_up):
+    """KV sizing on an emulated device of 12 MiB at utilization 0.5: after start (KV cache and graphs) and the
+    largest step sampled with every filter, penalty and seed, the peak stays within 6 MiB. Before, the pool was
+    sized before the graphs were captured (their memory came on top) and the profiled sampler ran no penalties
+    (their [rows, vocab] counts came on top); and start failed: the profiling step read `cpu_decoder` before it
+    was set."""
+    total, utilization = 12 << 20, 0.5
+    with pytest.MonkeyPatch.context() as patched, CudaEmulation(total_memory=total):
+        patched.setenv("TRITON_INTERPRET", "1")
+        config = dict(max_num_seqs=32, max_model_len=96, max_num_batched_tokens=96, num_kv_blocks=None)
+        llm = build(tiny_model("llama"), eager=False, gpu_memory_utilization=utilization, **config)
+        runner = llm.llm_engine.model_runner
+        params = SamplingParams(
+            temperature=0.8,
+            top_k=5,
+            top_p=0.9,
+            min_p=0.01,
+            logprobs=20,
+            min_tokens=2,
+            max_tokens=3,
+            seed=1,
+            repetition_penalty=1.2,
+            frequency_penalty=0.1,
+            presence_penalty=0.1,
+            ignore_eos=True,
+        )
+        llm.generate([{"prompt_token_ids": [5] * 90}] + [{"prompt_token_ids": [7]}] * 31, params, use_tqdm=False)
+        assert torch.cuda.max_memory_allocated() <= total * utilization
+        assert runner.num_blocks < 32 * runner.max_blocks_per_seq  # sized by memory, not by max_num_seqs
+
+
+@pytest.mark.slow
+def test_seeded_rows_draw_on_the_device_independently_of_the_batch(tiny_model, cuda_emulation, no_warm_up):
+    """A seeded request's noise is drawn on the device (a twin of its generator there), not on the host and
+    uploaded: its tokens are the same alone or beside others, and no step uploads a vocabulary's worth of noise."""
+    llm = build(tiny_model("llama"), eager=True)
+    seeded = SamplingParams(temperature=1.0, max_tokens=6, seed=7, ignore_eos=True)
+    others = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)
+    alone = llm.generate(PROMPTS[0], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    cuda_emulation.reset_counts()
+    batch = llm.generate(PROMPTS, [seeded, others, others, seeded], use_tqdm=False)
+    assert batch[0].outputs[0].token_ids == alone
+    vocab = llm.llm_engine.model_config.vocab_size
+    assert not [u for u in cuda_emulation.uploads if f"({vocab},)" in u or f", {vocab})" in u]

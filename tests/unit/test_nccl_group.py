@@ -1,0 +1,72 @@
+"""The NCCL side of tensor parallelism, on mocked `torch.distributed` and the CUDA emulation: which GPU each rank
+takes, how the process group is joined, and how a broken group is left (#25 defect 5)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tiffin.engine.config import EngineConfig
+from tiffin.engine.distributed import group as group_module
+from tiffin.engine.distributed.group import WorkerGroup
+from tiffin.engine.distributed.tensor_parallel import TensorParallel
+from tiffin.testing.cuda_emulation import CudaEmulation
+
+NCCL_ENV = ("TORCH_NCCL_BLOCKING_WAIT", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+
+
+@pytest.fixture
+def four_gpus(monkeypatch):
+    for name in NCCL_ENV:
+        monkeypatch.delenv(name, raising=False)
+    with CudaEmulation(device_count=4) as emulation:
+        yield emulation
+
+
+def test_ranks_join_on_consecutive_gpus_from_the_configured_one(four_gpus, monkeypatch):
+    """device="cuda:1" with two ranks: cuda:1 and cuda:2 (each rank used to take cuda:<rank>, putting rank 0 on
+    cuda:0 beside the engine's cuda:1 tensors, or two ranks on one GPU); the communicator is bound to that GPU
+    (`device_id`), and a failed collective raises in the waiting rank instead of NCCL's watchdog ending the
+    process (blocking wait, communicators aborted only)."""
+    import os
+
+    joined = []
+    monkeypatch.setattr(
+        dist, "init_process_group", lambda backend, **kw: joined.append((backend, torch.cuda.current_device(), kw))
+    )
+    config = EngineConfig("m", device="cuda:1", tensor_parallel_size=2)
+    for rank in (0, 1):
+        group_module._init_group(config, rank, 29500)
+    assert [(backend, current) for backend, current, _ in joined] == [("nccl", 1), ("nccl", 2)]
+    assert [kw["device_id"] for *_, kw in joined] == [torch.device("cuda", 1), torch.device("cuda", 2)]
+    assert [kw["rank"] for *_, kw in joined] == [0, 1]
+    assert os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "1" and os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    assert [group_module.rank_device(config.torch_device, r) for r in (0, 1)] == [
+        torch.device("cuda", 1),
+        torch.device("cuda", 2),
+    ]
+    assert group_module.rank_device(torch.device("cpu"), 1) == torch.device("cpu")
+
+
+def test_start_refuses_ranks_past_the_last_gpu(four_gpus, monkeypatch):
+    monkeypatch.setattr(group_module.mp, "get_context", lambda method: pytest.fail("workers started"))
+    config = EngineConfig("m", device="cuda:3", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="cuda:3 and cuda:4.*4 are visible"):
+        WorkerGroup.start(config, config.torch_device, lambda group: None, ())
+
+
+@pytest.mark.parametrize(
+    "backend, broken, want", [("nccl", True, "abort"), ("nccl", False, "destroy"), ("gloo", True, "destroy")]
+)
+def test_a_broken_nccl_group_is_aborted_not_destroyed(monkeypatch, backend, broken, want):
+    """destroy_process_group waits on the communicators, which hang when a peer died mid-collective: a broken
+    NCCL group aborts them instead."""
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda group=None: calls.append("destroy"))
+    monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group", lambda group=None: calls.append("abort"))
+    group = WorkerGroup(TensorParallel(0, 2), torch.device("cuda", 0), 1.0, conns=[], procs=[])
+    group.threads = torch.get_num_threads()
+    group.broken = "tensor-parallel worker rank 1 died (exit code -9)" if broken else None
+    group.shutdown()
+    assert calls == [want]

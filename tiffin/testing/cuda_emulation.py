@@ -1,0 +1,626 @@
+"""CUDA emulated on the CPU, so that tests drive the engine's CUDA code paths (graph capture, warm-up, pinned
+uploads, per-thread devices) with Triton kernels under `TRITON_INTERPRET=1`.
+
+How a device is represented: every tensor's memory is CPU memory; a tensor is "on cuda:N" when its storage is
+tagged N (a weak map keyed by the storage object, so a tag dies with its memory). Tags are set by a
+`TorchFunctionMode` installed in every thread: factories given a CUDA device (and `torch.device("cuda")`
+contexts, which pass one) allocate on the CPU and tag; `.to`/`.cuda`/`.cpu` copy between tagged and untagged
+memory; any other op's results take the device of its tensor arguments. The mode answers `tensor.device` /
+`.is_cuda` / `.get_device()` with the tag, so the engine sees CUDA tensors and takes its CUDA paths (and the
+native CPU kernels, which check `device.type`, stay out). `.pin_memory()` returns a copy marked pinned.
+
+What it enforces, each raising `EmulatedCudaError`:
+- ops mixing tensors of two CUDA devices, or a host array with device tensors (host scalars pass as values, host
+  index tensors as torch moves them);
+- a Triton launch (`triton_common.Launch`) whose tensors are not all on the launching thread's current device
+  (Triton launches on the thread's current device, whatever its pointers);
+- inside a capture: host reads of device memory (`.item()`, `.tolist()`, `.cpu()`, `bool(t)`, ...), uploads
+  from pageable memory (`torch.tensor(data, device=...)`, `.to(device)` / `copy_` from unpinned memory) and
+  ops whose output shape depends on the data (nonzero, masked_select, unique, boolean indexing, ...);
+- a replay that uses a tensor the capture did not allocate (outside its pool) and whose memory was freed since.
+
+A capture (`torch.cuda.graph`) records, in its thread, every aten op (a `TorchDispatchMode`) and Triton launch
+issued inside; `replay()` re-runs them on the very tensors captured, copying fresh results into the captured
+outputs, as a CUDA graph replays kernels on fixed addresses. What the capture allocated (its pool) the graph
+keeps; what it used from outside it keeps by address only (a weak reference to the storage). Ops that only make
+views are not recorded (their outputs alias their inputs). Host-side ops captured are replayed too, which a real
+graph would not do: they recompute what they computed, so results do not change. Not modelled: streams (work
+runs when issued), the pool's reuse of memory freed within a capture (a graph here holds every intermediate, so
+graph memory reads higher than on a GPU), bf16 (the interpreter's bf16 dots are wrong: test in fp32/fp16).
+
+Counted, for tests to assert per step: `uploads` (host -> device copies) and `reads` (device -> host), each a
+list of short descriptions; `launches` (the Triton kernels launched, by name). `allocated(device)` and the
+peak are tracked from tagged storages, behind `torch.cuda.memory_allocated` / `mem_get_info`.
+"""
+
+import contextlib
+import dataclasses
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+GiB = 1 << 30
+aten = torch.ops.aten
+
+
+class EmulatedCudaError(RuntimeError):
+    """What real CUDA would fail with (or silently compute wrong): named, so that a test can expect it."""
+
+
+# outputs whose shape depends on the data: a graph cannot hold them (and they sync the host)
+_DATA_DEPENDENT = {
+    aten.nonzero.default,
+    aten.masked_select.default,
+    aten._unique.default,
+    aten._unique2.default,
+    aten.unique_dim.default,
+    aten.unique_consecutive.default,
+    aten.unique_dim_consecutive.default,
+    aten.repeat_interleave.Tensor,
+    aten.bincount.default,
+    aten.nonzero_static.default,
+    aten._local_scalar_dense.default,
+    aten.is_nonzero.default,
+    aten.equal.default,
+}
+_DATA_DEPENDENT.discard(aten.nonzero_static.default)  # its size is given
+_NOT_REPLAYED = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default}
+_HOST_READS = {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__", "__array__"}
+_DATA_FACTORIES = {"tensor", "as_tensor", "asarray"}
+# torch moves host index tensors to the device itself in indexing (a hidden copy, but no error)
+_HOST_INDEX_OK = {"__getitem__", "__setitem__", "index_put", "index_put_"}
+
+
+class CudaEmulation:
+    """`with CudaEmulation(): ...` patches `torch.cuda` and Triton launches; see the module docstring."""
+
+    def __init__(self, device_count: int = 2, total_memory: int = 16 * GiB, capability=(8, 0), sms: int = 4):
+        # sms: what `triton_common.num_sms` tells the interpreter, so that split paths run alike
+        self.device_count, self.total_memory, self.capability, self.sms = device_count, total_memory, capability, sms
+        self._device_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storage -> device index
+        self._pinned: weakref.WeakSet = weakref.WeakSet()  # host storages made by pin_memory()
+        self._allocated = [0] * device_count
+        self._peak = [0] * device_count
+        self._local = threading.local()  # current device, capture
+        self._lock = threading.Lock()
+        self.uploads: list[str] = []
+        self.reads: list[str] = []
+        self.launches: list[str] = []
+        self.replays = 0  # graph replays, never reset
+        self._patches: contextlib.ExitStack | None = None
+
+    # -- counters ----------------------------------------------------------------------------------------------
+
+    def reset_counts(self) -> None:
+        self.uploads.clear()
+        self.reads.clear()
+        self.launches.clear()
+
+    def allocated(self, device=None) -> int:
+        return self._allocated[self.index(device)]
+
+    # -- devices -----------------------------------------------------------------------------------------------
+
+    def current_device(self) -> int:
+        return getattr(self._local, "device", 0)
+
+    def set_device(self, device) -> None:
+        self._local.device = self.index(device)
+
+    def index(self, device) -> int:
+        """The CUDA index `device` (int, str, torch.device, None: current) names."""
+        if device is None:
+            return self.current_device()
+        if isinstance(device, int):
+            index = device
+        else:
+            device = torch.device(device)
+            if device.type != "cuda":
+                raise EmulatedCudaError(f"not a CUDA device: {device}")
+            index = self.current_device() if device.index is None else device.index
+        if not 0 <= index < self.device_count:
+            raise EmulatedCudaError(f"invalid device ordinal {index} (emulating {self.device_count} devices)")
+        return index
+
+    def device_of(self, t: torch.Tensor) -> int | None:
+        """The CUDA index `t` lives on, None for host memory."""
+        with torch._C.DisableTorchFunction():
+            if t.device.type != "cpu":  # meta tensors (compile checks) are nobody's
+                return None
+            return self._device_of.get(t.untyped_storage())
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage() in self._pinned
+
+    def _tag(self, t: torch.Tensor, index: int) -> None:
+        storage = t.untyped_storage()
+        if storage in self._device_of:  # empty tensors too: each has a storage of its own
+            return
+        self._device_of[storage] = index
+        nbytes = storage.nbytes()
+        with self._lock:
+            self._allocated[index] += nbytes
+            self._peak[index] = max(self._peak[index], self._allocated[index])
+        weakref.finalize(storage, self._free, index, nbytes)
+
+    def _free(self, index: int, nbytes: int) -> None:
+        with self._lock:
+            self._allocated[index] -= nbytes
+
+    # -- capture -----------------------------------------------------------------------------------------------
+
+    @property
+    def capturing(self) -> "_Graph | None":
+        return getattr(self._local, "capture", None)
+
+    def _check_capture(self, what: str) -> None:
+        if self.capturing is not None:
+            raise EmulatedCudaError(
+                f"{what} inside a CUDA graph capture (operation not permitted when stream is capturing)"
+            )
+
+    # -- install -----------------------------------------------------------------------------------------------
+
+    def __enter__(self) -> "CudaEmulation":
+        from tiffin.kernels import triton_common
+
+        self._patches = stack = contextlib.ExitStack()
+        emu = self
+
+        def patch(owner, name, value):
+            old = getattr(owner, name)
+            setattr(owner, name, value)
+            stack.callback(setattr, owner, name, old)
+
+        cuda = torch.cuda
+        fake = {
+            "is_available": lambda: True,
+            "is_initialized": lambda: True,
+            "init": lambda: None,
+            "device_count": lambda: self.device_count,
+            "current_device": self.current_device,
+            "set_device": self.set_device,
+            "device": _make_device_context(self),
+            "synchronize": lambda device=None: None,
+            "empty_cache": lambda: None,
+            "mem_get_info": lambda device=None: (
+                self.total_memory - self._allocated[self.index(device)],
+                self.total_memory,
+            ),
+            "memory_allocated": lambda device=None: self._allocated[self.index(device)],
+            "memory_reserved": lambda device=None: self._allocated[self.index(device)],
+            "max_memory_allocated": lambda device=None: self._peak[self.index(device)],
+            "max_memory_reserved": lambda device=None: self._peak[self.index(device)],
+            "reset_peak_memory_stats": self._reset_peak,
+            "get_device_capability": lambda device=None: self.capability,
+            "get_device_name": lambda device=None: "emulated CUDA device",
+            "get_device_properties": lambda device=None: SimpleNamespace(
+                name="emulated CUDA device",
+                multi_processor_count=self.sms,
+                total_memory=self.total_memory,
+                major=self.capability[0],
+                minor=self.capability[1],
+            ),
+            "manual_seed": lambda seed: None,
+            "manual_seed_all": lambda seed: None,
+            "Stream": _Stream,
+            "Event": _Event,
+            "current_stream": lambda device=None: _Stream(),
+            "default_stream": lambda device=None: _Stream(),
+            "stream": _stream_context,
+            "CUDAGraph": lambda *args, **kwargs: _Graph(emu),
+            "graph": _make_graph_context(self),
+            "graph_pool_handle": lambda: object(),
+        }
+        for name, value in fake.items():
+            patch(cuda, name, value)
+        patch(torch, "Generator", _Generator)
+
+        original_launch = triton_common.Launch.__call__
+
+        def launch(self_launch, device: torch.device) -> None:
+            emu._launch(self_launch, lambda launch: original_launch(launch, torch.device("cpu")))
+
+        patch(triton_common.Launch, "__call__", launch)
+
+        original_run = threading.Thread.run
+
+        def run(thread):  # every thread sees CUDA tensors as the one that started the emulation does
+            with _DeviceMode(emu):
+                original_run(thread)
+
+        patch(threading.Thread, "run", run)
+        stack.enter_context(_DeviceMode(self))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._patches.close()
+
+    def _reset_peak(self, device=None) -> None:
+        index = self.index(device)
+        self._peak[index] = self._allocated[index]
+
+    def _launch(self, launch, run) -> None:
+        """Triton launches on the current device: every tensor argument must be there."""
+        current = self.current_device()
+        for arg in launch.args:
+            if isinstance(arg, torch.Tensor) and arg.numel():
+                with _no_modes():
+                    where = self.device_of(arg)
+                if where != current:
+                    place = "host memory" if where is None else f"cuda:{where}"
+                    raise EmulatedCudaError(
+                        f"{launch.kernel.fn.__name__} launched on cuda:{current} (the thread's current device) "
+                        f"with a tensor in {place}: an illegal memory access on a GPU"
+                    )
+        self.launches.append(launch.kernel.fn.__name__)
+        if self.capturing is not None:
+            again = lambda *args: run(dataclasses.replace(launch, args=args))
+            self.capturing.nodes.append(_Node(again, launch.args, {}, None))
+        with _no_modes():
+            run(launch)
+
+
+@contextlib.contextmanager
+def _no_modes() -> Iterator[None]:
+    """Plain CPU tensors (the interpreter's view, and the emulation's own bookkeeping)."""
+    with _disable_current_modes(), torch._C.DisableTorchFunction():
+        yield
+
+
+def _make_device_context(emu: CudaEmulation):
+    class device:  # torch.cuda.device(index): the current device inside, restored after
+        def __init__(self, device):
+            self.index = -1 if device is None or (isinstance(device, int) and device < 0) else emu.index(device)
+
+        def __enter__(self):
+            self.previous = emu.current_device()
+            if self.index >= 0:
+                emu.set_device(self.index)
+
+        def __exit__(self, *exc):
+            emu.set_device(self.previous)
+
+    return device
+
+
+_TorchGenerator = torch.Generator  # the class itself: torch.Generator is patched while the emulation runs
+
+
+class _Generator(_TorchGenerator):
+    """A CUDA generator is a CPU one: device tensors are CPU memory."""
+
+    def __new__(cls, device="cpu"):
+        device = torch.device(device)
+        return _TorchGenerator.__new__(cls, device="cpu" if device.type == "cuda" else device)
+
+    def __init__(self, device="cpu"):
+        pass
+
+
+class _Stream:
+    """Work runs when issued on the CPU: streams and events only keep their interfaces."""
+
+    def __init__(self, device=None, priority: int = 0, **kwargs):
+        self.device = device
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        event = event or _Event()
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+class _Event:
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+        self.time = None
+
+    def record(self, stream=None) -> None:
+        self.time = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: "_Event") -> float:
+        return (end.time - self.time) * 1000
+
+
+@contextlib.contextmanager
+def _stream_context(stream):
+    yield
+
+
+class _Node:
+    """One recorded op: an aten op, or a Triton launch (`func` then runs it on `args`, and `out` is None)."""
+
+    __slots__ = ("func", "args", "kwargs", "out")
+
+    def __init__(self, func, args, kwargs, out):
+        self.func, self.args, self.kwargs, self.out = func, args, kwargs, out
+
+    def replay(self) -> None:
+        resolve = lambda tree: tree_map_only(_Outside, _Outside.get, tree)
+        fresh = self.func(*resolve(self.args), **resolve(self.kwargs))
+        for captured, new in zip(tree_flatten(resolve(self.out))[0], tree_flatten(fresh)[0]):
+            if isinstance(captured, torch.Tensor) and captured is not new and captured.data_ptr() != new.data_ptr():
+                captured.copy_(new)
+
+
+class _Outside:
+    """A tensor a capture read or wrote but did not allocate: the graph keeps its address, not its memory. Replay
+    rebuilds it from its storage while that lives and raises once it is freed (a GPU would read or write memory
+    reused since, as a graph does with a tensor a later step frees)."""
+
+    __slots__ = ("storage", "dtype", "size", "stride", "offset")
+
+    def __init__(self, t: torch.Tensor):
+        self.storage = weakref.ref(t.untyped_storage())
+        self.dtype, self.size, self.stride, self.offset = t.dtype, t.shape, t.stride(), t.storage_offset()
+
+    def get(self) -> torch.Tensor:
+        storage = self.storage()
+        if storage is None:
+            raise EmulatedCudaError(
+                f"graph replay uses a {self.dtype} {tuple(self.size)} tensor allocated outside its capture and freed "
+                f"since: on a GPU, memory reused by others"
+            )
+        return torch.empty(0, dtype=self.dtype).set_(storage, self.offset, self.size, self.stride)
+
+
+class _Graph:
+    """`torch.cuda.CUDAGraph`: the ops and launches of its capture, replayed on the same tensors."""
+
+    def __init__(self, emu: CudaEmulation):
+        self.emu, self.nodes, self.captured = emu, [], False
+        self.inside: set = set()  # storages allocated by the capture: its pool, which the graph keeps
+
+    def capture_begin(self, pool=None, capture_error_mode: str = "global") -> None:
+        if self.emu.capturing is not None:
+            raise EmulatedCudaError("a capture is already under way in this thread")
+        self.emu._local.capture = self
+        self._mode = _CaptureMode(self)
+        self._mode.__enter__()
+
+    def capture_end(self) -> None:
+        self._mode.__exit__(None, None, None)
+        del self._mode  # it refers to this graph: no cycle keeps the captured tensors alive past the graph
+        self.emu._local.capture = None
+        self.captured = True
+        with _no_modes():
+            weaken = lambda tree: tree_map_only(
+                torch.Tensor, lambda t: t if t.untyped_storage() in self.inside else _Outside(t), tree
+            )
+            for node in self.nodes:
+                node.args, node.kwargs, node.out = weaken(node.args), weaken(node.kwargs), weaken(node.out)
+
+    def replay(self) -> None:
+        if not self.captured:
+            raise EmulatedCudaError("replay of a graph never captured")
+        self.emu.replays += 1
+        with _no_modes(), torch.inference_mode():  # captured tensors may be inference tensors
+            for node in self.nodes:
+                node.replay()
+
+    def pool(self) -> object:
+        return self
+
+    def reset(self) -> None:
+        self.nodes, self.captured = [], False
+
+
+def _make_graph_context(emu: CudaEmulation):
+    @contextlib.contextmanager
+    def graph(cuda_graph: _Graph, pool=None, stream=None, capture_error_mode: str = "global"):
+        cuda_graph.capture_begin(pool)
+        try:
+            yield cuda_graph
+        finally:
+            cuda_graph.capture_end()
+
+    return graph
+
+
+class _CaptureMode(TorchDispatchMode):
+    """Records the aten ops of a capture; refuses what a graph cannot hold."""
+
+    def __init__(self, graph: _Graph):
+        super().__init__()
+        self.graph = graph
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _DATA_DEPENDENT or (
+            func is aten.index.Tensor and any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+        ):
+            raise EmulatedCudaError(f"{func} inside a CUDA graph capture: its result depends on device data")
+        out = func(*args, **kwargs)
+        inputs = {t.untyped_storage() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage() not in inputs:
+                self.graph.inside.add(t.untyped_storage())
+        if func not in _NOT_REPLAYED and not _only_views(func, args, kwargs, out):
+            self.graph.nodes.append(_Node(func, args, kwargs, out))
+        return out
+
+
+def _only_views(func, args, kwargs, out) -> bool:
+    """Whether the op only made views of its inputs (view, slice, t; `to` or `reshape` when they copied nothing,
+    as composite ops reach here unexpanded in inference mode), writing nothing."""
+    if any(r.alias_info is not None and r.alias_info.is_write for r in func._schema.returns):
+        return False
+    inputs = {t.untyped_storage() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+    outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    return bool(outs) and all(t.untyped_storage() in inputs for t in outs)
+
+
+class _DeviceMode(TorchFunctionMode):
+    """Tags, answers and checks devices at the torch API (see the module docstring)."""
+
+    def __init__(self, emu: CudaEmulation):
+        super().__init__()
+        self.emu = emu
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        emu = self.emu
+        name = getattr(func, "__name__", "")
+        owner = getattr(func, "__self__", None)
+        if name == "__get__" and isinstance(owner, type(torch.Tensor.device)):
+            prop, t = owner.__name__, args[0]
+            if prop in ("device", "is_cuda", "is_cpu"):
+                where = emu.device_of(t)
+                if prop == "device":
+                    return func(*args) if where is None else torch.device("cuda", where)
+                return (where is not None) == (prop == "is_cuda")
+            return func(*args, **kwargs)
+        if name == "get_device":
+            where = emu.device_of(args[0])
+            return -1 if where is None else where
+        if name == "is_pinned":
+            return emu.is_pinned(args[0])
+        if name == "pin_memory":
+            copy = args[0].clone()
+            emu._pinned.add(copy.untyped_storage())
+            return copy
+        if name in ("to", "cuda", "cpu"):
+            return self._to(func, name, args, kwargs)
+        if name in _HOST_READS and args and isinstance(args[0], torch.Tensor):
+            where = emu.device_of(args[0])
+            if where is not None:
+                emu._check_capture(f"host read .{name}() of a cuda:{where} tensor")
+                emu.reads.append(f"{name} {tuple(args[0].shape)}")
+            return func(*args, **kwargs)
+        if name == "copy_":
+            return self._copy(func, args, kwargs)
+        if name == "__setitem__":
+            dst, value = args[0], args[2]
+            if isinstance(value, torch.Tensor) and value.dim():
+                to, frm = emu.device_of(dst), emu.device_of(value)
+                if to is not None:
+                    self._upload_from(value, f"setitem {tuple(value.shape)}")
+                elif frm is not None:
+                    emu._check_capture(f"host read (setitem from a cuda:{frm} tensor)")
+                    emu.reads.append(f"setitem {tuple(value.shape)}")
+            return func(*args, **kwargs)
+
+        if kwargs.get("pin_memory"):  # a factory allocating pinned host memory
+            out = func(*args, **{**kwargs, "pin_memory": False})
+            emu._pinned.add(out.untyped_storage())
+            return out
+        target = kwargs.get("device")
+        if target is not None:
+            target = torch.device(target) if not isinstance(target, int) else torch.device("cuda", target)
+            if target.type == "cuda":
+                index = emu.index(target)
+                kwargs = {**kwargs, "device": "cpu"}
+                if name in _DATA_FACTORIES:
+                    data = args[0] if args else kwargs.get("data")
+                    self._upload_from(data, f"torch.{name} to cuda:{index}")
+                out = func(*args, **kwargs)
+                if isinstance(out, torch.Tensor):
+                    emu._tag(out, index)
+                return out
+            return func(*args, **kwargs)  # explicitly on the host (or meta)
+
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        places = [emu.device_of(t) for t in tensors]
+        devices = {where for where in places if where is not None}
+        if len(devices) > 1:
+            raise EmulatedCudaError(f"{name}: tensors on devices {sorted(devices)} in one op")
+        if devices and name not in _HOST_INDEX_OK:
+            # host scalars (0-dim) pass as values; a host array in a device op is an error on a GPU
+            host = [tuple(t.shape) for t, where in zip(tensors, places) if where is None and t.dim()]
+            if host:
+                raise EmulatedCudaError(f"{name}: host tensors of shapes {host} with cuda:{min(devices)} tensors")
+        out = func(*args, **kwargs)
+        if devices:
+            index = devices.pop()
+            tree_map_only(torch.Tensor, lambda t: emu._tag(t, index), out)
+        return out
+
+    def _upload_from(self, data, what: str) -> None:
+        """A host -> device copy of `data` (a host tensor, an array or a list)."""
+        emu = self.emu
+        if isinstance(data, torch.Tensor) and emu.device_of(data) is not None:
+            return
+        pinned = isinstance(data, torch.Tensor) and emu.is_pinned(data)
+        if not pinned:
+            emu._check_capture(f"pageable upload ({what})")
+        emu.uploads.append(f"{what}, {'pinned' if pinned else 'pageable'}")
+
+    def _to(self, func, name, args, kwargs):
+        emu, src = self.emu, args[0]
+        if name == "cuda":
+            device = args[1] if len(args) > 1 else kwargs.get("device")
+            target, dtype, rest = torch.device("cuda", emu.index(device)), None, {}
+        elif name == "cpu":
+            target, dtype, rest = torch.device("cpu"), None, {}
+        else:
+            target, dtype, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
+            if len(args) > 1 and isinstance(args[1], torch.Tensor):
+                where = emu.device_of(args[1])
+                target = None if where is None else torch.device("cuda", where)
+                target = target or torch.device("cpu")
+            rest = {k: v for k, v in kwargs.items() if k in ("memory_format",)}
+        where = emu.device_of(src)
+        if target is None or (target.type == "cpu" and where is None):
+            out = func(*args, **kwargs) if name == "to" else src
+            if where is not None:
+                emu._tag(out, where)
+            return out
+        if target.type == "cuda":
+            index = emu.index(target)
+            if where == index:
+                out = src if dtype in (None, src.dtype) else src.to(dtype=dtype, **rest)
+                emu._tag(out, index)
+                return out
+            if where is None:
+                self._upload_from(src, f"to cuda:{index} {tuple(src.shape)}")
+            with _no_modes():
+                out = src.to(dtype=dtype or src.dtype, copy=True)
+            emu._tag(out, index)
+            return out
+        emu._check_capture(f"host read .{name}() of a cuda:{where} tensor")
+        emu.reads.append(f"{name} {tuple(src.shape)}")
+        with _no_modes():
+            return src.to(dtype=dtype or src.dtype, copy=True)
+
+    def _copy(self, func, args, kwargs):
+        emu, (dst, src) = self.emu, args[:2]
+        to, frm = emu.device_of(dst), emu.device_of(src) if isinstance(src, torch.Tensor) else None
+        if to is not None and frm is None and isinstance(src, torch.Tensor):
+            self._upload_from(src, f"copy_ {tuple(src.shape)}")
+        elif to is None and frm is not None:
+            emu._check_capture(f"host read (copy_ of a cuda:{frm} tensor)")
+            emu.reads.append(f"copy_ {tuple(src.shape)}")
+        return func(*args, **kwargs)
