@@ -62,6 +62,7 @@ def runs(env, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
             "prefix.py": ["prefix.py", "--make-model", str(tmp / "llama-40m"), "--n", "2", "--system-len", "32"]
             + ["--question-len", "8", "--output-len", "2"],
             "hostile.py": ["hostile.py", "--rounds", "1"],
+            "soak.py": ["soak.py", "--requests", "40", "--warmup", "16", "--concurrency", "4"],
             "kernels.py": ["kernels.py", "--quick"],
             "quantized.py": ["quantized.py", "--gguf", gguf, "--rounds", "1", "--decode-tokens", "4"]
             + ["--prompt-tokens", "16", "--awq-gptq", "--hf-dir", tiny, "--n", "2"],
@@ -110,6 +111,14 @@ def test_hostile(runs):
     assert run.returncode == 0, output(run)
     for line in ("20 MB body: 413", "8 MB prompt: 400", "8 MB chat: 400", "worker RSS after"):
         assert line in run.stdout, output(run)
+
+
+def test_soak(runs):
+    run = runs["soak.py"]
+    assert run.returncode == 0, output(run)
+    assert "failures 0 (connection resets 0)" in run.stdout and "KV blocks used 0" in run.stdout, output(run)
+    for kind in ("chat", "leave", "lora", "structured", "tools"):
+        assert f"{kind} " in run.stdout.split("requests at concurrency")[1], output(run)
 
 
 def test_kernels(runs):
