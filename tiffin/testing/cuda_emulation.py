@@ -230,6 +230,8 @@ class CudaEmulation:
             emu._launch(self_launch, lambda launch: original_launch(launch, torch.device("cpu")))
 
         patch(triton_common.Launch, "__call__", launch)
+        # split-K tile counters are kept per device: ones from before this emulation are untagged host memory
+        patch(triton_common, "_TILE_COUNTERS", {})
 
         original_run = threading.Thread.run
 
