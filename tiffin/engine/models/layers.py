@@ -26,11 +26,12 @@ def gelu_and_mul(gate_up: torch.Tensor, approximate: str = "none") -> torch.Tens
     return torch.nn.functional.gelu(gate, approximate=approximate) * up
 
 
-# hidden_act -> fn(gate_up [..., 2 * intermediate], backend) -> act(gate) * up [..., intermediate]
-ACTIVATIONS: dict[str, Callable[[torch.Tensor, str], torch.Tensor]] = {
+# hidden_act -> fn(gate_up [..., 2 * intermediate], backend="torch") -> act(gate) * up [..., intermediate]; the
+# GELUs stay in torch on every backend (no fused Triton kernel for them yet: a GELU model decodes unfused)
+ACTIVATIONS: dict[str, Callable[..., torch.Tensor]] = {
     "silu": kernels.silu_and_mul,
-    "gelu": lambda gate_up, backend: gelu_and_mul(gate_up),
-    "gelu_pytorch_tanh": lambda gate_up, backend: gelu_and_mul(gate_up, "tanh"),
+    "gelu": lambda gate_up, backend="torch": gelu_and_mul(gate_up),
+    "gelu_pytorch_tanh": lambda gate_up, backend="torch": gelu_and_mul(gate_up, "tanh"),
 }
 
 
