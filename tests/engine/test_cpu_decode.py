@@ -82,7 +82,8 @@ def test_each_layer_is_the_torch_layer(gguf_model, arch):
     with torch.inference_mode():
         x = runner.model.model.embed_tokens(inputs.input_ids)
         for i, layer in enumerate(layers):
-            want = layer(x, runner.model.model.rotary.at(inputs.positions), inputs.attn, None)
+            mlp_out, residual = layer(x, None, runner.model.model.rotary.at(inputs.positions), inputs.attn, None)
+            want = residual + mlp_out  # the layer leaves its last residual add to the next norm's kernel
             got = native_layers(llm, inputs, i + 1)
             torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
             x = got  # the next layer from the same input on both sides: a flipped int8 code stays local

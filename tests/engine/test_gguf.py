@@ -53,7 +53,7 @@ def test_triton_kept_layer_matches_dequantize_then_matmul(interpreter, qtype, dt
     assert (got.double() - want).abs().max().item() / want.abs().max().item() < TOL[dtype]
 
 
-@pytest.mark.parametrize("arch", [80, 86, 89, 90])
+@pytest.mark.parametrize("arch", [80, 86, 89, 90, 120])
 def test_compile_check_covers_every_gguf_tile(arch):
     registered = {
         (c.args[0].dtype, c.kwargs["BITS"], c.kwargs["HAS_MIN"], c.kwargs["BLOCK_M"], c.kwargs["SPLIT"])

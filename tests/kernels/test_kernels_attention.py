@@ -309,12 +309,12 @@ def test_engine_greedy_triton_equals_torch(interpreter, tiny_model, arch):
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_compile_check_every_arch():
-    """Every registered kernel configuration (attention, quantized GEMMs, LoRA) compiles for sm_80, sm_86, sm_89
-    and sm_90 without spills and within the arch's shared memory per block, with the tiles its dispatcher picks
-    there."""
+    """Every registered kernel configuration (attention, quantized GEMMs, LoRA, the fused element-wise kernels)
+    compiles for sm_80, sm_86, sm_89, sm_90 and sm_120 without spills and within the arch's shared memory per
+    block, with the tiles its dispatcher picks there."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, "-m", "tiffin.kernels.compile_check", "--arch", "80,86,89,90"],
+        [sys.executable, "-m", "tiffin.kernels.compile_check", "--arch", "80,86,89,90,120"],
         capture_output=True,
         text=True,
         env=env,
@@ -325,20 +325,20 @@ def test_compile_check_every_arch():
     for dtype in ("float16", "bfloat16", "float32"):
         for head_dim in ta.HEAD_DIMS:
             for kind in ("decode", "decode split", "merge", "prefill"):
-                for arch in ("sm_80", "sm_86", "sm_89", "sm_90"):
+                for arch in ("sm_80", "sm_86", "sm_89", "sm_90", "sm_120"):
                     row = rf"{dtype} d={head_dim} {kind} +{arch} "
                     assert re.search(row, proc.stdout), (dtype, head_dim, kind, arch)
-    for kernel in ("awq_gemm", "gptq_gemm", "gguf_gemm", "lora_shrink", "lora_expand"):
+    for kernel in ("awq_gemm", "gptq_gemm", "gguf_gemm", "lora_shrink", "lora_expand", "fused_elementwise"):
         assert kernel in proc.stdout, kernel
 
 
 def test_attention_tiles_fit_each_arch():
-    """What compile_check found on sm_86/sm_89 (99 KB of shared memory per block): fp32 d=256 tiles take one
+    """What compile_check found on sm_86/sm_89/sm_120 (99 KB of shared memory per block): fp32 d=256 tiles take one
     stage there (two need 102,400 B), and 16-bit d=64 decode three stages (two spill); sm_80/sm_90 keep theirs."""
     for arch in (80, 90):
         assert ta.attention_tile(256, torch.float32, False, arch).num_stages == 2
         assert ta.attention_tile(64, torch.float16, True, arch).num_stages == 2
-    for arch in (86, 89):
+    for arch in (86, 89, 120):
         assert ta.attention_tile(256, torch.float32, False, arch).num_stages == 1
         assert ta.attention_tile(64, torch.bfloat16, True, arch).num_stages == 3
         assert ta.attention_tile(64, torch.bfloat16, False, arch) == ta.attention_tile(64, torch.bfloat16, False, 80)
@@ -351,6 +351,7 @@ def test_compile_check_limits_shared_memory_per_arch():
     over = compile_check.Result(arch=86, shared=102_400, **ok)
     assert not over.ok and over.status == "SHARED > 101376"
     assert not compile_check.Result(arch=90, shared=232_449, **ok).ok
+    assert not compile_check.Result(arch=120, shared=102_400, **ok).ok  # 99 KB, not sm_80's 163
     with pytest.raises(SystemExit):
         compile_check.main(["--arch", "75"])
 

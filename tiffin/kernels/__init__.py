@@ -10,11 +10,13 @@ from tiffin.kernels.dispatch import implements, kernel, resolve_backend
 
 __all__ = [
     "AttentionMetadata",
+    "add_rms_norm",
     "argmax",
     "paged_attention",
     "write_kv",
     "resolve_backend",
     "rms_norm",
+    "rotary_write_kv",
     "silu_and_mul",
 ]
 
@@ -62,3 +64,6 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+from tiffin.kernels.fused import add_rms_norm, rotary_write_kv  # noqa: E402  (its references import the above)

@@ -1,6 +1,6 @@
 """Compile every Triton kernel configuration the dispatchers can launch for real GPU targets, without a GPU.
 
-    python -m tiffin.kernels.compile_check --arch 80,86,89,90
+    python -m tiffin.kernels.compile_check --arch 80,86,89,90,120
 
 prints one row per (kernel, config, arch) with registers, shared memory and spilled bytes, and exits non-zero
 if any compile fails, spills, or needs more shared memory than one block of that arch may have (a launch there
@@ -40,8 +40,8 @@ from dataclasses import dataclass
 _GENERATORS: dict[str, Callable[[int], Iterable["CompileCase"]]] = {}
 
 # Shared memory one block may opt in to, bytes: the SM's carve-out less the 1 KB CUDA reserves per block
-# (CUDA C++ Programming Guide, compute capabilities: 8.0 164 KB per SM, 8.6/8.9 100 KB, 9.0 228 KB).
-SHARED_MEMORY_PER_BLOCK = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+# (CUDA C++ Programming Guide, compute capabilities: 8.0 164 KB per SM, 8.6/8.9 100 KB, 9.0 228 KB, 12.0 100 KB).
+SHARED_MEMORY_PER_BLOCK = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024, 120: 99 * 1024}
 
 
 @dataclass(frozen=True)
@@ -178,7 +178,7 @@ def format_table(results: list[Result]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--arch", default="80,86,89,90", help="comma-separated compute capabilities")
+    parser.add_argument("--arch", default="80,86,89,90,120", help="comma-separated compute capabilities")
     parser.add_argument("--jobs", type=int, default=0, help="parallel compiles (default: one per CPU)")
     parser.add_argument("--kernels", help="comma-separated registered kernel names (default: all)")
     args = parser.parse_args(argv)

@@ -37,7 +37,7 @@ def attention_tile(head_dim: int, dtype: torch.dtype, decode: bool, arch: int = 
     """`block_m` query rows (tokens x query heads of one KV head) per program, `block_n` KV tokens per
     inner-loop step; `block_k` is the QK dot's inner dimension, the padded head dim."""
     d = _pad_head_dim(head_dim)
-    small_shared = arch in (86, 89)  # 99 KB of shared memory per block (sm_80: 163 KB, sm_90: 227 KB)
+    small_shared = arch in (86, 89, 120)  # 99 KB of shared memory per block (sm_80: 163 KB, sm_90: 227 KB)
     if dtype == torch.float32:  # 3xTF32 keeps hi/lo halves of each operand in registers: small tiles, 8 warps
         # a second stage of d=256 K/V tiles takes 100 KB: one stage there
         stages = 1 if small_shared and d > 128 else 2
@@ -47,7 +47,8 @@ def attention_tile(head_dim: int, dtype: torch.dtype, decode: bool, arch: int = 
     else:
         block_m, block_n = (128, 64) if d <= 128 else (64, 32)
     # ptxas caps sm_86/89's two-stage d=64 decode pipeline at 64 registers and spills; three stages do not
-    stages = 3 if small_shared and decode and d == 64 else 2
+    # (sm_120 likewise at d=128)
+    stages = 3 if small_shared and decode and (d == 64 or (arch == 120 and d == 128)) else 2
     return tc.Tile(block_m, block_n, d, num_warps=4 if block_m * d < 8192 else 8, num_stages=stages)
 
 

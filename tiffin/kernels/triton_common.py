@@ -165,6 +165,21 @@ def split_k(
     return k_per_split, empty((splits, *out.shape), torch.float32, out.device) if splits > 1 else None
 
 
+_TILE_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 counters, at least `tiles`, on `device`, shared by every split-K launch that reduces in the
+    kernel (each program of a tile counts itself in; the last resets the counter to 0). Launches on one stream run
+    one after another, so sharing is safe; allocated once (grown by powers of two), before any graph capture: the
+    eager pass that precedes a capture makes the same launch."""
+    counters = _TILE_COUNTERS.get(device)
+    if counters is None or counters.numel() < tiles:
+        counters = torch.zeros(max(1024, triton.next_power_of_2(tiles)), dtype=torch.int32, device=device)
+        _TILE_COUNTERS[device] = counters
+    return counters
+
+
 def run_split_k(launch: Launch, partial: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
     launch(out.device)
     if partial is not None:

@@ -10,7 +10,10 @@ and fed to `tl.dot` with an fp32 accumulator. Act-order GPTQ arrives with rows s
 the matching columns of x.
 
 Small M (decode) cannot fill the GPU with output tiles alone, so K is split across programs ("split-K"):
-each writes an fp32 partial and one reduction sums them. Host code never reads device tensors.
+each writes an fp32 partial and counts itself in on its tile's counter; the last to arrive sums the tile's
+partials (in split order: the result does not depend on who arrives last) into the output and resets the counter
+for the next launch (or graph replay). One launch, where a separate `sum` and `copy_` were two more kernels per
+linear in a decode layer. Host code never reads device tensors.
 
 Launch, interpreter and tile plumbing: triton_common.
 """
@@ -26,10 +29,11 @@ from tiffin.kernels.compile_check import CompileCase, register
 from tiffin.kernels.dispatch import implements
 
 
-def quant_tile(m: int, group_size: int, dtype: torch.dtype) -> tc.Tile:
+def quant_tile(m: int, group_size: int, dtype: torch.dtype, arch: int = 80) -> tc.Tile:
     """Decode-sized M gets the smallest MMA height (memory-bound: the words are what costs); larger M gets
     wider tiles. fp32 operands take twice the registers, so its tiles are narrower and spread over 8 warps.
-    Every tile compiles without spills for sm_80, sm_86, sm_89 and sm_90 (compile_check)."""
+    Every tile compiles without spills for sm_80, sm_86, sm_89, sm_90 and sm_120 (compile_check): sm_120's
+    widest 16-bit tile steps K by 32."""
     fp32 = dtype == torch.float32
     if m <= 16:
         block_m, block_n, block_k, warps = (16, 32, 32, 4) if fp32 else (16, 64, 64, 4)
@@ -41,7 +45,10 @@ def quant_tile(m: int, group_size: int, dtype: torch.dtype) -> tc.Tile:
         block_k //= 2
     if block_k < 16:
         raise ValueError(f"quantized gemm: group size {group_size} must be a multiple of 16 for the Triton kernel")
-    return tc.Tile(block_m, block_n, block_k, num_warps=warps, num_stages=2 if fp32 else 3)
+    if arch == 120 and block_m == 64:  # 64x128x64 spills 16 bytes there (AWQ and GPTQ, 16-bit)
+        block_k = min(block_k, 32)
+    stages = 2 if fp32 else 3
+    return tc.Tile(block_m, block_n, block_k, num_warps=warps, num_stages=stages)
 
 
 @triton.jit
@@ -53,6 +60,8 @@ def _quant_gemm_kernel(
     mins_ptr,
     perm_ptr,
     out_ptr,
+    partial_ptr,
+    tile_counters_ptr,
     M,
     N,
     K,
@@ -129,12 +138,21 @@ def _quant_gemm_kernel(
             acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc)
         else:
             acc = tl.dot(x, w.to(x.dtype), acc, input_precision=DOT_PRECISION)
-    ptrs = out_ptr + pid_k * stride_split + offs_m[:, None] * stride_om + offs_n[None, :]
+    tile = offs_m[:, None] * stride_om + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT:
-        tl.store(ptrs, acc, mask=mask)
+    if SPLIT:  # partials [splits, M, N] fp32, laid out as out
+        tl.store(partial_ptr + pid_k * stride_split + tile, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial stored before the release below publishes it
+        counter = tile_counters_ptr + pid_m * tl.num_programs(1) + pid_n
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(2) - 1:  # the last split of this tile: the others' partials are visible
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for split in range(tl.num_programs(2)):
+                total += tl.load(partial_ptr + split * stride_split + tile, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + tile, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(counter, 0)  # ready for the next launch, which a graph replay makes without a memset
     else:
-        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + tile, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @implements("awq_gemm", "triton")
@@ -159,7 +177,9 @@ def _run(x, qweight, qzeros, scales, perm, **fmt) -> torch.Tensor:
     out = tc.empty((m, n), x.dtype, x.device)
     if m == 0:
         return out
-    return tc.run_split_k(*quant_gemm_launch(x, qweight, qzeros, scales, perm, out, **fmt), out)
+    launch, _ = quant_gemm_launch(x, qweight, qzeros, scales, perm, out, **fmt)
+    launch(x.device)
+    return out
 
 
 def quant_gemm_launch(
@@ -176,20 +196,26 @@ def quant_gemm_launch(
     gguf: bool = False,
     mins=None,
     splits: int | None = None,
+    arch: int | None = None,
 ) -> tuple[tc.Launch, torch.Tensor | None]:
-    """The launch for one call and, with split-K, the fp32 `[splits, M, N]` partials it writes (summed by the
-    caller); `splits` defaults to the dispatcher's choice. `gguf`: GGUF rows (`qweight [N, K*bits/8]`, `scales`
-    and Q4_1's `mins` `[N, K/32]`, no `qzeros`: a constant zero `zero_offset`)."""
+    """The launch for one call, which writes `out`, and with split-K the fp32 `[splits, M, N]` partials it sums
+    there (scratch, returned for tests); `splits` defaults to the dispatcher's choice. `gguf`: GGUF rows
+    (`qweight [N, K*bits/8]`, `scales` and Q4_1's `mins` `[N, K/32]`, no `qzeros`: a constant zero
+    `zero_offset`). Tiles are `arch`'s (None: the device's)."""
     m, k = x.shape
     n, groups = scales.shape if gguf else scales.shape[::-1]
     _check_quant_launch(x, qweight, qzeros, scales, mins, perm, awq, gguf, bits, k, n, groups)
     group_size = k // groups
-    tile = quant_tile(m, group_size, x.dtype)
+    tile = quant_tile(m, group_size, x.dtype, tc.arch(x.device) if arch is None else arch)
     if gguf and x.dtype == torch.float32:  # its nibble addressing takes a few more registers: 2 stages spill
         tile = dataclasses.replace(tile, num_stages=1)
     grid_mn = (triton.cdiv(m, tile.block_m), triton.cdiv(n, tile.block_n))
     k_per_split, partial = tc.split_k(out, k, tile.block_k, grid_mn[0] * grid_mn[1], splits)
-    target = out if partial is None else partial
+    if partial is not None and x.dtype == torch.float32:  # the in-kernel reduction's registers: 2 stages spill
+        tile = dataclasses.replace(tile, num_stages=1)
+    if partial is not None and out.stride() != partial.stride()[1:]:
+        raise ValueError(f"quantized gemm: out must be contiguous for split-K, got strides {out.stride()}")
+    counters = tc.tile_counters(out.device, grid_mn[0] * grid_mn[1]) if partial is not None else out
     launch = tc.Launch(
         _quant_gemm_kernel,
         (*grid_mn, triton.cdiv(k, k_per_split)),
@@ -200,15 +226,17 @@ def quant_gemm_launch(
             scales,
             scales if mins is None else mins,
             x if perm is None else perm,
-            target,
+            out,
+            out if partial is None else partial,  # unread placeholders without split-K
+            counters,
             m,
             n,
             k,
             group_size,
             k_per_split,
             x.stride(0),
-            target.stride(-2),
-            target.stride(0) if partial is not None else 0,
+            out.stride(0),
+            partial.stride(0) if partial is not None else 0,
         ),
         dict(
             AWQ=awq,
@@ -252,23 +280,24 @@ def _check_quant_launch(x, qweight, qzeros, scales, mins, perm, awq, gguf, bits,
 
 @register("awq_gemm")
 def _compile_awq(arch: int):
-    """Every tile the dispatcher picks (decode, decode split-K, mid, prefill) per dtype and K step, the same on
-    every arch; group size and shapes are runtime arguments except where they shrink BLOCK_K."""
-    yield from _compile_cases(awq=True, variants=[(4, 0, "")])
+    """Every tile the dispatcher picks (decode, decode split-K, mid, prefill) per dtype and K step, on the arch
+    given; group size and shapes are runtime arguments except where they shrink BLOCK_K."""
+    yield from _compile_cases(arch, awq=True, variants=[(4, 0, "")])
 
 
 @register("gptq_gemm")
 def _compile_gptq(arch: int):
-    yield from _compile_cases(awq=False, variants=[(4, 1, ""), (4, 0, "perm"), (8, 1, "perm")])
+    yield from _compile_cases(arch, awq=False, variants=[(4, 1, ""), (4, 0, "perm"), (8, 1, "perm")])
 
 
 @register("gguf_gemm")
 def _compile_gguf(arch: int):
     """Q4_0 and Q8_0 (constant zero), Q4_1 (float minimum); GGUF's groups are always 32."""
-    yield from _compile_cases(awq=False, variants=[(4, 8, "gguf"), (8, 0, "gguf"), (4, 0, "gguf min")], groups=(32,))
+    variants = [(4, 8, "gguf"), (8, 0, "gguf"), (4, 0, "gguf min")]
+    yield from _compile_cases(arch, awq=False, variants=variants, groups=(32,))
 
 
-def _compile_cases(awq: bool, variants, groups=(32, 128)):
+def _compile_cases(arch: int, awq: bool, variants, groups=(32, 128)):
     """`variants`: (bits, zero_offset, form), form "" (packed zeros), "perm" (act-order), "gguf" (no packed
     zeros), "gguf min" (no packed zeros, float minimum)."""
     seen = set()
@@ -292,6 +321,7 @@ def _compile_cases(awq: bool, variants, groups=(32, 128)):
                         gguf=gguf,
                         mins=mins,
                         splits=splits,
+                        arch=arch,
                     )
                     key = (dtype, *sorted(launch.kwargs.items()))
                     if key in seen:

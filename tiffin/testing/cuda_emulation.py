@@ -29,8 +29,9 @@ runs when issued), the pool's reuse of memory freed within a capture (a graph he
 graph memory reads higher than on a GPU), bf16 (the interpreter's bf16 dots are wrong: test in fp32/fp16).
 
 Counted, for tests to assert per step: `uploads` (host -> device copies) and `reads` (device -> host), each a
-list of short descriptions; `launches` (the Triton kernels launched, by name). `allocated(device)` and the
-peak are tracked from tagged storages, behind `torch.cuda.memory_allocated` / `mem_get_info`.
+list of short descriptions; `launches` (the Triton kernels launched, by name); a graph's `kernels()` lists what
+its replay would launch. `allocated(device)` and the peak are tracked from tagged storages, behind
+`torch.cuda.memory_allocated` / `mem_get_info`.
 """
 
 import contextlib
@@ -229,6 +230,8 @@ class CudaEmulation:
             emu._launch(self_launch, lambda launch: original_launch(launch, torch.device("cpu")))
 
         patch(triton_common.Launch, "__call__", launch)
+        # split-K tile counters are kept per device: ones from before this emulation are untagged host memory
+        patch(triton_common, "_TILE_COUNTERS", {})
 
         original_run = threading.Thread.run
 
@@ -263,6 +266,7 @@ class CudaEmulation:
         self.launches.append(launch.kernel.fn.__name__)
         if self.capturing is not None:
             again = lambda *args: run(dataclasses.replace(launch, args=args))
+            again.__name__ = launch.kernel.fn.__name__  # what `_Graph.kernels` names it by
             self.capturing.nodes.append(_Node(again, launch.args, {}, None))
         with _no_modes():
             run(launch)
@@ -430,6 +434,11 @@ class _Graph:
         with _no_modes(), torch.inference_mode():  # captured tensors may be inference tensors
             for node in self.nodes:
                 node.replay()
+
+    def kernels(self) -> list[str]:
+        """What a GPU would launch on replay, in order: each recorded aten op (`aten.mm.default`) and Triton kernel
+        (its function's name)."""
+        return [str(n.func) if isinstance(n.func, torch._ops.OpOverload) else n.func.__name__ for n in self.nodes]
 
     def pool(self) -> object:
         return self

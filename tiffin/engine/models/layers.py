@@ -26,11 +26,12 @@ def gelu_and_mul(gate_up: torch.Tensor, approximate: str = "none") -> torch.Tens
     return torch.nn.functional.gelu(gate, approximate=approximate) * up
 
 
-# hidden_act -> fn(gate_up [..., 2 * intermediate]) -> act(gate) * up [..., intermediate]
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+# hidden_act -> fn(gate_up [..., 2 * intermediate], backend="torch") -> act(gate) * up [..., intermediate]; the
+# GELUs stay in torch on every backend (no fused Triton kernel for them yet: a GELU model decodes unfused)
+ACTIVATIONS: dict[str, Callable[..., torch.Tensor]] = {
     "silu": kernels.silu_and_mul,
-    "gelu": gelu_and_mul,
-    "gelu_pytorch_tanh": lambda gate_up: gelu_and_mul(gate_up, "tanh"),
+    "gelu": lambda gate_up, backend="torch": gelu_and_mul(gate_up),
+    "gelu_pytorch_tanh": lambda gate_up, backend="torch": gelu_and_mul(gate_up, "tanh"),
 }
 
 
@@ -40,8 +41,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, backend: str = "torch") -> torch.Tensor:
+        return kernels.rms_norm(x, self.weight, self.eps, backend)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): one kernel on a GPU, the unfused add and norm on CPU."""
+        return kernels.add_rms_norm(x, residual, self.weight, self.eps, backend)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -93,22 +98,53 @@ class Rotation:
             return cpu_native.rotary(x, positions, r.cos, r.sin)
         if self._cos_sin is None:
             self._cos_sin = r.cos[positions].to(x.dtype)[:, None], r.sin[positions].to(x.dtype)[:, None]
-        cos, sin = self._cos_sin
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        return kernels.fused.rotate(x, *self._cos_sin)
+
+    def rotate_and_write_kv(
+        self, qk: torch.Tensor, v: torch.Tensor, attention, slot_mapping: torch.Tensor, backend: str
+    ) -> torch.Tensor:
+        """Rotate the query and key heads of `qk`, write the keys and `v` to `attention`'s caches -> the queries.
+        With Triton, one kernel reads the tables at the positions itself; otherwise the rotation above (gathered
+        once per forward, or the native CPU pass) and `write_kv`."""
+        if backend == "triton":
+            r = self.rotary
+            return kernels.rotary_write_kv(
+                qk,
+                v,
+                attention.k_cache,
+                attention.v_cache,
+                slot_mapping,
+                self.positions,
+                r.cos,
+                r.sin,
+                attention.num_heads,
+                backend,
+            )
+        q, k = self(qk).split([attention.num_heads, attention.num_kv_heads], dim=1)
+        kernels.write_kv(k, v, attention.k_cache, attention.v_cache, slot_mapping, backend)
+        return q
 
 
 class MLP(nn.Module):
     """down(act(gate(x)) * up(x)), gate and up stacked into one projection."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool, linear: LinearFactory):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        hidden_act: str,
+        bias: bool,
+        linear: LinearFactory,
+        backend: str = "torch",
+    ):
         super().__init__()
+        self.backend = backend
         self.gate_up_proj = linear("gate_up_proj", hidden_size, [intermediate_size] * 2, bias, "column")
         self.down_proj = linear("down_proj", intermediate_size, [hidden_size], bias, "row")
         self.act_and_mul = ACTIVATIONS[hidden_act]
 
     def forward(self, x: torch.Tensor, lora: LoRAMetadata | None = None) -> torch.Tensor:
-        return self.down_proj(self.act_and_mul(self.gate_up_proj(x, lora)), lora)
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x, lora), self.backend), lora)
 
 
 def prefixed(factory: LinearFactory | EmbeddingFactory, prefix: str) -> LinearFactory | EmbeddingFactory:

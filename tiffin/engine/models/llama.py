@@ -64,9 +64,8 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
-        q, k = rotation(qk).split([self.num_heads, self.num_kv_heads], dim=1)
-        kernels.write_kv(k, v, self.k_cache, self.v_cache, attn_metadata.slot_mapping, self.backend)
+            qk = torch.cat([self.q_norm(q, self.backend), self.k_norm(k, self.backend)], dim=1)
+        q = rotation.rotate_and_write_kv(qk, v, self, attn_metadata.slot_mapping, self.backend)
         o = kernels.paged_attention(q, self.k_cache, self.v_cache, attn_metadata, self.scale, self.backend)
         return self.o_proj(o.flatten(1), lora)
 
@@ -80,12 +79,25 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, prefixed(linear, "self_attn."), rotary, backend, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
         self.mlp = MLP(
-            config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias, prefixed(linear, "mlp.")
+            config.hidden_size,
+            config.intermediate_size,
+            config.hidden_act,
+            config.mlp_bias,
+            prefixed(linear, "mlp."),
+            backend,
         )
+        self.backend = backend
 
-    def forward(self, x, rotation, attn_metadata, lora):
-        x = x + self.self_attn(self.input_layernorm(x), rotation, attn_metadata, lora)
-        return x + self.mlp(self.post_attention_layernorm(x), lora)
+    def forward(self, x, residual, rotation, attn_metadata, lora) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream without it): the next layer (or the final norm) adds the
+        two in its norm's kernel. `residual` None: the first layer, whose `x` is the embedding."""
+        if residual is None:
+            x, residual = self.input_layernorm(x, self.backend), x
+        else:
+            x, residual = self.input_layernorm.add_and_norm(x, residual, self.backend)
+        x = self.self_attn(x, rotation, attn_metadata, lora)
+        x, residual = self.post_attention_layernorm.add_and_norm(x, residual, self.backend)
+        return self.mlp(x, lora), residual
 
 
 class Model(nn.Module):
@@ -105,13 +117,13 @@ class Model(nn.Module):
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
-        self.rotary = rotary
+        self.rotary, self.backend = rotary, backend
 
     def forward(self, input_ids, positions, attn_metadata, lora):
-        x, rotation = self.embed_tokens(input_ids), self.rotary.at(positions)
+        x, residual, rotation = self.embed_tokens(input_ids), None, self.rotary.at(positions)
         for layer in self.layers:
-            x = layer(x, rotation, attn_metadata, lora)
-        return self.norm(x)
+            x, residual = layer(x, residual, rotation, attn_metadata, lora)
+        return self.norm.add_and_norm(x, residual, self.backend)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,51 @@
+"""How many kernels one decode layer launches in a captured decode graph, recorded by the CUDA emulation (every
+aten op and Triton launch of the capture): a replay costs the GPU one launch each, and a small model's decode
+step is bound by them (issue #25). A bf16-shaped llama run in fp16 (the interpreter computes bf16 wrongly; the
+kernels launched are the same), plain and AWQ.
+
+Before the fused kernels: 33 plain (RMSNorm 8 ops twice, rotary 7, two residual adds, SiLU and mul), 39 AWQ (a
+`sum` and `copy_` after each split-K GEMM). With them: 9 each (two norms, rotary + KV write, attention, SiLU-and-
+mul, four GEMMs)."""
+
+from pathlib import Path
+
+import pytest
+
+from tiffin import LLM
+from tiffin.engine.worker import model_runner
+from tiffin.engine.worker.cuda_graphs import DecodeGraphs
+
+QUANT = Path(__file__).parents[1] / "fixtures" / "quant"
+
+
+def decode_layer_kernels(path, emu, size: int = 1) -> list[str]:
+    """The kernels of the second decoder layer (the first also gathers the step's rotary rows for all layers) in
+    the captured decode graph of `size` sequences."""
+    llm = LLM(str(path), device="cuda", dtype="float16", enforce_eager=True, num_kv_blocks=16, max_model_len=64)
+    runner = llm.llm_engine.model_runner
+    layer = runner.model.model.layers[1]
+    marks = []
+    mark = lambda *_: marks.append(len(emu.capturing.nodes)) if emu.capturing is not None else None
+    hooks = [layer.register_forward_pre_hook(mark), layer.register_forward_hook(mark)]
+    graphs = DecodeGraphs([size], runner.device, runner.block_size, runner.num_blocks, runner.max_blocks_per_seq)
+    try:
+        graphs.capture(runner.model)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    graph, _ = graphs.graphs[size]
+    start, end = marks
+    return graph.kernels()[start:end]
+
+
+@pytest.fixture
+def no_warm_up(monkeypatch):
+    monkeypatch.setattr(model_runner, "warm_up_triton", lambda runner: None)
+
+
+@pytest.mark.parametrize("model", ["plain", "awq"])
+def test_decode_layer_kernel_count(tiny_model, cuda_emulation, no_warm_up, model):
+    path = tiny_model("llama") if model == "plain" else QUANT / "awq-g64"
+    kernels = decode_layer_kernels(path, cuda_emulation)
+    assert len(kernels) <= 12, kernels
+    assert kernels.count("_paged_attention_kernel") == 1  # the window is one whole layer

@@ -1,0 +1,284 @@
+"""Triton kernels of the element-wise ops of a decode layer, one launch each where torch issues a chain:
+RMSNorm (with or without the residual add before it), SiLU-and-mul, and the rotary embedding fused with the KV
+cache write. The torch implementations (kernels/__init__.py, kernels/fused.py) are their references: each kernel
+rounds where torch rounds (every intermediate torch stores in the activation dtype is cast to it here), with fp32
+arithmetic in between. One program per row (per token and head for the rotary): decode rows are few and short,
+and a row fits one block (hidden sizes up to 16k).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from tiffin.kernels import triton_common as tc
+from tiffin.kernels.compile_check import CompileCase, register
+from tiffin.kernels.dispatch import implements
+
+MAX_ROW = 16384  # the widest row one program handles (a block of the whole row)
+
+
+def _row_launch_options(width: int) -> dict:
+    """One block of the row, padded to a power of two; warps so that each thread holds at most 16 elements."""
+    block = triton.next_power_of_2(width)
+    if block > MAX_ROW:
+        raise ValueError(f"row of {width} elements: the fused kernels take at most {MAX_ROW}")
+    return dict(BLOCK=block, num_warps=max(1, min(16, block // 512)))
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """`x` as `[rows, width]` with unit stride along the row (a copy only where it has none)."""
+    x = x.reshape(-1, x.shape[-1])
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_out_ptr,
+    width,
+    eps,
+    stride_x,
+    stride_residual,
+    stride_out,
+    stride_residual_out,
+    ADD_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < width
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    dtype = x.dtype
+    if ADD_RESIDUAL:  # the sum is stored in x's dtype, and the norm reads it rounded
+        r = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        tl.store(residual_out_ptr + row * stride_residual_out + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / width + eps)
+    normed = (xf * rstd).to(dtype)  # cast back before the weight multiply, as the reference models do
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_out + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(dtype), mask=mask)
+
+
+def rms_norm_launch(x, residual, weight, eps: float) -> tuple[tc.Launch, torch.Tensor, torch.Tensor | None]:
+    """The launch and its outputs (normed `[rows, width]`, and the new residual when `residual` is given)."""
+    x = _rows(x)
+    rows, width = x.shape
+    if weight.shape != (width,) or not weight.is_contiguous():
+        raise ValueError(f"rms_norm: weight must be contiguous [{width}], got {tuple(weight.shape)}")
+    out = tc.empty((rows, width), x.dtype, x.device)
+    residual_out = None if residual is None else tc.empty((rows, width), x.dtype, x.device)
+    residual = x if residual is None else _rows(residual)
+    target = out if residual_out is None else residual_out  # unused placeholder without a residual
+    launch = tc.Launch(
+        _rms_norm_kernel,
+        (rows,),
+        (
+            x,
+            residual,
+            weight,
+            out,
+            target,
+            width,
+            eps,
+            x.stride(0),
+            residual.stride(0),
+            out.stride(0),
+            target.stride(0),
+        ),
+        dict(ADD_RESIDUAL=residual_out is not None, **_row_launch_options(width)),
+    )
+    return launch, out, residual_out
+
+
+@implements("rms_norm", "triton")
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    launch, out, _ = rms_norm_launch(x, None, weight, eps)
+    if x.numel():
+        launch(x.device)
+    return out.view(x.shape)
+
+
+@implements("add_rms_norm", "triton")
+def add_rms_norm_triton(x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+    launch, out, residual_out = rms_norm_launch(x, residual, weight, eps)
+    if x.numel():
+        launch(x.device)
+    return out.view(x.shape), residual_out.view(x.shape)
+
+
+@triton.jit
+def _silu_and_mul_kernel(gate_up_ptr, out_ptr, width, stride_in, stride_out, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < width
+    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0)
+    up = tl.load(gate_up_ptr + row * stride_in + width + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # torch stores silu(gate) before the multiply
+    tl.store(out_ptr + row * stride_out + cols, (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+
+
+def silu_and_mul_launch(gate_up: torch.Tensor) -> tuple[tc.Launch, torch.Tensor]:
+    gate_up = _rows(gate_up)
+    rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+    out = tc.empty((rows, width), gate_up.dtype, gate_up.device)
+    launch = tc.Launch(
+        _silu_and_mul_kernel,
+        (rows,),
+        (gate_up, out, width, gate_up.stride(0), out.stride(0)),
+        _row_launch_options(width),
+    )
+    return launch, out
+
+
+@implements("silu_and_mul", "triton")
+def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
+    launch, out = silu_and_mul_launch(gate_up)
+    if gate_up.numel():
+        launch(gate_up.device)
+    return out.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
+@triton.jit
+def _rotary_write_kv_kernel(
+    qk_ptr,
+    v_ptr,
+    positions_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    num_heads,
+    stride_qk_token,
+    stride_qk_head,
+    stride_v_token,
+    stride_v_head,
+    stride_q_token,
+    stride_q_head,
+    HALF: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Program (token, head) over the query heads then the key heads; a key head also copies its value head."""
+    token, head = tl.program_id(0), tl.program_id(1)
+    d = tl.arange(0, BLOCK)
+    mask = d < HALF
+    pos = tl.load(positions_ptr + token)
+    src = qk_ptr + token * stride_qk_token + head * stride_qk_head
+    x1 = tl.load(src + d, mask=mask, other=0.0)
+    x2 = tl.load(src + HALF + d, mask=mask, other=0.0)
+    dtype = x1.dtype
+    # cos/sin rounded to x's dtype, each product and the sum rounded to it: the unfused rotation's arithmetic
+    cos = tl.load(cos_ptr + pos * HALF + d, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * HALF + d, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    y1 = ((a * cos).to(dtype).to(tl.float32) - (b * sin).to(dtype).to(tl.float32)).to(dtype)
+    y2 = ((b * cos).to(dtype).to(tl.float32) + (a * sin).to(dtype).to(tl.float32)).to(dtype)
+    if head < num_heads:
+        dst = q_out_ptr + token * stride_q_token + head * stride_q_head
+        tl.store(dst + d, y1, mask=mask)
+        tl.store(dst + HALF + d, y2, mask=mask)
+    else:
+        slot = tl.load(slot_mapping_ptr + token)
+        if slot >= 0:  # -1: a padding row, written nowhere
+            kv_head = head - num_heads
+            num_kv_heads = tl.num_programs(1) - num_heads
+            row = (slot * num_kv_heads + kv_head) * (2 * HALF)  # contiguous caches: [slots, kv_heads, head_dim]
+            k_cache_dtype = k_cache_ptr.dtype.element_ty
+            tl.store(k_cache_ptr + row + d, y1.to(k_cache_dtype), mask=mask)
+            tl.store(k_cache_ptr + row + HALF + d, y2.to(k_cache_dtype), mask=mask)
+            v_src = v_ptr + token * stride_v_token + kv_head * stride_v_head
+            v_lo = tl.load(v_src + d, mask=mask, other=0.0)
+            v_hi = tl.load(v_src + HALF + d, mask=mask, other=0.0)
+            v_cache_dtype = v_cache_ptr.dtype.element_ty
+            tl.store(v_cache_ptr + row + d, v_lo.to(v_cache_dtype), mask=mask)
+            tl.store(v_cache_ptr + row + HALF + d, v_hi.to(v_cache_dtype), mask=mask)
+
+
+def rotary_write_kv_launch(
+    qk, v, k_cache, v_cache, slot_mapping, positions, cos, sin, num_heads: int
+) -> tuple[tc.Launch, torch.Tensor]:
+    num_tokens, heads, head_dim = qk.shape
+    if k_cache.shape[2:] != (heads - num_heads, head_dim) or k_cache.shape != v_cache.shape:
+        raise ValueError(f"rotary_write_kv: caches {tuple(k_cache.shape)} do not fit qk {tuple(qk.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("rotary_write_kv: k_cache and v_cache must be contiguous")
+    if qk.stride(2) != 1 or v.stride(2) != 1 or not (cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError("rotary_write_kv: qk, v, cos and sin need unit stride along head_dim")
+    if slot_mapping.dtype != torch.int64 or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError("rotary_write_kv: slot_mapping must be int64 and positions integers")
+    q = tc.empty((num_tokens, num_heads, head_dim), qk.dtype, qk.device)
+    half = head_dim // 2
+    launch = tc.Launch(
+        _rotary_write_kv_kernel,
+        (num_tokens, heads),
+        (
+            qk,
+            v,
+            positions,
+            cos,
+            sin,
+            q,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            num_heads,
+            qk.stride(0),
+            qk.stride(1),
+            v.stride(0),
+            v.stride(1),
+            q.stride(0),
+            q.stride(1),
+        ),
+        dict(HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1),
+    )
+    return launch, q
+
+
+@implements("rotary_write_kv", "triton")
+def rotary_write_kv_triton(qk, v, k_cache, v_cache, slot_mapping, positions, cos, sin, num_heads) -> torch.Tensor:
+    launch, q = rotary_write_kv_launch(qk, v, k_cache, v_cache, slot_mapping, positions, cos, sin, num_heads)
+    if qk.shape[0]:
+        launch(qk.device)
+    return q
+
+
+@register("fused_elementwise")
+def _compile_cases(arch: int):
+    """Per activation dtype: RMSNorm with and without the residual (hidden 2048 and 8192, the widest block per warp
+    count), SiLU-and-mul (intermediate 8192 and 14336), the rotary KV write (head_dim 64, 128, 256)."""
+    meta = dict(device="meta")
+    for dtype in tc.DTYPES:
+        name = str(dtype).removeprefix("torch.")
+        for hidden in (2048, 8192):
+            x = torch.empty(4, hidden, dtype=dtype, **meta)
+            weight = torch.empty(hidden, dtype=dtype, **meta)
+            for residual in (None, torch.empty_like(x)):
+                launch, _, _ = rms_norm_launch(x, residual, weight, 1e-6)
+                add = "add_" if residual is not None else ""
+                yield CompileCase(launch.kernel, f"{add}rms_norm {name} hidden={hidden}", launch.args, launch.kwargs)
+        for intermediate in (8192, 14336):
+            launch, _ = silu_and_mul_launch(torch.empty(4, 2 * intermediate, dtype=dtype, **meta))
+            yield CompileCase(launch.kernel, f"silu_and_mul {name} I={intermediate}", launch.args, launch.kwargs)
+        for head_dim in (64, 128, 256):
+            qkv = torch.empty(4, (32 + 16) * head_dim, dtype=dtype, **meta)
+            qk, v = qkv.split([40 * head_dim, 8 * head_dim], dim=-1)
+            cache = torch.empty(64, 16, 8, head_dim, dtype=dtype, **meta)
+            rope = torch.empty(4096, head_dim // 2, dtype=torch.float32, **meta)
+            launch, _ = rotary_write_kv_launch(
+                qk.view(4, 40, head_dim),
+                v.view(4, 8, head_dim),
+                cache,
+                torch.empty_like(cache),
+                torch.empty(4, dtype=torch.int64, **meta),
+                torch.empty(4, dtype=torch.int64, **meta),
+                rope,
+                torch.empty_like(rope),
+                32,
+            )
+            yield CompileCase(launch.kernel, f"rotary_write_kv {name} head_dim={head_dim}", launch.args, launch.kwargs)
