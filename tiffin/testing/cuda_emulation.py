@@ -473,23 +473,24 @@ class _CaptureMode(TorchDispatchMode):
         ):
             raise EmulatedCudaError(f"{func} inside a CUDA graph capture: its result depends on device data")
         out = func(*args, **kwargs)
-        inputs = {t.untyped_storage() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.untyped_storage() not in inputs:
-                self.graph.inside.add(t.untyped_storage())
-        if func not in _NOT_REPLAYED and not _only_views(func, args, kwargs, out):
+        inputs = _storages((args, kwargs))
+        self.graph.inside.update(_storages(out) - inputs)
+        if func not in _NOT_REPLAYED and not _only_views(func, inputs, out):
             self.graph.nodes.append(_Node(func, args, kwargs, out))
         return out
 
 
-def _only_views(func, args, kwargs, out) -> bool:
-    """Whether the op only made views of its inputs (view, slice, t; `to` or `reshape` when they copied nothing,
-    as composite ops reach here unexpanded in inference mode), writing nothing."""
+def _storages(tree) -> set:
+    return {t.untyped_storage() for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)}
+
+
+def _only_views(func, inputs: set, out) -> bool:
+    """Whether the op only made views of its inputs' storages (view, slice, t; `to` or `reshape` when they copied
+    nothing, as composite ops reach here unexpanded in inference mode), writing nothing."""
     if any(r.alias_info is not None and r.alias_info.is_write for r in func._schema.returns):
         return False
-    inputs = {t.untyped_storage() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-    outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-    return bool(outs) and all(t.untyped_storage() in inputs for t in outs)
+    outs = _storages(out)
+    return bool(outs) and outs <= inputs
 
 
 class _DeviceMode(TorchFunctionMode):
