@@ -49,3 +49,30 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     weight_bytes: int
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's result: the embedding (task "embed") or the classifier's scores ("classify")."""
+
+    data: list[float]
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.data
+
+    @property
+    def score(self) -> float:
+        """A one-label classifier's score (a reranker's relevance)."""
+        return self.data[0]
+
+
+@dataclass
+class PoolingRequestOutput:
+    """vLLM's shape: `outputs.embedding` for an embedding, `outputs.score` for a score."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput | None  # None when it failed (`error`)
+    finished: bool = True
+    error: str | None = None
