@@ -10,6 +10,7 @@ from transformers import AutoModel, AutoTokenizer
 
 from tiffin import LLM, PoolingParams, SamplingParams
 from tiffin.engine.errors import ParamError
+from tiffin.engine.worker import model_runner
 from tiffin.tiny import make_tiny_model
 from tiffin.tiny_bert import make_tiny_bert
 
@@ -206,3 +207,39 @@ def test_xlm_roberta_positions_start_past_the_padding_id(tmp_path, bert_dir):
     with torch.no_grad():
         cls = torch.cat([model(**tokenizer(t, return_tensors="pt")).last_hidden_state[:, 0] for t in TEXTS])
     assert (got - torch.nn.functional.normalize(cls, dim=1)).abs().max() < 1e-5
+
+
+@pytest.fixture(scope="module")
+def on_cpu(tmp_path_factory, bert):
+    """What the CUDA test compares with, computed before the emulation starts (a CPU model's prepacked weights
+    cannot run under it): BERT's embeddings, a tiny llama's greedy tokens and one embedding."""
+    path = make_tiny_model(tmp_path_factory.mktemp("llama") / "m", "llama", seed=2)
+    llm = LLM(str(path), dtype="float32")
+    tokens = llm.generate(["import os"], CUDA_GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    return embeddings(bert, TEXTS), path, tokens, embeddings(llm, TEXTS[:1])
+
+
+CUDA_GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def test_the_cuda_path_pools_as_the_cpu_does(bert_dir, on_cpu, cuda_emulation, monkeypatch):
+    """Under the CUDA emulation (Triton kernels in the interpreter, warm-up included): a BERT embeds as on CPU
+    (its non-causal prefill kernel), captures no decode graphs, and a decoder's embedding requests run eagerly
+    beside graphed decodes."""
+    bert_vectors, llama_dir, tokens, vector = on_cpu
+    cuda = LLM(str(bert_dir), device="cuda", dtype="float32", max_num_seqs=4)
+    assert cuda.llm_engine.model_runner.decode_graphs is None
+    assert (embeddings(cuda, TEXTS) - bert_vectors).abs().max() < 1e-5
+    monkeypatch.setattr(model_runner, "warm_up_triton", lambda runner: None)  # the llama's: tested elsewhere
+    llm = LLM(str(llama_dir), device="cuda", dtype="float32", max_num_seqs=4, num_kv_blocks=64, max_model_len=96)
+    engine = llm.llm_engine
+    engine.add_request("g", "import os", CUDA_GREEDY)
+    engine.step()
+    replays = cuda_emulation.replays
+    engine.add_request("e", TEXTS[0], PoolingParams())
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished |= {o.request_id: o for o in engine.step() if o.finished}
+    assert cuda_emulation.replays > replays  # the decodes after the embedding replayed their graph
+    assert finished["g"].outputs[0].token_ids == tokens
+    assert (torch.tensor([finished["e"].outputs.embedding]) - vector).abs().max() < 1e-5
