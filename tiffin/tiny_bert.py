@@ -31,6 +31,7 @@ _CONFIG = dict(
 
 
 def train_wordpiece(vocab_size: int):
+    """A lower-casing WordPiece tokenizer of `vocab_size` tokens, the same in every process."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
@@ -39,6 +40,9 @@ def train_wordpiece(vocab_size: int):
     tok.decoder = decoders.WordPiece()
     trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False)
     tok.train_from_iterator(stdlib_corpus(vocab_size * 256), trainer)
+    # the trainer learns the same tokens in every process but numbers them in hash order: renumber them sorted
+    learned = sorted(set(tok.get_vocab()) - set(SPECIAL_TOKENS))
+    tok.model = models.WordPiece({t: i for i, t in enumerate([*SPECIAL_TOKENS, *learned])}, unk_token="[UNK]")
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]",
         pair="[CLS] $A:0 [SEP]:0 $B:1 [SEP]:1",
