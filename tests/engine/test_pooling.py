@@ -243,3 +243,22 @@ def test_the_cuda_path_pools_as_the_cpu_does(bert_dir, on_cpu, cuda_emulation, m
     assert cuda_emulation.replays > replays  # the decodes after the embedding replayed their graph
     assert finished["g"].outputs[0].token_ids == tokens
     assert (torch.tensor([finished["e"].outputs.embedding]) - vector).abs().max() < 1e-5
+
+
+def test_a_held_step_budget_still_runs_the_first_prompt_to_pool_whole(bert):
+    """An engine yielding to another may hold its steps to 1 token: each step then pools one whole prompt."""
+    want = embeddings(bert, TEXTS)
+    engine = bert.llm_engine
+    engine.scheduler.step_budget = 1
+    try:
+        for i, text in enumerate(TEXTS):
+            engine.add_request(f"held{i}", text, PoolingParams())
+        finished, steps = {}, 0
+        while engine.has_unfinished_requests():
+            finished |= {o.request_id: o for o in engine.step() if o.finished}
+            steps += 1
+    finally:
+        engine.scheduler.step_budget = None
+    assert steps == len(TEXTS)
+    got = torch.tensor([finished[f"held{i}"].outputs.embedding for i in range(len(TEXTS))])
+    assert (got - want).abs().max() < 1e-6

@@ -25,6 +25,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 from tiffin.engine.config import EngineConfig
@@ -37,6 +38,7 @@ from tiffin.engine.sampling_params import SamplingParams
 from tiffin.engine.scoring import cosine_scores, score_pairs
 from tiffin.engine.structured.backend import compile_error
 from tiffin.engine.structured.params import StructuredOutputsParams
+from tiffin.engine.turns import StepTurns
 
 logger = logging.getLogger(__name__)
 # Threads that render chat templates, apart from those that tokenize: a render runs up to chat_template_timeout.
@@ -101,13 +103,24 @@ class AsyncLLMEngine:
     """`await add_request(...)` or `async for out in generate(...)`; `stats()` for monitoring. `on_stats`
     is called in the engine thread with `LLMEngine.stats()` after every step and every inbox batch."""
 
-    def __init__(self, engine: LLMEngine, on_stats: Callable[[EngineStats], None] | None = None):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_stats: Callable[[EngineStats], None] | None = None,
+        turns: StepTurns | None = None,
+        yields: bool = False,
+    ):
+        """`turns`: shared with the other engines on this device, which then step in turn; `yields`: this engine
+        holds its steps short while another has work (an embedding model beside a chat model)."""
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.task, self.supported_tasks = engine.task, engine.supported_tasks
         self.lora_registry = engine.lora_registry  # its lookups are safe from any thread
         self._on_stats = on_stats
+        self._turns = turns
+        if turns is not None:
+            turns.join(engine, yields)
         self._inbox: deque[tuple] = deque()
         self._wakeup = threading.Event()
         self._active: dict[str, _Active] = {}
@@ -320,7 +333,8 @@ class AsyncLLMEngine:
             if not engine.has_unfinished_requests():
                 continue
             try:
-                outputs = engine.step()
+                with nullcontext() if self._turns is None else self._turns.step(engine):
+                    outputs = engine.step()
             except Exception as e:  # step() isolates failing requests itself: the engine is broken
                 logger.exception("engine step failed")
                 self._dead = f"engine failed: {type(e).__name__}: {e}"

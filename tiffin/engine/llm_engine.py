@@ -115,6 +115,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.num_prompt_tokens = self.num_generation_tokens = 0
         self.num_pooling_requests = self.num_pooling_tokens = 0
+        self.last_step_tokens = 0
         self._failed: list[str] = []  # requests failed during this step
         self._grammar_backend: GrammarBackend | None = None  # made for the first structured-outputs request
         self._grammar_backend_lock = threading.Lock()
@@ -176,6 +177,7 @@ class LLMEngine:
         """Run one scheduled forward; return the outputs of requests that changed (failed ones included)."""
         failed = self._fail_broken_grammars()
         scheduler_output = self.scheduler.schedule()
+        self.last_step_tokens = sum(scheduler_output.num_scheduled_tokens)
         if not scheduler_output.seqs:
             self._wait_for_grammars()
             return failed

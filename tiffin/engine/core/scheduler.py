@@ -8,7 +8,9 @@ and decodes wait at most every other step. When blocks run out, the most recentl
 preempted by recompute: its blocks are freed and it goes back to the head of the waiting queue.
 
 A pooling sequence (embeddings, scores) runs its whole prompt in one step, with no prefix-cache hit, and finishes
-in it: its hidden states all come from that step's forward, and an encoder's attention sees the whole prompt.
+in it: its hidden states all come from that step's forward, and an encoder's attention sees the whole prompt. A
+step held below max_num_batched_tokens (`step_budget`: an engine yielding to another, tiffin.engine.turns) still
+takes the first waiting one whole: no prompt waits for a budget it cannot get.
 """
 
 from collections import deque
@@ -54,6 +56,7 @@ class Scheduler:
         self.max_loras = config.max_loras if config.enable_lora else None
         self.prefill_first = config.prefill_first
         self.last_step_skipped_decodes = False  # the last step left running decodes out
+        self.step_budget: int | None = None  # tokens of the next steps, when held below max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -73,7 +76,7 @@ class Scheduler:
         return out
 
     def _schedule(self, decodes: bool) -> SchedulerOutput:
-        out, budget = SchedulerOutput(), self.max_num_batched_tokens
+        out, budget = SchedulerOutput(), self.step_budget or self.max_num_batched_tokens
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -104,7 +107,11 @@ class Scheduler:
             cached = [] if pools else self.block_manager.get_computed_blocks(seq)
             num_cached = len(cached) * self.block_manager.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
-            if (pools and num_new < seq.num_tokens) or not self.block_manager.allocate_slots(seq, num_new, cached):
+            if pools and num_new < seq.num_tokens:  # a prompt to pool runs whole: first in a step, past a held budget
+                if out.seqs:
+                    break
+                num_new = seq.num_tokens
+            if not self.block_manager.allocate_slots(seq, num_new, cached):
                 break
             self.waiting.popleft()
             self._count_cache_lookup(seq, num_cached)
