@@ -37,7 +37,7 @@ LAYERS = [
     ),
     ("quantization formats", ["tiffin.quant"]),
     ("kernels", ["tiffin.kernels"]),
-    ("assets", ["tiffin.tiny", "tiffin.smollm2", "tiffin.cache"]),
+    ("assets", ["tiffin.tiny", "tiffin.smollm2", "tiffin.minilm", "tiffin.pypi_models", "tiffin.cache"]),
 ]
 ROOT = Path(tiffin.__file__).parent
 
