@@ -7,7 +7,9 @@ at float32 and bfloat16. sentence-transformers: `SentenceTransformer(dir, device
 at float32 for each b of a sweep; the best of them is the reference of the ratio column. Every configuration is
 loaded, then warmed up with one pass over W, then timed over W in rounds that visit every configuration in turn
 (so that a shared machine's drift hits all of them alike); the best round of each is reported. Both peers run
-under the OpenMP settings importing tiffin makes (GOMP_SPINCOUNT: tiffin/__init__.py), being in one process.
+under the OpenMP settings importing tiffin makes (GOMP_SPINCOUNT: tiffin/__init__.py), being in one process;
+sentence-transformers at --threads torch threads, tiffin at as many as its ThreadSizer finds free (at most the
+usable CPUs: all of them on a quiet machine); the threads column says what each ran at.
 
     python benchmarks/embeddings.py [--n 1000] [--tokens 8:128] [--batch-sizes 16,32,64,128] [--rounds 3]
     python benchmarks/embeddings.py --peers sentence-transformers   # the reference alone
@@ -42,7 +44,7 @@ class Config:
     dtype: str
     batch: str
     embed: Callable[[list[str]], list[list[float]]]
-    threads: int = 0  # torch's intra-op threads when it ran
+    threads: int  # torch's intra-op threads: at the end of its last run
     best_s: float = float("inf")
     last: list[list[float]] | None = None
 
@@ -69,10 +71,10 @@ def tiffin_config(model_dir: str, dtype: str) -> Config:
             raise RuntimeError(f"tiffin {dtype}: {len(failed)} of {len(outs)} embeddings failed: {failed[:3]}")
         return [o.outputs.embedding for o in outs]
 
-    return Config("tiffin", dtype, "engine", embed)
+    return Config("tiffin", dtype, "engine", embed, torch.get_num_threads())  # as its engine set them
 
 
-def sentence_transformers_configs(model_dir: str, batch_sizes: list[int]) -> list[Config]:
+def sentence_transformers_configs(model_dir: str, batch_sizes: list[int], threads: int) -> list[Config]:
     from sentence_transformers import SentenceTransformer
 
     model = SentenceTransformer(model_dir, device="cpu")
@@ -82,6 +84,7 @@ def sentence_transformers_configs(model_dir: str, batch_sizes: list[int]) -> lis
             "float32",
             str(b),
             lambda s, b=b: model.encode(s, batch_size=b, show_progress_bar=False).tolist(),
+            threads,
         )
         for b in batch_sizes
     ]
@@ -143,16 +146,21 @@ def main(argv: list[str] | None = None) -> None:
 
     configs: list[Config] = []
     if "sentence-transformers" in args.peers:
-        configs += sentence_transformers_configs(model_dir, args.batch_sizes)
+        configs += sentence_transformers_configs(model_dir, args.batch_sizes, args.threads)
     if "tiffin" in args.peers:
         configs += [tiffin_config(model_dir, dtype) for dtype in TIFFIN_DTYPES]
+    # The thread count is the process's: each configuration gets its own back before it runs (tiffin's engine,
+    # what its ThreadSizer last chose; sentence-transformers, --threads).
     for config in configs:
+        torch.set_num_threads(config.threads)
         config.last = config.embed(sentences)  # warm-up
+        config.threads = torch.get_num_threads()
         if len(config.last) != len(sentences):
             raise RuntimeError(f"{config.peer} {config.dtype}: {len(config.last)} embeddings for {len(sentences)}")
     for _ in range(args.rounds):
         for config in configs:
             gc.collect()
+            torch.set_num_threads(config.threads)
             start = time.perf_counter()
             config.last = config.embed(sentences)
             config.best_s = min(config.best_s, time.perf_counter() - start)
