@@ -18,6 +18,7 @@ usable CPUs: all of them on a quiet machine); the threads column says what each 
 
 import argparse  # noqa: I001  (tiffin is imported before torch: it sets torch's OpenMP defaults)
 import gc
+import os
 import subprocess
 import sys
 import time
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
         }
         for c in configs
     ]
-    print(f"CPU: {cpu_name()}; torch {torch.__version__}, {torch.get_num_threads()} threads\n")
+    print(f"CPU: {cpu_name()}, {len(os.sched_getaffinity(0))} usable; torch {torch.__version__}, threads per row\n")
     print(markdown_table(rows))
     if reference:
         for c in configs:
