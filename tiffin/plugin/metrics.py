@@ -27,6 +27,11 @@ class EngineMetrics:
         self.prompt_tokens = Counter("tiffin_prompt_tokens", "Prompt tokens of accepted requests.")
         self.generation_tokens = Counter("tiffin_generation_tokens", "Generated tokens.")
         self.preemptions = Counter("tiffin_preemptions", "Sequences preempted (recomputed later).")
+        self.embedding_requests = Counter(
+            "tiffin_embedding_requests",
+            "Inputs embedded or scored: engine requests of /v1/embeddings, /v1/score, /v1/rerank and the typed APIs.",
+        )
+        self.embedding_tokens = Counter("tiffin_embedding_tokens", "Tokens of the inputs embedded or scored.")
         self.ttft = Histogram(
             "tiffin_time_to_first_token_seconds", "Time to first token.", buckets=REQUEST_LATENCY_BUCKETS
         )
@@ -56,6 +61,11 @@ class EngineMetrics:
         if total > self._seen.get(counter, 0):
             counter.inc(total - self._seen.get(counter, 0))
             self._seen[counter] = total
+
+    def on_pooled(self, requests: int, tokens: int) -> None:
+        """`PoolingServing`'s hook: an answered pooling request ran `requests` engine requests of `tokens` tokens."""
+        self.embedding_requests.inc(requests)
+        self.embedding_tokens.inc(tokens)
 
     def on_finished(self, stream, output) -> None:
         """A request finished: latencies as its reader saw them (RequestStream timestamps)."""

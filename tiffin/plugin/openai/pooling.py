@@ -1,0 +1,201 @@
+"""`PoolingServing`: /embeddings, /score and /rerank on an `AsyncLLMEngine` whose model embeds or scores pairs.
+
+Invariants:
+- Each input (each document, each scored pair group) is one engine request, all running concurrently; the first
+  refused or failed one fails the whole request and cancels the others, whose engine requests abort: nothing
+  keeps running for a request that has been answered. So does a client that disconnects.
+- A refusal names the request field at fault: the input's own (`input`, `text_2`, `documents`, with its index
+  when there are several) when the input was refused (too long, bad token ids), else the pooling field the
+  engine named (`dimensions`, `truncate_prompt_tokens`, ...).
+- `encoding_format: "base64"` is the little-endian float32 bytes of exactly the floats `"float"` sends.
+- A response body is serialized on a worker thread: 2,048 embeddings of 1,024 floats are megabytes of JSON, which
+  on the event loop would stall every stream."""
+
+import asyncio
+import base64
+import json
+import struct
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request, Response
+
+from tiffin.engine.errors import EngineError, ParamError, QueueFull
+from tiffin.engine.outputs import PoolingRequestOutput
+from tiffin.engine.pooling_params import PoolingParams
+from tiffin.plugin.openai.protocol import APIError, EmbeddingRequest, RerankRequest, ScoreRequest
+from tiffin.plugin.openai.serving import unless_disconnected
+
+if TYPE_CHECKING:  # torch, which `bentoml build` need not import
+    from tiffin.engine.async_llm_engine import AsyncLLMEngine
+
+# What a model of each engine task serves: an embedding model scores pairs by the cosine of their embeddings, a
+# cross-encoder ("classify") by its classifier. /score and /rerank need "score".
+TASKS = {"generate": ("generate",), "embed": ("embed", "score"), "classify": ("classify", "score")}
+# engine ParamError params that name the input itself, which the API names by its own field
+_INPUT_PARAMS = {"prompt", "prompt_token_ids"}
+
+
+class PoolingServing:
+    """The pooling endpoints of one engine. `on_pooled(requests, tokens)` is called after each answered request
+    with its number of engine requests and of tokens (metrics)."""
+
+    def __init__(
+        self,
+        engine: "AsyncLLMEngine",
+        model_name: str,
+        on_pooled: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.created = int(time.time())
+        self.on_pooled = on_pooled
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        return TASKS[self.engine.engine.task]
+
+    def serves(self, model: str) -> bool:
+        return model == self.model_name
+
+    def models(self) -> dict:
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "tiffin",
+            "max_model_len": self.engine.max_model_len,
+            "tasks": list(self.tasks),
+        }
+        return {"object": "list", "data": [card]}
+
+    async def embeddings(self, req: EmbeddingRequest, raw: Request) -> Response:
+        inputs, params = req.inputs(), req.params()
+        outputs = await unless_disconnected(raw, self.encode(inputs, params, "input"))
+        encode = _base64 if req.encoding_format == "base64" else list
+        tokens = sum(len(o.prompt_token_ids) for o in outputs)
+        return await json_response(
+            {
+                "id": f"embd-{uuid.uuid4().hex}",
+                "object": "list",
+                "created": int(time.time()),
+                "model": req.model or self.model_name,
+                "data": [
+                    {"object": "embedding", "index": i, "embedding": encode(o.outputs.embedding)}
+                    for i, o in enumerate(outputs)
+                ],
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            }
+        )
+
+    async def score(self, req: ScoreRequest, raw: Request) -> Response:
+        groups = req.groups()
+        scores, tokens = await unless_disconnected(raw, self.scores(groups, req.truncate_prompt_tokens, "text_2"))
+        return await json_response(
+            {
+                "id": f"score-{uuid.uuid4().hex}",
+                "object": "list",
+                "created": int(time.time()),
+                "model": req.model or self.model_name,
+                "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
+            }
+        )
+
+    async def rerank(self, req: RerankRequest, raw: Request) -> Response:
+        texts = req.texts()
+        scores, tokens = await unless_disconnected(
+            raw, self.scores([(req.query, texts)], req.truncate_prompt_tokens, "documents")
+        )
+        return await json_response(
+            {
+                "id": f"rerank-{uuid.uuid4().hex}",
+                "model": req.model or self.model_name,
+                "results": ranked(texts, scores, req.top_n, req.return_documents is not False),
+                "usage": {"total_tokens": tokens},
+            }
+        )
+
+    async def encode(self, prompts: list, params: PoolingParams, field: str) -> list[PoolingRequestOutput]:
+        """The engine's output for each prompt, in order; APIError naming `field` (the request field holding the
+        prompts) or the parameter the engine refused."""
+        request_id = f"pool-{uuid.uuid4().hex}"
+
+        async def one(i: int, prompt) -> PoolingRequestOutput:
+            where = field if len(prompts) == 1 else f"{field}[{i}]"
+            try:
+                out = await self.engine.encode(prompt, params, f"{request_id}-{i}")
+            except (ValueError, QueueFull, EngineError) as e:
+                raise _refusal(e, field, where) from None
+            if out.error is not None or out.outputs is None:
+                raise APIError(500, f"{where}: {out.error}", type="server_error")
+            return out
+
+        outputs = await all_or_none([one(i, p) for i, p in enumerate(prompts)])
+        if self.on_pooled is not None:
+            self.on_pooled(len(outputs), sum(len(o.prompt_token_ids) for o in outputs))
+        return outputs
+
+    async def scores(
+        self, groups: list[tuple[str, list[str]]], truncate_prompt_tokens: int | None, field: str
+    ) -> tuple[list[float], int]:
+        """The scores of each group's texts against its first text, in order, and the tokens they took."""
+
+        async def one(first: str, seconds: list[str]) -> list[float]:
+            try:
+                return await self.engine.score(first, seconds, truncate_prompt_tokens)
+            except (ValueError, QueueFull, EngineError) as e:
+                raise _refusal(e, field, field) from None
+
+        scored = await all_or_none([one(first, seconds) for first, seconds in groups])
+        scores = [s for group in scored for s in group]
+        tokens = 0  # TODO: the engine's count
+        if self.on_pooled is not None:
+            self.on_pooled(len(scores), tokens)
+        return scores, tokens
+
+
+def ranked(texts: list[str], scores: list[float], top_n: int | None, documents: bool) -> list[dict]:
+    """Rerank results, most relevant first (ties in document order), the first `top_n` (None or 0: all)."""
+    order = sorted(range(len(texts)), key=lambda i: -scores[i])[: top_n or None]
+    return [
+        {"index": i, "relevance_score": scores[i], **({"document": {"text": texts[i]}} if documents else {})}
+        for i in order
+    ]
+
+
+async def all_or_none(calls: list[Awaitable]) -> list:
+    """The results of `calls`, run concurrently; the first to raise cancels the others (whose engine requests
+    abort) and is raised, as is a cancellation of the caller."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # they have let go of their engine requests
+
+
+def _refusal(e: ValueError | QueueFull | EngineError, field: str, where: str) -> APIError:
+    """An engine refusal or failure of one input as the request's APIError."""
+    if isinstance(e, ParamError) and e.param not in _INPUT_PARAMS:
+        return APIError(400, str(e), param=e.param)
+    if isinstance(e, ValueError):
+        return APIError(400, f"{where}: {e}", param=field)
+    if isinstance(e, QueueFull):
+        return APIError(429, str(e), type="rate_limit_error", code="queue_full")
+    return APIError(500, f"{where}: {e}", type="server_error")
+
+
+def _base64(embedding: list[float]) -> str:
+    """OpenAI's base64 encoding: little-endian float32 bytes, which its client reads with numpy.frombuffer."""
+    return base64.b64encode(struct.pack(f"<{len(embedding)}f", *embedding)).decode("ascii")
+
+
+async def json_response(body: dict[str, Any]) -> Response:
+    """`body` as a JSON response, serialized on a worker thread. A non-finite number (a broken model) is an error,
+    never invalid JSON."""
+    content = await asyncio.to_thread(json.dumps, body, ensure_ascii=False, allow_nan=False)
+    return Response(content, media_type="application/json")
