@@ -18,6 +18,8 @@ _EXPORTS = {
     "AsyncLLMEngine": "tiffin.engine.async_llm_engine",
     "EngineConfig": "tiffin.engine.config",
     "SamplingParams": "tiffin.engine.sampling_params",
+    "PoolingParams": "tiffin.engine.pooling_params",
+    "PoolingRequestOutput": "tiffin.engine.outputs",
     "StructuredOutputsParams": "tiffin.engine.structured.params",
     "RequestOutput": "tiffin.engine.outputs",
     "CompletionOutput": "tiffin.engine.outputs",

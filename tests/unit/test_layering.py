@@ -29,6 +29,7 @@ LAYERS = [
             "tiffin.engine.config",
             "tiffin.engine.errors",
             "tiffin.engine.sampling_params",
+            "tiffin.engine.pooling_params",
             "tiffin.engine.outputs",
             "tiffin.engine.structured.params",
             "tiffin.engine.structured.limits",
@@ -37,7 +38,7 @@ LAYERS = [
     ),
     ("quantization formats", ["tiffin.quant"]),
     ("kernels", ["tiffin.kernels"]),
-    ("assets", ["tiffin.tiny", "tiffin.smollm2", "tiffin.cache"]),
+    ("assets", ["tiffin.tiny", "tiffin.tiny_bert", "tiffin.smollm2", "tiffin.cache"]),
 ]
 ROOT = Path(tiffin.__file__).parent
 

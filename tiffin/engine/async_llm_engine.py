@@ -31,8 +31,10 @@ from tiffin.engine.config import EngineConfig
 from tiffin.engine.errors import EngineError, ParamError
 from tiffin.engine.llm_engine import LLMEngine, PromptType, TokenizedPrompt
 from tiffin.engine.lora.request import LoRARequest
-from tiffin.engine.outputs import EngineStats, RequestOutput
+from tiffin.engine.outputs import EngineStats, PoolingRequestOutput, RequestOutput
+from tiffin.engine.pooling_params import PoolingParams
 from tiffin.engine.sampling_params import SamplingParams
+from tiffin.engine.scoring import cosine_scores, score_pairs
 from tiffin.engine.structured.backend import compile_error
 from tiffin.engine.structured.params import StructuredOutputsParams
 
@@ -58,7 +60,7 @@ class RequestStream:
     def __aiter__(self) -> "RequestStream":
         return self
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> RequestOutput | PoolingRequestOutput:
         if self.finished:
             raise StopAsyncIteration
         try:
@@ -72,7 +74,7 @@ class RequestStream:
         if isinstance(item, BaseException):
             self.finished = True
             raise item
-        if self.first_token_time is None and any(o.token_ids for o in item.outputs):
+        if self.first_token_time is None and isinstance(item, RequestOutput) and any(o.token_ids for o in item.outputs):
             self.first_token_time = time.monotonic()
         self.finished = item.finished
         return item
@@ -103,6 +105,7 @@ class AsyncLLMEngine:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.task, self.supported_tasks = engine.task, engine.supported_tasks
         self.lora_registry = engine.lora_registry  # its lookups are safe from any thread
         self._on_stats = on_stats
         self._inbox: deque[tuple] = deque()
@@ -126,7 +129,7 @@ class AsyncLLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Queue a request and return its stream once the engine accepted it; ValueError if it was refused
@@ -135,9 +138,10 @@ class AsyncLLMEngine:
         tokenized, a structured-outputs grammar compiled (`compile_grammar`) and an adapter not cached read first,
         all off the engine thread (steps go on meanwhile)."""
         self._check_running()
-        prompt = await self.tokenize(prompt)
-        params = params or SamplingParams()
-        if params.structured_outputs is not None:
+        params = params or (SamplingParams() if self.task == "generate" else PoolingParams(self.engine.pooling_task))
+        pooling = params if isinstance(params, PoolingParams) else None
+        prompt = await self.tokenize(prompt, pooling)
+        if pooling is None and params.structured_outputs is not None:
             await self.compile_grammar(params.structured_outputs)
         lora = lora_request
         if lora is not None and not (self.lora_registry and self.lora_registry.is_cached(lora.lora_int_id)):
@@ -177,9 +181,49 @@ class AsyncLLMEngine:
         if future.exception() is not None:
             raise ParamError("structured_outputs", f"structured_outputs: {compile_error(future.exception())}")
 
-    async def tokenize(self, prompt: PromptType) -> dict:
+    async def tokenize(self, prompt: PromptType, pooling: PoolingParams | None = None) -> TokenizedPrompt:
         """`LLMEngine.tokenize` in a worker thread (tokenizers release the GIL): steps and the event loop go on."""
-        return await asyncio.to_thread(self.engine.tokenize, prompt)
+        return await asyncio.to_thread(self.engine.tokenize, prompt, pooling)
+
+    async def encode(
+        self, prompt: PromptType, pooling_params: PoolingParams | None = None, request_id: str | None = None
+    ) -> PoolingRequestOutput:
+        """Pool one prompt (the model's task by default): its finished output. Refused as `add_request` refuses;
+        EngineError when the engine failed it. Cancelling the call aborts the request."""
+        params = pooling_params or PoolingParams(self.engine.pooling_task)
+        stream = await self.add_request(request_id or uuid.uuid4().hex, prompt, params)
+        try:
+            async for out in stream:
+                if out.finished:
+                    return out
+        finally:
+            stream.close()
+        raise EngineError(f"request {stream.request_id} ended without a result")
+
+    async def score(
+        self, text_1: str | list[str], text_2: str | list[str], truncate_prompt_tokens: int | None = None
+    ) -> list[float]:
+        """`LLM.score`'s scores of the pairs, all requests at once: the first failure cancels (aborts) the rest."""
+        pairs = score_pairs(text_1, text_2)
+        params = PoolingParams(self.engine.pooling_task, truncate_prompt_tokens=truncate_prompt_tokens)
+        if self.task == "classify":
+            prompts = [await asyncio.to_thread(self.engine.tokenize_pair, a, b, params) for a, b in pairs]
+            return [o.outputs.score for o in await self._encode_all(prompts, params)]
+        firsts, seconds = zip(*pairs)
+        unique = list(dict.fromkeys([*firsts, *seconds]))  # one text against many: embedded once
+        embedded = dict(zip(unique, await self._encode_all(unique, params)))
+        outputs = cosine_scores(
+            list(map(str, range(len(pairs)))), [embedded[a] for a in firsts], [embedded[b] for b in seconds]
+        )
+        return [o.outputs.score for o in outputs]
+
+    async def _encode_all(self, prompts: list[PromptType], params: PoolingParams) -> list[PoolingRequestOutput]:
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(self.encode(p, params)) for p in prompts]
+        except ExceptionGroup as failed:  # the first failure, as a single call would raise it
+            raise failed.exceptions[0] from None
+        return [t.result() for t in tasks]
 
     async def render_chat(
         self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs

@@ -53,6 +53,17 @@ class EngineConfig:
         "in a row): new requests get their first token a step sooner",
     )
     seed: int = _setting(0, "seed of the random stream shared by requests that set none")
+    task: str = _setting(
+        "auto",
+        "generate, embed or classify; auto: what the architecture serves (a *ForCausalLM generates, BertModel and "
+        "a bare decoder such as Qwen3Model embed, a *ForSequenceClassification cross-encoder classifies). embed on a "
+        "*ForCausalLM checkpoint serves it as an embedding model (Qwen3-Embedding)",
+    )
+    pooling_type: str | None = _setting(
+        None,
+        "mean, cls or last: how an embedding model pools; default: sentence-transformers' files, else the "
+        "architecture's",
+    )
     enable_lora: bool = _setting(False, "serve LoRA adapters")
     max_loras: int = _setting(4, "adapters resident at once in device slots: the most one step may mix")
     max_lora_rank: int = _setting(16, "the largest adapter rank accepted")

@@ -3,10 +3,13 @@
 from tqdm.auto import tqdm
 
 from tiffin.engine.config import EngineConfig
+from tiffin.engine.errors import ParamError
 from tiffin.engine.llm_engine import LLMEngine, PromptType, TokenizedPrompt
 from tiffin.engine.lora.request import LoRARequest
-from tiffin.engine.outputs import RequestOutput
+from tiffin.engine.outputs import PoolingRequestOutput, RequestOutput
+from tiffin.engine.pooling_params import PoolingParams
 from tiffin.engine.sampling_params import SamplingParams
+from tiffin.engine.scoring import cosine_scores, score_pairs
 
 
 class LLM:
@@ -31,24 +34,47 @@ class LLM:
         """Generate for every prompt; outputs come back in input order. `lora_request`: one adapter for all
         prompts or one (or None: the base model) per prompt. An invalid prompt raises ValueError before any
         request is queued."""
-        if isinstance(prompts, (str, dict, TokenizedPrompt)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
-        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
-        if len(loras) != len(prompts):
-            raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")
-        engine, ids = self.llm_engine, []
-        try:
-            for prompt, p, lora in zip(prompts, params, loras):
-                ids.append(str(self._counter))
-                self._counter += 1
-                engine.add_request(ids[-1], prompt, p or SamplingParams(), lora)
-        except ValueError as e:
-            engine.abort_request(ids)
-            raise ValueError(f"prompt {len(ids) - 1}: {e}") from e
-        return self._run(ids, use_tqdm)
+        params = SamplingParams() if sampling_params is None else sampling_params
+        return self._run(self._add(prompts, params, lora_request), use_tqdm)
+
+    def encode(
+        self,
+        prompts: PromptType | list[PromptType],
+        pooling_params: PoolingParams | list[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Pool every prompt (a pooling model's task by default); outputs come back in input order."""
+        pooling_params = pooling_params or PoolingParams(self.llm_engine.pooling_task)
+        return self._run(self._add(prompts, pooling_params, lora_request), use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | list[PromptType],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's `LLM.embed`: each prompt's embedding, `outputs.embedding`."""
+        params = pooling_params or PoolingParams("embed", truncate_prompt_tokens=truncate_prompt_tokens)
+        return self.encode(prompts, params, use_tqdm)
+
+    def score(
+        self,
+        data_1: str | list[str],
+        data_2: str | list[str],
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's `LLM.score`: `outputs.score` of each (text_1, text_2) pair, one text against many or two lists
+        pairwise; a cross-encoder's relevance, or an embedding model's cosine similarity."""
+        pairs, engine = score_pairs(data_1, data_2), self.llm_engine
+        params = PoolingParams(engine.pooling_task, truncate_prompt_tokens=truncate_prompt_tokens)
+        if engine.task == "classify":
+            return self.encode([engine.tokenize_pair(a, b, params) for a, b in pairs], params, use_tqdm)
+        firsts, seconds = zip(*pairs)
+        embeddings = self.encode([*firsts, *seconds], params, use_tqdm)
+        return cosine_scores([str(i) for i in range(len(pairs))], embeddings[: len(pairs)], embeddings[len(pairs) :])
 
     def chat(
         self,
@@ -65,8 +91,31 @@ class LLM:
         prompts = [self.llm_engine.render_chat(c, add_generation_prompt, **kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
+    def _add(self, prompts, params, lora_request) -> list[str]:
+        """Queue every prompt with its params (one for all, or one each) and adapter; their request ids. An
+        invalid prompt raises ValueError, naming it, before any request stays queued."""
+        if isinstance(prompts, (str, dict, TokenizedPrompt)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} params for {len(prompts)} prompts")
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")
+        engine, ids = self.llm_engine, []
+        try:
+            for prompt, p, lora in zip(prompts, params, loras):
+                ids.append(str(self._counter))
+                self._counter += 1
+                engine.add_request(ids[-1], prompt, p, lora)
+        except ValueError as e:
+            engine.abort_request(ids)
+            message = f"prompt {len(ids) - 1}: {e}"
+            raise (ParamError(e.param, message) if isinstance(e, ParamError) else ValueError(message)) from e
+        return ids
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput | PoolingRequestOutput]:
+        finished: dict[str, RequestOutput | PoolingRequestOutput] = {}
         with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm) as bar:
             while self.llm_engine.has_unfinished_requests():
                 for out in self.llm_engine.step():

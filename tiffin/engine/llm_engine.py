@@ -28,11 +28,20 @@ from tiffin.engine.errors import EngineDeadError, ParamError, QueueFull
 from tiffin.engine.lora.peft import parse_roots
 from tiffin.engine.lora.registry import LoRARegistry
 from tiffin.engine.lora.request import LoRAModel, LoRARequest
+from tiffin.engine.models.bert import with_token_types
 from tiffin.engine.models.config import resolve_dtype
 from tiffin.engine.models.gguf_checkpoint import find_gguf, open_gguf
 from tiffin.engine.models.loader import get_model_config
 from tiffin.engine.models.source import load_tokenizer, resolve_model_path
-from tiffin.engine.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
+from tiffin.engine.outputs import (
+    CompletionOutput,
+    EngineStats,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+)
+from tiffin.engine.pooling_params import PoolingParams
 from tiffin.engine.sampling_params import SamplingParams
 from tiffin.engine.structured.backend import GrammarBackend, GrammarState
 from tiffin.engine.worker.model_runner import ModelRunner
@@ -40,13 +49,17 @@ from tiffin.engine.worker.sampler import SamplerOutput
 
 
 class TokenizedPrompt(NamedTuple):
-    """A prompt as the engine runs it: its text (None when it came as token ids) and its checked token ids."""
+    """A prompt as the engine runs it: its text (None when it came as token ids), its checked token ids, and
+    their token types where it is a sentence pair for a cross-encoder (`tokenize_pair`)."""
 
     text: str | None
     token_ids: list[int]
+    token_type_ids: list[int] | None = None
 
 
 PromptType = str | list[int] | dict | TokenizedPrompt
+# what a pooling sequence carries as its SamplingParams: it never samples
+_POOLING_SAMPLING = SamplingParams(temperature=0, max_tokens=1)
 # A prompt longer than this many characters per token of the context is refused before tokenizing: no token of
 # the vocabulary is longer, with room for normalizers that shrink text (NFC composes up to 3 characters into 1).
 PROMPT_CHARS_SLACK = 4
@@ -73,7 +86,13 @@ class LLMEngine:
         """`config.model` may be a hub id; the engine's config holds the local path it resolved to."""
         config = dataclasses.replace(config, model=resolve_model_path(config.model, config.revision))
         self.config = config
-        self.model_config = get_model_config(config.model)
+        self.model_config = get_model_config(config.model, config.task, config.pooling_type)
+        self.task = self.model_config.task  # "generate", "embed" or "classify": its requests' default
+        # what requests it takes (vLLM's supported tasks): a decoder that generates also embeds, beside its generations
+        self.pooling_task = "classify" if self.task == "classify" else "embed"  # of pooling requests saying none
+        self.supported_tasks = (
+            (self.task, "embed") if self.model_config.pooler and self.task == "generate" else (self.task,)
+        )
         self.model_config.dtype = resolve_dtype(config.dtype, self.model_config.dtype, config.torch_device)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self._chat_tokenizers = threading.local()  # render_chat's, a copy per thread
@@ -89,10 +108,13 @@ class LLMEngine:
             if slots is None
             else LoRARegistry(functools.partial(slots.load, roots=roots), config.max_cpu_loras or config.max_loras)
         )
-        self.block_manager = BlockManager(self.model_runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        # an encoder's KV depends on the tokens after it: never a prefix to reuse
+        prefix_caching = config.enable_prefix_caching and self.model_config.causal
+        self.block_manager = BlockManager(self.model_runner.num_blocks, config.block_size, prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.num_prompt_tokens = self.num_generation_tokens = 0
+        self.num_pooling_requests = self.num_pooling_tokens = 0
         self._failed: list[str] = []  # requests failed during this step
         self._grammar_backend: GrammarBackend | None = None  # made for the first structured-outputs request
         self._grammar_backend_lock = threading.Lock()
@@ -102,23 +124,34 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         lora_request: LoRARequest | LoRAModel | None = None,
     ) -> None:
         """Queue a request, run with the adapter of `lora_request` if given (loaded now unless cached; a
-        `load_lora` result is taken as is). Raises ValueError, leaving the engine untouched, if the request is
-        invalid or can never fit in the context or the KV cache; QueueFull if max_waiting_requests sequences wait
-        already. A `TokenizedPrompt` (what `tokenize` returns) is not tokenized again."""
+        `load_lora` result is taken as is). `params`: SamplingParams to generate, PoolingParams to embed or score
+        (default: the model's task). Raises ValueError, leaving the engine untouched, if the request is invalid,
+        not the model's task, or can never fit in the context or the KV cache; QueueFull if max_waiting_requests
+        sequences wait already. A `TokenizedPrompt` (what `tokenize` returns) is not tokenized again."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        params = params or SamplingParams()
+        params = params or (SamplingParams() if self.task == "generate" else PoolingParams(self.pooling_task))
         self._check_params(params)
-        text, token_ids = self.tokenize(prompt)
-        max_tokens = self._check_lengths(len(token_ids), params)
+        pooling = params if isinstance(params, PoolingParams) else None
+        text, token_ids, token_types = self.tokenize(prompt, pooling)
+        max_tokens = self._check_capacity(len(token_ids)) if pooling else self._check_lengths(len(token_ids), params)
+        n = 1 if pooling else params.n
         waiting, limit = len(self.scheduler.waiting), self.config.max_waiting_requests
-        if limit is not None and waiting + params.n > limit:
+        if limit is not None and waiting + n > limit:
             raise QueueFull(f"{waiting} sequences are waiting (max_waiting_requests={limit}); retry later")
         lora = None if lora_request is None else self._loras().resolve(lora_request)
+        if pooling:
+            seq_ids = token_ids if token_types is None else with_token_types(token_ids, token_types)
+            seq = Sequence(request_id, 0, seq_ids, _POOLING_SAMPLING, max_tokens, lora=lora, pooling_params=pooling)
+            self.scheduler.add(seq)
+            self.requests[request_id] = Request(request_id, text, token_ids, [seq])
+            self.num_pooling_requests += 1
+            self.num_pooling_tokens += len(token_ids)
+            return
         grammar = None if params.structured_outputs is None else self.grammars().compile(params.structured_outputs)
         seqs = [
             Sequence(
@@ -150,10 +183,11 @@ class LLMEngine:
         if not scheduler_output.seqs:
             self._probe()
         logprobs = dict(zip((s.seq_id for s in scheduler_output.sampling_seqs), sampled.logprobs))
-        seqs = self.scheduler.update(scheduler_output, sampled.token_ids)
-        self.num_generation_tokens += len(seqs)
+        seqs = self.scheduler.update(scheduler_output, sampled.token_ids, sampled.pooled)
+        self.num_generation_tokens += sum(s.pooling_params is None for s in seqs)
         for seq in seqs:
-            self._add_logprobs(seq, logprobs[seq.seq_id])
+            if seq.seq_id in logprobs:
+                self._add_logprobs(seq, logprobs[seq.seq_id])
         changed, self._failed = [*self._failed, *(s.request_id for s in seqs)], []
         if self.check_invariants:
             self.block_manager.check_invariants([*self.scheduler.running, *self.scheduler.waiting])
@@ -180,6 +214,7 @@ class LLMEngine:
                     ran.add(seq, num_new)
                 sampled.token_ids += part_sampled.token_ids
                 sampled.logprobs += part_sampled.logprobs
+                sampled.pooled += part_sampled.pooled
         return ran, sampled
 
     def _fail(self, request_id: str, error: Exception) -> None:
@@ -292,6 +327,8 @@ class LLMEngine:
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
             prompt_tokens=self.num_prompt_tokens,
+            pooling_requests=self.num_pooling_requests,
+            pooling_tokens=self.num_pooling_tokens,
             generation_tokens=self.num_generation_tokens,
             weight_bytes=self.weight_bytes,
         )
@@ -302,9 +339,17 @@ class LLMEngine:
                 lp.decoded_token = self.tokenizer.decode([token_id])
             seq.logprobs.append(logprobs)
 
-    def _output(self, request: Request) -> RequestOutput:
+    def _output(self, request: Request) -> RequestOutput | PoolingRequestOutput:
         """A snapshot, safe to hand to another thread. While a sequence runs, its text holds back a tail that
         may still become a stop string, so text streamed from successive outputs is never taken back."""
+        seq = request.seqs[0]
+        if seq.pooling_params is not None:
+            if seq.finished:
+                del self.requests[request.request_id]
+            pooled = None if seq.pooled is None else PoolingOutput(seq.pooled)
+            return PoolingRequestOutput(
+                request.request_id, request.prompt_token_ids, pooled, seq.finished, request.error
+            )
         outputs = [
             CompletionOutput(
                 s.index,
@@ -329,12 +374,14 @@ class LLMEngine:
             request.error,
         )
 
-    def tokenize(self, prompt: PromptType) -> TokenizedPrompt:
+    def tokenize(self, prompt: PromptType, pooling: PoolingParams | None = None) -> TokenizedPrompt:
         """The prompt's text and token ids, checked; thread-safe, so servers tokenize off the engine thread.
         ParamError for a bad prompt, and for text too long for the context, refused before tokenizing it. A dict
-        prompt may say `add_special_tokens: False` (a rendered chat template)."""
+        prompt may say `add_special_tokens: False` (a rendered chat template). A prompt to pool (`pooling`) may
+        fill the context, and is cut to `pooling.truncate_prompt_tokens` when it asks."""
+        token_types, keep = None, self._truncation(pooling)
         if isinstance(prompt, TokenizedPrompt):
-            text, token_ids = prompt
+            text, token_ids, token_types = prompt
         elif isinstance(prompt, dict):
             text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
             if token_ids is None and not isinstance(text, str):
@@ -344,7 +391,7 @@ class LLMEngine:
         else:
             text, token_ids = None, prompt
         if token_ids is None:
-            if len(text) > self.max_prompt_chars:
+            if keep is None and len(text) > self.max_prompt_chars:
                 raise ParamError(
                     "prompt",
                     f"prompt has {len(text)} characters, more than the model's maximum context length of "
@@ -352,20 +399,55 @@ class LLMEngine:
                 )
             try:
                 special = not isinstance(prompt, dict) or prompt.get("add_special_tokens", True)
-                token_ids = self.tokenizer.encode(text, add_special_tokens=special)
+                cut = {} if keep is None else {"truncation": True, "max_length": keep}
+                token_ids = self.tokenizer.encode(text, add_special_tokens=special, **cut)
             except Exception as e:  # e.g. a lone surrogate, which no encoding can represent
                 raise ParamError("prompt", f"prompt cannot be tokenized: {e}") from None
         if not isinstance(token_ids, (list, tuple)) or not token_ids:
             raise ParamError("prompt", "prompt must be a non-empty string or a non-empty list of token ids")
+        if keep is not None and len(token_ids) > keep:
+            right = self.tokenizer.truncation_side == "right"
+            token_ids = token_ids[:keep] if right else token_ids[-keep:]
+            token_types = token_types and (token_types[:keep] if right else token_types[-keep:])
         vocab = self.model_config.vocab_size
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids):
             raise ParamError("prompt", f"prompt token ids must be integers in [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
+        if len(token_ids) >= self.max_model_len + (pooling is not None):  # a generation needs room for a token
             raise ParamError(
                 "prompt",
-                f"prompt has {len(token_ids)} tokens, the model's maximum context length is {self.max_model_len}",
+                f"prompt has {len(token_ids)} tokens, the model's maximum context length is {self.max_model_len}"
+                + ("; truncate_prompt_tokens cuts longer prompts" if pooling else ""),
             )
-        return TokenizedPrompt(text, list(token_ids))
+        if pooling and len(token_ids) > self.config.max_num_batched_tokens:  # a pooled prompt runs in one step
+            raise ParamError(
+                "prompt",
+                f"prompt has {len(token_ids)} tokens; a prompt to pool runs in one step of at most "
+                f"max_num_batched_tokens={self.config.max_num_batched_tokens}",
+            )
+        return TokenizedPrompt(text, list(token_ids), token_types)
+
+    def tokenize_pair(self, text_1: str, text_2: str, pooling: PoolingParams | None = None) -> TokenizedPrompt:
+        """A sentence pair as a cross-encoder reads it ([CLS] a [SEP] b [SEP] for BERT, with token types), checked as
+        `tokenize` checks a prompt; thread-safe."""
+        for name, text in (("text_1", text_1), ("text_2", text_2)):
+            if not isinstance(text, str) or len(text) > self.max_prompt_chars:
+                raise ParamError(name, f"{name} must be a string the context can hold")
+        keep = self._truncation(pooling)
+        cut = {} if keep is None else {"truncation": True, "max_length": keep}
+        encoded = self.tokenizer([text_1], [text_2], **cut)  # as a batch: a lone "" text_2 would read as no pair
+        types = encoded.get("token_type_ids")
+        pair = TokenizedPrompt(None, encoded["input_ids"][0], None if types is None else types[0])
+        return self.tokenize(pair, pooling or PoolingParams(self.pooling_task))
+
+    def _truncation(self, pooling: PoolingParams | None) -> int | None:
+        """How many tokens a prompt to pool keeps (None: all, refused past the context)."""
+        keep = None if pooling is None else pooling.truncate_prompt_tokens
+        if keep is not None and keep > self.max_model_len:
+            raise ParamError(
+                "truncate_prompt_tokens",
+                f"truncate_prompt_tokens {keep} exceeds the model's maximum context length {self.max_model_len}",
+            )
+        return self.max_model_len if keep == -1 else keep
 
     def render_chat(
         self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs
@@ -382,13 +464,32 @@ class LLMEngine:
         settings = ChatSettings(config.chat_template_timeout, max_chars, config.control_tokens_in_messages)
         return self.tokenize(render_chat(tokenizer, messages, add_generation_prompt, settings, **template_kwargs))
 
-    def _check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot know: the limits of this model and engine."""
+    def _check_params(self, params: SamplingParams | PoolingParams) -> None:
+        """What the params cannot know: the task, limits and size of this model and engine."""
+        if isinstance(params, PoolingParams):
+            return self._check_pooling(params)
+        if "generate" not in self.supported_tasks:
+            raise ParamError("model", f"this model serves {self.task!r} (pooling) requests; it cannot generate")
         vocab = self.model_config.vocab_size
         if params.top_k > vocab:
             raise ParamError("top_k", f"top_k must be at most the vocabulary size {vocab}, got {params.top_k}")
         if params.n > self.config.max_n:
             raise ParamError("n", f"n must be at most max_n={self.config.max_n}, got {params.n}")
+
+    def _check_pooling(self, params: PoolingParams) -> None:
+        if params.task not in self.supported_tasks:
+            tasks = " and ".join(map(repr, self.supported_tasks))
+            raise ParamError("task", f"this model serves {tasks} requests, not {params.task!r}")
+        size = self.model_config.hidden_size
+        if params.dimensions is not None and params.dimensions > size:
+            raise ParamError("dimensions", f"dimensions must be at most the model's {size}, got {params.dimensions}")
+
+    def _check_capacity(self, prompt_len: int) -> int:
+        """A prompt to pool (checked against the context by `tokenize`) must fit in the KV cache; 1, its max_tokens."""
+        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        if prompt_len > capacity:
+            raise ValueError(f"request needs {prompt_len} tokens of KV cache; the whole cache holds {capacity}")
+        return 1
 
     def _check_lengths(self, prompt_len: int, params: SamplingParams) -> int:
         """max_tokens for this request, or ValueError if the context or the KV cache can never hold it."""
@@ -410,7 +511,9 @@ class LLMEngine:
 
     def _max_model_len(self) -> int:
         model_config = self.model_config
-        limit = model_config.max_position_embeddings
+        limit = model_config.max_position_embeddings - model_config.position_offset
+        if model_config.pooler is not None and model_config.pooler.max_seq_length:  # sentence-transformers' limit
+            limit = min(limit, model_config.pooler.max_seq_length)
         if model_config.sliding_window:  # attention here is full; beyond the window it would differ from the model's
             limit = min(limit, model_config.sliding_window)
         if self.config.max_model_len is None:

@@ -49,6 +49,8 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     weight_bytes: int
+    pooling_requests: int = 0  # embeddings and scores
+    pooling_tokens: int = 0
 
 
 @dataclass

@@ -6,6 +6,9 @@ tokens up to all of its tokens. With `prefill_first`, a step that can admit wait
 running ones' decodes to the next step, which always includes them: a decode batch never delays a first token,
 and decodes wait at most every other step. When blocks run out, the most recently admitted running sequence is
 preempted by recompute: its blocks are freed and it goes back to the head of the waiting queue.
+
+A pooling sequence (embeddings, scores) runs its whole prompt in one step, with no prefix-cache hit, and finishes
+in it: its hidden states all come from that step's forward, and an encoder's attention sees the whole prompt.
 """
 
 from collections import deque
@@ -22,14 +25,18 @@ class SchedulerOutput:
     num_scheduled_tokens: list[int] = field(default_factory=list)
     sampling: list[bool] = field(default_factory=list)  # whether each sequence samples a token this step
     sampling_seqs: list[Sequence] = field(default_factory=list)  # those that do, in order: one logits row each
+    pooling_seqs: list[Sequence] = field(default_factory=list)  # pooling sequences, in order: one pooled row each
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
-        samples = seq.num_computed_tokens + num_new_tokens == seq.num_tokens
+        pools = seq.pooling_params is not None
+        samples = seq.num_computed_tokens + num_new_tokens == seq.num_tokens and not pools
         self.seqs.append(seq)
         self.num_scheduled_tokens.append(num_new_tokens)
         self.sampling.append(samples)
         if samples:
             self.sampling_seqs.append(seq)
+        if pools:
+            self.pooling_seqs.append(seq)
 
     def select(self, keep: list[int]) -> "SchedulerOutput":
         out = SchedulerOutput()
@@ -93,10 +100,11 @@ class Scheduler:
             if not self._lora_fits(seq, adapters) or (seq.grammar is not None and not seq.grammar.ready):
                 skipped.append(self.waiting.popleft())
                 continue
-            cached = self.block_manager.get_computed_blocks(seq)
+            pools = seq.pooling_params is not None
+            cached = [] if pools else self.block_manager.get_computed_blocks(seq)
             num_cached = len(cached) * self.block_manager.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
-            if not self.block_manager.allocate_slots(seq, num_new, cached):
+            if (pools and num_new < seq.num_tokens) or not self.block_manager.allocate_slots(seq, num_new, cached):
                 break
             self.waiting.popleft()
             self._count_cache_lookup(seq, num_cached)
@@ -108,12 +116,18 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         return out
 
-    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
+    def update(self, out: SchedulerOutput, sampled: list[int], pooled: list[list[float]] = ()) -> list[Sequence]:
         """Advance the scheduled sequences past this step; append the sampled tokens (one per sampling
-        sequence, in order) and finish the sequences they stop. Returns the sequences that got a token."""
+        sequence, in order) and finish the sequences they stop; finish the pooling sequences with their result
+        (one per pooling sequence, in order). Returns the sequences that got a token or a result."""
         for seq, num_new in zip(out.seqs, out.num_scheduled_tokens):
             seq.num_computed_tokens += num_new
         got_token = []
+        for seq, result in zip(out.pooling_seqs, pooled):
+            if not seq.finished:
+                seq.pooled = result
+                self.finish(seq, "stop")
+                got_token.append(seq)
         for seq, token in zip(out.sampling_seqs, sampled):
             if not seq.finished:  # aborted while its step ran
                 seq.append_token(token)

@@ -8,6 +8,7 @@ import torch
 from tiffin.engine.core.detokenizer import IncrementalDetokenizer
 from tiffin.engine.lora.request import LoRAModel
 from tiffin.engine.outputs import Logprob
+from tiffin.engine.pooling_params import PoolingParams
 from tiffin.engine.sampling_params import SamplingParams
 from tiffin.engine.structured.backend import GrammarState
 
@@ -36,10 +37,12 @@ class Sequence:
         lora: LoRAModel | None = None,
         grammar: GrammarState | None = None,
         detokenizer: IncrementalDetokenizer | None = None,
+        pooling_params: PoolingParams | None = None,
     ):
         """`max_tokens`: params.max_tokens, or what the context leaves when that is None; `lora`: the adapter it
         runs with (None: the base model); `grammar`: its matcher when params.structured_outputs is set;
-        `detokenizer`: None for sequences that need no text (profiling, scheduler tests)."""
+        `detokenizer`: None for sequences that need no text (profiling, scheduler tests); `pooling_params`: set for
+        a sequence that pools its prompt instead of generating (`params` then goes unread)."""
         self.seq_id = next(Sequence._ids)
         self.request_id = request_id
         self.index = index
@@ -56,6 +59,8 @@ class Sequence:
         self.detokenizer = detokenizer
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None  # per output token
         self.params = params
+        self.pooling_params = pooling_params
+        self.pooled: list[float] | None = None  # a pooling sequence's result
         self.max_tokens = max_tokens
         self.eos_token_ids = eos_token_ids
         seed = None if params.seed is None else params.seed + index

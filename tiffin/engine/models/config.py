@@ -6,6 +6,7 @@ import torch
 
 from tiffin.engine.config import DTYPE_NAMES
 from tiffin.engine.models.layers import ACTIVATIONS
+from tiffin.engine.models.pooler import PoolerConfig
 from tiffin.quant import QuantizationConfig
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -44,6 +45,15 @@ class ModelConfig:
     dtype: torch.dtype
     sliding_window: int | None
     quant_config: QuantizationConfig | None
+    # pooling models (task "embed" or "classify"; set by get_model_config) and encoders
+    task: str = "generate"
+    causal: bool = True
+    pooler: PoolerConfig | None = None
+    layer_norm_eps: float = 1e-12
+    type_vocab_size: int = 0
+    position_offset: int = 0
+    num_labels: int = 0  # a cross-encoder's classifier outputs
+    classifier_activation: str = "sigmoid"  # of its scores: "sigmoid", "softmax" or "identity"
 
     @classmethod
     def from_hf(
@@ -76,6 +86,10 @@ class ModelConfig:
             dtype=DTYPES.get(str(raw.get("dtype") or raw.get("torch_dtype") or "float32"), torch.float32),
             sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window", True) else None,
             quant_config=quant_config,
+            layer_norm_eps=raw.get("layer_norm_eps", 1e-12),
+            type_vocab_size=raw.get("type_vocab_size", 0),
+            num_labels=len(raw.get("id2label") or {}) or raw.get("num_labels", 0),
+            classifier_activation=_classifier_activation(raw),
         )
 
 
@@ -90,3 +104,12 @@ def _rope(raw: dict) -> tuple[float, dict | None]:
     if kind not in ("llama3", "linear"):
         raise ValueError(f"unsupported RoPE scaling {kind!r}; supported: default, linear, llama3")
     return theta, {**params, "rope_type": kind}
+
+
+def _classifier_activation(raw: dict) -> str:
+    """What a cross-encoder's scores go through, as sentence-transformers' CrossEncoder decides: the activation
+    its config.json names, else sigmoid for one label, softmax over several."""
+    named = ((raw.get("sentence_transformers") or {}).get("activation_fn") or "").rpartition(".")[2].lower()
+    if named in ("sigmoid", "identity", "softmax"):
+        return named
+    return "sigmoid" if len(raw.get("id2label") or {}) <= 1 else "softmax"

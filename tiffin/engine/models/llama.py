@@ -19,6 +19,7 @@ from tiffin.engine.models.layers import (
     Rotation,
     prefixed,
 )
+from tiffin.engine.models.pooler import Pooler, PoolingMetadata
 from tiffin.kernels.lora import LoRAMetadata
 
 
@@ -127,6 +128,7 @@ class Model(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    ignored_weights = ("rotary_emb",)  # checkpoint weights the model recomputes
     # checkpoint module name -> (our stacked module, shard index)
     stacked_modules = {
         "q_proj": ("qkv_proj", 0),
@@ -148,9 +150,13 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
         self.model = Model(config, prefixed(linear, "model."), prefixed(embedding, "model."), rotary, backend, tp)
+        generates = config.task == "generate"
         self.lm_head = (
-            None if config.tie_word_embeddings else embedding("lm_head", config.vocab_size, config.hidden_size)
+            None
+            if config.tie_word_embeddings or not generates
+            else embedding("lm_head", config.vocab_size, config.hidden_size)
         )
+        self.pooler = None if config.pooler is None else Pooler(config.pooler.pooling_type)
 
     def forward(self, input_ids, positions, attn_metadata, lora=None):
         return self.model(input_ids, positions, attn_metadata, lora)
@@ -158,6 +164,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The logits of `hidden`'s rows; with tensor parallelism on rank 0 only (None on the others)."""
         return (self.model.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)
+
+    def pool(self, hidden: torch.Tensor, md: PoolingMetadata) -> torch.Tensor:
+        return self.pooler(hidden, md)
 
     def layers_kv(self):
         return [layer.self_attn for layer in self.model.layers]

@@ -17,23 +17,32 @@ from tiffin.engine.distributed.tensor_parallel import UNSHARDED, TensorParallel
 from tiffin.engine.models.config import ModelConfig
 from tiffin.engine.models.gguf_checkpoint import find_gguf, open_gguf
 from tiffin.engine.models.linear import Embedding, Linear
-from tiffin.engine.models.registry import get_architecture
+from tiffin.engine.models.pooler import PoolerConfig
+from tiffin.engine.models.registry import get_architecture, resolve_task
 from tiffin.quant import LinearMethod, QuantizationConfig, UnquantizedLinearMethod, get_quant_config
 from tiffin.quant.base import materialize
 
 
-def get_model_config(path: str | Path) -> ModelConfig:
-    """The checkpoint's ModelConfig, its quantization included; ValueError, before any weight is read, for an
-    architecture, activation or quantization tiffin cannot serve. `path`: a Hugging Face directory, or a GGUF
-    file (or a directory holding one), whose metadata implies the config."""
+def get_model_config(path: str | Path, task: str = "auto", pooling_type: str | None = None) -> ModelConfig:
+    """The checkpoint's ModelConfig, its quantization and the `task` it serves included (`resolve_task`), with
+    the pooling of a pooling model (`PoolerConfig.read`; `pooling_type` overrides it); ValueError, before any
+    weight is read, for an architecture, activation, quantization or task tiffin cannot serve. `path`: a Hugging
+    Face directory, or a GGUF file (or a directory holding one), whose metadata implies the config."""
     gguf = find_gguf(path)
     if gguf is None:
         raw = json.loads((Path(path) / "config.json").read_text())
     else:
         checkpoint = open_gguf(gguf)
         raw = checkpoint.config(get_architecture(checkpoint.architecture).model.stacked_modules)
-    arch = get_architecture((raw.get("architectures") or ["?"])[0])
-    return ModelConfig.from_hf(raw, get_quant_config(path, raw), arch.qkv_bias, arch.qk_norm)
+    name = (raw.get("architectures") or ["?"])[0]
+    arch = get_architecture(name)
+    config = ModelConfig.from_hf(raw, get_quant_config(path, raw), arch.qkv_bias, arch.qk_norm)
+    config.task, config.causal = resolve_task(arch, name, task), arch.causal
+    if arch.positions_after_padding:
+        config.position_offset = raw.get("pad_token_id", 1) + 1
+    if config.task != "generate" or arch.causal:  # a decoder that generates embeds too
+        config.pooler = PoolerConfig.read(Path(path), arch.pooling_type, pooling_type)
+    return config
 
 
 def build_model(
@@ -67,7 +76,8 @@ def build_model(
 
     with torch.device(device):
         model = model_class(config, max_positions, backend, linear, embedding, tp)
-    load_weights(model, checkpoint_weights(path), path)
+    prefix = get_architecture(config.architecture).checkpoint_prefix
+    load_weights(model, ((prefix + key, tensor) for key, tensor in checkpoint_weights(path)), path)
     for module in model.modules():
         if isinstance(module, Linear):
             module.method.process_weights_after_loading(module)
@@ -154,7 +164,7 @@ def _count_tensors(files: list[Path]) -> int:
 
 def _load_tensor(model, params: dict, key: str, tensor: torch.Tensor) -> list[str]:
     """Place one checkpoint tensor; returns the parameter names it filled."""
-    if "rotary_emb" in key:
+    if any(ignored in key for ignored in model.ignored_weights):
         return []
     if key == "lm_head.weight" and model.lm_head is None:  # tied: the embedding is the output projection
         return []

@@ -6,7 +6,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from tiffin.engine.models.bert import BertForSequenceClassification, BertModel
 from tiffin.engine.models.llama import LlamaForCausalLM
+
+TASKS = ("generate", "embed", "classify")
 
 
 @dataclass(frozen=True)
@@ -15,6 +18,11 @@ class Architecture:
     qkv_bias: bool = False  # q/k/v projections carry a bias (o_proj does not)
     qk_norm: bool = False  # per-head RMSNorm on q and k before rotary
     gguf_name: str | None = None  # llama.cpp's name for it in GGUF files, where tiffin reads those
+    task: str = "generate"  # what it serves by default: "generate", "embed" or "classify" (a cross-encoder)
+    causal: bool = True  # False: an encoder, attending over the whole prompt (it can only pool)
+    pooling_type: str = "last"  # its pooling when it embeds, unless sentence-transformers' files say otherwise
+    checkpoint_prefix: str = ""  # what its checkpoint's weight names lack against the model's (a bare decoder)
+    positions_after_padding: bool = False  # RoBERTa: absolute position rows start at pad_token_id + 1
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -23,6 +31,21 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen2ForCausalLM": Architecture(LlamaForCausalLM, qkv_bias=True, gguf_name="qwen2"),
     "Qwen3ForCausalLM": Architecture(LlamaForCausalLM, qk_norm=True, gguf_name="qwen3"),
     "IQuestCoderForCausalLM": Architecture(LlamaForCausalLM),
+    # decoders without their head, as Qwen3-Embedding / gte-Qwen2 ship: last-token embeddings
+    "LlamaModel": Architecture(LlamaForCausalLM, task="embed", checkpoint_prefix="model."),
+    "MistralModel": Architecture(LlamaForCausalLM, task="embed", checkpoint_prefix="model."),
+    "Qwen2Model": Architecture(LlamaForCausalLM, qkv_bias=True, task="embed", checkpoint_prefix="model."),
+    "Qwen3Model": Architecture(LlamaForCausalLM, qk_norm=True, task="embed", checkpoint_prefix="model."),
+    "BertModel": Architecture(BertModel, task="embed", causal=False, pooling_type="cls"),
+    "BertForSequenceClassification": Architecture(
+        BertForSequenceClassification, task="classify", causal=False, pooling_type="cls"
+    ),
+    "RobertaModel": Architecture(
+        BertModel, task="embed", causal=False, pooling_type="cls", positions_after_padding=True
+    ),
+    "XLMRobertaModel": Architecture(
+        BertModel, task="embed", causal=False, pooling_type="cls", positions_after_padding=True
+    ),
 }
 
 
@@ -30,6 +53,18 @@ def get_architecture(name: str) -> Architecture:
     if name not in ARCHITECTURES:
         raise ValueError(f"unsupported architecture {name!r}; tiffin serves {', '.join(ARCHITECTURES)}")
     return ARCHITECTURES[name]
+
+
+def resolve_task(arch: Architecture, name: str, task: str) -> str:
+    """The task an engine serves for the `task` setting ("auto": the architecture's); ValueError when the
+    architecture cannot serve it. A decoder may embed (last-token pooling, say), an encoder cannot generate."""
+    if task == "auto":
+        return arch.task
+    if task not in TASKS:
+        raise ValueError(f"task must be 'auto' or one of {', '.join(TASKS)}, got {task!r}")
+    if task != arch.task and not (arch.causal and task == "embed"):
+        raise ValueError(f"{name} serves {arch.task!r}, not {task!r}")
+    return task
 
 
 def gguf_architecture(gguf_name: str, file: str) -> str:

@@ -12,6 +12,7 @@ import torch
 
 from tiffin.engine.core.scheduler import SchedulerOutput
 from tiffin.engine.core.sequence import Sequence
+from tiffin.engine.models.pooler import PoolingMetadata
 from tiffin.engine.sampling_params import SamplingParams
 from tiffin.kernels import AttentionMetadata
 from tiffin.kernels.lora import LoRAMetadata
@@ -77,6 +78,7 @@ class ModelInput(NamedTuple):
     attn: AttentionMetadata
     logits_indices: torch.Tensor
     lora: LoRAMetadata | None = None
+    pooling: PoolingMetadata | None = None  # rank 0's only: the other ranks do not pool
 
 
 def host_batch(scheduler_output: SchedulerOutput, block_size: int, pad_prefills: bool = False) -> HostBatch:

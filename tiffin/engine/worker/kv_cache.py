@@ -111,13 +111,18 @@ class KVCacheSpec:
         return kv_cache
 
 
-def num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, max_blocks_per_seq: int, profile: Callable) -> int:
+def num_kv_blocks(
+    config: EngineConfig, spec: KVCacheSpec, max_blocks_per_seq: int, profile: Callable, pooling_only: bool = False
+) -> int:
     """`num_kv_blocks`, else what `kv_cache_memory` holds, else what `gpu_memory_utilization` of the GPU leaves
     (`profile()` measures the largest step; a default share of RAM on CPU); never more than max_num_seqs
-    sequences of max_model_len use."""
+    sequences of max_model_len use, nor, for a model that only pools (its sequences hold blocks for one step),
+    more than one step's max_num_batched_tokens can fill (a partial block per sequence)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     most = config.max_num_seqs * max_blocks_per_seq
+    if pooling_only:
+        most = min(most, -(-config.max_num_batched_tokens // spec.block_size) + config.max_num_seqs)
     if config.kv_cache_memory is None and config.torch_device.type == "cuda":
         kv_blocks = profile().kv_blocks(config.gpu_memory_utilization, spec.bytes_per_block, max_blocks_per_seq)
         return min(kv_blocks, most)

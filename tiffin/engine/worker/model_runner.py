@@ -17,6 +17,7 @@ from tiffin.engine.distributed.tensor_parallel import UNSHARDED
 from tiffin.engine.lora.slots import LoRASlots
 from tiffin.engine.models.config import ModelConfig
 from tiffin.engine.models.loader import build_model
+from tiffin.engine.models.pooler import PoolingMetadata
 from tiffin.engine.structured.backend import fill_bitmask
 from tiffin.engine.worker import kv_cache, tp_worker
 from tiffin.engine.worker.batch import HostBatch, ModelInput, Upload, host_batch
@@ -72,7 +73,11 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.kv_spec = kv_cache.KVCacheSpec.of(model_config, self.block_size, tp.kv_heads(model_config.num_kv_heads))
         self.num_blocks = kv_cache.num_kv_blocks(
-            config, self.kv_spec, self.max_blocks_per_seq, lambda: kv_cache.profile_memory(self, kv_cache.CUDA_MEMORY)
+            config,
+            self.kv_spec,
+            self.max_blocks_per_seq,
+            lambda: kv_cache.profile_memory(self, kv_cache.CUDA_MEMORY),
+            pooling_only=model_config.task != "generate",
         )
         if group is not None:
             self.num_blocks = group.agree_num_blocks(self.num_blocks)
@@ -105,7 +110,9 @@ class ModelRunner:
         # the step's host arrays (the batch's, the sampler's) go to the device in one pinned copy
         upload = Upload(self.device)
         sampling = self.sampler.stage(scheduler_output.sampling_seqs, upload, self.model_config.vocab_size)
-        size = 0 if self.decode_graphs is None else self.decode_graphs.size_for(scheduler_output)
+        graphs = self.decode_graphs is not None and not scheduler_output.pooling_seqs
+        size = self.decode_graphs.size_for(scheduler_output) if graphs else 0
+        pooled = None
         if size:
             batch = self.host_batch(scheduler_output)
             fill = self.decode_graphs.stage(size, batch, upload)
@@ -114,20 +121,40 @@ class ModelRunner:
             hidden = self.decode_graphs.run(size, batch, self.model, fill)
             logits = self.model.compute_logits(hidden[upload.get(logits_indices)])
         elif self.group is None:
-            logits = self.run_model(self.prepare(scheduler_output, upload))
+            logits, pooled = self.run_model(self.prepare(scheduler_output, upload))
         else:  # the other ranks run the same step on their shards
             inputs = self.prepare(scheduler_output, upload)
-            logits = tp_worker.run(self.group, inputs, self.lora_slots, lambda: self.run_model(inputs))
-        return self.sampler(logits, scheduler_output.sampling_seqs, bitmask, sampling)
+            logits, pooled = tp_worker.run(self.group, inputs, self.lora_slots, lambda: self.run_model(inputs))
+        sampling_seqs = scheduler_output.sampling_seqs
+        out = self.sampler(logits, sampling_seqs, bitmask, sampling) if sampling_seqs else SamplerOutput([], [])
+        out.pooled = [] if pooled is None else self.finish_pooling(pooled, scheduler_output.pooling_seqs)
+        return out
 
     @torch.inference_mode()
-    def run_model(self, inputs: ModelInput) -> torch.Tensor | None:
-        """The logits of the step's sampling tokens; with tensor parallelism on rank 0 only (None elsewhere)."""
+    def run_model(self, inputs: ModelInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The logits of the step's sampling tokens (None when none samples) and the pooled rows of its pooling
+        sequences (None when none pools); with tensor parallelism on rank 0 only (None elsewhere)."""
         if self.cpu_decoder is not None and inputs.attn.max_query_len == 1:
             hidden = self.cpu_decoder(inputs.input_ids, inputs.positions, inputs.attn)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, inputs.lora)
-        return self.model.compute_logits(hidden[inputs.logits_indices])
+        # the same test on every rank: the logits' gather is a collective
+        samples = len(inputs.logits_indices) and self.model_config.task == "generate"
+        logits = self.model.compute_logits(hidden[inputs.logits_indices]) if samples else None
+        return logits, None if inputs.pooling is None else self.model.pool(hidden, inputs.pooling)
+
+    def finish_pooling(self, pooled: torch.Tensor, seqs: list) -> list[list[float]]:
+        """Each pooling sequence's result as its params ask: an embedding cut to its `dimensions`, then normalized
+        (by default as the model was trained); a classifier's scores as they are."""
+        normalize_by_default = self.model_config.pooler.normalize
+        results = []
+        for row, params in zip(pooled.cpu(), (s.pooling_params for s in seqs)):
+            if params.task == "embed":
+                row = row[: params.dimensions]
+                if normalize_by_default if params.normalize is None else params.normalize:
+                    row = torch.nn.functional.normalize(row, dim=0)
+            results.append(row.tolist())
+        return results
 
     def shutdown(self) -> None:
         """End the tensor-parallel workers, if any."""
@@ -169,7 +196,11 @@ class ModelRunner:
             if self.lora_slots is None
             else self.lora_slots.prepare([s.lora for s in scheduler_output.seqs], b.query_lens)
         )
-        return ModelInput(input_ids, positions, attn, logits_indices, lora)
+        pooling = None
+        if scheduler_output.pooling_seqs:
+            pools = np.array([s.pooling_params is not None for s in scheduler_output.seqs])
+            pooling = PoolingMetadata.of(b.query_start_loc[:-1][pools], b.query_lens[pools], self.device)
+        return ModelInput(input_ids, positions, attn, logits_indices, lora, pooling)
 
     def pad_decodes(self, sizes: list[int]) -> None:
         """Pad decode-only steps of up to `sizes[-1]` sequences to the next of `sizes` (`DecodeGraphs`); on

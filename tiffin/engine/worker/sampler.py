@@ -6,7 +6,7 @@ temperature -> min_p -> top_k -> top_p -> exponential-race sampling."""
 import weakref
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import Protocol
 
@@ -39,6 +39,7 @@ class SampledSeq(Protocol):
 class SamplerOutput:
     token_ids: list[int]  # one per row
     logprobs: list[dict[int, Logprob] | None]  # per row; None where params.logprobs is None
+    pooled: list[list[float]] = field(default_factory=list)  # the runner's: one result per pooling sequence
 
 
 class SamplingInputs:
