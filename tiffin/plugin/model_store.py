@@ -10,6 +10,7 @@ embeddings look like real ones, and would be stored and searched as if they were
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import bentoml
@@ -119,20 +120,22 @@ def _link_or_copy(src: str, dst: str) -> None:
 
 
 def tiny_model_path() -> str:
-    return _built_in(TINY_MODEL_TAG, "llama")
+    from tiffin import tiny  # torch: only when a tiny model is used
+
+    return _built_in(TINY_MODEL_TAG, tiny.make_tiny_model)
 
 
 def tiny_bert_path() -> str:
-    return _built_in(TINY_BERT_TAG, "bert")
+    from tiffin import tiny_bert
+
+    return _built_in(TINY_BERT_TAG, tiny_bert.make_tiny_bert)
 
 
-def _built_in(tag: str, arch: str) -> str:
-    """The built-in tiny model `tag` of `arch` from the model store, written there first if it is not."""
+def _built_in(tag: str, make: Callable[[str], object]) -> str:
+    """The built-in tiny model `tag` from the model store, written there by `make(path)` first if it is not."""
     try:
         return bentoml.models.get(tag).path
     except bentoml.exceptions.NotFound:
-        from tiffin.tiny import make_tiny_model  # torch: only when a tiny model is written
-
         with bentoml.models.create(tag, labels={"source": "tiffin.tiny"}) as model:
-            make_tiny_model(model.path, arch=arch)
+            make(model.path)
         return bentoml.models.get(tag).path

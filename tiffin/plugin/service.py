@@ -15,13 +15,13 @@ beside the built-in tiny model): two engines in this one service, one process, t
 routed by its `model` name and by what its endpoint needs (tiffin.plugin.openai.routing). Why one service rather
 than a second one composed with `bentoml.depends`: BentoML runs each service in processes (on BentoCloud,
 containers) of its own, which suits models with their own hardware; a companion embedding model is small (MiniLM:
-22M parameters, 90 MB in fp32; 0.1 s of CPU for 64 sentences) and runs well on the chat model's device, where a
+22M parameters, 90 MB in fp32) and runs well on the chat model's device, where a
 service of its own would cost a torch process (and a replica) more than the model, and put an HTTP hop and a
 second copy of every vector between /v1/embeddings and the engine. One process also keeps one OpenAI base URL,
 one /readyz (ready when both engines are) and one drain. Resources: the chat model asks for what it always did
-(`resources()`); the embedding engine shares its device and takes its weights, its activations (one step of
-max_num_batched_tokens tokens) and `embedding_kv_cache_memory` on top. It loads first, so that on a GPU the chat
-engine's KV cache is sized from what it leaves. An embedding model that needs a GPU of its own is served by a
+(`resources()`); the embedding engine shares its device and takes its weights, the activations of one step of
+max_num_batched_tokens tokens and that step's KV blocks on top. It loads first, so that on a GPU the chat engine's
+KV cache is sized from what it leaves. An embedding model that needs a GPU of its own is served by a
 Bento of its own: `model=<the embedding model>`, `embedding_model=none`.
 
 Torch and the engine are imported inside the loader thread, so `bentoml build` imports this module quickly.
@@ -55,7 +55,7 @@ from tiffin.plugin.metrics import engine_metrics
 from tiffin.plugin.model_store import bento_model, is_hub_id, resolve_embedding_model, resolve_model
 from tiffin.plugin.openai import structured
 from tiffin.plugin.openai.app import attach_serving, create_app, create_v2_app
-from tiffin.plugin.openai.pooling import PoolingServing, ranked
+from tiffin.plugin.openai.pooling import RERANK_FIELDS, PoolingServing, ranked
 from tiffin.plugin.openai.protocol import MAX_POOLING_INPUTS, APIError, Bool, Float, Int
 from tiffin.plugin.openai.routing import ModelRouter
 from tiffin.plugin.openai.serving import OpenAIServing
@@ -111,10 +111,11 @@ class _ServiceSettings(BaseModel):
         "(offline: none, logged), none beside the built-in tiny model",
     )
     embedding_served_model_name: str | None = Field(None, description="the embedding model's OpenAI `model` name")
-    embedding_dtype: str = Field("auto", description="the embedding model's dtype, as `dtype` is the model's")
-    embedding_kv_cache_memory: int = Field(
-        256 << 20, description="bytes of KV cache for the embedding model's inputs in flight (as kv_cache_memory)"
+    embedding_task: str = Field(
+        "auto", description="the embedding model's task, as `task` is the model's: embed, classify (a reranker), auto"
     )
+    embedding_pooling_type: str | None = Field(None, description="the embedding model's pooling_type (mean, cls, last)")
+    embedding_dtype: str = Field("auto", description="the embedding model's dtype, as `dtype` is the model's")
 
     @model_validator(mode="before")
     @classmethod
@@ -132,7 +133,6 @@ class _ServiceSettings(BaseModel):
         "kv_cache_memory",
         "max_request_body",
         "grammar_cache_bytes",
-        "embedding_kv_cache_memory",
         mode="before",
         check_fields=False,
     )
@@ -163,15 +163,16 @@ class _ServiceSettings(BaseModel):
         }
 
     def embedding_engine_kwargs(self) -> dict:
-        """The embedding engine: on the chat model's device and kernels, in a KV cache of its own size. Its queue
-        holds at least four requests of the most inputs one may have: an input is a sequence of a few hundred
-        tokens at most, run once, far cheaper than a chat sequence."""
+        """The embedding engine: on the chat model's device and kernels, with one step's KV blocks (a model that
+        only pools sizes its cache so). Its queue holds at least four requests of the most inputs one may have: an
+        input is a sequence of a few hundred tokens at most, run in one step, far cheaper than a chat sequence."""
         waiting = self.max_waiting_requests
         return {
             "device": self.device,
             "kernel_backend": self.kernel_backend,
+            "task": self.embedding_task,
+            "pooling_type": self.embedding_pooling_type,
             "dtype": self.embedding_dtype,
-            "kv_cache_memory": self.embedding_kv_cache_memory,
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_waiting_requests": None if waiting is None else max(waiting, 4 * MAX_POOLING_INPUTS),
@@ -217,12 +218,14 @@ Texts = Annotated[list[str], Field(min_length=1, max_length=MAX_POOLING_INPUTS)]
 
 
 class EmbedRequest(BaseModel):
-    """The typed `embed` API's request: texts to embed, optionally truncated to `dimensions` (Matryoshka) and
-    normalized or not (None: as the model was trained)."""
+    """The typed `embed` API's request: texts to embed, optionally cut to `dimensions` (Matryoshka), normalized or
+    not (None: as the model was trained), and texts past the context cut to `truncate_prompt_tokens` (-1: the
+    context) rather than refused."""
 
     texts: Texts
     dimensions: Int | None = None
     normalize: Bool | None = None
+    truncate_prompt_tokens: Int | None = None
 
 
 class RerankApiRequest(BaseModel):
@@ -302,8 +305,12 @@ class Tiffin:
             servings = []
             if embedding is not None:
                 path, name = embedding
-                engine = AsyncLLMEngine.from_engine_args(path, **settings.embedding_engine_kwargs())
+                engine = AsyncLLMEngine.from_engine_args(
+                    path, on_stats=self.metrics.on_embedding_stats, **settings.embedding_engine_kwargs()
+                )
                 self.engines.append(engine)
+                if engine.task == "generate":
+                    raise ValueError(f"embedding_model {name} generates; it must embed or classify (embedding_task)")
                 servings.append(self._serving(engine, settings.embedding_served_model_name or name))
                 logger.info("tiffin: embedding model %s loaded from %s", name, path)
             if is_hub_id(settings.model):  # the Bento's packed copy, or a download when served from source
@@ -328,8 +335,8 @@ class Tiffin:
 
     def _serving(self, engine, name: str) -> OpenAIServing | PoolingServing:
         """The OpenAI serving of `engine`: the generation endpoints for a generation model, the pooling ones else."""
-        if engine.engine.task != "generate":
-            return PoolingServing(engine, name, on_pooled=self.metrics.on_pooled)
+        if engine.task != "generate":
+            return PoolingServing(engine, name)
         lora = None
         if settings.lora_roots is not None:
             from tiffin.plugin.lora import LoRAServing
@@ -408,7 +415,7 @@ class Tiffin:
         req = EmbedRequest(**request)
         serving = self._route("embed", "/embed")
         try:
-            params = PoolingParams(normalize=req.normalize, dimensions=req.dimensions)
+            params = PoolingParams("embed", **req.model_dump(exclude={"texts"}))
             outputs = await serving.encode(req.texts, params, "texts")
         except (ValueError, APIError) as e:
             raise _bentoml_error(e) from None
@@ -421,7 +428,9 @@ class Tiffin:
         req = RerankApiRequest(**request)
         serving = self._route("score", "/rerank")
         try:
-            scores, _ = await serving.scores([(req.query, req.documents)], None, "documents")
+            scores, _ = await serving.scores(
+                [req.query], req.documents, PoolingParams(serving.engine.task), RERANK_FIELDS
+            )
         except APIError as e:
             raise _bentoml_error(e) from None
         return ranked(req.documents, scores, req.top_n, documents=True)

@@ -17,7 +17,8 @@ import json
 import struct
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request, Response
@@ -36,26 +37,29 @@ if TYPE_CHECKING:  # torch, which `bentoml build` need not import
 TASKS = {"generate": ("generate",), "embed": ("embed", "score"), "classify": ("classify", "score")}
 # engine ParamError params that name the input itself, which the API names by its own field
 _INPUT_PARAMS = {"prompt", "prompt_token_ids"}
+SCORE_FIELDS = ("text_1", "text_2")  # the request fields of the texts scored, first and second
+RERANK_FIELDS = ("query", "documents")
+
+
+@dataclass(frozen=True)
+class _Pair:
+    """Two texts a cross-encoder reads as one input."""
+
+    text_1: str
+    text_2: str
 
 
 class PoolingServing:
-    """The pooling endpoints of one engine. `on_pooled(requests, tokens)` is called after each answered request
-    with its number of engine requests and of tokens (metrics)."""
+    """The pooling endpoints of one engine."""
 
-    def __init__(
-        self,
-        engine: "AsyncLLMEngine",
-        model_name: str,
-        on_pooled: Callable[[int, int], None] | None = None,
-    ) -> None:
+    def __init__(self, engine: "AsyncLLMEngine", model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
         self.created = int(time.time())
-        self.on_pooled = on_pooled
 
     @property
     def tasks(self) -> tuple[str, ...]:
-        return TASKS[self.engine.engine.task]
+        return TASKS[self.engine.task]
 
     def serves(self, model: str) -> bool:
         return model == self.model_name
@@ -91,8 +95,9 @@ class PoolingServing:
         )
 
     async def score(self, req: ScoreRequest, raw: Request) -> Response:
-        groups = req.groups()
-        scores, tokens = await unless_disconnected(raw, self.scores(groups, req.truncate_prompt_tokens, "text_2"))
+        firsts, seconds = req.texts()
+        params = req.pooling_params(self.engine.task)
+        scores, tokens = await unless_disconnected(raw, self.scores(firsts, seconds, params))
         return await json_response(
             {
                 "id": f"score-{uuid.uuid4().hex}",
@@ -106,9 +111,8 @@ class PoolingServing:
 
     async def rerank(self, req: RerankRequest, raw: Request) -> Response:
         texts = req.texts()
-        scores, tokens = await unless_disconnected(
-            raw, self.scores([(req.query, texts)], req.truncate_prompt_tokens, "documents")
-        )
+        params = req.pooling_params(self.engine.task)
+        scores, tokens = await unless_disconnected(raw, self.scores([req.query], texts, params, RERANK_FIELDS))
         return await json_response(
             {
                 "id": f"rerank-{uuid.uuid4().hex}",
@@ -121,40 +125,71 @@ class PoolingServing:
     async def encode(self, prompts: list, params: PoolingParams, field: str) -> list[PoolingRequestOutput]:
         """The engine's output for each prompt, in order; APIError naming `field` (the request field holding the
         prompts) or the parameter the engine refused."""
+        return await self._pool([(field, _where(field, i, len(prompts)), p) for i, p in enumerate(prompts)], params)
+
+    async def scores(
+        self,
+        firsts: list[str],
+        seconds: list[str],
+        params: PoolingParams,
+        fields: tuple[str, str] = SCORE_FIELDS,
+    ) -> tuple[list[float], int]:
+        """The score of each text of `seconds` against its text of `firsts` (one for all, or one each), as the
+        engine's `score` gives it, and the tokens the model read for them: a cross-encoder reads each pair, an
+        embedding model each distinct text once (the cosine of two embeddings is the pair's score)."""
+        pairs = list(zip(firsts * len(seconds) if len(firsts) == 1 else firsts, seconds))
+        if self.engine.task == "classify":
+            inputs = [(fields[1], _where(fields[1], i, len(seconds)), _Pair(a, b)) for i, (a, b) in enumerate(pairs)]
+            outputs = await self._pool(inputs, params, dict(zip(("text_1", "text_2"), fields)))
+            return [o.outputs.score for o in outputs], sum(len(o.prompt_token_ids) for o in outputs)
+        from tiffin.engine.scoring import cosine_scores  # torch, which `bentoml build` need not import
+
+        unique: dict[str, tuple[str, str]] = {}  # text -> (field, where) of its first place
+        for field, texts in zip(fields, (firsts, seconds)):
+            for i, text in enumerate(texts):
+                unique.setdefault(text, (field, _where(field, i, len(texts))))
+        outputs = await self._pool([(field, where, text) for text, (field, where) in unique.items()], params)
+        embedded = dict(zip(unique, outputs))
+        scored = cosine_scores(
+            [str(i) for i in range(len(pairs))], *zip(*((embedded[a], embedded[b]) for a, b in pairs))
+        )
+        return [o.outputs.score for o in scored], sum(len(o.prompt_token_ids) for o in outputs)
+
+    async def _pool(
+        self, inputs: list[tuple[str, str, Any]], params: PoolingParams, renames: dict[str, str] | None = None
+    ) -> list[PoolingRequestOutput]:
+        """Each (field, where, prompt or _Pair) pooled. Every input is tokenized and checked first, on one worker
+        thread, so that a refused one (an APIError naming `field` and `where`, or the engine parameter at fault, as
+        `renames` spells it in the API) fails the request before any is queued; then all run at once, and the
+        first failure among them (a full queue, a failed step) cancels the rest."""
+        renames = renames or {}
+        engine = self.engine.engine  # its tokenize and tokenize_pair are thread-safe
+
+        def tokenize_all() -> list:
+            prompts = []
+            for field, where, prompt in inputs:
+                try:
+                    if isinstance(prompt, _Pair):  # with its token types
+                        prompts.append(engine.tokenize_pair(prompt.text_1, prompt.text_2, params))
+                    else:
+                        prompts.append(engine.tokenize(prompt, params))
+                except ValueError as e:
+                    raise _refusal(e, field, where, renames) from None
+            return prompts
+
         request_id = f"pool-{uuid.uuid4().hex}"
 
-        async def one(i: int, prompt) -> PoolingRequestOutput:
-            where = field if len(prompts) == 1 else f"{field}[{i}]"
+        async def one(i: int, field: str, where: str, prompt) -> PoolingRequestOutput:
             try:
                 out = await self.engine.encode(prompt, params, f"{request_id}-{i}")
             except (ValueError, QueueFull, EngineError) as e:
-                raise _refusal(e, field, where) from None
+                raise _refusal(e, field, where, renames) from None
             if out.error is not None or out.outputs is None:
                 raise APIError(500, f"{where}: {out.error}", type="server_error")
             return out
 
-        outputs = await all_or_none([one(i, p) for i, p in enumerate(prompts)])
-        if self.on_pooled is not None:
-            self.on_pooled(len(outputs), sum(len(o.prompt_token_ids) for o in outputs))
-        return outputs
-
-    async def scores(
-        self, groups: list[tuple[str, list[str]]], truncate_prompt_tokens: int | None, field: str
-    ) -> tuple[list[float], int]:
-        """The scores of each group's texts against its first text, in order, and the tokens they took."""
-
-        async def one(first: str, seconds: list[str]) -> list[float]:
-            try:
-                return await self.engine.score(first, seconds, truncate_prompt_tokens)
-            except (ValueError, QueueFull, EngineError) as e:
-                raise _refusal(e, field, field) from None
-
-        scored = await all_or_none([one(first, seconds) for first, seconds in groups])
-        scores = [s for group in scored for s in group]
-        tokens = 0  # TODO: the engine's count
-        if self.on_pooled is not None:
-            self.on_pooled(len(scores), tokens)
-        return scores, tokens
+        prompts = await asyncio.to_thread(tokenize_all)
+        return await all_or_none([one(i, f, w, p) for i, ((f, w, _), p) in enumerate(zip(inputs, prompts))])
 
 
 def ranked(texts: list[str], scores: list[float], top_n: int | None, documents: bool) -> list[dict]:
@@ -178,15 +213,22 @@ async def all_or_none(calls: list[Awaitable]) -> list:
         await asyncio.gather(*tasks, return_exceptions=True)  # they have let go of their engine requests
 
 
-def _refusal(e: ValueError | QueueFull | EngineError, field: str, where: str) -> APIError:
-    """An engine refusal or failure of one input as the request's APIError."""
-    if isinstance(e, ParamError) and e.param not in _INPUT_PARAMS:
-        return APIError(400, str(e), param=e.param)
+def _refusal(e: ValueError | QueueFull | EngineError, field: str, where: str, renames: dict[str, str]) -> APIError:
+    """An engine refusal or failure of the input `where` of `field` as the request's APIError: a refused input
+    names `field` (or what `renames` maps the engine's param to), a refused parameter itself."""
+    param = getattr(e, "param", None)
+    if isinstance(e, ParamError) and param not in _INPUT_PARAMS and param not in renames:
+        return APIError(400, str(e), param=param)
     if isinstance(e, ValueError):
-        return APIError(400, f"{where}: {e}", param=field)
+        return APIError(400, f"{where}: {e}", param=renames.get(param, field))
     if isinstance(e, QueueFull):
         return APIError(429, str(e), type="rate_limit_error", code="queue_full")
     return APIError(500, f"{where}: {e}", type="server_error")
+
+
+def _where(field: str, i: int, count: int) -> str:
+    """How an error names input `i` of `count` in `field`."""
+    return field if count == 1 else f"{field}[{i}]"
 
 
 def _base64(embedding: list[float]) -> str:

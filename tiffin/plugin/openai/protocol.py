@@ -245,16 +245,14 @@ class ScoreRequest(PoolingRequest):
     text_1: Text | list[Text]
     text_2: Text | list[Text]
 
-    def groups(self) -> list[tuple[str, list[str]]]:
-        """(text_1, the texts scored against it), in the order of the scores."""
+    def texts(self) -> tuple[list[str], list[str]]:
+        """(text_1s, text_2s): one text_1 for every text_2, or as many."""
         firsts = _bounded([self.text_1] if isinstance(self.text_1, str) else self.text_1, "text_1")
         seconds = _bounded([self.text_2] if isinstance(self.text_2, str) else self.text_2, "text_2")
-        if len(firsts) == 1:
-            return [(firsts[0], seconds)]
-        if len(firsts) != len(seconds):
+        if len(firsts) not in (1, len(seconds)):
             message = f"text_1 holds {len(firsts)} texts and text_2 {len(seconds)}: one text_1, or as many as text_2"
             raise APIError(400, message, param="text_2")
-        return [(a, [b]) for a, b in zip(firsts, seconds)]
+        return firsts, seconds
 
 
 class RerankDocument(BaseModel):
