@@ -26,9 +26,12 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping, backend: str = "torch")
     kernel("write_kv", backend)(key, value, k_cache, v_cache, slot_mapping)
 
 
-def paged_attention(query, k_cache, v_cache, md: AttentionMetadata, scale: float, backend: str = "torch"):
-    """`query [T, num_heads, head_dim]` -> `[T, num_heads, head_dim]`, reading K/V through `md.block_tables`."""
-    return kernel("paged_attention", backend)(query, k_cache, v_cache, md, scale)
+def paged_attention(
+    query, k_cache, v_cache, md: AttentionMetadata, scale: float, backend: str = "torch", causal: bool = True
+):
+    """`query [T, num_heads, head_dim]` -> `[T, num_heads, head_dim]`, reading K/V through `md.block_tables`.
+    `causal=False` (encoders): each query row sees every key of its request's `seq_len`, not only the earlier."""
+    return kernel("paged_attention", backend)(query, k_cache, v_cache, md, scale, causal=causal)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "torch") -> torch.Tensor:

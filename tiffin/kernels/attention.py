@@ -4,7 +4,7 @@ Layout: `k_cache`, `v_cache` are `[num_blocks, block_size, num_kv_heads, head_di
 lives in slot `block_table[t // block_size] * block_size + t % block_size`; slot -1 means "skip" (padding).
 A batch is flattened: request `i` owns query rows `query_start_loc[i]:query_start_loc[i+1]`, which are the
 last `query_len` tokens of its `seq_len` tokens of context (cached prefix + this step's tokens), attended
-causally.
+causally; a non-causal call (`causal=False`, encoders) lets every row see all `seq_len` keys of its request.
 """
 
 import functools
@@ -61,7 +61,9 @@ class _Span:
     blocks: torch.Tensor  # block ids to gather, table after table
     count: int  # how many tables
     length: int
-    mask: torch.Tensor | None  # None: every row sees all `length` keys (decode) or plain causal (prefill)
+    # None: every row sees all `length` keys (decode) or plain causal (prefill). A prefill span's mask is the
+    # causal one, which a non-causal call ignores: the plan is shared by causal and non-causal calls.
+    mask: torch.Tensor | None
 
 
 def _gather(cache: torch.Tensor, span: _Span) -> torch.Tensor:
@@ -117,8 +119,11 @@ def _prefill_spans(md: AttentionMetadata, blocks, device) -> list[_Span]:
 
 
 @implements("paged_attention", "torch")
-def paged_attention_torch(query, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
-    """`query` `[T, num_heads, head_dim]` -> `[T, num_heads, head_dim]`."""
+def paged_attention_torch(
+    query, k_cache, v_cache, md: AttentionMetadata, scale: float, causal: bool = True
+) -> torch.Tensor:
+    """`query` `[T, num_heads, head_dim]` -> `[T, num_heads, head_dim]`. Decode rows (one query token, the last
+    of its context) see every key either way; `causal` only changes the prefill spans."""
     out = torch.empty_like(query)
     out[md.query_start_loc_cpu[-1] :] = 0  # rows past the batch's tokens (padding) belong to no sequence
     native = cpu_native.supports(query, k_cache)
@@ -133,8 +138,8 @@ def paged_attention_torch(query, k_cache, v_cache, md: AttentionMetadata, scale:
             q,
             _gather(k_cache, p).to(q.dtype),
             _gather(v_cache, p).to(q.dtype),
-            attn_mask=p.mask,
-            is_causal=p.mask is None,
+            attn_mask=p.mask if causal else None,
+            is_causal=causal and p.mask is None,
             scale=scale,
             enable_gqa=True,
         )

@@ -4,6 +4,7 @@ Invariant: only the model runner builds tensors whose shape changes per step; th
 batch and its metadata, never requests."""
 
 import ctypes
+import dataclasses
 import sys
 
 import numpy as np
@@ -45,6 +46,8 @@ class ModelRunner:
         self.backend = kernels.resolve_backend(config.kernel_backend, self.device)
         amx, native = torch.cpu._is_amx_tile_supported(), kernels.cpu_native.library() is not None
         self.policy = choose_policy(self.device, model_config.dtype, self.backend, amx, config, native)
+        if model_config.task != "generate":  # a pooling model runs no decode steps to capture
+            self.policy = dataclasses.replace(self.policy, capture_graphs=False)
         if group is None and config.tensor_parallel_size > 1:
             group = tp_worker.start(config, model_config, max_model_len, self.device, ModelRunner)
         self.group, tp = group, UNSHARDED if group is None else group.tp
