@@ -1,12 +1,13 @@
 """`PoolingServing`: /embeddings, /score and /rerank on an `AsyncLLMEngine` whose model embeds or scores pairs.
 
 Invariants:
-- Each input (each document, each scored pair group) is one engine request, all running concurrently; the first
-  refused or failed one fails the whole request and cancels the others, whose engine requests abort: nothing
-  keeps running for a request that has been answered. So does a client that disconnects.
-- A refusal names the request field at fault: the input's own (`input`, `text_2`, `documents`, with its index
-  when there are several) when the input was refused (too long, bad token ids), else the pooling field the
-  engine named (`dimensions`, `truncate_prompt_tokens`, ...).
+- Each input (each text, document or pair) is one engine request, all running concurrently. Every input is
+  tokenized and checked before any is queued, so a refused one fails the request with nothing run; once they are
+  queued, the first failure (a full queue, a failed step) or a client's disconnect cancels the others, whose engine
+  requests abort: nothing keeps running for a request that has been answered.
+- A refusal names the request field at fault: the input's own (`input`, `text_2`, `documents`, `query`, with its
+  index when there are several) when the input was refused (too long, bad token ids), else the setting the engine
+  named (`dimensions`, `truncate_prompt_tokens`, ...).
 - `encoding_format: "base64"` is the little-endian float32 bytes of exactly the floats `"float"` sends.
 - A response body is serialized on a worker thread: 2,048 embeddings of 1,024 floats are megabytes of JSON, which
   on the event loop would stall every stream."""
