@@ -28,7 +28,11 @@ def server(bento_server, tmp_path_factory):
     gate = tmp_path_factory.mktemp("gate") / "load-gate"
     srv = bento_server(
         args={"model": MODEL, "embedding_model": EMBEDDING_MODEL, "num_kv_blocks": NUM_KV_BLOCKS},
-        env={"TIFFIN_LOAD_GATE": str(gate), "TIFFIN_MAX_NUM_SEQS": "16"},
+        env={
+            "TIFFIN_LOAD_GATE": str(gate),
+            "TIFFIN_MAX_NUM_SEQS": "16",
+            "TIFFIN_LORA_ROOTS": str(tmp_path_factory.mktemp("lora-root")),
+        },
         ready="/livez",
         timeout=90,
     )
@@ -79,6 +83,9 @@ def test_both_models_on_one_v1_after_both_load(server, client, bert):
     assert r.status_code == 400 and r.json()["error"]["param"] == "model" and "serves generate" in r.text
     r = server.http.post("/v1/chat/completions", json={"model": EMBEDDING_MODEL, "messages": [{"role": "user"}]})
     assert r.status_code == 400 and "serves embed, score" in r.text
+    # no LoRA adapter of the chat model may take the embedding model's name
+    r = server.http.post("/v1/load_lora_adapter", json={"lora_name": EMBEDDING_MODEL, "lora_path": "any"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name" and "another model" in r.text
 
 
 def test_score_and_rerank_routes(server, bert):

@@ -36,7 +36,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import fields
 from http import HTTPStatus
 from pathlib import Path
@@ -320,7 +320,10 @@ class Tiffin:
                 path, name = resolve_model(settings.model)
             engine = AsyncLLMEngine.from_engine_args(path, on_stats=self.metrics.on_stats, **settings.engine_kwargs())
             self.engines.append(engine)
-            servings.insert(0, self._serving(engine, settings.served_model_name or name))
+            served, beside = settings.served_model_name or name, [s.model_name for s in servings]
+            if served in beside:
+                raise ValueError(f"the model and the embedding model are both named {served!r}: rename one")
+            servings.insert(0, self._serving(engine, served, beside))
             attach_serving(openai_app, servings)
             import xgrammar  # noqa: F401 (structured outputs import it, slowly: not on a request's event loop)
 
@@ -334,15 +337,16 @@ class Tiffin:
             logger.exception("tiffin: loading the model failed")
             self.load_error = f"{type(e).__name__}: {e}"
 
-    def _serving(self, engine, name: str) -> OpenAIServing | PoolingServing:
-        """The OpenAI serving of `engine`: the generation endpoints for a generation model, the pooling ones else."""
+    def _serving(self, engine, name: str, beside: Sequence[str] = ()) -> OpenAIServing | PoolingServing:
+        """The OpenAI serving of `engine`: the generation endpoints for a generation model, the pooling ones else.
+        `beside`: the names of the models served beside it, which its LoRA adapters may not take."""
         if engine.task != "generate":
             return PoolingServing(engine, name)
         lora = None
         if settings.lora_roots is not None:
             from tiffin.plugin.lora import LoRAServing
 
-            lora = LoRAServing(engine, settings.lora_roots, name)
+            lora = LoRAServing(engine, settings.lora_roots, name, beside)
         return OpenAIServing(
             engine, name, on_finished=self.metrics.on_finished, lora=lora, tool_parser=settings.tool_parser
         )
