@@ -184,3 +184,25 @@ def test_a_generation_model_embeds_beside_its_generations(tmp_path):
     mixed_vectors = torch.tensor([finished[f"e{i}"].outputs.embedding for i in range(3)])
     assert (mixed_vectors - alone_vectors).abs().max() < 1e-6
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_xlm_roberta_positions_start_past_the_padding_id(tmp_path, bert_dir):
+    """RoBERTa's position rows start at pad_token_id + 1 (here 0 + 1: the offset is read, not assumed)."""
+    from transformers import XLMRobertaConfig, XLMRobertaModel
+
+    config = XLMRobertaConfig(
+        vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=130, type_vocab_size=1, pad_token_id=0, initializer_range=0.1,
+    )  # fmt: skip
+    torch.manual_seed(4)
+    model = XLMRobertaModel(config).eval()
+    model.save_pretrained(tmp_path / "xlmr")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(bert_dir / name, tmp_path / "xlmr" / name)
+    llm = LLM(str(tmp_path / "xlmr"), dtype="float32")
+    assert llm.llm_engine.max_model_len == 129
+    got = embeddings(llm, TEXTS)  # no sentence-transformers files: the architecture's cls pooling, normalized
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "xlmr")
+    with torch.no_grad():
+        cls = torch.cat([model(**tokenizer(t, return_tensors="pt")).last_hidden_state[:, 0] for t in TEXTS])
+    assert (got - torch.nn.functional.normalize(cls, dim=1)).abs().max() < 1e-5
