@@ -15,9 +15,9 @@ beside the built-in tiny model): two engines in this one service, one process, t
 routed by its `model` name and by what its endpoint needs (tiffin.plugin.openai.routing). Why one service rather
 than a second one composed with `bentoml.depends`: BentoML runs each service in processes (on BentoCloud,
 containers) of its own, which suits models with their own hardware; a companion embedding model is small (MiniLM:
-22M parameters, 90 MB in fp32) and runs well on the chat model's device, where a
-service of its own would cost a torch process (and a replica) more than the model, and put an HTTP hop and a
-second copy of every vector between /v1/embeddings and the engine. One process also keeps one OpenAI base URL,
+22M parameters, 90 MB in fp32) and runs well on the chat model's device, where a service of its own would cost a
+torch process (and a replica) more than the model, and put an HTTP hop and a second copy of every vector between
+/v1/embeddings and the engine. One process also keeps one OpenAI base URL,
 one /readyz (ready when both engines are) and one drain. Resources: the chat model asks for what it always did
 (`resources()`); the embedding engine shares its device and takes its weights, the activations of one step of
 max_num_batched_tokens tokens and that step's KV blocks on top. It loads first, so that on a GPU the chat engine's
@@ -130,13 +130,7 @@ class _ServiceSettings(BaseModel):
             env["embedding_model"] = ""
         return {**env, **args}
 
-    @field_validator(
-        "kv_cache_memory",
-        "max_request_body",
-        "grammar_cache_bytes",
-        mode="before",
-        check_fields=False,
-    )
+    @field_validator("kv_cache_memory", "max_request_body", "grammar_cache_bytes", mode="before", check_fields=False)
     @classmethod
     def _bytes(cls, value):
         """Besides a byte count, "8GiB", "512MiB" and "2GB"."""
