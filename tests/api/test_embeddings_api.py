@@ -1,7 +1,9 @@
-"""/v1/embeddings, /v1/score and /v1/rerank in process: the request models on their own, then a tiny BERT engine and
-a tiny llama engine behind one app, driven by the official `openai` client and raw HTTP. Every embedding and score
-equals what the engine gives for the same input alone (base64 decodes to exactly the floats); every refusal is a
-400 naming its field, and leaves nothing running; a model asked for what it cannot do names its task."""
+"""/v1/embeddings, /v1/score and /v1/rerank in process: the request models on their own, then a tiny llama, a tiny
+BERT embedding model and a tiny cross-encoder behind one app, driven by the official `openai` client and raw HTTP.
+An input's embedding equals the engine's for it alone (exactly when it is the request's only input, within the
+engine's batching bound of 1e-6 beside others; base64 decodes to exactly the floats sent); scores are the engine's;
+a refused input is a 400 naming its field with nothing run, a failure once queued leaves nothing running; a model
+asked for what it cannot do names its task. Last, all-MiniLM-L6-v2 against sentence-transformers (network)."""
 
 import asyncio
 import base64
