@@ -1,5 +1,6 @@
 """Paged attention and KV-cache writes: the torch implementation against a naive per-request reference, and
-the Triton kernels against the same reference under Triton's interpreter; compile_check for sm_80/86/89/90.
+the Triton kernels against the same reference under Triton's interpreter, causal (decoders) and not (encoders,
+`causal=False`); compile_check for sm_80/86/89/90/120.
 
 Interpreter setup: the `interpreter` fixture sets TRITON_INTERPRET=1 only while this module's kernel tests run.
 tiffin's launcher reads that variable at call time (not when `@triton.jit` runs at import), so it does not
@@ -92,6 +93,22 @@ def naive_attention(query, k_cache, v_cache, md, scale) -> torch.Tensor:
     return out
 
 
+def naive_bidirectional_attention(query, k_cache, v_cache, md, scale) -> torch.Tensor:
+    """The non-causal reference, written apart from `naive_attention`: float64, one request at a time, its keys
+    looked up token by token through the block table, no mask at all (every query row of a request sees all
+    `seq_len` keys), K/V heads repeated for the query heads that share them."""
+    group, block_size = query.shape[1] // k_cache.shape[2], k_cache.shape[1]
+    out = torch.empty(query.shape, dtype=torch.float64)
+    for i, seq_len in enumerate(md.seq_lens_cpu):
+        rows = slice(md.query_start_loc_cpu[i], md.query_start_loc_cpu[i + 1])
+        where = [(int(md.block_tables[i, t // block_size]), t % block_size) for t in range(seq_len)]
+        k = torch.stack([k_cache[b, o] for b, o in where]).double().repeat_interleave(group, 1)  # [L, H, D]
+        v = torch.stack([v_cache[b, o] for b, o in where]).double().repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", query[rows].double(), k) * scale
+        out[rows] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v)
+    return out
+
+
 def rel_error(out, ref) -> float:
     return ((out.double() - ref).abs().max() / ref.abs().max()).item()
 
@@ -149,6 +166,47 @@ def test_torch_decode_paths_match_naive(decode_path, dtype, group, head_dim):
     out = paged_attention_torch(*batch, 0.125)
     assert out.dtype == dtype
     assert rel_error(out, naive_attention(*batch, 0.125)) < TOLERANCE[dtype]
+
+
+# Whole prompts as an encoder runs them (query_len == seq_len), one of them a single token.
+ENCODER_LENS = [1, 7, 33, 100]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_torch_noncausal_matches_naive(dtype, head_dim):
+    """GQA 4 query heads on 2 KV heads, block size 16: the prompts cross block boundaries and the last block of
+    each is partial."""
+    gen = torch.Generator().manual_seed(head_dim)
+    batch = make_batch(ENCODER_LENS, [0] * 4, 4, 2, head_dim, 16, dtype, gen)
+    out = paged_attention(*batch, 0.125, causal=False)
+    assert out.dtype == dtype
+    assert rel_error(out, naive_bidirectional_attention(*batch, 0.125)) < TOLERANCE[dtype]
+
+
+def test_torch_noncausal_with_cached_prefix_and_decodes(decode_path):
+    """The general semantics, beyond what the engine sends: rows of a chunk after a cached prefix see the whole
+    context, later tokens included, and one-token queries (each decode path) see all their keys."""
+    gen = torch.Generator().manual_seed(11)
+    query_lens, context_lens = random_lens(gen, 6)
+    batch = make_batch(query_lens, context_lens, 4, 2, 64, 16, torch.float32, gen)
+    out = paged_attention(*batch, 0.125, causal=False)
+    assert rel_error(out, naive_bidirectional_attention(*batch, 0.125)) < 1e-5
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_causal_and_noncausal_calls_share_metadata(interpreter, backend):
+    """Layers share one metadata object and the torch path caches its per-step plan (masks included) on it: a
+    causal and a non-causal call on it, in either order, each get their own answer. The batch has a fresh
+    prompt, a chunk after a cached prefix (the masked span) and a decode row."""
+    gen = torch.Generator().manual_seed(3)
+    batch = make_batch([33, 20, 1], [0, 40, 70], 4, 2, 64, 16, torch.float32, gen)
+    causal_ref, noncausal_ref = naive_attention(*batch, 0.125), naive_bidirectional_attention(*batch, 0.125)
+    assert rel_error(causal_ref.float(), noncausal_ref) > 0.1  # the two answers tell each other apart
+    for causal in (True, False, True, False):
+        out = paged_attention(*batch, 0.125, backend=backend, causal=causal)
+        assert rel_error(out, causal_ref if causal else noncausal_ref) < 1e-5, causal
+    assert backend != "torch" or batch[3].torch_plan is not None
 
 
 @pytest.mark.parametrize("slots", [[17, -1, 3, 95, -1], [-1, -1, 40, 3, -1]])
@@ -220,11 +278,46 @@ def test_triton_decode_split_count(interpreter, poisoned, monkeypatch):
     check_triton(batch, torch.float32)
 
 
-def check_triton(batch, dtype):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 80])  # 80: padded to 128 and masked
+def test_triton_noncausal_matches_naive(interpreter, poisoned, dtype, head_dim):
+    gen = torch.Generator().manual_seed(head_dim + (dtype == torch.float16))
+    batch = make_batch(ENCODER_LENS, [0] * 4, 4, 2, head_dim, 16, dtype, gen)
+    check_triton(batch, dtype, causal=False)
+
+
+@pytest.mark.parametrize(
+    "query_lens,context_lens,group,head_dim,dtype",
+    [
+        ([130, 1, 20, 1], [0, 300, 45, 7], 2, 64, torch.float32),  # several query tiles; chunk after a prefix
+        ([1, 1, 1], [5, 300, 47], 4, 128, torch.float16),  # decode only: split KV + merge
+    ],
+    ids=["prefix-and-decodes", "decode-split"],
+)
+def test_triton_noncausal_general(interpreter, poisoned, query_lens, context_lens, group, head_dim, dtype):
+    """Beyond what the engine sends: a chunk after a cached prefix sees its later tokens too; one-token queries
+    (the decode tiles, which a non-causal call launches as they are) see their whole context."""
+    gen = torch.Generator().manual_seed(sum(query_lens))
+    batch = make_batch(query_lens, context_lens, 2 * group, 2, head_dim, 16, dtype, gen)
+    check_triton(batch, dtype, causal=False)
+
+
+def test_triton_noncausal_changes_only_the_prefill_binary(interpreter):
+    """A one-token query sees every key either way: a non-causal call launches the causal decode binary, so
+    encoders add one kernel variant (the prefill tile), which compile_check covers."""
+    gen = torch.Generator().manual_seed(0)
+    batch = make_batch([7, 1], [0, 20], 4, 2, 64, 16, torch.float16, gen)
+    causal, noncausal = (ta.paged_attention_launches(*batch, 0.1, batch[0], causal=c) for c in (True, False))
+    assert [launch.kwargs["CAUSAL"] for launch in noncausal] == [False, True]
+    assert noncausal[1].kwargs == causal[1].kwargs
+
+
+def check_triton(batch, dtype, causal=True):
     scale = 1 / math.sqrt(batch[0].shape[-1])
-    out = paged_attention(*batch, scale, backend="triton")
+    out = paged_attention(*batch, scale, backend="triton", causal=causal)
     assert out.dtype == dtype and not out.isnan().any(), "output not fully written"
-    err = rel_error(out, naive_attention(*batch, scale))
+    reference = naive_attention if causal else naive_bidirectional_attention
+    err = rel_error(out, reference(*batch, scale))
     print(f"rel_error={err:.2e}", end=" ")
     assert err <= TOLERANCE[dtype]
 
@@ -324,7 +417,7 @@ def test_compile_check_every_arch():
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     for dtype in ("float16", "bfloat16", "float32"):
         for head_dim in ta.HEAD_DIMS:
-            for kind in ("decode", "decode split", "merge", "prefill"):
+            for kind in ("decode", "decode split", "merge", "prefill", "prefill non-causal"):
                 for arch in ("sm_80", "sm_86", "sm_89", "sm_90", "sm_120"):
                     row = rf"{dtype} d={head_dim} {kind} +{arch} "
                     assert re.search(row, proc.stdout), (dtype, head_dim, kind, arch)

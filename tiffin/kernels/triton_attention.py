@@ -3,7 +3,8 @@
 One attention kernel, two tile shapes. A program owns `BLOCK_M` query rows: `block_q` consecutive tokens of one
 request times `heads` query heads that share one KV head (GQA without repeating K/V; a group larger than the
 tile is spread over several programs). It walks the request's KV through its block table `BLOCK_N` tokens a
-step with an online softmax, skipping the causal mask on steps every row fully sees.
+step with an online softmax, skipping the causal mask on steps every row fully sees. Non-causal calls
+(`CAUSAL=False`, encoders) let every row see all of its request's keys: only the last step masks, at `seq_len`.
 - Prefill tiles (`DECODE=False`, 64-128 rows) serve requests with several query tokens: chunked prefills with
   a cached prefix as well as fresh prompts. Each program finds its request by binary search over
   `query_start_loc`.
@@ -11,7 +12,8 @@ step with an online softmax, skipping the causal mask on steps every row fully s
   request and KV head. A mixed batch launches both; each program skips the other kind's requests, so decode
   rows never pay for prefill-sized tiles. In decode-only batches where requests x KV heads cannot fill the GPU,
   each request's KV range is split across programs ("flash decoding") and a merge kernel combines the partial
-  softmaxes.
+  softmaxes. A one-token query is the last of its context and sees every key either way, so decode tiles are
+  the one (causal) binary for both kinds of call.
 
 Host code never reads device tensors: grids come from the host-side ints in `AttentionMetadata`. Launch,
 interpreter and tile plumbing: triton_common.
@@ -117,6 +119,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     DECODE: tl.constexpr,
     SPLIT: tl.constexpr,
+    CAUSAL: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -155,7 +158,6 @@ def _paged_attention_kernel(
     row_tok = rows // heads
     head_in_group = chunk * heads + rows % heads
     row_ok = (row_tok < block_q) & (first + row_tok < q_len) & (head_in_group < group)
-    row_pos = q_pos0 + row_tok
     token = q_start + first + row_tok
     head = kv_head * group + head_in_group
     d = tl.arange(0, HEAD_DIM_PAD)
@@ -165,8 +167,18 @@ def _paged_attention_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    # This tile's keys end at its last query's position; SPLIT cuts them into BLOCK_N-aligned equal ranges.
-    kv_end = tl.minimum(q_pos0 + block_q, seq_len)
+    # A row sees the keys up to its own position; non-causal, every row sees them all, as the request's last
+    # position does. The tile's keys end at its last row's position; SPLIT cuts them into BLOCK_N-aligned equal
+    # ranges. Keys before `first_row_end` are visible to every row. (Non-causal keeps the causal mask's form with
+    # every row at the last position: masking only `n_ok` made ptxas spill the fp32 d=64 prefill tile on sm_120.)
+    if CAUSAL:
+        row_pos = q_pos0 + row_tok
+        kv_end = tl.minimum(q_pos0 + block_q, seq_len)
+        first_row_end = q_pos0 + 1
+    else:
+        row_pos = tl.full([BLOCK_M], seq_len - 1, tl.int32)
+        kv_end = seq_len
+        first_row_end = seq_len
     if SPLIT:
         per_split = tl.cdiv(tl.cdiv(kv_end, tl.num_programs(2)), BLOCK_N) * BLOCK_N
         kv_lo = split * per_split
@@ -174,8 +186,8 @@ def _paged_attention_kernel(
     else:
         kv_lo = 0
         kv_hi = kv_end
-    # Keys before q_pos0 + 1 are visible to every row: whole BLOCK_N steps there skip the causal mask.
-    unmasked_end = kv_lo + tl.maximum(tl.minimum(q_pos0 + 1, kv_hi) - kv_lo, 0) // BLOCK_N * BLOCK_N
+    # Whole BLOCK_N steps of keys every row sees skip the mask.
+    unmasked_end = kv_lo + tl.maximum(tl.minimum(first_row_end, kv_hi) - kv_lo, 0) // BLOCK_N * BLOCK_N
 
     bt_row = block_tables_ptr + seq * stride_bt
     block_mask = (1 << block_shift) - 1
@@ -282,25 +294,36 @@ def write_kv_launch(key, value, k_cache, v_cache, slot_mapping) -> tc.Launch:
 
 
 @implements("paged_attention", "triton")
-def paged_attention_triton(query, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention_triton(
+    query, k_cache, v_cache, md: AttentionMetadata, scale: float, causal: bool = True
+) -> torch.Tensor:
     out = tc.empty(query.shape, query.dtype, query.device)
     if query.shape[0]:
-        for launch in paged_attention_launches(query, k_cache, v_cache, md, scale, out):
+        for launch in paged_attention_launches(query, k_cache, v_cache, md, scale, out, causal=causal):
             launch(query.device)
     return out
 
 
 def paged_attention_launches(
-    query, k_cache, v_cache, md: AttentionMetadata, scale: float, out, splits: int | None = None, arch=None
+    query,
+    k_cache,
+    v_cache,
+    md: AttentionMetadata,
+    scale: float,
+    out,
+    splits: int | None = None,
+    arch=None,
+    causal: bool = True,
 ) -> list[tc.Launch]:
     """The launches for one call: prefill tiles unless every request decodes, and decode tiles. Decode-only
     batches may split KV `splits` ways (None: the dispatcher's choice), adding the merge. Tiles are `arch`'s
-    (None: the device's)."""
+    (None: the device's). `causal` reaches only the prefill tiles (decode tiles see every key anyway)."""
     _check_attention_args(query, k_cache, v_cache, md)
     arch = tc.arch(query.device) if arch is None else arch
     decode = _attention(query, k_cache, v_cache, md, scale, out, arch, decode=True)
     if md.max_query_len > 1:
-        return [_attention(query, k_cache, v_cache, md, scale, out, arch, decode=False), decode]
+        prefill = _attention(query, k_cache, v_cache, md, scale, out, arch, decode=False, causal=causal)
+        return [prefill, decode]
     if splits is None:
         splits = tc.num_splits(math.prod(decode.grid), triton.cdiv(md.max_seq_len, MIN_SPLIT_TOKENS), query.device)
     if splits == 1:
@@ -318,7 +341,9 @@ def paged_attention_launches(
     return [_attention(query, k_cache, v_cache, md, scale, out, arch, True, splits, part, stats), merge]
 
 
-def _attention(query, k_cache, v_cache, md, scale, out, arch, decode, splits=1, part=None, stats=None) -> tc.Launch:
+def _attention(
+    query, k_cache, v_cache, md, scale, out, arch, decode, splits=1, part=None, stats=None, causal=True
+) -> tc.Launch:
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1:3]
     num_seqs, group = md.seq_lens.shape[0], num_heads // num_kv_heads
@@ -362,6 +387,7 @@ def _attention(query, k_cache, v_cache, md, scale, out, arch, decode, splits=1, 
             BLOCK_N=tile.block_n,
             DECODE=decode,
             SPLIT=splits > 1,
+            CAUSAL=causal,
             **tc.dot_options(query),
             num_warps=tile.num_warps,
             num_stages=tile.num_stages,
@@ -398,27 +424,22 @@ def _check_attention_args(query, k_cache, v_cache, md: AttentionMetadata) -> Non
 
 @register("paged_attention")
 def _compile_cases(arch: int):
-    """Every launch the dispatchers can make: each dtype and head dim, the prefill tile, the decode tile with
-    and without KV splits, the merge, and the KV write. Block size, GQA ratio and batch shape are runtime
-    arguments that do not change the binary."""
+    """Every launch the dispatchers can make: each dtype and head dim, the prefill tile causal and not, the
+    decode tile with and without KV splits, the merge, and the KV write. Block size, GQA ratio and batch shape
+    are runtime arguments that do not change the binary."""
     for dtype in tc.DTYPES:
         name = str(dtype).removeprefix("torch.")
         for head_dim in HEAD_DIMS:
             seen = set()
-            for decode_only, splits in ((False, None), (True, 1), (True, 2)):
+            for decode_only, splits, causal in (
+                (False, None, True),
+                (False, None, False),
+                (True, 1, True),
+                (True, 2, True),
+            ):
                 inputs = _example_inputs(dtype, head_dim, decode_only)
-                for launch in paged_attention_launches(*inputs, splits=splits, arch=arch):
-                    kind = (
-                        "merge"
-                        if launch.kernel is _merge_splits_kernel
-                        else (
-                            "prefill"
-                            if not launch.kwargs["DECODE"]
-                            else "decode split"
-                            if launch.kwargs["SPLIT"]
-                            else "decode"
-                        )
-                    )
+                for launch in paged_attention_launches(*inputs, splits=splits, arch=arch, causal=causal):
+                    kind = _launch_kind(launch)
                     if kind not in seen:
                         seen.add(kind)
                         yield CompileCase(launch.kernel, f"{name} d={head_dim} {kind}", launch.args, launch.kwargs)
@@ -427,6 +448,14 @@ def _compile_cases(arch: int):
         slots = torch.empty(2, dtype=torch.int64, device="meta")
         launch = write_kv_launch(key, key, cache, cache, slots)
         yield CompileCase(launch.kernel, f"{name} write_kv", launch.args, launch.kwargs)
+
+
+def _launch_kind(launch: tc.Launch) -> str:
+    if launch.kernel is _merge_splits_kernel:
+        return "merge"
+    if launch.kwargs["DECODE"]:
+        return "decode split" if launch.kwargs["SPLIT"] else "decode"
+    return "prefill" if launch.kwargs["CAUSAL"] else "prefill non-causal"
 
 
 def _example_inputs(dtype: torch.dtype, head_dim: int, decode: bool):
