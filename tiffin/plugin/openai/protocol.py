@@ -8,11 +8,12 @@ Invariants:
   tokenizer or a JSON response.
 - A field sent as null means its default; unknown fields are ignored."""
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
 from tiffin.engine.errors import ParamError
+from tiffin.engine.pooling_params import PoolingParams
 from tiffin.engine.sampling_params import SamplingParams
 from tiffin.plugin.openai.structured import ResponseFormat, request_structured_outputs
 from tiffin.plugin.openai.tools import ChatTool, ToolChoice, ToolParser
@@ -21,6 +22,10 @@ Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]  # accepts JSON integers, not strings or booleans
 Bool = Annotated[bool, Strict()]
 Name = Annotated[str, Strict(), Field(max_length=256)]  # echoed back in errors: kept short
+Text = Annotated[str, Strict()]
+# Inputs one embeddings request may hold (OpenAI's own bound), and documents or pairs one score or rerank request:
+# each is an engine request, queued at once.
+MAX_POOLING_INPUTS = 2048
 
 
 class APIError(Exception):
@@ -192,3 +197,77 @@ class LoadLoRAAdapterRequest(_Body):
 
 class UnloadLoRAAdapterRequest(_Body):
     lora_name: Annotated[str, Strict()]
+
+
+class PoolingRequest(_Body):
+    """Fields shared by /embeddings, /score and /rerank (null means the default)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: Name | None = None
+    truncate_prompt_tokens: Int | None = None  # vLLM's: keep this many tokens of a longer input, -1 the model's limit
+
+    def pooling_params(self, task: str, **fields) -> PoolingParams:
+        try:
+            return PoolingParams(task=task, truncate_prompt_tokens=self.truncate_prompt_tokens, **fields)
+        except ValueError as e:
+            raise bad_request(e) from None
+
+
+def _bounded(items: list, field: str) -> list:
+    if not items:
+        raise APIError(400, f"{field} must not be empty", param=field)
+    if len(items) > MAX_POOLING_INPUTS:
+        raise APIError(400, f"{field} holds {len(items)} items; at most {MAX_POOLING_INPUTS}", param=field)
+    return items
+
+
+class EmbeddingRequest(PoolingRequest):
+    input: Text | list[Text] | list[Int] | list[list[Int]]
+    encoding_format: Literal["float", "base64"] | None = None  # base64: little-endian float32, as OpenAI sends it
+    dimensions: Int | None = None
+    user: Name | None = None
+    normalize: Bool | None = None  # vLLM's; None: as the model was trained
+
+    def inputs(self) -> list[str] | list[list[int]]:
+        """The texts or token-id lists to embed: a text, a list of texts, one token-id list or a list of them."""
+        if isinstance(self.input, str):
+            return [self.input]
+        _bounded(self.input, "input")
+        return [self.input] if isinstance(self.input[0], int) else self.input
+
+    def params(self) -> PoolingParams:
+        return self.pooling_params("embed", normalize=self.normalize, dimensions=self.dimensions)
+
+
+class ScoreRequest(PoolingRequest):
+    """vLLM's /score: `text_1` against each of `text_2` (one text_1 for all), or pairwise (lists of one length)."""
+
+    text_1: Text | list[Text]
+    text_2: Text | list[Text]
+
+    def texts(self) -> tuple[list[str], list[str]]:
+        """(text_1s, text_2s): one text_1 for every text_2, or as many."""
+        firsts = _bounded([self.text_1] if isinstance(self.text_1, str) else self.text_1, "text_1")
+        seconds = _bounded([self.text_2] if isinstance(self.text_2, str) else self.text_2, "text_2")
+        if len(firsts) not in (1, len(seconds)):
+            message = f"text_1 holds {len(firsts)} texts and text_2 {len(seconds)}: one text_1, or as many as text_2"
+            raise APIError(400, message, param="text_2")
+        return firsts, seconds
+
+
+class RerankDocument(BaseModel):
+    text: Text
+
+
+class RerankRequest(PoolingRequest):
+    """The rerank shape of Jina, Cohere and vLLM: `documents` ranked by relevance to `query`."""
+
+    query: Text
+    documents: list[Text | RerankDocument]
+    top_n: Int | None = None  # None or 0: every document
+    return_documents: Bool | None = None  # None: true, as Jina and vLLM (Cohere's v1 default is false)
+
+    def texts(self) -> list[str]:
+        if self.top_n is not None and self.top_n < 0:
+            raise APIError(400, f"top_n must be >= 0, got {self.top_n}", param="top_n")
+        return [d if isinstance(d, str) else d.text for d in _bounded(self.documents, "documents")]

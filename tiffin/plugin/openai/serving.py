@@ -15,7 +15,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # torch, which `bentoml build` need not import
     from tiffin.plugin.lora import LoRAServing
 
 Answer = dict | StreamingResponse  # the SSE stream when the request asked for `stream`
+T = TypeVar("T")
 
 
 class OpenAIServing:
@@ -63,6 +64,14 @@ class OpenAIServing:
         self.lora = lora
         self.tool_parser: ToolParser = make_parser(tool_parser, getattr(engine.tokenizer, "chat_template", None))
 
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    def serves(self, model: str) -> bool:
+        """Whether `model` names the base model or one of its loaded adapters."""
+        return model == self.model_name or bool(self.lora and self.lora.registry.get(model))
+
     def models(self) -> dict:
         """The base model's card, then one per loaded LoRA adapter with the base model as `parent`."""
         card = {
@@ -71,6 +80,7 @@ class OpenAIServing:
             "created": self.created,
             "owned_by": "tiffin",
             "max_model_len": self.engine.max_model_len,
+            "tasks": list(self.tasks),
         }
         adapters = self.lora.registry.added() if self.lora else []
         cards = [{**card, "id": r.lora_name, "root": r.lora_path, "parent": self.model_name} for r in adapters]
@@ -146,7 +156,7 @@ class OpenAIServing:
         streams = await self._open(prompts, params, builder.id, lora, _constraining_field(req))
         if req.stream:
             return StreamingResponse(self._sse(streams, builder, req.include_usage), media_type="text/event-stream")
-        finals = await _unless_disconnected(raw, self._collect(streams))
+        finals = await unless_disconnected(raw, self._collect(streams))
         return builder.response(finals)
 
     async def _open(
@@ -245,7 +255,7 @@ def _constraining_field(req: SamplingRequest) -> str | None:
     return "tools" if getattr(req, "tools", None) else None
 
 
-async def _unless_disconnected(raw: Request, coro: Coroutine[Any, Any, list[RequestOutput]]) -> list[RequestOutput]:
+async def unless_disconnected(raw: Request, coro: Coroutine[Any, Any, T]) -> T:
     """Await `coro`, cancelling it (so its requests abort) if the client hangs up first."""
     task = asyncio.ensure_future(coro)
 
