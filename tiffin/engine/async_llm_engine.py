@@ -133,10 +133,15 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_engine_args(
-        cls, model: str, on_stats: Callable[[EngineStats], None] | None = None, **kwargs
+        cls,
+        model: str,
+        on_stats: Callable[[EngineStats], None] | None = None,
+        turns: StepTurns | None = None,
+        yields: bool = False,
+        **kwargs,
     ) -> "AsyncLLMEngine":
         """Build the LLMEngine from `EngineConfig` fields (the same keywords as `LLM`)."""
-        return cls(LLMEngine(EngineConfig(model=str(model), **kwargs)), on_stats)
+        return cls(LLMEngine(EngineConfig(model=str(model), **kwargs)), on_stats, turns, yields)
 
     async def add_request(
         self,

@@ -22,7 +22,8 @@ one /readyz (ready when both engines are) and one drain. Resources: the chat mod
 (`resources()`); the embedding engine shares its device and takes its weights, the activations of one step of
 max_num_batched_tokens tokens and that step's KV blocks on top. It loads first, so that on a GPU the chat engine's
 KV cache is sized from what it leaves. On CPU the engines share the cores (MiniLM: about 230 MiB more memory;
-figures in README.md). An embedding model that needs a GPU or cores of its own is served by a Bento of its own:
+figures in README.md), taking their steps in turn (tiffin.engine.turns): while chats run, an embedding step
+takes at most `embedding_step_share` of a chat step. An embedding model that needs a GPU or cores of its own is served by a Bento of its own:
 `model=<the embedding model>`, `embedding_model=none`.
 
 Torch and the engine are imported inside the loader thread, so `bentoml build` imports this module quickly.
@@ -117,6 +118,12 @@ class _ServiceSettings(BaseModel):
     )
     embedding_pooling_type: str | None = Field(None, description="the embedding model's pooling_type (mean, cls, last)")
     embedding_dtype: str = Field("auto", description="the embedding model's dtype, as `dtype` is the model's")
+    embedding_step_share: float = Field(
+        0.5,
+        gt=0,
+        description="the two engines step in turn; while chat requests run, an embedding step takes at most this "
+        "share of a chat step's time (their time per token grows by at most this share), alone it takes all",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -290,6 +297,7 @@ class Tiffin:
             while settings.load_gate and not Path(settings.load_gate).exists():
                 time.sleep(0.1)
             from tiffin.engine.async_llm_engine import AsyncLLMEngine
+            from tiffin.engine.turns import StepTurns
 
             started = time.monotonic()
             # the embedding engine first: on a GPU the chat engine's KV cache is sized from what it leaves
@@ -298,10 +306,16 @@ class Tiffin:
             else:
                 embedding = resolve_embedding_model(settings.embedding_model, settings.model)
             servings = []
+            # the two engines step in turn, an embedding step held to a share of a chat step while chats run
+            turns = None if embedding is None else StepTurns(settings.embedding_step_share)
             if embedding is not None:
                 path, name = embedding
                 engine = AsyncLLMEngine.from_engine_args(
-                    path, on_stats=self.metrics.on_embedding_stats, **settings.embedding_engine_kwargs()
+                    path,
+                    on_stats=self.metrics.on_embedding_stats,
+                    turns=turns,
+                    yields=True,
+                    **settings.embedding_engine_kwargs(),
                 )
                 self.engines.append(engine)
                 if engine.task == "generate":
@@ -312,7 +326,9 @@ class Tiffin:
                 path, name = self.weights, settings.model
             else:
                 path, name = resolve_model(settings.model)
-            engine = AsyncLLMEngine.from_engine_args(path, on_stats=self.metrics.on_stats, **settings.engine_kwargs())
+            engine = AsyncLLMEngine.from_engine_args(
+                path, on_stats=self.metrics.on_stats, turns=turns, **settings.engine_kwargs()
+            )
             self.engines.append(engine)
             served, beside = settings.served_model_name or name, [s.model_name for s in servings]
             if served in beside:
