@@ -167,6 +167,7 @@ def start_server(kind: str, args: argparse.Namespace, port: int, log: Path) -> S
             "TIFFIN_DTYPE": args.dtype,
             "TIFFIN_MAX_MODEL_LEN": str(args.max_model_len),
             "TIFFIN_MAX_NUM_BATCHED_TOKENS": str(args.max_num_batched_tokens),
+            "TIFFIN_EMBEDDING_MODEL": "",  # the chat model alone, as the peers serve it
         }
         return Server(bento_command(port), port, log, env)
     if kind == "llamacpp":

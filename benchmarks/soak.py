@@ -175,6 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     base, adapters = make_tiny_model(tmp / "model", arch="llama"), tmp / "adapters"
     write_adapters(base, adapters)
     settings = {"model": base, "num_kv_blocks": 1024, "max_num_seqs": args.concurrency, "max_loras": 2}
+    settings["embedding_model"] = "none"  # the generation engine's soak
     (tmp / "bento").mkdir()
     with BentoServer(tmp / "bento", args=settings, env={"TIFFIN_LORA_ROOTS": str(adapters)}) as server:
         server.wait("/readyz", 200, timeout=300)
