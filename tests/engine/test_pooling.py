@@ -10,6 +10,7 @@ from transformers import AutoModel, AutoTokenizer
 
 from tiffin import LLM, PoolingParams, SamplingParams
 from tiffin.engine.errors import ParamError
+from tiffin.engine.turns import StepTurns
 from tiffin.engine.worker import model_runner
 from tiffin.tiny import make_tiny_model
 from tiffin.tiny_bert import make_tiny_bert
@@ -245,20 +246,28 @@ def test_the_cuda_path_pools_as_the_cpu_does(bert_dir, on_cpu, cuda_emulation, m
     assert (torch.tensor([finished["e"].outputs.embedding]) - vector).abs().max() < 1e-5
 
 
-def test_a_held_step_budget_still_runs_the_first_prompt_to_pool_whole(bert):
-    """An engine yielding to another may hold its steps to 1 token: each step then pools one whole prompt."""
+def test_a_yielding_engine_saves_its_turns_up_for_a_prompt_larger_than_one(bert):
+    """Beside a busy engine whose steps grant 2.5 tokens a turn, the embedder's held steps run nothing until its
+    saved turns cover its next prompt whole, then run it; results as unheld."""
     want = embeddings(bert, TEXTS)
-    engine = bert.llm_engine
-    engine.scheduler.step_budget = 1
+    engine, turns, chat = bert.llm_engine, StepTurns(0.5), object()
+    turns.join(chat)
+    turns.join(engine, yields=True)
+    turns.stepped(engine, 0.01, 100, busy=True)  # 10,000 tokens/s
+    for i, text in enumerate(TEXTS):
+        engine.add_request(f"held{i}", text, PoolingParams())
+    finished, ran = {}, []
     try:
-        for i, text in enumerate(TEXTS):
-            engine.add_request(f"held{i}", text, PoolingParams())
-        finished, steps = {}, 0
         while engine.has_unfinished_requests():
+            turns.stepped(chat, 0.0005, 1, busy=True)  # a chat step between the embedder's turns
+            budget = turns.budget(engine, engine.scheduler.max_num_batched_tokens)
+            engine.scheduler.step_budget = budget
             finished |= {o.request_id: o for o in engine.step() if o.finished}
-            steps += 1
+            assert engine.last_step_tokens <= budget
+            ran.append(engine.last_step_tokens)
+            turns.stepped(engine, 0.01, engine.last_step_tokens, busy=True)
     finally:
         engine.scheduler.step_budget = None
-    assert steps == len(TEXTS)
+    assert ran.count(0) > len(TEXTS) and sum(ran) == sum(len(o.prompt_token_ids) for o in finished.values())
     got = torch.tensor([finished[f"held{i}"].outputs.embedding for i in range(len(TEXTS))])
     assert (got - want).abs().max() < 1e-6

@@ -38,5 +38,12 @@ def test_a_yielding_engine_is_held_to_a_share_of_the_others_step_only_while_it_h
     turns.stepped(chat, seconds=0.02, tokens=32, busy=True)
     assert turns.budget(embedder, 4096) == 100  # 0.5 x 20 ms at 10,000 tokens/s
     assert turns.budget(chat, 4096) == 4096  # the chat engine never yields
+    turns.stepped(embedder, seconds=0.001, tokens=0, busy=True)  # held below its next prompt: ran nothing
+    assert turns.budget(embedder, 4096) == 100  # no chat step since: nothing more granted
+    turns.stepped(chat, seconds=0.02, tokens=32, busy=True)
+    assert turns.budget(embedder, 4096) == 200  # saved up, turn after turn
+    turns.stepped(embedder, seconds=0.01, tokens=150, busy=True)  # ran: what it left is not saved
+    turns.stepped(chat, seconds=0.02, tokens=32, busy=True)
+    assert turns.budget(embedder, 4096) == 115  # its speed now 0.7 x 10,000 + 0.3 x 15,000
     turns.stepped(chat, seconds=0.02, tokens=1, busy=False)
     assert turns.budget(embedder, 4096) == 4096

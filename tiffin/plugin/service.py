@@ -23,7 +23,8 @@ one /readyz (ready when both engines are) and one drain. Resources: the chat mod
 max_num_batched_tokens tokens and that step's KV blocks on top. It loads first, so that on a GPU the chat engine's
 KV cache is sized from what it leaves. On CPU the engines share the cores (MiniLM: about 230 MiB more memory;
 figures in README.md), taking their steps in turn (tiffin.engine.turns): while chats run, an embedding step
-takes at most `embedding_step_share` of a chat step. An embedding model that needs a GPU or cores of its own is served by a Bento of its own:
+takes at most `embedding_step_share` of a chat step. An embedding model that needs a GPU or cores of its own is
+served by a Bento of its own:
 `model=<the embedding model>`, `embedding_model=none`.
 
 Torch and the engine are imported inside the loader thread, so `bentoml build` imports this module quickly.

@@ -9,8 +9,8 @@ preempted by recompute: its blocks are freed and it goes back to the head of the
 
 A pooling sequence (embeddings, scores) runs its whole prompt in one step, with no prefix-cache hit, and finishes
 in it: its hidden states all come from that step's forward, and an encoder's attention sees the whole prompt. A
-step held below max_num_batched_tokens (`step_budget`: an engine yielding to another, tiffin.engine.turns) still
-takes the first waiting one whole: no prompt waits for a budget it cannot get.
+step held below a waiting prompt to pool (`step_budget`: an engine yielding to another, tiffin.engine.turns)
+schedules none of it: the turns save the budget up until it fits.
 """
 
 from collections import deque
@@ -107,11 +107,7 @@ class Scheduler:
             cached = [] if pools else self.block_manager.get_computed_blocks(seq)
             num_cached = len(cached) * self.block_manager.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
-            if pools and num_new < seq.num_tokens:  # a prompt to pool runs whole: first in a step, past a held budget
-                if out.seqs:
-                    break
-                num_new = seq.num_tokens
-            if not self.block_manager.allocate_slots(seq, num_new, cached):
+            if (pools and num_new < seq.num_tokens) or not self.block_manager.allocate_slots(seq, num_new, cached):
                 break
             self.waiting.popleft()
             self._count_cache_lookup(seq, num_cached)
