@@ -326,10 +326,10 @@ def metrics(server: BentoServer) -> dict[str, float]:
     return sums
 
 
-def kv_blocks_after(server: BentoServer, settle_s: float = 5.0) -> float:
-    """The chat engine's KV blocks in use once idle: the gauge is set after each step, so allow the last one."""
+def kv_blocks_after(server: BentoServer, gauge: str, settle_s: float = 5.0) -> float:
+    """An engine's KV blocks in use once idle: the gauge is set after each step, so allow the last one."""
     deadline = time.monotonic() + settle_s
-    while (used := metrics(server).get("tiffin_kv_cache_blocks_used", 0.0)) and time.monotonic() < deadline:
+    while (used := metrics(server).get(gauge, 0.0)) and time.monotonic() < deadline:
         time.sleep(0.2)
     return used
 
@@ -451,7 +451,8 @@ def main(argv: list[str] | None = None) -> None:
                     sys.exit(f"round {r}, {name}: {len(phase.errors())} requests failed, e.g. {phase.errors()[0]}")
                 if phase.overlap:
                     print(f"round {r} mixed: {phase.overlap}")
-        kv_used = kv_blocks_after(server)
+        kv_used = kv_blocks_after(server, "tiffin_kv_cache_blocks_used")
+        embedding_kv_used = kv_blocks_after(server, "tiffin_embedding_kv_cache_blocks_used")
         embeddings_counted = metrics(server).get("tiffin_embedding_requests_total", 0.0) - embeddings_before
     print_busy("after the run", ours())
 
@@ -494,12 +495,12 @@ def main(argv: list[str] | None = None) -> None:
         f"vectors = round 1's embeddings alone: max |diff| {worst:.2e} over {sent} vectors ({bad} past "
         f"{VECTOR_TOLERANCE:g})"
     )
-    if kv_used:
-        problems.append(f"the chat engine holds {kv_used:g} KV blocks once idle")
+    if kv_used or embedding_kv_used:
+        problems.append(f"KV blocks held once idle: chat engine {kv_used:g}, embedding engine {embedding_kv_used:g}")
     if embeddings_counted != sent:
         problems.append(f"tiffin_embedding_requests_total rose by {embeddings_counted:g}, {sent} were sent")
     print(
-        f"KV blocks used once idle: chat engine {kv_used:g}; embedding engine: no gauge in /metrics "
+        f"KV blocks used once idle: chat engine {kv_used:g}, embedding engine {embedding_kv_used:g} "
         f"(tiffin_embedding_requests_total rose by {embeddings_counted:g}, {sent} sent)"
     )
     tpot_p50 = lambda p: statistics.median(c.tpot for c in p.chats)

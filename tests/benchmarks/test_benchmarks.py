@@ -154,7 +154,7 @@ def test_mixed_load(runs):
     for phase in ("chat alone | 4 | - |", "embeddings alone | - | 16 |", "mixed | 4 |"):
         assert f"\n| 1 | {phase}" in run.stdout, output(run)
     assert "chat texts, mixed = the same round's chat alone: yes" in run.stdout, output(run)
-    assert "KV blocks used once idle: chat engine 0;" in run.stdout, output(run)
+    assert "KV blocks used once idle: chat engine 0, embedding engine 0" in run.stdout, output(run)
     assert "FAILED" not in run.stdout and "chat TPOT p50 mixed / alone" in run.stdout, output(run)
 
 

@@ -133,4 +133,6 @@ def test_metrics_count_embedding_requests_and_tokens(server, client):
     assert after["tiffin_embedding_requests_total"] - before["tiffin_embedding_requests_total"] == 3
     assert after["tiffin_embedding_tokens_total"] - before["tiffin_embedding_tokens_total"] == used
     assert after["tiffin_kv_cache_blocks_total"] == NUM_KV_BLOCKS  # the chat engine's gauges are its own
+    assert after["tiffin_embedding_kv_cache_blocks_total"] > 0
+    assert after["tiffin_embedding_kv_cache_blocks_used"] == 0  # its blocks are freed in the step that pools
     assert after["tiffin_prompt_tokens_total"] == before["tiffin_prompt_tokens_total"]

@@ -23,6 +23,12 @@ class EngineMetrics:
         self.waiting = gauge("tiffin_requests_waiting", "Sequences waiting to be scheduled.")
         self.kv_blocks_used = gauge("tiffin_kv_cache_blocks_used", "KV cache blocks held by sequences.")
         self.kv_blocks_total = gauge("tiffin_kv_cache_blocks_total", "KV cache blocks in the pool.")
+        self.embedding_kv_blocks_used = gauge(
+            "tiffin_embedding_kv_cache_blocks_used", "KV cache blocks held by the embedding engine's sequences."
+        )
+        self.embedding_kv_blocks_total = gauge(
+            "tiffin_embedding_kv_cache_blocks_total", "KV cache blocks in the embedding engine's pool."
+        )
         # prometheus_client appends _total
         self.prompt_tokens = Counter("tiffin_prompt_tokens", "Prompt tokens of accepted requests.")
         self.generation_tokens = Counter("tiffin_generation_tokens", "Generated tokens.")
@@ -61,8 +67,10 @@ class EngineMetrics:
         self._advance("model", self.embedding_tokens, stats.pooling_tokens)
 
     def on_embedding_stats(self, stats: EngineStats) -> None:
-        """The hook of the embedding engine beside the model: its pooling counters only (the gauges are the model's
-        batch and KV cache)."""
+        """The hook of the embedding engine beside the model: its pooling counters and KV gauges of its own (the
+        others are the model's batch and KV cache)."""
+        self.embedding_kv_blocks_used.set(stats.kv_blocks_used)
+        self.embedding_kv_blocks_total.set(stats.kv_blocks_total)
         self._advance("embedding", self.embedding_requests, stats.pooling_requests)
         self._advance("embedding", self.embedding_tokens, stats.pooling_tokens)
 
