@@ -36,7 +36,6 @@ machine anything else running moves every figure.
 import argparse
 import asyncio
 import base64
-import json
 import os
 import random
 import statistics
@@ -51,7 +50,7 @@ import numpy as np
 import psutil
 from common import markdown_table, parse_range
 from embeddings import cpu_name
-from serve import percentile
+from serve import percentile, sse_chunks
 
 from tiffin.testing.servers import BentoServer
 
@@ -152,11 +151,7 @@ async def chat(session, url: str, model: str, prompt: str, max_tokens: int, firs
             if resp.status != 200:
                 out.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return out
-            async for line in resp.content:
-                data = line.strip().removeprefix(b"data:").strip()
-                if not data or data == b"[DONE]":
-                    continue
-                chunk = json.loads(data)
+            async for chunk in sse_chunks(resp):
                 if chunk.get("usage"):
                     out.tokens = chunk["usage"]["completion_tokens"]
                 for choice in chunk.get("choices") or []:

@@ -24,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,11 +77,7 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, prompt: lis
         async with session.post(f"{url}/completions", json=payload) as resp:
             if resp.status != 200:
                 return Outcome(error=f"HTTP {resp.status}: {(await resp.text())[:200]}")
-            async for line in resp.content:
-                data = line.strip().removeprefix(b"data:").strip()
-                if not data or data == b"[DONE]":
-                    continue
-                chunk = json.loads(data)
+            async for chunk in sse_chunks(resp):
                 if chunk.get("usage"):
                     out.output_tokens = chunk["usage"]["completion_tokens"]
                 if chunk.get("choices") and chunk["choices"][0].get("text"):
@@ -123,6 +120,14 @@ async def run_load(url: str, model: str, wl: Workload, concurrency: int | None, 
                 await asyncio.sleep(rng.expovariate(rate))
             outcomes = await asyncio.gather(*tasks)
         return outcomes, time.perf_counter() - start
+
+
+async def sse_chunks(resp: aiohttp.ClientResponse) -> AsyncIterator[dict]:
+    """The JSON chunks of an OpenAI-style server-sent-event stream, up to its [DONE]."""
+    async for line in resp.content:
+        data = line.strip().removeprefix(b"data:").strip()
+        if data and data != b"[DONE]":
+            yield json.loads(data)
 
 
 def percentile(values: list[float], q: float) -> float:

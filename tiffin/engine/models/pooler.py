@@ -71,11 +71,12 @@ class PoolingMetadata(NamedTuple):
     rows: torch.Tensor  # [R] int64: their rows, sequence after sequence
     segments: torch.Tensor  # [R] int64: the sequence (0..S-1) each of `rows` belongs to
 
-    @classmethod
-    def of(cls, starts: np.ndarray, lengths: np.ndarray, device: torch.device) -> "PoolingMetadata":
+    @staticmethod
+    def host_arrays(starts: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
+        """The fields, in order, as int64 host arrays (the runner sends them with the step's other arrays)."""
         segments = np.repeat(np.arange(len(starts)), lengths)
         rows = starts[segments] + np.arange(len(segments)) - (np.cumsum(lengths) - lengths)[segments]
-        return cls(*(torch.from_numpy(a.astype(np.int64)).to(device) for a in (starts, lengths, rows, segments)))
+        return [a.astype(np.int64) for a in (starts, lengths, rows, segments)]
 
 
 class Pooler(nn.Module):

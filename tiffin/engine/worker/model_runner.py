@@ -182,6 +182,11 @@ class ModelRunner:
             (b.logits_indices, np.int64),
         )
         parts = [upload.add(a.astype(dtype, copy=False)) for a, dtype in arrays]
+        pooling_parts = None
+        if scheduler_output.pooling_seqs:
+            pools = np.array([s.pooling_params is not None for s in scheduler_output.seqs])
+            host = PoolingMetadata.host_arrays(b.query_start_loc[:-1][pools], b.query_lens[pools])
+            pooling_parts = [upload.add(a) for a in host]
         upload.send()
         input_ids, positions, slots, query_start_loc, seq_lens, block_tables, logits_indices = map(upload.get, parts)
         attn = kernels.AttentionMetadata(
@@ -199,10 +204,7 @@ class ModelRunner:
             if self.lora_slots is None
             else self.lora_slots.prepare([s.lora for s in scheduler_output.seqs], b.query_lens)
         )
-        pooling = None
-        if scheduler_output.pooling_seqs:
-            pools = np.array([s.pooling_params is not None for s in scheduler_output.seqs])
-            pooling = PoolingMetadata.of(b.query_start_loc[:-1][pools], b.query_lens[pools], self.device)
+        pooling = None if pooling_parts is None else PoolingMetadata(*map(upload.get, pooling_parts))
         return ModelInput(input_ids, positions, attn, logits_indices, lora, pooling)
 
     def pad_decodes(self, sizes: list[int]) -> None:

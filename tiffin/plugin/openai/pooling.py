@@ -28,7 +28,7 @@ from tiffin.engine.errors import EngineError, ParamError, QueueFull
 from tiffin.engine.outputs import PoolingRequestOutput
 from tiffin.engine.pooling_params import PoolingParams
 from tiffin.plugin.openai.protocol import APIError, EmbeddingRequest, RerankRequest, ScoreRequest
-from tiffin.plugin.openai.serving import unless_disconnected
+from tiffin.plugin.openai.serving import model_card, unless_disconnected
 
 if TYPE_CHECKING:  # torch, which `bentoml build` need not import
     from tiffin.engine.async_llm_engine import AsyncLLMEngine
@@ -66,15 +66,7 @@ class PoolingServing:
         return model == self.model_name
 
     def models(self) -> dict:
-        card = {
-            "id": self.model_name,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "tiffin",
-            "max_model_len": self.engine.max_model_len,
-            "tasks": list(self.tasks),
-        }
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [model_card(self)]}
 
     async def embeddings(self, req: EmbeddingRequest, raw: Request) -> Response:
         inputs, params = req.inputs(), req.params()

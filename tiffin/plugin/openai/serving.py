@@ -74,14 +74,7 @@ class OpenAIServing:
 
     def models(self) -> dict:
         """The base model's card, then one per loaded LoRA adapter with the base model as `parent`."""
-        card = {
-            "id": self.model_name,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "tiffin",
-            "max_model_len": self.engine.max_model_len,
-            "tasks": list(self.tasks),
-        }
+        card = model_card(self)
         adapters = self.lora.registry.added() if self.lora else []
         cards = [{**card, "id": r.lora_name, "root": r.lora_path, "parent": self.model_name} for r in adapters]
         return {"object": "list", "data": [card, *cards]}
@@ -253,6 +246,18 @@ def _constraining_field(req: SamplingRequest) -> str | None:
     if req.structured_outputs is not None:
         return "structured_outputs"
     return "tools" if getattr(req, "tools", None) else None
+
+
+def model_card(serving) -> dict:
+    """OpenAI's model object for a serving's base model, with the context length and tasks it serves."""
+    return {
+        "id": serving.model_name,
+        "object": "model",
+        "created": serving.created,
+        "owned_by": "tiffin",
+        "max_model_len": serving.engine.max_model_len,
+        "tasks": list(serving.tasks),
+    }
 
 
 async def unless_disconnected(raw: Request, coro: Coroutine[Any, Any, T]) -> T:
