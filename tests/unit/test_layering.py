@@ -20,6 +20,7 @@ LAYERS = [
             "tiffin.engine.chat",
         ],
     ),
+    ("speculative decoding", ["tiffin.engine.spec_decode"]),
     ("engine boxes", ["tiffin.engine.core", "tiffin.engine.worker", "tiffin.engine.lora", "tiffin.engine.structured"]),
     ("models", ["tiffin.engine.models"]),
     ("tensor parallelism", ["tiffin.engine.distributed"]),

@@ -5,10 +5,53 @@ import re
 from dataclasses import dataclass, field
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+SPEC_METHODS = ("ngram", "suffix", "draft_model")
 
 
 def _setting(default, doc: str):
     return field(default=default, metadata={"doc": doc})
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding, vLLM's fields: proposals verified in one forward with the step's other sequences.
+
+    `ngram` proposes what followed the latest earlier occurrence of the sequence's last `prompt_lookup_max` down
+    to `prompt_lookup_min` tokens (prompt lookup); `suffix` what most often followed the sequence's suffix in its
+    own tokens and in recent requests' outputs (at most `suffix_decoding_max_cached_requests` of them, contexts
+    up to `suffix_decoding_max_tree_depth` tokens, continuations at least `suffix_decoding_min_token_prob`
+    likely); `draft_model` what the smaller `model` (same tokenizer) generates in `num_speculative_tokens` steps
+    on its own KV cache. No proposals while `disable_by_batch_size` or more sequences run."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    model: str | None = None
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 2
+    disable_by_batch_size: int | None = 16
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_min_token_prob: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config method must be one of {list(SPEC_METHODS)}, got {self.method!r}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config: method 'draft_model' needs a draft `model`, and only it takes one")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "suffix_decoding_max_tree_depth"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"speculative_config {name} must be >= 1, got {getattr(self, name)}")
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(
+                f"speculative_config prompt_lookup_max ({self.prompt_lookup_max}) must be >= prompt_lookup_min "
+                f"({self.prompt_lookup_min})"
+            )
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 2:
+            raise ValueError(f"speculative_config disable_by_batch_size must be >= 2, got {self.disable_by_batch_size}")
+        if self.suffix_decoding_max_cached_requests < 0:
+            raise ValueError("speculative_config suffix_decoding_max_cached_requests must be >= 0")
+        if not 0 <= self.suffix_decoding_min_token_prob <= 1:
+            raise ValueError("speculative_config suffix_decoding_min_token_prob must be in [0, 1]")
 
 
 @dataclass
@@ -75,6 +118,11 @@ class EngineConfig:
     distributed_timeout: float = _setting(
         300.0, "seconds a tensor-parallel collective may wait for a rank before the engine fails, naming it"
     )
+    speculative_config: SpeculativeConfig | None = _setting(
+        None,
+        "speculative decoding (a dict of SpeculativeConfig's fields): method ngram, suffix or draft_model (with a "
+        "draft `model`), num_speculative_tokens, prompt_lookup_max/min, disable_by_batch_size; None: off",
+    )
     max_n: int = _setting(64, "samples one request may ask for")
     max_waiting_requests: int | None = _setting(
         None, "sequences queued beyond the running batch (a request with n counts n); more are refused; None: no bound"
@@ -108,6 +156,8 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, dict):
+            self.speculative_config = SpeculativeConfig(**self.speculative_config)
         for name in (
             "block_size",
             "max_num_seqs",

@@ -36,13 +36,13 @@ from tiffin.engine.models.source import load_tokenizer, resolve_model_path
 from tiffin.engine.outputs import (
     CompletionOutput,
     EngineStats,
-    Logprob,
     PoolingOutput,
     PoolingRequestOutput,
     RequestOutput,
 )
 from tiffin.engine.pooling_params import PoolingParams
 from tiffin.engine.sampling_params import SamplingParams
+from tiffin.engine.spec_decode import make_proposer
 from tiffin.engine.structured.backend import GrammarBackend, GrammarState
 from tiffin.engine.worker.model_runner import ModelRunner
 from tiffin.engine.worker.sampler import SamplerOutput
@@ -112,8 +112,10 @@ class LLMEngine:
         prefix_caching = config.enable_prefix_caching and self.model_config.causal
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.block_size, prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
+        spec = config.speculative_config
+        self.proposer = None if spec is None else make_proposer(spec, config, self.model_runner)
         self.requests: dict[str, Request] = {}
-        self.num_prompt_tokens = self.num_generation_tokens = 0
+        self.num_prompt_tokens = 0
         self.num_pooling_requests = self.num_pooling_tokens = 0
         self.last_step_tokens = 0
         self._failed: list[str] = []  # requests failed during this step
@@ -181,19 +183,28 @@ class LLMEngine:
         if not scheduler_output.seqs:
             self._wait_for_grammars()
             return failed
+        if self.proposer is not None:
+            self._speculate(scheduler_output)
         scheduler_output, sampled = self._execute(scheduler_output)
         if not scheduler_output.seqs:
             self._probe()
-        logprobs = dict(zip((s.seq_id for s in scheduler_output.sampling_seqs), sampled.logprobs))
-        seqs = self.scheduler.update(scheduler_output, sampled.token_ids, sampled.pooled)
-        self.num_generation_tokens += sum(s.pooling_params is None for s in seqs)
+        seqs = self.scheduler.update(
+            scheduler_output, sampled.token_ids, sampled.pooled, sampled.accepted, sampled.logprobs
+        )
         for seq in seqs:
-            if seq.seq_id in logprobs:
-                self._add_logprobs(seq, logprobs[seq.seq_id])
+            self._decode_logprobs(seq)
         changed, self._failed = [*self._failed, *(s.request_id for s in seqs)], []
         if self.check_invariants:
             self.block_manager.check_invariants([*self.scheduler.running, *self.scheduler.waiting])
         return failed + [self._output(self.requests[rid]) for rid in dict.fromkeys(changed) if rid in self.requests]
+
+    def _speculate(self, scheduler_output: SchedulerOutput) -> None:
+        """Proposals for the step's decodes (not with structured outputs), unless too many sequences run."""
+        limit = self.config.speculative_config.disable_by_batch_size
+        decodes = [s for s in scheduler_output.decodes() if s.grammar is None]
+        if decodes and (limit is None or len(self.scheduler.running) < limit):
+            self.proposer.propose(decodes)
+            self.scheduler.schedule_proposals(scheduler_output)
 
     def _execute(self, scheduler_output: SchedulerOutput) -> tuple[SchedulerOutput, SamplerOutput]:
         """Run `scheduler_output`; if it raises, run each half (recursively) and fail the requests that fail alone.
@@ -215,6 +226,7 @@ class LLMEngine:
                 for seq, num_new in zip(part_ran.seqs, part_ran.num_scheduled_tokens):
                     ran.add(seq, num_new)
                 sampled.token_ids += part_sampled.token_ids
+                sampled.accepted += part_sampled.accepted
                 sampled.logprobs += part_sampled.logprobs
                 sampled.pooled += part_sampled.pooled
         return ran, sampled
@@ -331,15 +343,20 @@ class LLMEngine:
             prompt_tokens=self.num_prompt_tokens,
             pooling_requests=self.num_pooling_requests,
             pooling_tokens=self.num_pooling_tokens,
-            generation_tokens=self.num_generation_tokens,
+            generation_tokens=self.scheduler.num_generated_tokens,
+            spec_drafts=self.scheduler.spec_drafts,
+            spec_draft_tokens=self.scheduler.spec_draft_tokens,
+            spec_accepted_tokens=self.scheduler.spec_accepted_tokens,
             weight_bytes=self.weight_bytes,
         )
 
-    def _add_logprobs(self, seq: Sequence, logprobs: dict[int, Logprob] | None) -> None:
-        if logprobs is not None:
+    def _decode_logprobs(self, seq: Sequence) -> None:
+        """The text of each token in the logprobs of the step's new tokens."""
+        for logprobs in reversed(seq.logprobs or ()):
+            if next(iter(logprobs.values())).decoded_token is not None:
+                break
             for token_id, lp in logprobs.items():
                 lp.decoded_token = self.tokenizer.decode([token_id])
-            seq.logprobs.append(logprobs)
 
     def _output(self, request: Request) -> RequestOutput | PoolingRequestOutput:
         """A snapshot, safe to hand to another thread. While a sequence runs, its text holds back a tail that

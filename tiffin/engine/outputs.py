@@ -51,6 +51,9 @@ class EngineStats:
     weight_bytes: int
     pooling_requests: int = 0  # embeddings and scores
     pooling_tokens: int = 0
+    spec_drafts: int = 0  # speculative decoding: decodes that verified proposals
+    spec_draft_tokens: int = 0  # proposals verified
+    spec_accepted_tokens: int = 0  # proposals accepted
 
 
 @dataclass

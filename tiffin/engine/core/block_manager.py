@@ -8,6 +8,8 @@ Invariants kept here:
   before them. A hash leaves the map only when its block is reallocated.
 - The last token of a sequence is always recomputed: a prefix-cache hit never covers it, since its logits
   are needed.
+- Hashes cover a sequence's tokens only, never proposals beyond them (speculative decoding): slots a step
+  fills for proposals that are then rejected are written again before a hash can cover them.
 """
 
 import hashlib
@@ -75,17 +77,28 @@ class BlockManager:
         for _ in range(max(num_new_blocks, 0)):
             seq.block_table.append(self._pop_free())
         if self.enable_prefix_caching:
-            self._cache_full_blocks(seq, num_tokens // self.block_size)
+            self._cache_full_blocks(seq, min(num_tokens, seq.num_tokens) // self.block_size)
         return True
 
-    def free_seq(self, seq: Sequence) -> None:
-        """Release `seq`'s blocks, tail first, so that under LRU its prefix outlives its suffix."""
-        for block in reversed(seq.block_table):
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the blocks of `seq`'s table past its first `num_tokens` slots (rejected proposals'); they
+        hold no hash."""
+        keep = self.blocks_needed(num_tokens)
+        self._release(reversed(seq.block_table[keep:]))
+        del seq.block_table[keep:]
+
+    def _release(self, blocks: Iterable[int]) -> None:
+        """Drop a reference to each block; unhashed ones freed are reused first, hashed ones last."""
+        for block in blocks:
             self.ref_cnt[block] -= 1
             if self.ref_cnt[block] == 0:
                 self.free[block] = None
                 if self.block_hash[block] is None:
                     self.free.move_to_end(block, last=False)
+
+    def free_seq(self, seq: Sequence) -> None:
+        """Release `seq`'s blocks, tail first, so that under LRU its prefix outlives its suffix."""
+        self._release(reversed(seq.block_table))
         seq.block_table = []
         seq.num_hashed_blocks = 0
 

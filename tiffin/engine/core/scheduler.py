@@ -11,6 +11,12 @@ A pooling sequence (embeddings, scores) runs its whole prompt in one step, with 
 in it: its hidden states all come from that step's forward, and an encoder's attention sees the whole prompt. A
 step held below a waiting prompt to pool (`step_budget`: an engine yielding to another, tiffin.engine.turns)
 schedules none of it: the turns save the budget up until it fits.
+
+Speculative decoding: a decode may carry its sequence's proposals (`spec_token_ids`, set between `schedule` and
+the step's forward, then `schedule_proposals`), computed as more query tokens of the same step and verified by
+its logits rows, one per proposal plus one. Proposals only use what the step leaves (budget, free blocks): they
+never preempt. `update` keeps the accepted proposals and one more token, gives back the slots of the rejected
+ones (their KV stays unread, then overwritten) and clears every proposal.
 """
 
 from collections import deque
@@ -31,7 +37,8 @@ class SchedulerOutput:
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
         pools = seq.pooling_params is not None
-        samples = seq.num_computed_tokens + num_new_tokens == seq.num_tokens and not pools
+        computed = seq.num_computed_tokens + num_new_tokens - len(seq.spec_token_ids)
+        samples = computed == seq.num_tokens and not pools
         self.seqs.append(seq)
         self.num_scheduled_tokens.append(num_new_tokens)
         self.sampling.append(samples)
@@ -39,6 +46,10 @@ class SchedulerOutput:
             self.sampling_seqs.append(seq)
         if pools:
             self.pooling_seqs.append(seq)
+
+    def decodes(self) -> list[Sequence]:
+        """The sequences that decode one token this step (those that may speculate)."""
+        return [s for s, n, samples in zip(self.seqs, self.num_scheduled_tokens, self.sampling) if n == 1 and samples]
 
     def select(self, keep: list[int]) -> "SchedulerOutput":
         out = SchedulerOutput()
@@ -60,6 +71,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_generated_tokens = 0
+        self.spec_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0  # speculative decoding totals
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -119,10 +132,37 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         return out
 
-    def update(self, out: SchedulerOutput, sampled: list[int], pooled: list[list[float]] = ()) -> list[Sequence]:
-        """Advance the scheduled sequences past this step; append the sampled tokens (one per sampling
-        sequence, in order) and finish the sequences they stop; finish the pooling sequences with their result
-        (one per pooling sequence, in order). Returns the sequences that got a token or a result."""
+    def schedule_proposals(self, out: SchedulerOutput) -> None:
+        """Extend the step's decodes by their sequences' proposals as far as the step's token budget, the context,
+        max_tokens and free blocks allow; drop the rest."""
+        budget = (self.step_budget or self.max_num_batched_tokens) - sum(out.num_scheduled_tokens)
+        for i, seq in enumerate(out.seqs):
+            if not seq.spec_token_ids:
+                continue
+            room = min(budget, seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+            k = max(min(len(seq.spec_token_ids), room), 0)
+            if k and not self.block_manager.allocate_slots(seq, 1 + k):
+                k = 0
+            del seq.spec_token_ids[k:]
+            seq.spec_probs = None if seq.spec_probs is None or not k else seq.spec_probs[:k]
+            out.num_scheduled_tokens[i] += k
+            budget -= k
+            self.spec_drafts += k > 0
+            self.spec_draft_tokens += k
+
+    def update(
+        self,
+        out: SchedulerOutput,
+        sampled: list[int],
+        pooled: list[list[float]] = (),
+        accepted: list[bool] | None = None,
+        logprobs: list | None = None,
+    ) -> list[Sequence]:
+        """Advance the scheduled sequences past this step and finish the pooling sequences with their result (one
+        per pooling sequence, in order). `sampled`, `accepted` and `logprobs` have one entry per logits row (a
+        sampling sequence has one, or one per proposal plus one): a sequence takes its accepted proposals, then the
+        token of its first row that rejects (or of its last row), each checked for a stop. Returns the sequences
+        that got a token or a result."""
         for seq, num_new in zip(out.seqs, out.num_scheduled_tokens):
             seq.num_computed_tokens += num_new
         got_token = []
@@ -131,11 +171,27 @@ class Scheduler:
                 seq.pooled = result
                 self.finish(seq, "stop")
                 got_token.append(seq)
-        for seq, token in zip(out.sampling_seqs, sampled):
-            if not seq.finished:  # aborted while its step ran
-                seq.append_token(token)
+        row = 0
+        for seq in out.sampling_seqs:
+            spec, seq.spec_token_ids, seq.spec_probs = seq.spec_token_ids, [], None
+            rows = range(row, row + len(spec) + 1)
+            row = rows.stop
+            num_accepted = next((j for j in range(len(spec)) if not accepted[rows[j]]), len(spec))
+            self.spec_accepted_tokens += num_accepted
+            if seq.finished:  # aborted while its step ran
+                continue
+            seq.num_computed_tokens -= len(spec) - num_accepted
+            for r in rows[: num_accepted + 1]:
+                seq.append_token(sampled[r])
+                self.num_generated_tokens += 1
+                if logprobs is not None and logprobs[r] is not None:
+                    seq.logprobs.append(logprobs[r])
                 self._check_stop(seq)
-                got_token.append(seq)
+                if seq.finished:
+                    break
+            if spec and not seq.finished:
+                self.block_manager.trim(seq, seq.num_tokens)
+            got_token.append(seq)
         return got_token
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:

@@ -63,8 +63,9 @@ class Sequence:
         self.pooled: list[float] | None = None  # a pooling sequence's result
         self.max_tokens = max_tokens
         self.eos_token_ids = eos_token_ids
-        seed = None if params.seed is None else params.seed + index
-        self.generator = None if seed is None else torch.Generator().manual_seed(seed)
+        self.seed = None if params.seed is None else params.seed + index
+        self.spec_token_ids: list[int] = []  # proposals to verify this step (speculative decoding)
+        self.spec_probs: torch.Tensor | None = None  # [len(spec_token_ids), vocab]: the draft's distributions
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -89,6 +90,34 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    def scheduled_token_ids(self, start: int, n: int) -> list[int]:
+        """The `n` tokens from position `start` on, proposals included."""
+        ids = self.token_ids[start : start + n]
+        return ids + self.spec_token_ids[: start + n - self.num_tokens] if self.spec_token_ids else ids
+
+    def noise_seed(self, ahead: int = 0) -> int | None:
+        """The seed of the random draws that pick output token `num_output_tokens + ahead` (None: unseeded).
+        Keyed by the token's position, not by how many draws came before: a seeded sequence samples the same
+        tokens whether or not proposals were verified (and rejected) on the way."""
+        if self.seed is None:
+            return None
+        return hash((self.seed, self.num_output_tokens + ahead)) & 0x7FFF_FFFF_FFFF_FFFF
+
+    def sampling_rows(self) -> list["Sequence | SpecRow"]:
+        """Its logits rows this step: itself, or one per proposal plus the one after them."""
+        if not self.spec_token_ids:
+            return [self]
+        return [SpecRow(self, j) for j in range(len(self.spec_token_ids) + 1)]
+
+    @property
+    def proposed(self) -> int:
+        """The proposal its (single) row verifies: none."""
+        return -1
+
+    @property
+    def draft_probs(self) -> torch.Tensor | None:
+        return None
+
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         if self.detokenizer is not None:
@@ -97,3 +126,47 @@ class Sequence:
     def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
         self.status = SequenceStatus.FINISHED
         self.finish_reason, self.stop_reason = reason, stop_reason
+
+
+class SpecRow:
+    """Logits row `j` of a sequence verifying its proposals: the sequence as it stands once its first `j`
+    proposals are accepted, verifying proposal `j` (none past the last: that row only samples)."""
+
+    grammar = None  # sequences with structured outputs do not speculate
+
+    def __init__(self, seq: Sequence, j: int):
+        self.seq, self.j = seq, j
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.seq.params
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.seq.prompt_token_ids
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.seq.output_token_ids + self.seq.spec_token_ids[: self.j]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.seq.num_output_tokens + self.j
+
+    def scheduled_token_ids(self, start: int, n: int) -> list[int]:
+        """The `n` tokens from position `start` on, proposals included."""
+        ids = self.token_ids[start : start + n]
+        return ids + self.spec_token_ids[: start + n - self.num_tokens] if self.spec_token_ids else ids
+
+    def noise_seed(self) -> int | None:
+        return self.seq.noise_seed(self.j)
+
+    @property
+    def proposed(self) -> int:
+        spec = self.seq.spec_token_ids
+        return spec[self.j] if self.j < len(spec) else -1
+
+    @property
+    def draft_probs(self) -> torch.Tensor | None:
+        probs = self.seq.spec_probs
+        return None if probs is None or self.j >= len(probs) else probs[self.j]

@@ -90,17 +90,30 @@ def host_batch(scheduler_output: SchedulerOutput, block_size: int, pad_prefills:
     # token i of the batch belongs to request req[i] at position positions[i]
     req = np.repeat(np.arange(len(seqs)), query_lens)
     positions = np.arange(query_start_loc[-1]) - query_start_loc[req] + starts[req]
-    input_ids = np.array(list(chain.from_iterable(s.token_ids[a : a + n] for s, a, n in zip(seqs, starts, query_lens))))
+    input_ids = np.array(
+        list(chain.from_iterable(s.scheduled_token_ids(a, n) for s, a, n in zip(seqs, starts, query_lens)))
+    )
     block_tables = np.zeros((len(seqs), round16(max(len(s.block_table) for s in seqs))), dtype=np.int32)
     for i, seq in enumerate(seqs):
         block_tables[i, : len(seq.block_table)] = seq.block_table
     slots = block_tables[req, positions // block_size].astype(np.int64) * block_size + positions % block_size
-    logits_indices = query_start_loc[1:][np.array(scheduler_output.sampling)] - 1
+    logits_indices = _logits_indices(scheduler_output, query_start_loc)
     if pad_prefills and query_lens.max() > 1:
         pad = padded_tokens(len(input_ids)) - len(input_ids)
         input_ids, positions = np.pad(input_ids, (0, pad)), np.pad(positions, (0, pad))
         slots = np.pad(slots, (0, pad), constant_values=-1)
     return HostBatch(input_ids, positions, slots, query_start_loc, seq_lens, block_tables, query_lens, logits_indices)
+
+
+def _logits_indices(scheduler_output: SchedulerOutput, query_start_loc: np.ndarray) -> np.ndarray:
+    """The rows whose logits are sampled: each sampling sequence's last token, and before it one per proposal."""
+    sampling = np.array(scheduler_output.sampling)
+    ends = query_start_loc[1:][sampling]
+    counts = np.array([len(s.spec_token_ids) + 1 for s in scheduler_output.sampling_seqs], dtype=np.int64)
+    if len(counts) == 0 or counts.max() == 1:
+        return ends - 1
+    offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)  # 0.. within each sequence
+    return np.repeat(ends - counts, counts) + offsets
 
 
 def padded_tokens(tokens: int) -> int:

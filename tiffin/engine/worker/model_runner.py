@@ -107,12 +107,11 @@ class ModelRunner:
     def _execute(self, scheduler_output: SchedulerOutput) -> SamplerOutput:
         if self.thread_sizer is not None:
             self.thread_sizer.update()
-        bitmask = fill_bitmask(
-            scheduler_output.sampling_seqs, self.model_config.vocab_size
-        )  # filled while the forward runs
+        rows = [row for seq in scheduler_output.sampling_seqs for row in seq.sampling_rows()]  # one per logits row
+        bitmask = fill_bitmask(rows, self.model_config.vocab_size)  # filled while the forward runs
         # the step's host arrays (the batch's, the sampler's) go to the device in one pinned copy
         upload = Upload(self.device)
-        sampling = self.sampler.stage(scheduler_output.sampling_seqs, upload, self.model_config.vocab_size)
+        sampling = self.sampler.stage(rows, upload, self.model_config.vocab_size)
         graphs = self.decode_graphs is not None and not scheduler_output.pooling_seqs
         size = self.decode_graphs.size_for(scheduler_output) if graphs else 0
         pooled = None
@@ -128,8 +127,7 @@ class ModelRunner:
         else:  # the other ranks run the same step on their shards
             inputs = self.prepare(scheduler_output, upload)
             logits, pooled = tp_worker.run(self.group, inputs, self.lora_slots, lambda: self.run_model(inputs))
-        sampling_seqs = scheduler_output.sampling_seqs
-        out = self.sampler(logits, sampling_seqs, bitmask, sampling) if sampling_seqs else SamplerOutput([], [])
+        out = self.sampler(logits, rows, bitmask, sampling) if rows else SamplerOutput([], [])
         out.pooled = [] if pooled is None else self.finish_pooling(pooled, scheduler_output.pooling_seqs)
         return out
 

@@ -1,9 +1,15 @@
 """Turns each sequence's last-position logits into its next token, with vLLM v1's sampling semantics.
 
 Order: logprobs of the raw logits -> structured-output grammar and min_tokens masking -> penalties -> greedy argmax, or
-temperature -> min_p -> top_k -> top_p -> exponential-race sampling."""
+temperature -> min_p -> top_k -> top_p -> exponential-race sampling.
 
-import weakref
+Speculative decoding: a row that verifies a proposal accepts it exactly when it would have picked it. A token
+proposed by a draft model, drawn from the draft's distribution q, is accepted with probability min(1, p/q) and
+replaced, when rejected, by a draw from the residual max(p - q, 0): the emitted token follows p either way
+(Leviathan et al., 2023). A deterministic proposal (n-gram, suffix) is the case of q one-hot: accepted when the
+row's own draw from p equals it. So every emitted token follows the target's distribution, and with a seed
+(draws keyed by the token's position) a deterministic proposal never changes what a row samples."""
+
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -23,9 +29,14 @@ _GREEDY_EPS = 1e-5  # dividing by a smaller temperature overflows float32; such 
 
 
 class SampledSeq(Protocol):
+    """A logits row's sequence (core.sequence's Sequence or SpecRow)."""
+
     params: SamplingParams
-    generator: torch.Generator | None
     grammar: GrammarState | None
+    proposed: int  # the proposal the row verifies; -1: none
+    draft_probs: torch.Tensor | None  # the distribution `proposed` was drawn from; None: deterministic
+
+    def noise_seed(self) -> int | None: ...
 
     @property
     def prompt_token_ids(self) -> list[int]: ...
@@ -39,6 +50,7 @@ class SampledSeq(Protocol):
 class SamplerOutput:
     token_ids: list[int]  # one per row
     logprobs: list[dict[int, Logprob] | None]  # per row; None where params.logprobs is None
+    accepted: list[bool] = field(default_factory=list)  # per row: whether it accepts its proposal
     pooled: list[list[float]] = field(default_factory=list)  # the runner's: one result per pooling sequence
 
 
@@ -47,7 +59,7 @@ class SamplingInputs:
     there from the sequences' params and added to the step's `Upload`, so that it travels with the batch."""
 
     def __init__(self, seqs: Seq[SampledSeq], upload: Upload, vocab: int, eos_token_ids: frozenset[int]):
-        self.upload, self.vocab, self._parts, self.generators = upload, vocab, {}, []
+        self.upload, self.vocab, self._parts, self.seeds = upload, vocab, {}, []
         params = self.params = [s.params for s in seqs]
         self.wants_logprobs = any(p.logprobs is not None for p in params)
         self.penalized = [
@@ -62,9 +74,9 @@ class SamplingInputs:
             for name in ("temperature", "min_p", "top_p"):
                 self._add(name, floats(sampled, name))
             self._add("top_k", ints([p.top_k for p in sampled]))
-            self.generators = [seqs[i].generator for i in self.rows]  # of the sampled rows
-            if any(g is not None for g in self.generators):
-                self._add("unseeded", ints([i for i, g in enumerate(self.generators) if g is None]))
+            self.seeds = [seqs[i].noise_seed() for i in self.rows]  # of the sampled rows
+            if any(seed is not None for seed in self.seeds):
+                self._add("unseeded", ints([i for i, seed in enumerate(self.seeds) if seed is None]))
         banned_rows, banned_cols = [], []
         for i, s in enumerate(seqs):
             p = s.params
@@ -85,6 +97,13 @@ class SamplingInputs:
             self.repetition = any(s.params.repetition_penalty != 1 for s in pen)
             if self.repetition:
                 self._add("seen_tokens", _flat_indices([s.prompt_token_ids + s.output_token_ids for s in pen], vocab))
+        proposed = [s.proposed for s in seqs]
+        self.speculating = any(t >= 0 for t in proposed)
+        if self.speculating:
+            self._add("proposed", ints(proposed))
+        # sampled rows (indices into `rows`) verifying a draft model's proposal, and its distribution for each
+        self.draft_rows = [j for j, i in enumerate(self.rows) if seqs[i].draft_probs is not None]
+        self.draft_probs = [seqs[self.rows[j]].draft_probs for j in self.draft_rows]
         if self.wants_logprobs:
             self._add("logprob_rows", ints([i for i, p in enumerate(params) if p.logprobs is not None]))
 
@@ -103,7 +122,7 @@ class Sampler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}  # one default stream per device
-        self._twins: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a sequence's generator -> `_twin`
+        self._reseeded: dict[torch.device, torch.Generator] = {}  # seeded afresh for each seeded row's draw
 
     def stage(self, seqs: Seq[SampledSeq], upload: Upload, vocab: int) -> SamplingInputs:
         """Add what sampling `seqs` will need from the host to the step's `upload` (before it is sent)."""
@@ -146,27 +165,54 @@ class Sampler:
                 inputs["presence_penalty"],
             )
             logits = logits.index_put((idx,), penalized)
-        sampled = kernels.argmax(logits)
+        sampled, draft_accepted = kernels.argmax(logits), None
         if rows:
             idx = inputs["rows"]
             columns = {name: inputs[name] for name in ("temperature", "min_p", "top_k", "top_p")}
             probs = sampling_probs(logits[idx], [params[i] for i in rows], columns)
+            draft_accepted = self._verify_drafts(probs, inputs) if inputs.draft_rows else None
             unseeded = inputs["unseeded"] if "unseeded" in inputs else None
-            sampled[idx] = self._race(probs, inputs.generators, unseeded)
-        token_ids = sampled.tolist()
+            sampled[idx] = self._race(probs, inputs.seeds, unseeded)
+        accepted = None
+        if inputs.speculating:
+            proposed = inputs["proposed"]
+            accepted = sampled == proposed
+            if draft_accepted is not None:
+                accepted[idx[inputs.draft_rows]] = draft_accepted
+            sampled = torch.where(accepted, proposed, sampled)
+        if accepted is None:
+            token_ids, accepted = sampled.tolist(), [False] * len(seqs)
+        else:  # one read back
+            token_ids, accepted = torch.stack([sampled, accepted.long()]).tolist()
+            accepted = [bool(a) for a in accepted]
         logprobs = (
             [None] * len(seqs)
             if raw_logprobs is None
             else _gather_logprobs(raw_logprobs, sampled, params, inputs["logprob_rows"])
         )
-        return SamplerOutput(token_ids, logprobs)
+        return SamplerOutput(token_ids, logprobs, accepted=accepted)
 
-    def _race(
-        self, probs: torch.Tensor, generators: list[torch.Generator | None], unseeded: torch.Tensor | None
-    ) -> torch.Tensor:
-        """argmax(probs / q), q ~ Exp(1) iid, picks token i with probability probs[i]. A seeded row draws
-        its q from its own generator, so its tokens do not depend on the rest of the batch (`unseeded`: the
-        other rows, when there are seeded ones)."""
+    def _verify_drafts(self, probs: torch.Tensor, inputs: SamplingInputs) -> torch.Tensor:
+        """Accept each draft row's proposal with probability min(1, p/q); turn its row of `probs` (in place) into
+        the residual max(p - q, 0) that a rejection draws from (p itself where nothing is left: p == q, always
+        accepted). Returns whether each draft row accepts."""
+        rows = torch.tensor(inputs.draft_rows, device=probs.device)
+        p, q = probs[rows], torch.stack(inputs.draft_probs).to(probs.dtype)
+        token = inputs["proposed"][inputs["rows"][rows]][:, None]
+        u = torch.stack([self._uniform(inputs.seeds[j], probs.device) for j in inputs.draft_rows])
+        accept = u * q.gather(1, token)[:, 0] < p.gather(1, token)[:, 0]
+        residual = (p - q).clamp_(min=0)
+        probs[rows] = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
+        return accept
+
+    def _uniform(self, seed: int | None, device: torch.device) -> torch.Tensor:
+        generator = self._default_generator(device) if seed is None else self._seeded(device, seed ^ 1)
+        return torch.rand((), device=device, generator=generator)
+
+    def _race(self, probs: torch.Tensor, seeds: list[int | None], unseeded: torch.Tensor | None) -> torch.Tensor:
+        """argmax(probs / q), q ~ Exp(1) iid, picks token i with probability probs[i] (normalized or not). A
+        seeded row draws its q from its own seed, so its tokens do not depend on the rest of the batch
+        (`unseeded`: the other rows, when there are seeded ones)."""
         q = torch.empty_like(probs)
         if unseeded is None:
             q.exponential_(generator=self._default_generator(probs.device))
@@ -174,21 +220,18 @@ class Sampler:
             q[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
                 generator=self._default_generator(probs.device)
             )
-        for i, g in enumerate(generators):
-            if g is not None:
-                q[i] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=self._twin(g, q.device))
+        for i, seed in enumerate(seeds):
+            if seed is not None:
+                q[i].exponential_(generator=self._seeded(q.device, seed))
         # exponential_ may return exactly 0, which would turn a zero-probability token into 0/0 = nan
         return kernels.argmax(probs.div_(q.clamp_(min=torch.finfo(q.dtype).tiny)))
 
-    def _twin(self, generator: torch.Generator, device: torch.device) -> torch.Generator:
-        """A seeded sequence's generator on the device its row is sampled on, seeded alike (drawing a vocabulary's
-        worth of noise on the host and uploading it would stall a GPU every step). A seed gives the same tokens
-        on every device of a kind, not across kinds (the generators' streams differ)."""
-        if generator.device == device:
-            return generator
-        if generator not in self._twins:
-            self._twins[generator] = torch.Generator(device=device).manual_seed(generator.initial_seed())
-        return self._twins[generator]
+    def _seeded(self, device: torch.device, seed: int) -> torch.Generator:
+        """The device's generator for seeded draws, seeded with `seed`. A seed gives the same tokens on every
+        device of a kind, not across kinds (the generators' streams differ)."""
+        if device not in self._reseeded:
+            self._reseeded[device] = torch.Generator(device=device)
+        return self._reseeded[device].manual_seed(seed)
 
     def _default_generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
