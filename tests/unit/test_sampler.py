@@ -13,12 +13,12 @@ class FakeSeq:
     params: SamplingParams
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
     grammar: None = None
+    proposed = -1
+    draft_probs = None
 
-    def __post_init__(self):
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+    def noise_seed(self) -> int | None:
+        return None if self.params.seed is None else hash((self.params.seed, self.num_output_tokens))
 
     @property
     def num_output_tokens(self) -> int:

@@ -20,12 +20,17 @@ from tiffin.kernels.lora import LoRAMetadata
 
 @dataclass
 class HostBatch:
+    """Attention sees entries (`query_start_loc`, `seq_lens`, `block_tables`): a sequence each, except that a
+    sequence verifying proposals is one entry per query token, each seeing the keys up to its own position, so
+    that its rows run as decode rows in every attention kernel (the native CPU decode step included), with a
+    plain decode's numerics."""
+
     input_ids: np.ndarray
     positions: np.ndarray
     slots: np.ndarray  # the KV cache slot of each token; -1: a padding row, written nowhere
-    query_start_loc: np.ndarray
-    seq_lens: np.ndarray
-    block_tables: np.ndarray
+    query_start_loc: np.ndarray  # per attention entry
+    seq_lens: np.ndarray  # per attention entry
+    block_tables: np.ndarray  # per attention entry
     query_lens: np.ndarray  # tokens scheduled per sequence
     logits_indices: np.ndarray
 
@@ -98,6 +103,14 @@ def host_batch(scheduler_output: SchedulerOutput, block_size: int, pad_prefills:
         block_tables[i, : len(seq.block_table)] = seq.block_table
     slots = block_tables[req, positions // block_size].astype(np.int64) * block_size + positions % block_size
     logits_indices = _logits_indices(scheduler_output, query_start_loc)
+    verifying = np.array([bool(s.spec_token_ids) for s in seqs])
+    if verifying.any():  # one entry per query token of a verifying sequence: the rows of `req` for those
+        entries = np.where(verifying, query_lens, 1)
+        owner = np.repeat(np.arange(len(seqs)), entries)
+        single = verifying[owner]
+        query_start_loc = np.concatenate([[0], np.cumsum(np.where(single, 1, query_lens[owner]))])
+        seq_lens = np.where(single, starts[owner] + _ranks(entries) + 1, seq_lens[owner])
+        block_tables = block_tables[owner]
     if pad_prefills and query_lens.max() > 1:
         pad = padded_tokens(len(input_ids)) - len(input_ids)
         input_ids, positions = np.pad(input_ids, (0, pad)), np.pad(positions, (0, pad))
@@ -112,8 +125,12 @@ def _logits_indices(scheduler_output: SchedulerOutput, query_start_loc: np.ndarr
     counts = np.array([len(s.spec_token_ids) + 1 for s in scheduler_output.sampling_seqs], dtype=np.int64)
     if len(counts) == 0 or counts.max() == 1:
         return ends - 1
-    offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)  # 0.. within each sequence
-    return np.repeat(ends - counts, counts) + offsets
+    return np.repeat(ends - counts, counts) + _ranks(counts)
+
+
+def _ranks(counts: np.ndarray) -> np.ndarray:
+    """0, 1, ..., counts[0] - 1, 0, 1, ..., counts[1] - 1, ...: each item's place within its group."""
+    return np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 def padded_tokens(tokens: int) -> int:

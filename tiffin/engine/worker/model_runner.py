@@ -183,7 +183,8 @@ class ModelRunner:
         pooling_parts = None
         if scheduler_output.pooling_seqs:
             pools = np.array([s.pooling_params is not None for s in scheduler_output.seqs])
-            host = PoolingMetadata.host_arrays(b.query_start_loc[:-1][pools], b.query_lens[pools])
+            starts = np.cumsum(b.query_lens) - b.query_lens
+            host = PoolingMetadata.host_arrays(starts[pools], b.query_lens[pools])
             pooling_parts = [upload.add(a) for a in host]
         upload.send()
         input_ids, positions, slots, query_start_loc, seq_lens, block_tables, logits_indices = map(upload.get, parts)
@@ -194,7 +195,7 @@ class ModelRunner:
             block_tables=block_tables,
             query_start_loc_cpu=b.query_start_loc.tolist(),
             seq_lens_cpu=b.seq_lens.tolist(),
-            max_query_len=int(b.query_lens.max()),
+            max_query_len=int(np.diff(b.query_start_loc).max()),
             max_seq_len=int(b.seq_lens.max()),
         )
         lora = (

@@ -1,0 +1,172 @@
+"""Speculative decoding is lossless inside continuous batching: with proposals verified, greedy outputs are the
+ones without speculation token for token, and seeded sampled outputs too (deterministic proposals keep each
+position's draws); across the four tiny architectures, plain and GGUF and AWQ weights, mixed LoRA batches,
+preemption and chunked prefill in the same run; logprobs, stop conditions and n alike; no block left behind.
+
+Random tiny models copy nothing, so real n-gram proposals are mostly rejected; the `Scripted` proposer proposes
+the run's known continuation, one token in five corrupted, so that long accepted runs and rejections both
+happen."""
+
+import random
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+
+from tests.gguf_files import write_gguf
+from tests.lora_adapters import make_adapter
+from tiffin import LLM, SamplingParams
+from tiffin.engine.lora.request import LoRARequest
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+PROMPT_LENS = (3, 17, 40, 9, 33, 60)
+NEW_TOKENS = 32
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+SEEDED = SamplingParams(
+    temperature=1.0, top_k=40, top_p=0.9, seed=11, max_tokens=NEW_TOKENS, ignore_eos=True, presence_penalty=0.3
+)
+# both at once: a 6-request batch that preempts (16 blocks of 16 tokens) and prefills in chunks of 37 tokens
+TIGHT = {"num_kv_blocks": 16, "max_num_batched_tokens": 37}
+AWQ = "tests/fixtures/quant/awq-g64"
+# n-grams of one token: the tiny models' outputs rarely repeat longer ones (a scripted run speculates as ngram)
+SPECS = {"ngram": {"method": "ngram", "prompt_lookup_min": 1}, "scripted": {"method": "ngram"}}
+
+
+class Scripted:
+    """Proposes up to 6 tokens of each sequence's known continuation, one in five corrupted."""
+
+    def __init__(self, expected: dict[tuple[str, int], list[int]], vocab: int):
+        self.expected, self.vocab, self.rng = expected, vocab, random.Random(0)
+
+    def propose(self, seqs) -> None:
+        for seq in seqs:
+            ahead = self.expected[seq.request_id, seq.index][seq.num_output_tokens :][: self.rng.randint(1, 6)]
+            seq.spec_token_ids = [t if self.rng.random() < 0.8 else (t + 1) % self.vocab for t in ahead]
+
+
+def generate(path, prompts, params, spec=None, scripted=None, loras=None, **engine_args):
+    """Outputs keyed by (request id, index), and the engine's stats; checks every block came back."""
+    llm = LLM(str(path), dtype="float32", speculative_config=spec, **engine_args)
+    engine = llm.llm_engine
+    if scripted is not None:
+        engine.proposer = Scripted(scripted, engine.model_config.vocab_size)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=loras)
+    stats = engine.stats()
+    assert stats.kv_blocks_used == 0 and stats.num_running == stats.num_waiting == 0
+    return {(o.request_id, c.index): c for o in outs for c in o.outputs}, stats
+
+
+def prompts_for(vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def check_lossless(path, prompts, params, loras=None, methods=("ngram", "scripted"), tight=True, **engine_args):
+    """Each method's outputs equal those without speculation; with `tight`, under preemption and chunked prefill."""
+    expected, _ = generate(path, prompts, params, loras=loras, **engine_args)
+    tokens = {key: c.token_ids for key, c in expected.items()}
+    for method in methods:
+        spec = SPECS.get(method, {"method": method})
+        scripted = tokens if method == "scripted" else None
+        got, stats = generate(path, prompts, params, spec, scripted, loras, **(TIGHT if tight else {}), **engine_args)
+        wrong = [key for key in expected if got[key].token_ids != tokens[key]]
+        assert not wrong, f"{method}: outputs that differ from no speculation: {wrong}"
+        assert stats.num_preemptions > 0 or not tight, stats
+        assert stats.spec_draft_tokens > 0 or method == "ngram" and not tight, stats
+        if method == "scripted":
+            assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens, stats
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model, tmp_path_factory):
+    """Two adapters per architecture; requests alternate base, first, second."""
+
+    def make(arch: str) -> list[LoRARequest | None]:
+        root = tmp_path_factory.mktemp(f"adapters-{arch}")
+        kw = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])
+        dirs = [make_adapter(tiny_model(arch), root / f"a{i}", seed=i, **kw) for i in range(2)]
+        reqs = [None, *(LoRARequest(f"{arch}-{i}", i + 1, str(d)) for i, d in enumerate(dirs))]
+        return [reqs[i % 3] for i in range(len(PROMPT_LENS))]
+
+    return make
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_lossless_plain(tiny_model, arch, params):
+    check_lossless(tiny_model(arch), prompts_for(1000, len(arch)), params)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lossless_mixed_lora_batch(tiny_model, adapters, arch):
+    loras = adapters(arch)
+    check_lossless(tiny_model(arch), prompts_for(1000, 1), GREEDY, loras, enable_lora=True, max_loras=2)
+
+
+@pytest.fixture(scope="module")
+def gguf_model(tiny_model, tmp_path_factory):
+    return lambda arch: write_gguf(tiny_model(arch), tmp_path_factory.mktemp("gguf") / f"{arch}.gguf", QType.Q4_0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lossless_gguf(gguf_model, arch):
+    """The native int8 kernels take bf16 dot products from 32 rows on, so their tokens depend on how many rows a
+    step holds, with or without speculation; exact (fp32) computes the same whatever the batch."""
+    check_lossless(gguf_model(arch), prompts_for(1000, 2), GREEDY, cpu_quant_compute="exact")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_lossless_gguf_native_kernels_alone(gguf_model, arch):
+    """One sequence at a time, a step stays below 32 rows: the native kernels' tokens are the same."""
+    for prompt in prompts_for(1000, 2)[:3]:
+        check_lossless(gguf_model(arch), [prompt], GREEDY, tight=False)
+
+
+def test_lossless_awq():
+    check_lossless(AWQ, prompts_for(512, 3), GREEDY, cpu_quant_compute="exact")
+
+
+def test_logprobs_stops_and_n_as_without(tiny_model):
+    """Each emitted token's logprobs, stop tokens (min_tokens first), stop strings and n samples: as without."""
+    path = tiny_model("llama")
+    prompts = prompts_for(1000, 4)
+    expected, _ = generate(path, prompts, GREEDY)
+    stop_at = [c.token_ids[5] for c in expected.values()]
+    stop_text = expected["0", 0].text[4:9]
+    params = [
+        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=3, stop_token_ids=stop_at, min_tokens=3),
+        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, stop=[stop_text], ignore_eos=True),
+        SamplingParams(temperature=0.9, max_tokens=NEW_TOKENS, n=3, seed=5, ignore_eos=True, logprobs=1),
+    ]
+    for p in params:
+        want, _ = generate(path, prompts, p)
+        scripted = {key: c.token_ids + [0] * NEW_TOKENS for key, c in want.items()}
+        got, stats = generate(path, prompts, p, {"method": "ngram"}, scripted, **TIGHT)
+        assert stats.spec_accepted_tokens > 0
+        for key, c in want.items():
+            g = got[key]
+            assert (g.token_ids, g.text, g.finish_reason, g.stop_reason) == (
+                c.token_ids,
+                c.text,
+                c.finish_reason,
+                c.stop_reason,
+            ), key
+            if c.logprobs is not None:  # the same tokens and ranks; values to float rounding (other batch shapes)
+                assert [{t: lp.rank for t, lp in d.items()} for d in g.logprobs] == [
+                    {t: lp.rank for t, lp in d.items()} for d in c.logprobs
+                ], key
+                values = lambda logprobs: [lp.logprob for d in logprobs for lp in d.values()]
+                assert values(g.logprobs) == pytest.approx(values(c.logprobs), abs=1e-4), key
+
+
+def test_no_proposals_from_disable_by_batch_size_on(tiny_model):
+    path = tiny_model("llama")
+    prompts = prompts_for(1000, 5)
+    spec = {"method": "ngram", "disable_by_batch_size": len(prompts)}
+    expected, _ = generate(path, prompts, GREEDY)
+    scripted = {key: c.token_ids for key, c in expected.items()}
+    _, stats = generate(path, prompts, GREEDY, spec, scripted, max_num_seqs=len(prompts))
+    # every request runs at once from the first step to the last: never fewer than the limit
+    assert stats.spec_draft_tokens == 0
+    _, stats = generate(path, prompts, GREEDY, spec, scripted, max_num_seqs=len(prompts) - 1)
+    assert stats.spec_draft_tokens > 0
