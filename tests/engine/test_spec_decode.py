@@ -29,7 +29,11 @@ SEEDED = SamplingParams(
 TIGHT = {"num_kv_blocks": 16, "max_num_batched_tokens": 37}
 AWQ = "tests/fixtures/quant/awq-g64"
 # n-grams of one token: the tiny models' outputs rarely repeat longer ones (a scripted run speculates as ngram)
-SPECS = {"ngram": {"method": "ngram", "prompt_lookup_min": 1}, "scripted": {"method": "ngram"}}
+SPECS = {
+    "ngram": {"method": "ngram", "prompt_lookup_min": 1},
+    "suffix": {"method": "suffix", "suffix_decoding_min_token_prob": 0},
+    "scripted": {"method": "ngram"},
+}
 
 
 class Scripted:
@@ -61,18 +65,20 @@ def prompts_for(vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(4, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-def check_lossless(path, prompts, params, loras=None, methods=("ngram", "scripted"), tight=True, **engine_args):
-    """Each method's outputs equal those without speculation; with `tight`, under preemption and chunked prefill."""
+def check_lossless(path, prompts, params, loras=None, draft=None, tight=True, **engine_args):
+    """Each method's outputs equal those without speculation; with `tight`, under preemption and chunked prefill.
+    `draft`: the draft model of the draft_model run (none without)."""
     expected, _ = generate(path, prompts, params, loras=loras, **engine_args)
     tokens = {key: c.token_ids for key, c in expected.items()}
-    for method in methods:
-        spec = SPECS.get(method, {"method": method})
+    specs = {**SPECS, "draft_model": {"method": "draft_model", "model": str(draft)}}
+    for method in ("ngram", "suffix", "scripted", "draft_model")[: 4 if draft else 3]:
+        spec = specs[method]
         scripted = tokens if method == "scripted" else None
         got, stats = generate(path, prompts, params, spec, scripted, loras, **(TIGHT if tight else {}), **engine_args)
         wrong = [key for key in expected if got[key].token_ids != tokens[key]]
         assert not wrong, f"{method}: outputs that differ from no speculation: {wrong}"
         assert stats.num_preemptions > 0 or not tight, stats
-        assert stats.spec_draft_tokens > 0 or method == "ngram" and not tight, stats
+        assert stats.spec_draft_tokens > 0 or method in ("ngram", "suffix") and not tight, stats
         if method == "scripted":
             assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens, stats
 
@@ -94,13 +100,14 @@ def adapters(tiny_model, tmp_path_factory):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_lossless_plain(tiny_model, arch, params):
-    check_lossless(tiny_model(arch), prompts_for(1000, len(arch)), params)
+    check_lossless(tiny_model(arch), prompts_for(1000, len(arch)), params, draft=tiny_model(arch))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_lossless_mixed_lora_batch(tiny_model, adapters, arch):
     loras = adapters(arch)
-    check_lossless(tiny_model(arch), prompts_for(1000, 1), GREEDY, loras, enable_lora=True, max_loras=2)
+    path = tiny_model(arch)
+    check_lossless(path, prompts_for(1000, 1), GREEDY, loras, draft=path, enable_lora=True, max_loras=2)
 
 
 @pytest.fixture(scope="module")
@@ -109,10 +116,12 @@ def gguf_model(tiny_model, tmp_path_factory):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_lossless_gguf(gguf_model, arch):
+def test_lossless_gguf(tiny_model, gguf_model, arch):
     """The native int8 kernels take bf16 dot products from 32 rows on, so their tokens depend on how many rows a
-    step holds, with or without speculation; exact (fp32) computes the same whatever the batch."""
-    check_lossless(gguf_model(arch), prompts_for(1000, 2), GREEDY, cpu_quant_compute="exact")
+    step holds, with or without speculation; exact (fp32) computes the same whatever the batch. The draft: the
+    unquantized model."""
+    path, draft = gguf_model(arch), tiny_model(arch)
+    check_lossless(path, prompts_for(1000, 2), GREEDY, draft=draft, cpu_quant_compute="exact")
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
