@@ -29,7 +29,12 @@ def server(bento_server, tmp_path_factory):
     gate = tmp_path_factory.mktemp("gate") / "load-gate"
     srv = bento_server(
         args={"model": MODEL, "num_kv_blocks": NUM_KV_BLOCKS},
-        env={"TIFFIN_LOAD_GATE": str(gate), "TIFFIN_MAX_NUM_SEQS": "16"},
+        # every request here verifies n-gram proposals (of one token: the tiny model repeats few longer ones)
+        env={
+            "TIFFIN_LOAD_GATE": str(gate),
+            "TIFFIN_MAX_NUM_SEQS": "16",
+            "TIFFIN_SPECULATIVE_CONFIG": '{"method": "ngram", "prompt_lookup_min": 1}',
+        },
         ready="/livez",
         timeout=90,
     )
@@ -302,9 +307,16 @@ def test_an_idle_connection_outlives_the_clients_keep_alive(server):
 
 def test_metrics(server, client):
     before = server.metrics()
-    client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=40, temperature=0, extra_body={"ignore_eos": True}
+    )
     after = server.metrics()
-    assert after["tiffin_generation_tokens_total"] - before["tiffin_generation_tokens_total"] == 5
+    assert after["tiffin_generation_tokens_total"] - before["tiffin_generation_tokens_total"] == 40
+    spec = {
+        k: after[f"tiffin_spec_decode_num_{k}_total"] - before.get(f"tiffin_spec_decode_num_{k}_total", 0)
+        for k in ("drafts", "draft_tokens", "accepted_tokens")
+    }
+    assert 0 < spec["drafts"] <= spec["draft_tokens"] and spec["accepted_tokens"] <= spec["draft_tokens"], spec
     assert after["tiffin_prompt_tokens_total"] > before["tiffin_prompt_tokens_total"]
     for name in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
         assert after[f"tiffin_{name}_count"] == before[f"tiffin_{name}_count"] + 1

@@ -7,8 +7,10 @@ Random tiny models copy nothing, so real n-gram proposals are mostly rejected; t
 the run's known continuation, one token in five corrupted, so that long accepted runs and rejections both
 happen."""
 
+import json
 import random
 
+import jsonschema
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
@@ -179,3 +181,33 @@ def test_no_proposals_from_disable_by_batch_size_on(tiny_model):
     assert stats.spec_draft_tokens == 0
     _, stats = generate(path, prompts, GREEDY, spec, scripted, max_num_seqs=len(prompts) - 1)
     assert stats.spec_draft_tokens > 0
+
+
+def test_structured_outputs_as_without(tiny_model):
+    """The grammar takes proposals up to the first it rejects, and masks each verifying row as it would that
+    position: every output valid, and the same as without speculation, greedy and seeded."""
+    pytest.importorskip("xgrammar")
+    from tiffin import StructuredOutputsParams
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "tags": {"type": "array", "items": {"enum": ["a", "bb"]}},
+        },
+        "required": ["name", "tags"],
+    }
+    path = tiny_model("llama")
+    prompts = prompts_for(1000, 6)
+    for temperature in (0, 1.0):
+        so = StructuredOutputsParams(json=schema)
+        params = SamplingParams(temperature=temperature, seed=3, max_tokens=60, structured_outputs=so)
+        expected, _ = generate(path, prompts, params)
+        scripted = {key: c.token_ids + [0] * 60 for key, c in expected.items()}
+        for spec, proposals in ((SPECS["ngram"], None), (SPECS["scripted"], scripted)):
+            got, stats = generate(path, prompts, params, spec, proposals, **TIGHT)
+            assert stats.spec_accepted_tokens > 0, stats
+            for key, c in expected.items():
+                assert got[key].token_ids == c.token_ids and got[key].finish_reason == c.finish_reason, key
+                if c.finish_reason == "stop":
+                    jsonschema.validate(json.loads(got[key].text), schema)

@@ -134,7 +134,7 @@ def test_backend_masks_rows_and_caches_bounded(backend):
     for i in range(3):
         backend.compile(StructuredOutputsParams(regex=f"[0-9]{{{i + 1}}}"))
     assert len(backend._cache) == 2 and choice.key not in backend._cache
-    seqs = [SimpleNamespace(grammar=None), SimpleNamespace(grammar=GrammarState(backend.compile(choice)))]
+    seqs = [SimpleNamespace(grammar=None), SimpleNamespace(grammar=GrammarState(backend.compile(choice)), ahead=0)]
     seqs += [seqs[0]]
     seqs[1].output_token_ids = []
     logits = torch.zeros(3, len(tokenizer))

@@ -199,12 +199,18 @@ class LLMEngine:
         return failed + [self._output(self.requests[rid]) for rid in dict.fromkeys(changed) if rid in self.requests]
 
     def _speculate(self, scheduler_output: SchedulerOutput) -> None:
-        """Proposals for the step's decodes (not with structured outputs), unless too many sequences run."""
+        """Proposals for the step's decodes, unless too many sequences run; with structured outputs, only as many
+        as the grammar takes."""
         limit = self.config.speculative_config.disable_by_batch_size
-        decodes = [s for s in scheduler_output.decodes() if s.grammar is None]
-        if decodes and (limit is None or len(self.scheduler.running) < limit):
-            self.proposer.propose(decodes)
-            self.scheduler.schedule_proposals(scheduler_output)
+        decodes = scheduler_output.decodes()
+        if not decodes or (limit is not None and len(self.scheduler.running) >= limit):
+            return
+        self.proposer.propose(decodes)
+        for seq in decodes:
+            if seq.grammar is not None and seq.spec_token_ids:
+                synced = seq.grammar.sync(seq.output_token_ids)
+                del seq.spec_token_ids[seq.grammar.accepted_prefix(seq.spec_token_ids) if synced else 0 :]
+        self.scheduler.schedule_proposals(scheduler_output)
 
     def _execute(self, scheduler_output: SchedulerOutput) -> tuple[SchedulerOutput, SamplerOutput]:
         """Run `scheduler_output`; if it raises, run each half (recursively) and fail the requests that fail alone.

@@ -38,6 +38,10 @@ class EngineMetrics:
             "Inputs embedded or scored (pooling requests: /v1/embeddings, /v1/score, /v1/rerank, the typed APIs).",
         )
         self.embedding_tokens = Counter("tiffin_embedding_tokens", "Tokens of the inputs embedded or scored.")
+        # vllm:spec_decode_*: acceptance rate = accepted / draft tokens; mean accepted length = 1 + accepted / drafts
+        self.spec_drafts = Counter("tiffin_spec_decode_num_drafts", "Decodes that verified proposals.")
+        self.spec_draft_tokens = Counter("tiffin_spec_decode_num_draft_tokens", "Proposed tokens verified.")
+        self.spec_accepted_tokens = Counter("tiffin_spec_decode_num_accepted_tokens", "Proposed tokens accepted.")
         self.ttft = Histogram(
             "tiffin_time_to_first_token_seconds", "Time to first token.", buckets=REQUEST_LATENCY_BUCKETS
         )
@@ -65,6 +69,9 @@ class EngineMetrics:
         self._advance("model", self.preemptions, stats.num_preemptions)
         self._advance("model", self.embedding_requests, stats.pooling_requests)  # the model may be a pooling one
         self._advance("model", self.embedding_tokens, stats.pooling_tokens)
+        self._advance("model", self.spec_drafts, stats.spec_drafts)
+        self._advance("model", self.spec_draft_tokens, stats.spec_draft_tokens)
+        self._advance("model", self.spec_accepted_tokens, stats.spec_accepted_tokens)
 
     def on_embedding_stats(self, stats: EngineStats) -> None:
         """The hook of the embedding engine beside the model: its pooling counters and KV gauges of its own (the

@@ -31,6 +31,7 @@ Torch and the engine are imported inside the loader thread, so `bentoml build` i
 """
 
 import gc
+import json
 import logging
 import os
 import re
@@ -137,6 +138,14 @@ class _ServiceSettings(BaseModel):
         if os.environ.get("TIFFIN_EMBEDDING_MODEL") == "":  # set, but empty: no embedding model
             env["embedding_model"] = ""
         return {**env, **args}
+
+    @field_validator("speculative_config", mode="before", check_fields=False)
+    @classmethod
+    def _speculation(cls, value):
+        """Besides a mapping, its JSON, or a method's name alone (`ngram`, `suffix`) with the defaults."""
+        if not isinstance(value, str):
+            return value
+        return json.loads(value) if value.lstrip().startswith("{") else {"method": value.strip()}
 
     @field_validator("kv_cache_memory", "max_request_body", "grammar_cache_bytes", mode="before", check_fields=False)
     @classmethod

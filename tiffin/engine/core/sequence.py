@@ -109,6 +109,8 @@ class Sequence:
             return [self]
         return [SpecRow(self, j) for j in range(len(self.spec_token_ids) + 1)]
 
+    ahead = 0  # as its only logits row: no proposal before it
+
     @property
     def proposed(self) -> int:
         """The proposal its (single) row verifies: none."""
@@ -129,13 +131,15 @@ class Sequence:
 
 
 class SpecRow:
-    """Logits row `j` of a sequence verifying its proposals: the sequence as it stands once its first `j`
-    proposals are accepted, verifying proposal `j` (none past the last: that row only samples)."""
+    """Logits row `ahead` of a sequence verifying its proposals: the sequence as it stands once its first
+    `ahead` proposals are accepted, verifying proposal `ahead` (none past the last: that row only samples)."""
 
-    grammar = None  # sequences with structured outputs do not speculate
+    def __init__(self, seq: Sequence, ahead: int):
+        self.seq, self.ahead = seq, ahead
 
-    def __init__(self, seq: Sequence, j: int):
-        self.seq, self.j = seq, j
+    @property
+    def grammar(self) -> GrammarState | None:
+        return self.seq.grammar
 
     @property
     def params(self) -> SamplingParams:
@@ -147,11 +151,11 @@ class SpecRow:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.seq.output_token_ids + self.seq.spec_token_ids[: self.j]
+        return self.seq.output_token_ids + self.seq.spec_token_ids[: self.ahead]
 
     @property
     def num_output_tokens(self) -> int:
-        return self.seq.num_output_tokens + self.j
+        return self.seq.num_output_tokens + self.ahead
 
     def scheduled_token_ids(self, start: int, n: int) -> list[int]:
         """The `n` tokens from position `start` on, proposals included."""
@@ -159,14 +163,14 @@ class SpecRow:
         return ids + self.spec_token_ids[: start + n - self.num_tokens] if self.spec_token_ids else ids
 
     def noise_seed(self) -> int | None:
-        return self.seq.noise_seed(self.j)
+        return self.seq.noise_seed(self.ahead)
 
     @property
     def proposed(self) -> int:
         spec = self.seq.spec_token_ids
-        return spec[self.j] if self.j < len(spec) else -1
+        return spec[self.ahead] if self.ahead < len(spec) else -1
 
     @property
     def draft_probs(self) -> torch.Tensor | None:
         probs = self.seq.spec_probs
-        return None if probs is None or self.j >= len(probs) else probs[self.j]
+        return None if probs is None or self.ahead >= len(probs) else probs[self.ahead]

@@ -157,22 +157,40 @@ def compile_error(e: BaseException) -> str:
 def fill_bitmask(seqs: Sequence, vocab_size: int) -> Future | None:
     """Start filling the step's token bitmask: row i allows the tokens `seqs[i]`'s grammar accepts next (all
     tokens for an unconstrained row). xgrammar's batch matcher fills it on a worker thread without the GIL, so
-    this overlaps the forward pass. A future of (bitmask, constrained rows); None when no row is constrained."""
+    this overlaps the forward pass. A future of (bitmask, constrained rows); None when no row is constrained.
+
+    A row `ahead` of its sequence (speculative decoding: it verifies a proposal after `ahead` others, which its
+    grammar has taken, `GrammarState.accepted_prefix`) is filled after the first row, its matcher stepped
+    through the proposals before it and then rolled back."""
     rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
     if not rows:
         return None
+    states = []
     for i in rows:
-        seqs[i].grammar.sync(seqs[i].output_token_ids)  # a no-op unless preemption dropped the matcher
-    matchers = [seqs[i].grammar.matcher for i in rows]
-    utf8_states = [seqs[i].grammar.utf8_state for i in rows]
+        s = seqs[i]
+        if not s.ahead:  # a no-op unless preemption dropped the matcher
+            s.grammar.sync(s.output_token_ids)
+            states.append(s.grammar.utf8_state)
+        else:
+            states.append(s.grammar.utf8.next_state[states[-1]][seqs[i - 1].proposed])
+    first = [i for i in rows if not seqs[i].ahead]
+    matchers = [seqs[i].grammar.matcher for i in first]
     utf8 = seqs[rows[0]].grammar.utf8  # one vocabulary, one table
 
     def fill():
         import xgrammar
 
         bitmask = xgrammar.allocate_token_bitmask(len(seqs), vocab_size)
-        _batch_matcher().batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
-        utf8.mask(bitmask, rows, utf8_states)
+        _batch_matcher().batch_fill_next_token_bitmask(matchers, bitmask, indices=first)
+        for i in rows:
+            ahead, matcher = seqs[i].ahead, seqs[i].grammar.matcher
+            if ahead:
+                matcher.accept_token(seqs[i - 1].proposed)
+                if not matcher.is_terminated():  # else no token follows: the row is never read
+                    matcher.fill_next_token_bitmask(bitmask, i)
+                if i + 1 == len(seqs) or seqs[i + 1].ahead <= ahead:  # the sequence's last row
+                    matcher.rollback(ahead)
+        utf8.mask(bitmask, rows, states)
         return bitmask, rows
 
     return _fill_worker().submit(fill)
@@ -245,6 +263,18 @@ class GrammarState:
                 return False
             self.num_accepted, self.utf8_state = self.num_accepted + 1, utf8_state
         return True
+
+    def accepted_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens` the grammar takes after the sequence's own (the matcher synced to them), up to
+        one that ends it; the matcher is left where it was."""
+        n, state = 0, self.utf8_state
+        for token in tokens:
+            state = self.utf8.next_state[state][token]
+            if self._matcher.is_terminated() or state == INVALID or not self._matcher.accept_token(token):
+                break
+            n += 1
+        self._matcher.rollback(n)
+        return n
 
     def verdict(self, output_token_ids: list[int]) -> tuple[str, str | None] | None:
         """After a sampled token: ("error", why) if the grammar rejects it, ("stop", None) once the grammar has
