@@ -211,3 +211,45 @@ def test_structured_outputs_as_without(tiny_model):
                 assert got[key].token_ids == c.token_ids and got[key].finish_reason == c.finish_reason, key
                 if c.finish_reason == "stop":
                     jsonschema.validate(json.loads(got[key].text), schema)
+
+
+def mixed_request(rng: random.Random, vocab: int) -> tuple[dict, SamplingParams]:
+    span = [rng.randrange(4, vocab) for _ in range(rng.randint(1, 12))]
+    prompt = (span * rng.randint(1, 4))[: rng.randint(1, 40)]
+    kind = rng.choice(["greedy", "seeded", "sampled", "n", "logprobs", "stops"])
+    common = dict(max_tokens=rng.randint(1, 16), ignore_eos=rng.random() < 0.5)
+    params = {
+        "greedy": dict(temperature=0),
+        "seeded": dict(temperature=0.8, top_p=0.9, seed=rng.randrange(100)),
+        "sampled": dict(temperature=1.0, top_k=20, presence_penalty=0.5),
+        "n": dict(temperature=0.7, n=2),
+        "logprobs": dict(temperature=0, logprobs=2),
+        "stops": dict(temperature=0, stop_token_ids=span[:2], min_tokens=rng.randint(0, common["max_tokens"])),
+    }[kind]
+    return {"prompt_token_ids": prompt}, SamplingParams(**params, **common)
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
+def test_no_block_leaks_after_many_mixed_requests(tiny_model, monkeypatch, method):
+    """700 requests a method (2,100 in all): greedy, seeded, sampled, n=2, logprobs, stop ids, some aborted while
+    they run, on a pool small enough to preempt and in chunked prefills; the block invariants checked after every
+    step; every block back once idle, the draft's too."""
+    monkeypatch.setenv("TIFFIN_CHECK_INVARIANTS", "1")
+    path = tiny_model("llama")
+    spec = {**SPECS.get(method, {"method": method}), "model": str(path) if method == "draft_model" else None}
+    llm = LLM(str(path), dtype="float32", speculative_config=spec, num_kv_blocks=24, max_num_batched_tokens=64)
+    engine, rng, live, added = llm.llm_engine, random.Random(method), set(), 0
+    while added < 700 or engine.has_unfinished_requests():
+        while added < 700 and len(live) < 16:
+            engine.add_request(str(added), *mixed_request(rng, 1000))
+            live.add(str(added))
+            added += 1
+        outputs = engine.step() + (engine.abort_request(rng.choice(sorted(live))) if rng.random() < 0.03 else [])
+        live -= {o.request_id for o in outputs if o.finished}
+    stats = engine.stats()
+    assert stats.kv_blocks_used == 0 and stats.num_preemptions > 0 and stats.spec_accepted_tokens > 0, stats
+    engine.proposer.propose([])  # forgets the sequences gone since its last round
+    if method == "draft_model":
+        assert engine.proposer.block_manager.num_used_blocks == 0
+    if method == "suffix":
+        assert not engine.proposer.own
