@@ -17,7 +17,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
 ANSWER_WITHIN = 2.0
 MAX_STALL = 0.5
-LIVEZ_WITHIN = 0.1
+# a blocked event loop (a compile on it) shows as seconds; a loaded 2-core CI machine answered once in 0.119 s
+LIVEZ_WITHIN = 0.5
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
