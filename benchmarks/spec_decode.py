@@ -210,6 +210,7 @@ def requests(prompts: list[list[int]], batch: int) -> list[list[int]]:
 def timed_run(llm, prompts: list[list[int]], batch: int, params) -> tuple[list[list[int]], float, tuple[int, ...]]:
     """The output token ids of a run, its wall time, and its (drafts, proposed, accepted) counts."""
     engine, reqs = llm.llm_engine, [{"prompt_token_ids": p} for p in requests(prompts, batch)]
+    first_sight(engine)
     before = engine.stats()
     gc.collect()
     start = time.perf_counter()
@@ -225,6 +226,16 @@ def timed_run(llm, prompts: list[list[int]], batch: int, params) -> tuple[list[l
     if failed := [o.error for o in outs if getattr(o, "error", None)]:
         raise RuntimeError(f"{len(failed)} of {len(outs)} requests failed: {failed[:3]}")
     return [list(o.outputs[0].token_ids) for o in outs], wall, counts
+
+
+def first_sight(engine) -> None:
+    """Suffix decoding learns from finished outputs, and the rounds repeat the same requests: each run starts
+    with nothing learned, as a request seen for the first time (a repeated agent loop would fare better)."""
+    from tiffin.engine.spec_decode import make_proposer
+
+    spec = engine.config.speculative_config
+    if spec is not None and spec.method == "suffix":
+        engine.proposer = make_proposer(spec, engine.config, engine.model_runner)
 
 
 def compare(result: Result, outs: list[list[int]], reference: list[list[int]], where: str) -> None:

@@ -216,3 +216,38 @@ def test_seeded_rows_draw_on_the_device_independently_of_the_batch(tiny_model, c
     assert batch[0].outputs[0].token_ids == alone
     vocab = llm.llm_engine.model_config.vocab_size
     assert not [u for u in cuda_emulation.uploads if f"({vocab},)" in u or f", {vocab})" in u]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_on_the_cuda_path(tiny_model, cuda_emulation, no_warm_up, method):
+    """Verifying steps on the CUDA path (Triton kernels, pinned uploads, decode graphs for the steps without
+    proposals): the tokens of no speculation; a verifying step uploads once and reads its tokens and acceptances
+    at once. Proposals: the run's own continuation (the tiny model repeats nothing an n-gram would find)."""
+    path = tiny_model("llama")
+    want = generate(build(path, eager=False))
+    spec = {"method": method, "model": str(path) if method == "draft_model" else None}
+    llm = build(path, eager=False, speculative_config=spec)
+    engine = llm.llm_engine
+    if method == "ngram":
+        continuation = {str(i): ids for i, (ids, _) in enumerate(want)}
+
+        class Known:
+            def propose(self, seqs):
+                for seq in seqs:
+                    seq.spec_token_ids = continuation[seq.request_id][seq.num_output_tokens :][:3]
+
+        engine.proposer = Known()
+    steps, step = [], engine.step
+
+    def counted():
+        cuda_emulation.reset_counts()
+        outputs = step()
+        steps.append((len(cuda_emulation.uploads), len(cuda_emulation.reads)))
+        return outputs
+
+    engine.step = counted
+    assert_same(generate(llm), want)
+    stats = engine.stats()
+    assert stats.spec_accepted_tokens > 0 and stats.kv_blocks_used == 0, stats
+    if method == "ngram":  # the draft model's forwards upload and read on their own
+        assert all(uploads == 1 and reads <= 2 for uploads, reads in steps), steps

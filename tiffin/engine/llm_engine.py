@@ -202,8 +202,8 @@ class LLMEngine:
         """Proposals for the step's decodes, unless too many sequences run; with structured outputs, only as many
         as the grammar takes."""
         limit = self.config.speculative_config.disable_by_batch_size
-        decodes = scheduler_output.decodes()
-        if not decodes or (limit is not None and len(self.scheduler.running) >= limit):
+        decodes = [] if limit is not None and len(self.scheduler.running) >= limit else scheduler_output.decodes()
+        if not decodes:
             return
         self.proposer.propose(decodes)
         for seq in decodes:

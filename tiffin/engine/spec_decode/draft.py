@@ -7,7 +7,7 @@ forwards over all shadows: the first computes every shadow's uncomputed tokens (
 accepted since), the later ones the token drafted just before; each samples one proposal per shadow. A greedy
 sequence gets the draft's argmax; a sampled one a draw from the draft's distribution q (temperature, min-p,
 top-k, top-p as the target's sampler; penalties left out: any q is lossless when the draw follows it), which
-`spec_probs` reports, except with a seed (`_draw`). Slots for a whole round are allocated before any proposal
+`spec_probs` reports, except with a seed (`_sample`). Slots for a whole round are allocated before any proposal
 joins a shadow's tokens, so the draft's prefix cache only ever hashes the target's tokens."""
 
 import contextlib
@@ -24,7 +24,7 @@ from tiffin.engine.core.sequence import Sequence
 from tiffin.engine.models.loader import get_model_config
 from tiffin.engine.models.source import resolve_model_path
 from tiffin.engine.worker.model_runner import ModelRunner
-from tiffin.engine.worker.sampler import _GREEDY_EPS, sampling_probs
+from tiffin.engine.worker.sampler import _GREEDY_EPS, Sampler, sampling_probs
 
 
 class DraftProposer:
@@ -57,8 +57,7 @@ class DraftProposer:
         self.k, self.vocab, self.max_model_len = config.num_speculative_tokens, vocab, target.max_model_len
         self.max_num_batched_tokens = engine_config.max_num_batched_tokens
         self.shadows: dict[int, Sequence] = {}
-        self.generator = torch.Generator(target.device).manual_seed(engine_config.seed)
-        self.seeded = torch.Generator(target.device)
+        self.sampler = Sampler(set(), engine_config.seed)
         self.check_invariants = os.environ.get("TIFFIN_CHECK_INVARIANTS") == "1"
 
     def propose(self, seqs: list[Sequence]) -> None:
@@ -148,20 +147,12 @@ class DraftProposer:
             q = sampling_probs(logits[index].float(), [seqs[i].params for i in rows])
             q = torch.nn.functional.pad(q, (0, self.vocab - q.shape[1]))
             seeds = [seqs[i].noise_seed(j) for i in rows]
-            tokens[index] = self._draw(q, seeds)
+            # a seeded row races the very noise the target's row for its position will: its proposal is then a
+            # deterministic one, accepted exactly when the target draws it, so a seed emits the tokens it emits
+            # without speculation however steps were scheduled (a draw reported as q would make them depend on
+            # which positions got proposals); the shared noise keeps its acceptance close to q's
+            tokens[index] = self.sampler.race(q.clone(), seeds)  # it divides in place; q is reported
             for i, row, seed in zip(rows, q, seeds):
                 if seed is None:
                     probs[seqs[i].seq_id].append(row)
         return tokens.tolist()
-
-    def _draw(self, q: torch.Tensor, seeds: list[int | None]) -> torch.Tensor:
-        """A token per row of `q` (the target's vocabulary wide) by the exponential race the target's sampler runs:
-        argmax(q / E), E ~ Exp(1). A seeded row races the very noise that the target's row for its position will:
-        its proposal is then a deterministic one, accepted exactly when the target draws it, so a seed emits the
-        tokens it emits without speculation, however the steps were scheduled (a draw reported as q would make
-        them depend on which positions got proposals). The shared noise keeps its acceptance close to q's."""
-        noise = torch.empty_like(q).exponential_(generator=self.generator)
-        for i, seed in enumerate(seeds):
-            if seed is not None:
-                noise[i].exponential_(generator=self.seeded.manual_seed(seed))
-        return kernels.argmax(q / noise.clamp_(min=torch.finfo(q.dtype).tiny))

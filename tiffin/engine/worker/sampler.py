@@ -209,6 +209,13 @@ class Sampler:
         generator = self._default_generator(device) if seed is None else self._seeded(device, seed ^ 1)
         return torch.rand((), device=device, generator=generator)
 
+    def race(self, probs: torch.Tensor, seeds: list[int | None]) -> torch.Tensor:
+        """A token per row of `probs`, drawn as `__call__` draws its sampled rows (a seeded row with the very noise
+        a row of the same seed gets there)."""
+        unseeded = [i for i, seed in enumerate(seeds) if seed is None]
+        seeded = len(unseeded) < len(seeds)
+        return self._race(probs, seeds, torch.tensor(unseeded, device=probs.device) if seeded else None)
+
     def _race(self, probs: torch.Tensor, seeds: list[int | None], unseeded: torch.Tensor | None) -> torch.Tensor:
         """argmax(probs / q), q ~ Exp(1) iid, picks token i with probability probs[i] (normalized or not). A
         seeded row draws its q from its own seed, so its tokens do not depend on the rest of the batch
