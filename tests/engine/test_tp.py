@@ -75,13 +75,18 @@ def both(path, vocab: int, **engine_args) -> EngineStats:
         ("mistral", {}, {}),
         ("qwen2", {"num_key_value_heads": 1}, {}),
         ("qwen3", {}, {}),
+        # verifying n-gram proposals (of one token: the tiny model repeats few longer ones) on both ranks
+        ("qwen3", {}, {"speculative_config": {"method": "ngram", "prompt_lookup_min": 1}}),
     ],
-    ids=["llama-preempted-chunked", "mistral", "qwen2-mqa", "qwen3"],
+    ids=["llama-preempted-chunked", "mistral", "qwen2-mqa", "qwen3", "qwen3-speculating"],
 )
 def test_outputs_match_tp1(arch, overrides, engine_args, tmp_path):
     path = make_tiny_model(tmp_path, arch=arch, **overrides)
     stats = both(path, get_model_config(path).vocab_size, **engine_args)
-    assert stats.num_preemptions > 0 or not engine_args
+    if "speculative_config" in engine_args:
+        assert stats.spec_draft_tokens > 0, stats
+    else:
+        assert stats.num_preemptions > 0 or not engine_args
 
 
 @pytest.mark.parametrize("name", ["awq-g64", "gptq-4bit-g128-actorder-asym-v2"])
