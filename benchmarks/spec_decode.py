@@ -21,8 +21,8 @@ Printed per (workload, batch, method): output tokens, median wall seconds, outpu
 speculation in the same run, acceptance rate (accepted / proposed tokens), mean tokens per verifying step
 (1 + accepted / verifying decodes) and how many greedy outputs equal those without speculation in the same round
 (counted over all rounds). An output that differs is a bug (speculation must not change greedy text): the first
-difference is printed and the exit status is 1. At batch sizes from `--disable-by-batch-size` (default 16,
-SpeculativeConfig's) up, the engine proposes nothing while that many sequences run.
+difference is printed and the exit status is 1. While `--disable-by-batch-size` sequences run
+(default: SpeculativeConfig's auto, 4 on CPU), the engine proposes nothing.
 
 The bars of the issue: batch-1 ngram >= 2x output tok/s on the copy workload; at 64 concurrent >= 0.95x; the
 random prompts at batch 1 >= 0.95x. They are printed after the table, met or not (timings never fail the run).
@@ -265,7 +265,9 @@ def build_engines(args, max_model_len: int, num_kv_blocks: int) -> dict:
         spec = {
             "method": method,
             "num_speculative_tokens": args.num_speculative_tokens,
-            "disable_by_batch_size": args.disable_by_batch_size or None,
+            "disable_by_batch_size": "auto"
+            if args.disable_by_batch_size is None
+            else args.disable_by_batch_size or None,
         }
         if method == "draft_model":
             spec["model"] = args.draft_model
@@ -290,8 +292,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--disable-by-batch-size",
         type=int,
-        default=16,
-        help="no proposals while this many sequences run (SpeculativeConfig's default 16; 0: never disabled)",
+        default=None,
+        help="no proposals while this many sequences run (default: SpeculativeConfig's auto, 4 on CPU; 0: never "
+        "disabled)",
     )
     ap.add_argument(
         "--batch-sizes",
@@ -392,12 +395,13 @@ def main(argv: list[str] | None = None) -> None:
             }
         )
     lengths = {w: sorted(map(len, p)) for w, p in workloads.items()}
+    limit = "auto" if args.disable_by_batch_size is None else args.disable_by_batch_size or "never"
     print(f"CPU: {cpu_name()}, {len(os.sched_getaffinity(0))} usable; {args.threads} torch threads (at most)")
     print(
         f"model {os.path.basename(args.model)}; prompts per workload {args.prompts} ("
         + ", ".join(f"{w} {v[0]}-{v[-1]} tokens" for w, v in lengths.items())
         + f"); greedy, max_tokens {args.max_tokens}; num_speculative_tokens {k}, disable_by_batch_size "
-        f"{args.disable_by_batch_size or 'never'}; median of {args.repeats} rounds\n"
+        f"{limit}; median of {args.repeats} rounds\n"
     )
     print(markdown_table(rows))
 

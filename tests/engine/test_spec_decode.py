@@ -18,6 +18,7 @@ from gguf import GGMLQuantizationType as QType
 from tests.gguf_files import write_gguf
 from tests.lora_adapters import make_adapter
 from tiffin import LLM, SamplingParams
+from tiffin.engine.config import EngineConfig
 from tiffin.engine.lora.request import LoRARequest
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
@@ -31,10 +32,12 @@ SEEDED = SamplingParams(
 TIGHT = {"num_kv_blocks": 16, "max_num_batched_tokens": 37}
 AWQ = "tests/fixtures/quant/awq-g64"
 # n-grams of one token: the tiny models' outputs rarely repeat longer ones (a scripted run speculates as ngram)
+# proposals whatever the batch (on CPU `auto` stops them from 4 running sequences)
+ALWAYS = {"disable_by_batch_size": None}
 SPECS = {
-    "ngram": {"method": "ngram", "prompt_lookup_min": 1},
-    "suffix": {"method": "suffix", "suffix_decoding_min_token_prob": 0},
-    "scripted": {"method": "ngram"},
+    "ngram": {"method": "ngram", "prompt_lookup_min": 1, **ALWAYS},
+    "suffix": {"method": "suffix", "suffix_decoding_min_token_prob": 0, **ALWAYS},
+    "scripted": {"method": "ngram", **ALWAYS},
 }
 
 
@@ -72,7 +75,7 @@ def check_lossless(path, prompts, params, loras=None, draft=None, tight=True, **
     `draft`: the draft model of the draft_model run (none without)."""
     expected, _ = generate(path, prompts, params, loras=loras, **engine_args)
     tokens = {key: c.token_ids for key, c in expected.items()}
-    specs = {**SPECS, "draft_model": {"method": "draft_model", "model": str(draft)}}
+    specs = {**SPECS, "draft_model": {"method": "draft_model", "model": str(draft), **ALWAYS}}
     for method in ("ngram", "suffix", "scripted", "draft_model")[: 4 if draft else 3]:
         spec = specs[method]
         scripted = tokens if method == "scripted" else None
@@ -152,7 +155,7 @@ def test_logprobs_stops_and_n_as_without(tiny_model):
     for p in params:
         want, _ = generate(path, prompts, p)
         scripted = {key: c.token_ids + [0] * NEW_TOKENS for key, c in want.items()}
-        got, stats = generate(path, prompts, p, {"method": "ngram"}, scripted, **TIGHT)
+        got, stats = generate(path, prompts, p, SPECS["scripted"], scripted, **TIGHT)
         assert stats.spec_accepted_tokens > 0
         for key, c in want.items():
             g = got[key]
@@ -168,6 +171,15 @@ def test_logprobs_stops_and_n_as_without(tiny_model):
                 ], key
                 values = lambda logprobs: [lp.logprob for d in logprobs for lp in d.values()]
                 assert values(g.logprobs) == pytest.approx(values(c.logprobs), abs=1e-4), key
+
+
+def test_disable_by_batch_size_auto_is_4_on_cpu_64_on_cuda():
+    config = lambda device, limit="auto": EngineConfig(
+        "m", device=device, speculative_config={"disable_by_batch_size": limit}
+    ).spec_batch_limit()
+    assert (config("cpu"), config("cuda"), config("cpu", None), config("cuda", 9)) == (4, 64, None, 9)
+    with pytest.raises(ValueError, match="disable_by_batch_size"):
+        config("cpu", 1)
 
 
 def test_no_proposals_from_disable_by_batch_size_on(tiny_model):
@@ -236,7 +248,7 @@ def test_no_block_leaks_after_many_mixed_requests(tiny_model, monkeypatch, metho
     step; every block back once idle, the draft's too."""
     monkeypatch.setenv("TIFFIN_CHECK_INVARIANTS", "1")
     path = tiny_model("llama")
-    spec = {**SPECS.get(method, {"method": method}), "model": str(path) if method == "draft_model" else None}
+    spec = {**SPECS.get(method, {"method": method, **ALWAYS}), "model": str(path) if method == "draft_model" else None}
     llm = LLM(str(path), dtype="float32", speculative_config=spec, num_kv_blocks=24, max_num_batched_tokens=64)
     engine, rng, live, added = llm.llm_engine, random.Random(method), set(), 0
     while added < 700 or engine.has_unfinished_requests():

@@ -70,7 +70,12 @@ def generate(llm: LLM, params=GREEDY) -> list[list[int]]:
 
 
 def with_draft(target, draft_path, **engine_args) -> LLM:
-    spec = {"method": "draft_model", "model": str(draft_path), "num_speculative_tokens": 4}
+    spec = {
+        "method": "draft_model",
+        "model": str(draft_path),
+        "num_speculative_tokens": 4,
+        "disable_by_batch_size": None,
+    }
     return LLM(str(target), dtype="float32", speculative_config=spec, **engine_args)
 
 

@@ -76,7 +76,11 @@ def both(path, vocab: int, **engine_args) -> EngineStats:
         ("qwen2", {"num_key_value_heads": 1}, {}),
         ("qwen3", {}, {}),
         # verifying n-gram proposals (of one token: the tiny model repeats few longer ones) on both ranks
-        ("qwen3", {}, {"speculative_config": {"method": "ngram", "prompt_lookup_min": 1}}),
+        (
+            "qwen3",
+            {},
+            {"speculative_config": {"method": "ngram", "prompt_lookup_min": 1, "disable_by_batch_size": None}},
+        ),
     ],
     ids=["llama-preempted-chunked", "mistral", "qwen2-mqa", "qwen3", "qwen3-speculating"],
 )

@@ -159,7 +159,9 @@ def test_engine_generates_as_without_speculation(tiny_model):
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=40)
     outputs = lambda llm: [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     expected = outputs(LLM(tiny_model("llama"), dtype="float32"))
-    llm = LLM(tiny_model("llama"), dtype="float32", speculative_config={"method": "suffix"})
+    llm = LLM(
+        tiny_model("llama"), dtype="float32", speculative_config={"method": "suffix", "disable_by_batch_size": None}
+    )
     assert outputs(llm) == expected
     assert outputs(llm) == expected  # now with the first round's outputs in the cache
     stats = llm.llm_engine.stats()

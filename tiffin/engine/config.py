@@ -21,14 +21,16 @@ class SpeculativeConfig:
     own tokens and in recent requests' outputs (at most `suffix_decoding_max_cached_requests` of them, contexts
     up to `suffix_decoding_max_tree_depth` tokens, continuations at least `suffix_decoding_min_token_prob`
     likely); `draft_model` what the smaller `model` (same tokenizer) generates in `num_speculative_tokens` steps
-    on its own KV cache. No proposals while `disable_by_batch_size` or more sequences run."""
+    on its own KV cache. No proposals while `disable_by_batch_size` or more sequences run (None: always
+    propose); "auto": 4 on CPU, where a verifying row costs about a third of a decode step's compute and a few
+    sequences already fill the cores, 64 on CUDA, where a decode step is bound by reading the weights."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     model: str | None = None
     prompt_lookup_max: int = 5
     prompt_lookup_min: int = 2
-    disable_by_batch_size: int | None = 16
+    disable_by_batch_size: int | str | None = "auto"
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_min_token_prob: float = 0.1
@@ -46,8 +48,9 @@ class SpeculativeConfig:
                 f"speculative_config prompt_lookup_max ({self.prompt_lookup_max}) must be >= prompt_lookup_min "
                 f"({self.prompt_lookup_min})"
             )
-        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 2:
-            raise ValueError(f"speculative_config disable_by_batch_size must be >= 2, got {self.disable_by_batch_size}")
+        limit = self.disable_by_batch_size
+        if limit != "auto" and limit is not None and (not isinstance(limit, int) or limit < 2):
+            raise ValueError(f"speculative_config disable_by_batch_size must be 'auto', None or >= 2, got {limit!r}")
         if self.suffix_decoding_max_cached_requests < 0:
             raise ValueError("speculative_config suffix_decoding_max_cached_requests must be >= 0")
         if not 0 <= self.suffix_decoding_min_token_prob <= 1:
@@ -121,7 +124,8 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = _setting(
         None,
         "speculative decoding (a dict of SpeculativeConfig's fields): method ngram, suffix or draft_model (with a "
-        "draft `model`), num_speculative_tokens, prompt_lookup_max/min, disable_by_batch_size; None: off",
+        "draft `model`), num_speculative_tokens, prompt_lookup_max/min, disable_by_batch_size (auto: 4 on CPU, "
+        "64 on CUDA); None: off",
     )
     max_n: int = _setting(64, "samples one request may ask for")
     max_waiting_requests: int | None = _setting(
@@ -189,6 +193,11 @@ class EngineConfig:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+
+    def spec_batch_limit(self) -> int | None:
+        """The running sequences from which no proposals are made (None: any number)."""
+        limit = self.speculative_config.disable_by_batch_size
+        return (4 if self.torch_device.type == "cpu" else 64) if limit == "auto" else limit
 
     @property
     def torch_device(self):

@@ -201,7 +201,7 @@ class LLMEngine:
     def _speculate(self, scheduler_output: SchedulerOutput) -> None:
         """Proposals for the step's decodes, unless too many sequences run; with structured outputs, only as many
         as the grammar takes."""
-        limit = self.config.speculative_config.disable_by_batch_size
+        limit = self.config.spec_batch_limit()
         decodes = [] if limit is not None and len(self.scheduler.running) >= limit else scheduler_output.decodes()
         if not decodes:
             return
