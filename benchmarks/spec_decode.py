@@ -19,8 +19,8 @@ proposer not there yet) is skipped, saying why.
 
 Printed per (workload, batch, method): output tokens, median wall seconds, output tok/s, its ratio to no
 speculation (the median of the rounds' ratios), acceptance rate (accepted / proposed tokens), mean tokens per
-verifying step (1 + accepted / verifying decodes) and how many greedy outputs equal those without speculation in the same round
-(counted over all rounds). An output that differs is a bug (speculation must not change greedy text): the first
+verifying step (1 + accepted / verifying decodes) and how many greedy outputs equal those without speculation in
+the same round (counted over all rounds). An output that differs is a bug (speculation must not change greedy text): the first
 difference is printed and the exit status is 1. While `--disable-by-batch-size` sequences run
 (default: SpeculativeConfig's auto, 4 on CPU), the engine proposes nothing.
 
