@@ -17,12 +17,12 @@ order), so that a busy moment of a shared machine hits all of them alike, and th
 caching is off, so that every round computes the same prefills. A method whose engine cannot be built (a
 proposer not there yet) is skipped, saying why.
 
-Printed per (workload, batch, method): output tokens, median wall seconds, output tok/s, its ratio to no
-speculation (the median of the rounds' ratios), acceptance rate (accepted / proposed tokens), mean tokens per
-verifying step (1 + accepted / verifying decodes) and how many greedy outputs equal those without speculation in
-the same round (counted over all rounds). An output that differs is a bug (speculation must not change greedy text): the first
-difference is printed and the exit status is 1. While `--disable-by-batch-size` sequences run
-(default: SpeculativeConfig's auto, 4 on CPU), the engine proposes nothing.
+Printed per (workload, batch, method): output tokens, median wall seconds, output tok/s, its ratio to no speculation
+(the median of the rounds' ratios), acceptance rate (accepted / proposed tokens), mean tokens per verifying step (1
++ accepted / verifying decodes) and how many greedy outputs equal those without speculation in the same round
+(counted over all rounds). An output that differs is a bug (speculation must not change greedy text): the first
+difference is printed and the exit status is 1. While `--disable-by-batch-size` sequences run (default:
+SpeculativeConfig's auto, 4 on CPU), the engine proposes nothing.
 
 The bars of the issue: batch-1 ngram >= 2x output tok/s on the copy workload; at 64 concurrent >= 0.95x; the
 random prompts at batch 1 >= 0.95x. They are printed after the table, met or not (timings never fail the run).
