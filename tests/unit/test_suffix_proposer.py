@@ -9,7 +9,10 @@ from tiffin.engine.sampling_params import SamplingParams
 from tiffin.engine.spec_decode.suffix import ContextTrie, SuffixProposer
 
 
-def proposer(k: int = 4, depth: int = 24, min_prob: float = 0.1, max_cached: int = 1000) -> SuffixProposer:
+def proposer(
+    k: int = 4, depth: int = 24, min_prob: float = 0.1, max_cached: int = 1000, factor: float = 100
+) -> SuffixProposer:
+    """(`factor`: the tests of what is counted propose past the matched context's length)"""
     return SuffixProposer(
         SpeculativeConfig(
             method="suffix",
@@ -17,6 +20,7 @@ def proposer(k: int = 4, depth: int = 24, min_prob: float = 0.1, max_cached: int
             suffix_decoding_max_tree_depth=depth,
             suffix_decoding_min_token_prob=min_prob,
             suffix_decoding_max_cached_requests=max_cached,
+            suffix_decoding_max_spec_factor=factor,
         )
     )
 
@@ -167,3 +171,14 @@ def test_engine_generates_as_without_speculation(tiny_model):
     stats = llm.llm_engine.stats()
     assert stats.spec_accepted_tokens > 0
     assert stats.kv_blocks_used == 0
+
+
+def test_proposals_at_most_max_spec_factor_times_the_match():
+    """A context of 2 tokens matched: at most 2 tokens proposed at factor 1, 1 at 0.5, all 4 at 2."""
+    span = [5, 6, 7, 8, 9, 10, 11]
+    lengths = []
+    for factor in (1.0, 0.5, 2.0):
+        p, s = proposer(k=4, factor=factor), seq([*span, 1, 2, 3, 4, 5, 6])  # "5 6" matches the first two
+        p.propose([s])
+        lengths.append(len(s.spec_token_ids))
+    assert lengths == [2, 1, 4]

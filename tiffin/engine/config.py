@@ -16,14 +16,15 @@ def _setting(default, doc: str):
 class SpeculativeConfig:
     """Speculative decoding, vLLM's fields: proposals verified in one forward with the step's other sequences.
 
-    `ngram` proposes what followed the latest earlier occurrence of the sequence's last `prompt_lookup_max` down
-    to `prompt_lookup_min` tokens (prompt lookup); `suffix` what most often followed the sequence's suffix in its
-    own tokens and in recent requests' outputs (at most `suffix_decoding_max_cached_requests` of them, contexts
-    up to `suffix_decoding_max_tree_depth` tokens, continuations at least `suffix_decoding_min_token_prob`
-    likely); `draft_model` what the smaller `model` (same tokenizer) generates in `num_speculative_tokens` steps
-    on its own KV cache. No proposals while `disable_by_batch_size` or more sequences run (None: always
-    propose); "auto": 4 on CPU, where a verifying row costs about a third of a decode step's compute and a few
-    sequences already fill the cores, 64 on CUDA, where a decode step is bound by reading the weights."""
+    `ngram` proposes what followed the latest earlier occurrence of the sequence's last `prompt_lookup_max` down to
+    `prompt_lookup_min` tokens (prompt lookup); `suffix` what most often followed the sequence's suffix in its own
+    tokens and in recent requests' outputs (at most `suffix_decoding_max_cached_requests` of them, contexts up to
+    `suffix_decoding_max_tree_depth` tokens, continuations at least `suffix_decoding_min_token_prob` likely, at most
+    `suffix_decoding_max_spec_factor` times as many tokens as the context matched); `draft_model` what the smaller
+    `model` (same tokenizer) generates in `num_speculative_tokens` steps on its own KV cache. No proposals while
+    `disable_by_batch_size` or more sequences run (None: always propose); "auto": 4 on CPU, where a verifying row
+    costs about a third of a decode step's compute and a few sequences already fill the cores, 64 on CUDA, where a
+    decode step is bound by reading the weights."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
@@ -34,6 +35,7 @@ class SpeculativeConfig:
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_min_token_prob: float = 0.1
+    suffix_decoding_max_spec_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -53,6 +55,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config disable_by_batch_size must be 'auto', None or >= 2, got {limit!r}")
         if self.suffix_decoding_max_cached_requests < 0:
             raise ValueError("speculative_config suffix_decoding_max_cached_requests must be >= 0")
+        if self.suffix_decoding_max_spec_factor <= 0:
+            raise ValueError("speculative_config suffix_decoding_max_spec_factor must be > 0")
         if not 0 <= self.suffix_decoding_min_token_prob <= 1:
             raise ValueError("speculative_config suffix_decoding_min_token_prob must be in [0, 1]")
 

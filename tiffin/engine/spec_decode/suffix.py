@@ -113,7 +113,9 @@ class ContextTrie:
 class SuffixProposer:
     """Proposes, token by token, what most often followed the longest context (up to
     `suffix_decoding_max_tree_depth` tokens) that ends the sequence and its proposals so far, as long as that
-    token followed the context at least `suffix_decoding_min_token_prob` of the time.
+    token followed the context at least `suffix_decoding_min_token_prob` of the time, and no more tokens than
+    `suffix_decoding_max_spec_factor` times the first context's length (a short match says little of what comes
+    next, and a rejected proposal costs a verifying row).
 
     Contexts are looked up in the sequence's own tokens (prompt and outputs) and in the outputs of the latest
     `suffix_decoding_max_cached_requests` finished requests, apart: the longer match wins, the sequence's own on
@@ -123,6 +125,7 @@ class SuffixProposer:
 
     def __init__(self, config: SpeculativeConfig):
         self.k, self.min_prob = config.num_speculative_tokens, config.suffix_decoding_min_token_prob
+        self.spec_factor = config.suffix_decoding_max_spec_factor
         self.depth, self.max_cached = config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests
         self.cache = ContextTrie(self.depth)  # the outputs in `cached`
         self.cached: dict[str, list[list[int]]] = {}  # request id -> its finished sequences' outputs; oldest first
@@ -152,13 +155,15 @@ class SuffixProposer:
                 self.cache.remove(tokens)
 
     def _walk(self, own: ContextTrie, tokens: list[int]) -> list[int]:
-        context, proposal = tokens[-self.depth :], []
-        while len(proposal) < self.k:
+        context, proposal, limit = tokens[-self.depth :], [], self.k
+        while len(proposal) < limit:
             (depth, node), (cached_depth, cached) = own.match(context), self.cache.match(context)
             if cached_depth > depth:
                 depth, node = cached_depth, cached
             if not depth or node.probability < self.min_prob:
                 break
+            if not proposal:
+                limit = min(self.k, max(1, int(self.spec_factor * depth)))
             proposal.append(node.best)
             context.append(node.best)
         return proposal
