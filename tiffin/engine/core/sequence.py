@@ -157,11 +157,6 @@ class SpecRow:
     def num_output_tokens(self) -> int:
         return self.seq.num_output_tokens + self.ahead
 
-    def scheduled_token_ids(self, start: int, n: int) -> list[int]:
-        """The `n` tokens from position `start` on, proposals included."""
-        ids = self.token_ids[start : start + n]
-        return ids + self.spec_token_ids[: start + n - self.num_tokens] if self.spec_token_ids else ids
-
     def noise_seed(self) -> int | None:
         return self.seq.noise_seed(self.ahead)
 
