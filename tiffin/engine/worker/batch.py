@@ -103,8 +103,8 @@ def host_batch(scheduler_output: SchedulerOutput, block_size: int, pad_prefills:
         block_tables[i, : len(seq.block_table)] = seq.block_table
     slots = block_tables[req, positions // block_size].astype(np.int64) * block_size + positions % block_size
     logits_indices = _logits_indices(scheduler_output, query_start_loc)
-    verifying = np.array([bool(s.spec_token_ids) for s in seqs])
-    if verifying.any():  # one entry per query token of a verifying sequence: the rows of `req` for those
+    if any(s.spec_token_ids for s in seqs):  # one entry per query token of a verifying sequence
+        verifying = np.array([bool(s.spec_token_ids) for s in seqs])
         entries = np.where(verifying, query_lens, 1)
         owner = np.repeat(np.arange(len(seqs)), entries)
         single = verifying[owner]

@@ -99,11 +99,12 @@ class SamplingInputs:
                 self._add("seen_tokens", _flat_indices([s.prompt_token_ids + s.output_token_ids for s in pen], vocab))
         proposed = [s.proposed for s in seqs]
         self.speculating = any(t >= 0 for t in proposed)
+        # sampled rows (indices into `rows`) verifying a draft model's proposal, and its distribution for each
+        self.draft_rows, self.draft_probs = [], []
         if self.speculating:
             self._add("proposed", ints(proposed))
-        # sampled rows (indices into `rows`) verifying a draft model's proposal, and its distribution for each
-        self.draft_rows = [j for j, i in enumerate(self.rows) if seqs[i].draft_probs is not None]
-        self.draft_probs = [seqs[self.rows[j]].draft_probs for j in self.draft_rows]
+            self.draft_rows = [j for j, i in enumerate(self.rows) if seqs[i].draft_probs is not None]
+            self.draft_probs = [seqs[self.rows[j]].draft_probs for j in self.draft_rows]
         if self.wants_logprobs:
             self._add("logprob_rows", ints([i for i, p in enumerate(params) if p.logprobs is not None]))
 
