@@ -103,4 +103,6 @@ def test_paged_decode_refuses_strided_heads():
     tables, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
     rows = torch.arange(2)
     with pytest.raises(ValueError, match="heads contiguous"):
-        cpu_native.paged_decode(query, torch.empty(2, 4, 64).bfloat16(), cache, cache, tables, lens, rows, rows, 1.0)
+        cpu_native.paged_decode(
+            query, torch.empty(2, 4, 64).bfloat16(), cache, cache, None, None, tables, lens, rows, rows, 1.0
+        )

@@ -5,6 +5,8 @@ import re
 from dataclasses import dataclass, field
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
+PREEMPTION_MODES = ("recompute", "swap")
 SPEC_METHODS = ("ngram", "suffix", "draft_model")
 
 
@@ -80,6 +82,23 @@ class EngineConfig:
     kv_cache_memory: int | None = _setting(
         None, "bytes of KV cache; default: what gpu_memory_utilization leaves on CUDA, a quarter of free RAM on CPU"
     )
+    kv_cache_dtype: str = _setting(
+        "auto",
+        "what the KV cache stores: auto (the model's dtype), int8 or fp8_e4m3 / fp8_e5m2 (a byte per value and a "
+        "scale per token and KV head: about half a bf16 cache's bytes)",
+    )
+    kv_offload_memory: int = _setting(
+        0,
+        "bytes of host memory holding prefix-cache blocks evicted from the KV pool (least recently used dropped "
+        "first); a request whose prefix is found there has it copied back instead of recomputed. 0: off",
+    )
+    preemption_mode: str = _setting(
+        "recompute",
+        "what a request preempted for want of KV blocks loses: recompute (its blocks are freed and its tokens "
+        "computed again when it resumes) or swap (its blocks are copied to host memory, swap_space, and back when it "
+        "resumes; recompute when that is full)",
+    )
+    swap_space: float = _setting(4.0, "GiB of host memory for swapped-out requests' KV blocks (preemption_mode swap)")
     gpu_memory_utilization: float = _setting(0.9, "share of the GPU's memory for weights, activations and KV cache")
     max_num_seqs: int = _setting(256, "sequences one step may batch")
     max_num_batched_tokens: int = _setting(4096, "tokens one step may compute, prefill chunks and decodes together")
@@ -181,6 +200,12 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {list(DTYPE_NAMES)}, got {self.dtype!r}")
         if self.cpu_quant_compute not in ("native", "int8", "exact"):
             raise ValueError(f"cpu_quant_compute must be 'native', 'int8' or 'exact', got {self.cpu_quant_compute!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {list(PREEMPTION_MODES)}, got {self.preemption_mode!r}")
+        if self.kv_offload_memory < 0 or self.swap_space < 0:
+            raise ValueError("kv_offload_memory and swap_space must be >= 0")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:<index>', got {self.device!r}")
         if self.distributed_timeout <= 0:

@@ -4,7 +4,7 @@ engine. LoRA ops live in kernels/lora.py, quantized GEMMs in kernels/quant.py.""
 
 import torch
 
-from tiffin.kernels import cpu_native
+from tiffin.kernels import cpu_native, kv_quant
 from tiffin.kernels.attention import AttentionMetadata
 from tiffin.kernels.dispatch import implements, kernel, resolve_backend
 
@@ -21,17 +21,37 @@ __all__ = [
 ]
 
 
-def write_kv(key, value, k_cache, v_cache, slot_mapping, backend: str = "torch") -> None:
-    """Scatter this step's `key`/`value` `[T, num_kv_heads, head_dim]` into the paged caches; slot -1 is skipped."""
-    kernel("write_kv", backend)(key, value, k_cache, v_cache, slot_mapping)
+def write_kv(key, value, k_cache, v_cache, slot_mapping, backend: str = "torch", k_scale=None, v_scale=None) -> None:
+    """Scatter this step's `key`/`value` `[T, num_kv_heads, head_dim]` into the paged caches; slot -1 is skipped.
+    Quantized caches (int8 / fp8 codes, `kv_quant`) take their tokens' scales in `k_scale`/`v_scale`."""
+    _check_scales(k_cache, v_cache, k_scale, v_scale)
+    kernel("write_kv", backend)(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_attention(
-    query, k_cache, v_cache, md: AttentionMetadata, scale: float, backend: str = "torch", causal: bool = True
+    query,
+    k_cache,
+    v_cache,
+    md: AttentionMetadata,
+    scale: float,
+    backend: str = "torch",
+    causal: bool = True,
+    k_scale=None,
+    v_scale=None,
 ):
     """`query [T, num_heads, head_dim]` -> `[T, num_heads, head_dim]`, reading K/V through `md.block_tables`.
-    `causal=False` (encoders): each query row sees every key of its request's `seq_len`, not only the earlier."""
-    return kernel("paged_attention", backend)(query, k_cache, v_cache, md, scale, causal=causal)
+    `causal=False` (encoders): each query row sees every key of its request's `seq_len`, not only the earlier.
+    Quantized caches are read with their scales `k_scale`/`v_scale` `[num_blocks, block_size, num_kv_heads]`."""
+    _check_scales(k_cache, v_cache, k_scale, v_scale)
+    return kernel("paged_attention", backend)(query, k_cache, v_cache, md, scale, causal, k_scale, v_scale)
+
+
+def _check_scales(k_cache, v_cache, k_scale, v_scale) -> None:
+    """A quantized cache comes with scales of its blocks' shape, a model-dtype one without."""
+    if kv_quant.is_quantized(k_cache) != (k_scale is not None) or (k_scale is None) != (v_scale is None):
+        raise ValueError(f"a {k_cache.dtype} KV cache needs scales exactly when it is quantized (int8, fp8)")
+    if k_scale is not None and not (k_scale.shape == v_scale.shape == k_cache.shape[:3] == v_cache.shape[:3]):
+        raise ValueError(f"KV scales {tuple(k_scale.shape)} do not fit caches {tuple(k_cache.shape)}")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "torch") -> torch.Tensor:

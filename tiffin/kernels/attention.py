@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from tiffin.kernels import cpu_native
+from tiffin.kernels import cpu_native, kv_quant
 from tiffin.kernels.dispatch import implements
 
 DECODE_GROUP = 16
@@ -34,15 +34,22 @@ class AttentionMetadata:
 
 
 @implements("write_kv", "torch")
-def write_kv_torch(key, value, k_cache, v_cache, slot_mapping) -> None:
-    """Scatter this step's `key`/`value` `[T, num_kv_heads, head_dim]` into the paged caches."""
+def write_kv_torch(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    """Scatter this step's `key`/`value` `[T, num_kv_heads, head_dim]` into the paged caches (quantized first
+    where the caches are, `kv_quant`)."""
     keep = slot_mapping >= 0
     if not slot_mapping.is_cpu:
         key, value, slot_mapping = padding_as_first_kept(key, value, slot_mapping, keep)
     elif not bool(keep.all()):  # reading `keep` is free on the host, and dropping rows beats copying them
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    for x, cache, scales in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+        if scales is None:
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, x.to(cache.dtype))
+        else:
+            codes, x_scales = kv_quant.quantize(x, cache.dtype)
+            bytes_ = cache.view(torch.uint8).view(-1, *cache.shape[2:])  # torch copies no fp8 by index on CPU
+            bytes_.index_copy_(0, slot_mapping, codes.view(torch.uint8))
+            scales.view(-1, scales.shape[2]).index_copy_(0, slot_mapping, x_scales)
 
 
 def padding_as_first_kept(key, value, slot_mapping, keep):
@@ -66,10 +73,15 @@ class _Span:
     mask: torch.Tensor | None
 
 
-def _gather(cache: torch.Tensor, span: _Span) -> torch.Tensor:
-    """The span's blocks as one contiguous `[count, num_kv_heads, length, head_dim]` tensor."""
-    kv = cache.index_select(0, span.blocks).view(span.count, -1, *cache.shape[2:])
-    return kv[:, : span.length].transpose(1, 2)
+def _gather(cache: torch.Tensor, scales: torch.Tensor | None, span: _Span, dtype: torch.dtype) -> torch.Tensor:
+    """The span's blocks as one contiguous `[count, num_kv_heads, length, head_dim]` tensor of `dtype` (a quantized
+    cache's dequantized: only the span's blocks, never the cache)."""
+    if scales is None:
+        kv = cache.index_select(0, span.blocks)
+    else:  # torch selects no fp8 by index on CPU: their bytes
+        codes = cache.view(torch.uint8).index_select(0, span.blocks).view(cache.dtype)
+        kv = kv_quant.dequantize(codes, scales.index_select(0, span.blocks), dtype)
+    return kv.view(span.count, -1, *cache.shape[2:])[:, : span.length].transpose(1, 2).to(dtype)
 
 
 def _plan(md: AttentionMetadata, block_size: int, device, native: bool) -> tuple:
@@ -120,24 +132,25 @@ def _prefill_spans(md: AttentionMetadata, blocks, device) -> list[_Span]:
 
 @implements("paged_attention", "torch")
 def paged_attention_torch(
-    query, k_cache, v_cache, md: AttentionMetadata, scale: float, causal: bool = True
+    query, k_cache, v_cache, md: AttentionMetadata, scale: float, causal: bool = True, k_scale=None, v_scale=None
 ) -> torch.Tensor:
     """`query` `[T, num_heads, head_dim]` -> `[T, num_heads, head_dim]`. Decode rows (one query token, the last
     of its context) see every key either way; `causal` only changes the prefill spans."""
     out = torch.empty_like(query)
     out[md.query_start_loc_cpu[-1] :] = 0  # rows past the batch's tokens (padding) belong to no sequence
-    native = cpu_native.supports(query, k_cache)
+    native = cpu_native.supports_cache(query, k_cache)
     decodes, prefills = _plan(md, k_cache.shape[1], query.device, native)
+    kv = (k_cache, v_cache, k_scale, v_scale)
     if not native:
-        _decode_groups(query, out, k_cache, v_cache, decodes, scale)
+        _decode_groups(query, out, *kv, decodes, scale)
     elif decodes is not None:
-        cpu_native.paged_decode(query, out, k_cache, v_cache, md.block_tables, md.seq_lens, *decodes, scale)
+        cpu_native.paged_decode(query, out, *kv, md.block_tables, md.seq_lens, *decodes, scale)
     for p in prefills:
         q = query[p.rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         o = F.scaled_dot_product_attention(
             q,
-            _gather(k_cache, p).to(q.dtype),
-            _gather(v_cache, p).to(q.dtype),
+            _gather(k_cache, k_scale, p, q.dtype),
+            _gather(v_cache, v_scale, p, q.dtype),
             attn_mask=p.mask if causal else None,
             is_causal=causal and p.mask is None,
             scale=scale,
@@ -147,11 +160,11 @@ def paged_attention_torch(
     return out
 
 
-def _decode_groups(query, out, k_cache, v_cache, groups: list[_Span], scale: float) -> None:
+def _decode_groups(query, out, k_cache, v_cache, k_scale, v_scale, groups: list[_Span], scale: float) -> None:
     """The torch decode path: each group's K/V gathered, then SDPA or grouped matmuls (`_decode_by_matmuls`)."""
     for g in groups:
         q = query[g.rows]
-        k, v = _gather(k_cache, g).to(q.dtype), _gather(v_cache, g).to(q.dtype)
+        k, v = _gather(k_cache, k_scale, g, q.dtype), _gather(v_cache, v_scale, g, q.dtype)
         if _decode_by_matmuls(q.device.type, q.dtype):
             out[g.rows] = _decode(q, k.contiguous(), v.contiguous(), g.mask, scale)
         else:

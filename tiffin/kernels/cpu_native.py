@@ -98,6 +98,11 @@ def supports(*tensors: torch.Tensor) -> bool:
     )
 
 
+def supports_cache(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the native decode attention reads `k_cache` (of the query's dtype) for `query`."""
+    return supports(query, k_cache)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`kernels.rms_norm_torch`'s result (same rounding) in one pass over `x` `[..., size]`."""
     rows = x.reshape(-1, x.shape[-1])
@@ -139,6 +144,8 @@ def paged_decode(
     out: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     rows: torch.Tensor,

@@ -34,16 +34,20 @@ def rotary_write_kv(
     sin: torch.Tensor,
     num_heads: int,
     backend: str = "torch",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`qk [T, num_heads + num_kv_heads, head_dim]` (query heads, then key heads), `v [T, num_kv_heads,
     head_dim]`, `cos`/`sin` `[max_positions, head_dim / 2]` fp32 -> the rotated queries `[T, num_heads,
     head_dim]`; the rotated keys and `v` go to the caches at `slot_mapping` (slot -1 skipped). The rotation
-    rounds like the unfused one: cos/sin cast to x's dtype, each product and sum rounded to it."""
+    rounds like the unfused one: cos/sin cast to x's dtype, each product and sum rounded to it. A quantized cache
+    takes its scales as `write_kv` does."""
     if qk.dim() != 3 or v.shape != (qk.shape[0], qk.shape[1] - num_heads, qk.shape[2]):
         raise ValueError(f"rotary_write_kv: qk {tuple(qk.shape)} and v {tuple(v.shape)} do not fit {num_heads} heads")
     if cos.shape != sin.shape or cos.shape[-1] * 2 != qk.shape[-1] or positions.shape != qk.shape[:1]:
         raise ValueError(f"rotary_write_kv: cos/sin {tuple(cos.shape)} do not fit head_dim {qk.shape[-1]}")
-    return kernel("rotary_write_kv", backend)(qk, v, k_cache, v_cache, slot_mapping, positions, cos, sin, num_heads)
+    args = (qk, v, k_cache, v_cache, slot_mapping, positions, cos, sin, num_heads, k_scale, v_scale)
+    return kernel("rotary_write_kv", backend)(*args)
 
 
 @implements("add_rms_norm", "torch")
@@ -59,8 +63,10 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 @implements("rotary_write_kv", "torch")
-def rotary_write_kv_torch(qk, v, k_cache, v_cache, slot_mapping, positions, cos, sin, num_heads) -> torch.Tensor:
+def rotary_write_kv_torch(
+    qk, v, k_cache, v_cache, slot_mapping, positions, cos, sin, num_heads, k_scale=None, v_scale=None
+) -> torch.Tensor:
     rotated = rotate(qk, cos[positions].to(qk.dtype)[:, None], sin[positions].to(qk.dtype)[:, None])
     q, k = rotated.split([num_heads, qk.shape[1] - num_heads], dim=1)
-    kernel("write_kv", "torch")(k, v, k_cache, v_cache, slot_mapping)
+    kernel("write_kv", "torch")(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q

@@ -28,7 +28,7 @@ import triton.language as tl
 from tiffin.kernels import triton_common as tc
 from tiffin.kernels.attention import AttentionMetadata
 from tiffin.kernels.compile_check import CompileCase, register
-from tiffin.kernels.dispatch import implements
+from tiffin.kernels.dispatch import implements, kernel
 
 HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it adds
@@ -263,7 +263,9 @@ def _merge_splits_kernel(
 
 
 @implements("write_kv", "triton")
-def write_kv_triton(key, value, k_cache, v_cache, slot_mapping) -> None:
+def write_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    if k_scale is not None:  # TODO(#28): quantized caches in the Triton kernel
+        return kernel("write_kv", "torch")(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if key.shape[0]:
         write_kv_launch(key, value, k_cache, v_cache, slot_mapping)(key.device)
 
@@ -295,8 +297,10 @@ def write_kv_launch(key, value, k_cache, v_cache, slot_mapping) -> tc.Launch:
 
 @implements("paged_attention", "triton")
 def paged_attention_triton(
-    query, k_cache, v_cache, md: AttentionMetadata, scale: float, causal: bool = True
+    query, k_cache, v_cache, md: AttentionMetadata, scale: float, causal: bool = True, k_scale=None, v_scale=None
 ) -> torch.Tensor:
+    if k_scale is not None:  # TODO(#28): quantized caches in the Triton kernel
+        return kernel("paged_attention", "torch")(query, k_cache, v_cache, md, scale, causal, k_scale, v_scale)
     out = tc.empty(query.shape, query.dtype, query.device)
     if query.shape[0]:
         for launch in paged_attention_launches(query, k_cache, v_cache, md, scale, out, causal=causal):

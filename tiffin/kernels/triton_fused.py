@@ -12,7 +12,7 @@ import triton.language as tl
 
 from tiffin.kernels import triton_common as tc
 from tiffin.kernels.compile_check import CompileCase, register
-from tiffin.kernels.dispatch import implements
+from tiffin.kernels.dispatch import implements, kernel
 
 MAX_ROW = 16384  # the widest row one program handles (a block of the whole row)
 
@@ -241,7 +241,12 @@ def rotary_write_kv_launch(
 
 
 @implements("rotary_write_kv", "triton")
-def rotary_write_kv_triton(qk, v, k_cache, v_cache, slot_mapping, positions, cos, sin, num_heads) -> torch.Tensor:
+def rotary_write_kv_triton(
+    qk, v, k_cache, v_cache, slot_mapping, positions, cos, sin, num_heads, k_scale=None, v_scale=None
+) -> torch.Tensor:
+    if k_scale is not None:  # TODO(#28): quantized caches in the Triton kernel
+        args = (qk, v, k_cache, v_cache, slot_mapping, positions, cos, sin, num_heads, k_scale, v_scale)
+        return kernel("rotary_write_kv", "torch")(*args)
     launch, q = rotary_write_kv_launch(qk, v, k_cache, v_cache, slot_mapping, positions, cos, sin, num_heads)
     if qk.shape[0]:
         launch(qk.device)

@@ -147,7 +147,14 @@ class _ServiceSettings(BaseModel):
             return value
         return json.loads(value) if value.lstrip().startswith("{") else {"method": value.strip()}
 
-    @field_validator("kv_cache_memory", "max_request_body", "grammar_cache_bytes", mode="before", check_fields=False)
+    @field_validator(
+        "kv_cache_memory",
+        "kv_offload_memory",
+        "max_request_body",
+        "grammar_cache_bytes",
+        mode="before",
+        check_fields=False,
+    )
     @classmethod
     def _bytes(cls, value):
         """Besides a byte count, "8GiB", "512MiB" and "2GB"."""

@@ -55,12 +55,15 @@ class SelfAttention(nn.Module):
         self.qkv_proj = linear("qkv_proj", config.hidden_size, [config.num_heads * self.head_dim] * 3, True, "column")
         self.scale, self.backend = self.head_dim**-0.5, backend
         self.k_cache = self.v_cache = torch.empty(0)  # set by the ModelRunner
+        self.k_scale = self.v_scale = None  # a quantized cache's scales (`kv_quant`), set by the ModelRunner
 
     def forward(self, x: torch.Tensor, attn_metadata: kernels.AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).view(-1, 3, self.num_heads, self.head_dim).unbind(1)
-        kernels.write_kv(k, v, self.k_cache, self.v_cache, attn_metadata.slot_mapping, self.backend)
+        kernels.write_kv(
+            k, v, self.k_cache, self.v_cache, attn_metadata.slot_mapping, self.backend, self.k_scale, self.v_scale
+        )
         o = kernels.paged_attention(
-            q, self.k_cache, self.v_cache, attn_metadata, self.scale, self.backend, causal=False
+            q, self.k_cache, self.v_cache, attn_metadata, self.scale, self.backend, False, self.k_scale, self.v_scale
         )
         return o.flatten(1)
 

@@ -119,9 +119,13 @@ class Rotation:
                 r.sin,
                 attention.num_heads,
                 backend,
+                attention.k_scale,
+                attention.v_scale,
             )
         q, k = self(qk).split([attention.num_heads, attention.num_kv_heads], dim=1)
-        kernels.write_kv(k, v, attention.k_cache, attention.v_cache, slot_mapping, backend)
+        kernels.write_kv(
+            k, v, attention.k_cache, attention.v_cache, slot_mapping, backend, attention.k_scale, attention.v_scale
+        )
         return q
 
 

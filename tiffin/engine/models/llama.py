@@ -52,6 +52,7 @@ class Attention(nn.Module):
         self.backend = backend
         self.scale = self.head_dim**-0.5
         self.k_cache = self.v_cache = torch.empty(0)  # set by the ModelRunner
+        self.k_scale = self.v_scale = None  # a quantized cache's scales (`kv_quant`), set by the ModelRunner
 
     def forward(
         self,
@@ -67,7 +68,9 @@ class Attention(nn.Module):
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q, self.backend), self.k_norm(k, self.backend)], dim=1)
         q = rotation.rotate_and_write_kv(qk, v, self, attn_metadata.slot_mapping, self.backend)
-        o = kernels.paged_attention(q, self.k_cache, self.v_cache, attn_metadata, self.scale, self.backend)
+        o = kernels.paged_attention(
+            q, self.k_cache, self.v_cache, attn_metadata, self.scale, self.backend, True, self.k_scale, self.v_scale
+        )
         return self.o_proj(o.flatten(1), lora)
 
 

@@ -19,6 +19,7 @@ from tiffin.engine.models.config import ModelConfig
 from tiffin.engine.sampling_params import SamplingParams
 from tiffin.engine.worker.batch import synthetic_step
 from tiffin.engine.worker.cuda_graphs import DecodeGraphs, decode_batch_sizes
+from tiffin.kernels import kv_quant
 
 CPU_KV_CACHE_CAP = 4 << 30  # bytes; like vLLM's CPU backend default
 GiB = 1 << 30
@@ -79,7 +80,8 @@ class MemoryProfile:
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """One block's shape across every layer."""
+    """One block's shape across every layer. A quantized cache (`kv_cache_dtype` int8 / fp8) stores codes of
+    `dtype` and a scale per token and KV head (`tiffin.kernels.kv_quant`)."""
 
     num_layers: int
     block_size: int
@@ -88,27 +90,44 @@ class KVCacheSpec:
     dtype: torch.dtype
 
     @classmethod
-    def of(cls, model_config: ModelConfig, block_size: int, num_kv_heads: int) -> "KVCacheSpec":
-        model_config = model_config
-        return cls(model_config.num_layers, block_size, num_kv_heads, model_config.head_dim, model_config.dtype)
+    def of(cls, model_config: ModelConfig, block_size: int, num_kv_heads: int, kv_cache_dtype: str = "auto"):
+        dtype = kv_quant.CACHE_DTYPES.get(kv_cache_dtype, model_config.dtype)
+        return cls(model_config.num_layers, block_size, num_kv_heads, model_config.head_dim, dtype)
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype in kv_quant.CODE_MAX
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token in every layer, scales included."""
+        head = self.head_dim * self.dtype.itemsize + (kv_quant.SCALE_DTYPE.itemsize if self.quantized else 0)
+        return 2 * self.num_layers * self.num_kv_heads * head
 
     @property
     def bytes_per_block(self) -> int:
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return self.block_size * self.bytes_per_token
 
-    def allocate(self, num_blocks: int, device: torch.device, layers_kv: list) -> torch.Tensor:
+    def allocate(self, num_blocks: int, device: torch.device, layers_kv: list) -> list[torch.Tensor]:
         """`num_blocks` blocks and the dummy one, zeroed so that slots never written hold finite values (masked-out
-        attention weights multiply them); each attention layer gets its K and V views. On CPU the zeros are the
-        operating system's (calloc): pages take memory once written, so the pool costs what requests use."""
+        attention weights multiply them); each attention layer gets its K and V views (and its scales' views, or
+        None). Returns the pool's tensors, each `[2, num_layers, num_blocks + 1, block_size, ...]`: the cache, then
+        the scales of a quantized one. On CPU the zeros are the operating system's (calloc): pages take memory once
+        written, so the pool costs what requests use."""
         shape = (2, self.num_layers, num_blocks + 1, self.block_size, self.num_kv_heads, self.head_dim)
-        if device.type == "cpu":
-            zeros = np.zeros(math.prod(shape) * self.dtype.itemsize, dtype=np.uint8)
-            kv_cache = torch.from_numpy(zeros).view(self.dtype).view(shape)
-        else:
-            kv_cache = torch.zeros(shape, dtype=self.dtype, device=device)
+        tensors = [_zeros(shape, self.dtype, device)]
+        if self.quantized:
+            tensors.append(_zeros(shape[:-1], kv_quant.SCALE_DTYPE, device))
         for i, attn in enumerate(layers_kv):
-            attn.k_cache, attn.v_cache = kv_cache[0, i], kv_cache[1, i]
-        return kv_cache
+            attn.k_cache, attn.v_cache = tensors[0][0, i], tensors[0][1, i]
+            attn.k_scale, attn.v_scale = (tensors[1][0, i], tensors[1][1, i]) if self.quantized else (None, None)
+        return tensors
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return torch.from_numpy(np.zeros(math.prod(shape) * dtype.itemsize, dtype=np.uint8)).view(dtype).view(shape)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def num_kv_blocks(
@@ -178,9 +197,10 @@ def profile_memory(runner, probe: MemoryProbe) -> MemoryProfile:
         probe.synchronize(runner.device)
         graphs = probe.memory_reserved(runner.device) - before
         del decode
-    del runner.kv_cache
+    del runner.kv_cache, runner.kv_tensors
     for attn in runner.model.layers_kv():
         attn.k_cache = attn.v_cache = torch.empty(0)
+        attn.k_scale = attn.v_scale = None
     probe.empty_cache()
     free, total = probe.mem_get_info(runner.device)
     return MemoryProfile(total, free, peak, graphs)

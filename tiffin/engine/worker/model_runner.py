@@ -74,7 +74,9 @@ class ModelRunner:
         self.sampler = Sampler(eos_token_ids, config.seed)
         self.cpu_decoder: CpuDecoder | None = None  # built after sizing; the profiling step runs without it
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
-        self.kv_spec = kv_cache.KVCacheSpec.of(model_config, self.block_size, tp.kv_heads(model_config.num_kv_heads))
+        self.kv_spec = kv_cache.KVCacheSpec.of(
+            model_config, self.block_size, tp.kv_heads(model_config.num_kv_heads), config.kv_cache_dtype
+        )
         self.num_blocks = kv_cache.num_kv_blocks(
             config,
             self.kv_spec,
@@ -214,7 +216,9 @@ class ModelRunner:
             self.decode_graphs.capture(self.model)
 
     def allocate_kv_cache(self) -> None:
-        self.kv_cache = self.kv_spec.allocate(self.num_blocks, self.device, self.model.layers_kv())
+        """`kv_tensors`: every tensor of the pool, blocks on dim 2 (`KVCacheSpec.allocate`); `kv_cache` the first."""
+        self.kv_tensors = self.kv_spec.allocate(self.num_blocks, self.device, self.model.layers_kv())
+        self.kv_cache = self.kv_tensors[0]
 
 
 def _keep_freed_memory_mapped() -> None:

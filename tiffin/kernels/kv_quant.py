@@ -1,0 +1,36 @@
+"""Quantized KV caches: a byte per value and a scale per token and KV head.
+
+A quantized cache is a codes tensor (`int8`, `float8_e4m3fn` or `float8_e5m2`) of the model cache's shape
+`[num_blocks, block_size, num_kv_heads, head_dim]` and a scales tensor `[num_blocks, block_size, num_kv_heads]`
+in bf16 (fp32's range in two bytes: a head of 64 values costs 66 bytes against bf16's 128). A value is
+`code * scale`; each token's head is scaled by its own largest magnitude (symmetric), so fp8 needs no
+calibrated per-tensor scale and int8 no zero point. Every kernel that writes or reads a quantized cache
+matches `quantize` and `dequantize` here, the reference."""
+
+import torch
+
+CACHE_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+SCALE_DTYPE = torch.bfloat16
+# the largest code magnitude each dtype stores: a head's largest value maps to it
+CODE_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+_SMALLEST_SCALE = torch.finfo(SCALE_DTYPE).tiny  # an all-zero head gets codes 0, not 0 / 0
+
+
+def is_quantized(cache: torch.Tensor) -> bool:
+    return cache.dtype in CODE_MAX
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x` `[..., head_dim]` -> codes `[..., head_dim]` of `dtype` and scales `[...]` (bf16). The codes are
+    computed against the rounded scale, so rounding the scale moves the grid, never the values off it."""
+    xf = x.float()
+    scale = (xf.abs().amax(-1) / CODE_MAX[dtype]).clamp(min=_SMALLEST_SCALE).to(SCALE_DTYPE)
+    y = xf / scale.float()[..., None]
+    if dtype == torch.int8:
+        return y.round().clamp(-127, 127).to(torch.int8), scale
+    return y.clamp(-CODE_MAX[dtype], CODE_MAX[dtype]).to(dtype), scale
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`codes * scales` in `dtype` (computed in fp32)."""
+    return (codes.float() * scales.float()[..., None]).to(dtype)
