@@ -89,9 +89,11 @@ def test_each_layer_is_the_torch_layer(gguf_model, arch):
             x = got  # the next layer from the same input on both sides: a flipped int8 code stays local
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8_e4m3"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_bf16_steps_are_bit_identical(gguf_model, arch):
-    llm = LLM(str(gguf_model(arch)), dtype="bfloat16", num_kv_blocks=16)
+def test_bf16_steps_are_bit_identical(gguf_model, arch, kv_cache_dtype):
+    """Quantized KV caches too: the native step writes and reads them with the torch path's kernels."""
+    llm = LLM(str(gguf_model(arch)), dtype="bfloat16", num_kv_blocks=16, kv_cache_dtype=kv_cache_dtype)
     runner = llm.llm_engine.model_runner
     inputs = decode_inputs(llm, PROMPTS)
     with torch.inference_mode():

@@ -37,6 +37,8 @@ class AttentionMetadata:
 def write_kv_torch(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     """Scatter this step's `key`/`value` `[T, num_kv_heads, head_dim]` into the paged caches (quantized first
     where the caches are, `kv_quant`)."""
+    if k_scale is not None and cpu_native.supports_cache(key, k_cache):  # one pass, not a dozen ops a layer
+        return cpu_native.write_kv(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping)
     keep = slot_mapping >= 0
     if not slot_mapping.is_cpu:
         key, value, slot_mapping = padding_as_first_kept(key, value, slot_mapping, keep)

@@ -25,9 +25,12 @@ HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 2}
 ACT_DTYPE_CODES = {**DTYPE_CODES, torch.float16: 1}  # the quantized GEMMs read and write fp16 too
+# a quantized KV cache's codes (kv_quant); a model-dtype cache has its dtype's code
+CACHE_DTYPE_CODES = {**DTYPE_CODES, torch.int8: 3, torch.float8_e4m3fn: 4, torch.float8_e5m2: 5}
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-_DECODE_ARGS = [_i32, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64]
+_DECODE_ARGS = [_i32, _ptr, _i64, _ptr, _i64, _i32, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64]
 _DECODE_ARGS += [_i32, _i32, _i32, _i32, ctypes.c_float, _i32]
+_WRITE_KV_ARGS = [_i32, _ptr, _i64, _ptr, _i64, _i64, _i32, _i32, _ptr, _i32, _ptr, _ptr, _ptr, _ptr, _i32]
 _RMS_NORM_ARGS = [_i32, _ptr, _i64, _ptr, _ptr, _i64, _i32, ctypes.c_float, _i32]
 _ROTARY_ARGS = [_i32, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i32, _i32, _i32]
 _ARGMAX_ARGS = [_i32, _ptr, _i64, _ptr, _i64, _i64, _i32]
@@ -52,6 +55,7 @@ def library() -> ctypes.CDLL | None:
         return None
     lib = ctypes.CDLL(str(path))
     lib.tiffin_paged_decode.argtypes, lib.tiffin_paged_decode.restype = _DECODE_ARGS, None
+    lib.tiffin_write_kv.argtypes, lib.tiffin_write_kv.restype = _WRITE_KV_ARGS, None
     lib.tiffin_rms_norm.argtypes, lib.tiffin_rms_norm.restype = _RMS_NORM_ARGS, None
     lib.tiffin_rotary.argtypes, lib.tiffin_rotary.restype = _ROTARY_ARGS, None
     lib.tiffin_argmax.argtypes, lib.tiffin_argmax.restype = _ARGMAX_ARGS, None
@@ -99,8 +103,42 @@ def supports(*tensors: torch.Tensor) -> bool:
 
 
 def supports_cache(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the native decode attention reads `k_cache` (of the query's dtype) for `query`."""
-    return supports(query, k_cache)
+    """Whether the native kernels read and write `k_cache` (of the query's dtype, or quantized) for `query`."""
+    same = k_cache.dtype == query.dtype or k_cache.dtype in CACHE_DTYPE_CODES.keys() - DTYPE_CODES.keys()
+    return same and k_cache.device.type == "cpu" and supports(query)
+
+
+def write_kv(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping: torch.Tensor) -> None:
+    """`kernels.write_kv`'s torch result, a quantized cache's codes and scales those of `kv_quant.quantize`, for
+    `key`/`value` `[T, num_kv_heads, head_dim]` with each row's heads contiguous."""
+    for x in (key, value):
+        if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+            raise ValueError("write_kv needs each row's heads contiguous")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or slot_mapping.dtype != torch.int64:
+        raise ValueError("write_kv needs contiguous caches and int64 slots")
+    slots = slot_mapping.contiguous()
+    scales = (data_ptr(k_scale), data_ptr(v_scale))
+    library().tiffin_write_kv(
+        DTYPE_CODES[key.dtype],
+        key.data_ptr(),
+        key.stride(0),
+        value.data_ptr(),
+        value.stride(0),
+        key.shape[0],
+        key.shape[1],
+        key.shape[2],
+        slots.data_ptr(),
+        CACHE_DTYPE_CODES[k_cache.dtype],
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        *scales,
+        torch.get_num_threads(),
+    )
+
+
+def data_ptr(t: torch.Tensor | None) -> int | None:
+    """`t`'s data pointer, NULL for None (an optional argument)."""
+    return None if t is None else t.data_ptr()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -160,7 +198,7 @@ def paged_decode(
         if t.stride(2) != 1 or t.stride(1) != head_dim:
             raise ValueError("paged_decode needs each row's heads contiguous")
     tensors = (k_cache, v_cache, block_tables, seq_lens, rows, seqs)
-    if not all(t.is_contiguous() for t in tensors):
+    if not all(t.is_contiguous() for t in tensors) or not (k_scale is None or k_scale.is_contiguous()):
         raise ValueError("paged_decode needs contiguous caches, block tables, seq_lens, rows and seqs")
     if [t.dtype for t in tensors[2:]] != [torch.int32, torch.int32, torch.int64, torch.int64]:
         raise TypeError("paged_decode needs int32 block_tables and seq_lens, int64 rows and seqs")
@@ -170,8 +208,11 @@ def paged_decode(
         query.stride(0),
         out.data_ptr(),
         out.stride(0),
+        CACHE_DTYPE_CODES[k_cache.dtype],
         k_cache.data_ptr(),
         v_cache.data_ptr(),
+        data_ptr(k_scale),
+        data_ptr(v_scale),
         block_tables.data_ptr(),
         block_tables.stride(0),
         seq_lens.data_ptr(),

@@ -40,12 +40,15 @@ class _DecoderLayer(ctypes.Structure):
         ("down", _QuantLinear),
         ("k_cache", _ptr),
         ("v_cache", _ptr),
+        ("k_scale", _ptr),
+        ("v_scale", _ptr),
     ]
 
 
 class _Decoder(ctypes.Structure):
     _fields_ = [
         ("dtype", _i64),
+        ("cache_dtype", _i64),
         *[(name, _i64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "block_size")],
         ("num_layers", _i64),
         ("eps", ctypes.c_double),
@@ -56,13 +59,9 @@ class _Decoder(ctypes.Structure):
     ]
 
 
-def _ptr_of(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
 def _linear(layer) -> _QuantLinear:
     b = layer.blocks
-    return _QuantLinear(b.codes.data_ptr(), b.scales.data_ptr(), b.offsets.data_ptr(), _ptr_of(layer.bias),
+    return _QuantLinear(b.codes.data_ptr(), b.scales.data_ptr(), b.offsets.data_ptr(), cpu_native.data_ptr(layer.bias),
                         b.out_features, b.in_features, b.bits, b.levels)  # fmt: skip
 
 
@@ -78,10 +77,12 @@ class CpuDecoder:
                 _DecoderLayer(
                     layer.input_layernorm.weight.data_ptr(),
                     layer.post_attention_layernorm.weight.data_ptr(),
-                    *map(_ptr_of, norms),
+                    *map(cpu_native.data_ptr, norms),
                     *map(_linear, (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)),
                     a.k_cache.data_ptr(),
                     a.v_cache.data_ptr(),
+                    cpu_native.data_ptr(a.k_scale),
+                    cpu_native.data_ptr(a.v_scale),
                 )
             )
         self.layers = (_DecoderLayer * len(layers))(*layers)
@@ -89,6 +90,7 @@ class CpuDecoder:
         self.dtype = inner.norm.weight.dtype
         self.decoder = _Decoder(
             cpu_native.DTYPE_CODES[self.dtype],
+            cpu_native.CACHE_DTYPE_CODES[attn.k_cache.dtype],
             inner.norm.weight.shape[0],
             attn.num_heads,
             attn.num_kv_heads,
@@ -120,7 +122,9 @@ class CpuDecoder:
                 return None  # act-order GPTQ: its inputs are permuted first
             if mlp.act_and_mul is not silu_and_mul:
                 return None
-        if inner.norm.weight.dtype not in cpu_native.DTYPE_CODES:
+        if inner.norm.weight.dtype not in cpu_native.DTYPE_CODES or not cpu_native.supports_cache(
+            inner.norm.weight, inner.layers[0].self_attn.k_cache
+        ):
             return None
         return cls(model, block_size)
 

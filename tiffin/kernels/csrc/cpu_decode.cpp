@@ -16,10 +16,15 @@ extern "C" void tiffin_rms_norm(int dtype, const void* x, int64_t row_stride, co
 extern "C" void tiffin_rotary(int dtype, const void* x, int64_t row_stride, const int64_t* positions, const float* cos,
                               const float* sin, void* out, int64_t rows, int heads, int head_dim, int num_threads);
 extern "C" void tiffin_paged_decode(int dtype, const void* query, int64_t query_row_stride, void* out,
-                                    int64_t out_row_stride, const void* k_cache, const void* v_cache,
-                                    const int32_t* block_tables, int64_t block_table_stride, const int32_t* seq_lens,
-                                    const int64_t* rows, const int64_t* seqs, int64_t num_rows, int num_heads,
-                                    int num_kv_heads, int head_dim, int block_size, float scale, int num_threads);
+                                    int64_t out_row_stride, int cache_dtype, const void* k_cache, const void* v_cache,
+                                    const void* k_scale, const void* v_scale, const int32_t* block_tables,
+                                    int64_t block_table_stride, const int32_t* seq_lens, const int64_t* rows,
+                                    const int64_t* seqs, int64_t num_rows, int num_heads, int num_kv_heads,
+                                    int head_dim, int block_size, float scale, int num_threads);
+extern "C" void tiffin_write_kv(int dtype, const void* key, int64_t key_row_stride, const void* value,
+                                int64_t value_row_stride, int64_t tokens, int heads, int head_dim, const int64_t* slots,
+                                int cache_dtype, void* k_cache, void* v_cache, void* k_scale, void* v_scale,
+                                int num_threads);
 extern "C" void tiffin_block_gemm(int dtype, const void* x, int64_t x_stride, int64_t m, int64_t k, int bits,
                                   const uint8_t* codes, int64_t n, const uint16_t* scales, const uint16_t* offsets,
                                   int out_dtype, void* y, int64_t y_stride, int levels, int threads);
@@ -41,10 +46,13 @@ struct DecoderLayer {
   QuantLinear qkv, o, gate_up, down;
   void* k_cache;  // [blocks, block_size, kv_heads, head_dim]
   void* v_cache;
+  void* k_scale;  // a quantized cache's scales [blocks, block_size, kv_heads], or null
+  void* v_scale;
 };
 
 struct Decoder {
   int64_t dtype;  // 0 fp32, 2 bf16
+  int64_t cache_dtype;  // dtype, or a quantized cache's codes (tiffin_paged_decode's codes)
   int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size, num_layers;
   double eps, scale;
   const float* cos;  // [max_positions, head_dim / 2]
@@ -98,16 +106,15 @@ struct Step {
     }
     tiffin_rotary(dtype, qkv.data(), width, positions, d.cos, d.sin, qk.data(), tokens, heads,
                   static_cast<int>(d.head_dim), threads);
-    for (int64_t t = 0; t < tokens; ++t) {  // this token's K and V into its cache slot (-1: padding, none)
-      if (slots[t] < 0) continue;
-      const int64_t at = slots[t] * kv_size;
-      std::memcpy(static_cast<T*>(layer.k_cache) + at, &qk[t * (q_size + kv_size) + q_size], kv_size * sizeof(T));
-      std::memcpy(static_cast<T*>(layer.v_cache) + at, &qkv[t * width + q_size + kv_size], kv_size * sizeof(T));
-    }
-    tiffin_paged_decode(dtype, qk.data(), q_size + kv_size, attn.data(), q_size, layer.k_cache, layer.v_cache,
-                        block_tables, table_stride, seq_lens, rows.data(), rows.data(), tokens,
-                        static_cast<int>(d.heads), static_cast<int>(d.kv_heads), static_cast<int>(d.head_dim),
-                        static_cast<int>(d.block_size), static_cast<float>(d.scale), threads);
+    const int cache_dtype = static_cast<int>(d.cache_dtype), kv_heads = static_cast<int>(d.kv_heads);
+    tiffin_write_kv(dtype, &qk[q_size], q_size + kv_size, &qkv[q_size + kv_size], width, tokens, kv_heads,
+                    static_cast<int>(d.head_dim), slots, cache_dtype, layer.k_cache, layer.v_cache, layer.k_scale,
+                    layer.v_scale, threads);
+    tiffin_paged_decode(dtype, qk.data(), q_size + kv_size, attn.data(), q_size, cache_dtype, layer.k_cache,
+                        layer.v_cache, layer.k_scale, layer.v_scale, block_tables, table_stride, seq_lens,
+                        rows.data(), rows.data(), tokens, static_cast<int>(d.heads), kv_heads,
+                        static_cast<int>(d.head_dim), static_cast<int>(d.block_size), static_cast<float>(d.scale),
+                        threads);
   }
 
   void mlp(const DecoderLayer& layer) {

@@ -52,44 +52,59 @@ inline void softmax_rows(float* scores, float* denom, int rows, int len) {
   }
 }
 
+// The scales of a quantized cache's tokens for the task's KV heads: out[h * len + t] is token t's scale of KV head
+// kv_first + h (`offsets[t]` its slot's element offset, slot_stride elements a slot, head_dim a head).
+inline void token_scales(float* out, const bf16* scales, const int64_t* offsets, int len, int kv_first, int kv_heads,
+                         int num_kv_heads, int head_dim) {
+  for (int h = 0; h < kv_heads; ++h)
+    for (int t = 0; t < len; ++t) out[h * len + t] = to_float(scales[offsets[t] / head_dim + kv_first + h]);
+}
+
 // One task: the query heads of one sequence that share KV heads [kv_first, kv_end), reading each token's K (then
-// V) rows of those heads together, contiguous in the cache. Scores and the output accumulate in fp32.
-template <typename T>
-void decode_task(const T* q, T* out, const T* k_cache, const T* v_cache, const int32_t* block_table, int len,
-                 int kv_first, int kv_end, int group, int num_kv_heads, int head_dim, int block_size, float scale,
-                 std::vector<float>& buf) {
+// V) rows of those heads together, contiguous in the cache. Scores and the output accumulate in fp32. A quantized
+// cache (C a code type) multiplies each token's scores by its K scale and its probabilities by its V scale.
+template <typename T, typename C>
+void decode_task(const T* q, T* out, const C* k_cache, const C* v_cache, const bf16* k_scale, const bf16* v_scale,
+                 const int32_t* block_table, int len, int kv_first, int kv_end, int group, int num_kv_heads,
+                 int head_dim, int block_size, float scale, std::vector<float>& buf, std::vector<int64_t>& offsets) {
   const int heads = (kv_end - kv_first) * group;  // query heads of this task, from query head kv_first * group
   const int64_t slot_stride = static_cast<int64_t>(num_kv_heads) * head_dim;
   q += kv_first * group * head_dim;
   out += kv_first * group * head_dim;
-  buf.resize(static_cast<size_t>(heads) * (2 * head_dim + len + 1));
+  offsets.resize(len);
+  for (int t = 0; t < len; ++t)
+    offsets[t] = (static_cast<int64_t>(block_table[t / block_size]) * block_size + t % block_size) * slot_stride;
+  const int kv_heads = kv_end - kv_first;
+  buf.resize(static_cast<size_t>(heads) * (2 * head_dim + len + 1) + 2 * kv_heads * len);
   float* qf = buf.data();
   float* acc = qf + heads * head_dim;
   float* scores = acc + heads * head_dim;
   float* denom = scores + heads * len;
+  float* ks = denom + heads;
+  float* vs = ks + kv_heads * len;
+  if constexpr (is_code<C>) {
+    token_scales(ks, k_scale, offsets.data(), len, kv_first, kv_heads, num_kv_heads, head_dim);
+    token_scales(vs, v_scale, offsets.data(), len, kv_first, kv_heads, num_kv_heads, head_dim);
+  }
   for (int i = 0; i < heads * head_dim; ++i) qf[i] = to_float(q[i]) * scale;
-  auto slot = [&](const T* cache, int t) {
-    return cache + (static_cast<int64_t>(block_table[t / block_size]) * block_size + t % block_size) * slot_stride +
-           kv_first * head_dim;
-  };
   for (int t = 0; t < len; ++t) {
-    const T* k = slot(k_cache, t);
+    const C* k = k_cache + offsets[t] + kv_first * head_dim;
     for (int hq = 0; hq < heads; ++hq) {
       const float* qh = qf + hq * head_dim;
-      const T* kh = k + (hq / group) * head_dim;
+      const C* kh = k + (hq / group) * head_dim;
       float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
       for (int d = 0; d < head_dim; ++d) dot += qh[d] * to_float(kh[d]);
-      scores[hq * len + t] = dot;
+      scores[hq * len + t] = is_code<C> ? dot * ks[(hq / group) * len + t] : dot;
     }
   }
   softmax_rows(scores, denom, heads, len);
   std::memset(acc, 0, sizeof(float) * heads * head_dim);
   for (int t = 0; t < len; ++t) {
-    const T* v = slot(v_cache, t);
+    const C* v = v_cache + offsets[t] + kv_first * head_dim;
     for (int hq = 0; hq < heads; ++hq) {
-      const float p = scores[hq * len + t];
-      const T* vh = v + (hq / group) * head_dim;
+      const float p = is_code<C> ? scores[hq * len + t] * vs[(hq / group) * len + t] : scores[hq * len + t];
+      const C* vh = v + (hq / group) * head_dim;
       float* ah = acc + hq * head_dim;
 #pragma omp simd
       for (int d = 0; d < head_dim; ++d) ah[d] += p * to_float(vh[d]);
@@ -110,6 +125,21 @@ inline __m512 load16(const bf16* p) {
   __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
+inline __m256i load16_bytes(const void* p) {
+  return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m512 load16(const i8* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 load16(const e5m2* p) {  // e5m2 is the high byte of an fp16
+  return _mm512_cvtph_ps(_mm256_slli_epi16(load16_bytes(p), 8));
+}
+inline __m512 load16(const e4m3* p) {  // as an fp16 (sign, then exponent and mantissa shifted in): 2^-8 of its value
+  const __m256i b = load16_bytes(p);
+  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
+  const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7);
+  return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(sign, rest)), _mm512_set1_ps(256.f));
+}
 
 // Lane i of the result: the sum of v[i]'s 16 lanes (a transpose folded into the additions).
 inline __m512 sum_each(const __m512* v) {
@@ -128,10 +158,10 @@ inline __m512 sum_each(const __m512* v) {
 
 // q·k over D dims as 16 partial sums. bf16 uses the CPU's bf16 dot product where it has one (exact products,
 // fp32 sums); otherwise K is widened to fp32 against the fp32 copy of q.
-template <int D, typename T>
-inline __m512 dot_partial(const float* qf, const T* q, const T* k) {
+template <int D, typename T, typename C>
+inline __m512 dot_partial(const float* qf, const T* q, const C* k) {
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, bf16>) {
+  if constexpr (std::is_same_v<T, bf16> && std::is_same_v<C, bf16>) {
     __m512 acc = _mm512_setzero_ps();
     for (int d = 0; d < D; d += 32)
       acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + d), (__m512bh)_mm512_loadu_si512(k + d));
@@ -145,8 +175,8 @@ inline __m512 dot_partial(const float* qf, const T* q, const T* k) {
 
 // The task's query heads P·V, one KV head at a time: its query heads' accumulators stay in registers (up to
 // 16 of them), and each token's V row is widened once for all of them.
-template <int D, typename T>
-void weigh_values(T* out, const T* v_cache, const int64_t* offsets, const float* probs, const float* denom, int len,
+template <int D, typename T, typename C>
+void weigh_values(T* out, const C* v_cache, const int64_t* offsets, const float* probs, const float* denom, int len,
                   int kv_heads, int group) {
   constexpr int V = D / 16, HEADS = V <= 8 ? 16 / V : 1;
   for (int h = 0; h < kv_heads; ++h) {
@@ -157,7 +187,7 @@ void weigh_values(T* out, const T* v_cache, const int64_t* offsets, const float*
         for (int j = 0; j < V; ++j) acc[g][j] = _mm512_setzero_ps();
       for (int t = 0; t < len; ++t) {
         if (t + 16 < len)
-          for (int l = 0; l < D * static_cast<int>(sizeof(T)); l += 64)
+          for (int l = 0; l < D * static_cast<int>(sizeof(C)); l += 64)
             _mm_prefetch(reinterpret_cast<const char*>(v_cache + h * D + offsets[t + 16]) + l, _MM_HINT_T0);
         __m512 v[V];
         for (int j = 0; j < V; ++j) v[j] = load16(v_cache + h * D + offsets[t] + 16 * j);
@@ -176,29 +206,36 @@ void weigh_values(T* out, const T* v_cache, const int64_t* offsets, const float*
   }
 }
 
-template <int D, typename T>
-void decode_task_avx512(const T* q, T* out, const T* k_cache, const T* v_cache, const int32_t* block_table, int len,
-                        int kv_first, int kv_end, int group, int num_kv_heads, int block_size, float scale,
-                        std::vector<float>& buf, std::vector<int64_t>& offsets) {
-  const int heads = (kv_end - kv_first) * group;  // query heads of this task, from query head kv_first * group
+template <int D, typename T, typename C>
+void decode_task_avx512(const T* q, T* out, const C* k_cache, const C* v_cache, const bf16* k_scale,
+                        const bf16* v_scale, const int32_t* block_table, int len, int kv_first, int kv_end, int group,
+                        int num_kv_heads, int block_size, float scale, std::vector<float>& buf,
+                        std::vector<int64_t>& offsets) {
+  const int heads = (kv_end - kv_first) * group, kv_heads = kv_end - kv_first;  // query heads from kv_first * group
   q += kv_first * group * D;
   out += kv_first * group * D;
-  k_cache += kv_first * D;
-  v_cache += kv_first * D;
   const int64_t slot_stride = static_cast<int64_t>(num_kv_heads) * D;
   offsets.resize(len);
   for (int b = 0, t = 0; t < len; ++b) {  // found once per sequence, shared by its heads and by K and V
     const int64_t first = static_cast<int64_t>(block_table[b]) * block_size;
     for (int i = 0; i < block_size && t < len; ++i, ++t) offsets[t] = (first + i) * slot_stride;
   }
-  buf.resize(static_cast<size_t>(heads) * (D + len + 1));
+  buf.resize(static_cast<size_t>(heads) * (D + len + 1) + 2 * kv_heads * len);
   float* qf = buf.data();
   float* scores = qf + heads * D;
   float* denom = scores + heads * len;
+  float* ks = denom + heads;
+  float* vs = ks + kv_heads * len;
+  if constexpr (is_code<C>) {
+    token_scales(ks, k_scale, offsets.data(), len, kv_first, kv_heads, num_kv_heads, D);
+    token_scales(vs, v_scale, offsets.data(), len, kv_first, kv_heads, num_kv_heads, D);
+  }
+  k_cache += kv_first * D;
+  v_cache += kv_first * D;
   for (int i = 0; i < heads * D; ++i) qf[i] = to_float(q[i]);
   const __m512 scale16 = _mm512_set1_ps(scale);
   int t = 0;
-  const int row_lines = (kv_end - kv_first) * D * static_cast<int>(sizeof(T)) / 64;
+  const int row_lines = kv_heads * D * static_cast<int>(sizeof(C)) / 64;
   for (; t + 16 <= len; t += 16) {  // every head over one tile of 16 tokens, while its K rows are in L1
     for (int j = t + 16; j < t + 32 && j < len; ++j)  // the next tile's rows: blocks lie anywhere in memory
       for (int l = 0; l < row_lines; ++l)
@@ -207,28 +244,37 @@ void decode_task_avx512(const T* q, T* out, const T* k_cache, const T* v_cache, 
       __m512 part[16];
       for (int j = 0; j < 16; ++j)
         part[j] = dot_partial<D>(qf + hq * D, q + hq * D, k_cache + (hq / group) * D + offsets[t + j]);
-      _mm512_storeu_ps(scores + hq * len + t, _mm512_mul_ps(sum_each(part), scale16));
+      __m512 s16 = _mm512_mul_ps(sum_each(part), scale16);
+      if constexpr (is_code<C>) s16 = _mm512_mul_ps(s16, _mm512_loadu_ps(ks + (hq / group) * len + t));
+      _mm512_storeu_ps(scores + hq * len + t, s16);
     }
   }
   for (; t < len; ++t)
     for (int hq = 0; hq < heads; ++hq) {
       __m512 part = dot_partial<D>(qf + hq * D, q + hq * D, k_cache + (hq / group) * D + offsets[t]);
-      scores[hq * len + t] = _mm512_reduce_add_ps(part) * scale;
+      const float token_scale = is_code<C> ? ks[(hq / group) * len + t] : 1.f;
+      scores[hq * len + t] = _mm512_reduce_add_ps(part) * scale * token_scale;
     }
   softmax_rows(scores, denom, heads, len);
-  weigh_values<D>(out, v_cache, offsets.data(), scores, denom, len, kv_end - kv_first, group);
+  if constexpr (is_code<C>)  // V's scales weigh the probabilities: sum_t p_t s_t v_t
+    for (int hq = 0; hq < heads; ++hq)
+      for (int t = 0; t < len; ++t) scores[hq * len + t] *= vs[(hq / group) * len + t];
+  weigh_values<D>(out, v_cache, offsets.data(), scores, denom, len, kv_heads, group);
 }
 #endif
 
-template <typename T>
+template <typename T, typename C>
 void decode(const void* query, int64_t query_row_stride, void* out, int64_t out_row_stride, const void* k_cache,
-            const void* v_cache, const int32_t* block_tables, int64_t block_table_stride, const int32_t* seq_lens,
-            const int64_t* rows, const int64_t* seqs, int64_t num_rows, int num_heads, int num_kv_heads,
-            int head_dim, int block_size, float scale, int num_threads) {
+            const void* v_cache, const void* k_scale, const void* v_scale, const int32_t* block_tables,
+            int64_t block_table_stride, const int32_t* seq_lens, const int64_t* rows, const int64_t* seqs,
+            int64_t num_rows, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
+            int num_threads) {
   // Whole sequences per task read the cache contiguously (1.4x faster); with few sequences, one task per KV
   // head instead, so that every thread has work.
   const int kv_per_task = num_rows >= 4 * num_threads ? num_kv_heads : 1;
   const int tasks_per_row = num_kv_heads / kv_per_task;
+  const C *kc = static_cast<const C*>(k_cache), *vc = static_cast<const C*>(v_cache);
+  const bf16 *ks = static_cast<const bf16*>(k_scale), *vs = static_cast<const bf16*>(v_scale);
 #pragma omp parallel num_threads(num_threads)
   {
     std::vector<float> buf;
@@ -243,17 +289,66 @@ void decode(const void* query, int64_t query_row_stride, void* out, int64_t out_
       const int group = num_heads / num_kv_heads, len = seq_lens[seqs[i]], kv_end = kv_first + kv_per_task;
 #if defined(__AVX512F__)
       if (head_dim == 64 || head_dim == 128) {
-        auto run = head_dim == 64 ? decode_task_avx512<64, T> : decode_task_avx512<128, T>;
-        run(q, o, static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), table, len, kv_first, kv_end, group,
-            num_kv_heads, block_size, scale, buf, offsets);
+        auto run = head_dim == 64 ? decode_task_avx512<64, T, C> : decode_task_avx512<128, T, C>;
+        run(q, o, kc, vc, ks, vs, table, len, kv_first, kv_end, group, num_kv_heads, block_size, scale, buf, offsets);
         continue;
       }
 #endif
-      decode_task(q, o, static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), table, len, kv_first, kv_end,
-                  group, num_kv_heads, head_dim, block_size, scale, buf);
+      decode_task(q, o, kc, vc, ks, vs, table, len, kv_first, kv_end, group, num_kv_heads, head_dim, block_size,
+                  scale, buf, offsets);
     }
   }
 }
+
+// Each token's K and V heads ([heads, head_dim] rows, `*_row_stride` elements apart) into cache slot `slots[t]`
+// (-1: none): copied, or quantized per head as kv_quant.quantize does (the largest magnitude over code_max, in bf16,
+// divides the values).
+template <typename T, typename C>
+void write_kv(const T* key, int64_t key_row_stride, const T* value, int64_t value_row_stride, int64_t tokens,
+              int heads, int head_dim, const int64_t* slots, C* k_cache, C* v_cache, bf16* k_scale, bf16* v_scale,
+              int num_threads) {
+  const int64_t row = static_cast<int64_t>(heads) * head_dim;
+#pragma omp parallel for num_threads(num_threads) if (tokens * row >= (1 << 16))
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (slots[t] < 0) continue;
+    for (int side = 0; side < 2; ++side) {
+      const T* x = side ? value + t * value_row_stride : key + t * key_row_stride;
+      C* cache = (side ? v_cache : k_cache) + slots[t] * row;
+      if constexpr (!is_code<C>) {
+        std::memcpy(cache, x, row * sizeof(T));
+      } else {
+        bf16* scales = (side ? v_scale : k_scale) + slots[t] * heads;
+        for (int h = 0; h < heads; ++h) {
+          const T* xh = x + h * head_dim;
+          float amax = 0.f;
+          for (int d = 0; d < head_dim; ++d) amax = std::fmax(amax, std::fabs(to_float(xh[d])));
+          const float s = to_float(from_float<bf16>(std::fmax(amax / code_max<C>(), 1.17549435e-38f)));
+          scales[h] = from_float<bf16>(s);
+          for (int d = 0; d < head_dim; ++d) cache[h * head_dim + d] = encode<C>(to_float(xh[d]) / s);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" void tiffin_write_kv(int dtype, const void* key, int64_t key_row_stride, const void* value,
+                                int64_t value_row_stride, int64_t tokens, int heads, int head_dim, const int64_t* slots,
+                                int cache_dtype, void* k_cache, void* v_cache, void* k_scale, void* v_scale,
+                                int num_threads) {
+  by_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    by_cache_dtype<T>(cache_dtype, [&](auto cache_tag) {
+      using C = decltype(cache_tag);
+      write_kv<T, C>(static_cast<const T*>(key), key_row_stride, static_cast<const T*>(value), value_row_stride,
+                     tokens, heads, head_dim, slots, static_cast<C*>(k_cache), static_cast<C*>(v_cache),
+                     static_cast<bf16*>(k_scale), static_cast<bf16*>(v_scale), num_threads);
+    });
+  });
+}
+
+namespace {
 
 // Rows of `x` normalized as the reference models do: in fp32, rounded to T, then times the weight (in T).
 template <typename T>
@@ -342,17 +437,23 @@ extern "C" void tiffin_rms_norm(int dtype, const void* x, int64_t row_stride, co
   });
 }
 
-// dtype: 0 float32, 2 bfloat16 (fp16 stays on torch: converting it is slow without AVX512-FP16). Query row `rows[i]` attends to the first `seq_lens[seqs[i]]` slots
-// of block table `seqs[i]`; heads are contiguous within a row, head_dim within a head.
+// dtype: 0 float32, 2 bfloat16 (fp16 stays on torch: converting it is slow without AVX512-FP16); cache_dtype the
+// same, or 3 int8, 4 fp8 e4m3, 5 fp8 e5m2 codes with bf16 scales [slots, num_kv_heads]. Query row `rows[i]` attends
+// to the first `seq_lens[seqs[i]]` slots of block table `seqs[i]`; heads are contiguous within a row, head_dim
+// within a head.
 extern "C" void tiffin_paged_decode(int dtype, const void* query, int64_t query_row_stride, void* out,
-                                    int64_t out_row_stride, const void* k_cache, const void* v_cache,
-                                    const int32_t* block_tables, int64_t block_table_stride, const int32_t* seq_lens,
-                                    const int64_t* rows, const int64_t* seqs, int64_t num_rows, int num_heads,
-                                    int num_kv_heads, int head_dim, int block_size, float scale, int num_threads) {
+                                    int64_t out_row_stride, int cache_dtype, const void* k_cache, const void* v_cache,
+                                    const void* k_scale, const void* v_scale, const int32_t* block_tables,
+                                    int64_t block_table_stride, const int32_t* seq_lens, const int64_t* rows,
+                                    const int64_t* seqs, int64_t num_rows, int num_heads, int num_kv_heads,
+                                    int head_dim, int block_size, float scale, int num_threads) {
   by_dtype(dtype, [&](auto tag) {
-    decode<decltype(tag)>(query, query_row_stride, out, out_row_stride, k_cache, v_cache, block_tables,
-                          block_table_stride, seq_lens, rows, seqs, num_rows, num_heads, num_kv_heads, head_dim,
-                          block_size, scale, num_threads);
+    using T = decltype(tag);
+    by_cache_dtype<T>(cache_dtype, [&](auto cache_tag) {
+      decode<T, decltype(cache_tag)>(query, query_row_stride, out, out_row_stride, k_cache, v_cache, k_scale,
+                                     v_scale, block_tables, block_table_stride, seq_lens, rows, seqs, num_rows,
+                                     num_heads, num_kv_heads, head_dim, block_size, scale, num_threads);
+    });
   });
 }
 

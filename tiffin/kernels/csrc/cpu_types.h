@@ -1,8 +1,11 @@
-// The element types the native CPU kernels read and write (fp32 and bf16), converted as torch converts them.
+// The element types the native CPU kernels read and write (fp32 and bf16; int8 and fp8 KV cache codes), converted as
+// torch converts them.
 #pragma once
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -35,6 +38,79 @@ template <typename F>
 void by_dtype(int dtype, F&& run) {
   if (dtype == 0) run(float{});
   if (dtype == 2) run(bf16{});
+}
+
+// A quantized KV cache's codes (tiffin/kernels/kv_quant.py): a value is code * its token and head's scale.
+struct i8 {
+  int8_t v;
+};
+struct e4m3 {  // float8_e4m3fn: no infinities, 0x7f / 0xff NaN (never written: codes are clamped to +-448)
+  uint8_t v;
+};
+struct e5m2 {
+  uint8_t v;
+};
+
+template <int MANT, int BIAS>
+float fp8_to_float(uint8_t b) {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int i = 0; i < 256; ++i) {
+      const int e = (i & 0x7f) >> MANT, m = i & ((1 << MANT) - 1);
+      const float mag = e ? std::ldexp(1.f + static_cast<float>(m) / (1 << MANT), e - BIAS)
+                          : std::ldexp(static_cast<float>(m) / (1 << MANT), 1 - BIAS);
+      t[i] = i & 0x80 ? -mag : mag;
+    }
+    return t;
+  }();
+  return table[b];
+}
+
+// A finite x within the format's range, rounded to the nearest code, ties to even (as torch converts).
+template <int MANT, int BIAS>
+uint8_t float_to_fp8(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80);
+  u &= 0x7fffffffu;
+  float mag;
+  std::memcpy(&mag, &u, sizeof mag);
+  if (mag < std::ldexp(1.f, 1 - BIAS))  // subnormal: multiples of the smallest step (2^MANT of them: the min normal)
+    return sign | static_cast<uint8_t>(std::nearbyint(std::ldexp(mag, BIAS - 1 + MANT)));
+  u += (1u << (22 - MANT)) - 1 + ((u >> (23 - MANT)) & 1);  // round the mantissa to MANT bits, ties to even
+  return sign | static_cast<uint8_t>(((u >> 23) - 127 + BIAS) << MANT | ((u >> (23 - MANT)) & ((1 << MANT) - 1)));
+}
+
+inline float to_float(i8 x) { return x.v; }
+inline float to_float(e4m3 x) { return fp8_to_float<3, 7>(x.v); }
+inline float to_float(e5m2 x) { return fp8_to_float<2, 15>(x.v); }
+
+template <typename C>
+constexpr float code_max() {
+  if constexpr (std::is_same_v<C, i8>) return 127.f;
+  if constexpr (std::is_same_v<C, e4m3>) return 448.f;
+  return 57344.f;
+}
+
+template <typename C>
+C encode(float y) {  // y = value / scale, within +-code_max<C>() but for rounding
+  const float m = code_max<C>(), c = y < -m ? -m : (y > m ? m : y);
+  if constexpr (std::is_same_v<C, i8>) return i8{static_cast<int8_t>(std::nearbyint(c))};
+  if constexpr (std::is_same_v<C, e4m3>) return e4m3{float_to_fp8<3, 7>(c)};
+  if constexpr (std::is_same_v<C, e5m2>) return e5m2{float_to_fp8<2, 15>(c)};
+}
+
+template <typename C>
+constexpr bool is_code = std::is_same_v<C, i8> || std::is_same_v<C, e4m3> || std::is_same_v<C, e5m2>;
+
+// The cache's element type: the query's (T: `cache_dtype` 0 or 2, as T) or the codes of a quantized cache (3 int8,
+// 4 fp8 e4m3, 5 fp8 e5m2).
+template <typename T, typename F>
+void by_cache_dtype(int cache_dtype, F&& run) {
+  if (cache_dtype == 3) run(i8{});
+  else if (cache_dtype == 4) run(e4m3{});
+  else if (cache_dtype == 5) run(e5m2{});
+  else run(T{});
 }
 
 }  // namespace

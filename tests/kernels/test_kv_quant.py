@@ -1,0 +1,144 @@
+"""Quantized KV caches (kernels/kv_quant.py): the reference's error bounds, the native CPU write (byte for byte the
+reference's codes) and decode attention, and the torch path, each against attention over the dequantized cache."""
+
+import pytest
+import torch
+
+from tiffin import kernels
+from tiffin.kernels import AttentionMetadata, cpu_native, kv_quant
+
+CODES = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
+CODE_IDS = ["int8", "e4m3", "e5m2"]
+# the largest error of a value relative to its head's largest magnitude: half a step at the top of the range
+RELATIVE_ERROR = {torch.int8: 0.5 / 127, torch.float8_e4m3fn: 2**-4, torch.float8_e5m2: 2**-3}
+
+
+@pytest.mark.parametrize("dtype", CODES, ids=CODE_IDS)
+def test_quantize_error_is_within_half_a_step(dtype):
+    x = torch.randn(64, 4, 128, generator=torch.Generator().manual_seed(0)) * torch.logspace(-6, 3, 64)[:, None, None]
+    x[0, 1] = 0  # an all-zero head: codes 0, finite
+    codes, scales = kv_quant.quantize(x, dtype)
+    assert codes.dtype == dtype and scales.dtype == torch.bfloat16 and scales.shape == x.shape[:-1]
+    error = (kv_quant.dequantize(codes, scales, torch.float32) - x).abs()
+    amax = x.abs().amax(-1, keepdim=True)
+    assert torch.all(error <= amax * RELATIVE_ERROR[dtype] * 1.01 + 1e-30)
+    assert not codes[0, 1].float().any() and torch.isfinite(scales).all()
+
+
+def test_int8_heads_use_the_whole_range():
+    codes, _ = kv_quant.quantize(torch.randn(100, 2, 64), torch.int8)
+    assert codes.abs().amax(-1).eq(127).all()
+
+
+def _write_case(cache_dtype, dtype, tokens=37, heads=3, head_dim=64, blocks=10, block_size=16):
+    gen = torch.Generator().manual_seed(tokens)
+    key = (torch.randn(tokens, heads, head_dim, generator=gen) * 3).to(dtype)
+    value = torch.randn(tokens, heads, head_dim, generator=gen).to(dtype)
+    key[3] = 0
+    slots = torch.randperm(blocks * block_size, generator=gen)[:tokens]
+    slots[5] = -1  # padding: nothing written
+    caches = [torch.zeros(blocks, block_size, heads, head_dim, dtype=cache_dtype) for _ in range(2)]
+    scales = [torch.zeros(blocks, block_size, heads, dtype=torch.bfloat16) for _ in range(2)]
+    return key, value, slots, caches, scales
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("cache_dtype", CODES, ids=CODE_IDS)
+def test_native_write_is_the_reference_byte_for_byte(dtype, cache_dtype):
+    key, value, slots, (kc, vc), (ks, vs) = _write_case(cache_dtype, dtype)
+    cpu_native.write_kv(key, value, kc, vc, ks, vs, slots)
+    keep = slots >= 0
+    for x, cache, scales in ((key, kc, ks), (value, vc, vs)):
+        codes, want_scales = kv_quant.quantize(x[keep], cache_dtype)
+        got = cache.view(torch.uint8).flatten(0, 1)[slots[keep]]
+        assert torch.equal(got, codes.view(torch.uint8))
+        assert torch.equal(scales.flatten(0, 1)[slots[keep]], want_scales)
+        written = torch.zeros(cache.shape[0] * cache.shape[1], dtype=torch.bool)
+        written[slots[keep]] = True
+        assert not cache.view(torch.uint8).flatten(0, 1)[~written].any()  # the padding row wrote nothing
+
+
+def _decode_case(cache_dtype, dtype, head_dim, lens, num_heads=6, num_kv_heads=2, block_size=16):
+    """A paged quantized cache of `len(lens)` sequences (shuffled blocks), one-token queries, and the same cache
+    dequantized to `dtype`: the reference's input."""
+    gen = torch.Generator().manual_seed(head_dim + len(lens))
+    blocks_per_seq = -(-max(lens) // block_size)
+    num_blocks = blocks_per_seq * len(lens) + 1
+    kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    codes, scales = kv_quant.quantize(kv, cache_dtype)
+    plain = kv_quant.dequantize(codes, scales, dtype)
+    tables = torch.randperm(num_blocks, generator=gen)[: blocks_per_seq * len(lens)].view(len(lens), -1).int()
+    query = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    md = AttentionMetadata(
+        slot_mapping=torch.zeros(len(lens), dtype=torch.int64),
+        query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32),
+        seq_lens=seq_lens,
+        block_tables=tables,
+        query_start_loc_cpu=list(range(len(lens) + 1)),
+        seq_lens_cpu=list(lens),
+        max_query_len=1,
+        max_seq_len=max(lens),
+    )
+    return query, codes, scales, plain, md
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("cache_dtype", CODES, ids=CODE_IDS)
+@pytest.mark.parametrize("head_dim", [32, 64, 128])  # 64, 128: the AVX-512 kernel where the CPU has it
+def test_native_decode_reads_quantized_blocks_as_their_values(dtype, cache_dtype, head_dim):
+    lens = [1, 17, 40, 100]  # 1 and 17: a tile of 16 and a tail; several sequences: tasks per sequence
+    query, codes, scales, plain, md = _decode_case(cache_dtype, dtype, head_dim, lens)
+    out, ref = torch.empty_like(query), torch.empty_like(query)
+    rows = torch.arange(len(lens))
+    cpu_native.paged_decode(query, out, *codes, *scales, md.block_tables, md.seq_lens, rows, rows, 0.125)
+    cpu_native.paged_decode(query, ref, *plain, None, None, md.block_tables, md.seq_lens, rows, rows, 0.125)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out, ref, **tolerance)
+
+
+@pytest.mark.parametrize("cache_dtype", CODES, ids=CODE_IDS)
+def test_torch_path_matches_the_native_kernel(monkeypatch, cache_dtype):
+    """The torch path (no native library: fp16 models, other CPUs' fallback) over the same quantized cache."""
+    query, codes, scales, _, md = _decode_case(cache_dtype, torch.float32, 64, [5, 33, 70])
+    native = kernels.paged_attention(query, *codes, md, 0.125, "torch", True, *scales)
+    monkeypatch.setattr(cpu_native, "supports_cache", lambda *_: False)
+    md.torch_plan = None
+    torch.testing.assert_close(kernels.paged_attention(query, *codes, md, 0.125, "torch", True, *scales), native)
+
+
+def test_prefill_reads_the_cache_it_wrote():
+    """A prompt written through write_kv, then attended causally: the result of attention over its dequantized
+    K/V, which is what a later decode step reads too."""
+    gen = torch.Generator().manual_seed(1)
+    n, heads, kv_heads, head_dim, block_size = 20, 4, 2, 64, 16
+    q, k, v = (torch.randn(n, h, head_dim, generator=gen) for h in (heads, kv_heads, kv_heads))
+    caches = [torch.zeros(3, block_size, kv_heads, head_dim, dtype=torch.int8) for _ in range(2)]
+    scales = [torch.zeros(3, block_size, kv_heads, dtype=torch.bfloat16) for _ in range(2)]
+    md = AttentionMetadata(
+        slot_mapping=torch.arange(n) + block_size,  # blocks 1 and 2
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        block_tables=torch.tensor([[1, 2]], dtype=torch.int32),
+        query_start_loc_cpu=[0, n],
+        seq_lens_cpu=[n],
+        max_query_len=n,
+        max_seq_len=n,
+    )
+    kernels.write_kv(k, v, *caches, md.slot_mapping, "torch", *scales)
+    out = kernels.paged_attention(q, *caches, md, head_dim**-0.5, "torch", True, *scales)
+    kd, vd = (kv_quant.dequantize(*kv_quant.quantize(x, torch.int8), torch.float32) for x in (k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), kd.transpose(0, 1), vd.transpose(0, 1), is_causal=True, enable_gqa=True
+    ).transpose(0, 1)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_scales_are_checked():
+    query, codes, scales, plain, md = _decode_case(torch.int8, torch.float32, 64, [5])
+    with pytest.raises(ValueError, match="quantized"):
+        kernels.paged_attention(query, *codes, md, 0.125)
+    with pytest.raises(ValueError, match="quantized"):
+        kernels.paged_attention(query, *plain, md, 0.125, "torch", True, *scales)
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.paged_attention(query, *codes, md, 0.125, "torch", True, scales[0][:, :4], scales[1][:, :4])
