@@ -25,6 +25,27 @@ def test_quantize_error_is_within_half_a_step(dtype):
     assert not codes[0, 1].float().any() and torch.isfinite(scales).all()
 
 
+@pytest.mark.parametrize("head_dim", [16, 64, 128, 80])
+def test_rotation_is_the_orthonormal_hadamard_matrix(head_dim):
+    x = torch.randn(5, 3, head_dim, dtype=torch.float64).float()
+    if head_dim & (head_dim - 1):  # not a power of two: no rotation
+        assert torch.equal(kv_quant.rotate(x), x)
+        return
+    popcount = [[bin(i & j).count("1") for j in range(head_dim)] for i in range(head_dim)]
+    matrix = (-1.0) ** torch.tensor(popcount, dtype=torch.float64) / head_dim**0.5
+    torch.testing.assert_close(kv_quant.rotate(x).double(), x.double() @ matrix, rtol=1e-6, atol=1e-6)
+    q = torch.randn(4, head_dim)
+    torch.testing.assert_close(kv_quant.rotate(q) @ kv_quant.rotate(x).flatten(0, 1).T, q @ x.flatten(0, 1).T)
+
+
+def test_rotation_spreads_an_outlier_channel():
+    """A key head with one channel 20x the others: the rotated head quantizes with several times less error."""
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(0))
+    x[:, 7] *= 20
+    error = lambda y: (kv_quant.dequantize(*kv_quant.quantize(y, torch.int8), torch.float32) - y).pow(2).mean()
+    assert error(kv_quant.rotate(x)) * 4 < error(x)
+
+
 def test_int8_heads_use_the_whole_range():
     codes, _ = kv_quant.quantize(torch.randn(100, 2, 64), torch.int8)
     assert codes.abs().amax(-1).eq(127).all()
@@ -48,7 +69,7 @@ def test_native_write_is_the_reference_byte_for_byte(dtype, cache_dtype):
     key, value, slots, (kc, vc), (ks, vs) = _write_case(cache_dtype, dtype)
     cpu_native.write_kv(key, value, kc, vc, ks, vs, slots)
     keep = slots >= 0
-    for x, cache, scales in ((key, kc, ks), (value, vc, vs)):
+    for x, cache, scales in ((kv_quant.rotate(key), kc, ks), (value, vc, vs)):  # keys stored rotated
         codes, want_scales = kv_quant.quantize(x[keep], cache_dtype)
         got = cache.view(torch.uint8).flatten(0, 1)[slots[keep]]
         assert torch.equal(got, codes.view(torch.uint8))
@@ -60,7 +81,8 @@ def test_native_write_is_the_reference_byte_for_byte(dtype, cache_dtype):
 
 def _decode_case(cache_dtype, dtype, head_dim, lens, num_heads=6, num_kv_heads=2, block_size=16):
     """A paged quantized cache of `len(lens)` sequences (shuffled blocks), one-token queries, and the same cache
-    dequantized to `dtype`: the reference's input."""
+    dequantized to `dtype`: the reference's input (its keys rotated, as stored: the reference rotates its
+    queries)."""
     gen = torch.Generator().manual_seed(head_dim + len(lens))
     blocks_per_seq = -(-max(lens) // block_size)
     num_blocks = blocks_per_seq * len(lens) + 1
@@ -92,7 +114,8 @@ def test_native_decode_reads_quantized_blocks_as_their_values(dtype, cache_dtype
     out, ref = torch.empty_like(query), torch.empty_like(query)
     rows = torch.arange(len(lens))
     cpu_native.paged_decode(query, out, *codes, *scales, md.block_tables, md.seq_lens, rows, rows, 0.125)
-    cpu_native.paged_decode(query, ref, *plain, None, None, md.block_tables, md.seq_lens, rows, rows, 0.125)
+    rotated = kv_quant.rotate(query).to(dtype)
+    cpu_native.paged_decode(rotated, ref, *plain, None, None, md.block_tables, md.seq_lens, rows, rows, 0.125)
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(out, ref, **tolerance)
 
@@ -127,9 +150,10 @@ def test_prefill_reads_the_cache_it_wrote():
     )
     kernels.write_kv(k, v, *caches, md.slot_mapping, "torch", *scales)
     out = kernels.paged_attention(q, *caches, md, head_dim**-0.5, "torch", True, *scales)
-    kd, vd = (kv_quant.dequantize(*kv_quant.quantize(x, torch.int8), torch.float32) for x in (k, v))
+    kd, vd = (kv_quant.dequantize(*kv_quant.quantize(x, torch.int8), torch.float32) for x in (kv_quant.rotate(k), v))
+    qd = kv_quant.rotate(q)  # q.k = (q H).(k H): the stored keys are rotated
     ref = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1), kd.transpose(0, 1), vd.transpose(0, 1), is_causal=True, enable_gqa=True
+        qd.transpose(0, 1), kd.transpose(0, 1), vd.transpose(0, 1), is_causal=True, enable_gqa=True
     ).transpose(0, 1)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 

@@ -44,6 +44,8 @@ def write_kv_torch(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_s
         key, value, slot_mapping = padding_as_first_kept(key, value, slot_mapping, keep)
     elif not bool(keep.all()):  # reading `keep` is free on the host, and dropping rows beats copying them
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    if k_scale is not None:
+        key = kv_quant.rotate(key)
     for x, cache, scales in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
         if scales is None:
             cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, x.to(cache.dtype))
@@ -143,10 +145,12 @@ def paged_attention_torch(
     native = cpu_native.supports_cache(query, k_cache)
     decodes, prefills = _plan(md, k_cache.shape[1], query.device, native)
     kv = (k_cache, v_cache, k_scale, v_scale)
+    if native and decodes is not None:  # the native kernel rotates the queries of a quantized cache itself
+        cpu_native.paged_decode(query, out, *kv, md.block_tables, md.seq_lens, *decodes, scale)
+    if k_scale is not None and (prefills or not native):  # its keys are stored rotated (kv_quant)
+        query = kv_quant.rotate(query).to(query.dtype)
     if not native:
         _decode_groups(query, out, *kv, decodes, scale)
-    elif decodes is not None:
-        cpu_native.paged_decode(query, out, *kv, md.block_tables, md.seq_lens, *decodes, scale)
     for p in prefills:
         q = query[p.rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         o = F.scaled_dot_product_attention(

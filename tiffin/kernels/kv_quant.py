@@ -4,8 +4,19 @@ A quantized cache is a codes tensor (`int8`, `float8_e4m3fn` or `float8_e5m2`) o
 `[num_blocks, block_size, num_kv_heads, head_dim]` and a scales tensor `[num_blocks, block_size, num_kv_heads]`
 in bf16 (fp32's range in two bytes: a head of 64 values costs 66 bytes against bf16's 128). A value is
 `code * scale`; each token's head is scaled by its own largest magnitude (symmetric), so fp8 needs no
-calibrated per-tensor scale and int8 no zero point. Every kernel that writes or reads a quantized cache
-matches `quantize` and `dequantize` here, the reference."""
+calibrated per-tensor scale and int8 no zero point.
+
+Keys are stored rotated: each key head times the normalized Hadamard matrix of its size (`rotate`, where
+head_dim is a power of two), and attention rotates the queries alike, which leaves every q.k as it was (the
+matrix is orthonormal). A few channels of a key head are often several times larger than the rest; one scale
+per head then spends its codes on them, and the rotation spreads them over all channels. SmolLM2-135M, 8k tokens
+of prose, int8: perplexity +0.16% without it, +0.03% with it; next token as the unquantized cache's at 98.2% and
+99.0% of positions (benchmarks/README.md). Values are stored as they are.
+
+Every kernel that writes or reads a quantized cache matches `rotate`, `quantize` and `dequantize` here, the
+reference."""
+
+import functools
 
 import torch
 
@@ -18,6 +29,28 @@ _SMALLEST_SCALE = torch.finfo(SCALE_DTYPE).tiny  # an all-zero head gets codes 0
 
 def is_quantized(cache: torch.Tensor) -> bool:
     return cache.dtype in CODE_MAX
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """`x` `[..., head_dim]` times the normalized Sylvester Hadamard matrix (entry (i, j): (-1)^popcount(i & j) /
+    sqrt(head_dim)), in fp32, by the butterflies of the native kernels in their order (bit for bit their result);
+    `x` as fp32 where head_dim is not a power of two."""
+    n = x.shape[-1]
+    y = x.float()
+    if n & (n - 1):
+        return y
+    h = 1
+    while h < n:
+        pairs = y.reshape(*x.shape[:-1], n // (2 * h), 2, h)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        y = torch.stack([a + b, a - b], -2).reshape(x.shape)
+        h *= 2
+    return y * _norm(n)
+
+
+@functools.cache
+def _norm(n: int) -> torch.Tensor:
+    return 1 / torch.tensor(float(n)).sqrt()  # in fp32, as the native kernels compute it
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

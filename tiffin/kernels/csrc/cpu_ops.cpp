@@ -87,6 +87,8 @@ void decode_task(const T* q, T* out, const C* k_cache, const C* v_cache, const b
     token_scales(vs, v_scale, offsets.data(), len, kv_first, kv_heads, num_kv_heads, head_dim);
   }
   for (int i = 0; i < heads * head_dim; ++i) qf[i] = to_float(q[i]) * scale;
+  if constexpr (is_code<C>)  // keys are stored rotated
+    for (int hq = 0; hq < heads; ++hq) hadamard(qf + hq * head_dim, head_dim);
   for (int t = 0; t < len; ++t) {
     const C* k = k_cache + offsets[t] + kv_first * head_dim;
     for (int hq = 0; hq < heads; ++hq) {
@@ -233,6 +235,8 @@ void decode_task_avx512(const T* q, T* out, const C* k_cache, const C* v_cache, 
   k_cache += kv_first * D;
   v_cache += kv_first * D;
   for (int i = 0; i < heads * D; ++i) qf[i] = to_float(q[i]);
+  if constexpr (is_code<C>)  // keys are stored rotated
+    for (int hq = 0; hq < heads; ++hq) hadamard(qf + hq * D, D);
   const __m512 scale16 = _mm512_set1_ps(scale);
   int t = 0;
   const int row_lines = kv_heads * D * static_cast<int>(sizeof(C)) / 64;
@@ -302,7 +306,7 @@ void decode(const void* query, int64_t query_row_stride, void* out, int64_t out_
 
 // Each token's K and V heads ([heads, head_dim] rows, `*_row_stride` elements apart) into cache slot `slots[t]`
 // (-1: none): copied, or quantized per head as kv_quant.quantize does (the largest magnitude over code_max, in bf16,
-// divides the values).
+// divides the values), keys rotated first (kv_quant.rotate).
 template <typename T, typename C>
 void write_kv(const T* key, int64_t key_row_stride, const T* value, int64_t value_row_stride, int64_t tokens,
               int heads, int head_dim, const int64_t* slots, C* k_cache, C* v_cache, bf16* k_scale, bf16* v_scale,
@@ -311,6 +315,7 @@ void write_kv(const T* key, int64_t key_row_stride, const T* value, int64_t valu
 #pragma omp parallel for num_threads(num_threads) if (tokens * row >= (1 << 16))
   for (int64_t t = 0; t < tokens; ++t) {
     if (slots[t] < 0) continue;
+    std::vector<float> xf(is_code<C> ? head_dim : 0);
     for (int side = 0; side < 2; ++side) {
       const T* x = side ? value + t * value_row_stride : key + t * key_row_stride;
       C* cache = (side ? v_cache : k_cache) + slots[t] * row;
@@ -319,12 +324,13 @@ void write_kv(const T* key, int64_t key_row_stride, const T* value, int64_t valu
       } else {
         bf16* scales = (side ? v_scale : k_scale) + slots[t] * heads;
         for (int h = 0; h < heads; ++h) {
-          const T* xh = x + h * head_dim;
+          for (int d = 0; d < head_dim; ++d) xf[d] = to_float(x[h * head_dim + d]);
+          if (side == 0) hadamard(xf.data(), head_dim);  // keys are stored rotated
           float amax = 0.f;
-          for (int d = 0; d < head_dim; ++d) amax = std::fmax(amax, std::fabs(to_float(xh[d])));
+          for (int d = 0; d < head_dim; ++d) amax = std::fmax(amax, std::fabs(xf[d]));
           const float s = to_float(from_float<bf16>(std::fmax(amax / code_max<C>(), 1.17549435e-38f)));
           scales[h] = from_float<bf16>(s);
-          for (int d = 0; d < head_dim; ++d) cache[h * head_dim + d] = encode<C>(to_float(xh[d]) / s);
+          for (int d = 0; d < head_dim; ++d) cache[h * head_dim + d] = encode<C>(xf[d] / s);
         }
       }
     }

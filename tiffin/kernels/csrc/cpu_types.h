@@ -100,6 +100,21 @@ C encode(float y) {  // y = value / scale, within +-code_max<C>() but for roundi
   if constexpr (std::is_same_v<C, e5m2>) return e5m2{float_to_fp8<2, 15>(c)};
 }
 
+// x [n] times the normalized Sylvester Hadamard matrix, in place, where n is a power of two (else unchanged): how a
+// quantized cache stores keys and how queries meet them (kv_quant.rotate, whose butterflies are these, in this order).
+inline void hadamard(float* x, int n) {
+  if (n & (n - 1)) return;
+  for (int h = 1; h < n; h *= 2)
+    for (int i = 0; i < n; i += 2 * h)
+      for (int j = i; j < i + h; ++j) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+  const float norm = 1.f / std::sqrt(static_cast<float>(n));
+  for (int i = 0; i < n; ++i) x[i] *= norm;
+}
+
 template <typename C>
 constexpr bool is_code = std::is_same_v<C, i8> || std::is_same_v<C, e4m3> || std::is_same_v<C, e5m2>;
 
