@@ -49,8 +49,9 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _norm(n: int) -> torch.Tensor:
-    return 1 / torch.tensor(float(n)).sqrt()  # in fp32, as the native kernels compute it
+def _norm(n: int) -> float:
+    """1 / sqrt(n) computed in fp32, as the native kernels compute it (a float, not a tensor: no device copy)."""
+    return float(1 / torch.tensor(float(n)).sqrt())
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
