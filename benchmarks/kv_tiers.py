@@ -6,8 +6,11 @@ engine without it, in one process.
     meanwhile), with it the chat's blocks come back from host memory. Reports prefill tokens computed both ways,
     their ratio, the tier's most bytes in use against the setting, wall time; outputs must be identical.
 (b) Swap: long generations on a pool too small for them all, so that sequences are preempted every few steps:
-    recompute (computing their tokens again) against swap (their blocks copied to host and back). Reports
-    preemptions, prefill tokens computed, wall time; outputs must be identical.
+    recompute (computing their tokens again) against swap (their blocks copied to host and back), and both
+    against a pool that holds them all (no preemption). Reports preemptions, prefill tokens computed, steps, wall
+    time, and whether the outputs are the unpreempted run's: swap keeps the KV the decodes computed, while a
+    recompute's prefill may round it otherwise (quantized weights on CPU: prompt-sized steps compute in bf16 dot
+    products, decodes at 15 bits), which can turn a greedy choice.
 
     python benchmarks/kv_tiers.py --model DIR|FILE.gguf [--dtype bfloat16]
     python benchmarks/kv_tiers.py --smollm2                                # SmolLM2-135M-Instruct Q4_1 from PyPI
@@ -25,18 +28,20 @@ from tiffin import LLM, SamplingParams
 BLOCK = 16
 
 
-def drive(engine, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], int]:
-    """Run `prompts` to the end: their output tokens, in order, and the most host KV bytes in use on the way."""
+def drive(engine, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], int, int]:
+    """Run `prompts` to the end: their output tokens, in order, the most host KV bytes in use on the way, and the
+    steps taken."""
     first = engine.stats().prompt_tokens  # unique request ids across calls
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{first}-{i}", {"prompt_token_ids": prompt}, params)
-    outputs, most_host_bytes = {}, 0
+    outputs, most_host_bytes, steps = {}, 0, 0
     while engine.has_unfinished_requests():
+        steps += 1
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = out.outputs[0].token_ids
         most_host_bytes = max(most_host_bytes, engine.stats().host_kv_bytes_used)
-    return [outputs[f"{first}-{i}"] for i in range(len(prompts))], most_host_bytes
+    return [outputs[f"{first}-{i}"] for i in range(len(prompts))], most_host_bytes, steps
 
 
 def chats(args, vocab: int) -> tuple[list[list[int]], list[int]]:
@@ -55,7 +60,7 @@ def run_chats(args, tier_bytes: int, pool_blocks: int) -> dict:
     start = time.perf_counter()
     for turn in range(args.turns):
         prompts = [h + user_turns[turn * args.chats + i] for i, h in enumerate(histories)]
-        answers, host_bytes = drive(engine, prompts, params)
+        answers, host_bytes, _ = drive(engine, prompts, params)
         histories = [p + a for p, a in zip(prompts, answers)]
         outputs += answers
         most = max(most, host_bytes)
@@ -71,18 +76,18 @@ def run_chats(args, tier_bytes: int, pool_blocks: int) -> dict:
     }
 
 
-def run_preempting(args, mode: str) -> dict:
-    llm = LLM(args.model, dtype=args.dtype, block_size=BLOCK, num_kv_blocks=args.swap_pool_blocks, preemption_mode=mode)
+def run_preempting(args, mode: str, pool_blocks: int) -> dict:
+    llm = LLM(args.model, dtype=args.dtype, block_size=BLOCK, num_kv_blocks=pool_blocks, preemption_mode=mode)
     engine = llm.llm_engine
     rng = random.Random(args.seed + 1)
     vocab = vocab_size(args.model)
     prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(*args.gen_prompt_len))] for _ in range(args.gen_n)]
     params = SamplingParams(temperature=0, max_tokens=args.gen_output_len, ignore_eos=True)
     start = time.perf_counter()
-    outputs, most = drive(engine, prompts, params)
+    outputs, most, steps = drive(engine, prompts, params)
     stats = engine.stats()
     return {
-        "mode": mode,
+        "steps": steps,
         "outputs": outputs,
         "preemptions": stats.num_preemptions,
         "swapped": stats.swapped_out_seqs,
@@ -160,21 +165,25 @@ def main(argv: list[str] | None = None) -> None:
         f"tier bytes max {most} <= setting {tier_bytes}: {most <= tier_bytes}\n"
     )
 
-    recompute, swapped = run_preempting(args, "recompute"), run_preempting(args, "swap")
+    recompute, swapped = (run_preempting(args, mode, args.swap_pool_blocks) for mode in ("recompute", "swap"))
+    roomy_blocks = args.gen_n * -(-(args.gen_prompt_len[1] + args.gen_output_len) // BLOCK)
+    roomy = run_preempting(args, "recompute", roomy_blocks)  # the reference: no preemption
     print(
         f"(b) swap: {args.gen_n} requests, {args.gen_prompt_len[0]}-{args.gen_prompt_len[1]}-token prompts, "
         f"{args.gen_output_len} output tokens, {args.dtype}; device pool {args.swap_pool_blocks} blocks of {BLOCK}\n"
     )
     rows = [
         {
-            "preemption": r["mode"],
+            "preemption": name,
             "preemptions": r["preemptions"],
             "swapped out": r["swapped"],
             "prefill tokens": r["prefill"],
             "swap bytes max": r["most_host_bytes"],
+            "steps": r["steps"],
             "wall s": f"{r['wall_s']:.2f}",
+            "outputs = unpreempted run's": r["outputs"] == roomy["outputs"],
         }
-        for r in (recompute, swapped)
+        for name, r in (("recompute", recompute), ("swap", swapped), (f"none ({roomy_blocks} blocks)", roomy))
     ]
     print(markdown_table(rows))
     print(

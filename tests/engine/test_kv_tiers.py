@@ -146,3 +146,41 @@ def test_aborting_a_swapped_request_frees_its_host_blocks(path):
     while llm.has_unfinished_requests():
         llm.step()
     assert llm.block_manager.swap.num_used_blocks == 0 and llm.stats().kv_blocks_used == 0
+
+
+def test_a_swapped_sequence_keeps_its_grammar(path, monkeypatch):
+    """Structured outputs across preemption by swap: the grammar's state stays (only recompute drops it), and the
+    outputs are an unpreempted run's."""
+    pytest.importorskip("xgrammar")
+    from tiffin import StructuredOutputsParams
+    from tiffin.engine.structured.backend import GrammarState
+
+    schema = {"type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string"}}}
+    so = StructuredOutputsParams(json=schema | {"required": ["id", "name"]})
+    params = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=so)] * 6
+    prompts = [f"Record {i} as JSON, then stop." for i in range(6)]
+    want = [o.outputs[0].text for o in LLM(path, num_kv_blocks=256).generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setattr(GrammarState, "drop", lambda self: pytest.fail("a swapped sequence's grammar was dropped"))
+    tight = LLM(path, num_kv_blocks=30, block_size=4, preemption_mode="swap", swap_space=0.01)
+    got = [o.outputs[0].text for o in tight.generate(prompts, params, use_tqdm=False)]
+    assert tight.llm_engine.stats().swapped_out_seqs > 0 and got == want
+
+
+@pytest.fixture(scope="module")
+def on_cpu(path):
+    """A preempting workload and its outputs on the CPU (before the CUDA emulation, which a CPU engine cannot run
+    under)."""
+    requests = preempting_workload(2048, num=6, max_tokens=30)
+    return requests, drive(engine(path, num_kv_blocks=12), requests)[0]
+
+
+def test_copies_on_the_cuda_path(path, on_cpu, cuda_emulation):
+    """Emulated CUDA (torch kernels): pinned host blocks, copies on the side stream; the outputs are the CPU's."""
+    requests, want = on_cpu
+    args = dict(device="cuda", kernel_backend="torch", enforce_eager=True, max_model_len=128, num_kv_blocks=12)
+    cuda = engine(path, preemption_mode="swap", swap_space=0.01, kv_offload_memory=1 << 20, **args)
+    assert all(cuda_emulation.is_pinned(t) for t in cuda.model_runner.host_kv)
+    assert drive(cuda, requests)[0] == want
+    assert drive(cuda, requests)[0] == want  # the second time, prefixes come back from the host tier
+    stats = cuda.stats()
+    assert stats.swapped_out_seqs > 0 and stats.host_tier_hits > 0, stats

@@ -100,10 +100,12 @@ tokens = st.lists(st.integers(0, 2), min_size=1, max_size=20)  # tiny alphabet: 
 def test_copies_keep_every_block_what_its_hash_says(ops, num_blocks, tier_blocks, swap_blocks):
     """Random admissions (device hits, then host-tier hits), frees, swaps out and in, several per step: after each
     step's copies and forward, every cached block (device or host tier) and every live sequence's block holds
-    the KV of its hash; the bookkeeping's invariants hold throughout; the tier never exceeds its blocks."""
+    the KV of its hash; the bookkeeping's invariants hold throughout; the tier never exceeds its blocks. As in the
+    scheduler, a sequence admitted or swapped in is neither freed nor swapped out before its step runs."""
     bm = BlockManager(num_blocks, BLOCK, host_tier_blocks=tier_blocks, swap_blocks=swap_blocks)
     contents, live, swapped, computed = Contents(), [], [], []
     for i, (op, prompt) in enumerate(ops):
+        settled = [s for s in live if s.num_computed_tokens == s.num_tokens]  # their step ran
         if op == "admit":
             seq = make_seq(prompt)
             cached = bm.get_computed_blocks(seq)
@@ -114,18 +116,20 @@ def test_copies_keep_every_block_what_its_hash_says(ops, num_blocks, tier_blocks
                 seq.num_computed_tokens = num_cached
                 live.append(seq)
                 computed.append((seq, len(cached) + len(loaded)))
-        elif op == "free" and live:
-            seq = live.pop(len(prompt) % len(live))
-            computed = [(s, b) for s, b in computed if s is not seq]  # aborted before its step ran
-            bm.forget_uncomputed(seq)
+        elif op == "free" and settled:
+            seq = settled[len(prompt) % len(settled)]
+            live.remove(seq)
             bm.free_seq(seq)
-        elif op == "swap_out" and live:
-            seq = live[len(prompt) % len(live)]
-            if seq.num_computed_tokens == seq.num_tokens and bm.swap_out(seq):
+        elif op == "swap_out" and settled:
+            seq = settled[len(prompt) % len(settled)]
+            if bm.swap_out(seq):
                 live.remove(seq)
                 swapped.append(seq)
         elif op == "swap_in" and swapped and bm.swap_in(swapped[0], 0):
-            live.append(swapped.pop(0))
+            seq = swapped.pop(0)
+            seq.num_computed_tokens -= 1  # settled once its step ran
+            live.append(seq)
+            computed.append((seq, len(seq.block_table)))
         bm.check_invariants(live + swapped)
         if i % 3 == 2:
             contents.run_step(bm, computed)
@@ -174,3 +178,21 @@ def test_check_invariants_covers_the_host_tiers():
     seq.swap_blocks = [2]
     with pytest.raises(AssertionError, match="swap block"):
         bm.check_invariants([seq])
+
+
+def test_a_host_block_loaded_in_a_step_is_not_overwritten_in_it():
+    """A one-block tier: an admission loads its prefix from it while its allocation evicts another hashed block;
+    that block is not offloaded over the one being read (offloads run first)."""
+    bm = BlockManager(2, BLOCK, host_tier_blocks=1)
+    for tokens in (range(5), range(100, 105)):  # the second evicts the first's full block to the tier
+        seq = make_seq(list(tokens))
+        assert bm.allocate_slots(seq, 5)
+        seq.num_computed_tokens = 5
+        bm.free_seq(seq)
+    assert bm.take_copies().offloads == [(0, 0)]
+    again = make_seq(list(range(5)))
+    loaded = bm.get_offloaded_blocks(again, 0)
+    assert loaded == [0] and bm.allocate_slots(again, 1, [], loaded)
+    copies = bm.take_copies()
+    assert copies.offloads == [] and copies.loads == [(0, again.block_table[0])]
+    bm.check_invariants([again])

@@ -159,7 +159,8 @@ class BlockManager:
         host_blocks = None if self.swap is None or not num_blocks else self.swap.allocate(num_blocks)
         if host_blocks is None:
             return False
-        self.pending.offloads += zip(seq.block_table, host_blocks)
+        for block, host_block in zip(seq.block_table, host_blocks):
+            self._offload(block, host_block)
         self.free_seq(seq)
         seq.swap_blocks = host_blocks
         return True
@@ -222,9 +223,13 @@ class BlockManager:
                 del self.cached[old]
             host_block = None if self.tier is None else self.tier.store(old)
             if host_block is not None:
-                self.pending.offloads.append((block, host_block))
+                self._offload(block, host_block)
         self.ref_cnt[block] = 1
         return block
+
+    def _offload(self, block: int, host_block: int) -> None:
+        assert all(block != loaded for _, loaded in self.pending.loads), "a block loaded this step is offloaded in it"
+        self.pending.offloads.append((block, host_block))
 
     def _cache_full_blocks(self, seq: Sequence, num_full_blocks: int) -> None:
         hashes = self._hashes(seq, num_full_blocks)

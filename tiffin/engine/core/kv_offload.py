@@ -6,7 +6,9 @@ Host block ids: the tier's are 0..tier_blocks-1, the swap region's follow; the w
 A step's copies (`KVCopies`, taken from the BlockManager once the step is scheduled) run in this order, before the
 forward: every offload (device -> host), then every load (host -> device). Hence:
 - a device block evicted or swapped out, then reallocated in the same step, is read before a load or the forward
-  writes it; a device block a load writes is held by a sequence, so no offload of the step reads it;
+  writes it. A device block a load writes is held by the sequence admitted or swapped in with it, which is
+  neither freed nor preempted before the step's forward (the scheduler preempts before it admits), so no offload
+  of the step reads it (`BlockManager._offload` asserts it);
 - a host block that the step's copies read or write is pinned until they are taken: it is neither dropped from the
   tier nor reused, so no offload overwrites what a load of the same step reads, and no two offloads of a step write
   one host block (a load may read what an offload of its step wrote: offloads run first).
