@@ -105,6 +105,20 @@ def test_swap_resumes_preempted_sequences_without_recompute(path):
     assert drive(tight, requests)[0] == want and tight.stats().swapped_out_seqs < stats.swapped_out_seqs
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_quantized_caches_move_codes_and_scales(path, kv_cache_dtype):
+    """A quantized cache's blocks are codes and scales, two tensors: both go to the host tiers and back. The
+    workload runs twice: preempted by swap, then its prefixes found in the host tier."""
+    plain = engine(path, num_kv_blocks=12, kv_cache_dtype=kv_cache_dtype)
+    requests = preempting_workload(plain.model_config.vocab_size)
+    want = [drive(plain, requests)[0], drive(plain, requests)[0]]
+    tiers = dict(preemption_mode="swap", swap_space=0.01, kv_offload_memory=1 << 20)
+    tiered = engine(path, num_kv_blocks=12, kv_cache_dtype=kv_cache_dtype, **tiers)
+    assert len(tiered.model_runner.host_kv) == 2
+    assert [drive(tiered, requests)[0], drive(tiered, requests)[0]] == want
+    assert tiered.stats().swapped_out_seqs > 0 and tiered.stats().host_tier_hits > 0
+
+
 def test_thousands_of_short_requests_leave_no_block_held(path):
     """2,000 short requests over a few shared prefixes, swap and the host tier on, the pool forcing preemptions:
     afterwards every device block and every swap block is free (host-tier blocks stay: they are a cache)."""

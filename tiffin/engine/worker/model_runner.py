@@ -160,22 +160,26 @@ class ModelRunner:
 
     def _copy(self, copies: KVCopies, device: torch.device) -> None:
         pinned = device.type == "cuda"
+        # fp8 codes as bytes: torch has no CPU index_copy_ for float8
+        pool, host_pool = (
+            [t.view(torch.uint8) if t.dtype.itemsize == 1 else t for t in ts] for ts in (self.kv_tensors, self.host_kv)
+        )
         if copies.offloads:
             src, dst = (torch.tensor(ids) for ids in zip(*copies.offloads))
             src = src.to(device)
-            gathered = [kv.index_select(2, src) for kv in self.kv_tensors]
+            gathered = [kv.index_select(2, src) for kv in pool]
             if pinned:
                 staged = [torch.empty(g.shape, dtype=g.dtype, pin_memory=True) for g in gathered]
                 for host, g in zip(staged, gathered):
                     host.copy_(g, non_blocking=True)
                 self.copy_stream.synchronize()
                 gathered = staged
-            for host, g in zip(self.host_kv, gathered):
+            for host, g in zip(host_pool, gathered):
                 host.index_copy_(2, dst, g)
         if copies.loads:
             src, dst = (torch.tensor(ids) for ids in zip(*copies.loads))
             dst = dst.to(device)
-            for kv, host in zip(self.kv_tensors, self.host_kv):
+            for kv, host in zip(pool, host_pool):
                 blocks = host.index_select(2, src)
                 kv.index_copy_(2, dst, blocks.pin_memory().to(device, non_blocking=True) if pinned else blocks)
 
