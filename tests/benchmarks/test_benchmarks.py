@@ -62,6 +62,9 @@ def runs(env, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
             "serve.py vllm": ["serve.py", "--model", tiny, "--vllm-python", sys.executable],
             "prefix.py": ["prefix.py", "--make-model", str(tmp / "llama-40m"), "--n", "2", "--system-len", "32"]
             + ["--question-len", "8", "--output-len", "2"],
+            "kv_tiers.py": ["kv_tiers.py", "--model", tiny, "--chats", "2", "--turns", "2", "--history-len", "32"]
+            + ["--user-len", "8", "--output-len", "2", "--gen-n", "3", "--gen-prompt-len", "8", "16"]
+            + ["--gen-output-len", "24", "--swap-pool-blocks", "3"],
             "hostile.py": ["hostile.py", "--rounds", "1"],
             "soak.py": ["soak.py", "--requests", "40", "--warmup", "16", "--concurrency", "4"],
             "kernels.py": ["kernels.py", "--quick"],
@@ -111,6 +114,14 @@ def test_prefix(runs):
     run = runs["prefix.py"]
     assert run.returncode == 0, output(run)
     assert "\n| off |" in run.stdout and "\n| on |" in run.stdout and "peak blocks on/off" in run.stdout, output(run)
+
+
+def test_kv_tiers(runs):
+    run = runs["kv_tiers.py"]
+    assert run.returncode == 0, output(run)
+    for row in ("\n| off |", "\n| on |", "\n| recompute |", "\n| swap |"):
+        assert row in run.stdout, output(run)
+    assert run.stdout.count("outputs identical: True") == 2 and "<= setting" in run.stdout, output(run)
 
 
 def test_hostile(runs):

@@ -321,6 +321,17 @@ def test_metrics(server, client):
     for name in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
         assert after[f"tiffin_{name}_count"] == before[f"tiffin_{name}_count"] + 1
     assert "tiffin_preemptions_total" in after and after["tiffin_requests_waiting"] == 0
+    assert after["tiffin_kv_cache_bytes_per_token"] > 0 and after["tiffin_requests_swapped"] == 0
+    assert after["tiffin_prefill_tokens_total"] > before.get("tiffin_prefill_tokens_total", 0)
+    assert after["tiffin_prefix_cache_queries_total"] >= after["tiffin_prefix_cache_hits_total"]
+    for name in (
+        "prefix_cache_host_hits",
+        "prefix_cache_host_evictions",
+        "swapped_out_sequences",
+        "swapped_in_sequences",
+    ):
+        assert f"tiffin_{name}_total" in after
+    assert "tiffin_host_kv_cache_bytes_used" in after
 
 
 def test_structured_outputs_and_tools_through_the_bento(server, client):

@@ -241,15 +241,21 @@ def mixed_request(rng: random.Random, vocab: int) -> tuple[dict, SamplingParams]
     return {"prompt_token_ids": prompt}, SamplingParams(**params, **common)
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
-def test_no_block_leaks_after_many_mixed_requests(tiny_model, monkeypatch, method):
+@pytest.mark.parametrize(
+    "method, host_tiers",
+    [("ngram", False), ("suffix", False), ("draft_model", False), ("ngram", True)],
+    ids=["ngram", "suffix", "draft_model", "ngram-swap-offload"],
+)
+def test_no_block_leaks_after_many_mixed_requests(tiny_model, monkeypatch, method, host_tiers):
     """700 requests a method (2,100 in all): greedy, seeded, sampled, n=2, logprobs, stop ids, some aborted while
     they run, on a pool small enough to preempt and in chunked prefills; the block invariants checked after every
-    step; every block back once idle, the draft's too."""
+    step; every block back once idle, the draft's too (and, preempting by swap beside the host tier, every swap
+    block)."""
     monkeypatch.setenv("TIFFIN_CHECK_INVARIANTS", "1")
     path = tiny_model("llama")
     spec = {**SPECS.get(method, {"method": method, **ALWAYS}), "model": str(path) if method == "draft_model" else None}
-    llm = LLM(str(path), dtype="float32", speculative_config=spec, num_kv_blocks=24, max_num_batched_tokens=64)
+    tiers = dict(preemption_mode="swap", swap_space=0.001, kv_offload_memory=1 << 20) if host_tiers else {}
+    llm = LLM(str(path), dtype="float32", speculative_config=spec, num_kv_blocks=24, max_num_batched_tokens=64, **tiers)
     engine, rng, live, added = llm.llm_engine, random.Random(method), set(), 0
     while added < 700 or engine.has_unfinished_requests():
         while added < 700 and len(live) < 16:
@@ -260,6 +266,9 @@ def test_no_block_leaks_after_many_mixed_requests(tiny_model, monkeypatch, metho
         live -= {o.request_id for o in outputs if o.finished}
     stats = engine.stats()
     assert stats.kv_blocks_used == 0 and stats.num_preemptions > 0 and stats.spec_accepted_tokens > 0, stats
+    if host_tiers:
+        assert stats.swapped_out_seqs > 0 and stats.host_tier_evictions > 0, stats
+        assert engine.block_manager.swap.num_used_blocks == 0
     engine.proposer.propose([])  # forgets the sequences gone since its last round
     if method == "draft_model":
         assert engine.proposer.block_manager.num_used_blocks == 0

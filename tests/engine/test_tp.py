@@ -93,6 +93,28 @@ def test_outputs_match_tp1(arch, overrides, engine_args, tmp_path):
         assert stats.num_preemptions > 0 or not engine_args
 
 
+def test_host_tiers_match_tp1(tiny_model):
+    """Preemption by swap and the prefix cache's host tier: every rank copies its share of the KV. The batch runs
+    twice, a prompt filling the pool between: the second time its prefixes come back from the tier."""
+    path, args = str(tiny_model("llama")), dict(dtype="float32", num_kv_blocks=10, preemption_mode="swap")
+    args |= dict(swap_space=0.001, kv_offload_memory=1 << 20)
+    filler = {"prompt_token_ids": list(range(100, 250))}
+
+    def twice(llm: LLM) -> list:
+        first = run(llm, 2048)
+        llm.generate(filler, SamplingParams(max_tokens=1), use_tqdm=False)
+        return [first, run(llm, 2048)]
+
+    expected = twice(LLM(path, **args))
+    llm = LLM(path, tensor_parallel_size=2, distributed_timeout=30, **args)
+    try:
+        got, stats = twice(llm), llm.llm_engine.stats()
+    finally:
+        llm.shutdown()
+    assert got == expected and expected[0][:-1] == expected[1][:-1]  # the last draws from the engine's stream
+    assert stats.swapped_out_seqs > 0 and stats.host_tier_hits > 0, stats
+
+
 @pytest.mark.parametrize("name", ["awq-g64", "gptq-4bit-g128-actorder-asym-v2"])
 def test_quantized_outputs_match_tp1(name):
     """act-order g128: each rank's 64 rows of o_proj hold parts of groups, padded to whole ones."""

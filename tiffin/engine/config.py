@@ -90,7 +90,8 @@ class EngineConfig:
     kv_offload_memory: int = _setting(
         0,
         "bytes of host memory holding prefix-cache blocks evicted from the KV pool (least recently used dropped "
-        "first); a request whose prefix is found there has it copied back instead of recomputed. 0: off",
+        "first); a request whose prefix is found there has it copied back instead of recomputed. 0: off. Each "
+        "tensor-parallel rank holds this much for its share of the KV",
     )
     preemption_mode: str = _setting(
         "recompute",
@@ -98,7 +99,9 @@ class EngineConfig:
         "computed again when it resumes) or swap (its blocks are copied to host memory, swap_space, and back when it "
         "resumes; recompute when that is full)",
     )
-    swap_space: float = _setting(4.0, "GiB of host memory for swapped-out requests' KV blocks (preemption_mode swap)")
+    swap_space: float = _setting(
+        4.0, "GiB of host memory for swapped-out requests' KV blocks (preemption_mode swap; per tensor-parallel rank)"
+    )
     gpu_memory_utilization: float = _setting(0.9, "share of the GPU's memory for weights, activations and KV cache")
     max_num_seqs: int = _setting(256, "sequences one step may batch")
     max_num_batched_tokens: int = _setting(4096, "tokens one step may compute, prefill chunks and decodes together")

@@ -110,7 +110,10 @@ class LLMEngine:
         )
         # an encoder's KV depends on the tokens after it: never a prefix to reuse
         prefix_caching = config.enable_prefix_caching and self.model_config.causal
-        self.block_manager = BlockManager(self.model_runner.num_blocks, config.block_size, prefix_caching)
+        tier_blocks, swap_blocks = self.model_runner.num_host_blocks
+        self.block_manager = BlockManager(
+            self.model_runner.num_blocks, config.block_size, prefix_caching, tier_blocks, swap_blocks
+        )
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         spec = config.speculative_config
         self.proposer = None if spec is None else make_proposer(spec, config, self.model_runner)
@@ -185,6 +188,7 @@ class LLMEngine:
             return failed
         if self.proposer is not None:
             self._speculate(scheduler_output)
+        scheduler_output.copies = self.block_manager.take_copies()
         scheduler_output, sampled = self._execute(scheduler_output)
         if not scheduler_output.seqs:
             self._probe()
@@ -195,7 +199,8 @@ class LLMEngine:
             self._decode_logprobs(seq)
         changed, self._failed = [*self._failed, *(s.request_id for s in seqs)], []
         if self.check_invariants:
-            self.block_manager.check_invariants([*self.scheduler.running, *self.scheduler.waiting])
+            sched = self.scheduler
+            self.block_manager.check_invariants([*sched.running, *sched.waiting, *sched.swapped])
         return failed + [self._output(self.requests[rid]) for rid in dict.fromkeys(changed) if rid in self.requests]
 
     def _speculate(self, scheduler_output: SchedulerOutput) -> None:
@@ -253,7 +258,7 @@ class LLMEngine:
         seq = Sequence("probe", 0, [0], SamplingParams(temperature=0, max_tokens=1), 1)
         if not self.block_manager.allocate_slots(seq, 1):
             return
-        probe = SchedulerOutput()
+        probe = SchedulerOutput(copies=self.block_manager.take_copies())  # before its forward writes the block
         probe.add(seq, 1)
         try:
             self.model_runner.execute(probe)
@@ -337,15 +342,24 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def stats(self) -> EngineStats:
-        bm = self.block_manager
+        bm, kv_spec = self.block_manager, self.model_runner.kv_spec
+        host_blocks = sum(pool.num_used_blocks for pool in (bm.tier, bm.swap) if pool is not None)
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
+            num_swapped=len(self.scheduler.swapped),
             kv_blocks_total=bm.num_blocks,
             kv_blocks_used=bm.num_used_blocks,
+            kv_bytes_per_token=kv_spec.bytes_per_token,
+            host_kv_bytes_used=host_blocks * kv_spec.bytes_per_block,
             num_preemptions=self.scheduler.num_preemptions,
+            swapped_out_seqs=self.scheduler.num_swapped_out,
+            swapped_in_seqs=self.scheduler.num_swapped_in,
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
+            host_tier_hits=bm.host_tier_hits,
+            host_tier_evictions=0 if bm.tier is None else bm.tier.evictions,
+            prefill_tokens=self.scheduler.num_prefill_tokens,
             prompt_tokens=self.num_prompt_tokens,
             pooling_requests=self.num_pooling_requests,
             pooling_tokens=self.num_pooling_tokens,

@@ -54,6 +54,14 @@ class EngineStats:
     spec_drafts: int = 0  # speculative decoding: decodes that verified proposals
     spec_draft_tokens: int = 0  # proposals verified
     spec_accepted_tokens: int = 0  # proposals accepted
+    num_swapped: int = 0  # sequences preempted by swap, waiting to be swapped in
+    kv_bytes_per_token: int = 0  # K and V of one token, every layer (this rank's share under tensor parallelism)
+    host_kv_bytes_used: int = 0  # host memory holding KV blocks: the prefix cache's host tier and swapped sequences
+    swapped_out_seqs: int = 0  # preemptions by swap (the others recompute)
+    swapped_in_seqs: int = 0  # swapped sequences resumed
+    host_tier_hits: int = 0  # prompt tokens loaded from the prefix cache's host tier (also in prefix_cache_hits)
+    host_tier_evictions: int = 0  # blocks dropped from the host tier to make room
+    prefill_tokens: int = 0  # tokens computed before each sequence's newest one: prompts and recomputes
 
 
 @dataclass

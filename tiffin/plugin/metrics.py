@@ -29,10 +29,34 @@ class EngineMetrics:
         self.embedding_kv_blocks_total = gauge(
             "tiffin_embedding_kv_cache_blocks_total", "KV cache blocks in the embedding engine's pool."
         )
+        self.requests_swapped = gauge("tiffin_requests_swapped", "Sequences preempted by swap, waiting to resume.")
+        self.host_kv_bytes_used = gauge(
+            "tiffin_host_kv_cache_bytes_used", "Host memory holding KV blocks: the prefix cache's host tier, swap."
+        )
+        self.kv_bytes_per_token = Gauge(  # a property of the model: the same in every worker
+            "tiffin_kv_cache_bytes_per_token",
+            "KV cache bytes of one token, every layer (a rank's share under tensor parallelism).",
+            multiprocess_mode="max",
+        )
         # prometheus_client appends _total
+        self.prefix_cache_queries = Counter(
+            "tiffin_prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_cache_hits = Counter("tiffin_prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.host_tier_hits = Counter(
+            "tiffin_prefix_cache_host_hits", "Prompt tokens loaded from the prefix cache's host tier (also hits)."
+        )
+        self.host_tier_evictions = Counter(
+            "tiffin_prefix_cache_host_evictions", "Blocks dropped from the prefix cache's host tier to make room."
+        )
+        self.prefill_tokens = Counter(
+            "tiffin_prefill_tokens", "Tokens computed before each sequence's newest one: prompts and recomputes."
+        )
+        self.swapped_out = Counter("tiffin_swapped_out_sequences", "Sequences preempted by swap (KV copied to host).")
+        self.swapped_in = Counter("tiffin_swapped_in_sequences", "Swapped sequences resumed (KV copied back).")
         self.prompt_tokens = Counter("tiffin_prompt_tokens", "Prompt tokens of accepted requests.")
         self.generation_tokens = Counter("tiffin_generation_tokens", "Generated tokens.")
-        self.preemptions = Counter("tiffin_preemptions", "Sequences preempted (recomputed later).")
+        self.preemptions = Counter("tiffin_preemptions", "Sequences preempted (recomputed or swapped).")
         self.embedding_requests = Counter(
             "tiffin_embedding_requests",
             "Inputs embedded or scored (pooling requests: /v1/embeddings, /v1/score, /v1/rerank, the typed APIs).",
@@ -64,7 +88,17 @@ class EngineMetrics:
         self.waiting.set(stats.num_waiting)
         self.kv_blocks_used.set(stats.kv_blocks_used)
         self.kv_blocks_total.set(stats.kv_blocks_total)
+        self.requests_swapped.set(stats.num_swapped)
+        self.host_kv_bytes_used.set(stats.host_kv_bytes_used)
+        self.kv_bytes_per_token.set(stats.kv_bytes_per_token)
         self._advance("model", self.prompt_tokens, stats.prompt_tokens)
+        self._advance("model", self.prefix_cache_queries, stats.prefix_cache_queries)
+        self._advance("model", self.prefix_cache_hits, stats.prefix_cache_hits)
+        self._advance("model", self.host_tier_hits, stats.host_tier_hits)
+        self._advance("model", self.host_tier_evictions, stats.host_tier_evictions)
+        self._advance("model", self.prefill_tokens, stats.prefill_tokens)
+        self._advance("model", self.swapped_out, stats.swapped_out_seqs)
+        self._advance("model", self.swapped_in, stats.swapped_in_seqs)
         self._advance("model", self.generation_tokens, stats.generation_tokens)
         self._advance("model", self.preemptions, stats.num_preemptions)
         self._advance("model", self.embedding_requests, stats.pooling_requests)  # the model may be a pooling one

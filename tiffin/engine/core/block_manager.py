@@ -10,6 +10,15 @@ Invariants kept here:
   are needed.
 - Hashes cover a sequence's tokens only, never proposals beyond them (speculative decoding): slots a step
   fills for proposals that are then rejected are written again before a hash can cover them.
+- Host tier (`kv_offload.HostTier`, with prefix caching): a hashed block reallocated has its contents offloaded
+  to the tier first, unless the tier holds its hash already. An admission's prefix continues past its device hits
+  with the tier's blocks of the following hashes, loaded into fresh device blocks that take their hash again;
+  both count as prefix-cache hits (the last token still recomputed).
+- Swap (`kv_offload.SwapSpace`): a sequence holds device blocks or swap blocks, never both; a swapped-out one
+  keeps its num_computed_tokens, its swap blocks holding the blocks of those tokens until it is swapped in (or
+  freed).
+- Every copy between device and host goes through `pending`, taken once per step (`take_copies`), in the order
+  and with the pinning `kv_offload` states.
 """
 
 import hashlib
@@ -17,6 +26,7 @@ from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
 
+from tiffin.engine.core.kv_offload import HostTier, KVCopies, SwapSpace
 from tiffin.engine.core.sequence import Sequence
 
 
@@ -27,7 +37,16 @@ def hash_block(parent: bytes, token_ids: list[int], extra_key: bytes = b"") -> b
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        host_tier_blocks: int = 0,
+        swap_blocks: int = 0,
+    ):
+        """`host_tier_blocks`: host blocks of the prefix cache's tier (ids 0..), `swap_blocks` those of the swap
+        region (the ids after them); 0: none."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -36,7 +55,11 @@ class BlockManager:
         self.cached: dict[bytes, int] = {}  # hash -> block id
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.prefix_cache_queries = 0  # tokens looked up
-        self.prefix_cache_hits = 0  # tokens found
+        self.prefix_cache_hits = 0  # tokens found, host-tier hits included
+        self.host_tier_hits = 0  # tokens loaded from the host tier
+        self.tier = HostTier(host_tier_blocks) if host_tier_blocks and enable_prefix_caching else None
+        self.swap = SwapSpace(host_tier_blocks, swap_blocks) if swap_blocks else None
+        self.pending = KVCopies()  # the copies of the step being scheduled
 
     @property
     def num_free_blocks(self) -> int:
@@ -61,10 +84,27 @@ class BlockManager:
             blocks.append(block)
         return blocks
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
+    def get_offloaded_blocks(self, seq: Sequence, num_computed_blocks: int) -> list[int]:
+        """The host-tier blocks (pinned) of the hashes that follow `seq`'s first `num_computed_blocks` blocks, as
+        far as the tier holds them, stopping short of its last token."""
+        if self.tier is None:
+            return []
+        blocks = []
+        for block_hash in self._hashes(seq, (seq.num_tokens - 1) // self.block_size)[num_computed_blocks:]:
+            block = self.tier.lookup(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def allocate_slots(
+        self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = (), loaded: list[int] = ()
+    ) -> bool:
         """Extend `seq`'s block table to hold its computed tokens, `computed_blocks` (prefix-cache hits for a
-        sequence being admitted) and `num_new_tokens` more. False, changing nothing, if the pool is short."""
-        num_tokens = max(seq.num_computed_tokens, len(computed_blocks) * self.block_size) + num_new_tokens
+        sequence being admitted), the host-tier blocks `loaded` (their hits after those, copied into fresh device
+        blocks) and `num_new_tokens` more. False, changing nothing, if the pool is short."""
+        num_loaded = len(computed_blocks) + len(loaded)
+        num_tokens = max(seq.num_computed_tokens, num_loaded * self.block_size) + num_new_tokens
         num_new_blocks = self.blocks_needed(num_tokens) - len(seq.block_table) - len(computed_blocks)
         reclaimed = sum(1 for b in computed_blocks if self.ref_cnt[b] == 0)
         if num_new_blocks > len(self.free) - reclaimed:
@@ -74,11 +114,17 @@ class BlockManager:
                 del self.free[block]
             self.ref_cnt[block] += 1
         seq.block_table.extend(computed_blocks)
-        for _ in range(max(num_new_blocks, 0)):
-            seq.block_table.append(self._pop_free())
+        self._append_blocks(seq, loaded, num_new_blocks)
         if self.enable_prefix_caching:
             self._cache_full_blocks(seq, min(num_tokens, seq.num_tokens) // self.block_size)
         return True
+
+    def _append_blocks(self, seq: Sequence, loaded: list[int], num_blocks: int) -> None:
+        """Append `num_blocks` fresh blocks to `seq`'s table, the first ones loaded from the host blocks `loaded`."""
+        for i in range(num_blocks):
+            seq.block_table.append(self._pop_free())
+            if i < len(loaded):
+                self.pending.loads.append((loaded[i], seq.block_table[-1]))
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Give back the blocks of `seq`'s table past its first `num_tokens` slots (rejected proposals'); they
@@ -97,10 +143,50 @@ class BlockManager:
                     self.free.move_to_end(block, last=False)
 
     def free_seq(self, seq: Sequence) -> None:
-        """Release `seq`'s blocks, tail first, so that under LRU its prefix outlives its suffix."""
+        """Release `seq`'s blocks, tail first, so that under LRU its prefix outlives its suffix, and its swap
+        blocks."""
         self._release(reversed(seq.block_table))
         seq.block_table = []
         seq.num_hashed_blocks = 0
+        if seq.swap_blocks:
+            self.swap.released += seq.swap_blocks
+            seq.swap_blocks = []
+
+    def swap_out(self, seq: Sequence) -> bool:
+        """Copy the blocks of `seq`'s computed tokens to swap blocks and free its device blocks. False, changing
+        nothing, when there is no swap region, it lacks room, or `seq` has nothing computed."""
+        num_blocks = self.blocks_needed(seq.num_computed_tokens)
+        host_blocks = None if self.swap is None or not num_blocks else self.swap.allocate(num_blocks)
+        if host_blocks is None:
+            return False
+        for block, host_block in zip(seq.block_table, host_blocks):
+            self._offload(block, host_block)
+        self.free_seq(seq)
+        seq.swap_blocks = host_blocks
+        return True
+
+    def swap_in(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Give swapped-out `seq` device blocks for its computed tokens, loaded from its swap blocks (which it
+        gives back), and for `num_new_tokens` more. False, changing nothing, if the pool is short."""
+        num_tokens = seq.num_computed_tokens + num_new_tokens
+        if self.blocks_needed(num_tokens) > len(self.free):
+            return False
+        self._append_blocks(seq, seq.swap_blocks, self.blocks_needed(num_tokens))
+        self.swap.released += seq.swap_blocks
+        seq.swap_blocks = []
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(seq, min(num_tokens, seq.num_tokens) // self.block_size)
+        return True
+
+    def take_copies(self) -> KVCopies:
+        """The copies pending (the step's, to run before its forward); unpins the host blocks they touch."""
+        copies, self.pending = self.pending, KVCopies()
+        if self.tier is not None:
+            self.tier.pinned.clear()
+        if self.swap is not None:
+            self.swap.free += self.swap.released
+            self.swap.released = []
+        return copies
 
     def forget_uncomputed(self, seq: Sequence) -> None:
         """Unhash `seq`'s blocks that a step was to fill but did not (it failed): their KV is not what the
@@ -111,7 +197,8 @@ class BlockManager:
                 del self.cached[old]
 
     def check_invariants(self, seqs: Iterable[Sequence]) -> None:
-        """AssertionError unless the invariants above hold, `seqs` being every sequence that holds blocks."""
+        """AssertionError unless the invariants above hold, `seqs` being every sequence that holds blocks (device
+        or swap ones)."""
         seqs = list(seqs)
         assert all(len(set(seq.block_table)) == len(seq.block_table) for seq in seqs), "a table holds a block twice"
         held = Counter(block for seq in seqs for block in seq.block_table)
@@ -121,6 +208,11 @@ class BlockManager:
         assert len(self.free) == self.ref_cnt.count(0), "a free block is missing from the free queue"
         assert all(self.block_hash[block] == h for h, block in self.cached.items()), "the hash map disagrees"
         assert len(self.cached) == len(self.block_hash) - self.block_hash.count(None), "a hashed block is unmapped"
+        assert not any(seq.block_table and seq.swap_blocks for seq in seqs), "a sequence holds device and swap blocks"
+        if self.tier is not None:
+            self.tier.check_invariants()
+        if self.swap is not None:
+            self.swap.check_invariants([block for seq in seqs for block in seq.swap_blocks])
 
     def _pop_free(self) -> int:
         block, _ = self.free.popitem(last=False)
@@ -129,8 +221,15 @@ class BlockManager:
             self.block_hash[block] = None
             if self.cached.get(old) == block:
                 del self.cached[old]
+            host_block = None if self.tier is None else self.tier.store(old)
+            if host_block is not None:
+                self._offload(block, host_block)
         self.ref_cnt[block] = 1
         return block
+
+    def _offload(self, block: int, host_block: int) -> None:
+        assert all(block != loaded for _, loaded in self.pending.loads), "a block loaded this step is offloaded in it"
+        self.pending.offloads.append((block, host_block))
 
     def _cache_full_blocks(self, seq: Sequence, num_full_blocks: int) -> None:
         hashes = self._hashes(seq, num_full_blocks)

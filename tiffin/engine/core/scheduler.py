@@ -5,7 +5,12 @@ chunks and single decode tokens share one forward. A sequence samples when this 
 tokens up to all of its tokens. With `prefill_first`, a step that can admit waiting sequences leaves the
 running ones' decodes to the next step, which always includes them: a decode batch never delays a first token,
 and decodes wait at most every other step. When blocks run out, the most recently admitted running sequence is
-preempted by recompute: its blocks are freed and it goes back to the head of the waiting queue.
+preempted. By recompute: its blocks are freed, its grammar dropped, and it goes back to the head of the waiting
+queue to compute its tokens again. By swap (`preemption_mode` swap, while the swap region has room): its computed
+tokens' blocks are copied to host blocks, its device blocks freed, and it waits in `swapped` (arrival order),
+keeping its computed tokens and grammar, to be copied back. Admission is first come, first served across both
+queues: a swapped sequence that arrived before the head of `waiting` resumes before it is admitted, and nothing
+is admitted past a sequence that cannot be; swapped sequences hold seats of max_num_seqs, as running ones do.
 
 A pooling sequence (embeddings, scores) runs its whole prompt in one step, with no prefix-cache hit, and finishes
 in it: its hidden states all come from that step's forward, and an encoder's attention sees the whole prompt. A
@@ -19,11 +24,13 @@ never preempt. `update` keeps the accepted proposals and one more token, gives b
 ones (their KV stays unread, then overwritten) and clears every proposal.
 """
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
 from tiffin.engine.config import EngineConfig
 from tiffin.engine.core.block_manager import BlockManager
+from tiffin.engine.core.kv_offload import KVCopies
 from tiffin.engine.core.sequence import Sequence, SequenceStatus
 
 
@@ -34,6 +41,7 @@ class SchedulerOutput:
     sampling: list[bool] = field(default_factory=list)  # whether each sequence samples a token this step
     sampling_seqs: list[Sequence] = field(default_factory=list)  # those that do, in order: one logits row each
     pooling_seqs: list[Sequence] = field(default_factory=list)  # pooling sequences, in order: one pooled row each
+    copies: KVCopies = field(default_factory=KVCopies)  # to run before the forward (`LLMEngine.step` sets them)
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
         pools = seq.pooling_params is not None
@@ -66,11 +74,15 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_loras = config.max_loras if config.enable_lora else None
         self.prefill_first = config.prefill_first
+        self.swap = config.preemption_mode == "swap"
         self.last_step_skipped_decodes = False  # the last step left running decodes out
         self.step_budget: int | None = None  # tokens of the next steps, when held below max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
+        self.swapped: list[Sequence] = []  # preempted by swap, in arrival (seq_id) order
+        self.num_preemptions = 0  # by recompute or swap
+        self.num_swapped_out = self.num_swapped_in = 0  # sequences
+        self.num_prefill_tokens = 0  # tokens computed before a sequence's newest one (prompts, recomputes)
         self.num_generated_tokens = 0
         self.spec_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0  # speculative decoding totals
 
@@ -78,7 +90,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> SchedulerOutput:
         prefill_only = self.prefill_first and bool(self.waiting) and not self.last_step_skipped_decodes
@@ -86,6 +98,9 @@ class Scheduler:
         if prefill_only and not out.seqs:  # no waiting sequence could be admitted
             prefill_only, out = False, self._schedule(decodes=True)
         self.last_step_skipped_decodes = prefill_only and len(out.seqs) < len(self.running)  # scheduled ones all run
+        for seq, n in zip(out.seqs, out.num_scheduled_tokens):
+            prefill_end = max(seq.num_prompt_tokens, seq.num_tokens - 1)
+            self.num_prefill_tokens += max(min(seq.num_computed_tokens + n, prefill_end) - seq.num_computed_tokens, 0)
         return out
 
     def _schedule(self, decodes: bool) -> SchedulerOutput:
@@ -110,7 +125,21 @@ class Scheduler:
                 budget -= num_new
                 i += 1
         adapters, skipped = self._running_adapters(), []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+        while (self.waiting or self.swapped) and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            if self.swapped and (not self.waiting or self.swapped[0].seq_id < self.waiting[0].seq_id):
+                seq = self.swapped[0]
+                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                if not self._lora_fits(seq, adapters) or not self.block_manager.swap_in(seq, num_new):
+                    break
+                del self.swapped[0]
+                self.num_swapped_in += 1
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                out.add(seq, num_new)
+                budget -= num_new
+                continue
+            if len(self.running) + len(self.swapped) >= self.max_num_seqs:
+                break
             seq = self.waiting[0]
             # Every adapter slot is taken, or its grammar is still compiling: let others pass meanwhile.
             if not self._lora_fits(seq, adapters) or (seq.grammar is not None and not seq.grammar.ready):
@@ -118,12 +147,15 @@ class Scheduler:
                 continue
             pools = seq.pooling_params is not None
             cached = [] if pools else self.block_manager.get_computed_blocks(seq)
-            num_cached = len(cached) * self.block_manager.block_size
+            loaded = [] if pools else self.block_manager.get_offloaded_blocks(seq, len(cached))
+            num_cached = (len(cached) + len(loaded)) * self.block_manager.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
-            if (pools and num_new < seq.num_tokens) or not self.block_manager.allocate_slots(seq, num_new, cached):
+            if (pools and num_new < seq.num_tokens) or not self.block_manager.allocate_slots(
+                seq, num_new, cached, loaded
+            ):
                 break
             self.waiting.popleft()
-            self._count_cache_lookup(seq, num_cached)
+            self._count_cache_lookup(seq, num_cached, len(loaded) * self.block_manager.block_size)
             seq.num_computed_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -201,6 +233,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.swapped:
+            self.swapped.remove(seq)
         self.block_manager.free_seq(seq)
 
     def _check_stop(self, seq: Sequence) -> None:
@@ -239,16 +273,24 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
+        """By swap when that is the mode and the swap region has room (its grammar stays as it is: its tokens do
+        not change), else by recompute."""
+        self.num_preemptions += 1
+        if self.swap and self.block_manager.swap_out(seq):
+            seq.status = SequenceStatus.SWAPPED
+            bisect.insort(self.swapped, seq, key=lambda s: s.seq_id)
+            self.num_swapped_out += 1
+            return
         self.block_manager.free_seq(seq)
         if seq.grammar is not None:
             seq.grammar.drop()  # rebuilt from its tokens when it runs again
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
 
-    def _count_cache_lookup(self, seq: Sequence, num_cached: int) -> None:
+    def _count_cache_lookup(self, seq: Sequence, num_cached: int, num_loaded: int) -> None:
         if seq.num_output_tokens == 0:  # first admission, not a readmission after preemption
             seq.num_cached_tokens = num_cached
         self.block_manager.prefix_cache_queries += seq.num_tokens
         self.block_manager.prefix_cache_hits += num_cached
+        self.block_manager.host_tier_hits += num_loaded

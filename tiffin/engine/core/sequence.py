@@ -16,6 +16,7 @@ from tiffin.engine.structured.backend import GrammarState
 class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
+    SWAPPED = auto()  # preempted by swap: its computed tokens' KV in host blocks
     FINISHED = auto()
 
 
@@ -53,6 +54,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # hash chain of full blocks, filled by the BlockManager
         self.num_hashed_blocks = 0  # leading blocks of block_table that are in the prefix cache
+        self.swap_blocks: list[int] = []  # host blocks holding its KV while swapped out
         self.lora = lora
         self.cache_key = b"" if lora is None else lora.identity  # its blocks' prefix-cache key beside the tokens
         self.grammar = grammar

@@ -51,6 +51,8 @@ class DraftProposer:
             tensor_parallel_size=1,
             enforce_eager=True,  # its forwards go through run_model, never the decode graphs
             speculative_config=None,
+            kv_offload_memory=0,  # its shadows' KV is cheap to recompute: no host blocks
+            preemption_mode="recompute",
         )
         self.runner = ModelRunner(draft_config, model_config, target.max_model_len, set())
         self.block_manager = BlockManager(self.runner.num_blocks, draft_config.block_size)

@@ -3,7 +3,8 @@
 Invariant: on CUDA the pool is sized after a profiling step (the largest batch on just its blocks, the sampler's
 worst case at max_num_seqs rows, the decode graphs captured) whose KV and graphs are freed first; one
 max_model_len sequence fits or start fails naming the numbers. Every layer's K and V live in one zeroed tensor
-with one block past the pool, which padded decode rows write (`cuda_graphs`)."""
+with one block past the pool, which padded decode rows write (`cuda_graphs`). Host KV blocks (the prefix cache's
+host tier, the swap region) are tensors of the same shapes, sized by their settings alone."""
 
 import math
 import os
@@ -123,11 +124,31 @@ class KVCacheSpec:
             attn.k_scale, attn.v_scale = (tensors[1][0, i], tensors[1][1, i]) if self.quantized else (None, None)
         return tensors
 
+    def allocate_host(self, num_blocks: int, pin: bool) -> list[torch.Tensor]:
+        """Host blocks matching `allocate`'s tensors (the same shapes with `num_blocks` on dim 2, no dummy block),
+        pinned for asynchronous copies when `pin` (CUDA); on CPU the operating system's zeros, as the pool's; none
+        for no block."""
+        if not num_blocks:
+            return []
+        shape = (2, self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        shapes = [(shape, self.dtype)] + [(shape[:-1], kv_quant.SCALE_DTYPE)] * self.quantized
+        if pin:
+            return [torch.zeros(s, dtype=dtype, pin_memory=True) for s, dtype in shapes]
+        return [_zeros(s, dtype, torch.device("cpu")) for s, dtype in shapes]
+
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return torch.from_numpy(np.zeros(math.prod(shape) * dtype.itemsize, dtype=np.uint8)).view(dtype).view(shape)
     return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def num_host_blocks(config: EngineConfig, spec: KVCacheSpec, prefix_caching: bool) -> tuple[int, int]:
+    """Host blocks of the prefix cache's tier (`kv_offload_memory`; none without prefix caching) and of the swap
+    region (`swap_space`, with preemption_mode swap), each a rank's share under tensor parallelism."""
+    tier = config.kv_offload_memory // spec.bytes_per_block if prefix_caching else 0
+    swap = int(config.swap_space * GiB) // spec.bytes_per_block if config.preemption_mode == "swap" else 0
+    return tier, swap
 
 
 def num_kv_blocks(

@@ -12,6 +12,7 @@ import torch
 
 from tiffin import kernels
 from tiffin.engine.config import EngineConfig
+from tiffin.engine.core.kv_offload import KVCopies
 from tiffin.engine.core.scheduler import SchedulerOutput
 from tiffin.engine.distributed.group import WorkerGroup
 from tiffin.engine.distributed.tensor_parallel import UNSHARDED
@@ -87,6 +88,10 @@ class ModelRunner:
         if group is not None:
             self.num_blocks = group.agree_num_blocks(self.num_blocks)
         self.allocate_kv_cache()
+        prefix_caching = config.enable_prefix_caching and model_config.causal
+        self.num_host_blocks = kv_cache.num_host_blocks(config, self.kv_spec, prefix_caching)  # (tier, swap)
+        self.host_kv = self.kv_spec.allocate_host(sum(self.num_host_blocks), self.device.type == "cuda")
+        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.cpu_decoder = CpuDecoder.build(self.model, self.block_size) if self.policy.native_decode else None
         if self.policy.warm_up_triton:
             warm_up_triton(self)
@@ -109,6 +114,7 @@ class ModelRunner:
     def _execute(self, scheduler_output: SchedulerOutput) -> SamplerOutput:
         if self.thread_sizer is not None:
             self.thread_sizer.update()
+        self.copy_blocks(scheduler_output.copies)
         rows = [row for seq in scheduler_output.sampling_seqs for row in seq.sampling_rows()]  # one per logits row
         bitmask = fill_bitmask(rows, self.model_config.vocab_size)  # filled while the forward runs
         # the step's host arrays (the batch's, the sampler's) go to the device in one pinned copy
@@ -128,10 +134,54 @@ class ModelRunner:
             logits, pooled = self.run_model(self.prepare(scheduler_output, upload))
         else:  # the other ranks run the same step on their shards
             inputs = self.prepare(scheduler_output, upload)
-            logits, pooled = tp_worker.run(self.group, inputs, self.lora_slots, lambda: self.run_model(inputs))
+            logits, pooled = tp_worker.run(
+                self.group, inputs, self.lora_slots, scheduler_output.copies, lambda: self.run_model(inputs)
+            )
         out = self.sampler(logits, rows, bitmask, sampling) if rows else SamplerOutput([], [])
         out.pooled = [] if pooled is None else self.finish_pooling(pooled, scheduler_output.pooling_seqs)
         return out
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: KVCopies) -> None:
+        """The step's block copies between the KV pool and the host blocks, every tensor of the pool: offloads
+        (device -> host), then loads (host -> device), the order `core/kv_offload` relies on. On CUDA they run
+        on a side stream that first waits for the work queued before (the last forward wrote the blocks) and
+        that the forward waits for; an offload's scatter into the host blocks waits for its device -> host copy
+        (a host synchronization, in steps that offload only), a load is asynchronous throughout."""
+        if not copies:
+            return
+        if self.device.type != "cuda":
+            self._copy(copies, self.device)
+            return
+        self.copy_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.copy_stream):
+            self._copy(copies, self.device)
+        torch.cuda.current_stream().wait_stream(self.copy_stream)
+
+    def _copy(self, copies: KVCopies, device: torch.device) -> None:
+        pinned = device.type == "cuda"
+        # fp8 codes as bytes: torch has no CPU index_copy_ for float8
+        pool, host_pool = (
+            [t.view(torch.uint8) if t.dtype.itemsize == 1 else t for t in ts] for ts in (self.kv_tensors, self.host_kv)
+        )
+        if copies.offloads:
+            src, dst = (torch.tensor(ids) for ids in zip(*copies.offloads))
+            src = src.to(device)
+            gathered = [kv.index_select(2, src) for kv in pool]
+            if pinned:
+                staged = [torch.empty(g.shape, dtype=g.dtype, pin_memory=True) for g in gathered]
+                for host, g in zip(staged, gathered):
+                    host.copy_(g, non_blocking=True)
+                self.copy_stream.synchronize()
+                gathered = staged
+            for host, g in zip(host_pool, gathered):
+                host.index_copy_(2, dst, g)
+        if copies.loads:
+            src, dst = (torch.tensor(ids) for ids in zip(*copies.loads))
+            dst = dst.to(device)
+            for kv, host in zip(pool, host_pool):
+                blocks = host.index_select(2, src)
+                kv.index_copy_(2, dst, blocks.pin_memory().to(device, non_blocking=True) if pinned else blocks)
 
     @torch.inference_mode()
     def run_model(self, inputs: ModelInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -1,15 +1,17 @@
 """The model runner under tensor parallelism: rank 0 starts the group and sends each step; ranks 1..N-1 each run
 a `ModelRunner` of their rank (their shard of the weights, their share of the KV cache) on what it receives.
 
-A step crosses as the wire format's values: input_ids, positions, logits indices, the LoRA slot of each token
-(None without adapters) and every AttentionMetadata field; the adapters rank 0 installed this step, if any,
-follow as one pickled object."""
+A step crosses as the wire format's values: the block copies each rank runs on its KV before the forward
+(`KVCopies`, as two flat lists), input_ids, positions, logits indices, the LoRA slot of each token (None without
+adapters) and every AttentionMetadata field; the adapters rank 0 installed this step, if any, follow as one
+pickled object."""
 
 import dataclasses
 
 import torch
 
 from tiffin.engine.config import EngineConfig
+from tiffin.engine.core.kv_offload import KVCopies
 from tiffin.engine.distributed.group import WorkerGroup
 from tiffin.engine.distributed.tensor_parallel import TensorParallel
 from tiffin.engine.lora.slots import LoRASlots
@@ -29,12 +31,15 @@ def start(config: EngineConfig, model_config: ModelConfig, max_model_len: int, d
     return WorkerGroup.start(config, device, _serve_rank, (runner_cls, config, model_config, max_model_len))
 
 
-def run(group: WorkerGroup, inputs: ModelInput, lora_slots: LoRASlots | None, forward):
-    """Rank 0: send `inputs` (and the adapters installed for them) to the other ranks, then run `forward()`."""
+def run(group: WorkerGroup, inputs: ModelInput, lora_slots: LoRASlots | None, copies: KVCopies, forward):
+    """Rank 0: send `inputs`, the step's block copies (each rank copies its share of the KV) and the adapters
+    installed for them to the other ranks, then run `forward()`."""
     installs = None if lora_slots is None else lora_slots.pop_installs() or None
     token_slots = None if inputs.lora is None else torch.from_numpy(inputs.lora.token_slots)
     attn = [getattr(inputs.attn, f.name) for f in dataclasses.fields(inputs.attn)]
-    return group.run([inputs.input_ids, inputs.positions, inputs.logits_indices, token_slots, *attn], installs, forward)
+    offloads, loads = ([i for pair in pairs for i in pair] for pairs in (copies.offloads, copies.loads))
+    values = [offloads, loads, inputs.input_ids, inputs.positions, inputs.logits_indices, token_slots, *attn]
+    return group.run(values, installs, forward)
 
 
 def _serve_rank(group: WorkerGroup, runner_cls, config, model_config, max_model_len):
@@ -43,7 +48,9 @@ def _serve_rank(group: WorkerGroup, runner_cls, config, model_config, max_model_
 
     def serve() -> None:
         while (step := group.receive()) is not None:
-            runner.run_model(_decode(step, runner.lora_slots))
+            (offloads, loads, *values), installs = step
+            runner.copy_blocks(KVCopies([*zip(offloads[::2], offloads[1::2])], [*zip(loads[::2], loads[1::2])]))
+            runner.run_model(_decode((values, installs), runner.lora_slots))
 
     return serve
 

@@ -1,0 +1,200 @@
+"""KV host tiers through the engine: the prefix cache's host tier (kv_offload_memory) and preemption by swap
+(preemption_mode swap) give the outputs the engine gives without them, computing fewer prefill tokens, within
+their host memory, and leave no device or swap block held once requests end or are aborted (the conftest has
+the block manager's invariants checked after every step)."""
+
+import random
+
+import pytest
+
+from tiffin import LLM, SamplingParams
+
+BLOCK = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def path(tiny_model):
+    return str(tiny_model("llama"))
+
+
+def engine(path, **kwargs):
+    return LLM(path, dtype="float32", block_size=BLOCK, **kwargs).llm_engine
+
+
+def drive(engine, requests: list[tuple[list[int], SamplingParams]]) -> tuple[list[list[int]], int]:
+    """Run `requests` to the end: their output tokens, in order, and the most host KV bytes in use on the way."""
+    first = len(engine.requests) and max(map(int, engine.requests)) + 1
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(str(first + i), {"prompt_token_ids": prompt}, params)
+    outputs, most_host_bytes = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[int(out.request_id)] = out.outputs[0].token_ids
+        most_host_bytes = max(most_host_bytes, engine.stats().host_kv_bytes_used)
+    return [outputs[first + i] for i in range(len(requests))], most_host_bytes
+
+
+def conversations(vocab: int, num: int, turns: int, seed: int = 0):
+    """Multi-turn chats: each turn's prompt is the chat so far (a long system prompt, then user and model turns) and
+    a new user turn; yields each turn's prompts (one per chat) and takes their outputs back."""
+    rng = random.Random(seed)
+    chats = [[rng.randrange(4, vocab) for _ in range(80)] for _ in range(num)]
+    for _ in range(turns):
+        prompts = [chat + [rng.randrange(4, vocab) for _ in range(rng.randrange(3, 20))] for chat in chats]
+        outputs = yield prompts
+        chats = [p + o for p, o in zip(prompts, outputs)]
+
+
+def run_conversations(engine, num: int = 8, turns: int = 3) -> tuple[list[list[int]], int]:
+    gen, outputs, most = conversations(engine.model_config.vocab_size, num, turns), [], 0
+    prompts = next(gen)
+    while True:
+        turn, host_bytes = drive(engine, [(p, GREEDY) for p in prompts])
+        outputs += turn
+        most = max(most, host_bytes)
+        try:
+            prompts = gen.send(turn)
+        except StopIteration:
+            return outputs, most
+
+
+def test_host_tier_recomputes_fewer_prefill_tokens_with_the_same_outputs(path):
+    """8 chats of 3 turns, their prefixes (about 8 x 100-180 tokens) far past the 16-block pool: without the tier
+    every turn recomputes its chat, with it the chat's blocks come back from host memory."""
+    without = engine(path, num_kv_blocks=16)
+    want, _ = run_conversations(without)
+    bytes_per_block = without.model_runner.kv_spec.bytes_per_block
+    setting = 60 * bytes_per_block
+    tiered = engine(path, num_kv_blocks=16, kv_offload_memory=setting)
+    got, most_host_bytes = run_conversations(tiered)
+    assert got == want
+    stats, base = tiered.stats(), without.stats()
+    assert stats.host_tier_hits >= 20 * BLOCK and stats.prefix_cache_hits > base.prefix_cache_hits
+    assert stats.prefill_tokens <= base.prefill_tokens - stats.host_tier_hits // 2, (stats, base)
+    assert 0 < most_host_bytes <= setting and stats.kv_bytes_per_token * BLOCK == bytes_per_block
+    small = engine(path, num_kv_blocks=16, kv_offload_memory=4 * bytes_per_block)  # LRU drops most
+    assert run_conversations(small)[0] == want
+    assert small.stats().host_tier_evictions > 0 and small.stats().host_kv_bytes_used <= 4 * bytes_per_block
+
+
+def preempting_workload(vocab: int, num: int = 10, max_tokens: int = 60, seed: int = 0):
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [([rng.randrange(4, vocab) for _ in range(rng.randrange(10, 40))], params) for _ in range(num)]
+
+
+def test_swap_resumes_preempted_sequences_without_recompute(path):
+    """A 12-block pool for 10 sequences of up to 100 tokens: preempted every few steps."""
+    recompute = engine(path, num_kv_blocks=12)
+    requests = preempting_workload(recompute.model_config.vocab_size)
+    want, _ = drive(recompute, requests)
+    swap = engine(path, num_kv_blocks=12, preemption_mode="swap", swap_space=0.01)
+    got, most_host_bytes = drive(swap, requests)
+    assert got == want
+    stats, base = swap.stats(), recompute.stats()
+    assert base.num_preemptions >= 5 and stats.swapped_out_seqs >= 5, (stats, base)
+    assert stats.swapped_in_seqs == stats.swapped_out_seqs == stats.num_preemptions
+    assert stats.prefill_tokens < base.prefill_tokens and most_host_bytes > 0
+    assert stats.host_kv_bytes_used == 0 and stats.num_swapped == 0
+    # a swap region of one block swaps nothing: recompute, as without it
+    tight = engine(
+        path, num_kv_blocks=12, preemption_mode="swap", swap_space=swap.model_runner.kv_spec.bytes_per_block / 2**30
+    )
+    assert drive(tight, requests)[0] == want and tight.stats().swapped_out_seqs < stats.swapped_out_seqs
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_quantized_caches_move_codes_and_scales(path, kv_cache_dtype):
+    """A quantized cache's blocks are codes and scales, two tensors: both go to the host tiers and back. The
+    workload runs twice: preempted by swap, then its prefixes found in the host tier."""
+    plain = engine(path, num_kv_blocks=12, kv_cache_dtype=kv_cache_dtype)
+    requests = preempting_workload(plain.model_config.vocab_size)
+    want = [drive(plain, requests)[0], drive(plain, requests)[0]]
+    tiers = dict(preemption_mode="swap", swap_space=0.01, kv_offload_memory=1 << 20)
+    tiered = engine(path, num_kv_blocks=12, kv_cache_dtype=kv_cache_dtype, **tiers)
+    assert len(tiered.model_runner.host_kv) == 2
+    assert [drive(tiered, requests)[0], drive(tiered, requests)[0]] == want
+    assert tiered.stats().swapped_out_seqs > 0 and tiered.stats().host_tier_hits > 0
+
+
+def test_thousands_of_short_requests_leave_no_block_held(path):
+    """2,000 short requests over a few shared prefixes, swap and the host tier on, the pool forcing preemptions:
+    afterwards every device block and every swap block is free (host-tier blocks stay: they are a cache)."""
+    llm = engine(
+        path, num_kv_blocks=10, max_num_seqs=32, preemption_mode="swap", swap_space=0.001, kv_offload_memory=1 << 20
+    )
+    rng = random.Random(1)
+    vocab = llm.model_config.vocab_size
+    prefixes = [[rng.randrange(4, vocab) for _ in range(rng.randrange(16, 40))] for _ in range(6)]
+    requests = [
+        (
+            rng.choice(prefixes) + [rng.randrange(4, vocab) for _ in range(rng.randrange(1, 6))],
+            SamplingParams(temperature=0, max_tokens=rng.randrange(1, 8), ignore_eos=True),
+        )
+        for _ in range(2000)
+    ]
+    outputs, _ = drive(llm, requests)
+    assert [len(o) for o in outputs] == [p.max_tokens for _, p in requests]
+    stats, bm = llm.stats(), llm.block_manager
+    assert stats.swapped_out_seqs > 0 and stats.host_tier_hits > 0 and stats.num_swapped == 0
+    assert bm.num_free_blocks == bm.num_blocks and bm.swap.num_used_blocks == 0 and not bm.swap.released
+    assert not llm.scheduler.swapped and not llm.scheduler.running and not llm.scheduler.waiting
+    bm.check_invariants([])
+
+
+def test_aborting_a_swapped_request_frees_its_host_blocks(path):
+    llm = engine(path, num_kv_blocks=12, preemption_mode="swap", swap_space=0.01)
+    for i, (prompt, params) in enumerate(preempting_workload(llm.model_config.vocab_size)):
+        llm.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    while not llm.scheduler.swapped:
+        llm.step()
+    swapped = llm.scheduler.swapped[0]
+    held, own = llm.block_manager.swap.num_used_blocks, len(swapped.swap_blocks)
+    assert held >= own > 0 and llm.stats().num_swapped >= 1
+    (out,) = llm.abort_request(swapped.request_id)
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    assert swapped.swap_blocks == [] and swapped not in llm.scheduler.swapped
+    assert llm.block_manager.swap.num_used_blocks == held - own
+    while llm.has_unfinished_requests():
+        llm.step()
+    assert llm.block_manager.swap.num_used_blocks == 0 and llm.stats().kv_blocks_used == 0
+
+
+def test_a_swapped_sequence_keeps_its_grammar(path, monkeypatch):
+    """Structured outputs across preemption by swap: the grammar's state stays (only recompute drops it), and the
+    outputs are an unpreempted run's."""
+    pytest.importorskip("xgrammar")
+    from tiffin import StructuredOutputsParams
+    from tiffin.engine.structured.backend import GrammarState
+
+    schema = {"type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string"}}}
+    so = StructuredOutputsParams(json=schema | {"required": ["id", "name"]})
+    params = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=so)] * 6
+    prompts = [f"Record {i} as JSON, then stop." for i in range(6)]
+    want = [o.outputs[0].text for o in LLM(path, num_kv_blocks=256).generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setattr(GrammarState, "drop", lambda self: pytest.fail("a swapped sequence's grammar was dropped"))
+    tight = LLM(path, num_kv_blocks=30, block_size=4, preemption_mode="swap", swap_space=0.01)
+    got = [o.outputs[0].text for o in tight.generate(prompts, params, use_tqdm=False)]
+    assert tight.llm_engine.stats().swapped_out_seqs > 0 and got == want
+
+
+@pytest.fixture(scope="module")
+def on_cpu(path):
+    """A preempting workload and its outputs on the CPU (before the CUDA emulation, which a CPU engine cannot run
+    under)."""
+    requests = preempting_workload(2048, num=6, max_tokens=30)
+    return requests, drive(engine(path, num_kv_blocks=12), requests)[0]
+
+
+def test_copies_on_the_cuda_path(path, on_cpu, cuda_emulation):
+    """Emulated CUDA (torch kernels): pinned host blocks, copies on the side stream; the outputs are the CPU's."""
+    requests, want = on_cpu
+    args = dict(device="cuda", kernel_backend="torch", enforce_eager=True, max_model_len=128, num_kv_blocks=12)
+    cuda = engine(path, preemption_mode="swap", swap_space=0.01, kv_offload_memory=1 << 20, **args)
+    assert all(cuda_emulation.is_pinned(t) for t in cuda.model_runner.host_kv)
+    assert drive(cuda, requests)[0] == want
+    assert drive(cuda, requests)[0] == want  # the second time, prefixes come back from the host tier
+    stats = cuda.stats()
+    assert stats.swapped_out_seqs > 0 and stats.host_tier_hits > 0, stats
