@@ -10,6 +10,8 @@ from tiffin.kernels import AttentionMetadata, cpu_native, kv_quant
 CODES = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
 CODE_IDS = ["int8", "e4m3", "e5m2"]
 # the largest error of a value relative to its head's largest magnitude: half a step at the top of the range
+# the native kernel's queries meet int8 keys in int16 (15 bits of the head's largest magnitude), fp8 ones in fp32
+QUERY_ERROR = {torch.int8: 2e-4, torch.float8_e4m3fn: 1e-5, torch.float8_e5m2: 1e-5}
 RELATIVE_ERROR = {torch.int8: 0.5 / 127, torch.float8_e4m3fn: 2**-4, torch.float8_e5m2: 2**-3}
 
 
@@ -116,7 +118,7 @@ def test_native_decode_reads_quantized_blocks_as_their_values(dtype, cache_dtype
     cpu_native.paged_decode(query, out, *codes, *scales, md.block_tables, md.seq_lens, rows, rows, 0.125)
     rotated = kv_quant.rotate(query).to(dtype)
     cpu_native.paged_decode(rotated, ref, *plain, None, None, md.block_tables, md.seq_lens, rows, rows, 0.125)
-    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    tolerance = dict(rtol=1e-5, atol=QUERY_ERROR[cache_dtype]) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(out, ref, **tolerance)
 
 
@@ -127,7 +129,8 @@ def test_torch_path_matches_the_native_kernel(monkeypatch, cache_dtype):
     native = kernels.paged_attention(query, *codes, md, 0.125, "torch", True, *scales)
     monkeypatch.setattr(cpu_native, "supports_cache", lambda *_: False)
     md.torch_plan = None
-    torch.testing.assert_close(kernels.paged_attention(query, *codes, md, 0.125, "torch", True, *scales), native)
+    torch_path = kernels.paged_attention(query, *codes, md, 0.125, "torch", True, *scales)
+    torch.testing.assert_close(torch_path, native, rtol=1e-5, atol=QUERY_ERROR[cache_dtype])
 
 
 def test_prefill_reads_the_cache_it_wrote():

@@ -175,6 +175,32 @@ inline __m512 dot_partial(const float* qf, const T* q, const C* k) {
   return acc;
 }
 
+#if defined(__AVX512VNNI__)
+// q.k over D dims as 16 partial sums for int8 keys: each widened to int16 against the query in int16 (15 bits of its
+// head's largest magnitude: `quantize_query`), in int16 dot products. Converting the keys to fp32 instead took four
+// instructions per 16 products, and bound the kernel by them rather than by reading the cache.
+template <int D>
+inline __m512 dot_partial_i8(const int16_t* q16, const i8* k) {
+  __m512i acc = _mm512_setzero_si512();
+  for (int d = 0; d < D; d += 32) {
+    const __m512i k16 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + d)));
+    acc = _mm512_dpwssd_epi32(acc, k16, _mm512_loadu_si512(q16 + d));
+  }
+  return _mm512_cvtepi32_ps(acc);
+}
+
+// Each of `heads` rows of D values as int16 codes of its largest magnitude / 32767; -> the rows' steps.
+template <int D>
+void quantize_query(const float* qf, int heads, int16_t* q16, float* steps) {
+  for (int h = 0; h < heads; ++h) {
+    float amax = 0.f;
+    for (int d = 0; d < D; ++d) amax = std::fmax(amax, std::fabs(qf[h * D + d]));
+    steps[h] = amax > 0.f ? amax / 32767.f : 1.f;
+    for (int d = 0; d < D; ++d) q16[h * D + d] = static_cast<int16_t>(std::nearbyint(qf[h * D + d] / steps[h]));
+  }
+}
+#endif
+
 // The task's query heads P·V, one KV head at a time: its query heads' accumulators stay in registers (up to
 // 16 of them), and each token's V row is widened once for all of them.
 template <int D, typename T, typename C>
@@ -222,12 +248,14 @@ void decode_task_avx512(const T* q, T* out, const C* k_cache, const C* v_cache, 
     const int64_t first = static_cast<int64_t>(block_table[b]) * block_size;
     for (int i = 0; i < block_size && t < len; ++i, ++t) offsets[t] = (first + i) * slot_stride;
   }
-  buf.resize(static_cast<size_t>(heads) * (D + len + 1) + 2 * kv_heads * len);
+  buf.resize(static_cast<size_t>(heads) * (D + len + 1) + 2 * kv_heads * len + heads * (D / 2 + 1));
   float* qf = buf.data();
   float* scores = qf + heads * D;
   float* denom = scores + heads * len;
   float* ks = denom + heads;
   float* vs = ks + kv_heads * len;
+  float* q_steps = vs + kv_heads * len;  // int8 keys: the query's int16 codes and their steps
+  int16_t* q16 = reinterpret_cast<int16_t*>(q_steps + heads);
   if constexpr (is_code<C>) {
     token_scales(ks, k_scale, offsets.data(), len, kv_first, kv_heads, num_kv_heads, D);
     token_scales(vs, v_scale, offsets.data(), len, kv_first, kv_heads, num_kv_heads, D);
@@ -237,7 +265,20 @@ void decode_task_avx512(const T* q, T* out, const C* k_cache, const C* v_cache, 
   for (int i = 0; i < heads * D; ++i) qf[i] = to_float(q[i]);
   if constexpr (is_code<C>)  // keys are stored rotated
     for (int hq = 0; hq < heads; ++hq) hadamard(qf + hq * D, D);
-  const __m512 scale16 = _mm512_set1_ps(scale);
+#if defined(__AVX512VNNI__)
+  constexpr bool int16_dots = std::is_same_v<C, i8>;
+  if constexpr (int16_dots) quantize_query<D>(qf, heads, q16, q_steps);
+#else
+  constexpr bool int16_dots = false;
+#endif
+  // q.k of head hq over the 16 tokens from `at`, and of token `at` alone
+  auto dot = [&](int hq, int64_t at) {
+#if defined(__AVX512VNNI__)
+    if constexpr (int16_dots) return dot_partial_i8<D>(q16 + hq * D, k_cache + (hq / group) * D + at);
+#endif
+    return dot_partial<D>(qf + hq * D, q + hq * D, k_cache + (hq / group) * D + at);
+  };
+  auto head_scale = [&](int hq) { return int16_dots ? scale * q_steps[hq] : scale; };
   int t = 0;
   const int row_lines = kv_heads * D * static_cast<int>(sizeof(C)) / 64;
   for (; t + 16 <= len; t += 16) {  // every head over one tile of 16 tokens, while its K rows are in L1
@@ -246,18 +287,16 @@ void decode_task_avx512(const T* q, T* out, const C* k_cache, const C* v_cache, 
         _mm_prefetch(reinterpret_cast<const char*>(k_cache + offsets[j]) + 64 * l, _MM_HINT_T0);
     for (int hq = 0; hq < heads; ++hq) {
       __m512 part[16];
-      for (int j = 0; j < 16; ++j)
-        part[j] = dot_partial<D>(qf + hq * D, q + hq * D, k_cache + (hq / group) * D + offsets[t + j]);
-      __m512 s16 = _mm512_mul_ps(sum_each(part), scale16);
+      for (int j = 0; j < 16; ++j) part[j] = dot(hq, offsets[t + j]);
+      __m512 s16 = _mm512_mul_ps(sum_each(part), _mm512_set1_ps(head_scale(hq)));
       if constexpr (is_code<C>) s16 = _mm512_mul_ps(s16, _mm512_loadu_ps(ks + (hq / group) * len + t));
       _mm512_storeu_ps(scores + hq * len + t, s16);
     }
   }
   for (; t < len; ++t)
     for (int hq = 0; hq < heads; ++hq) {
-      __m512 part = dot_partial<D>(qf + hq * D, q + hq * D, k_cache + (hq / group) * D + offsets[t]);
       const float token_scale = is_code<C> ? ks[(hq / group) * len + t] : 1.f;
-      scores[hq * len + t] = _mm512_reduce_add_ps(part) * scale * token_scale;
+      scores[hq * len + t] = _mm512_reduce_add_ps(dot(hq, offsets[t])) * head_scale(hq) * token_scale;
     }
   softmax_rows(scores, denom, heads, len);
   if constexpr (is_code<C>)  // V's scales weigh the probabilities: sum_t p_t s_t v_t
