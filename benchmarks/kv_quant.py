@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--shapes", type=name_list(("llama-40m", "smollm2"), "shape"), default=["llama-40m", "smollm2"])
     ap.add_argument("--n", type=int, default=64)
-    ap.add_argument("--long", type=parse_range, default=(1024, 2048), metavar="LO:HI")
+    ap.add_argument("--long", type=parse_range, default=(1024, 1792), metavar="LO:HI")  # + outputs: 2,048 positions
     ap.add_argument("--short", type=parse_range, default=(32, 256), metavar="LO:HI")
     ap.add_argument("--output-len", type=parse_range, default=(32, 256), metavar="LO:HI")
     ap.add_argument("--rounds", type=int, default=3)

@@ -67,18 +67,24 @@ def _write_case(cache_dtype, dtype, tokens=37, heads=3, head_dim=64, blocks=10, 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("cache_dtype", CODES, ids=CODE_IDS)
-def test_native_write_is_the_reference_byte_for_byte(dtype, cache_dtype):
+def test_native_write_is_the_reference(dtype, cache_dtype):
+    """Values byte for byte the reference's codes and scales; keys rotated, by butterflies where the reference
+    multiplies by the matrix: within half a step of the rotated keys, their scales within a bf16 rounding."""
     key, value, slots, (kc, vc), (ks, vs) = _write_case(cache_dtype, dtype)
     cpu_native.write_kv(key, value, kc, vc, ks, vs, slots)
     keep = slots >= 0
-    for x, cache, scales in ((kv_quant.rotate(key), kc, ks), (value, vc, vs)):  # keys stored rotated
-        codes, want_scales = kv_quant.quantize(x[keep], cache_dtype)
-        got = cache.view(torch.uint8).flatten(0, 1)[slots[keep]]
-        assert torch.equal(got, codes.view(torch.uint8))
-        assert torch.equal(scales.flatten(0, 1)[slots[keep]], want_scales)
-        written = torch.zeros(cache.shape[0] * cache.shape[1], dtype=torch.bool)
-        written[slots[keep]] = True
-        assert not cache.view(torch.uint8).flatten(0, 1)[~written].any()  # the padding row wrote nothing
+    written = lambda cache: cache.view(torch.uint8).flatten(0, 1)[slots[keep]].view(cache_dtype)
+    codes, want_scales = kv_quant.quantize(value[keep], cache_dtype)
+    assert torch.equal(written(vc).view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(vs.flatten(0, 1)[slots[keep]], want_scales)
+    rotated, k_scales = kv_quant.rotate(key[keep]), ks.flatten(0, 1)[slots[keep]]
+    amax = rotated.abs().amax(-1, keepdim=True)
+    error = (kv_quant.dequantize(written(kc), k_scales, torch.float32) - rotated).abs()
+    assert torch.all(error <= amax * RELATIVE_ERROR[cache_dtype] * 1.01 + 1e-30)
+    torch.testing.assert_close(k_scales, kv_quant.quantize(rotated, cache_dtype)[1], rtol=1e-2, atol=0)
+    untouched = torch.ones(kc.shape[0] * kc.shape[1], dtype=torch.bool)
+    untouched[slots[keep]] = False
+    assert not kc.view(torch.uint8).flatten(0, 1)[untouched].any()  # the padding row wrote nothing
 
 
 def _decode_case(cache_dtype, dtype, head_dim, lens, num_heads=6, num_kv_heads=2, block_size=16):

@@ -33,25 +33,20 @@ def is_quantized(cache: torch.Tensor) -> bool:
 
 def rotate(x: torch.Tensor) -> torch.Tensor:
     """`x` `[..., head_dim]` times the normalized Sylvester Hadamard matrix (entry (i, j): (-1)^popcount(i & j) /
-    sqrt(head_dim)), in fp32, by the butterflies of the native kernels in their order (bit for bit their result);
-    `x` as fp32 where head_dim is not a power of two."""
+    sqrt(head_dim)), in fp32 (one matmul; the native kernels' butterflies sum in another order, which may move a
+    value by an ulp); `x` as fp32 where head_dim is not a power of two."""
     n = x.shape[-1]
-    y = x.float()
     if n & (n - 1):
-        return y
-    h = 1
-    while h < n:
-        pairs = y.reshape(*x.shape[:-1], n // (2 * h), 2, h)
-        a, b = pairs[..., 0, :], pairs[..., 1, :]
-        y = torch.stack([a + b, a - b], -2).reshape(x.shape)
-        h *= 2
-    return y * _norm(n)
+        return x.float()
+    return (x.float().reshape(-1, n) @ _hadamard(n, x.device)).reshape(x.shape)
 
 
 @functools.cache
-def _norm(n: int) -> float:
-    """1 / sqrt(n) computed in fp32, as the native kernels compute it (a float, not a tensor: no device copy)."""
-    return float(1 / torch.tensor(float(n)).sqrt())
+def _hadamard(n: int, device: torch.device) -> torch.Tensor:
+    h = torch.ones(1, 1)
+    while len(h) < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return (h / torch.tensor(float(n)).sqrt()).to(device)  # symmetric: x @ h rotates rows
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -101,7 +101,7 @@ C encode(float y) {  // y = value / scale, within +-code_max<C>() but for roundi
 }
 
 // x [n] times the normalized Sylvester Hadamard matrix, in place, where n is a power of two (else unchanged): how a
-// quantized cache stores keys and how queries meet them (kv_quant.rotate, whose butterflies are these, in this order).
+// quantized cache stores keys and how queries meet them (kv_quant.rotate: the same matrix, summed in another order).
 inline void hadamard(float* x, int n) {
   if (n & (n - 1)) return;
   for (int h = 1; h < n; h *= 2)
