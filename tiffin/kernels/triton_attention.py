@@ -25,6 +25,7 @@ Host code never reads device tensors: grids come from the host-side ints in `Att
 interpreter and tile plumbing: triton_common.
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -40,13 +41,35 @@ from tiffin.kernels.dispatch import implements
 from tiffin.kernels.triton_common import bf16_bits_to_float, kv_code_values, kv_quantize, kv_scale
 
 HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
+# fp32 queries on a quantized cache: d=256 spills on sm_80 and sm_90 at every tile tried (BLOCK_N 16 or 32, one or
+# two stages, 8 or 16 warps: 3xTF32 operand halves beside the scaled codes); refused, the torch backend serves it
+QUANTIZED_FP32_HEAD_DIMS = HEAD_DIMS[:-1]
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it adds
 WRITE_BLOCK = 1024  # elements of one token's [num_kv_heads * head_dim] row copied per program
 
 
-def attention_tile(head_dim: int, dtype: torch.dtype, decode: bool, arch: int = 80) -> tc.Tile:
+def attention_tile(head_dim: int, dtype: torch.dtype, decode: bool, arch: int = 80, quantized: bool = False):
     """`block_m` query rows (tokens x query heads of one KV head) per program, `block_n` KV tokens per
-    inner-loop step; `block_k` is the QK dot's inner dimension, the padded head dim."""
+    inner-loop step; `block_k` is the QK dot's inner dimension, the padded head dim. `quantized`: the KV cache
+    holds codes (`_quantized_tile`)."""
+    tile = _model_dtype_tile(head_dim, dtype, decode, arch)
+    return _quantized_tile(tile, dtype, decode, arch) if quantized else tile
+
+
+def _quantized_tile(tile: tc.Tile, dtype: torch.dtype, decode: bool, arch: int) -> tc.Tile:
+    """Codes are scaled in registers on their way to the dots (a model-dtype tile goes from global to shared memory
+    and on to the dot untouched), which takes registers the model-dtype tiles do not have to spare (compile_check):
+    16-bit decode tiles take 8 warps, and prefill tiles one stage except on sm_90 (227 KB of shared memory keeps
+    the second stage out of registers). fp32 tiles (already 8 warps) fit as they are, except d=256, refused
+    (`QUANTIZED_FP32_HEAD_DIMS`)."""
+    if dtype == torch.float32:
+        return tile
+    if decode:
+        return dataclasses.replace(tile, num_warps=8)
+    return dataclasses.replace(tile, num_stages=1) if arch != 90 else tile
+
+
+def _model_dtype_tile(head_dim: int, dtype: torch.dtype, decode: bool, arch: int) -> tc.Tile:
     d = _pad_head_dim(head_dim)
     small_shared = arch in (86, 89, 120)  # 99 KB of shared memory per block (sm_80: 163 KB, sm_90: 227 KB)
     if dtype == torch.float32:  # 3xTF32 keeps hi/lo halves of each operand in registers: small tiles, 8 warps
@@ -481,7 +504,7 @@ def _attention(query, kv: _KVCache, md, scale, out, arch, decode, splits=1, part
     kv_codes, fp8_shift, code_unit = kv.options()
     scale_strides = kv.k_scale.stride()[:2] if kv.k_scale is not None else (0, 0)
     num_seqs, group = md.seq_lens.shape[0], num_heads // num_kv_heads
-    tile = attention_tile(head_dim, query.dtype, decode, arch)
+    tile = attention_tile(head_dim, query.dtype, decode, arch, quantized=kv.k_scale is not None)
     heads = min(group, tile.block_m)
     block_q = 1 if decode else tile.block_m // heads
     num_tiles = num_seqs if decode else num_tokens // block_q + num_seqs
@@ -548,6 +571,12 @@ def _check_attention_args(query, k_cache, v_cache, md: AttentionMetadata, k_scal
         )
     if k_scale is not None:
         tc.check_kv_scales("paged_attention", k_cache, k_scale, v_scale)
+        if query.dtype == torch.float32 and head_dim not in QUANTIZED_FP32_HEAD_DIMS:
+            raise ValueError(
+                f"paged_attention: kv_cache_dtype {tc.kv_codes(k_cache)} with float32 queries and head_dim "
+                f"{head_dim} is not supported by the Triton kernel (head dims {QUANTIZED_FP32_HEAD_DIMS}); use "
+                f"kernel_backend='torch' or a 16-bit dtype"
+            )
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"paged_attention: head_dim {head_dim} not supported by the Triton kernel ({HEAD_DIMS})")
     if block_size & (block_size - 1):
@@ -572,7 +601,7 @@ def _compile_cases(arch: int):
         name = str(dtype).removeprefix("torch.")
         for codes, cache_dtype in (("", dtype), ("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
             label = f" kv={codes}" if codes else ""
-            for head_dim in HEAD_DIMS:
+            for head_dim in QUANTIZED_FP32_HEAD_DIMS if codes and dtype == torch.float32 else HEAD_DIMS:
                 seen = set()
                 for decode_only, splits, causal in (
                     (False, None, True),
