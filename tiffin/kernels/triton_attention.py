@@ -58,15 +58,24 @@ def attention_tile(head_dim: int, dtype: torch.dtype, decode: bool, arch: int = 
 
 def _quantized_tile(tile: tc.Tile, dtype: torch.dtype, decode: bool, arch: int) -> tc.Tile:
     """Codes are scaled in registers on their way to the dots (a model-dtype tile goes from global to shared memory
-    and on to the dot untouched), which takes registers the model-dtype tiles do not have to spare (compile_check):
-    16-bit decode tiles take 8 warps, and prefill tiles one stage except on sm_90 (227 KB of shared memory keeps
-    the second stage out of registers). fp32 tiles (already 8 warps) fit as they are, except d=256, refused
-    (`QUANTIZED_FP32_HEAD_DIMS`)."""
+    and on to the dot untouched), which takes registers the model-dtype tiles do not have to spare. What
+    compile_check found spill-free: 16-bit decode tiles with 8 warps at the head dims of `_WIDE_QUANTIZED_DECODE`
+    (4 elsewhere: ptxas spills some of those at 8), in the model-dtype tile's stages except two on sm_120; prefill
+    tiles in one stage except on
+    sm_90 (227 KB of shared memory keeps the second out of registers), d=256 in 16-token KV steps where a block
+    has 99 KB. fp32 tiles (already 8 warps) fit as they are, except d=256, refused (`QUANTIZED_FP32_HEAD_DIMS`)."""
     if dtype == torch.float32:
         return tile
     if decode:
-        return dataclasses.replace(tile, num_warps=8)
-    return dataclasses.replace(tile, num_stages=1) if arch != 90 else tile
+        warps = 8 if tile.block_k in _WIDE_QUANTIZED_DECODE.get(arch, ()) else 4
+        return dataclasses.replace(tile, num_warps=warps, num_stages=2 if arch == 120 else tile.num_stages)
+    if arch == 90:
+        return tile
+    block_n = 16 if tile.block_k == 256 and arch in (86, 89, 120) else tile.block_n
+    return dataclasses.replace(tile, block_n=block_n, num_stages=1)
+
+
+_WIDE_QUANTIZED_DECODE = {80: (128, 256), 86: (256,), 89: (256,), 90: (32,), 120: (256,)}  # padded head dims
 
 
 def _model_dtype_tile(head_dim: int, dtype: torch.dtype, decode: bool, arch: int) -> tc.Tile:
