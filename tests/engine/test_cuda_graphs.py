@@ -13,6 +13,7 @@ from gguf_files import write_gguf
 
 from tiffin import LLM, AsyncLLMEngine, SamplingParams
 from tiffin.engine.worker import model_runner
+from tiffin.kernels import triton_common as tc
 from tiffin.kernels.quant import DENSE_MIN_TOKENS
 from tiffin.testing.cuda_emulation import CudaEmulation
 
@@ -77,6 +78,16 @@ def test_graphed_decode_equals_eager_llama(tiny_model, cuda_emulation, monkeypat
 @pytest.mark.parametrize("arch", ["qwen3", pytest.param("qwen2", marks=pytest.mark.slow), "mistral"])
 def test_graphed_decode_equals_eager_architectures(tiny_model, cuda_emulation, no_warm_up, arch):
     graphed_equals_eager(tiny_model(arch), cuda_emulation, dtype="float16")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", pytest.param("fp8_e4m3", marks=pytest.mark.slow)])
+def test_graphed_decode_equals_eager_quantized_kv_cache(tiny_model, cuda_emulation, no_warm_up, kv_cache_dtype):
+    """Quantized KV caches (#28): the graphs replay the Triton kernels that write codes and scales and read them
+    back, through the scale tensors the layers held at capture."""
+    with tc.recording_launches() as launched:
+        graphed_equals_eager(tiny_model("llama"), cuda_emulation, dtype="float16", kv_cache_dtype=kv_cache_dtype)
+    quantized = {name for name, kwargs, _ in launched if dict(kwargs).get("KV_CODES") or dict(kwargs).get("CODES")}
+    assert quantized == {"_paged_attention_kernel", "_rotary_write_kv_kernel"}
 
 
 @pytest.mark.slow

@@ -15,29 +15,70 @@ step with an online softmax, skipping the causal mask on steps every row fully s
   softmaxes. A one-token query is the last of its context and sees every key either way, so decode tiles are
   the one (causal) binary for both kinds of call.
 
+Quantized caches (`kv_quant`: int8 or fp8 codes, a bf16 scale per token and KV head) are read in place: each
+K/V tile's codes times its tokens' scales, in fp32, rounded to the query's dtype (the values the torch path
+dequantizes), then the same math. fp8 codes are unpacked by bit arithmetic, not Triton's fp8 types, so every
+format runs from sm_80 on; e4m3 and e5m2 share one binary (`KV_CODES="fp8"`, the format a runtime argument).
+The write kernel quantizes per token and KV head (triton_common has the code arithmetic both share).
+
 Host code never reads device tensors: grids come from the host-side ints in `AttentionMetadata`. Launch,
 interpreter and tile plumbing: triton_common.
 """
 
+import dataclasses
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from tiffin.kernels import kv_quant
 from tiffin.kernels import triton_common as tc
 from tiffin.kernels.attention import AttentionMetadata
 from tiffin.kernels.compile_check import CompileCase, register
-from tiffin.kernels.dispatch import implements, kernel
+from tiffin.kernels.dispatch import implements
+from tiffin.kernels.triton_common import bf16_bits_to_float, kv_code_values, kv_quantize, kv_scale
 
 HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
+# fp32 queries on a quantized cache: d=256 spills on sm_80 and sm_90 at every tile tried (BLOCK_N 16 or 32, one or
+# two stages, 8 or 16 warps: 3xTF32 operand halves beside the scaled codes); refused, the torch backend serves it
+QUANTIZED_FP32_HEAD_DIMS = HEAD_DIMS[:-1]
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it adds
 WRITE_BLOCK = 1024  # elements of one token's [num_kv_heads * head_dim] row copied per program
 
 
-def attention_tile(head_dim: int, dtype: torch.dtype, decode: bool, arch: int = 80) -> tc.Tile:
+def attention_tile(head_dim: int, dtype: torch.dtype, decode: bool, arch: int = 80, quantized: bool = False):
     """`block_m` query rows (tokens x query heads of one KV head) per program, `block_n` KV tokens per
-    inner-loop step; `block_k` is the QK dot's inner dimension, the padded head dim."""
+    inner-loop step; `block_k` is the QK dot's inner dimension, the padded head dim. `quantized`: the KV cache
+    holds codes (`_quantized_tile`)."""
+    tile = _model_dtype_tile(head_dim, dtype, decode, arch)
+    return _quantized_tile(tile, dtype, decode, arch) if quantized else tile
+
+
+def _quantized_tile(tile: tc.Tile, dtype: torch.dtype, decode: bool, arch: int) -> tc.Tile:
+    """Codes are scaled in registers on their way to the dots (a model-dtype tile goes from global to shared memory
+    and on to the dot untouched), which takes registers the model-dtype tiles do not have to spare. What
+    compile_check found spill-free: 16-bit decode tiles with 8 warps at the head dims of `_WIDE_QUANTIZED_DECODE`
+    (4 elsewhere: ptxas spills some of those at 8), in the model-dtype tile's stages except two on sm_120; prefill
+    tiles in one stage except on
+    sm_90 (227 KB of shared memory keeps the second out of registers), d=256 in 16-token KV steps where a block
+    has 99 KB. fp32 tiles (already 8 warps) fit as they are, except d=256, refused (`QUANTIZED_FP32_HEAD_DIMS`)."""
+    if dtype == torch.float32:
+        return tile
+    if decode:
+        warps = 8 if tile.block_k in _WIDE_QUANTIZED_DECODE.get(arch, ()) else 4
+        return dataclasses.replace(tile, num_warps=warps, num_stages=2 if arch == 120 else tile.num_stages)
+    if arch == 90:
+        return tile
+    block_n = 16 if tile.block_k == 256 and arch in (86, 89, 120) else tile.block_n
+    return dataclasses.replace(tile, block_n=block_n, num_stages=1)
+
+
+_WIDE_QUANTIZED_DECODE = {80: (128, 256), 86: (256,), 89: (256,), 90: (32,), 120: (256,)}  # padded head dims
+
+
+def _model_dtype_tile(head_dim: int, dtype: torch.dtype, decode: bool, arch: int) -> tc.Tile:
     d = _pad_head_dim(head_dim)
     small_shared = arch in (86, 89, 120)  # 99 KB of shared memory per block (sm_80: 163 KB, sm_90: 227 KB)
     if dtype == torch.float32:  # 3xTF32 keeps hi/lo halves of each operand in registers: small tiles, 8 warps
@@ -81,13 +122,65 @@ def _write_kv_kernel(
     tl.store(v_cache_ptr + dst, tl.load(value_ptr + token * stride_value + offs, mask=mask), mask=mask)
 
 
+@triton.jit
+def _write_kv_quantized_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    slot_mapping_ptr,
+    head_dim,
+    stride_key_token,
+    stride_key_head,
+    stride_value_token,
+    stride_value_head,
+    CODES: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Program (token, KV head): the head's key and value quantized (`kv_quant`), codes and scales stored at its
+    slot. Caches and scales contiguous: `[slots, num_kv_heads, head_dim]` and `[slots, num_kv_heads]`."""
+    token, kv_head = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(slot_mapping_ptr + token)
+    if slot < 0:  # padding token
+        return
+    d = tl.arange(0, BLOCK)
+    mask = d < head_dim
+    row = slot * tl.num_programs(1) + kv_head
+    k = tl.load(key_ptr + token * stride_key_token + kv_head * stride_key_head + d, mask=mask, other=0.0)
+    k = k.to(tl.float32)
+    scale, scale_bits = kv_scale(tl.max(tl.abs(k), 0), CODES)
+    tl.store(k_cache_ptr + row * head_dim + d, kv_quantize(k, scale, CODES), mask=mask)
+    tl.store(k_scale_ptr + row, scale_bits)
+    v = tl.load(value_ptr + token * stride_value_token + kv_head * stride_value_head + d, mask=mask, other=0.0)
+    v = v.to(tl.float32)
+    scale, scale_bits = kv_scale(tl.max(tl.abs(v), 0), CODES)
+    tl.store(v_cache_ptr + row * head_dim + d, kv_quantize(v, scale, CODES), mask=mask)
+    tl.store(v_scale_ptr + row, scale_bits)
+
+
 @triton.jit(
-    do_not_specialize=["num_seqs", "num_tokens", "num_heads", "group", "heads", "block_q", "block_shift", "stride_bt"]
+    do_not_specialize=[
+        "num_seqs",
+        "num_tokens",
+        "num_heads",
+        "group",
+        "heads",
+        "block_q",
+        "block_shift",
+        "stride_bt",
+        "stride_sb",
+        "stride_ss",
+        "fp8_shift",
+    ]
 )
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     out_ptr,
     part_ptr,
     stats_ptr,
@@ -95,6 +188,8 @@ def _paged_attention_kernel(
     seq_lens_ptr,
     block_tables_ptr,
     qk_scale,
+    fp8_shift,
+    code_unit,
     num_seqs,
     num_tokens,
     num_heads,
@@ -113,6 +208,8 @@ def _paged_attention_kernel(
     stride_vs,
     stride_vh,
     stride_bt,
+    stride_sb,
+    stride_ss,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -120,6 +217,7 @@ def _paged_attention_kernel(
     DECODE: tl.constexpr,
     SPLIT: tl.constexpr,
     CAUSAL: tl.constexpr,
+    KV_CODES: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -210,6 +308,13 @@ def _paged_attention_kernel(
             v_off = block * stride_vb + in_block * stride_vs + kv_head * stride_vh
             k = tl.load(k_cache_ptr + k_off[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
             v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            if KV_CODES != "":  # code x scale in fp32, rounded to the query's dtype: `kv_quant.dequantize`
+                s_off = block * stride_sb + in_block * stride_ss + kv_head
+                k_s = bf16_bits_to_float(tl.load(k_scale_ptr + s_off, mask=n_ok, other=0)) * code_unit
+                v_s = bf16_bits_to_float(tl.load(v_scale_ptr + s_off, mask=n_ok, other=0)) * code_unit
+                dtype = q_ptr.dtype.element_ty
+                k = (kv_code_values(k, fp8_shift, KV_CODES) * k_s[None, :]).to(dtype)
+                v = (kv_code_values(v, fp8_shift, KV_CODES) * v_s[:, None]).to(dtype)
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -264,13 +369,13 @@ def _merge_splits_kernel(
 
 @implements("write_kv", "triton")
 def write_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
-    if k_scale is not None:  # TODO(#28): quantized caches in the Triton kernel
-        return kernel("write_kv", "torch")(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if key.shape[0]:
-        write_kv_launch(key, value, k_cache, v_cache, slot_mapping)(key.device)
+        write_kv_launch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)(key.device)
 
 
-def write_kv_launch(key, value, k_cache, v_cache, slot_mapping) -> tc.Launch:
+def write_kv_launch(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> tc.Launch:
+    """A model-dtype cache copies each token's row in `WRITE_BLOCK` chunks; a quantized one (scales given) runs
+    a program per token and KV head, which reduces the head to its scale."""
     num_tokens = key.shape[0]
     if key.shape != value.shape or key.shape[1:] != k_cache.shape[2:] or k_cache.shape != v_cache.shape:
         raise ValueError(
@@ -283,6 +388,8 @@ def write_kv_launch(key, value, k_cache, v_cache, slot_mapping) -> tc.Launch:
         )
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.dtype != v_cache.dtype:
         raise ValueError("write_kv: k_cache and v_cache must be contiguous and of one dtype")
+    if k_scale is not None:
+        return _write_kv_quantized_launch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     row_size = key.shape[1] * key.shape[2]
     # Rows are usually strided views of a fused qkv output; reshape copies only if a row is not contiguous.
     key = key.to(k_cache.dtype).reshape(num_tokens, row_size)
@@ -295,15 +402,41 @@ def write_kv_launch(key, value, k_cache, v_cache, slot_mapping) -> tc.Launch:
     )
 
 
+def _write_kv_quantized_launch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> tc.Launch:
+    tc.check_kv_scales("write_kv", k_cache, k_scale, v_scale)
+    if key.dtype not in tc.DTYPES or value.dtype != key.dtype:
+        raise ValueError(f"write_kv: key/value dtypes must be one of {tc.DTYPES}, got {key.dtype}/{value.dtype}")
+    num_tokens, num_kv_heads, head_dim = key.shape
+    # heads of strided views of a fused qkv output are read in place; a copy only where head_dim is strided
+    key = key if key.stride(2) == 1 else key.contiguous()
+    value = value if value.stride(2) == 1 else value.contiguous()
+    return tc.Launch(
+        _write_kv_quantized_kernel,
+        (num_tokens, num_kv_heads),
+        (
+            key,
+            value,
+            tc.kv_code_view(k_cache),
+            tc.kv_code_view(v_cache),
+            k_scale.view(torch.int16),
+            v_scale.view(torch.int16),
+            slot_mapping,
+            head_dim,
+            *key.stride()[:2],
+            *value.stride()[:2],
+        ),
+        dict(CODES=tc.kv_codes(k_cache), BLOCK=_pad_head_dim(head_dim), num_warps=1),
+    )
+
+
 @implements("paged_attention", "triton")
 def paged_attention_triton(
     query, k_cache, v_cache, md: AttentionMetadata, scale: float, causal: bool = True, k_scale=None, v_scale=None
 ) -> torch.Tensor:
-    if k_scale is not None:  # TODO(#28): quantized caches in the Triton kernel
-        return kernel("paged_attention", "torch")(query, k_cache, v_cache, md, scale, causal, k_scale, v_scale)
     out = tc.empty(query.shape, query.dtype, query.device)
     if query.shape[0]:
-        for launch in paged_attention_launches(query, k_cache, v_cache, md, scale, out, causal=causal):
+        kv = (k_cache, v_cache, md, scale, out)
+        for launch in paged_attention_launches(query, *kv, causal=causal, k_scale=k_scale, v_scale=v_scale):
             launch(query.device)
     return out
 
@@ -318,15 +451,19 @@ def paged_attention_launches(
     splits: int | None = None,
     arch=None,
     causal: bool = True,
+    k_scale=None,
+    v_scale=None,
 ) -> list[tc.Launch]:
     """The launches for one call: prefill tiles unless every request decodes, and decode tiles. Decode-only
     batches may split KV `splits` ways (None: the dispatcher's choice), adding the merge. Tiles are `arch`'s
-    (None: the device's). `causal` reaches only the prefill tiles (decode tiles see every key anyway)."""
-    _check_attention_args(query, k_cache, v_cache, md)
+    (None: the device's). `causal` reaches only the prefill tiles (decode tiles see every key anyway). A quantized
+    cache comes with its scales `k_scale`/`v_scale`."""
+    _check_attention_args(query, k_cache, v_cache, md, k_scale, v_scale)
     arch = tc.arch(query.device) if arch is None else arch
-    decode = _attention(query, k_cache, v_cache, md, scale, out, arch, decode=True)
+    kv = (_KVCache(k_cache, v_cache, k_scale, v_scale),)
+    decode = _attention(query, *kv, md, scale, out, arch, decode=True)
     if md.max_query_len > 1:
-        prefill = _attention(query, k_cache, v_cache, md, scale, out, arch, decode=False, causal=causal)
+        prefill = _attention(query, *kv, md, scale, out, arch, decode=False, causal=causal)
         return [prefill, decode]
     if splits is None:
         splits = tc.num_splits(math.prod(decode.grid), triton.cdiv(md.max_seq_len, MIN_SPLIT_TOKENS), query.device)
@@ -342,16 +479,41 @@ def paged_attention_launches(
         (out, part, stats, splits, num_tokens, out.stride(0), out.stride(1)),
         dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, MAX_SPLITS=tc.MAX_SPLITS),
     )
-    return [_attention(query, k_cache, v_cache, md, scale, out, arch, True, splits, part, stats), merge]
+    return [_attention(query, *kv, md, scale, out, arch, True, splits, part, stats), merge]
 
 
-def _attention(
-    query, k_cache, v_cache, md, scale, out, arch, decode, splits=1, part=None, stats=None, causal=True
-) -> tc.Launch:
+@dataclass(frozen=True)
+class _KVCache:
+    """The caches as the attention kernel reads them: fp8 codes as bytes, scales as their bf16 bits (int16); a
+    model-dtype cache passes itself in the scales' places (never read: `KV_CODES=""`)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+
+    def args(self) -> tuple:
+        if self.k_scale is None:
+            return self.k, self.v, self.k, self.v
+        codes = (tc.kv_code_view(self.k), tc.kv_code_view(self.v))
+        return *codes, self.k_scale.view(torch.int16), self.v_scale.view(torch.int16)
+
+    def options(self) -> tuple[str, int, float]:
+        """(KV_CODES, fp8_shift, code_unit): "", "int8" or "fp8", and an fp8 format's unpacking
+        (`triton_common.FP8_UNPACK`)."""
+        codes = tc.kv_codes(self.k)
+        if codes.startswith("fp8"):
+            return "fp8", *tc.FP8_UNPACK[codes]
+        return codes, 0, 1.0
+
+
+def _attention(query, kv: _KVCache, md, scale, out, arch, decode, splits=1, part=None, stats=None, causal=True):
     num_tokens, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = k_cache.shape[1:3]
+    block_size, num_kv_heads = kv.k.shape[1:3]
+    kv_codes, fp8_shift, code_unit = kv.options()
+    scale_strides = kv.k_scale.stride()[:2] if kv.k_scale is not None else (0, 0)
     num_seqs, group = md.seq_lens.shape[0], num_heads // num_kv_heads
-    tile = attention_tile(head_dim, query.dtype, decode, arch)
+    tile = attention_tile(head_dim, query.dtype, decode, arch, quantized=kv.k_scale is not None)
     heads = min(group, tile.block_m)
     block_q = 1 if decode else tile.block_m // heads
     num_tiles = num_seqs if decode else num_tokens // block_q + num_seqs
@@ -360,8 +522,7 @@ def _attention(
         (num_tiles, num_kv_heads * triton.cdiv(group, heads), splits),
         (
             query,
-            k_cache,
-            v_cache,
+            *kv.args(),
             out,
             out if part is None else part,
             out if stats is None else stats,
@@ -369,6 +530,8 @@ def _attention(
             md.seq_lens,
             md.block_tables,
             scale * math.log2(math.e),
+            fp8_shift,
+            code_unit,
             num_seqs,
             num_tokens,
             num_heads,
@@ -380,9 +543,10 @@ def _attention(
             query.stride(1),
             out.stride(0),
             out.stride(1),
-            *k_cache.stride()[:3],
-            *v_cache.stride()[:3],
+            *kv.k.stride()[:3],
+            *kv.v.stride()[:3],
             md.block_tables.stride(0),
+            *scale_strides,
         ),
         dict(
             HEAD_DIM=head_dim,
@@ -392,6 +556,7 @@ def _attention(
             DECODE=decode,
             SPLIT=splits > 1,
             CAUSAL=causal,
+            KV_CODES=kv_codes,
             **tc.dot_options(query),
             num_warps=tile.num_warps,
             num_stages=tile.num_stages,
@@ -399,7 +564,7 @@ def _attention(
     )
 
 
-def _check_attention_args(query, k_cache, v_cache, md: AttentionMetadata) -> None:
+def _check_attention_args(query, k_cache, v_cache, md: AttentionMetadata, k_scale=None, v_scale=None) -> None:
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     if v_cache.shape != k_cache.shape or cache_head_dim != head_dim or num_heads % num_kv_heads:
@@ -407,11 +572,20 @@ def _check_attention_args(query, k_cache, v_cache, md: AttentionMetadata) -> Non
             f"paged_attention: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit "
             f"query {tuple(query.shape)}"
         )
-    if query.dtype not in tc.DTYPES or k_cache.dtype != query.dtype or v_cache.dtype != query.dtype:
+    cache_dtype = query.dtype if k_scale is None else k_cache.dtype  # quantized: codes of any format, any query
+    if query.dtype not in tc.DTYPES or k_cache.dtype != cache_dtype or v_cache.dtype != cache_dtype:
         raise ValueError(
-            f"paged_attention: query/cache dtypes must match and be one of {tc.DTYPES}, got "
-            f"{query.dtype}/{k_cache.dtype}/{v_cache.dtype}"
+            f"paged_attention: query/cache dtypes must match and be one of {tc.DTYPES} (or the caches quantized, "
+            f"with scales), got {query.dtype}/{k_cache.dtype}/{v_cache.dtype}"
         )
+    if k_scale is not None:
+        tc.check_kv_scales("paged_attention", k_cache, k_scale, v_scale)
+        if query.dtype == torch.float32 and head_dim not in QUANTIZED_FP32_HEAD_DIMS:
+            raise ValueError(
+                f"paged_attention: kv_cache_dtype {tc.kv_codes(k_cache)} with float32 queries and head_dim "
+                f"{head_dim} is not supported by the Triton kernel (head dims {QUANTIZED_FP32_HEAD_DIMS}); use "
+                f"kernel_backend='torch' or a 16-bit dtype"
+            )
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"paged_attention: head_dim {head_dim} not supported by the Triton kernel ({HEAD_DIMS})")
     if block_size & (block_size - 1):
@@ -428,30 +602,45 @@ def _check_attention_args(query, k_cache, v_cache, md: AttentionMetadata) -> Non
 
 @register("paged_attention")
 def _compile_cases(arch: int):
-    """Every launch the dispatchers can make: each dtype and head dim, the prefill tile causal and not, the
-    decode tile with and without KV splits, the merge, and the KV write. Block size, GQA ratio and batch shape
-    are runtime arguments that do not change the binary."""
+    """Every launch the dispatchers can make: each query dtype and head dim, on model-dtype caches and quantized
+    ones (int8, fp8: e4m3 and e5m2 share the binary), the prefill tile causal and not, the decode tile with and
+    without KV splits, the merge, and the KV write (per padded head dim where it quantizes). Block size, GQA ratio
+    and batch shape are runtime arguments that do not change the binary."""
     for dtype in tc.DTYPES:
         name = str(dtype).removeprefix("torch.")
-        for head_dim in HEAD_DIMS:
-            seen = set()
-            for decode_only, splits, causal in (
-                (False, None, True),
-                (False, None, False),
-                (True, 1, True),
-                (True, 2, True),
-            ):
-                inputs = _example_inputs(dtype, head_dim, decode_only)
-                for launch in paged_attention_launches(*inputs, splits=splits, arch=arch, causal=causal):
-                    kind = _launch_kind(launch)
-                    if kind not in seen:
-                        seen.add(kind)
-                        yield CompileCase(launch.kernel, f"{name} d={head_dim} {kind}", launch.args, launch.kwargs)
+        for codes, cache_dtype in (("", dtype), ("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
+            label = f" kv={codes}" if codes else ""
+            for head_dim in QUANTIZED_FP32_HEAD_DIMS if codes and dtype == torch.float32 else HEAD_DIMS:
+                seen = set()
+                for decode_only, splits, causal in (
+                    (False, None, True),
+                    (False, None, False),
+                    (True, 1, True),
+                    (True, 2, True),
+                ):
+                    query, cache, _, md, scale, out = _example_inputs(dtype, head_dim, decode_only)
+                    cache = cache.to(cache_dtype)
+                    scales = tc.example_kv_scales(cache)
+                    for launch in paged_attention_launches(
+                        query, cache, cache, md, scale, out, splits, arch, causal, *scales
+                    ):
+                        kind = _launch_kind(launch)
+                        if kind not in seen and not (codes and kind == "merge"):  # the merge reads no cache
+                            seen.add(kind)
+                            config = f"{name} d={head_dim}{label} {kind}"
+                            yield CompileCase(launch.kernel, config, launch.args, launch.kwargs)
         key = torch.empty(2, 2, 64, dtype=dtype, device="meta")
         cache = torch.empty(4, 16, 2, 64, dtype=dtype, device="meta")
         slots = torch.empty(2, dtype=torch.int64, device="meta")
         launch = write_kv_launch(key, key, cache, cache, slots)
         yield CompileCase(launch.kernel, f"{name} write_kv", launch.args, launch.kwargs)
+        for codes, cache_dtype in kv_quant.CACHE_DTYPES.items():
+            for head_dim in sorted({_pad_head_dim(d): d for d in HEAD_DIMS}.values()):
+                key = torch.empty(2, 2, head_dim, dtype=dtype, device="meta")
+                cache = torch.empty(4, 16, 2, head_dim, dtype=cache_dtype, device="meta")
+                launch = write_kv_launch(key, key, cache, cache, slots, *tc.example_kv_scales(cache))
+                config = f"{name} write_kv kv={codes} block={_pad_head_dim(head_dim)}"
+                yield CompileCase(launch.kernel, config, launch.args, launch.kwargs)
 
 
 def _launch_kind(launch: tc.Launch) -> str:

@@ -1,5 +1,6 @@
 """What every Triton kernel module shares: the launch record, tile configs, the SM count, how far to split a
-reduction across programs, buffer allocation, dtypes and dot options.
+reduction across programs, buffer allocation, dtypes and dot options, and the quantized KV cache's codes and
+scales (`kv_quant`) as the write and attention kernels compute them.
 
 On CPU tensors the kernels run under Triton's interpreter when TRITON_INTERPRET=1 at call time (see `Launch`),
 whatever the variable was at import. The interpreter's bf16 math is wrong, so there bf16 operands are upcast
@@ -13,7 +14,10 @@ from dataclasses import dataclass
 
 import torch
 import triton
+import triton.language as tl
 from triton import knobs
+
+from tiffin.kernels import kv_quant
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_SPLITS = 16  # ways one program's reduction may be split (split-K, split-KV)
@@ -105,16 +109,16 @@ def _interpreted(fn):
 
 @contextlib.contextmanager
 def _interpreting(fn):
-    """Let an interpreted kernel call @triton.jit helpers: its own module's and triton.language's (tl.max,
-    tl.sum, tl.cdiv, ...). Those are compiled-only JITFunctions when TRITON_INTERPRET was unset at import;
-    swapping them for interpreted twins is what lets the variable be set at call time, in any import order.
-    Every name is restored afterwards, including what the interpreter patches for nested calls and never
-    restores, so compiled kernels in the same process see a clean triton.language. (Names the interpreter adds
-    to a kernel's globals stay: its cached rewritten functions look them up there.)"""
+    """Let an interpreted kernel call @triton.jit helpers: its own module's, this module's (the KV-cache codes)
+    and triton.language's (tl.max, tl.sum, tl.cdiv, ...). Those are compiled-only JITFunctions when
+    TRITON_INTERPRET was unset at import; swapping them for interpreted twins is what lets the variable be set at
+    call time, in any import order. Every name is restored afterwards, including what the interpreter patches for
+    nested calls and never restores, so compiled kernels in the same process see a clean triton.language. (Names
+    the interpreter adds to a kernel's globals stay: its cached rewritten functions look them up there.)"""
     from triton.runtime.jit import JITFunction
 
     language = [m for name, m in list(sys.modules.items()) if name.split(".")[:2] == ["triton", "language"]]
-    namespaces = [vars(m) for m in language] + [fn.__globals__]
+    namespaces = [vars(m) for m in language] + [fn.__globals__] + [globals()] * (fn.__globals__ is not globals())
     saved = [dict(ns) for ns in namespaces]
     for ns in namespaces:
         for name, obj in list(ns.items()):
@@ -200,3 +204,117 @@ def dot_options(x: torch.Tensor) -> dict:
         UPCAST=x.device.type == "cpu" and x.dtype == torch.bfloat16,
         DOT_PRECISION="tf32x3" if x.dtype == torch.float32 else "tf32",
     )
+
+
+# ---- quantized KV caches (`kv_quant`) ----------------------------------------------------------------------
+#
+# The kernels reproduce `kv_quant.quantize` bit for bit and never use Triton's bf16 or fp8 types: every rounding is
+# integer arithmetic on fp32 bits (or the exact fp32 round-to-nearest-even of `_RNE_MAGIC`), so the codes are the
+# same on every arch from sm_80 on (`tl.float8e4nv` needs sm_89) and under the interpreter (whose bf16 is wrong).
+# Caches of fp8 codes reach the kernels as uint8 views, scales as int16 views of their bf16 bits.
+
+KV_CODES = {dtype: name for name, dtype in kv_quant.CACHE_DTYPES.items()}  # cache dtype -> the CODES constexpr
+# An fp8 code read as fp16 bits: (code & 0x7F) << shift, sign at bit 15; then x unit is the value (exact). e5m2 is
+# fp16's top byte; e4m3's 4-bit exponent (bias 7) in fp16's 5-bit field (bias 15) reads 2^-8 of its value.
+FP8_UNPACK = {"fp8_e4m3": (7, 256.0), "fp8_e5m2": (8, 1.0)}
+_RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: (y + it) - it rounds fp32 |y| < 2^22 to an integer, half to even
+
+
+def kv_codes(cache: torch.Tensor) -> str:
+    """The cache's code format as the kernels' CODES constexpr: kv_quant's name ("int8", "fp8_e4m3",
+    "fp8_e5m2"), or "" for a cache of model-dtype values."""
+    return KV_CODES.get(cache.dtype, "")
+
+
+def kv_code_view(cache: torch.Tensor) -> torch.Tensor:
+    """What a kernel is passed for a cache: fp8 codes as their bytes (uint8), anything else as is."""
+    return cache.view(torch.uint8) if kv_codes(cache).startswith("fp8") else cache
+
+
+def check_kv_scales(op: str, cache, k_scale, v_scale) -> None:
+    """Scales of a quantized cache as the kernels index them: contiguous bf16 `[num_blocks, block_size,
+    num_kv_heads]`, the caches' codes int8 or fp8."""
+    if not kv_quant.is_quantized(cache):
+        raise ValueError(f"{op}: scales given for a {cache.dtype} cache (quantized caches are int8 or fp8)")
+    for scales in (k_scale, v_scale):
+        if scales.dtype != kv_quant.SCALE_DTYPE or scales.shape != cache.shape[:3] or not scales.is_contiguous():
+            raise ValueError(
+                f"{op}: KV scales must be contiguous {kv_quant.SCALE_DTYPE} {tuple(cache.shape[:3])}, got "
+                f"{scales.dtype} {tuple(scales.shape)}"
+            )
+
+
+def example_kv_scales(cache: torch.Tensor) -> tuple:
+    """Shape-only scales for a quantized example cache; (None, None) for a model-dtype one."""
+    if not kv_quant.is_quantized(cache):
+        return None, None
+    return tuple(torch.empty(cache.shape[:3], dtype=kv_quant.SCALE_DTYPE, device=cache.device) for _ in "kv")
+
+
+@triton.jit
+def kv_scale(amax, CODES: tl.constexpr):
+    """A (token, KV head)'s scale from its fp32 largest magnitude -> (the bf16 scale as fp32, its bf16 bits as int16),
+    as `kv_quant.quantize`: amax / CODE_MAX correctly rounded (`div_rn`; `/` is approximate on GPUs), at least bf16's
+    smallest normal, rounded to bf16 to nearest even (positive and finite: no NaN or sign cases)."""
+    if CODES == "int8":
+        code_max = 127.0
+    elif CODES == "fp8_e4m3":
+        code_max = 448.0
+    else:
+        code_max = 57344.0
+    scale = tl.maximum(tl.math.div_rn(amax, code_max), 1.1754943508222875e-38)
+    bits = scale.to(tl.int32, bitcast=True)
+    high = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return (high << 16).to(tl.float32, bitcast=True), high.to(tl.int16)
+
+
+@triton.jit
+def kv_quantize(x, scale, CODES: tl.constexpr):
+    """fp32 values -> codes against the bf16 `scale` (fp32), as `kv_quant.quantize`: x / scale correctly rounded,
+    then int8 rounded half to even (torch's `round`) and clamped to +-127, or fp8 clamped to +-CODE_MAX and rounded
+    to nearest even (torch's cast), as uint8 bytes."""
+    y = tl.math.div_rn(x, scale)
+    if CODES == "int8":
+        y = tl.minimum(tl.maximum(y, -127.0), 127.0)
+        return ((y + _RNE_MAGIC) - _RNE_MAGIC).to(tl.int8)
+    elif CODES == "fp8_e4m3":
+        return _fp8_bits(y, 3, 7, 448.0)
+    else:
+        return _fp8_bits(y, 2, 15, 57344.0)
+
+
+@triton.jit
+def _fp8_bits(y, MANT: tl.constexpr, BIAS: tl.constexpr, CODE_MAX: tl.constexpr):
+    """fp32 -> an fp8 code (MANT mantissa bits, exponent bias BIAS) rounded to nearest even and saturated at
+    CODE_MAX, as its byte. Normal codes round the fp32 bits' mantissa in integer arithmetic and rebias the exponent;
+    below the smallest normal, 2^(1 - BIAS), the code is the magnitude in units of the subnormal step, rounded (a
+    carry into 1 << MANT is the smallest normal's code, so that case needs nothing)."""
+    a = tl.minimum(tl.abs(y), CODE_MAX)
+    bits = a.to(tl.int32, bitcast=True)
+    shift: tl.constexpr = 23 - MANT
+    normal = ((bits + ((1 << (shift - 1)) - 1) + ((bits >> shift) & 1)) >> shift) - ((127 - BIAS) << MANT)
+    smallest_normal: tl.constexpr = 2.0 ** (1 - BIAS)
+    # capped so that the branch tl.where drops converts no out-of-range float
+    step_units = tl.minimum(a, smallest_normal) * (2.0 ** (BIAS - 1 + MANT))
+    code = tl.where(a < smallest_normal, ((step_units + _RNE_MAGIC) - _RNE_MAGIC).to(tl.int32), normal)
+    sign = (y.to(tl.int32, bitcast=True) >> 24) & 0x80  # -0.0 keeps its sign byte, as torch's cast
+    return (code | sign).to(tl.uint8)
+
+
+@triton.jit
+def kv_code_values(codes, fp8_shift, CODES: tl.constexpr):
+    """Codes as loaded (int8, or fp8 bytes as uint8) -> fp32 code values, exactly; an fp8 value still needs its
+    format's `FP8_UNPACK` unit (the caller folds it into the scale). `CODES` is "int8" or "fp8" (either format:
+    `fp8_shift` picks it at run time, so both share one binary)."""
+    if CODES == "int8":
+        return codes.to(tl.float32)
+    else:
+        u = codes.to(tl.int32)
+        half = (((u & 0x7F) << fp8_shift) | ((u & 0x80) << 8)).to(tl.int16)
+        return half.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def bf16_bits_to_float(bits):
+    """Scales loaded as int16 bits -> fp32 (exact)."""
+    return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)

@@ -6,13 +6,17 @@ arithmetic in between. One program per row (per token and head for the rotary): 
 and a row fits one block (hidden sizes up to 16k).
 """
 
+import itertools
+
 import torch
 import triton
 import triton.language as tl
 
+from tiffin.kernels import kv_quant
 from tiffin.kernels import triton_common as tc
 from tiffin.kernels.compile_check import CompileCase, register
-from tiffin.kernels.dispatch import implements, kernel
+from tiffin.kernels.dispatch import implements
+from tiffin.kernels.triton_common import kv_quantize, kv_scale
 
 MAX_ROW = 16384  # the widest row one program handles (a block of the whole row)
 
@@ -153,6 +157,8 @@ def _rotary_write_kv_kernel(
     q_out_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     slot_mapping_ptr,
     num_heads,
     stride_qk_token,
@@ -163,8 +169,11 @@ def _rotary_write_kv_kernel(
     stride_q_head,
     HALF: tl.constexpr,
     BLOCK: tl.constexpr,
+    CODES: tl.constexpr,
 ):
-    """Program (token, head) over the query heads then the key heads; a key head also copies its value head."""
+    """Program (token, head) over the query heads then the key heads; a key head also copies its value head. A
+    quantized cache (`CODES` "int8", "fp8_e4m3", "fp8_e5m2"; scales as int16 bf16 bits) takes each head's codes
+    and scale, the head's two halves reduced together."""
     token, head = tl.program_id(0), tl.program_id(1)
     d = tl.arange(0, BLOCK)
     mask = d < HALF
@@ -188,26 +197,43 @@ def _rotary_write_kv_kernel(
         if slot >= 0:  # -1: a padding row, written nowhere
             kv_head = head - num_heads
             num_kv_heads = tl.num_programs(1) - num_heads
-            row = (slot * num_kv_heads + kv_head) * (2 * HALF)  # contiguous caches: [slots, kv_heads, head_dim]
-            k_cache_dtype = k_cache_ptr.dtype.element_ty
-            tl.store(k_cache_ptr + row + d, y1.to(k_cache_dtype), mask=mask)
-            tl.store(k_cache_ptr + row + HALF + d, y2.to(k_cache_dtype), mask=mask)
+            head_row = slot * num_kv_heads + kv_head  # contiguous caches: [slots, kv_heads, head_dim]
+            row = head_row * (2 * HALF)
             v_src = v_ptr + token * stride_v_token + kv_head * stride_v_head
             v_lo = tl.load(v_src + d, mask=mask, other=0.0)
             v_hi = tl.load(v_src + HALF + d, mask=mask, other=0.0)
-            v_cache_dtype = v_cache_ptr.dtype.element_ty
-            tl.store(v_cache_ptr + row + d, v_lo.to(v_cache_dtype), mask=mask)
-            tl.store(v_cache_ptr + row + HALF + d, v_hi.to(v_cache_dtype), mask=mask)
+            if CODES == "":
+                k_cache_dtype = k_cache_ptr.dtype.element_ty
+                tl.store(k_cache_ptr + row + d, y1.to(k_cache_dtype), mask=mask)
+                tl.store(k_cache_ptr + row + HALF + d, y2.to(k_cache_dtype), mask=mask)
+                v_cache_dtype = v_cache_ptr.dtype.element_ty
+                tl.store(v_cache_ptr + row + d, v_lo.to(v_cache_dtype), mask=mask)
+                tl.store(v_cache_ptr + row + HALF + d, v_hi.to(v_cache_dtype), mask=mask)
+            else:  # masked lanes hold 0.0: they never raise the largest magnitude
+                k1, k2 = y1.to(tl.float32), y2.to(tl.float32)
+                scale, scale_bits = kv_scale(tl.maximum(tl.max(tl.abs(k1), 0), tl.max(tl.abs(k2), 0)), CODES)
+                tl.store(k_cache_ptr + row + d, kv_quantize(k1, scale, CODES), mask=mask)
+                tl.store(k_cache_ptr + row + HALF + d, kv_quantize(k2, scale, CODES), mask=mask)
+                tl.store(k_scale_ptr + head_row, scale_bits)
+                v1, v2 = v_lo.to(tl.float32), v_hi.to(tl.float32)
+                scale, scale_bits = kv_scale(tl.maximum(tl.max(tl.abs(v1), 0), tl.max(tl.abs(v2), 0)), CODES)
+                tl.store(v_cache_ptr + row + d, kv_quantize(v1, scale, CODES), mask=mask)
+                tl.store(v_cache_ptr + row + HALF + d, kv_quantize(v2, scale, CODES), mask=mask)
+                tl.store(v_scale_ptr + head_row, scale_bits)
 
 
 def rotary_write_kv_launch(
-    qk, v, k_cache, v_cache, slot_mapping, positions, cos, sin, num_heads: int
+    qk, v, k_cache, v_cache, slot_mapping, positions, cos, sin, num_heads: int, k_scale=None, v_scale=None
 ) -> tuple[tc.Launch, torch.Tensor]:
     num_tokens, heads, head_dim = qk.shape
     if k_cache.shape[2:] != (heads - num_heads, head_dim) or k_cache.shape != v_cache.shape:
         raise ValueError(f"rotary_write_kv: caches {tuple(k_cache.shape)} do not fit qk {tuple(qk.shape)}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("rotary_write_kv: k_cache and v_cache must be contiguous")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.dtype != v_cache.dtype:
+        raise ValueError("rotary_write_kv: k_cache and v_cache must be contiguous and of one dtype")
+    if k_scale is not None:
+        tc.check_kv_scales("rotary_write_kv", k_cache, k_scale, v_scale)
+        if qk.dtype not in tc.DTYPES or v.dtype != qk.dtype:
+            raise ValueError(f"rotary_write_kv: qk/v dtypes must be one of {tc.DTYPES}, got {qk.dtype}/{v.dtype}")
     if qk.stride(2) != 1 or v.stride(2) != 1 or not (cos.is_contiguous() and sin.is_contiguous()):
         raise ValueError("rotary_write_kv: qk, v, cos and sin need unit stride along head_dim")
     if slot_mapping.dtype != torch.int64 or positions.dtype not in (torch.int32, torch.int64):
@@ -224,8 +250,11 @@ def rotary_write_kv_launch(
             cos,
             sin,
             q,
-            k_cache,
-            v_cache,
+            tc.kv_code_view(k_cache),
+            tc.kv_code_view(v_cache),
+            # scales as int16 bits; a model-dtype cache passes itself (never read: CODES="")
+            k_cache if k_scale is None else k_scale.view(torch.int16),
+            v_cache if v_scale is None else v_scale.view(torch.int16),
             slot_mapping,
             num_heads,
             qk.stride(0),
@@ -235,7 +264,7 @@ def rotary_write_kv_launch(
             q.stride(0),
             q.stride(1),
         ),
-        dict(HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1),
+        dict(HALF=half, BLOCK=triton.next_power_of_2(half), CODES=tc.kv_codes(k_cache), num_warps=1),
     )
     return launch, q
 
@@ -244,10 +273,8 @@ def rotary_write_kv_launch(
 def rotary_write_kv_triton(
     qk, v, k_cache, v_cache, slot_mapping, positions, cos, sin, num_heads, k_scale=None, v_scale=None
 ) -> torch.Tensor:
-    if k_scale is not None:  # TODO(#28): quantized caches in the Triton kernel
-        args = (qk, v, k_cache, v_cache, slot_mapping, positions, cos, sin, num_heads, k_scale, v_scale)
-        return kernel("rotary_write_kv", "torch")(*args)
-    launch, q = rotary_write_kv_launch(qk, v, k_cache, v_cache, slot_mapping, positions, cos, sin, num_heads)
+    args = (qk, v, k_cache, v_cache, slot_mapping, positions, cos, sin, num_heads, k_scale, v_scale)
+    launch, q = rotary_write_kv_launch(*args)
     if qk.shape[0]:
         launch(qk.device)
     return q
@@ -256,7 +283,8 @@ def rotary_write_kv_triton(
 @register("fused_elementwise")
 def _compile_cases(arch: int):
     """Per activation dtype: RMSNorm with and without the residual (hidden 2048 and 8192, the widest block per warp
-    count), SiLU-and-mul (intermediate 8192 and 14336), the rotary KV write (head_dim 64, 128, 256)."""
+    count), SiLU-and-mul (intermediate 8192 and 14336), the rotary KV write (head_dim 64, 128, 256) into a cache of
+    the model's dtype and each quantized one."""
     meta = dict(device="meta")
     for dtype in tc.DTYPES:
         name = str(dtype).removeprefix("torch.")
@@ -270,10 +298,12 @@ def _compile_cases(arch: int):
         for intermediate in (8192, 14336):
             launch, _ = silu_and_mul_launch(torch.empty(4, 2 * intermediate, dtype=dtype, **meta))
             yield CompileCase(launch.kernel, f"silu_and_mul {name} I={intermediate}", launch.args, launch.kwargs)
-        for head_dim in (64, 128, 256):
+        for (codes, cache_dtype), head_dim in itertools.product(
+            [("", dtype), *kv_quant.CACHE_DTYPES.items()], (64, 128, 256)
+        ):
             qkv = torch.empty(4, (32 + 16) * head_dim, dtype=dtype, **meta)
             qk, v = qkv.split([40 * head_dim, 8 * head_dim], dim=-1)
-            cache = torch.empty(64, 16, 8, head_dim, dtype=dtype, **meta)
+            cache = torch.empty(64, 16, 8, head_dim, dtype=cache_dtype, **meta)
             rope = torch.empty(4096, head_dim // 2, dtype=torch.float32, **meta)
             launch, _ = rotary_write_kv_launch(
                 qk.view(4, 40, head_dim),
@@ -285,5 +315,8 @@ def _compile_cases(arch: int):
                 rope,
                 torch.empty_like(rope),
                 32,
+                *tc.example_kv_scales(cache),
             )
-            yield CompileCase(launch.kernel, f"rotary_write_kv {name} head_dim={head_dim}", launch.args, launch.kwargs)
+            kv = f" kv={codes}" if codes else ""
+            config = f"rotary_write_kv {name} head_dim={head_dim}{kv}"
+            yield CompileCase(launch.kernel, config, launch.args, launch.kwargs)

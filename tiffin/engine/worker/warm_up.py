@@ -13,8 +13,9 @@ def warm_up_triton(runner) -> None:
     """Launch every Triton kernel variant serving can through `runner`'s model. Variants follow a step's sizes:
     quantized GEMM tiles and split-K by token count (all counts below the dense branch, per distinct layer);
     attention by batch and token counts as Triton specializes them (1, a multiple of 16, other) and, for
-    decode-only steps, KV splits, which follow the batch size and the longest context. LoRA kernels launch only
-    with an adapter loaded and are not covered yet."""
+    decode-only steps, KV splits, which follow the batch size and the longest context. The steps run the model on
+    the runner's own KV cache, so a quantized one (`kv_cache_dtype`) warms its quantized write and attention
+    variants. LoRA kernels launch only with an adapter loaded and are not covered yet."""
     # here, not at the top: a torch-backend process never imports triton
     from tiffin.kernels.triton_attention import MIN_SPLIT_TOKENS
     from tiffin.kernels.triton_common import MAX_SPLITS, num_sms
