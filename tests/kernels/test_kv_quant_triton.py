@@ -1,10 +1,11 @@
 """The Triton kernels on quantized KV caches (`kv_quant`: int8 / fp8 codes, a bf16 scale per token and KV head),
 under Triton's interpreter on CPU tensors, fp32 and fp16 queries (the interpreter computes bf16 wrongly).
 
-- `write_kv` and `rotary_write_kv` write the codes and scales `kv_quant.quantize` computes, bit for bit: the
-  kernels round with integer arithmetic on fp32 bits (int8 half to even as torch's `round`, fp8 to nearest even
-  as torch's cast), so there is no tie to excuse; the inputs include exact ties, an all-zero head and values in
-  fp8's subnormal range.
+- `write_kv` and `rotary_write_kv` write the codes and scales `kv_quant.quantize` computes (of the keys rotated by
+  `kv_quant.rotate`), bit for bit: the kernels round with integer arithmetic on fp32 bits (int8 half to even as
+  torch's `round`, fp8 to nearest even as torch's cast), so there is no tie to excuse; the inputs include exact
+  ties, an all-zero head and values in fp8's subnormal range. (The torch backend's CPU write sums the rotation in
+  the native kernel's order, an ulp away: the reference here is `kv_quant` itself.)
 - `paged_attention` reads a quantized cache as the torch implementation does: both within the dtype's tolerance
   of a float64 attention over the dequantized cache (prefill after a cached prefix, fresh prompts, decode,
   split-KV decode with its merge; GQA, block size 16, head dims 64 and 128).
@@ -54,6 +55,17 @@ def assert_same_cache(got: tuple, want: tuple) -> None:
         assert torch.equal(g, w)
 
 
+def reference_write(key, value, slots, shape, codes: str) -> tuple:
+    """The caches `kv_quant` says `key` and `value` make at `slots` (-1 skipped): keys rotated, then quantized."""
+    caches, scales = empty_cache(shape, codes)
+    keep = slots >= 0
+    for x, cache, scale in ((kv_quant.rotate(key), caches[0], scales[0]), (value, caches[1], scales[1])):
+        c, s = kv_quant.quantize(x[keep], kv_quant.CACHE_DTYPES[codes])
+        cache.view(torch.uint8).view(-1, *shape[2:])[slots[keep]] = c.view(torch.uint8)
+        scale.view(-1, shape[2])[slots[keep]] = s
+    return caches, scales
+
+
 def hard_heads(tokens: int, num_kv_heads: int, head_dim: int, dtype, gen) -> torch.Tensor:
     """Random heads of every magnitude, plus the cases rounding decides: head 0 of token 0 all zeros, head 1
     of token 0 values k + 0.5 for amax 127 (scale 1: int8 ties), token 1 values 2^-20..2^0 (fp8 subnormals)."""
@@ -79,13 +91,12 @@ def test_write_kv_matches_quantize(codes, dtype, head_dim):
     key, value = key.view(tokens, num_kv_heads, head_dim), value.view(tokens, num_kv_heads, head_dim)
     slots = torch.tensor([31, -1, 0, 79, 16, 5])
     shape = (5, 16, num_kv_heads, head_dim)
-    got, want = empty_cache(shape, codes), empty_cache(shape, codes)
+    got = empty_cache(shape, codes)
     kernels.write_kv(key, value, *got[0], slots, "triton", *got[1])
-    kernels.write_kv(key, value, *want[0], slots, "torch", *want[1])
-    assert_same_cache(got, want)
+    assert_same_cache(got, reference_write(key, value, slots, shape, codes))
     assert got[1][0].view(-1, num_kv_heads)[31, 0] == torch.finfo(torch.bfloat16).tiny  # the all-zero head
-    if codes == "int8":  # the ties rounded half to even: 0.5 -> 0, 1.5 -> 2, -0.5 -> -0, -1.5 -> -2
-        tie_codes = got[0][0].view(-1, num_kv_heads, head_dim)[31, 1, :16].tolist()
+    if codes == "int8":  # the ties (a value head: keys are rotated) half to even: 0.5 -> 0, 1.5 -> 2, -0.5 -> -0
+        tie_codes = got[0][1].view(-1, num_kv_heads, head_dim)[5, 1, :16].tolist()
         assert tie_codes == [127, -6, -6, -4, -4, -2, -2, -0, 0, 2, 2, 4, 4, 6, 6, 8]
 
 
@@ -97,11 +108,13 @@ def rope(head_dim: int, max_pos: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("codes", CODES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
-def test_rotary_write_kv_matches_quantize(codes, dtype):
-    """Four query heads on two KV heads, head_dim 48 (halves of 24: a block padded past them): the rotated
-    queries equal the torch path's, the caches hold the codes and scales of its rotated keys and values."""
+@pytest.mark.parametrize("head_dim", [48, 64])
+def test_rotary_write_kv_matches_quantize(codes, dtype, head_dim):
+    """Four query heads on two KV heads: the roped queries equal the torch path's, the caches hold the codes and
+    scales of its roped keys and values. Head_dim 48 (halves of 24: a block padded past them) takes the fused
+    kernel, 64 rope, then the write of the keys rotated (kv_quant)."""
     gen = torch.Generator().manual_seed(7)
-    heads, kv_heads, tokens, head_dim = 4, 2, 5, 48
+    heads, kv_heads, tokens = 4, 2, 5
     cos, sin = rope(head_dim)
     qkv = hard_heads(tokens, heads + 2 * kv_heads, head_dim, dtype, gen).flatten(1)
     qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
@@ -113,7 +126,8 @@ def test_rotary_write_kv_matches_quantize(codes, dtype):
     q = kernels.rotary_write_kv(qk, v, *got[0], *args, "triton", *got[1])
     q_want = kernels.rotary_write_kv(qk, v, *want[0], *args, "torch", *want[1])
     torch.testing.assert_close(q, q_want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
-    assert_same_cache(got, want)
+    roped = kernels.fused.rotate(qk, cos[positions].to(dtype)[:, None], sin[positions].to(dtype)[:, None])
+    assert_same_cache(got, reference_write(roped[:, heads:], v, slots, shape, codes))
 
 
 def quantized_batch(query_lens, context_lens, num_kv_heads, group, head_dim, dtype, codes, seed):
@@ -125,18 +139,22 @@ def quantized_batch(query_lens, context_lens, num_kv_heads, group, head_dim, dty
 
 
 def check_attention(batch, dtype, causal=True) -> None:
-    """Triton within the dtype's tolerance of the float64 naive attention over the cache dequantized to the query's
-    dtype (the values it and the torch implementation compute with), and within twice that of the torch
+    """Triton within the dtype's tolerance of the float64 naive attention of the rotated queries over the cache
+    dequantized to the query's dtype (the values it and the torch implementation compute with), and within twice
+    that of the torch
     implementation on the same quantized cache (whose fp16 decode keeps its scores in fp16)."""
     query, k_codes, v_codes, md, k_scale, v_scale = batch
     scale = 1 / math.sqrt(query.shape[-1])
     k, v = kv_quant.dequantize(k_codes, k_scale, dtype), kv_quant.dequantize(v_codes, v_scale, dtype)
-    want = (naive_attention if causal else naive_bidirectional_attention)(query, k, v, md, scale)
+    rotated = kv_quant.rotate(query).to(dtype)  # the cache holds keys rotated: queries meet them rotated
+    want = (naive_attention if causal else naive_bidirectional_attention)(rotated, k, v, md, scale)
     out = kernels.paged_attention(query, k_codes, v_codes, md, scale, "triton", causal, k_scale, v_scale)
     assert out.dtype == dtype and not out.isnan().any(), "output not fully written"
     assert rel_error(out, want) <= TOLERANCE[dtype]
     torch_out = kernels.paged_attention(query, k_codes, v_codes, md, scale, "torch", causal, k_scale, v_scale)
-    assert rel_error(out, torch_out.double()) <= 2 * TOLERANCE[dtype]
+    # the native CPU decode meets int8 keys with the query in 15 bits (test_kv_quant.QUERY_ERROR)
+    native_int8 = k_codes.dtype == torch.int8 and dtype == torch.float32
+    assert rel_error(out, torch_out.double()) <= (2e-4 if native_int8 else 2 * TOLERANCE[dtype])
 
 
 # (query_lens, context_lens, num_kv_heads, group, head_dim): each code format at each dtype runs them all

@@ -31,12 +31,17 @@ def is_quantized(cache: torch.Tensor) -> bool:
     return cache.dtype in CODE_MAX
 
 
+def rotates(head_dim: int) -> bool:
+    """Whether keys of `head_dim` are stored rotated (a power of two: the Sylvester matrices' sizes)."""
+    return head_dim & (head_dim - 1) == 0
+
+
 def rotate(x: torch.Tensor) -> torch.Tensor:
     """`x` `[..., head_dim]` times the normalized Sylvester Hadamard matrix (entry (i, j): (-1)^popcount(i & j) /
     sqrt(head_dim)), in fp32 (one matmul; the native kernels' butterflies sum in another order, which may move a
     value by an ulp); `x` as fp32 where head_dim is not a power of two."""
     n = x.shape[-1]
-    if n & (n - 1):
+    if not rotates(n):
         return x.float()
     return (x.float().reshape(-1, n) @ _hadamard(n, x.device)).reshape(x.shape)
 

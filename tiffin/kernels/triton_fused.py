@@ -12,10 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from tiffin.kernels import kv_quant
+from tiffin.kernels import fused, kv_quant
 from tiffin.kernels import triton_common as tc
 from tiffin.kernels.compile_check import CompileCase, register
-from tiffin.kernels.dispatch import implements
+from tiffin.kernels.dispatch import implements, kernel
 from tiffin.kernels.triton_common import kv_quantize, kv_scale
 
 MAX_ROW = 16384  # the widest row one program handles (a block of the whole row)
@@ -273,6 +273,12 @@ def rotary_write_kv_launch(
 def rotary_write_kv_triton(
     qk, v, k_cache, v_cache, slot_mapping, positions, cos, sin, num_heads, k_scale=None, v_scale=None
 ) -> torch.Tensor:
+    if k_scale is not None and kv_quant.rotates(qk.shape[-1]):
+        # the cache stores keys rotated (kv_quant) after rope: roped here, rotated and written by write_kv
+        roped = fused.rotate(qk, cos[positions].to(qk.dtype)[:, None], sin[positions].to(qk.dtype)[:, None])
+        q, k = roped.split([num_heads, qk.shape[1] - num_heads], dim=1)
+        kernel("write_kv", "triton")(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        return q
     args = (qk, v, k_cache, v_cache, slot_mapping, positions, cos, sin, num_heads, k_scale, v_scale)
     launch, q = rotary_write_kv_launch(*args)
     if qk.shape[0]:
