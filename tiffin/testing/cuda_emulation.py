@@ -170,10 +170,13 @@ class CudaEmulation:
     # -- install -----------------------------------------------------------------------------------------------
 
     def __enter__(self) -> "CudaEmulation":
-        from tiffin.kernels import triton_common
+        from tiffin.kernels import kv_quant, triton_common
 
         self._patches = stack = contextlib.ExitStack()
         emu = self
+        # device tensors cached by (size, device) outlive an emulation; the next one would see them as host memory
+        kv_quant._hadamard.cache_clear()
+        stack.callback(kv_quant._hadamard.cache_clear)
 
         def patch(owner, name, value):
             old = getattr(owner, name)
