@@ -19,23 +19,14 @@ import sys
 
 import pytest
 import torch
+from test_fused_kernels import DTYPES, TOLERANCE, interpreter  # noqa: F401  (autouse: kernels interpreted, NaN buffers)
 from test_kernels_attention import make_batch, naive_attention, naive_bidirectional_attention, rel_error
 
 from tiffin import kernels
 from tiffin.kernels import compile_check, kv_quant
 from tiffin.kernels import triton_attention as ta
-from tiffin.kernels import triton_common as tc
 
 CODES = list(kv_quant.CACHE_DTYPES)
-DTYPES = [torch.float32, torch.float16]
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
-
-
-@pytest.fixture(autouse=True)
-def interpreter(monkeypatch):
-    """Kernels run under the interpreter; every buffer the Triton path allocates starts as NaN."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(tc, "empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype))
 
 
 def empty_cache(shape, codes: str):
