@@ -115,10 +115,7 @@ class KVCacheSpec:
         None). Returns the pool's tensors, each `[2, num_layers, num_blocks + 1, block_size, ...]`: the cache, then
         the scales of a quantized one. On CPU the zeros are the operating system's (calloc): pages take memory once
         written, so the pool costs what requests use."""
-        shape = (2, self.num_layers, num_blocks + 1, self.block_size, self.num_kv_heads, self.head_dim)
-        tensors = [_zeros(shape, self.dtype, device)]
-        if self.quantized:
-            tensors.append(_zeros(shape[:-1], kv_quant.SCALE_DTYPE, device))
+        tensors = [_zeros(shape, dtype, device) for shape, dtype in self._shapes(num_blocks + 1)]
         for i, attn in enumerate(layers_kv):
             attn.k_cache, attn.v_cache = tensors[0][0, i], tensors[0][1, i]
             attn.k_scale, attn.v_scale = (tensors[1][0, i], tensors[1][1, i]) if self.quantized else (None, None)
@@ -130,11 +127,14 @@ class KVCacheSpec:
         for no block."""
         if not num_blocks:
             return []
-        shape = (2, self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        shapes = [(shape, self.dtype)] + [(shape[:-1], kv_quant.SCALE_DTYPE)] * self.quantized
         if pin:
-            return [torch.zeros(s, dtype=dtype, pin_memory=True) for s, dtype in shapes]
-        return [_zeros(s, dtype, torch.device("cpu")) for s, dtype in shapes]
+            return [torch.zeros(shape, dtype=dtype, pin_memory=True) for shape, dtype in self._shapes(num_blocks)]
+        return [_zeros(shape, dtype, torch.device("cpu")) for shape, dtype in self._shapes(num_blocks)]
+
+    def _shapes(self, num_blocks: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """The pool's tensors for `num_blocks` blocks: the cache, then a quantized one's scales."""
+        shape = (2, self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return [(shape, self.dtype)] + [(shape[:-1], kv_quant.SCALE_DTYPE)] * self.quantized
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
