@@ -32,6 +32,7 @@ LAYERS = [
             "tiffin.engine.sampling_params",
             "tiffin.engine.pooling_params",
             "tiffin.engine.outputs",
+            "tiffin.engine.reasoning",
             "tiffin.engine.structured.params",
             "tiffin.engine.structured.limits",
             "tiffin.engine.structured.formats",

@@ -4,9 +4,12 @@ when `bentoml build` imports the service."""
 import re
 from dataclasses import dataclass, field
 
+from tiffin.engine.reasoning import REASONING_PARSERS
+
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
 PREEMPTION_MODES = ("recompute", "swap")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 SPEC_METHODS = ("ngram", "suffix", "draft_model")
 
 
@@ -101,6 +104,21 @@ class EngineConfig:
     )
     swap_space: float = _setting(
         4.0, "GiB of host memory for swapped-out requests' KV blocks (preemption_mode swap; per tensor-parallel rank)"
+    )
+    scheduling_policy: str = _setting(
+        "fcfs",
+        "which waiting request runs first: fcfs (arrival order) or priority (lower SamplingParams.priority first, "
+        "arrival order within a level; preemption takes the lowest priority's latest request first)",
+    )
+    fair_share: bool = _setting(
+        False,
+        "share the running seats equally between clients (a request's `client`: the server's API key) within a "
+        "priority level, so that one client's burst cannot starve another's requests",
+    )
+    reasoning_parser: str | None = _setting(
+        "auto",
+        "the think markers of a reasoning model (deepseek_r1, qwen3, mistral), for thinking budgets and for splitting "
+        "reasoning from the answer; auto: from the chat template where it shows exactly one kind; None or none: none",
     )
     gpu_memory_utilization: float = _setting(0.9, "share of the GPU's memory for weights, activations and KV cache")
     max_num_seqs: int = _setting(256, "sequences one step may batch")
@@ -207,6 +225,17 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {list(PREEMPTION_MODES)}, got {self.preemption_mode!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {list(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"
+            )
+        if self.reasoning_parser == "none":  # as an environment variable says None
+            self.reasoning_parser = None
+        if self.reasoning_parser not in (None, "auto", *REASONING_PARSERS):
+            raise ValueError(
+                f"reasoning_parser must be 'auto', None or one of {list(REASONING_PARSERS)}, "
+                f"got {self.reasoning_parser!r}"
+            )
         if self.kv_offload_memory < 0 or self.swap_space < 0:
             raise ValueError("kv_offload_memory and swap_space must be >= 0")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):

@@ -18,6 +18,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (stop_reason says why)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[dict[int, Logprob]] | None = None
+    num_reasoning_tokens: int = 0  # output tokens spent thinking, markers included (the engine's reasoning_parser)
 
     @property
     def finished(self) -> bool:

@@ -31,6 +31,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # what the output must match
+    priority: int = 0  # scheduling_policy "priority": lower runs first
+    # output tokens a reasoning model may think (the engine's reasoning_parser markers); past them the end-of-thinking
+    # marker is forced. None: unbounded
+    thinking_token_budget: int | None = None
     _stop_strs: list[str] = field(init=False, repr=False)
     stop_token_set: frozenset[int] = field(init=False, repr=False)  # built once, read every step
 
@@ -116,6 +120,19 @@ class SamplingParams:
             "must be a StructuredOutputsParams",
             self.structured_outputs,
         )
+        _check(
+            _is_int(self.priority) and INT64[0] <= self.priority <= INT64[1],
+            "priority",
+            "must be an integer",
+            self.priority,
+        )
+        _check(
+            self.thinking_token_budget is None
+            or (_is_int(self.thinking_token_budget) and self.thinking_token_budget >= 0),
+            "thinking_token_budget",
+            "must be an integer >= 0",
+            self.thinking_token_budget,
+        )
         # The grammar decides where the output ends: min_tokens could only contradict it.
         _check(
             self.structured_outputs is None or self.min_tokens == 0,
@@ -131,6 +148,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def partial_prefix_len(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker` (text that may still grow
+    into it)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
 
 
 def _is_int(value) -> bool:

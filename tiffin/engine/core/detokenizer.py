@@ -6,7 +6,7 @@ prefix_offset/read_offset scheme). The window holds context ids whose text was a
 ends in "\\ufffd" (a UTF-8 character whose bytes are split across tokens). Decoding with context also
 keeps decoders that strip a leading space (SentencePiece) right mid-sequence."""
 
-from tiffin.engine.sampling_params import SamplingParams
+from tiffin.engine.sampling_params import SamplingParams, partial_prefix_len
 
 _PROMPT_CONTEXT = 5  # prompt tokens decoded as context before the first output token
 
@@ -66,12 +66,3 @@ class IncrementalDetokenizer:
         i, stop = min(hits, key=lambda hit: hit[0])
         self.output_text = text[: i + len(stop) if self.params.include_stop_str_in_output else i]
         self.stopped = stop
-
-
-def partial_prefix_len(text: str, marker: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `marker` (text that may still grow
-    into it)."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from tiffin.engine.core.detokenizer import partial_prefix_len
+from tiffin.engine.sampling_params import partial_prefix_len
 from tiffin.engine.structured.params import StructuredOutputsParams, check_json_schema
 
 
