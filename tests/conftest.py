@@ -31,6 +31,24 @@ def tiny_model(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def thinking_model(tmp_path_factory):
+    """`thinking_model(marker_tokens=False)` -> path of a tiny llama checkpoint that thinks as DeepSeek-R1 does: its
+    chat template opens `<think>\n` at the generation prompt, or writes an empty block (`<think>\n\n</think>\n\n`)
+    when `enable_thinking` is false. With `marker_tokens`, `<think>` and `</think>` are added tokens (ids
+    THINK_TOKEN_IDS); else BPE splits each into several tokens."""
+    from tiffin.testing.thinking import make_thinking_model
+
+    paths = {}
+
+    def get(marker_tokens: bool = False):
+        if marker_tokens not in paths:
+            paths[marker_tokens] = make_thinking_model(tmp_path_factory.mktemp("thinking"), marker_tokens)
+        return paths[marker_tokens]
+
+    return get
+
+
 @dataclass
 class InProcessOpenAI:
     """An engine on a tiny checkpoint, the OpenAI serving over it (model name "tiny") and the app, in-process."""
