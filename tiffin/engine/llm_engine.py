@@ -41,6 +41,7 @@ from tiffin.engine.outputs import (
     RequestOutput,
 )
 from tiffin.engine.pooling_params import PoolingParams
+from tiffin.engine.reasoning import resolve_reasoning_parser
 from tiffin.engine.sampling_params import SamplingParams
 from tiffin.engine.spec_decode import make_proposer
 from tiffin.engine.structured.backend import GrammarBackend, GrammarState
@@ -99,6 +100,10 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         self.max_prompt_chars = PROMPT_CHARS_SLACK * self.max_model_len * max(map(len, self.tokenizer.get_vocab()))
         self.eos_token_ids = frozenset(self._eos_token_ids())
+        # the think markers of a reasoning model (None: it does not think)
+        self.reasoning = resolve_reasoning_parser(
+            config.reasoning_parser, getattr(self.tokenizer, "chat_template", None)
+        )
         self.model_runner = ModelRunner(config, self.model_config, self.max_model_len, set(self.eos_token_ids))
         self.weight_bytes = sum(p.nbytes for p in self.model_runner.model.parameters())
         slots = self.model_runner.lora_slots
