@@ -116,7 +116,7 @@ def test_non_finite_logprobs_never_reach_json():
     for chat in (False, True):
         fmt = (ChatResponses if chat else CompletionResponses)(model="m", n=1, logprobs=1)
         json.dumps(fmt.response([final]), allow_nan=False)
-        json.dumps(fmt.delta_chunks(0, final), allow_nan=False)
+        json.dumps(fmt.delta_events(0, final), allow_nan=False)
 
 
 # --- failure isolation ---

@@ -11,13 +11,13 @@ pytest.importorskip("xgrammar")
 from xgrammar.testing import _is_grammar_accept_string as accepts  # noqa: E402
 
 from tiffin.engine.errors import ParamError  # noqa: E402
+from tiffin.plugin.openai.answer import AnswerReader, AnswerStream  # noqa: E402
 from tiffin.plugin.openai.structured import ResponseFormat, request_structured_outputs  # noqa: E402
 from tiffin.plugin.openai.tools import (  # noqa: E402
     ChatTool,
     HermesToolParser,
     Llama3JsonToolParser,
     NamedToolChoice,
-    ToolCallStream,
     make_parser,
     parser_for_template,
     template_messages,
@@ -76,13 +76,12 @@ def test_llama3_json_parse():
     assert parser.parse(LLAMA_TEXTS[3]) == ("Plain text {not a call}", [])
 
 
-def _stream(parser, text: str, cuts: list[int]) -> tuple[str, list[dict]]:
-    stream, content, deltas = ToolCallStream(parser), "", []
-    for cut in sorted(set(cuts)):
-        delta, calls = stream.update(text[:cut], final=False)
-        content, deltas = content + delta, deltas + calls
-    delta, calls = stream.update(text, final=True)
-    return content + delta, deltas + calls
+def _stream(parser, text: str, cuts: list[int]) -> tuple[str, list]:
+    stream, content, calls = AnswerStream(AnswerReader(tool_parser=parser)), "", []
+    for cut in [*sorted(set(cuts)), None]:
+        delta = stream.update(text[:cut], final=cut is None)
+        content, calls = content + delta.content, calls + delta.calls
+    return content, calls
 
 
 @settings(max_examples=40, deadline=None)
@@ -92,15 +91,10 @@ def test_streamed_deltas_add_up_to_the_parse(data):
     texts = HERMES_TEXTS if parser.name == "hermes" else LLAMA_TEXTS
     text = data.draw(st.sampled_from(texts))
     cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=12))
-    content, deltas = _stream(parser, text, cuts)
+    content, calls = _stream(parser, text, cuts)
     want_content, want_calls = parser.parse(text)
     assert content == want_content
-    names = [d["function"]["name"] for d in deltas if "name" in d["function"]]
-    arguments = {}
-    for d in deltas:
-        arguments[d["index"]] = arguments.get(d["index"], "") + d["function"]["arguments"]
-    assert names == [c.name for c in want_calls]
-    assert [arguments[i] for i in sorted(arguments)] == [c.arguments for c in want_calls]
+    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in want_calls]
 
 
 @pytest.mark.parametrize("parser", [HermesToolParser(), Llama3JsonToolParser()])

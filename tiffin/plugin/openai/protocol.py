@@ -10,7 +10,7 @@ Invariants:
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, Strict, model_validator
 
 from tiffin.engine.errors import ParamError
 from tiffin.engine.pooling_params import PoolingParams
@@ -103,6 +103,10 @@ class SamplingRequest(_Body):
     skip_special_tokens: Bool | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's: json | regex | choice | grammar | json_object
+    priority: Int | None = None  # scheduling_policy priority: lower first
+    thinking_token_budget: Int | None = Field(  # the issue tracker's and Dynamo's name too
+        None, validation_alias=AliasChoices("thinking_token_budget", "max_thinking_tokens")
+    )
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, tool_parser: ToolParser | None = None
@@ -145,7 +149,11 @@ _SAMPLING_FIELDS = {
     "stop_token_ids",
     "include_stop_str_in_output",
     "skip_special_tokens",
+    "priority",
+    "thinking_token_budget",
 }
+# what the chat template's own arguments are: a request's chat_template_kwargs cannot set them
+_TEMPLATE_ARGUMENTS = {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "tokenize"}
 
 
 class CompletionRequest(SamplingRequest):
@@ -181,6 +189,7 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"
     parallel_tool_calls: Bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: e.g. enable_thinking
 
     def _tool_request(self) -> tuple:
         return self.tools, self.tool_choice, self.parallel_tool_calls
@@ -188,6 +197,21 @@ class ChatCompletionRequest(SamplingRequest):
     @property
     def uses_tools(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def logprobs_count(self) -> int | None:
+        """Top alternatives each token lists; None: no logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        kwargs = self.chat_template_kwargs or {}
+        reserved = sorted(_TEMPLATE_ARGUMENTS.intersection(kwargs))
+        if reserved or not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
+            name = reserved[0] if reserved else next(k for k in kwargs if not k.isidentifier())
+            raise APIError(
+                400, f"chat_template_kwargs: {name!r} is not an argument it can set", param="chat_template_kwargs"
+            )
+        return kwargs
 
 
 class LoadLoRAAdapterRequest(_Body):

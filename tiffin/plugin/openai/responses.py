@@ -1,14 +1,15 @@
-"""The JSON of OpenAI responses and stream chunks: one builder class per endpoint, `CompletionResponses` for
-/completions and `ChatResponses` for /chat/completions, both `ResponseBuilder`s.
+"""The JSON of answers and their streams: `AnswerBuilder`, what every endpoint's builder provides, and the two of
+OpenAI's classic endpoints, `CompletionResponses` for /completions and `ChatResponses` for /chat/completions.
 
 Invariants:
 - Choice `index` is `prompt index * n + output index`, streamed or not.
 - A streamed choice sends each token's logprobs once, and nothing after the chunk that carries its
   finish_reason; its text deltas add up to the text of the non-streamed choice.
-- A chat choice with tools holds back text that may still turn out to be a tool call (`ToolCallStream`), so
-  its streamed content and calls add up to the non-streamed message.
+- A chat choice is read by an `AnswerReader` (reasoning, content, tool calls), streamed through an `AnswerStream`,
+  so its streamed reasoning, content and calls add up to the non-streamed message.
 - No NaN or infinity reaches the JSON: a non-finite logprob is sent as vLLM's floor, -9999.0."""
 
+import json
 import math
 import time
 import uuid
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from tiffin.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from tiffin.plugin.openai.tools import ToolCallStream, ToolParser, assistant_message
+from tiffin.plugin.openai.answer import Answer, AnswerReader, AnswerStream
 
 LOGPROB_FLOOR = -9999.0
 
@@ -36,18 +37,50 @@ class _Sent:
 _TokenLogprobs = tuple[Logprob, list[Logprob]]
 
 
-class ResponseBuilder(ABC):
-    """The response or the stream chunks of one request: its id, creation time and model name, and how far each
-    streamed choice has been sent. A builder serves one request; its subclasses are the endpoints."""
+class AnswerBuilder(ABC):
+    """The answer of one request to an endpoint: whole (`response`), or as server-sent events (`first_events`, then
+    `delta_events` for each new output, then `last_events`; `error_event` in place of the rest when generation
+    fails), each framed by `sse`, the stream ending with `stream_end`."""
+
+    id: str
+    stream_end: ClassVar[str] = ""
+
+    @abstractmethod
+    def response(self, finals: list[RequestOutput]) -> dict:
+        """The answer to the finished outputs of each prompt, in prompt order."""
+
+    def first_events(self) -> list[dict]:
+        return []
+
+    @abstractmethod
+    def delta_events(self, prompt_index: int, out: RequestOutput) -> list[dict]:
+        """What `out`, the newest output of prompt `prompt_index`, adds to what was sent."""
+
+    def last_events(self, finals: list[RequestOutput | None]) -> list[dict]:
+        return []
+
+    def error_event(self, message: str) -> dict:
+        return {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
+
+    def sse(self, event: dict) -> str:
+        """An event as a server-sent event: OpenAI's classic endpoints send data lines only."""
+        return f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+
+class ResponseBuilder(AnswerBuilder):
+    """OpenAI's classic endpoints: an id, creation time and model name, choices, and how far each streamed choice has
+    been sent. A builder serves one request; its subclasses are the endpoints."""
 
     id_prefix: ClassVar[str]
     object_type: ClassVar[str]
     chunk_object_type: ClassVar[str]
+    stream_end = "data: [DONE]\n\n"
 
-    def __init__(self, model: str, n: int, logprobs: int | None) -> None:
-        """`n`: choices per prompt; `logprobs`: how many top alternatives each token lists, None for no logprobs."""
+    def __init__(self, model: str, n: int, logprobs: int | None, include_usage: bool = False) -> None:
+        """`n`: choices per prompt; `logprobs`: how many top alternatives each token lists, None for no logprobs;
+        `include_usage`: a stream ends with a usage chunk."""
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
-        self.model, self.n, self.logprobs = model, n, logprobs
+        self.model, self.n, self.logprobs, self.include_usage = model, n, logprobs, include_usage
         self.created = int(time.time())
         self._sent: dict[int, _Sent] = {}
 
@@ -78,16 +111,10 @@ class ResponseBuilder(ABC):
             "usage": usage,
         }
 
-    def usage_chunk(self, finals: list[RequestOutput | None]) -> dict:
-        """The last chunk of a stream that asked for `include_usage`."""
-        return self.chunk([], usage=_usage(finals))
+    def last_events(self, finals: list[RequestOutput | None]) -> list[dict]:
+        return [self.chunk([], usage=_usage(finals))] if self.include_usage else []
 
-    def first_chunks(self) -> list[dict]:
-        """What a stream sends before any output."""
-        return []
-
-    def delta_chunks(self, prompt_index: int, out: RequestOutput) -> list[dict]:
-        """The chunks for what `out`, the newest output of prompt `prompt_index`, adds to what was sent."""
+    def delta_events(self, prompt_index: int, out: RequestOutput) -> list[dict]:
         chunks = []
         for o in out.outputs:
             index = prompt_index * self.n + o.index
@@ -167,42 +194,76 @@ class CompletionResponses(ResponseBuilder):
 
 class ChatResponses(ResponseBuilder):
     """/chat/completions: choices carry an assistant `message` (a `delta` when streamed, each stream choice
-    opened by one with the role), logprobs are a `content` list. With a `tool_parser` (the request has tools
-    and tool_choice is not "none"), tool calls are parsed out of the text."""
+    opened by one with the role), logprobs are a `content` list. The `reader` splits a thinking model's reasoning
+    out (`reasoning_content`, vLLM's field) and, when the request has tools and tool_choice is not "none", parses
+    tool calls out of the content."""
 
     id_prefix = "chatcmpl"
     object_type = "chat.completion"
     chunk_object_type = "chat.completion.chunk"
 
-    def __init__(self, model: str, n: int, logprobs: int | None, tool_parser: ToolParser | None = None) -> None:
-        super().__init__(model, n, logprobs)
-        self.tool_parser = tool_parser
-        self._tool_streams: dict[int, ToolCallStream] = {}
+    def __init__(
+        self,
+        model: str,
+        n: int,
+        logprobs: int | None,
+        include_usage: bool = False,
+        reader: AnswerReader | None = None,
+    ) -> None:
+        super().__init__(model, n, logprobs, include_usage)
+        self.reader = reader or AnswerReader()
+        self._streams: dict[int, AnswerStream] = {}
 
-    def first_chunks(self) -> list[dict]:
+    def first_events(self) -> list[dict]:
         opening = {"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         return [self.chunk([{"index": i, **opening}]) for i in range(self.n)]
 
     def _choice(self, o: CompletionOutput, logprobs: dict | None) -> tuple[dict, str | None]:
-        message, finish_reason = assistant_message(self.tool_parser, o.text, o.finish_reason)
-        return {"message": message, "logprobs": logprobs}, finish_reason
+        answer = self.reader.read(o.text)
+        message = {"role": "assistant", **self._parts(answer)}
+        if answer.calls:
+            message["content"] = answer.content or None
+        return {"message": message, "logprobs": logprobs}, _finish_reason(answer.calls, o.finish_reason)
 
     def _delta(self, index: int, o: CompletionOutput, text: str) -> tuple[dict, str | None]:
-        if self.tool_parser is None:
-            return {"delta": {"content": text}}, o.finish_reason if o.finished else None
-        stream = self._tool_streams.setdefault(index, ToolCallStream(self.tool_parser))
-        content, calls = stream.update(o.text, o.finished)
-        delta = {"content": content, "tool_calls": calls} if calls else {"content": content}
-        return {"delta": delta}, stream.finish_reason(o.finish_reason) if o.finished else None
+        stream = self._streams.setdefault(index, AnswerStream(self.reader))
+        new = stream.update(o.text, o.finished)
+        delta = self._parts(new, first_call=len(stream.calls) - len(new.calls))
+        return {"delta": delta}, _finish_reason(stream.calls, o.finish_reason) if o.finished else None
+
+    def _parts(self, answer: Answer, first_call: int | None = None) -> dict:
+        """A message's content, and its reasoning and tool calls where it has them; a delta's (`first_call`: the
+        index of its first call in the choice) sends each call as its id and name, then its arguments."""
+        parts = {"content": answer.content}
+        if answer.reasoning:
+            parts["reasoning_content"] = answer.reasoning
+        if answer.calls and first_call is None:
+            parts["tool_calls"] = [c.to_openai() for c in answer.calls]
+        elif answer.calls:
+            parts["tool_calls"] = [
+                delta
+                for index, call in enumerate(answer.calls, first_call)
+                for delta in (
+                    {**call.to_openai(), "index": index, "function": {"name": call.name, "arguments": ""}},
+                    {"index": index, "function": {"arguments": call.arguments}},
+                )
+            ]
+        return parts
 
     def _holds_back(self, body: dict) -> bool:
-        return self.tool_parser is not None and not any(body["delta"].values())
+        readers = self.reader.tool_parser is not None or self.reader.markers is not None
+        return readers and not any(body["delta"].values())
 
     def _format_logprobs(self, entries: list[_TokenLogprobs], sent: _Sent) -> dict:
         def item(lp: Logprob) -> dict:
             return {"token": lp.decoded_token, "logprob": _finite(lp.logprob), "bytes": list(lp.decoded_token.encode())}
 
         return {"content": [{**item(s), "top_logprobs": [item(t) for t in top]} for s, top in entries]}
+
+
+def _finish_reason(calls: list, finish_reason: str | None) -> str | None:
+    """A choice that called tools and stopped by itself finishes with "tool_calls"."""
+    return "tool_calls" if calls and finish_reason == "stop" else finish_reason
 
 
 def _usage(finals: list[RequestOutput | None]) -> dict:

@@ -12,7 +12,6 @@ Invariants:
 - `on_finished` sees each finished request once."""
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -23,6 +22,7 @@ from fastapi.responses import StreamingResponse
 from tiffin.engine.errors import QueueFull
 from tiffin.engine.outputs import RequestOutput
 from tiffin.engine.sampling_params import SamplingParams
+from tiffin.plugin.openai.answer import AnswerReader
 from tiffin.plugin.openai.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -30,7 +30,7 @@ from tiffin.plugin.openai.protocol import (
     SamplingRequest,
     bad_request,
 )
-from tiffin.plugin.openai.responses import ChatResponses, CompletionResponses, ResponseBuilder
+from tiffin.plugin.openai.responses import AnswerBuilder, ChatResponses, CompletionResponses
 from tiffin.plugin.openai.structured import as_field, off_loop
 from tiffin.plugin.openai.tools import ToolParser, make_parser, template_messages
 
@@ -89,24 +89,33 @@ class OpenAIServing:
             raise APIError(400, "best_of is not supported", param="best_of")
         prompts = req.prompts()
         params = await self._sampling_params(req, req.max_tokens, req.logprobs)
-        builder = CompletionResponses(model=req.model or self.model_name, n=params.n, logprobs=req.logprobs)
+        builder = CompletionResponses(req.model or self.model_name, params.n, req.logprobs, req.include_usage)
         return await self._serve(req, raw, builder, prompts, params, lora)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Answer:
+        def builder(params: SamplingParams, reader: AnswerReader) -> ChatResponses:
+            model = req.model or self.model_name
+            return ChatResponses(model, params.n, req.logprobs_count, req.include_usage, reader)
+
+        return await self.serve_chat(req, raw, builder)
+
+    async def serve_chat(
+        self,
+        req: ChatCompletionRequest,
+        raw: Request,
+        make_builder: "Callable[[SamplingParams, AnswerReader], AnswerBuilder]",
+    ) -> Answer:
+        """A conversation from any API that speaks chat (chat completions, Responses, Messages), in the shape of
+        the builder `make_builder(params, reader)` makes: `reader` reads its choices (reasoning, tool calls)."""
         lora = self._check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = await self._sampling_params(req, max_tokens, logprobs, self.tool_parser)
-        builder = ChatResponses(
-            model=req.model or self.model_name,
-            n=params.n,
-            logprobs=logprobs,
-            tool_parser=self.tool_parser if req.uses_tools else None,
-        )
+        params = await self._sampling_params(req, max_tokens, req.logprobs_count, self.tool_parser)
         prompt = await self._render_chat(req)
-        return await self._serve(req, raw, builder, [prompt], params, lora)
+        tool_parser = self.tool_parser if req.uses_tools else None
+        reader = AnswerReader.of(self.engine.engine.reasoning, prompt.text, tool_parser)
+        return await self._serve(req, raw, make_builder(params, reader), [prompt], params, lora)
 
     def _check_model(self, model: str | None) -> "LoRARequest | None":
         """The LoRARequest for an adapter's name, None for the base model; 404 for any other name."""
@@ -121,7 +130,8 @@ class OpenAIServing:
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.uses_tools else None
         try:
             messages = template_messages([m.model_dump(exclude_none=True) for m in req.messages])
-            return await self.engine.render_chat(messages, req.add_generation_prompt, tools=tools)
+            kwargs = req.template_kwargs()
+            return await self.engine.render_chat(messages, req.add_generation_prompt, tools=tools, **kwargs)
         except ValueError as e:  # the history, the template (failed or past its limits), or too long a prompt
             message = str(e) if str(e).startswith("messages") else f"messages: {e}"
             raise APIError(400, message, param="messages") from None
@@ -141,14 +151,14 @@ class OpenAIServing:
         self,
         req: SamplingRequest,
         raw: Request,
-        builder: ResponseBuilder,
+        builder: AnswerBuilder,
         prompts: list,
         params: SamplingParams,
         lora: "LoRARequest | None",
     ) -> Answer:
         streams = await self._open(prompts, params, builder.id, lora, _constraining_field(req))
         if req.stream:
-            return StreamingResponse(self._sse(streams, builder, req.include_usage), media_type="text/event-stream")
+            return StreamingResponse(self._sse(streams, builder), media_type="text/event-stream")
         finals = await unless_disconnected(raw, self._collect(streams))
         return builder.response(finals)
 
@@ -182,22 +192,20 @@ class OpenAIServing:
             finals[i] = out
         return finals
 
-    async def _sse(
-        self, streams: list["RequestStream"], builder: ResponseBuilder, include_usage: bool
-    ) -> AsyncIterator[str]:
+    async def _sse(self, streams: list["RequestStream"], builder: AnswerBuilder) -> AsyncIterator[str]:
         finals = [None] * len(streams)
         try:
-            for chunk in builder.first_chunks():
-                yield _event(chunk)
+            for event in builder.first_events():
+                yield builder.sse(event)
             async for i, out in self._merge(streams):
                 finals[i] = out
-                for chunk in builder.delta_chunks(i, out):
-                    yield _event(chunk)
-            if include_usage:
-                yield _event(builder.usage_chunk(finals))
+                for event in builder.delta_events(i, out):
+                    yield builder.sse(event)
+            for event in builder.last_events(finals):
+                yield builder.sse(event)
         except Exception as e:  # the status line is sent already: report in-band
-            yield _event(APIError(500, f"generation failed: {e}", type="server_error").body())
-        yield "data: [DONE]\n\n"
+            yield builder.sse(builder.error_event(f"generation failed: {e}"))
+        yield builder.stream_end
 
     async def _merge(self, streams: list["RequestStream"]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, newest output) from several request streams. Outputs are cumulative, so a slow
@@ -279,7 +287,3 @@ async def unless_disconnected(raw: Request, coro: Coroutine[Any, Any, T]) -> T:
     if task.cancelled():
         raise APIError(499, "client disconnected")
     return task.result()
-
-
-def _event(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

@@ -194,41 +194,6 @@ def chosen_tools(tools: list[ChatTool], choice: ToolChoice) -> list[ChatTool] | 
     return tools if choice == "required" else None
 
 
-def assistant_message(parser: ToolParser | None, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
-    """The chat message of one finished choice, and its finish_reason ("tool_calls" when it called tools)."""
-    if parser is None:
-        return {"role": "assistant", "content": text}, finish_reason
-    content, calls = parser.parse(text)
-    if not calls:
-        return {"role": "assistant", "content": content}, finish_reason
-    message = {"role": "assistant", "content": content or None, "tool_calls": [c.to_openai() for c in calls]}
-    return message, "tool_calls" if finish_reason == "stop" else finish_reason
-
-
-@dataclass
-class ToolCallStream:
-    """The deltas of one streamed choice: content and tool calls beyond what was already sent."""
-
-    parser: ToolParser
-    content_sent: int = 0
-    calls_sent: int = 0
-
-    def update(self, text: str, final: bool) -> tuple[str, list[dict]]:
-        content, calls = self.parser.parse(text, final)
-        delta, self.content_sent = content[self.content_sent :], len(content)
-        deltas = []
-        for index, call in enumerate(calls[self.calls_sent :], self.calls_sent):
-            deltas.append(
-                {"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
-            )
-            deltas.append({"index": index, "function": {"arguments": call.arguments}})
-        self.calls_sent = len(calls)
-        return delta, deltas
-
-    def finish_reason(self, finish_reason: str | None) -> str | None:
-        return "tool_calls" if self.calls_sent and finish_reason == "stop" else finish_reason
-
-
 def template_messages(messages: list[dict]) -> list[dict]:
     """OpenAI history as chat templates read it: a call's arguments as a mapping (OpenAI sends JSON text), and
     no null content (an assistant turn that only called tools). ValueError naming the message and call whose
