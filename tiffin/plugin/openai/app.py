@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
+from tiffin.plugin.openai import responses_api
 from tiffin.plugin.openai.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -34,16 +35,22 @@ from tiffin.plugin.openai.protocol import (
     ScoreRequest,
     UnloadLoRAAdapterRequest,
 )
-from tiffin.plugin.openai.routing import ModelRouter, Serving
+from tiffin.plugin.openai.responses_api import ResponsesRequest
+from tiffin.plugin.openai.routing import ModelRouter, Serving, client_of
+from tiffin.plugin.openai.store import ResponseStore
 
 Body = TypeVar("Body", bound=BaseModel)
 
 
-def create_app(servings: Serving | Sequence[Serving] | None = None) -> FastAPI:
+def create_app(
+    servings: Serving | Sequence[Serving] | None = None, response_store: ResponseStore | None = None
+) -> FastAPI:
     """The app over `servings` (one per engine). Without any its routes answer 503 until `attach_serving` hands
-    them over: the Bento's app exists from import on (`@bentoml.asgi_app`), its engines only once loaded."""
+    them over: the Bento's app exists from import on (`@bentoml.asgi_app`), its engines only once loaded.
+    `response_store`: where the Responses API keeps responses (default: `ResponseStore()`'s bounds)."""
     app = FastAPI(title="tiffin OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
     attach_serving(app, servings)
+    store = response_store or ResponseStore()
 
     router = functools.partial(_router, app)
     ready = functools.partial(_ready, app)
@@ -79,6 +86,29 @@ def create_app(servings: Serving | Sequence[Serving] | None = None) -> FastAPI:
     async def rerank(raw: Request):
         req = await _body(raw, RerankRequest)
         return await ready(raw, req.model, "score").rerank(req, raw)
+
+    @app.post("/responses")
+    async def create_response(raw: Request):
+        req = await _body(raw, ResponsesRequest)
+        serving = ready(raw, req.model, "generate")
+        return await responses_api.create_response(serving, req, raw, store, client_of(raw))
+
+    @app.get("/responses/{response_id}")
+    async def get_response(response_id: str, raw: Request):
+        stored = store.get(client_of(raw), response_id)
+        if stored is None:
+            raise APIError(
+                404, f"no stored response {response_id!r}", type="not_found_error", code="response_not_found"
+            )
+        return stored.response
+
+    @app.delete("/responses/{response_id}")
+    async def delete_response(response_id: str, raw: Request):
+        if not store.delete(client_of(raw), response_id):
+            raise APIError(
+                404, f"no stored response {response_id!r}", type="not_found_error", code="response_not_found"
+            )
+        return {"id": response_id, "object": "response", "deleted": True}
 
     def lora():
         serving = next((s for s in router().servings if getattr(s, "lora", None) is not None), None)
