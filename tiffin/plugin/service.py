@@ -63,6 +63,7 @@ from tiffin.plugin.openai.pooling import RERANK_FIELDS, PoolingServing, ranked
 from tiffin.plugin.openai.protocol import MAX_POOLING_INPUTS, APIError, Bool, Float, Int
 from tiffin.plugin.openai.routing import ModelRouter
 from tiffin.plugin.openai.serving import OpenAIServing
+from tiffin.plugin.openai.store import ResponseStore
 
 logger = logging.getLogger("tiffin.service")
 
@@ -104,6 +105,11 @@ class _ServiceSettings(BaseModel):
     tool_parser: str = Field(
         "auto", description="tool-call convention: hermes, llama3_json, or auto (from the chat template)"
     )
+    response_store_max_entries: int = Field(
+        1000, ge=0, description="responses the Responses API keeps for previous_response_id and GET (oldest dropped)"
+    )
+    response_store_max_bytes: int = Field(256 << 20, ge=0, description="bytes of JSON those responses may hold")
+    response_store_ttl: float = Field(3600.0, gt=0, description="seconds a stored response is kept")
     gpu_type: str | None = Field(
         None, description="GPU the Bento asks for when deployed (BentoCloud names, e.g. nvidia-l4, nvidia-a100-80gb)"
     )
@@ -152,6 +158,7 @@ class _ServiceSettings(BaseModel):
         "kv_offload_memory",
         "max_request_body",
         "grammar_cache_bytes",
+        "response_store_max_bytes",
         mode="before",
         check_fields=False,
     )
@@ -223,6 +230,7 @@ class GenerateRequest(BaseModel):
     stop: list[str] | None = None
     seed: Int | None = None
     ignore_eos: Bool = False
+    priority: Int = 0  # scheduling_policy priority: lower first
     structured_outputs: dict[str, Any] | None = None  # as the OpenAI API's: json, regex, choice, grammar, ...
 
     def sampling_params(self) -> SamplingParams:
@@ -257,7 +265,11 @@ class RerankApiRequest(BaseModel):
 
 settings = bentoml.use_arguments(Settings)
 http_server.install(settings.keep_alive_timeout)
-openai_app = create_app()  # answers 503 until _load attaches the servings
+openai_app = create_app(  # answers 503 until _load attaches the servings
+    response_store=ResponseStore(
+        settings.response_store_max_entries, settings.response_store_max_bytes, settings.response_store_ttl
+    )
+)
 DRAINING = threading.Event()  # set by SIGTERM: new requests get 503, running ones finish
 
 
