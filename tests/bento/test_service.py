@@ -7,6 +7,7 @@ file, so /readyz is seen answering 503 before the weights load.
 """
 
 import http.client
+import json
 import time
 
 import httpx
@@ -368,3 +369,32 @@ def test_structured_outputs_and_tools_through_the_bento(server, client):
         assert c.generate(prompt="Yes?", structured_outputs={"choice": ["yes", "no"]}, temperature=0) in ("yes", "no")
         with pytest.raises(bentoml.exceptions.BentoMLException, match="regex is invalid"):
             c.generate(prompt="x", structured_outputs={"regex": "a("})
+
+
+def test_responses_api_through_the_bento(client):
+    """The Responses API as OpenAI's Agents SDK calls it: plain, streamed, a function tool round trip through
+    `function_call_output` and `previous_response_id`, and `text.format` json_schema."""
+    ask = {"model": MODEL, "input": "Hello", "max_output_tokens": 8, "temperature": 0}
+    whole = client.responses.create(**ask)
+    events = list(client.responses.create(**ask, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    assert events[-1].response.output_text == whole.output_text and whole.usage.output_tokens == 8
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}
+    called = client.responses.create(
+        model=MODEL, input="Call f", tools=[tool], tool_choice="required", temperature=0, max_output_tokens=100
+    )
+    call = next(item for item in called.output if item.type == "function_call")
+    assert call.name == "f" and isinstance(json.loads(call.arguments), dict)
+    answered = client.responses.create(
+        model=MODEL,
+        previous_response_id=called.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "42"}],
+        max_output_tokens=4,
+        temperature=0,
+    )
+    assert answered.output_text and answered.usage.input_tokens > called.usage.input_tokens
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    fmt = {"format": {"type": "json_schema", "name": "ok", "schema": schema}}
+    shaped = client.responses.create(model=MODEL, input="JSON", text=fmt, temperature=0, max_output_tokens=60)
+    assert isinstance(json.loads(shaped.output_text)["ok"], bool)
+    assert client.responses.retrieve(called.id).id == called.id
