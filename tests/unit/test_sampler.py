@@ -14,7 +14,7 @@ class FakeSeq:
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     grammar: None = None
-    proposed = -1
+    proposed = forced = -1
     draft_probs = None
 
     def noise_seed(self) -> int | None:
