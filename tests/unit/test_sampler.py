@@ -174,6 +174,28 @@ def test_model_dtype_logits_sample_as_their_fp32_copy():
     assert Sampler(set())(logits, greedy()).token_ids[0] == 10
 
 
+def test_forced_tokens_replace_what_their_rows_sample():
+    """A forced column (a spent thinking budget's end marker) wins over greedy, sampled and min_tokens-banned
+    picks; its logprob is the forced token's; the other rows sample what they would without it."""
+    logits = random_logits(4, 300, seed=12)
+    forced = [7, -1, 5, 3]
+    batch = lambda: [
+        seq(temperature=0, logprobs=1),
+        seq(seed=2),
+        seq(seed=3),
+        seq(temperature=0, min_tokens=2, stop_token_ids=[3]),
+    ]
+    free = Sampler(set())(logits, batch())
+    seqs = batch()
+    for s, token in zip(seqs, forced):
+        s.forced = token
+    out = Sampler(set())(logits, seqs)
+    assert out.token_ids == [t if t >= 0 else f for t, f in zip(forced, free.token_ids)]
+    assert out.token_ids[0] != free.token_ids[0]
+    ref = torch.log_softmax(logits[0].double(), -1)
+    assert out.logprobs[0][7].logprob == pytest.approx(ref[7].item(), abs=1e-5)
+
+
 def test_sampler_leaves_logits_untouched_and_checks_shape():
     logits = random_logits(2, 50, seed=8)
     before = logits.clone()
