@@ -47,9 +47,9 @@ class ThinkingState:
             return
         if not self.decided:
             stripped = text.lstrip()
-            if self.markers.start.startswith(stripped):  # may still become the start marker
-                return
-            self.decided = self.thinking = stripped.startswith(self.markers.start)
+            if len(stripped) < len(self.markers.start) and self.markers.start.startswith(stripped):
+                return  # may still grow into the start marker
+            self.decided, self.thinking = True, stripped.startswith(self.markers.start)
             if not self.thinking:
                 return
             self.budget_start = num_output_tokens
