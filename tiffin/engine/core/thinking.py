@@ -73,7 +73,8 @@ class ThinkingState:
         return self.end_token_ids[k] if 0 <= k < len(self.end_token_ids) else -1
 
     def max_proposals(self, num_output_tokens: int) -> int | None:
-        """How many proposals may follow output token `num_output_tokens` (None: no limit of its own)."""
+        """How many proposals a sequence of `num_output_tokens` output tokens may verify next (None: no limit of its
+        own): rows up to the one before the first forced token."""
         if self.grammar is not None and self.thinking:
             return 0
         if self.budget is None or (self.decided and not self.thinking):
