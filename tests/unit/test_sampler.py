@@ -14,7 +14,7 @@ class FakeSeq:
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     grammar: None = None
-    proposed = -1
+    proposed = forced = -1
     draft_probs = None
 
     def noise_seed(self) -> int | None:
@@ -172,6 +172,28 @@ def test_model_dtype_logits_sample_as_their_fp32_copy():
         out = Sampler(set(), seed=1)(logits[:n], batch())
         assert out.token_ids == reference.token_ids and out.logprobs == reference.logprobs
     assert Sampler(set())(logits, greedy()).token_ids[0] == 10
+
+
+def test_forced_tokens_replace_what_their_rows_sample():
+    """A forced column (a spent thinking budget's end marker) wins over greedy, sampled and min_tokens-banned
+    picks; its logprob is the forced token's; the other rows sample what they would without it."""
+    logits = random_logits(4, 300, seed=12)
+    forced = [7, -1, 5, 3]
+    batch = lambda: [
+        seq(temperature=0, logprobs=1),
+        seq(seed=2),
+        seq(seed=3),
+        seq(temperature=0, min_tokens=2, stop_token_ids=[3]),
+    ]
+    free = Sampler(set())(logits, batch())
+    seqs = batch()
+    for s, token in zip(seqs, forced):
+        s.forced = token
+    out = Sampler(set())(logits, seqs)
+    assert out.token_ids == [t if t >= 0 else f for t, f in zip(forced, free.token_ids)]
+    assert out.token_ids[0] != free.token_ids[0]
+    ref = torch.log_softmax(logits[0].double(), -1)
+    assert out.logprobs[0][7].logprob == pytest.approx(ref[7].item(), abs=1e-5)
 
 
 def test_sampler_leaves_logits_untouched_and_checks_shape():

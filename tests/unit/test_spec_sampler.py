@@ -26,6 +26,7 @@ class Row:
     draft_probs: torch.Tensor | None
     seed: int | None
     grammar = None
+    forced = -1
     prompt_token_ids = ()
     output_token_ids = ()
     num_output_tokens = 0

@@ -24,6 +24,7 @@ from tiffin.engine.core.block_manager import BlockManager
 from tiffin.engine.core.detokenizer import IncrementalDetokenizer
 from tiffin.engine.core.scheduler import Scheduler, SchedulerOutput
 from tiffin.engine.core.sequence import Sequence
+from tiffin.engine.core.thinking import ThinkingState
 from tiffin.engine.errors import EngineDeadError, ParamError, QueueFull
 from tiffin.engine.lora.peft import parse_roots
 from tiffin.engine.lora.registry import LoRARegistry
@@ -41,7 +42,7 @@ from tiffin.engine.outputs import (
     RequestOutput,
 )
 from tiffin.engine.pooling_params import PoolingParams
-from tiffin.engine.reasoning import resolve_reasoning_parser
+from tiffin.engine.reasoning import opens_thinking, resolve_reasoning_parser
 from tiffin.engine.sampling_params import SamplingParams
 from tiffin.engine.spec_decode import make_proposer
 from tiffin.engine.structured.backend import GrammarBackend, GrammarState
@@ -64,6 +65,9 @@ _POOLING_SAMPLING = SamplingParams(temperature=0, max_tokens=1)
 # A prompt longer than this many characters per token of the context is refused before tokenizing: no token of
 # the vocabulary is longer, with room for normalizers that shrink text (NFC composes up to 3 characters into 1).
 PROMPT_CHARS_SLACK = 4
+# A prompt given as token ids opens a thinking block if the text of this many last tokens does (a chat template's
+# generation prompt is a few tokens; decoding the whole prompt each request would cost more than its markers need).
+THINKING_PROMPT_TAIL = 32
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +107,10 @@ class LLMEngine:
         # the think markers of a reasoning model (None: it does not think)
         self.reasoning = resolve_reasoning_parser(
             config.reasoning_parser, getattr(self.tokenizer, "chat_template", None)
+        )
+        # what a spent thinking budget forces: the end marker's ids, encoded alone
+        self.think_end_ids = (
+            None if self.reasoning is None else self.tokenizer.encode(self.reasoning.end, add_special_tokens=False)
         )
         self.model_runner = ModelRunner(config, self.model_config, self.max_model_len, set(self.eos_token_ids))
         self.weight_bytes = sum(p.nbytes for p in self.model_runner.model.parameters())
@@ -164,6 +172,9 @@ class LLMEngine:
             self.num_pooling_tokens += len(token_ids)
             return
         grammar = None if params.structured_outputs is None else self.grammars().compile(params.structured_outputs)
+        opened = self.reasoning is not None and opens_thinking(
+            text if text is not None else self.tokenizer.decode(token_ids[-THINKING_PROMPT_TAIL:]), self.reasoning
+        )
         seqs = [
             Sequence(
                 request_id,
@@ -179,9 +190,17 @@ class LLMEngine:
             for i in range(params.n)
         ]
         for seq in seqs:
+            seq.thinking = self._thinking(opened, params, seq.grammar)
             self.scheduler.add(seq)
         self.requests[request_id] = Request(request_id, text, token_ids, seqs)
         self.num_prompt_tokens += len(token_ids)
+
+    def _thinking(self, opened: bool, params: SamplingParams, grammar: GrammarState | None) -> ThinkingState | None:
+        """A sequence's thinking state (tiffin.engine.core.thinking): none for a model that does not think, nor
+        when a grammar governs the output from its first token (the prompt did not open a thinking block)."""
+        if self.reasoning is None or (grammar is not None and not opened):
+            return None
+        return ThinkingState(self.reasoning, self.think_end_ids, opened, params.thinking_token_budget, grammar)
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled forward; return the outputs of requests that changed (failed ones included)."""
@@ -210,13 +229,15 @@ class LLMEngine:
 
     def _speculate(self, scheduler_output: SchedulerOutput) -> None:
         """Proposals for the step's decodes, unless too many sequences run; with structured outputs, only as many
-        as the grammar takes."""
+        as the grammar takes; while thinking, none past a forced token or while the grammar waits."""
         limit = self.config.spec_batch_limit()
         decodes = [] if limit is not None and len(self.scheduler.running) >= limit else scheduler_output.decodes()
         if not decodes:
             return
         self.proposer.propose(decodes)
         for seq in decodes:
+            if seq.thinking is not None and (cap := seq.thinking.max_proposals(seq.num_output_tokens)) is not None:
+                del seq.spec_token_ids[cap:]
             if seq.grammar is not None and seq.spec_token_ids:
                 synced = seq.grammar.sync(seq.output_token_ids)
                 del seq.spec_token_ids[seq.grammar.accepted_prefix(seq.spec_token_ids) if synced else 0 :]
@@ -402,6 +423,7 @@ class LLMEngine:
                 s.finish_reason,
                 s.stop_reason,
                 None if s.logprobs is None else list(s.logprobs),
+                0 if s.thinking is None else s.thinking.num_reasoning_tokens(s.num_output_tokens),
             )
             for s in request.seqs
         ]

@@ -6,6 +6,7 @@ from enum import Enum, auto
 import torch
 
 from tiffin.engine.core.detokenizer import IncrementalDetokenizer
+from tiffin.engine.core.thinking import ThinkingState
 from tiffin.engine.lora.request import LoRAModel
 from tiffin.engine.outputs import Logprob
 from tiffin.engine.pooling_params import PoolingParams
@@ -59,6 +60,7 @@ class Sequence:
         self.cache_key = b"" if lora is None else lora.identity  # its blocks' prefix-cache key beside the tokens
         self.grammar = grammar
         self.detokenizer = detokenizer
+        self.thinking: ThinkingState | None = None  # a reasoning model's, set by the engine; read from `detokenizer`
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None  # per output token
         self.params = params
         self.pooling_params = pooling_params
@@ -122,10 +124,17 @@ class Sequence:
     def draft_probs(self) -> torch.Tensor | None:
         return None
 
+    @property
+    def forced(self) -> int:
+        """The token its next output token must be, whatever is sampled (-1: none): its thinking budget's end marker."""
+        return -1 if self.thinking is None else self.thinking.forced_token(self.num_output_tokens)
+
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         if self.detokenizer is not None:
             self.detokenizer.update([token_id])
+            if self.thinking is not None:
+                self.thinking.update(self.detokenizer.output_text, self.num_output_tokens)
 
     def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
         self.status = SequenceStatus.FINISHED
@@ -161,6 +170,8 @@ class SpecRow:
 
     def noise_seed(self) -> int | None:
         return self.seq.noise_seed(self.ahead)
+
+    forced = -1  # proposals stop short of forced tokens (ThinkingState.max_proposals)
 
     @property
     def proposed(self) -> int:

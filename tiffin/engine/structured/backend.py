@@ -157,12 +157,13 @@ def compile_error(e: BaseException) -> str:
 def fill_bitmask(seqs: Sequence, vocab_size: int) -> Future | None:
     """Start filling the step's token bitmask: row i allows the tokens `seqs[i]`'s grammar accepts next (all
     tokens for an unconstrained row). xgrammar's batch matcher fills it on a worker thread without the GIL, so
-    this overlaps the forward pass. A future of (bitmask, constrained rows); None when no row is constrained.
+    this overlaps the forward pass. A future of (bitmask, constrained rows); None when no row is constrained (a
+    grammar that has not started, `GrammarState.start` None, constrains nothing).
 
     A row `ahead` of its sequence (speculative decoding: it verifies a proposal after `ahead` others, which its
     grammar has taken, `GrammarState.accepted_prefix`) is filled after the first row, its matcher stepped
     through the proposals before it and then rolled back."""
-    rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+    rows = [i for i, s in enumerate(seqs) if s.grammar is not None and s.grammar.start is not None]
     if not rows:
         return None
     states = []
@@ -227,7 +228,9 @@ class GrammarState:
         self.timeout = timeout
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._matcher = None
-        self.num_accepted = 0  # output tokens the matcher has consumed
+        # the output token the grammar starts at; None: not yet (a reasoning model's thinking, which it leaves free)
+        self.start: int | None = 0
+        self.num_accepted = 0  # output tokens the matcher has consumed, from `start`
         self.utf8: Utf8Table | None = None
         self.utf8_state = START
 
@@ -249,15 +252,17 @@ class GrammarState:
         return self._matcher
 
     def sync(self, output_token_ids: list[int]) -> bool:
-        """Bring the matcher up to `output_token_ids` (building it if needed); False if the grammar rejects
-        one of them."""
+        """Bring the matcher up to `output_token_ids` from `start` (building it if needed); False if the grammar
+        rejects one of them."""
+        if self.start is None:
+            return True
         if self._matcher is None:
             import xgrammar
 
             grammar = self.compiled.result()
             self._matcher, self.utf8 = xgrammar.GrammarMatcher(grammar.compiled), grammar.utf8
             self.num_accepted, self.utf8_state = 0, START
-        for token in output_token_ids[self.num_accepted :]:
+        for token in output_token_ids[self.start + self.num_accepted :]:
             utf8_state = self.utf8.next_state[self.utf8_state][token]
             if utf8_state == INVALID or not self._matcher.accept_token(token):
                 return False

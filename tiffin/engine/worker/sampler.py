@@ -3,6 +3,9 @@
 Order: logprobs of the raw logits -> structured-output grammar and min_tokens masking -> penalties -> greedy argmax, or
 temperature -> min_p -> top_k -> top_p -> exponential-race sampling.
 
+A row's forced token (a reasoning model's end marker once its thinking budget is spent) replaces whatever it sampled,
+after all of the above (it wins over min_tokens and penalties), so its logprobs are the forced token's.
+
 Speculative decoding: a row that verifies a proposal accepts it exactly when it would have picked it. A token
 proposed by a draft model, drawn from the draft's distribution q, is accepted with probability min(1, p/q) and
 replaced, when rejected, by a draw from the residual max(p - q, 0): the emitted token follows p either way
@@ -34,6 +37,7 @@ class SampledSeq(Protocol):
     params: SamplingParams
     grammar: GrammarState | None
     proposed: int  # the proposal the row verifies; -1: none
+    forced: int  # the token the row emits whatever it samples; -1: none (a row with one verifies no proposal)
     draft_probs: torch.Tensor | None  # the distribution `proposed` was drawn from; None: deterministic
 
     def noise_seed(self) -> int | None: ...
@@ -97,6 +101,9 @@ class SamplingInputs:
             self.repetition = any(s.params.repetition_penalty != 1 for s in pen)
             if self.repetition:
                 self._add("seen_tokens", _flat_indices([s.prompt_token_ids + s.output_token_ids for s in pen], vocab))
+        forced = [s.forced for s in seqs]
+        if any(t >= 0 for t in forced):
+            self._add("forced", ints(forced))
         proposed = [s.proposed for s in seqs]
         self.speculating = any(t >= 0 for t in proposed)
         # sampled rows (indices into `rows`) verifying a draft model's proposal, and its distribution for each
@@ -174,6 +181,9 @@ class Sampler:
             draft_accepted = self._verify_drafts(probs, inputs) if inputs.draft_rows else None
             unseeded = inputs["unseeded"] if "unseeded" in inputs else None
             sampled[idx] = self._race(probs, inputs.seeds, unseeded)
+        if "forced" in inputs:
+            forced = inputs["forced"]
+            sampled = torch.where(forced >= 0, forced, sampled)
         accepted = None
         if inputs.speculating:
             proposed = inputs["proposed"]
