@@ -1,10 +1,12 @@
 """Scheduling policies through LLMEngine on the tiny model: a priority request overtakes the queue, fair share
 splits the output tokens between clients whatever their request counts. Counted in steps and tokens."""
 
+import asyncio
 from collections import Counter
 
 import pytest
 
+from tiffin import AsyncLLMEngine
 from tiffin.engine.config import EngineConfig
 from tiffin.engine.llm_engine import LLMEngine
 from tiffin.engine.sampling_params import SamplingParams
@@ -70,3 +72,19 @@ def test_fair_share_splits_the_throughput_between_clients(tiny_model):
     assert fair["light"] >= 20 and abs(fair["busy"] - fair["light"]) <= 0.2 * max(fair.values()), fair
     fcfs = tokens_while_both_wait(make_engine(tiny_model, max_num_seqs=4), clients, 30)
     assert fcfs["busy"] >= 20 and fcfs["light"] == 0, fcfs
+
+
+def test_async_engine_hands_the_client_to_the_engine_thread(tiny_model, monkeypatch):
+    engine = AsyncLLMEngine.from_engine_args(tiny_model("llama"), fair_share=True)
+    scheduler, clients = engine.engine.scheduler, []
+    add = scheduler.add
+    monkeypatch.setattr(scheduler, "add", lambda seq: clients.append(seq.client) or add(seq))
+
+    async def generate(client: str | None) -> bool:
+        return [out async for out in engine.generate(prompt(0), params(max_tokens=2), client=client)][-1].finished
+
+    try:
+        assert asyncio.run(generate("alice")) and asyncio.run(generate(None))
+    finally:
+        engine.shutdown()
+    assert clients == ["alice", None]

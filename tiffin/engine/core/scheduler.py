@@ -83,8 +83,8 @@ SchedulingKey = tuple[int, int]  # (priority level, seq_id): lower is admitted f
 
 
 class FCFSQueue:
-    """Plain fcfs's waiting queue: arrival order, and a requeued sequence (preempted, or passed over this step)
-    goes back to the head."""
+    """Plain fcfs's waiting queue: a deque, `requeue` (a preempted sequence, or one passed over this step) at
+    its head."""
 
     def __init__(self):
         self.seqs: deque[Sequence] = deque()
@@ -136,12 +136,12 @@ class KeyedQueue:
     requeue = push  # the key alone places it
 
     def peek(self, seats: Counter | None) -> Sequence:
-        """The head with the best key; with fair share, among the heads at the best level, that of the client
-        holding the fewest of `seats` (its running and swapped sequences), the best key breaking ties."""
+        """The next to admit: the best key, or with fair share the policy's pick among the clients' heads, `seats`
+        counting each client's running and swapped sequences."""
         if len(self.heaps) == 1:
             return next(iter(self.heaps.values()))[0][1]
-        heads = (heap[0] for heap in self.heaps.values())
-        return min(heads, key=lambda head: (head[0][0], seats[head[1].client], head[0]))[1]
+        heads = (heap[0] for heap in self.heaps.values())  # (key, seq)
+        return min(heads, key=lambda head: (head[0][0], seats[head[1].client], head[0]))[1]  # level, seats, key
 
     def pop(self, seq: Sequence) -> None:
         """Remove `seq`, the head `peek` just returned."""
@@ -176,7 +176,7 @@ class Scheduler:
         self.last_step_skipped_decodes = False  # the last step left running decodes out
         self.step_budget: int | None = None  # tokens of the next steps, when held below max_num_batched_tokens
         self.waiting = KeyedQueue(self.key, self.fair_share) if self.by_priority or self.fair_share else FCFSQueue()
-        self.running: list[Sequence] = []  # in admission order (fcfs) or key order (priority)
+        self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []  # preempted by swap, in key order
         self.num_preemptions = 0  # by recompute or swap
         self.num_swapped_out = self.num_swapped_in = 0  # sequences
