@@ -2,6 +2,9 @@
 
 from collections import Counter
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from tiffin.engine.config import EngineConfig
 from tiffin.engine.core.block_manager import BlockManager
 from tiffin.engine.core.scheduler import Scheduler
@@ -142,3 +145,42 @@ def test_fair_share_within_the_best_priority_level():
     aborted = next(iter(scheduler.waiting))
     scheduler.finish(aborted, "abort")
     assert not scheduler.waiting and list(scheduler.waiting) == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 20), st.integers(1, 10), st.integers(0, 2), st.sampled_from(["a", "b", None]))),
+    st.sampled_from(["fcfs", "priority"]),
+    st.booleans(),
+    st.integers(0, 6),
+    st.integers(1, 4),
+)
+def test_every_policy_finishes_every_request_within_its_limits(requests, policy, fair_share, swap_blocks, max_seqs):
+    """Random prompts, priorities and clients, preemptions forced by a pool that fits the largest request alone."""
+    num_blocks = max((-(-(p + m) // BLOCK) for p, m, _, _ in requests), default=1)
+    config = EngineConfig(
+        model="-",
+        block_size=BLOCK,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=16,
+        scheduling_policy=policy,
+        fair_share=fair_share,
+        preemption_mode="swap" if swap_blocks else "recompute",
+    )
+    scheduler = Scheduler(config, BlockManager(num_blocks, BLOCK, swap_blocks=swap_blocks), max_model_len=1000)
+    seqs = [
+        Sequence("r", 0, [i % 3] * p, SamplingParams(temperature=0, max_tokens=m, priority=prio), m, client=client)
+        for i, (p, m, prio, client) in enumerate(requests)
+    ]
+    for seq in seqs:
+        scheduler.add(seq)
+    for _ in range(10_000):
+        if not scheduler.has_unfinished():
+            break
+        step(scheduler)
+        assert len(scheduler.running) + len(scheduler.swapped) <= max_seqs
+        scheduler.block_manager.check_invariants([*scheduler.running, *scheduler.waiting, *scheduler.swapped])
+    else:
+        raise AssertionError("requests never finished")
+    assert all(s.finished and s.num_output_tokens == s.max_tokens for s in seqs)
+    assert scheduler.block_manager.num_used_blocks == 0 and len(scheduler.waiting) == 0
