@@ -149,12 +149,13 @@ class AsyncLLMEngine:
         prompt: PromptType,
         params: SamplingParams | PoolingParams | None = None,
         lora_request: LoRARequest | None = None,
+        client: str | None = None,
     ) -> RequestStream:
         """Queue a request and return its stream once the engine accepted it; ValueError if it was refused
         (bad prompt, too long for the context, duplicate id, an adapter that cannot load), QueueFull if too many
         wait already, EngineError if the engine is shut down or dead; raised before any output. The prompt is
         tokenized, a structured-outputs grammar compiled (`compile_grammar`) and an adapter not cached read first,
-        all off the engine thread (steps go on meanwhile)."""
+        all off the engine thread (steps go on meanwhile). `client`: who sent it, for fair share (None: anonymous)."""
         self._check_running()
         params = params or (SamplingParams() if self.task == "generate" else PoolingParams(self.engine.pooling_task))
         pooling = params if isinstance(params, PoolingParams) else None
@@ -167,7 +168,7 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         accepted = loop.create_future()
         stream = RequestStream(request_id, self.abort)
-        self._post(("add", request_id, prompt, params, lora, stream, loop, accepted))
+        self._post(("add", request_id, prompt, params, lora, client, stream, loop, accepted))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -258,9 +259,10 @@ class AsyncLLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         lora_request: LoRARequest | None = None,
+        client: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """vLLM's `AsyncLLMEngine.generate`: cumulative outputs until the request finishes."""
-        stream = await self.add_request(request_id or uuid.uuid4().hex, prompt, params, lora_request)
+        stream = await self.add_request(request_id or uuid.uuid4().hex, prompt, params, lora_request, client)
         try:
             async for out in stream:
                 yield out
@@ -367,10 +369,10 @@ class AsyncLLMEngine:
         self._publish_stats()
         return True
 
-    def _add(self, request_id, prompt, params, lora, stream, loop, accepted) -> None:
+    def _add(self, request_id, prompt, params, lora, client, stream, loop, accepted) -> None:
         try:
             self._check_running()
-            self.engine.add_request(request_id, prompt, params, lora)
+            self.engine.add_request(request_id, prompt, params, lora, client)
         except Exception as e:
             _call(loop, _settle, accepted, None, e)
             return

@@ -145,12 +145,14 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams | PoolingParams | None = None,
         lora_request: LoRARequest | LoRAModel | None = None,
+        client: str | None = None,
     ) -> None:
         """Queue a request, run with the adapter of `lora_request` if given (loaded now unless cached; a
         `load_lora` result is taken as is). `params`: SamplingParams to generate, PoolingParams to embed or score
         (default: the model's task). Raises ValueError, leaving the engine untouched, if the request is invalid,
         not the model's task, or can never fit in the context or the KV cache; QueueFull if max_waiting_requests
-        sequences wait already. A `TokenizedPrompt` (what `tokenize` returns) is not tokenized again."""
+        sequences wait already. A `TokenizedPrompt` (what `tokenize` returns) is not tokenized again.
+        `client`: who sent it, for fair share (None: anonymous)."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = params or (SamplingParams() if self.task == "generate" else PoolingParams(self.pooling_task))
@@ -165,7 +167,9 @@ class LLMEngine:
         lora = None if lora_request is None else self._loras().resolve(lora_request)
         if pooling:
             seq_ids = token_ids if token_types is None else with_token_types(token_ids, token_types)
-            seq = Sequence(request_id, 0, seq_ids, _POOLING_SAMPLING, max_tokens, lora=lora, pooling_params=pooling)
+            seq = Sequence(
+                request_id, 0, seq_ids, _POOLING_SAMPLING, max_tokens, lora=lora, pooling_params=pooling, client=client
+            )
             self.scheduler.add(seq)
             self.requests[request_id] = Request(request_id, text, token_ids, [seq])
             self.num_pooling_requests += 1
@@ -186,6 +190,7 @@ class LLMEngine:
                 lora,
                 None if grammar is None else GrammarState(grammar, self.config.grammar_compile_timeout),
                 IncrementalDetokenizer(self.tokenizer, token_ids, params),
+                client=client,
             )
             for i in range(params.n)
         ]

@@ -4,13 +4,24 @@ A scheduled sequence computes `num_scheduled_tokens` tokens starting at its `num
 chunks and single decode tokens share one forward. A sequence samples when this step brings its computed
 tokens up to all of its tokens. With `prefill_first`, a step that can admit waiting sequences leaves the
 running ones' decodes to the next step, which always includes them: a decode batch never delays a first token,
-and decodes wait at most every other step. When blocks run out, the most recently admitted running sequence is
-preempted. By recompute: its blocks are freed, its grammar dropped, and it goes back to the head of the waiting
-queue to compute its tokens again. By swap (`preemption_mode` swap, while the swap region has room): its computed
-tokens' blocks are copied to host blocks, its device blocks freed, and it waits in `swapped` (arrival order),
-keeping its computed tokens and grammar, to be copied back. Admission is first come, first served across both
-queues: a swapped sequence that arrived before the head of `waiting` resumes before it is admitted, and nothing
-is admitted past a sequence that cannot be; swapped sequences hold seats of max_num_seqs, as running ones do.
+and decodes wait at most every other step.
+
+The scheduling policy orders sequences by a key: under `fcfs` arrival (seq_id), under `priority` (priority,
+arrival), lower first. Admission follows the key across both queues (`waiting`, and `swapped`: sequences
+preempted by swap): a swapped sequence whose key is before the next waiting one's resumes before it is admitted,
+and nothing is admitted past a sequence that cannot be, except one whose adapter finds no free LoRA slot or whose
+grammar still compiles: others pass it meanwhile. Swapped sequences hold seats of max_num_seqs, as running ones
+do. With `fair_share`, the next waiting sequence is instead, within the best priority level waiting, the head of
+the client (`Sequence.client`; all anonymous requests are one client) that holds the fewest seats, earliest
+arrival breaking ties: backlogged clients hold about as many seats each, whatever their request rates.
+
+When blocks run out, the last running sequence is preempted: `running` is in admission order under `fcfs` (the
+latest admitted goes) and in key order under `priority` (the lowest priority's latest arrival goes). A higher
+priority never preempts a running sequence to be admitted. By recompute: its blocks are freed, its grammar
+dropped, and it goes back to `waiting` to compute its tokens again, at its place by the key (plain `fcfs`: at
+the head). By swap (`preemption_mode` swap, while the swap region has room): its computed tokens' blocks are
+copied to host blocks, its device blocks freed, and it waits in `swapped` (key order), keeping its computed
+tokens and grammar, to be copied back.
 
 A pooling sequence (embeddings, scores) runs its whole prompt in one step, with no prefix-cache hit, and finishes
 in it: its hidden states all come from that step's forward, and an encoder's attention sees the whole prompt. A
@@ -25,7 +36,9 @@ ones (their KV stays unread, then overwritten) and clears every proposal.
 """
 
 import bisect
-from collections import deque
+import heapq
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from tiffin.engine.config import EngineConfig
@@ -66,6 +79,89 @@ class SchedulerOutput:
         return out
 
 
+SchedulingKey = tuple[int, int]  # (priority level, seq_id): lower is admitted first
+
+
+class FCFSQueue:
+    """Plain fcfs's waiting queue: a deque, `requeue` (a preempted sequence, or one passed over this step) at
+    its head."""
+
+    def __init__(self):
+        self.seqs: deque[Sequence] = deque()
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return iter(self.seqs)
+
+    def push(self, seq: Sequence) -> None:
+        self.seqs.append(seq)
+
+    def requeue(self, seq: Sequence) -> None:
+        self.seqs.appendleft(seq)
+
+    def peek(self, seats: Counter | None) -> Sequence:
+        return self.seqs[0]
+
+    def pop(self, seq: Sequence) -> None:
+        self.seqs.popleft()
+
+    def remove(self, seq: Sequence) -> None:
+        self.seqs.remove(seq)
+
+
+class KeyedQueue:
+    """The waiting queue of the priority policy or of fair share: a heap by `key` per client (a single one
+    without fair share), so a push or a pop costs O(log n) and a peek O(clients)."""
+
+    def __init__(self, key: Callable[[Sequence], SchedulingKey], fair_share: bool):
+        self.key, self.fair_share = key, fair_share
+        self.heaps: dict[str | None, list[tuple[SchedulingKey, Sequence]]] = {}  # only clients with waiting ones
+        self.size = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return (seq for heap in self.heaps.values() for _, seq in heap)
+
+    def _client(self, seq: Sequence) -> str | None:
+        return seq.client if self.fair_share else None
+
+    def push(self, seq: Sequence) -> None:
+        heapq.heappush(self.heaps.setdefault(self._client(seq), []), (self.key(seq), seq))
+        self.size += 1
+
+    requeue = push  # the key alone places it
+
+    def peek(self, seats: Counter | None) -> Sequence:
+        """The next to admit: the best key, or with fair share the policy's pick among the clients' heads, `seats`
+        counting each client's running and swapped sequences."""
+        if len(self.heaps) == 1:
+            return next(iter(self.heaps.values()))[0][1]
+        heads = (heap[0] for heap in self.heaps.values())  # (key, seq)
+        return min(heads, key=lambda head: (head[0][0], seats[head[1].client], head[0]))[1]  # level, seats, key
+
+    def pop(self, seq: Sequence) -> None:
+        """Remove `seq`, the head `peek` just returned."""
+        client = self._client(seq)
+        heapq.heappop(self.heaps[client])
+        self._removed(client)
+
+    def remove(self, seq: Sequence) -> None:
+        client = self._client(seq)
+        heap = self.heaps[client]
+        heap.remove((self.key(seq), seq))
+        heapq.heapify(heap)
+        self._removed(client)
+
+    def _removed(self, client: str | None) -> None:
+        self.size -= 1
+        if not self.heaps[client]:
+            del self.heaps[client]
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int):
         self.max_num_seqs = config.max_num_seqs
@@ -75,19 +171,25 @@ class Scheduler:
         self.max_loras = config.max_loras if config.enable_lora else None
         self.prefill_first = config.prefill_first
         self.swap = config.preemption_mode == "swap"
+        self.by_priority = config.scheduling_policy == "priority"
+        self.fair_share = config.fair_share
         self.last_step_skipped_decodes = False  # the last step left running decodes out
         self.step_budget: int | None = None  # tokens of the next steps, when held below max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = KeyedQueue(self.key, self.fair_share) if self.by_priority or self.fair_share else FCFSQueue()
         self.running: list[Sequence] = []
-        self.swapped: list[Sequence] = []  # preempted by swap, in arrival (seq_id) order
+        self.swapped: list[Sequence] = []  # preempted by swap, in key order
         self.num_preemptions = 0  # by recompute or swap
         self.num_swapped_out = self.num_swapped_in = 0  # sequences
         self.num_prefill_tokens = 0  # tokens computed before a sequence's newest one (prompts, recomputes)
         self.num_generated_tokens = 0
         self.spec_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0  # speculative decoding totals
 
+    def key(self, seq: Sequence) -> SchedulingKey:
+        """Its place in the scheduling order (fcfs: every sequence at level 0)."""
+        return (seq.priority if self.by_priority else 0, seq.seq_id)
+
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self.waiting.push(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -125,25 +227,27 @@ class Scheduler:
                 budget -= num_new
                 i += 1
         adapters, skipped = self._running_adapters(), []
+        seats = Counter(s.client for s in (*self.running, *self.swapped)) if self.fair_share else None
         while (self.waiting or self.swapped) and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            if self.swapped and (not self.waiting or self.swapped[0].seq_id < self.waiting[0].seq_id):
+            head = self.waiting.peek(seats) if self.waiting else None
+            if self.swapped and (head is None or self.key(self.swapped[0]) < self.key(head)):
                 seq = self.swapped[0]
                 num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
                 if not self._lora_fits(seq, adapters) or not self.block_manager.swap_in(seq, num_new):
                     break
                 del self.swapped[0]
                 self.num_swapped_in += 1
-                seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
+                self._run(seq)
                 out.add(seq, num_new)
                 budget -= num_new
                 continue
             if len(self.running) + len(self.swapped) >= self.max_num_seqs:
                 break
-            seq = self.waiting[0]
+            seq = head
             # Every adapter slot is taken, or its grammar is still compiling: let others pass meanwhile.
             if not self._lora_fits(seq, adapters) or (seq.grammar is not None and not seq.grammar.ready):
-                skipped.append(self.waiting.popleft())
+                self.waiting.pop(seq)
+                skipped.append(seq)
                 continue
             pools = seq.pooling_params is not None
             cached = [] if pools else self.block_manager.get_computed_blocks(seq)
@@ -154,15 +258,24 @@ class Scheduler:
                 seq, num_new, cached, loaded
             ):
                 break
-            self.waiting.popleft()
+            self.waiting.pop(seq)
             self._count_cache_lookup(seq, num_cached, len(loaded) * self.block_manager.block_size)
             seq.num_computed_tokens = num_cached
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._run(seq)
+            if seats is not None:
+                seats[seq.client] += 1
             out.add(seq, num_new)
             budget -= num_new
-        self.waiting.extendleft(reversed(skipped))
+        for seq in reversed(skipped):  # back in their order (fcfs: at the head)
+            self.waiting.requeue(seq)
         return out
+
+    def _run(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.RUNNING
+        if self.by_priority:  # the last running sequence is the next to preempt
+            bisect.insort(self.running, seq, key=self.key)
+        else:
+            self.running.append(seq)
 
     def schedule_proposals(self, out: SchedulerOutput) -> None:
         """Extend the step's decodes by their sequences' proposals as far as the step's token budget, the context,
@@ -278,7 +391,7 @@ class Scheduler:
         self.num_preemptions += 1
         if self.swap and self.block_manager.swap_out(seq):
             seq.status = SequenceStatus.SWAPPED
-            bisect.insort(self.swapped, seq, key=lambda s: s.seq_id)
+            bisect.insort(self.swapped, seq, key=self.key)
             self.num_swapped_out += 1
             return
         self.block_manager.free_seq(seq)
@@ -286,7 +399,7 @@ class Scheduler:
             seq.grammar.drop()  # rebuilt from its tokens when it runs again
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self.waiting.requeue(seq)
 
     def _count_cache_lookup(self, seq: Sequence, num_cached: int, num_loaded: int) -> None:
         if seq.num_output_tokens == 0:  # first admission, not a readmission after preemption

@@ -40,11 +40,13 @@ class Sequence:
         grammar: GrammarState | None = None,
         detokenizer: IncrementalDetokenizer | None = None,
         pooling_params: PoolingParams | None = None,
+        client: str | None = None,
     ):
         """`max_tokens`: params.max_tokens, or what the context leaves when that is None; `lora`: the adapter it
         runs with (None: the base model); `grammar`: its matcher when params.structured_outputs is set;
         `detokenizer`: None for sequences that need no text (profiling, scheduler tests); `pooling_params`: set for
-        a sequence that pools its prompt instead of generating (`params` then goes unread)."""
+        a sequence that pools its prompt instead of generating (`params` then goes unread).
+        `client`: who sent it, for fair share (None: anonymous)."""
         self.seq_id = next(Sequence._ids)
         self.request_id = request_id
         self.index = index
@@ -63,6 +65,8 @@ class Sequence:
         self.thinking: ThinkingState | None = None  # a reasoning model's, set by the engine; read from `detokenizer`
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None  # per output token
         self.params = params
+        self.priority = params.priority
+        self.client = client
         self.pooling_params = pooling_params
         self.pooled: list[float] | None = None  # a pooling sequence's result
         self.max_tokens = max_tokens
