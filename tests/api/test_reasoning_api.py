@@ -89,7 +89,13 @@ def test_structured_outputs_apply_to_the_answer(api):
 
 def test_tool_calls_apply_to_the_answer(api):
     http = api[1]
-    body = {"tools": [TOOL], "tool_choice": "required", "thinking_token_budget": 4, "max_tokens": 120}
+    body = {
+        "tools": [TOOL],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "thinking_token_budget": 4,
+        "max_tokens": 300,
+    }
     choice = chat(http, **body)
     message = choice["message"]
     assert message["reasoning_content"] and choice["finish_reason"] == "tool_calls"

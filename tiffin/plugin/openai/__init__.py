@@ -6,10 +6,10 @@
 - `protocol`: request models, their validation into `SamplingParams` or `PoolingParams`, and `APIError`, OpenAI's
   error shape;
 - `responses`: the JSON of answers and their streams (`AnswerBuilder`), and the builders of completions and chat;
-- `serving`: `OpenAIServing`, which queues requests on the engine and streams, merges and aborts them;
+- `serving`: `OpenAIServing`, which queues requests on the engine and streams, merges and aborts them, and
+  `client_of`, who sent a request;
 - `pooling`: `PoolingServing`, embeddings, scores and reranking on an engine whose model embeds or scores pairs;
-- `routing`: `ModelRouter`, which serving (one per engine) a request goes to, by its `model` and its endpoint's task,
-  and `client_of`, who sent a request;
+- `routing`: `ModelRouter`, which serving (one per engine) a request goes to, by its `model` and its endpoint's task;
 - `store`, `responses_api`: OpenAI's Responses API over the chat path, and its store of responses;
 - `app`: `create_app`, the FastAPI routes and the mapping of every failure onto OpenAI's error shape.
 

@@ -36,7 +36,8 @@ from tiffin.plugin.openai.protocol import (
     UnloadLoRAAdapterRequest,
 )
 from tiffin.plugin.openai.responses_api import ResponsesRequest
-from tiffin.plugin.openai.routing import ModelRouter, Serving, client_of
+from tiffin.plugin.openai.routing import ModelRouter, Serving
+from tiffin.plugin.openai.serving import client_of
 from tiffin.plugin.openai.store import ResponseStore
 
 Body = TypeVar("Body", bound=BaseModel)

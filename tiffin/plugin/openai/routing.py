@@ -7,10 +7,7 @@ Invariants:
   never another model's answer; with no model named, the first serving that can do it answers (for /score and
   /rerank a cross-encoder before an embedding model: it ranks better than a cosine)."""
 
-import hashlib
 from collections.abc import Sequence
-
-from fastapi import Request
 
 from tiffin.plugin.openai.pooling import PoolingServing
 from tiffin.plugin.openai.protocol import APIError
@@ -50,11 +47,3 @@ class ModelRouter:
 
 def _tasks(serving: Serving) -> str:
     return ", ".join(serving.tasks)
-
-
-def client_of(raw: Request) -> str | None:
-    """Who sent `raw`, for what is kept per client (stored responses, fair share): a digest of the API key it
-    presented (Bearer or x-api-key), None without one."""
-    scheme, _, token = raw.headers.get("authorization", "").partition(" ")
-    key = token.strip() if scheme.lower() == "bearer" else raw.headers.get("x-api-key", "")
-    return hashlib.sha256(key.encode()).hexdigest()[:16] if key else None

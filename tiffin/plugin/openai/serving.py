@@ -12,6 +12,7 @@ Invariants:
 - `on_finished` sees each finished request once."""
 
 import asyncio
+import hashlib
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -156,7 +157,7 @@ class OpenAIServing:
         params: SamplingParams,
         lora: "LoRARequest | None",
     ) -> Answer:
-        streams = await self._open(prompts, params, builder.id, lora, _constraining_field(req))
+        streams = await self._open(prompts, params, builder.id, lora, _constraining_field(req), client_of(raw))
         if req.stream:
             return StreamingResponse(self._sse(streams, builder), media_type="text/event-stream")
         finals = await unless_disconnected(raw, self._collect(streams))
@@ -169,13 +170,15 @@ class OpenAIServing:
         request_id: str,
         lora: "LoRARequest | None",
         structured_field: str | None,
+        client: str | None,
     ) -> list["RequestStream"]:
-        """Queue every prompt; a refused one aborts those already queued and becomes a 400 (a refused grammar
-        names `structured_field`, the request field that asked for it)."""
+        """Queue every prompt, sent by `client` (fair share); a refused one aborts those already queued and
+        becomes a 400 (a refused grammar names `structured_field`, the request field that asked for it)."""
         streams = []
         try:
             for i, prompt in enumerate(prompts):
-                streams.append(await self.engine.add_request(f"{request_id}-{i}", prompt, params, lora))
+                stream = await self.engine.add_request(f"{request_id}-{i}", prompt, params, lora, client=client)
+                streams.append(stream)
         except ValueError as e:
             raise bad_request(as_field(e, structured_field)) from None
         except QueueFull as e:
@@ -254,6 +257,14 @@ def _constraining_field(req: SamplingRequest) -> str | None:
     if req.structured_outputs is not None:
         return "structured_outputs"
     return "tools" if getattr(req, "tools", None) else None
+
+
+def client_of(raw: Request) -> str | None:
+    """Who sent `raw`, for what is kept per client (stored responses, fair share): a digest of the API key it
+    presented (Bearer or x-api-key), None without one."""
+    scheme, _, token = raw.headers.get("authorization", "").partition(" ")
+    key = token.strip() if scheme.lower() == "bearer" else raw.headers.get("x-api-key", "")
+    return hashlib.sha256(key.encode()).hexdigest()[:16] if key else None
 
 
 def model_card(serving) -> dict:
