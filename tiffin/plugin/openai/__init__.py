@@ -1,5 +1,6 @@
 """The OpenAI-compatible API over `AsyncLLMEngine`s, in these owners, each importing only those listed before it:
 
+- `clients`: which client (API key) sent a request;
 - `tools`, `structured`: tool calling and the ways a request constrains its output (also the typed /generate API's
   `structured_outputs` field);
 - `protocol`: request models, their validation into `SamplingParams` or `PoolingParams`, and `APIError`, OpenAI's
@@ -8,6 +9,7 @@
 - `serving`: `OpenAIServing`, which queues requests on the engine and streams, merges and aborts them;
 - `pooling`: `PoolingServing`, embeddings, scores and reranking on an engine whose model embeds or scores pairs;
 - `routing`: `ModelRouter`, which serving (one per engine) a request goes to, by its `model` and its endpoint's task;
+- `tokenize`: /tokenize and /detokenize on any serving;
 - `app`: `create_app`, the FastAPI routes and the mapping of every failure onto OpenAI's error shape.
 
 No BentoML here, and nothing heavy at import: the Bento imports `app` when `bentoml build` loads it."""

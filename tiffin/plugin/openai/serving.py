@@ -26,13 +26,14 @@ from tiffin.engine.sampling_params import SamplingParams
 from tiffin.plugin.openai.protocol import (
     APIError,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     SamplingRequest,
     bad_request,
 )
 from tiffin.plugin.openai.responses import ChatResponses, CompletionResponses, ResponseBuilder
 from tiffin.plugin.openai.structured import as_field, off_loop
-from tiffin.plugin.openai.tools import ToolParser, make_parser, template_messages
+from tiffin.plugin.openai.tools import ChatTool, ToolParser, make_parser, template_messages
 
 if TYPE_CHECKING:  # torch, which `bentoml build` need not import
     from tiffin.engine.async_llm_engine import AsyncLLMEngine, RequestStream
@@ -118,13 +119,8 @@ class OpenAIServing:
         return lora
 
     async def _render_chat(self, req: ChatCompletionRequest) -> "TokenizedPrompt":
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.uses_tools else None
-        try:
-            messages = template_messages([m.model_dump(exclude_none=True) for m in req.messages])
-            return await self.engine.render_chat(messages, req.add_generation_prompt, tools=tools)
-        except ValueError as e:  # the history, the template (failed or past its limits), or too long a prompt
-            message = str(e) if str(e).startswith("messages") else f"messages: {e}"
-            raise APIError(400, message, param="messages") from None
+        tools = req.tools if req.uses_tools else None
+        return await render_chat(self.engine, req.messages, req.add_generation_prompt, tools)
 
     async def _sampling_params(self, req: SamplingRequest, *args) -> SamplingParams:
         """`req.sampling_params(*args)`, on a checking thread when the request constrains its output."""
@@ -237,6 +233,23 @@ class OpenAIServing:
                 task.cancel()
             for s in streams:
                 s.close()
+
+
+async def render_chat(
+    engine: "AsyncLLMEngine",
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    tools: list[ChatTool] | None,
+    **template_kwargs,
+) -> "TokenizedPrompt":
+    """The conversation as the engine runs it (/chat/completions) or counts it (/tokenize); a 400 naming `messages`."""
+    tools = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+    try:
+        history = template_messages([m.model_dump(exclude_none=True) for m in messages])
+        return await engine.render_chat(history, add_generation_prompt, tools=tools, **template_kwargs)
+    except ValueError as e:  # the history, the template (failed or past its limits), or too long a prompt
+        message = str(e) if str(e).startswith("messages") else f"messages: {e}"
+        raise APIError(400, message, param="messages") from None
 
 
 def _constraining_field(req: SamplingRequest) -> str | None:
