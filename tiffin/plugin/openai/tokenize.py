@@ -26,24 +26,9 @@ if TYPE_CHECKING:  # torch, which `bentoml build` need not import
 
 # apply_chat_template's own arguments, which chat_template_kwargs (variables for the template) may not set
 _TEMPLATE_ARGUMENTS = frozenset(
-    {
-        "conversation",
-        "messages",
-        "tools",
-        "documents",
-        "chat_template",
-        "add_generation_prompt",
-        "continue_final_message",
-        "tokenize",
-        "sanitize_control_tokens",
-        "padding",
-        "truncation",
-        "max_length",
-        "return_tensors",
-        "return_dict",
-        "return_assistant_tokens_mask",
-        "tokenizer_kwargs",
-    }
+    "conversation messages tools documents chat_template add_generation_prompt continue_final_message tokenize "
+    "sanitize_control_tokens padding truncation max_length return_tensors return_dict return_assistant_tokens_mask "
+    "tokenizer_kwargs".split()
 )
 
 
