@@ -5,6 +5,7 @@ is never a 5xx, its JSON is standard (no NaN), and the engine stays healthy and 
 Generation stays cheap so thousands of examples run in seconds: `max_tokens` is always present and either 1-2
 or out of range, prompts are short, and the engine's `max_n` is small."""
 
+import collections
 import json
 import os
 import sys
@@ -20,6 +21,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from tiffin.plugin.openai.protocol import ChatCompletionRequest, CompletionRequest, LoadLoRAAdapterRequest  # noqa: E402
+from tiffin.plugin.openai.tokenize import DetokenizeRequest, TokenizeRequest  # noqa: E402
 
 pytestmark = [pytest.mark.slow]
 
@@ -114,6 +116,9 @@ BY_NAME = {  # fields whose range decides the cost of a request, or that need a 
     "tools": json_values
     | hostile_schemas.map(lambda schema: [{"type": "function", "function": {"name": "f", "parameters": schema}}]),
     "tool_choice": st.sampled_from(["none", "auto", "required"]) | json_values,
+    "chat_template_kwargs": st.dictionaries(st.sampled_from(["enable_thinking", "tokenize", "chat_template"]), text)
+    | json_values,
+    "tokens": token_ids | st.lists(st.integers(-1, VOCAB), max_size=4),
 }
 
 
@@ -128,12 +133,13 @@ def _annotated(annotation) -> st.SearchStrategy:
 
 
 def body_strategy(model, required: str | None) -> st.SearchStrategy:
-    """`max_tokens` and the prompt (mostly), plus up to three other fields, each typed by the model (mostly)."""
+    """`max_tokens` where the model has it and the `required` field (mostly), plus up to three other fields, each
+    typed by the model (mostly)."""
     fields = {
         name: valid(BY_NAME.get(name, _annotated(field.annotation)), json_values)
         for name, field in model.model_fields.items()
     }
-    base = {"max_tokens": BY_NAME["max_tokens"]}
+    base = {"max_tokens": BY_NAME["max_tokens"]} if "max_tokens" in fields else {}
     if required is not None:
         base[required] = BY_NAME[required]
     others = sorted(set(fields) - set(base))
@@ -145,15 +151,18 @@ def body_strategy(model, required: str | None) -> st.SearchStrategy:
     ).map(lambda parts: {**parts[0], **parts[1]})
 
 
-completion = st.tuples(st.just("/completions"), body_strategy(CompletionRequest, "prompt"))
-chat = st.tuples(st.just("/chat/completions"), body_strategy(ChatCompletionRequest, "messages"))
+# (path, its bodies, weight: draws per draw of a weight-1 route): a route to fuzz is one more line. Arbitrary JSON
+# goes to every route besides, as often as a weight-1 route is drawn; EXAMPLES are shared by all.
+ROUTES = [
+    ("/completions", body_strategy(CompletionRequest, "prompt"), 3),
+    ("/chat/completions", body_strategy(ChatCompletionRequest, "messages"), 3),
+    ("/load_lora_adapter", body_strategy(LoadLoRAAdapterRequest, None), 1),
+    ("/tokenize", body_strategy(TokenizeRequest, "prompt") | body_strategy(TokenizeRequest, "messages"), 1),
+    ("/detokenize", body_strategy(DetokenizeRequest, "tokens"), 1),
+]
 requests = st.one_of(
-    completion,
-    completion,
-    chat,
-    chat,
-    st.tuples(st.just("/load_lora_adapter"), body_strategy(LoadLoRAAdapterRequest, None)),
-    st.tuples(st.sampled_from(["/completions", "/chat/completions"]), json_values),
+    *[st.tuples(st.just(path), bodies) for path, bodies, weight in ROUTES for _ in range(weight)],
+    st.tuples(st.sampled_from([path for path, _, _ in ROUTES]), json_values),
 )
 
 
@@ -175,7 +184,7 @@ def fuzz_client(openai_app):
 
 def test_fuzzed_bodies_never_get_a_5xx(fuzz_client):
     client, engine = fuzz_client
-    statuses = {}
+    statuses = collections.Counter()  # (path, status)
 
     @settings(
         max_examples=EXAMPLES,
@@ -189,7 +198,7 @@ def test_fuzzed_bodies_never_get_a_5xx(fuzz_client):
         path, body = request
         content = json.dumps(body, default=lambda m: m.model_dump()).encode()  # escapes lone surrogates
         r = client.post(path, content=content, headers={"content-type": "application/json"})
-        statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+        statuses[path, r.status_code] += 1
         assert r.status_code < 500, (body, r.text[:500])
         if r.headers.get("content-type", "").startswith("text/event-stream"):
             events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
@@ -203,5 +212,7 @@ def test_fuzzed_bodies_never_get_a_5xx(fuzz_client):
     check()
     stats = engine.stats()
     assert stats.num_running == stats.num_waiting == stats.kv_blocks_used == 0
-    assert sum(statuses.values()) >= EXAMPLES and statuses.get(200, 0) > EXAMPLES // 20, statuses  # engine ran too
+    answered = sum(n for (path, status), n in statuses.items() if status == 200 and "completions" in path)
+    assert statuses.total() >= EXAMPLES and answered > EXAMPLES // 20, statuses  # the engine ran too
+    assert {path for path, _ in statuses} == {path for path, _, _ in ROUTES}, statuses
     print(f"fuzz statuses: {dict(sorted(statuses.items()))}", file=sys.stderr)

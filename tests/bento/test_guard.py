@@ -12,20 +12,21 @@ import pytest
 
 pytest.importorskip("bentoml")
 
-from fastapi import FastAPI  # noqa: E402
+from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 from starlette.applications import Starlette  # noqa: E402
 from starlette.responses import PlainTextResponse  # noqa: E402
 from starlette.routing import Mount, Route  # noqa: E402
 
 from tiffin.plugin.guard import Guard  # noqa: E402
+from tiffin.plugin.openai.clients import client_of  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
-KEY, ADMIN = "sk-user-key", "sk-admin-key"
+KEY, KEY2, ADMIN = "sk-user-key", "sk-other-key", "sk-admin-key"
 
 
-def guarded(**options) -> TestClient:
+def v1_app() -> FastAPI:
     v1 = FastAPI()
 
     @v1.post("/completions")
@@ -36,8 +37,17 @@ def guarded(**options) -> TestClient:
     async def load():
         return {"loaded": True}
 
+    @v1.get("/client")
+    async def client(raw: Request):
+        return {"client": client_of(raw)}
+
+    return v1
+
+
+def guarded(**options) -> TestClient:
+
     ok = lambda request: PlainTextResponse("ok")
-    app = Starlette(routes=[Route("/livez", ok), Route("/readyz", ok), Route("/metrics", ok), Mount("/v1", v1)])
+    app = Starlette(routes=[Route("/livez", ok), Route("/readyz", ok), Route("/metrics", ok), Mount("/v1", v1_app())])
     return TestClient(Guard(app, **options))
 
 
@@ -63,6 +73,35 @@ def test_keys():
     assert client.post("/v1/completions", json={}, headers=bearer(ADMIN)).status_code == 200  # admin opens all
     assert client.post("/v1/load_lora_adapter", headers=bearer(KEY)).status_code == 401  # the user key does not
     assert client.post("/v1/load_lora_adapter", headers=bearer(ADMIN)).status_code == 200
+
+
+def test_several_keys_each_open_the_routes_and_name_their_client():
+    client = guarded(api_key=f"{KEY}, {KEY2},", admin_api_key=ADMIN)
+    ids = {}
+    for key in (KEY, KEY2, ADMIN):
+        seen = {client.get("/v1/client", headers=h).json()["client"] for h in (bearer(key), {"x-api-key": key})}
+        assert len(seen) == 1 and None not in seen, seen  # either header, the same client, every time
+        ids[key] = seen.pop()
+        assert client.get("/v1/client", headers=bearer(key)).json()["client"] == ids[key]
+    assert len(set(ids.values())) == 3 and all(key not in i for key, i in ids.items())
+    for headers in ({"x-api-key": "wrong"}, {"x-api-key": KEY + "x"}, {"x-api-key": ""}, bearer(f"{KEY},{KEY2}")):
+        assert client.get("/v1/client", headers=headers).status_code == 401, headers
+    assert client.get("/v1/client", headers={**bearer("wrong"), "x-api-key": KEY2}).json()["client"] == ids[KEY2]
+    for key in (KEY, KEY2):  # admin routes still need the admin key
+        assert client.post("/v1/load_lora_adapter", headers={"x-api-key": key}).status_code == 401
+    assert client.post("/v1/load_lora_adapter", headers={"x-api-key": ADMIN}).status_code == 200
+    without_admin = guarded(api_key=f"{KEY},{KEY2}")  # then every user key is an admin key too, as one was
+    assert without_admin.post("/v1/load_lora_adapter", headers=bearer(KEY2)).status_code == 200
+
+
+def test_client_is_none_without_keys_and_the_presented_key_without_a_guard():
+    assert guarded().get("/v1/client", headers=bearer(KEY)).json() == {"client": None}
+    assert guarded(admin_api_key=ADMIN).get("/v1/client", headers=bearer(KEY)).json() == {"client": None}
+    guarded_id = guarded(api_key=KEY).get("/v1/client", headers=bearer(KEY)).json()["client"]
+    unguarded = TestClient(v1_app())  # as tests run the app in-process
+    assert unguarded.get("/client", headers=bearer(KEY)).json()["client"] == guarded_id
+    assert unguarded.get("/client", headers={"x-api-key": KEY}).json()["client"] == guarded_id
+    assert unguarded.get("/client").json()["client"] is None
 
 
 def test_admin_key_alone_guards_only_the_admin_routes():
@@ -157,10 +196,19 @@ def test_bento_routes_need_the_key(server):
         ("POST", "/v1/completions", {"json": body}),
         ("POST", "/generate", {"json": {"prompt": "Hello", "max_tokens": 3}}),
         ("GET", "/metrics", {}),
+        ("POST", "/v1/tokenize", {"json": {"prompt": "Hello"}}),
+        ("POST", "/tokenize", {"json": {"prompt": "Hello"}}),  # vLLM's root path
+        ("POST", "/detokenize", {"json": {"tokens": [1, 2]}}),
     ]:
         assert http.request(method, path, **kw).status_code == 401, path
         assert http.request(method, path, headers=bearer("nope"), **kw).status_code == 401, path
         assert http.request(method, path, headers=bearer(KEY), **kw).status_code == 200, path
+        assert http.request(method, path, headers={"x-api-key": KEY}, **kw).status_code == 200, path
+    tokens = http.post("/tokenize", json={"prompt": "Hello"}, headers=bearer(KEY)).json()
+    assert tokens == http.post("/v1/tokenize", json={"prompt": "Hello"}, headers=bearer(KEY)).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 1
+    assert http.get("/tokenize", headers=bearer(KEY)).status_code == 405  # the root app answers only its routes
+    assert http.get("/", headers=bearer(KEY)).status_code == 200  # BentoML's own routes stay its own
     load = {"lora_name": "x", "lora_path": "missing"}
     assert http.post("/v1/load_lora_adapter", json=load, headers=bearer(KEY)).status_code == 401
     assert http.post("/v1/load_lora_adapter", json=load, headers=bearer(ADMIN)).status_code == 400  # past the key

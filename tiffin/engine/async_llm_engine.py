@@ -200,9 +200,11 @@ class AsyncLLMEngine:
         if future.exception() is not None:
             raise ParamError("structured_outputs", f"structured_outputs: {compile_error(future.exception())}")
 
-    async def tokenize(self, prompt: PromptType, pooling: PoolingParams | None = None) -> TokenizedPrompt:
+    async def tokenize(
+        self, prompt: PromptType, pooling: PoolingParams | None = None, fit_context: bool = True
+    ) -> TokenizedPrompt:
         """`LLMEngine.tokenize` in a worker thread (tokenizers release the GIL): steps and the event loop go on."""
-        return await asyncio.to_thread(self.engine.tokenize, prompt, pooling)
+        return await asyncio.to_thread(self.engine.tokenize, prompt, pooling, fit_context)
 
     async def encode(
         self, prompt: PromptType, pooling_params: PoolingParams | None = None, request_id: str | None = None

@@ -445,11 +445,14 @@ class LLMEngine:
             request.error,
         )
 
-    def tokenize(self, prompt: PromptType, pooling: PoolingParams | None = None) -> TokenizedPrompt:
+    def tokenize(
+        self, prompt: PromptType, pooling: PoolingParams | None = None, fit_context: bool = True
+    ) -> TokenizedPrompt:
         """The prompt's text and token ids, checked; thread-safe, so servers tokenize off the engine thread.
         ParamError for a bad prompt, and for text too long for the context, refused before tokenizing it. A dict
         prompt may say `add_special_tokens: False` (a rendered chat template). A prompt to pool (`pooling`) may
-        fill the context, and is cut to `pooling.truncate_prompt_tokens` when it asks."""
+        fill the context, and is cut to `pooling.truncate_prompt_tokens` when it asks. Without `fit_context` its
+        tokens may exceed the context (a prompt only counted, never run): only the text limit bounds them."""
         token_types, keep = None, self._truncation(pooling)
         if isinstance(prompt, TokenizedPrompt):
             text, token_ids, token_types = prompt
@@ -483,7 +486,7 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids):
             raise ParamError("prompt", f"prompt token ids must be integers in [0, {vocab})")
-        if len(token_ids) >= self.max_model_len + (pooling is not None):  # a generation needs room for a token
+        if fit_context and len(token_ids) >= self.max_model_len + (pooling is not None):  # room for a token
             raise ParamError(
                 "prompt",
                 f"prompt has {len(token_ids)} tokens, the model's maximum context length is {self.max_model_len}"
@@ -521,19 +524,20 @@ class LLMEngine:
         return self.max_model_len if keep == -1 else keep
 
     def render_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs
+        self, messages: list[dict], add_generation_prompt: bool = True, fit_context: bool = True, **template_kwargs
     ) -> TokenizedPrompt:
         """One conversation rendered within the chat template limits (tiffin.engine.chat; chat_template_max_chars
-        defaults to the longest prompt `tokenize` takes) and checked as `tokenize` checks a prompt; thread-safe: each
-        thread has a copy of the tokenizer, since encoding control tokens as text sets a flag on it for that encode.
-        ParamError when it cannot be rendered or does not fit."""
+        defaults to the longest prompt `tokenize` takes) and checked as `tokenize` checks a prompt (`fit_context` as
+        there); thread-safe: each thread has a copy of the tokenizer, since encoding control tokens as text sets a
+        flag on it for that encode. ParamError when it cannot be rendered or does not fit."""
         tokenizer = getattr(self._chat_tokenizers, "tokenizer", None)
         if tokenizer is None:
             tokenizer = self._chat_tokenizers.tokenizer = copy.deepcopy(self.tokenizer)
         config = self.config
         max_chars = config.chat_template_max_chars or self.max_prompt_chars
         settings = ChatSettings(config.chat_template_timeout, max_chars, config.control_tokens_in_messages)
-        return self.tokenize(render_chat(tokenizer, messages, add_generation_prompt, settings, **template_kwargs))
+        rendered = render_chat(tokenizer, messages, add_generation_prompt, settings, **template_kwargs)
+        return self.tokenize(rendered, fit_context=fit_context)
 
     def _check_params(self, params: SamplingParams | PoolingParams) -> None:
         """What the params cannot know: the task, limits and size of this model and engine."""

@@ -1,8 +1,12 @@
 """ASGI middleware in front of every route of the Bento: API keys, the request body limit, and draining.
 
-- Keys: with `api_key` set, every route but the probes needs `Authorization: Bearer <api_key>`; with
-  `admin_api_key` set, the LoRA load/unload routes need that key instead (it opens the other routes too). Keys
-  are compared in constant time; a refusal is a 401 in OpenAI's error shape.
+- Keys: with `api_key` set (several, comma-separated), every route but the probes needs one of them, presented as
+  `Authorization: Bearer <key>` (OpenAI's) or `x-api-key: <key>` (Anthropic's); with `admin_api_key` set, the LoRA
+  load/unload routes need that key instead (it opens the other routes too). Keys are compared in constant time; a
+  refusal is a 401 in OpenAI's error shape.
+- Clients: the app learns which key a request presented, as an opaque id in `scope["state"]` (read it with
+  tiffin.plugin.openai.clients.client_of): routes keep per-client things by it. None when no keys are configured
+  or the request presented none of them (on a route open without a key).
 - Body limit: a declared Content-Length beyond `max_body` is answered 413 without buffering the body; a
   chunked body is counted as it arrives and cut off at the limit.
 - Draining: while `draining()` is true (SIGTERM received), new requests get 503 while running ones finish.
@@ -16,6 +20,8 @@ import hmac
 import json
 import sys
 from collections.abc import Callable
+
+from tiffin.plugin.openai.clients import CLIENT_STATE, client_id, presented_keys
 
 PROBES = ("/livez", "/readyz")  # orchestrators probe without credentials, and must see draining
 ADMIN_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
@@ -33,18 +39,21 @@ class Guard:
         draining: Callable[[], bool] = lambda: False,
     ):
         self.app, self.max_body, self.draining = app, max_body, draining
-        self.keys = [k.encode() for k in (api_key, admin_api_key) if k] if api_key else []
-        self.admin_keys = [k.encode() for k in (admin_api_key or api_key,) if k]
+        user_keys = [k.strip().encode() for k in (api_key or "").split(",") if k.strip()]
+        self.admin_keys = [admin_api_key.encode()] if admin_api_key else user_keys
+        self.keys = user_keys + [k for k in self.admin_keys if k not in user_keys] if user_keys else []
+        self.known = list(dict.fromkeys(user_keys + self.admin_keys))  # every key a client may be known by
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["path"] in PROBES:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         keys = self.admin_keys if scope["path"] in ADMIN_ROUTES else self.keys
-        if keys and not _authorized(headers.get(b"authorization", b""), keys):
-            return await _error(
-                send, 401, "a valid API key is required: Authorization: Bearer <key>", "invalid_api_key"
-            )
+        key = _matching(presented_keys(headers), self.known)
+        if keys and key not in keys:
+            message = "a valid API key is required: Authorization: Bearer <key>, or x-api-key: <key>"
+            return await _error(send, 401, message, "invalid_api_key")
+        scope.setdefault("state", {})[CLIENT_STATE] = None if key is None else client_id(key)
         if self.draining():
             return await _error(send, 503, "the server is shutting down", "shutting_down", "service_unavailable")
         try:
@@ -108,10 +117,10 @@ def _release_memory() -> None:
         libc.malloc_trim(0)
 
 
-def _authorized(header: bytes, keys: list[bytes]) -> bool:
-    scheme, _, token = header.partition(b" ")
-    matches = [hmac.compare_digest(token.strip(), key) for key in keys]  # every key compared: constant time
-    return scheme.lower() == b"bearer" and any(matches)
+def _matching(presented: list[bytes], keys: list[bytes]) -> bytes | None:
+    """The key among `keys` that a request presented, if any; every pair compared, so the time tells nothing."""
+    matches = [key for candidate in presented for key in keys if hmac.compare_digest(candidate, key)]
+    return matches[0] if matches else None
 
 
 async def _discard(receive, declared: int) -> None:

@@ -6,9 +6,10 @@ into the BentoML model store on first start (offline: the built-in tiny model; s
 A model-store tag or a hub id (`bentoml build --arg model=org/name`) is packed into the built Bento. Weights
 load in a background thread: /livez answers at once, /readyz is 503 until the engines are up. The
 OpenAI-compatible API (tiffin.plugin.openai) is mounted at /v1 (and its rerank route at /v2/rerank too, as vLLM
-serves Cohere's v2 clients); with TIFFIN_LORA_ROOTS set it serves LoRA adapters too (tiffin.plugin.lora). Every
-route but the probes sits behind tiffin.plugin.guard (API keys, body limit, draining); SIGTERM stops admitting
-requests and lets running ones finish for up to `shutdown_grace_period` seconds.
+serves Cohere's v2 clients, and /tokenize and /detokenize at the root as well, as vLLM serves them); with
+TIFFIN_LORA_ROOTS set it serves LoRA adapters too (tiffin.plugin.lora). Every route but the probes sits behind
+tiffin.plugin.guard (API keys, body limit, draining); SIGTERM stops admitting requests and lets running ones
+finish for up to `shutdown_grace_period` seconds.
 
 An embedding model is served beside the chat model (`embedding_model`; default all-MiniLM-L6-v2 from PyPI, none
 beside the built-in tiny model): two engines in this one service, one process, the same /v1 API, each request
@@ -58,7 +59,7 @@ from tiffin.plugin.guard import Guard
 from tiffin.plugin.metrics import engine_metrics
 from tiffin.plugin.model_store import bento_model, is_hub_id, resolve_embedding_model, resolve_model
 from tiffin.plugin.openai import structured
-from tiffin.plugin.openai.app import attach_serving, create_app, create_v2_app
+from tiffin.plugin.openai.app import attach_serving, create_app, create_root_app, create_v2_app
 from tiffin.plugin.openai.pooling import RERANK_FIELDS, PoolingServing, ranked
 from tiffin.plugin.openai.protocol import MAX_POOLING_INPUTS, APIError, Bool, Float, Int
 from tiffin.plugin.openai.routing import ModelRouter
@@ -95,7 +96,9 @@ class _ServiceSettings(BaseModel):
         None, description="directories adapters may load from (os.pathsep-separated); set: LoRA on"
     )
     api_key: str | None = Field(
-        None, description="set: every route but /livez and /readyz needs `Authorization: Bearer <api_key>`"
+        None,
+        description="set: every route but /livez and /readyz needs one of these keys (comma-separated), as "
+        "`Authorization: Bearer <key>` or `x-api-key: <key>`",
     )
     admin_api_key: str | None = Field(None, description="set: LoRA load/unload need this key (it opens all routes)")
     max_request_body: int = Field(10 << 20, description="bytes; a larger request body gets 413")
@@ -273,6 +276,9 @@ openai_app = create_app(  # answers 503 until _load attaches the servings
 DRAINING = threading.Event()  # set by SIGTERM: new requests get 503, running ones finish
 
 
+# vLLM serves /tokenize and /detokenize at the root too: BentoML mounts apps behind its own routes and goes into a
+# mounted app only for a path one of its routes matches, so this one takes those two paths and shadows nothing
+@bentoml.asgi_app(create_root_app(openai_app), path="/")
 @bentoml.asgi_app(create_v2_app(openai_app), path="/v2")
 @bentoml.asgi_app(openai_app, path="/v1")
 @bentoml.service(

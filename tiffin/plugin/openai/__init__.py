@@ -1,15 +1,16 @@
 """The OpenAI-compatible API over `AsyncLLMEngine`s, in these owners, each importing only those listed before it:
 
+- `clients`: which client (API key) sent a request;
 - `tools`, `structured`: tool calling and the ways a request constrains its output (also the typed /generate API's
   `structured_outputs` field);
 - `answer`: an assistant turn's parts read from a choice's text (reasoning, content, tool calls), whole or streamed;
 - `protocol`: request models, their validation into `SamplingParams` or `PoolingParams`, and `APIError`, OpenAI's
   error shape;
 - `responses`: the JSON of answers and their streams (`AnswerBuilder`), and the builders of completions and chat;
-- `serving`: `OpenAIServing`, which queues requests on the engine and streams, merges and aborts them, and
-  `client_of`, who sent a request;
+- `serving`: `OpenAIServing`, which queues requests on the engine and streams, merges and aborts them;
 - `pooling`: `PoolingServing`, embeddings, scores and reranking on an engine whose model embeds or scores pairs;
 - `routing`: `ModelRouter`, which serving (one per engine) a request goes to, by its `model` and its endpoint's task;
+- `tokenize`: /tokenize and /detokenize on any serving;
 - `store`, `responses_api`: OpenAI's Responses API over the chat path, and its store of responses;
 - `app`: `create_app`, the FastAPI routes and the mapping of every failure onto OpenAI's error shape.
 

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from tiffin.plugin.openai import responses_api
+from tiffin.plugin.openai.clients import client_of
 from tiffin.plugin.openai.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -37,8 +38,8 @@ from tiffin.plugin.openai.protocol import (
 )
 from tiffin.plugin.openai.responses_api import ResponsesRequest
 from tiffin.plugin.openai.routing import ModelRouter, Serving
-from tiffin.plugin.openai.serving import client_of
 from tiffin.plugin.openai.store import ResponseStore
+from tiffin.plugin.openai.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -128,6 +129,7 @@ def create_app(
         req = await _body(raw, UnloadLoRAAdapterRequest)
         return PlainTextResponse(await lora().unload(req.lora_name))
 
+    _tokenize_routes(app, app)
     _answer_errors(app)
     return app
 
@@ -144,6 +146,26 @@ def create_v2_app(v1: FastAPI) -> FastAPI:
 
     _answer_errors(app)
     return app
+
+
+def create_root_app(v1: FastAPI) -> FastAPI:
+    """/tokenize and /detokenize at the root, where vLLM serves them, over the servings of the /v1 app `v1`."""
+    app = FastAPI(title="tiffin tokenizer API", docs_url=None, redoc_url=None, openapi_url=None)
+    _tokenize_routes(app, v1)
+    _answer_errors(app)
+    return app
+
+
+def _tokenize_routes(app: FastAPI, v1: FastAPI) -> None:
+    @app.post("/tokenize")
+    async def tokenize_route(raw: Request):
+        req = await _body(raw, TokenizeRequest)
+        return await tokenize(_ready(v1, raw, req.model, "tokenize"), req)
+
+    @app.post("/detokenize")
+    async def detokenize_route(raw: Request):
+        req = await _body(raw, DetokenizeRequest)
+        return await detokenize(_ready(v1, raw, req.model, "tokenize"), req)
 
 
 def _answer_errors(app: FastAPI) -> None:

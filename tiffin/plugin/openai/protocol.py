@@ -152,8 +152,24 @@ _SAMPLING_FIELDS = {
     "priority",
     "thinking_token_budget",
 }
-# what the chat template's own arguments are: a request's chat_template_kwargs cannot set them
-_TEMPLATE_ARGUMENTS = {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "tokenize"}
+# apply_chat_template's own arguments, which chat_template_kwargs (variables for the template) may not set
+_TEMPLATE_ARGUMENTS = frozenset(
+    "conversation messages tools documents chat_template add_generation_prompt continue_final_message tokenize "
+    "sanitize_control_tokens padding truncation max_length return_tensors return_dict return_assistant_tokens_mask "
+    "tokenizer_kwargs".split()
+)
+
+
+def checked_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """A request's chat_template_kwargs, refused (400) when one would set an argument of apply_chat_template's own or
+    is not a name a template can read."""
+    refused = sorted(_TEMPLATE_ARGUMENTS.intersection(kwargs or ())) or [
+        k for k in kwargs or () if not k.isidentifier()
+    ]
+    if refused:
+        message = f"chat_template_kwargs may not set {refused[0]!r}: a field of its own, fixed, or not a name"
+        raise APIError(400, message, param="chat_template_kwargs")
+    return dict(kwargs or {})
 
 
 class CompletionRequest(SamplingRequest):
@@ -204,14 +220,7 @@ class ChatCompletionRequest(SamplingRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_kwargs(self) -> dict[str, Any]:
-        kwargs = self.chat_template_kwargs or {}
-        reserved = sorted(_TEMPLATE_ARGUMENTS.intersection(kwargs))
-        if reserved or not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
-            name = reserved[0] if reserved else next(k for k in kwargs if not k.isidentifier())
-            raise APIError(
-                400, f"chat_template_kwargs: {name!r} is not an argument it can set", param="chat_template_kwargs"
-            )
-        return kwargs
+        return checked_template_kwargs(self.chat_template_kwargs)
 
 
 class LoadLoRAAdapterRequest(_Body):

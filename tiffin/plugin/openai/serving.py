@@ -12,7 +12,6 @@ Invariants:
 - `on_finished` sees each finished request once."""
 
 import asyncio
-import hashlib
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -24,16 +23,18 @@ from tiffin.engine.errors import QueueFull
 from tiffin.engine.outputs import RequestOutput
 from tiffin.engine.sampling_params import SamplingParams
 from tiffin.plugin.openai.answer import AnswerReader
+from tiffin.plugin.openai.clients import client_of
 from tiffin.plugin.openai.protocol import (
     APIError,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     SamplingRequest,
     bad_request,
 )
 from tiffin.plugin.openai.responses import AnswerBuilder, ChatResponses, CompletionResponses
 from tiffin.plugin.openai.structured import as_field, off_loop
-from tiffin.plugin.openai.tools import ToolParser, make_parser, template_messages
+from tiffin.plugin.openai.tools import ChatTool, ToolParser, make_parser, template_messages
 
 if TYPE_CHECKING:  # torch, which `bentoml build` need not import
     from tiffin.engine.async_llm_engine import AsyncLLMEngine, RequestStream
@@ -128,14 +129,8 @@ class OpenAIServing:
         return lora
 
     async def _render_chat(self, req: ChatCompletionRequest) -> "TokenizedPrompt":
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.uses_tools else None
-        try:
-            messages = template_messages([m.model_dump(exclude_none=True) for m in req.messages])
-            kwargs = req.template_kwargs()
-            return await self.engine.render_chat(messages, req.add_generation_prompt, tools=tools, **kwargs)
-        except ValueError as e:  # the history, the template (failed or past its limits), or too long a prompt
-            message = str(e) if str(e).startswith("messages") else f"messages: {e}"
-            raise APIError(400, message, param="messages") from None
+        tools = req.tools if req.uses_tools else None
+        return await render_chat(self.engine, req.messages, req.add_generation_prompt, tools, **req.template_kwargs())
 
     async def _sampling_params(self, req: SamplingRequest, *args) -> SamplingParams:
         """`req.sampling_params(*args)`, on a checking thread when the request constrains its output."""
@@ -250,6 +245,23 @@ class OpenAIServing:
                 s.close()
 
 
+async def render_chat(
+    engine: "AsyncLLMEngine",
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    tools: list[ChatTool] | None,
+    **template_kwargs,
+) -> "TokenizedPrompt":
+    """The conversation as the engine runs it (/chat/completions) or counts it (/tokenize); a 400 naming `messages`."""
+    tools = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+    try:
+        history = template_messages([m.model_dump(exclude_none=True) for m in messages])
+        return await engine.render_chat(history, add_generation_prompt, tools=tools, **template_kwargs)
+    except ValueError as e:  # the history, the template (failed or past its limits), or too long a prompt
+        message = str(e) if str(e).startswith("messages") else f"messages: {e}"
+        raise APIError(400, message, param="messages") from None
+
+
 def _constraining_field(req: SamplingRequest) -> str | None:
     """The request field whose structured outputs need checking: at most one may constrain the output."""
     if req.response_format is not None and req.response_format.type != "text":
@@ -257,14 +269,6 @@ def _constraining_field(req: SamplingRequest) -> str | None:
     if req.structured_outputs is not None:
         return "structured_outputs"
     return "tools" if getattr(req, "tools", None) else None
-
-
-def client_of(raw: Request) -> str | None:
-    """Who sent `raw`, for what is kept per client (stored responses, fair share): a digest of the API key it
-    presented (Bearer or x-api-key), None without one."""
-    scheme, _, token = raw.headers.get("authorization", "").partition(" ")
-    key = token.strip() if scheme.lower() == "bearer" else raw.headers.get("x-api-key", "")
-    return hashlib.sha256(key.encode()).hexdigest()[:16] if key else None
 
 
 def model_card(serving) -> dict:
