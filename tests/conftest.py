@@ -66,17 +66,18 @@ class InProcessOpenAI:
 
 @pytest.fixture(scope="session")
 def openai_app(tiny_model):
-    """`openai_app(arch="llama", **engine_args)` -> an `InProcessOpenAI`; with `enable_lora`, it serves adapters
-    from `lora_roots` as the Bento does. As a context manager it shuts its engine down on exit; an engine still
-    running when the session ends is shut down then."""
+    """`openai_app(arch="llama", model=None, **engine_args)` -> an `InProcessOpenAI` on the tiny checkpoint of `arch`
+    (or the checkpoint at `model`); with `enable_lora`, it serves adapters from `lora_roots` as the Bento does. As a
+    context manager it shuts its engine down on exit; an engine still running when the session ends is shut down
+    then."""
     made = []
 
-    def make(arch: str = "llama", **engine_args) -> InProcessOpenAI:
+    def make(arch: str = "llama", model=None, **engine_args) -> InProcessOpenAI:
         from tiffin import AsyncLLMEngine
         from tiffin.plugin.openai.app import create_app
         from tiffin.plugin.openai.serving import OpenAIServing
 
-        engine = AsyncLLMEngine.from_engine_args(tiny_model(arch), **engine_args)
+        engine = AsyncLLMEngine.from_engine_args(model or tiny_model(arch), **engine_args)
         lora = None
         if engine_args.get("enable_lora"):
             from tiffin.plugin.lora import LoRAServing
