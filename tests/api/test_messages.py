@@ -21,6 +21,12 @@ pytest.importorskip("xgrammar")
 from fastapi import FastAPI  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
+from tiffin.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from tiffin.engine.reasoning import ReasoningMarkers  # noqa: E402
+from tiffin.plugin.openai.answer import AnswerReader  # noqa: E402
+from tiffin.plugin.openai.messages import MessagesBuilder  # noqa: E402
+from tiffin.plugin.openai.tools import HermesToolParser  # noqa: E402
+
 WEATHER = {
     "name": "get_weather",
     "description": "Current weather in a city",
@@ -72,8 +78,14 @@ def streamed(http: TestClient, **body) -> tuple[str, "anthropic.types.Message"]:
 
 
 @pytest.fixture(scope="module")
-def http(openai_app):
-    with openai_app("qwen2", num_kv_blocks=256) as api, served(api.app) as client:
+def api(openai_app):
+    with openai_app("qwen2", num_kv_blocks=256) as api:
+        yield api
+
+
+@pytest.fixture(scope="module")
+def http(api):
+    with served(api.app) as client:
         yield client
 
 
@@ -260,6 +272,23 @@ def test_errors_elsewhere_stay_openais_and_the_client_raises(http):
         create(http, model="tiny", max_tokens=4, messages=HELLO, stop_sequences=[""])
 
 
+def test_a_failure_mid_stream_is_an_error_event(api, http, fail_step):
+    fail_step(api.engine.engine.model_runner, 4, RuntimeError("device lost"))
+    with http.stream(
+        "POST",
+        "/v1/messages",
+        json={"model": "tiny", "max_tokens": 30, "messages": HELLO, "stream": True, "temperature": 0},
+    ) as r:
+        frames = "".join(r.iter_text()).strip().split("\n\n")
+    assert frames[0].startswith("event: message_start\n") and frames[-1].startswith("event: error\n")
+    error = json.loads(frames[-1].split("\n")[1].removeprefix("data: "))
+    assert (
+        error["type"] == "error"
+        and error["error"]["type"] == "api_error"
+        and "device lost" in error["error"]["message"]
+    )
+
+
 def reasoning_of_first_tokens(http: TestClient, n: int) -> str:
     """What the thinking model writes first, greedy: `n` tokens, all of them thinking."""
     body = {"model": "tiny", "messages": HELLO, "max_tokens": n, "temperature": 0}
@@ -304,3 +333,40 @@ def test_thinking_streams_as_a_block_disabled_thinks_not(thinking_http):
         {"role": "user", "content": "Again"},
     ]
     assert post(thinking_http, messages=history)["type"] == "message"
+
+
+THINK = ReasoningMarkers("deepseek_r1", "<think>", "</think>")
+CALL = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>'
+BUILT = [
+    (AnswerReader(THINK, True), "Let me see.</think>\n\nHi there.", ["thinking", "text"]),
+    (AnswerReader(THINK, True), "Only thoughts, cut short", ["thinking"]),
+    (
+        AnswerReader(THINK, True, HermesToolParser()),
+        f"Hm.</think>\n\nChecking.\n{CALL}\n{CALL}",
+        ["thinking", "text", "tool_use", "tool_use"],
+    ),
+    (AnswerReader(None, False, HermesToolParser()), CALL, ["tool_use"]),
+    (AnswerReader(), "", []),
+]
+
+
+@pytest.mark.parametrize("reader, text, kinds", BUILT)
+@pytest.mark.parametrize("step", [1, 3, 7])
+def test_the_builder_streams_what_it_answers_whole(reader, text, kinds, step):
+    """Outputs that grow `step` characters at a time stream blocks that add up to the whole message, whatever the
+    think markers and tool calls are split by."""
+
+    def output(end: int, finished: bool) -> RequestOutput:
+        o = CompletionOutput(0, text[:end], list(range(end)), "stop" if finished else None)
+        return RequestOutput("r", None, [1, 2, 3], [o], finished, num_cached_tokens=1)
+
+    builder = MessagesBuilder("tiny", reader)
+    stream = [e for end in range(0, len(text), step) for e in builder.delta_events(0, output(end, False))]
+    final = output(len(text), True)
+    stream += builder.delta_events(0, final) + builder.last_events([final])
+    whole = MessagesBuilder("tiny", reader).response([final])
+    assert [b["type"] for b in whole["content"]] == kinds
+    assert whole["usage"] == {"input_tokens": 2, "cache_read_input_tokens": 1, "output_tokens": len(text)}
+    message = assembled([(e["type"], e) for e in stream])
+    assert without_ids(message["content"]) == without_ids(whole["content"])
+    assert message["stop_reason"] == whole["stop_reason"] == ("tool_use" if "tool_use" in kinds else "end_turn")

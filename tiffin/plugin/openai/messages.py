@@ -63,7 +63,7 @@ class MediaBlock(_Block):
 class ToolResultBlock(_Block):
     type: Literal["tool_result"]
     tool_use_id: Name
-    content: Text | list[Annotated[TextBlock | MediaBlock, Field(discriminator="type")]] = ""
+    content: list[Annotated[TextBlock | MediaBlock, Field(discriminator="type")]] | Text = ""
     is_error: Bool | None = None
 
 
@@ -74,7 +74,7 @@ _ROLE_BLOCKS = {"user": (TextBlock, ToolResultBlock), "assistant": (TextBlock, T
 
 class Message(BaseModel):
     role: Literal["user", "assistant"]
-    content: Text | list[Block]
+    content: list[Block] | Text
 
 
 class Tool(BaseModel):
