@@ -229,6 +229,7 @@ def test_tool_use_round_trip(http, tool_choice):
     [
         ({"max_tokens": None}, 400, "invalid_request_error", ["max_tokens"]),
         ({"messages": []}, 400, "invalid_request_error", ["messages"]),
+        ({"max_tokens": 0}, 400, "invalid_request_error", ["max_tokens"]),
         ({"messages": [{"role": "system", "content": "x"}]}, 400, "invalid_request_error", ["messages.0.role"]),
         ({"temperature": "0"}, 400, "invalid_request_error", ["temperature"]),
         ({"stop_sequences": [""]}, 400, "invalid_request_error", ["stop_sequences"]),
@@ -320,6 +321,7 @@ def test_thinking_streams_as_a_block_disabled_thinks_not(thinking_http):
     whole = post(thinking_http, **body)
     assert [b["type"] for b in whole["content"]][0] == "thinking" and whole["stop_reason"] == "max_tokens"
     assert assembled(events(thinking_http, body))["content"] == whole["content"]
+    assert post(thinking_http, **body, thinking={"type": "adaptive"})["content"] == whole["content"]
     body["thinking"] = {"type": "disabled"}
     plain = post(thinking_http, **body)
     assert "thinking" not in [b["type"] for b in plain["content"]]

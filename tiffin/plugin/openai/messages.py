@@ -106,6 +106,9 @@ class ThinkingAdaptive(BaseModel):
     type: Literal["adaptive"]
 
 
+Thinking = Annotated[ThinkingEnabled | ThinkingDisabled | ThinkingAdaptive, Field(discriminator="type")]
+# fields a chat request spells as the Messages API does
+_CHAT_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "stream", "priority", "seed"}
 _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # and "tool": the named function
 # chat fields that refusals name, as the Messages API spells them
 _MESSAGES_FIELDS = {
@@ -129,9 +132,7 @@ class MessagesRequest(_Body):
     top_p: Float | None = None
     top_k: Int | None = None
     stream: Bool | None = None
-    thinking: Annotated[ThinkingEnabled | ThinkingDisabled | ThinkingAdaptive, Field(discriminator="type")] | None = (
-        None
-    )
+    thinking: Thinking | None = None
     # tiffin's and vLLM's extras
     priority: Int | None = None
     seed: Int | None = None
@@ -139,9 +140,7 @@ class MessagesRequest(_Body):
     def chat_request(self) -> ChatCompletionRequest:
         """The chat request that asks the same; APIError naming a field that cannot be translated."""
         chat = {
-            **self.model_dump(
-                include={"model", "max_tokens", "temperature", "top_p", "top_k", "stream", "priority", "seed"}
-            ),
+            **self.model_dump(include=_CHAT_FIELDS),
             "stop": self.stop_sequences,
             "messages": self._chat_messages(),
         }
