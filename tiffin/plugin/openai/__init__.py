@@ -8,10 +8,12 @@
   error shape;
 - `responses`: the JSON of answers and their streams (`AnswerBuilder`), and the builders of completions and chat;
 - `serving`: `OpenAIServing`, which queues requests on the engine and streams, merges and aborts them;
+- `messages`: Anthropic's Messages API, translated to and from chat, and Anthropic's error shape;
 - `pooling`: `PoolingServing`, embeddings, scores and reranking on an engine whose model embeds or scores pairs;
 - `routing`: `ModelRouter`, which serving (one per engine) a request goes to, by its `model` and its endpoint's task;
 - `tokenize`: /tokenize and /detokenize on any serving;
 - `store`, `responses_api`: OpenAI's Responses API over the chat path, and its store of responses;
-- `app`: `create_app`, the FastAPI routes and the mapping of every failure onto OpenAI's error shape.
+- `app`: `create_app`, the FastAPI routes and the mapping of every failure onto OpenAI's error shape
+  (Anthropic's for the Messages API).
 
 No BentoML here, and nothing heavy at import: the Bento imports `app` when `bentoml build` loads it."""

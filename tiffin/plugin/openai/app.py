@@ -3,7 +3,8 @@ model beside it), and OpenAI's error shape for every failure.
 
 Invariants:
 - Every error response, a validation failure, an unknown route or an unexpected exception included, is OpenAI's
-  `{"error": {"message", "type", "param", "code"}}`; a refused field is named in `param`.
+  `{"error": {"message", "type", "param", "code"}}`, a refused field named in `param`; on a path ending in
+  /messages it is Anthropic's `{"type": "error", "error": {"type", "message"}}`, the field named in the message.
 - A request goes to the serving its `model` names, or to the first that can do what its endpoint needs
   (`ModelRouter`); a model asked for what it cannot do is a 400 naming its tasks.
 - Until the servings are attached every route answers 503, and so does a route whose engine is dead or shut down.
@@ -26,6 +27,7 @@ from starlette.exceptions import HTTPException
 
 from tiffin.plugin.openai import responses_api
 from tiffin.plugin.openai.clients import client_of
+from tiffin.plugin.openai.messages import MessagesRequest, error_body, serve_messages
 from tiffin.plugin.openai.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -129,6 +131,11 @@ def create_app(
         req = await _body(raw, UnloadLoRAAdapterRequest)
         return PlainTextResponse(await lora().unload(req.lora_name))
 
+    @app.post("/messages")
+    async def messages(raw: Request):
+        req = await _body(raw, MessagesRequest)
+        return await serve_messages(ready(raw, req.model, "generate"), req, raw)
+
     _tokenize_routes(app, app)
     _answer_errors(app)
     return app
@@ -169,30 +176,30 @@ def _tokenize_routes(app: FastAPI, v1: FastAPI) -> None:
 
 
 def _answer_errors(app: FastAPI) -> None:
-    """Every failure in OpenAI's error shape."""
+    """Every failure as an `APIError`, answered in the error shape of the API its path belongs to."""
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status, headers={"Retry-After": "1"} if e.status == 429 else None)
+    async def api_error(raw: Request, e: APIError) -> JSONResponse:
+        body = error_body(e) if raw.url.path.endswith("/messages") else e.body()
+        return JSONResponse(body, status_code=e.status, headers={"Retry-After": "1"} if e.status == 429 else None)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+    async def invalid(raw: Request, e: RequestValidationError) -> JSONResponse:
         err = e.errors()[0]
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         if err.get("type") == "json_invalid":
-            return JSONResponse(APIError(400, f"invalid JSON body: {err.get('msg')}").body(), status_code=400)
-        field = loc[0] if loc else None
+            return await api_error(raw, APIError(400, f"invalid JSON body: {err.get('msg')}"))
         where = ".".join(loc) or "body"
-        return JSONResponse(APIError(400, f"{where}: {err.get('msg')}", param=field).body(), status_code=400)
+        return await api_error(raw, APIError(400, f"{where}: {err.get('msg')}", param=loc[0] if loc else None))
 
     @app.exception_handler(Exception)
-    async def server_error(_: Request, e: Exception) -> JSONResponse:
-        return JSONResponse(APIError(500, f"{type(e).__name__}: {e}", type="server_error").body(), status_code=500)
+    async def server_error(raw: Request, e: Exception) -> JSONResponse:
+        return await api_error(raw, APIError(500, f"{type(e).__name__}: {e}", type="server_error"))
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, e: HTTPException) -> JSONResponse:
+    async def http_error(raw: Request, e: HTTPException) -> JSONResponse:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(APIError(e.status_code, str(e.detail), type=kind).body(), status_code=e.status_code)
+        return await api_error(raw, APIError(e.status_code, str(e.detail), type=kind))
 
 
 async def _body(raw: Request, model: type[Body]) -> Body:
