@@ -20,7 +20,9 @@ from fastapi.testclient import TestClient  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from tiffin.plugin.openai.messages import MessagesRequest  # noqa: E402
 from tiffin.plugin.openai.protocol import ChatCompletionRequest, CompletionRequest, LoadLoRAAdapterRequest  # noqa: E402
+from tiffin.plugin.openai.responses_api import ResponsesRequest  # noqa: E402
 from tiffin.plugin.openai.tokenize import DetokenizeRequest, TokenizeRequest  # noqa: E402
 
 pytestmark = [pytest.mark.slow]
@@ -83,6 +85,34 @@ tool_history_message = st.fixed_dictionaries(
     {"role": st.sampled_from(["assistant", "tool"]) | text},
     optional={"content": content, "tool_calls": tool_calls, "tool_call_id": text | json_values},
 )
+# Responses API input items and Anthropic message blocks, well formed or not
+response_item = st.one_of(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "assistant", "system", "developer", "tool"]) | text},
+        optional={"type": st.just("message") | text, "content": content | st.lists(json_values, max_size=2)},
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("function_call"), "call_id": text, "name": text, "arguments": text | json_values}
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("function_call_output"), "call_id": text | json_values},
+        optional={"output": text | json_values},
+    ),
+    st.fixed_dictionaries({"type": st.sampled_from(["reasoning", "item_reference"]) | text}),
+)
+anthropic_block = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": text}),
+    st.fixed_dictionaries({"type": st.just("tool_use"), "id": text, "name": text, "input": json_values}),
+    st.fixed_dictionaries(
+        {"type": st.just("tool_result"), "tool_use_id": text}, optional={"content": content, "is_error": st.booleans()}
+    ),
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["thinking", "image", "document"]) | text}, optional={"thinking": text}
+    ),
+)
+anthropic_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant"]) | text, "content": text | st.lists(anthropic_block, max_size=3)}
+)
 BY_NAME = {  # fields whose range decides the cost of a request, or that need a shape to get anywhere
     "max_tokens": small_or_out_of_range,
     "max_completion_tokens": small_or_out_of_range,
@@ -119,6 +149,21 @@ BY_NAME = {  # fields whose range decides the cost of a request, or that need a 
     "chat_template_kwargs": st.dictionaries(st.sampled_from(["enable_thinking", "tokenize", "chat_template"]), text)
     | json_values,
     "tokens": token_ids | st.lists(st.integers(-1, VOCAB), max_size=4),
+    "max_output_tokens": small_or_out_of_range,
+    "input": text | st.lists(response_item, max_size=3),
+    "text": json_values
+    | st.fixed_dictionaries(
+        {"format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "xml"])})}
+    )
+    | hostile_schemas.map(lambda schema: {"format": {"type": "json_schema", "name": "x", "schema": schema}}),
+    "reasoning": st.fixed_dictionaries({"effort": st.sampled_from(["none", "minimal", "low", "high", "max"]) | text}),
+    "previous_response_id": text,
+    "anthropic_messages": st.lists(anthropic_message, min_size=1, max_size=3) | st.lists(json_values, max_size=2),
+    "stop_sequences": st.lists(text, max_size=70),
+    "thinking": json_values
+    | st.fixed_dictionaries(
+        {"type": st.sampled_from(["enabled", "disabled", "adaptive"])}, optional={"budget_tokens": st.integers()}
+    ),
 }
 
 
@@ -132,16 +177,17 @@ def _annotated(annotation) -> st.SearchStrategy:
         return json_values
 
 
-def body_strategy(model, required: str | None) -> st.SearchStrategy:
-    """`max_tokens` where the model has it and the `required` field (mostly), plus up to three other fields, each
-    typed by the model (mostly)."""
+def body_strategy(model, required: str | None, **named: str) -> st.SearchStrategy:
+    """The length limit where the model has one (`max_tokens`, `max_output_tokens`) and the `required` field
+    (mostly), plus up to three other fields, each typed by the model (mostly). `named`: fields drawn from another
+    BY_NAME entry than their own name's (an API's `messages` of its own shape)."""
     fields = {
-        name: valid(BY_NAME.get(name, _annotated(field.annotation)), json_values)
+        name: valid(BY_NAME.get(named.get(name, name), _annotated(field.annotation)), json_values)
         for name, field in model.model_fields.items()
     }
-    base = {"max_tokens": BY_NAME["max_tokens"]} if "max_tokens" in fields else {}
+    base = {name: BY_NAME[name] for name in ("max_tokens", "max_output_tokens") if name in fields}
     if required is not None:
-        base[required] = BY_NAME[required]
+        base[required] = BY_NAME[named.get(required, required)]
     others = sorted(set(fields) - set(base))
     return st.tuples(
         st.fixed_dictionaries(base),
@@ -159,7 +205,16 @@ ROUTES = [
     ("/load_lora_adapter", body_strategy(LoadLoRAAdapterRequest, None), 1),
     ("/tokenize", body_strategy(TokenizeRequest, "prompt") | body_strategy(TokenizeRequest, "messages"), 1),
     ("/detokenize", body_strategy(DetokenizeRequest, "tokens"), 1),
+    ("/responses", body_strategy(ResponsesRequest, "input"), 2),
+    # Anthropic's API requires a model: mostly the served one
+    (
+        "/messages",
+        body_strategy(MessagesRequest, "messages", messages="anthropic_messages").map(lambda b: {"model": "tiny", **b}),
+        2,
+    ),
 ]
+# what the last event of a stream is, by route (OpenAI's classic routes end with a [DONE] line)
+LAST_EVENTS = {"/responses": ("response.completed", "response.incomplete"), "/messages": ("message_stop",)}
 requests = st.one_of(
     *[st.tuples(st.just(path), bodies) for path, bodies, weight in ROUTES for _ in range(weight)],
     st.tuples(st.sampled_from([path for path, _, _ in ROUTES]), json_values),
@@ -202,9 +257,14 @@ def test_fuzzed_bodies_never_get_a_5xx(fuzz_client):
         assert r.status_code < 500, (body, r.text[:500])
         if r.headers.get("content-type", "").startswith("text/event-stream"):
             events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
-            assert events[-1] == "[DONE]"
-            for event in events[:-1]:
-                assert "error" not in _standard_json(event), (body, event)
+            if path in LAST_EVENTS:
+                events = [_standard_json(event) for event in events]
+                assert events[-1]["type"] in LAST_EVENTS[path], (body, events[-1])
+            else:
+                assert events.pop() == "[DONE]"
+                events = [_standard_json(event) for event in events]
+            for event in events:
+                assert "error" not in event and event.get("type") != "error", (body, event)
         else:
             _standard_json(r.text)
         assert engine.healthy
@@ -212,7 +272,8 @@ def test_fuzzed_bodies_never_get_a_5xx(fuzz_client):
     check()
     stats = engine.stats()
     assert stats.num_running == stats.num_waiting == stats.kv_blocks_used == 0
-    answered = sum(n for (path, status), n in statuses.items() if status == 200 and "completions" in path)
+    generating = ("/completions", "/chat/completions", "/responses", "/messages")
+    answered = sum(n for (path, status), n in statuses.items() if status == 200 and path in generating)
     assert statuses.total() >= EXAMPLES and answered > EXAMPLES // 20, statuses  # the engine ran too
     assert {path for path, _ in statuses} == {path for path, _, _ in ROUTES}, statuses
     print(f"fuzz statuses: {dict(sorted(statuses.items()))}", file=sys.stderr)
