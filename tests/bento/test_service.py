@@ -398,3 +398,34 @@ def test_responses_api_through_the_bento(client):
     shaped = client.responses.create(model=MODEL, input="JSON", text=fmt, temperature=0, max_output_tokens=60)
     assert isinstance(json.loads(shaped.output_text)["ok"], bool)
     assert client.responses.retrieve(called.id).id == called.id
+
+
+def test_messages_api_through_the_bento(server):
+    """Anthropic's client against the Messages API: plain, streamed (== plain for greedy), a tool use round trip,
+    and the key given as `x-api-key` (the client's header)."""
+    anthropic = pytest.importorskip("anthropic")
+    claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+    greedy = {"model": MODEL, "max_tokens": 8, "extra_body": {"temperature": 0}}
+    ask = [{"role": "user", "content": "Hello"}]
+    message = claude.messages.create(messages=ask, **greedy)
+    assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 8
+    with claude.messages.stream(messages=ask, **greedy) as stream:
+        assert stream.get_final_text() == message.content[0].text
+    tool = {"name": "f", "input_schema": {"type": "object", "properties": {"x": {"type": "integer"}}}}
+    called = claude.messages.create(
+        messages=[{"role": "user", "content": "Call f"}],
+        tools=[tool],
+        tool_choice={"type": "tool", "name": "f"},
+        **{**greedy, "max_tokens": 100},
+    )
+    use = next(block for block in called.content if block.type == "tool_use")
+    assert called.stop_reason == "tool_use" and use.name == "f" and isinstance(use.input, dict)
+    answered = claude.messages.create(
+        messages=[
+            {"role": "user", "content": "Call f"},
+            {"role": "assistant", "content": [use.model_dump()]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "42"}]},
+        ],
+        **greedy,
+    )
+    assert answered.content[0].type == "text" and answered.usage.input_tokens > called.usage.input_tokens
