@@ -238,11 +238,7 @@ async def serve_messages(serving: OpenAIServing, req: MessagesRequest, raw: Requ
     try:
         return await serving.serve_chat(req.chat_request(), raw, builder)
     except APIError as e:
-        name = _MESSAGES_FIELDS.get(e.param)
-        if name is None:
-            raise
-        message = name + e.message.removeprefix(e.param) if e.message.startswith(e.param) else f"{name}: {e.message}"
-        raise APIError(e.status, message, e.type, name, e.code) from None
+        raise e.renamed(_MESSAGES_FIELDS) from None
 
 
 _ERROR_TYPES = {

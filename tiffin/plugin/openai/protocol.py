@@ -45,6 +45,16 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def renamed(self, names: dict[str, str]) -> "APIError":
+        """This refusal of a chat request made from another API's request, naming that API's field (`names`: chat
+        field -> its name there)."""
+        name = names.get(self.param)
+        if name is None:
+            return self
+        prefixed = self.message.startswith(self.param)
+        message = name + self.message.removeprefix(self.param) if prefixed else f"{name}: {self.message}"
+        return APIError(self.status, message, self.type, name, self.code)
+
 
 def bad_request(e: ValueError) -> APIError:
     """A refused request as a 400, naming the parameter at fault when validation raised a ParamError."""

@@ -103,7 +103,7 @@ def chat_request(req: ResponsesRequest, conversation: list[dict], thinks: bool) 
     except ValidationError as e:
         error = e.errors(include_url=False)[0]
         field = str(error["loc"][0]) if error["loc"] else "input"
-        raise renamed(APIError(400, f"{field}: {error['msg']}", param=field)) from None
+        raise APIError(400, f"{field}: {error['msg']}", param=field).renamed(FIELD_NAMES) from None
 
 
 def input_messages(items: str | list[dict]) -> list[dict]:
@@ -185,15 +185,6 @@ def _response_format(fmt: Any) -> dict:
             "json_schema": {"name": fmt.get("name") or "output", "schema": fmt.get("schema")},
         }
     return {"type": fmt.get("type")}
-
-
-def renamed(error: APIError) -> APIError:
-    """A refusal of the chat request, naming the Responses API's field."""
-    param = FIELD_NAMES.get(error.param, error.param)
-    message = error.message
-    if error.param in FIELD_NAMES and message.startswith(error.param):
-        message = param + message[len(error.param) :]
-    return APIError(error.status, message, error.type, param, error.code)
 
 
 class ResponsesBuilder(AnswerBuilder):
@@ -424,4 +415,4 @@ async def create_response(
     try:
         return await serving.serve_chat(chat, raw, builder)
     except APIError as e:
-        raise renamed(e) from None
+        raise e.renamed(FIELD_NAMES) from None
