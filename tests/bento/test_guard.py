@@ -160,7 +160,7 @@ def test_waiting_queue_bound_is_a_429_with_retry_after(openai_app):
         asyncio.run(fill_then_add())
         app = api.app
 
-        async def full(*args):
+        async def full(*args, **kwargs):
             raise QueueFull("max_waiting_requests=2 sequences are waiting")
 
         engine.add_request = full
