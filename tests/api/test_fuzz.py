@@ -20,7 +20,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from tiffin.plugin.openai.messages import MessagesRequest  # noqa: E402
+from tiffin.plugin.openai.messages import CountTokensRequest, MessagesRequest  # noqa: E402
 from tiffin.plugin.openai.protocol import ChatCompletionRequest, CompletionRequest, LoadLoRAAdapterRequest  # noqa: E402
 from tiffin.plugin.openai.responses_api import ResponsesRequest  # noqa: E402
 from tiffin.plugin.openai.tokenize import DetokenizeRequest, TokenizeRequest  # noqa: E402
@@ -197,6 +197,11 @@ def body_strategy(model, required: str | None, **named: str) -> st.SearchStrateg
     ).map(lambda parts: {**parts[0], **parts[1]})
 
 
+def anthropic_bodies(model) -> st.SearchStrategy:
+    """Bodies of a Messages API route: its messages drawn in Anthropic's shape, its required model mostly ours."""
+    return body_strategy(model, "messages", messages="anthropic_messages").map(lambda body: {"model": "tiny", **body})
+
+
 # (path, its bodies, weight: draws per draw of a weight-1 route): a route to fuzz is one more line. Arbitrary JSON
 # goes to every route besides, as often as a weight-1 route is drawn; EXAMPLES are shared by all.
 ROUTES = [
@@ -206,12 +211,8 @@ ROUTES = [
     ("/tokenize", body_strategy(TokenizeRequest, "prompt") | body_strategy(TokenizeRequest, "messages"), 1),
     ("/detokenize", body_strategy(DetokenizeRequest, "tokens"), 1),
     ("/responses", body_strategy(ResponsesRequest, "input"), 2),
-    # Anthropic's API requires a model: mostly the served one
-    (
-        "/messages",
-        body_strategy(MessagesRequest, "messages", messages="anthropic_messages").map(lambda b: {"model": "tiny", **b}),
-        2,
-    ),
+    ("/messages", anthropic_bodies(MessagesRequest), 2),
+    ("/messages/count_tokens", anthropic_bodies(CountTokensRequest), 1),
 ]
 # what the last event of a stream is, by route (OpenAI's classic routes end with a [DONE] line)
 LAST_EVENTS = {"/responses": ("response.completed", "response.incomplete"), "/messages": ("message_stop",)}

@@ -372,3 +372,20 @@ def test_the_builder_streams_what_it_answers_whole(reader, text, kinds, step):
     message = assembled([(e["type"], e) for e in stream])
     assert without_ids(message["content"]) == without_ids(whole["content"])
     assert message["stop_reason"] == whole["stop_reason"] == ("tool_use" if "tool_use" in kinds else "end_turn")
+
+
+def test_count_tokens_counts_what_messages_runs(http):
+    """/messages/count_tokens: the prompt tokens a Messages request runs (its `usage.input_tokens` with no cache
+    hit), tools and system included; refusals in Anthropic's shape."""
+    body = {
+        "model": "tiny",
+        "system": "Be brief.",
+        "messages": [{"role": "user", "content": "Count me, please"}],
+        "tools": [{"name": "f", "input_schema": {"type": "object", "properties": {}}}],
+    }
+    counted = http.post("/v1/messages/count_tokens", json=body)
+    assert counted.status_code == 200, counted.text
+    ran = http.post("/v1/messages", json={**body, "max_tokens": 1, "temperature": 0}).json()["usage"]
+    assert counted.json() == {"input_tokens": ran["input_tokens"] + ran["cache_read_input_tokens"]}
+    refused = http.post("/v1/messages/count_tokens", json={**body, "messages": []})
+    assert refused.status_code == 400 and refused.json()["type"] == "error"

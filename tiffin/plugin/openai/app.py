@@ -3,8 +3,9 @@ model beside it), and OpenAI's error shape for every failure.
 
 Invariants:
 - Every error response, a validation failure, an unknown route or an unexpected exception included, is OpenAI's
-  `{"error": {"message", "type", "param", "code"}}`, a refused field named in `param`; on a path ending in
-  /messages it is Anthropic's `{"type": "error", "error": {"type", "message"}}`, the field named in the message.
+  `{"error": {"message", "type", "param", "code"}}`, a refused field named in `param`; on the Messages API's
+  paths (/messages, /messages/count_tokens) it is Anthropic's `{"type": "error", "error": {"type", "message"}}`,
+  the field named in the message.
 - A request goes to the serving its `model` names, or to the first that can do what its endpoint needs
   (`ModelRouter`); a model asked for what it cannot do is a 400 naming its tasks.
 - Until the servings are attached every route answers 503, and so does a route whose engine is dead or shut down.
@@ -27,7 +28,13 @@ from starlette.exceptions import HTTPException
 
 from tiffin.plugin.openai import responses_api
 from tiffin.plugin.openai.clients import client_of
-from tiffin.plugin.openai.messages import MessagesRequest, error_body, serve_messages
+from tiffin.plugin.openai.messages import (
+    CountTokensRequest,
+    MessagesRequest,
+    count_tokens,
+    error_body,
+    serve_messages,
+)
 from tiffin.plugin.openai.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -136,6 +143,11 @@ def create_app(
         req = await _body(raw, MessagesRequest)
         return await serve_messages(ready(raw, req.model, "generate"), req, raw)
 
+    @app.post("/messages/count_tokens")
+    async def messages_count_tokens(raw: Request):
+        req = await _body(raw, CountTokensRequest)
+        return await count_tokens(ready(raw, req.model, "generate"), req)
+
     _tokenize_routes(app, app)
     _answer_errors(app)
     return app
@@ -175,12 +187,16 @@ def _tokenize_routes(app: FastAPI, v1: FastAPI) -> None:
         return await detokenize(_ready(v1, raw, req.model, "tokenize"), req)
 
 
+def _is_messages_api(raw: Request) -> bool:
+    return raw.url.path.rstrip("/").endswith(("/messages", "/messages/count_tokens"))
+
+
 def _answer_errors(app: FastAPI) -> None:
     """Every failure as an `APIError`, answered in the error shape of the API its path belongs to."""
 
     @app.exception_handler(APIError)
     async def api_error(raw: Request, e: APIError) -> JSONResponse:
-        body = error_body(e) if raw.url.path.endswith("/messages") else e.body()
+        body = error_body(e) if _is_messages_api(raw) else e.body()
         return JSONResponse(body, status_code=e.status, headers={"Retry-After": "1"} if e.status == 429 else None)
 
     @app.exception_handler(RequestValidationError)

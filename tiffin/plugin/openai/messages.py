@@ -28,7 +28,7 @@ from tiffin.engine.sampling_params import SamplingParams
 from tiffin.plugin.openai.answer import Answer, AnswerReader, AnswerStream
 from tiffin.plugin.openai.protocol import APIError, Bool, ChatCompletionRequest, Float, Int, Name, Text, _Body
 from tiffin.plugin.openai.responses import AnswerBuilder
-from tiffin.plugin.openai.serving import OpenAIServing
+from tiffin.plugin.openai.serving import OpenAIServing, render_chat
 from tiffin.plugin.openai.tools import ToolCall
 
 
@@ -122,7 +122,7 @@ _MESSAGES_FIELDS = {
 class MessagesRequest(_Body):
     model_config = ConfigDict(extra="ignore")  # metadata, service_tier, ...: nothing to do with them here
     model: Name
-    max_tokens: Int
+    max_tokens: Int  # required, as Anthropic's API has it (not by /messages/count_tokens)
     messages: list[Message] = Field(min_length=1)
     system: Text | list[TextBlock] | None = None
     tools: list[Tool] | None = None
@@ -239,6 +239,24 @@ async def serve_messages(serving: OpenAIServing, req: MessagesRequest, raw: Requ
         return await serving.serve_chat(req.chat_request(), raw, builder)
     except APIError as e:
         raise e.renamed(_MESSAGES_FIELDS) from None
+
+
+class CountTokensRequest(MessagesRequest):
+    """/messages/count_tokens: a message request but for its length limit."""
+
+    max_tokens: Int | None = None
+
+
+async def count_tokens(serving: OpenAIServing, req: CountTokensRequest) -> dict:
+    """The prompt tokens `req` would run, counted even past the context (as /tokenize counts)."""
+    try:
+        chat = req.chat_request()
+        tools = chat.tools if chat.uses_tools else None
+        kwargs = chat.template_kwargs()
+        prompt = await render_chat(serving.engine, chat.messages, True, tools, fit_context=False, **kwargs)
+    except APIError as e:
+        raise e.renamed(_MESSAGES_FIELDS) from None
+    return {"input_tokens": len(prompt.token_ids)}
 
 
 _ERROR_TYPES = {
