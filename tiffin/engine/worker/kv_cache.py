@@ -19,7 +19,7 @@ from tiffin.engine.core.sequence import Sequence
 from tiffin.engine.models.config import ModelConfig
 from tiffin.engine.sampling_params import SamplingParams
 from tiffin.engine.worker.batch import synthetic_step
-from tiffin.engine.worker.cuda_graphs import DecodeGraphs, decode_batch_sizes
+from tiffin.engine.worker.cuda_graphs import DecodeGraphs
 from tiffin.kernels import kv_quant
 
 CPU_KV_CACHE_CAP = 4 << 30  # bytes; like vLLM's CPU backend default
@@ -212,7 +212,7 @@ def profile_memory(runner, probe: MemoryProbe) -> MemoryProfile:
     if runner.policy.capture_graphs:
         before = probe.memory_reserved(runner.device)
         decode = DecodeGraphs(
-            decode_batch_sizes(c.max_num_seqs), runner.device, block_size, runner.num_blocks, runner.max_blocks_per_seq
+            runner.decode_graph_sizes(), runner.device, block_size, runner.num_blocks, runner.max_blocks_per_seq
         )
         decode.capture(runner.model)
         probe.synchronize(runner.device)
