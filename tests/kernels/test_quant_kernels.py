@@ -1,5 +1,7 @@
 """AWQ / GPTQ GEMMs: packing round trips, and the Triton kernel under the interpreter against
 dequantize-then-matmul (fp32, fp16, bf16; decode, split-K, prefill tiles; every group size; act-order perm).
+The dense path from DENSE_MIN_TOKENS rows (AWQ, GPTQ and GGUF): its one-pass Triton dequantizer against the torch
+dequantizers bit for bit, the memory it allocates, and int64 offsets into whole weights.
 
 The packers below write each format from its description (AWQ column order 0,2,4,6,1,3,5,7; GPTQ low bits
 first); that the formats match the real tools is shown bit for bit on their checkpoints in
@@ -35,6 +37,7 @@ from tiffin.kernels.triton_quant import (
     _compile_dequantize,
     _compile_gguf,
     _compile_gptq,
+    dequantize,
     group_step,
     quant_gemm_launch,
     quant_tile,
@@ -259,8 +262,6 @@ DENSE_CASES = [
 
 def dense_layer(fmt, k, n, group_size, bits, zero_offset, act_order, seed=0):
     """-> (gemm(x, backend), the torch dequantizer's weight, the Triton dequantizer's weight as a function of dtype)."""
-    from tiffin.kernels import triton_quant
-
     perm = torch.randperm(k, generator=torch.Generator().manual_seed(1)).to(torch.int32) if act_order else None
     if fmt.startswith("Q"):
         qweight, scales, mins, bits = make_gguf_layer(fmt, k, n, seed)
@@ -277,7 +278,7 @@ def dense_layer(fmt, k, n, group_size, bits, zero_offset, act_order, seed=0):
             want = gptq_dequantize(*args, bits, zero_offset)
             gemm = lambda x, backend: gptq_gemm(x, *args, bits, zero_offset, perm, backend=backend)
         fmt_args = dict(awq=fmt == "awq", bits=bits, zero_offset=zero_offset)
-    return gemm, want, lambda dtype: triton_quant.dequantize(*args, dtype, **fmt_args)
+    return gemm, want, lambda dtype: dequantize(*args, dtype, **fmt_args)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
@@ -287,8 +288,8 @@ def test_one_pass_dequantize_is_the_torch_dequantizer_bit_for_bit(
 ):
     """The Triton dequantizer writes x's dtype directly: the torch dequantizer's weight (scales' dtype for AWQ and
     GPTQ, fp32 for GGUF) cast to it, bit for bit, in its layout (AWQ/GPTQ [K, N], GGUF [N, K])."""
-    _, want, dequantize = dense_layer(fmt, k, n, group_size, bits, zero_offset, act_order)
-    got = dequantize(dtype)
+    _, want, triton_dequantize = dense_layer(fmt, k, n, group_size, bits, zero_offset, act_order)
+    got = triton_dequantize(dtype)
     assert got.dtype == dtype and torch.equal(got, want.to(dtype))
 
 

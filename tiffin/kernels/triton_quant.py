@@ -264,9 +264,12 @@ def _run(x, qweight, qzeros, scales, perm, **fmt) -> torch.Tensor:
 def dequantize(qweight, qzeros, scales, dtype: torch.dtype, *, gguf: bool = False, **fmt) -> torch.Tensor:
     """The weight in `dtype`, laid out as the torch dequantizers return it (AWQ/GPTQ `[K, N]`, GGUF `[N, K]`) and
     equal to theirs cast to `dtype`, bit for bit; `fmt` as `quant_gemm_launch`'s (awq, bits, zero_offset, mins)."""
-    n = scales.shape[0 if gguf else 1]
-    k = qweight.shape[1] * 8 // fmt["bits"] if gguf else qweight.shape[0] * (1 if fmt["awq"] else 32 // fmt["bits"])
-    out = tc.empty((n, k) if gguf else (k, n), dtype, scales.device)
+    bits, n = fmt["bits"], scales.shape[0 if gguf else 1]
+    if gguf:  # qweight [N, K*bits/8] bytes
+        shape = n, qweight.shape[1] * 8 // bits
+    else:  # qweight AWQ [K, N/8], GPTQ [K*bits/32, N] int32 words
+        shape = qweight.shape[0] * (1 if fmt["awq"] else 32 // bits), n
+    out = tc.empty(shape, dtype, scales.device)
     dequantize_launch(qweight, qzeros, scales, out, gguf=gguf, **fmt)(scales.device)
     return out
 
@@ -282,7 +285,7 @@ def dequantize_launch(
     block_k, block_n = group_step(64, k // groups), 128
     return tc.Launch(
         _dequantize_kernel,
-        (k // block_k, triton.cdiv(n, block_n)),  # block_k divides the group size, so K
+        (k // block_k, triton.cdiv(n, block_n)),  # block_k divides the group size, hence K
         (
             qweight,
             scales if qzeros is None else qzeros,
