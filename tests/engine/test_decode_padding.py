@@ -22,6 +22,9 @@ def test_decode_batch_sizes():
     assert decode_batch_sizes(20) == [1, 2, 4, 8, 16, 24]
     sizes = decode_batch_sizes(4096)  # capped like vLLM
     assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 512 and len(sizes) == 3 + 512 // 8
+    # a quantized model's graphs stop where its GEMMs turn to dequantize-then-matmul
+    assert decode_batch_sizes(4096, quantized=True)[-1] == decode_batch_sizes(255)[-2] == 248
+    assert decode_batch_sizes(20, quantized=True) == decode_batch_sizes(20)
 
 
 def _generate(llm: LLM):

@@ -43,7 +43,7 @@ def test_kept_layer_equals_dequantize_then_matmul(qtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("qtype", list(KEPT_TYPES), ids=lambda t: t.name)
-@pytest.mark.parametrize("m", [1, 37])
+@pytest.mark.parametrize("m", [1, 37, 256])  # 256: the dense path (DENSE_MIN_TOKENS)
 def test_triton_kept_layer_matches_dequantize_then_matmul(interpreter, qtype, dtype, m):
     layer, weight = fused_layer(qtype, 128, [48, 40], "triton", seed=m)
     x = torch.randn(m, 128, generator=torch.Generator().manual_seed(m)).to(dtype)

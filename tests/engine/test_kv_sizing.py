@@ -70,6 +70,10 @@ def test_profiling_uses_only_the_blocks_it_needs_and_frees_them(tiny_model, monk
         seen["logits"] = tuple(logits.shape)
         return sample(logits, seqs, bitmask)
 
+    compute_logits = runner.model.compute_logits
+    monkeypatch.setattr(
+        runner.model, "compute_logits", lambda h: seen.setdefault("lm_head", []).append(h.shape[0]) or compute_logits(h)
+    )
     monkeypatch.setattr(runner, "host_batch", record_batch)
     monkeypatch.setattr(runner, "sampler", record_sample)
     probe = FakeProbe(runner)
@@ -78,6 +82,9 @@ def test_profiling_uses_only_the_blocks_it_needs_and_frees_them(tiny_model, monk
     assert seen["lengths"] == [100, 100, 50]
     assert seen["tables"] == [list(range(7)), list(range(7, 14)), [14, 15, 16, 17]]
     assert seen["logits"] == (5, runner.model_config.vocab_size)
+    # the lm_head runs on every sequence's row, as a decode step of max_num_seqs does (from DENSE_MIN_TOKENS rows a
+    # quantized one dequantizes its whole weight): the step's 3 sampled rows, then max_num_seqs
+    assert seen["lm_head"] == [3, 5]
     assert probe.calls == [("allocated", 18, True), ("reset",), ("free", False)]
     assert profile == MemoryProfile(total=8 * GiB, free=6 * GiB, peak=300 * (1 << 20))
     assert all(attn.k_cache.numel() == 0 for attn in runner.model.layers_kv())

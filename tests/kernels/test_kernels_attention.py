@@ -421,7 +421,15 @@ def test_compile_check_every_arch():
                 for arch in ("sm_80", "sm_86", "sm_89", "sm_90", "sm_120"):
                     row = rf"{dtype} d={head_dim} {kind} +{arch} "
                     assert re.search(row, proc.stdout), (dtype, head_dim, kind, arch)
-    for kernel in ("awq_gemm", "gptq_gemm", "gguf_gemm", "lora_shrink", "lora_expand", "fused_elementwise"):
+    for kernel in (
+        "awq_gemm",
+        "gptq_gemm",
+        "gguf_gemm",
+        "quant_dequantize",
+        "lora_shrink",
+        "lora_expand",
+        "fused_elementwise",
+    ):
         assert kernel in proc.stdout, kernel
 
 

@@ -1,10 +1,14 @@
 """AWQ / GPTQ GEMMs: packing round trips, and the Triton kernel under the interpreter against
 dequantize-then-matmul (fp32, fp16, bf16; decode, split-K, prefill tiles; every group size; act-order perm).
+The dense path from DENSE_MIN_TOKENS rows (AWQ, GPTQ and GGUF): its one-pass Triton dequantizer against the torch
+dequantizers bit for bit, the memory it allocates, and int64 offsets into whole weights.
 
 The packers below write each format from its description (AWQ column order 0,2,4,6,1,3,5,7; GPTQ low bits
 first); that the formats match the real tools is shown bit for bit on their checkpoints in
 test_quant_fixtures.py. The last test runs the kernel on those real checkpoints' layers."""
 
+import gc
+import re
 from pathlib import Path
 
 import pytest
@@ -14,11 +18,13 @@ from hypothesis import strategies as st
 
 from tiffin.engine.models.linear import Linear
 from tiffin.engine.models.loader import build_model, get_model_config
-from tiffin.kernels import quant as quant_ops
+from tiffin.kernels import triton_common as tc
 from tiffin.kernels.quant import (
     DENSE_MIN_TOKENS,
     awq_dequantize,
     awq_gemm,
+    gguf_dequantize,
+    gguf_gemm,
     gptq_dequantize,
     gptq_gemm,
     pack_rows,
@@ -26,7 +32,16 @@ from tiffin.kernels.quant import (
     unpack_cols,
     unpack_rows,
 )
-from tiffin.kernels.triton_quant import _compile_awq, _compile_gptq, quant_gemm_launch, quant_tile
+from tiffin.kernels.triton_quant import (
+    _compile_awq,
+    _compile_dequantize,
+    _compile_gguf,
+    _compile_gptq,
+    dequantize,
+    group_step,
+    quant_gemm_launch,
+    quant_tile,
+)
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "quant"
 
@@ -131,31 +146,6 @@ def test_triton_matches_dequantize_then_matmul(
 
 
 @pytest.mark.parametrize("fmt", ["awq", "gptq"])
-def test_large_batches_dequantize_once_then_matmul(interpret, monkeypatch, fmt):
-    """From DENSE_MIN_TOKENS rows on, the triton backend dequantizes the weight once and multiplies densely
-    (cuBLAS on a GPU); below it the fused kernel runs. Both against the weight rebuilt from its codes."""
-    k, n, group = 128, 64, 32
-    g = torch.Generator().manual_seed(5)
-    q, z = random_codes(k, n, 4, g), random_codes(k // group, n, 4, g)
-    scales = (torch.rand(k // group, n, generator=g) * 0.02 + 0.002).half()
-    w = (q - z.repeat_interleave(group, 0)).double() * scales.double().repeat_interleave(group, 0)
-    if fmt == "awq":
-        packed = pack_awq_reference(q), pack_awq_reference(z), scales
-        gemm = lambda x: awq_gemm(x, *packed, backend="triton")  # noqa: E731
-    else:
-        packed = pack_rows(q, 4), pack_cols_reference(z, 4), scales
-        gemm = lambda x: gptq_gemm(x, *packed, 4, 0, backend="triton")  # noqa: E731
-    asked, dispatch = [], quant_ops.kernel
-    monkeypatch.setattr(quant_ops, "kernel", lambda op, backend: asked.append(backend) or dispatch(op, backend))
-    for m, backend in ((DENSE_MIN_TOKENS - 1, "triton"), (DENSE_MIN_TOKENS, "torch"), (300, "torch")):
-        x = torch.randn(m, k, generator=g)
-        got, want = gemm(x), x.double() @ w
-        assert asked.pop() == backend
-        err = (got.double() - want).abs().max().item() / want.abs().max().item()
-        assert err < TOL[torch.float16], (m, err)  # the weight is dequantized in fp16, as the tools do
-
-
-@pytest.mark.parametrize("fmt", ["awq", "gptq"])
 def test_split_k_equals_single_pass(interpret, fmt):
     """Forcing K splits (decode's split-K path) changes only the summation order. The last split of each tile
     reduces the partials into `out` in the kernel (NaN before): launched twice, as a graph replays it, the tile
@@ -243,3 +233,136 @@ def test_triton_path_on_real_layers(name, monkeypatch):
             want, got = a(x), b(x)
             assert b.method.backend == "triton"
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item(), msg=module_name)
+
+
+def make_gguf_layer(qtype: str, k: int, n: int, seed: int):
+    """Random GGUF rows (`gguf_dequantize`'s layout) -> (qweight, scales, mins, bits)."""
+    g = torch.Generator().manual_seed(seed)
+    scales = (torch.rand(n, k // 32, generator=g) * 0.02 + 0.002).half()
+    if qtype == "Q8_0":
+        return torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8), scales, None, 8
+    qweight = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+    mins = -(torch.rand(n, k // 32, generator=g) * 0.1).half() if qtype == "Q4_1" else None
+    return qweight, scales, mins, 4
+
+
+# fmt, k, n, group_size, bits, zero_offset, act_order (GGUF: fmt names the type; group 32, no zeros)
+DENSE_CASES = [
+    ("awq", 256, 64, 64, 4, 0, False),
+    ("gptq", 256, 48, 32, 4, 1, False),
+    ("gptq", 256, 64, 64, 4, 0, True),  # act-order: rows as stored (sorted by group), x gathered by perm
+    ("gptq", 192, 40, -1, 4, 1, False),  # one group: BLOCK_K shrinks to divide K
+    ("gptq", 128, 36, 128, 8, 1, False),
+    ("gptq", 256, 64, 32, 8, 0, True),
+    ("Q4_0", 256, 40, 32, 4, 8, False),
+    ("Q4_1", 128, 64, 32, 4, 0, False),
+    ("Q8_0", 192, 48, 32, 8, 0, False),
+]
+
+
+def dense_layer(fmt, k, n, group_size, bits, zero_offset, act_order, seed=0):
+    """-> (gemm(x, backend), the torch dequantizer's weight, the Triton dequantizer's weight as a function of dtype)."""
+    perm = torch.randperm(k, generator=torch.Generator().manual_seed(1)).to(torch.int32) if act_order else None
+    if fmt.startswith("Q"):
+        qweight, scales, mins, bits = make_gguf_layer(fmt, k, n, seed)
+        args = qweight, None, scales
+        want = gguf_dequantize(qweight, scales, mins, bits)
+        gemm = lambda x, backend: gguf_gemm(x, qweight, scales, mins, bits, backend)
+        fmt_args = dict(awq=False, gguf=True, bits=bits, zero_offset=zero_offset, mins=mins)
+    else:
+        args = make_layer(fmt, k, n, group_size, bits, seed=seed)
+        if fmt == "awq":
+            want = awq_dequantize(*args)
+            gemm = lambda x, backend: awq_gemm(x, *args, backend=backend)
+        else:
+            want = gptq_dequantize(*args, bits, zero_offset)
+            gemm = lambda x, backend: gptq_gemm(x, *args, bits, zero_offset, perm, backend=backend)
+        fmt_args = dict(awq=fmt == "awq", bits=bits, zero_offset=zero_offset)
+    return gemm, want, lambda dtype: dequantize(*args, dtype, **fmt_args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("fmt, k, n, group_size, bits, zero_offset, act_order", DENSE_CASES)
+def test_one_pass_dequantize_is_the_torch_dequantizer_bit_for_bit(
+    interpret, dtype, fmt, k, n, group_size, bits, zero_offset, act_order
+):
+    """The Triton dequantizer writes x's dtype directly: the torch dequantizer's weight (scales' dtype for AWQ and
+    GPTQ, fp32 for GGUF) cast to it, bit for bit, in its layout (AWQ/GPTQ [K, N], GGUF [N, K])."""
+    _, want, triton_dequantize = dense_layer(fmt, k, n, group_size, bits, zero_offset, act_order)
+    got = triton_dequantize(dtype)
+    assert got.dtype == dtype and torch.equal(got, want.to(dtype))
+
+
+@pytest.mark.parametrize("fmt, k, n, group_size, bits, zero_offset, act_order", DENSE_CASES)
+def test_large_batches_dequantize_in_one_pass_then_matmul(
+    interpret, fmt, k, n, group_size, bits, zero_offset, act_order
+):
+    """From DENSE_MIN_TOKENS rows on, the triton backend dequantizes with its one-pass kernel and multiplies densely:
+    the torch path's result bit for bit (same weight, same matmul); below, the fused GEMM runs."""
+    gemm, _, _ = dense_layer(fmt, k, n, group_size, bits, zero_offset, act_order)
+    g = torch.Generator().manual_seed(5)
+    for m, kernel in ((DENSE_MIN_TOKENS - 1, "_quant_gemm_kernel"), (DENSE_MIN_TOKENS, "_dequantize_kernel")):
+        x = torch.randn(m, k, generator=g).half()
+        with tc.recording_launches() as launched:
+            got = gemm(x, "triton")
+        want = gemm(x, "torch")
+        assert {name for name, _, _ in launched} == {kernel}
+        if kernel == "_dequantize_kernel":
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3 * want.abs().max().item())
+
+
+@pytest.mark.parametrize(
+    "fmt, group_size, bits, zero_offset",
+    [("awq", 64, 4, 0), ("gptq", 128, 8, 1), ("Q4_1", 32, 4, 0), ("Q8_0", 32, 8, 0)],
+)
+def test_the_dense_path_allocates_no_more_than_the_weight_and_output(
+    cuda_emulation, fmt, group_size, bits, zero_offset
+):
+    """The ≤ 3 bytes per weight of the dense path, on device memory (the emulation counts every tagged storage): at
+    M = DENSE_MIN_TOKENS the peak above what was allocated is the fp16 weight plus the output, nothing more. The
+    torch dequantizers, which ran there before, held int32 codes [K, N] (AWQ, GPTQ) or the fp32 weight (GGUF)
+    beside it: over this bound once K > M / 2."""
+    k, n, m = 512, 64, DENSE_MIN_TOKENS
+    with torch.device("cuda"):
+        gemm, _, _ = dense_layer(fmt, k, n, group_size, bits, zero_offset, False)
+        x = torch.randn(m, k).half()
+    gc.collect()  # storages of earlier tests freed now would lower the count while this one is measured
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    y = gemm(x, "triton")
+    assert y.is_cuda and y.shape == (m, n)
+    assert torch.cuda.max_memory_allocated() - before == (k * n + m * n) * 2
+
+
+def test_offsets_into_whole_weights_are_int64():
+    """A Q8_0 lm_head of 152k x 16k has N x K > 2^31 codes: an int32 `offs_n * K` wraps silently. Without
+    allocating one, the compiled TTIR shows the offsets: the GEMM's pointers into the int8 codes and the
+    dequantizer's into its fp32 output are advanced by int64 offsets (before, every offset there was int32)."""
+    from tiffin.kernels.compile_check import compile_for
+
+    def offset_types(case, pointee: str) -> set[str]:
+        ttir = compile_for(case, 80).asm["ttir"]
+        return set(re.findall(rf"tt\.addptr .*!tt\.ptr<{pointee}>>, tensor<[0-9x]*x(i\d+)>", ttir))
+
+    gemm = next(c for c in _compile_gguf(80) if c.config.startswith("float32 8bit"))
+    assert "i64" in offset_types(gemm, "i8")
+    for case in _compile_dequantize(80):
+        if case.config.startswith("float32 ") and case.config.endswith(
+            ("gguf 8bit zero+0 g=32", "gptq 8bit zero+1 g=32")
+        ):
+            assert offset_types(case, "f32") == {"i64"}, case.config
+
+
+def test_compile_check_covers_every_dequantize_tile():
+    registered = {
+        (c.args[4].dtype, *(c.kwargs[key] for key in ("AWQ", "GGUF", "HAS_MIN", "BITS", "BLOCK_K")))
+        for c in _compile_dequantize(80)
+    }
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for group_size in (32, 64, 128, 4096):
+            for awq, bits in ((True, 4), (False, 4), (False, 8)):
+                assert (dtype, awq, False, False, bits, group_step(64, group_size)) in registered
+        for has_min, bits in ((False, 4), (True, 4), (False, 8)):  # GGUF: groups of 32
+            assert (dtype, False, True, has_min, bits, 32) in registered

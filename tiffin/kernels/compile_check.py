@@ -111,27 +111,29 @@ def collect(arch: int, kernels: Iterable[str] | None = None) -> list[tuple[str, 
 
 def compile_case(name: str, case: CompileCase, arch: int) -> Result:
     """Compile one case for sm_`arch` the way `JITFunction.run` would, and read its resource usage."""
+    try:
+        compiled = compile_for(case, arch)
+        registers, spills = _resource_usage(compiled.asm["cubin"])
+    except Exception as e:  # report every failure in the table rather than stop at the first
+        return Result(name, case.config, arch, error=f"{type(e).__name__}: {str(e).strip()[:300]}")
+    return Result(name, case.config, arch, registers, compiled.metadata.shared, spills)
+
+
+def compile_for(case: CompileCase, arch: int):
+    """`case` compiled for sm_`arch` as `JITFunction.run` would: Triton's compiled kernel, whose `asm` holds each
+    stage's code ("ttir", "ttgir", "ptx", "cubin")."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile, make_backend
     from triton.runtime.jit import JITFunction, create_function_from_signature
 
     if not isinstance(case.kernel, JITFunction):
-        return Result(name, case.config, arch, error="not a JITFunction (is TRITON_INTERPRET set?)")
+        raise TypeError("not a JITFunction (is TRITON_INTERPRET set?)")
     target = GPUTarget("cuda", arch, 32)
-    try:
-        backend = make_backend(target)
-        binder = create_function_from_signature(case.kernel.signature, case.kernel.params, backend)
-        bound, specialization, options = binder(*case.args, **case.kwargs)
-        options, signature, constexprs, attrs = case.kernel._pack_args(
-            backend, case.kwargs, bound, specialization, options
-        )
-        compiled = compile(
-            ASTSource(case.kernel, signature, constexprs, attrs), target=target, options=options.__dict__
-        )
-        registers, spills = _resource_usage(compiled.asm["cubin"])
-    except Exception as e:  # report every failure in the table rather than stop at the first
-        return Result(name, case.config, arch, error=f"{type(e).__name__}: {str(e).strip()[:300]}")
-    return Result(name, case.config, arch, registers, compiled.metadata.shared, spills)
+    backend = make_backend(target)
+    binder = create_function_from_signature(case.kernel.signature, case.kernel.params, backend)
+    bound, specialization, options = binder(*case.args, **case.kwargs)
+    options, signature, constexprs, attrs = case.kernel._pack_args(backend, case.kwargs, bound, specialization, options)
+    return compile(ASTSource(case.kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
 def _resource_usage(cubin: bytes) -> tuple[int, int]:

@@ -8,8 +8,11 @@ stores them as they are (`zero_offset=0`). Act-order checkpoints are expected he
 (the caller repacks rows and passes `perm`: output = x[:, perm] @ W_sorted).
 
 `W[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n]`, computed in the scales' dtype as the tools do, so the
-torch path reproduces the tools' dequantized weights bit for bit. The torch path dequantizes one layer's
-weight per call and drops it: nothing keeps dequantized copies of the model.
+torch path reproduces the tools' dequantized weights bit for bit. The torch path (CPU, and the reference) dequantizes
+one layer's weight per call and drops it: nothing keeps dequantized copies of the model. The Triton path fuses
+dequantization into its GEMM below `DENSE_MIN_TOKENS` rows; from there it dequantizes in one pass to x's dtype
+(the torch dequantizers' values, bit for bit: codes read once, 2 bytes written per weight for 16-bit x) and
+multiplies densely: a layer's weight in x's dtype is the largest buffer either path allocates.
 
 GGUF Q4_0 / Q4_1 / Q8_0 keep llama.cpp's row layout (see `gguf_dequantize`) and its fp32 arithmetic.
 """
@@ -18,8 +21,9 @@ import torch
 
 from tiffin.kernels.dispatch import implements, kernel
 
-# From this many rows on the GEMM is compute-bound: dequantizing the weight once and a dense matmul (cuBLAS on a
-# GPU) beats re-dequantizing tiles in every program of the fused kernel; vLLM switches at the same size.
+# From this many rows on the GEMM is compute-bound: the Triton backend dequantizes the weight once (one pass, to x's
+# dtype) and multiplies densely (cuBLAS), which beats re-dequantizing tiles in every program of the fused kernel;
+# vLLM switches at the same size.
 DENSE_MIN_TOKENS = 256
 AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)  # nibble of a packed word that holds output column c % 8
 QUANT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -28,7 +32,7 @@ QUANT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
     """`[R, C/8]` int32 -> `[R, C]` int32 codes in 0..15, columns in natural order."""
     # AWQ_NIBBLE[c] = 4 * (c % 2) + c // 2, computed on the device: no host data to upload (which a CUDA graph
-    # capture cannot hold: the size-256 decode graph dequantizes)
+    # capture cannot hold: the torch backend's decode graphs dequantize)
     c = torch.arange(8, dtype=torch.int32, device=packed.device)
     shifts = 4 * (4 * (c % 2) + c // 2)
     return ((packed[:, :, None] >> shifts) & 0xF).flatten(1)
@@ -98,7 +102,7 @@ def awq_gemm(
 ) -> torch.Tensor:
     """`x [M, K]` @ the AWQ weight -> `[M, N]` in x's dtype (fp32 accumulation on the Triton path)."""
     _check_quant_args(x, qweight.shape[0], scales)
-    return kernel("awq_gemm", _gemm_backend(x, backend))(x, qweight, qzeros, scales)
+    return kernel("awq_gemm", backend)(x, qweight, qzeros, scales)
 
 
 def gptq_gemm(
@@ -114,7 +118,7 @@ def gptq_gemm(
     """`x [M, K]` @ the GPTQ weight -> `[M, N]`; `perm` (act-order) gathers x's columns into the stored row
     order first."""
     _check_quant_args(x, qweight.shape[0] * 32 // bits, scales)
-    return kernel("gptq_gemm", _gemm_backend(x, backend))(x, qweight, qzeros, scales, bits, zero_offset, perm)
+    return kernel("gptq_gemm", backend)(x, qweight, qzeros, scales, bits, zero_offset, perm)
 
 
 def gguf_gemm(
@@ -127,7 +131,7 @@ def gguf_gemm(
 ) -> torch.Tensor:
     """`x [M, K]` @ a GGUF Q4_0 / Q4_1 / Q8_0 weight (see `gguf_dequantize`) -> `[M, N]` in x's dtype."""
     _check_quant_args(x, qweight.shape[1] * 8 // bits, scales)
-    return kernel("gguf_gemm", _gemm_backend(x, backend))(x, qweight, scales, mins, bits)
+    return kernel("gguf_gemm", backend)(x, qweight, scales, mins, bits)
 
 
 @implements("awq_gemm", "torch")
@@ -145,11 +149,6 @@ def gptq_gemm_torch(x, qweight, qzeros, scales, bits: int, zero_offset: int, per
 @implements("gguf_gemm", "torch")
 def gguf_gemm_torch(x, qweight, scales, mins, bits: int) -> torch.Tensor:
     return torch.nn.functional.linear(x, gguf_dequantize(qweight, scales, mins, bits).to(x.dtype))
-
-
-def _gemm_backend(x: torch.Tensor, backend: str) -> str:
-    """The torch implementation is that dequantize-once-then-matmul, on whatever device x is."""
-    return "torch" if x.shape[0] >= DENSE_MIN_TOKENS else backend
 
 
 def _check_quant_args(x: torch.Tensor, k: int, scales: torch.Tensor) -> None:

@@ -15,6 +15,11 @@ partials (in split order: the result does not depend on who arrives last) into t
 for the next launch (or graph replay). One launch, where a separate `sum` and `copy_` were two more kernels per
 linear in a decode layer. Host code never reads device tensors.
 
+From `DENSE_MIN_TOKENS` rows on the GEMM is compute-bound: `_dequantize_kernel` writes the whole weight in x's
+dtype in one pass (each program one tile, decoded by the same `_dequantize_tile` as the GEMM's, so both compute
+the torch dequantizers' values) and a dense matmul follows. Offsets into a whole weight (GGUF's `[N, K]` codes,
+the dequantized weight) are int64: N x K passes 2^31 for a large vocabulary's lm_head.
+
 Launch, interpreter and tile plumbing: triton_common.
 """
 
@@ -27,6 +32,7 @@ import triton.language as tl
 from tiffin.kernels import triton_common as tc
 from tiffin.kernels.compile_check import CompileCase, register
 from tiffin.kernels.dispatch import implements
+from tiffin.kernels.quant import DENSE_MIN_TOKENS
 
 
 def quant_tile(m: int, group_size: int, dtype: torch.dtype, arch: int = 80) -> tc.Tile:
@@ -41,14 +47,77 @@ def quant_tile(m: int, group_size: int, dtype: torch.dtype, arch: int = 80) -> t
         block_m, block_n, block_k, warps = (32, 32, 32, 8) if fp32 else (32, 64, 32, 4)
     else:
         block_m, block_n, block_k, warps = (32, 64, 32, 8) if fp32 else (64, 128, 64, 8)
-    while group_size % block_k:  # one group per K step
-        block_k //= 2
-    if block_k < 16:
-        raise ValueError(f"quantized gemm: group size {group_size} must be a multiple of 16 for the Triton kernel")
+    block_k = group_step(block_k, group_size)
     if arch == 120 and block_m == 64:  # 64x128x64 spills 16 bytes there (AWQ and GPTQ, 16-bit)
         block_k = min(block_k, 32)
     stages = 2 if fp32 else 3
     return tc.Tile(block_m, block_n, block_k, num_warps=warps, num_stages=stages)
+
+
+def group_step(block_k: int, group_size: int) -> int:
+    """The largest K step up to `block_k` within one group (the kernels read one row of zeros and scales per step)."""
+    while group_size % block_k:
+        block_k //= 2
+    if block_k < 16:
+        raise ValueError(f"quantized gemm: group size {group_size} must be a multiple of 16 for the Triton kernel")
+    return block_k
+
+
+@triton.jit
+def _dequantize_tile(
+    qweight_ptr,
+    qzeros_ptr,
+    scales_ptr,
+    mins_ptr,
+    offs_k,
+    offs_n,
+    mask_k,
+    mask_n,
+    group,
+    N,
+    K,
+    group_size,
+    AWQ: tl.constexpr,
+    GGUF: tl.constexpr,
+    HAS_MIN: tl.constexpr,
+    BITS: tl.constexpr,
+    ZERO_OFFSET: tl.constexpr,
+):
+    """The weight at rows `offs_k` (all in group `group`) and columns `offs_n`, `[BLOCK_K, BLOCK_N]`, exactly as
+    the torch dequantizers compute it: in the scales' dtype (AWQ, GPTQ) or fp32 (GGUF)."""
+    PACK = 32 // BITS  # plain names: the interpreter cannot rewrite annotated constexpr locals twice
+    MAXQ = (1 << BITS) - 1
+    w_mask = mask_k[:, None] & mask_n[None, :]
+    if GGUF:  # rows of 32-input blocks; 4-bit: inputs j and j + 16 of a block share its byte j
+        rows = offs_n.to(tl.int64)[None, :]  # N x K bytes pass 2^31 (a 152k x 16k Q8_0 lm_head)
+        if BITS == 4:
+            byte = (offs_k // 32) * 16 + offs_k % 16
+            q = tl.load(qweight_ptr + rows * (K // 2) + byte[:, None], mask=w_mask, other=0)
+            q = (q.to(tl.int32) >> ((offs_k % 32) // 16 * 4)[:, None]) & MAXQ
+        else:
+            q = tl.load(qweight_ptr + rows * K + offs_k[:, None], mask=w_mask, other=0).to(tl.int32)
+        s = tl.load(scales_ptr + offs_n * (K // group_size) + group, mask=mask_n, other=0.0)
+        # kept in fp32, exactly as llama.cpp dequantizes (q * s needs at most 19 bits)
+        w = (q - ZERO_OFFSET).to(tl.float32) * s[None, :].to(tl.float32)
+        if HAS_MIN:
+            m = tl.load(mins_ptr + offs_n * (K // group_size) + group, mask=mask_n, other=0.0)
+            w += m.to(tl.float32)[None, :]
+    else:
+        words_n = N // PACK  # int32 words per row of qzeros (and of AWQ's qweight)
+        if AWQ:  # AutoAWQ's column order 0,2,4,6,1,3,5,7 within a word
+            col_shift = ((offs_n % 8) // 2 + (offs_n % 2) * 4) * 4
+            q = tl.load(qweight_ptr + offs_k[:, None] * words_n + (offs_n // PACK)[None, :], mask=w_mask, other=0)
+            q = (q >> col_shift[None, :]) & MAXQ
+        else:
+            col_shift = (offs_n % PACK) * BITS
+            q = tl.load(qweight_ptr + (offs_k // PACK)[:, None] * N + offs_n[None, :], mask=w_mask, other=0)
+            q = (q >> ((offs_k % PACK) * BITS)[:, None]) & MAXQ
+        s = tl.load(scales_ptr + group * N + offs_n, mask=mask_n, other=0.0)
+        z = tl.load(qzeros_ptr + group * words_n + offs_n // PACK, mask=mask_n, other=0)
+        z = ((z >> col_shift) & MAXQ) + ZERO_OFFSET
+        # rounded to the scales' dtype: the weight exactly as the tools dequantize it
+        w = ((q - z[None, :]).to(tl.float32) * s[None, :].to(tl.float32)).to(s.dtype)
+    return w
 
 
 @triton.jit
@@ -83,17 +152,10 @@ def _quant_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    PACK = 32 // BITS  # plain names: the interpreter cannot rewrite annotated constexpr locals twice
-    MAXQ = (1 << BITS) - 1
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m, mask_n = offs_m < M, offs_n < N
-    words_n = N // PACK  # int32 words per row of qzeros (and of AWQ's qweight)
-    if AWQ:  # AutoAWQ's column order 0,2,4,6,1,3,5,7 within a word
-        col_shift = ((offs_n % 8) // 2 + (offs_n % 2) * 4) * 4
-    else:
-        col_shift = (offs_n % PACK) * BITS
     k_start = pid_k * k_per_split
     k_end = tl.where(k_start + k_per_split < K, k_start + k_per_split, K)  # tl.minimum: not when interpreted
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -108,32 +170,10 @@ def _quant_gemm_kernel(
             x_ptr + offs_m[:, None] * stride_xm + src_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0
         )
         group = k0 // group_size
-        w_mask = mask_k[:, None] & mask_n[None, :]
-        if GGUF:  # rows of 32-input blocks; 4-bit: inputs j and j + 16 of a block share its byte j
-            if BITS == 4:
-                byte = (offs_k // 32) * 16 + offs_k % 16
-                q = tl.load(qweight_ptr + offs_n[None, :] * (K // 2) + byte[:, None], mask=w_mask, other=0)
-                q = (q.to(tl.int32) >> ((offs_k % 32) // 16 * 4)[:, None]) & MAXQ
-            else:
-                q = tl.load(qweight_ptr + offs_n[None, :] * K + offs_k[:, None], mask=w_mask, other=0).to(tl.int32)
-            s = tl.load(scales_ptr + offs_n * (K // group_size) + group, mask=mask_n, other=0.0)
-            # kept in fp32, exactly as llama.cpp dequantizes (q * s needs at most 19 bits)
-            w = (q - ZERO_OFFSET).to(tl.float32) * s[None, :].to(tl.float32)
-            if HAS_MIN:
-                m = tl.load(mins_ptr + offs_n * (K // group_size) + group, mask=mask_n, other=0.0)
-                w += m.to(tl.float32)[None, :]
-        else:
-            if AWQ:
-                q = tl.load(qweight_ptr + offs_k[:, None] * words_n + (offs_n // PACK)[None, :], mask=w_mask, other=0)
-                q = (q >> col_shift[None, :]) & MAXQ
-            else:
-                q = tl.load(qweight_ptr + (offs_k // PACK)[:, None] * N + offs_n[None, :], mask=w_mask, other=0)
-                q = (q >> ((offs_k % PACK) * BITS)[:, None]) & MAXQ
-            s = tl.load(scales_ptr + group * N + offs_n, mask=mask_n, other=0.0)
-            z = tl.load(qzeros_ptr + group * words_n + offs_n // PACK, mask=mask_n, other=0)
-            z = ((z >> col_shift) & MAXQ) + ZERO_OFFSET
-            # rounded to the scales' dtype: the weight exactly as the tools dequantize it
-            w = ((q - z[None, :]).to(tl.float32) * s[None, :].to(tl.float32)).to(s.dtype)
+        w = _dequantize_tile(
+            qweight_ptr, qzeros_ptr, scales_ptr, mins_ptr, offs_k, offs_n, mask_k, mask_n, group, N, K, group_size,
+            AWQ, GGUF, HAS_MIN, BITS, ZERO_OFFSET
+        )  # fmt: skip
         if UPCAST:
             acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc)
         else:
@@ -155,6 +195,40 @@ def _quant_gemm_kernel(
         tl.store(out_ptr + tile, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _dequantize_kernel(
+    qweight_ptr,
+    qzeros_ptr,
+    scales_ptr,
+    mins_ptr,
+    out_ptr,
+    N,
+    K,
+    group_size,
+    AWQ: tl.constexpr,
+    GGUF: tl.constexpr,
+    HAS_MIN: tl.constexpr,
+    BITS: tl.constexpr,
+    ZERO_OFFSET: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_k, mask_n = offs_k < K, offs_n < N
+    group = tl.program_id(0) * BLOCK_K // group_size
+    w = _dequantize_tile(
+        qweight_ptr, qzeros_ptr, scales_ptr, mins_ptr, offs_k, offs_n, mask_k, mask_n, group, N, K, group_size,
+        AWQ, GGUF, HAS_MIN, BITS, ZERO_OFFSET
+    )  # fmt: skip
+    # int64: the weight has N x K elements, past 2^31 for a large lm_head
+    if GGUF:  # [N, K], as gguf_dequantize returns it
+        offs = offs_n.to(tl.int64)[None, :] * K + offs_k[:, None]
+    else:
+        offs = offs_k.to(tl.int64)[:, None] * N + offs_n[None, :]
+    tl.store(out_ptr + offs, w.to(out_ptr.dtype.element_ty), mask=mask_k[:, None] & mask_n[None, :])
+
+
 @implements("awq_gemm", "triton")
 def awq_gemm_triton(x, qweight, qzeros, scales) -> torch.Tensor:
     return _run(x, qweight, qzeros, scales, None, awq=True, bits=4, zero_offset=0)
@@ -173,6 +247,11 @@ def gguf_gemm_triton(x, qweight, scales, mins, bits: int) -> torch.Tensor:
 
 def _run(x, qweight, qzeros, scales, perm, **fmt) -> torch.Tensor:
     x = x if x.stride(1) == 1 else x.contiguous()
+    if x.shape[0] >= DENSE_MIN_TOKENS:  # compute-bound: one pass to a dense weight, then cuBLAS
+        w = dequantize(qweight, qzeros, scales, x.dtype, **fmt)
+        if fmt.get("gguf"):
+            return torch.nn.functional.linear(x, w)
+        return (x if perm is None else x[:, perm]) @ w
     m, n = x.shape[0], scales.shape[0 if fmt.get("gguf") else 1]
     out = tc.empty((m, n), x.dtype, x.device)
     if m == 0:
@@ -180,6 +259,54 @@ def _run(x, qweight, qzeros, scales, perm, **fmt) -> torch.Tensor:
     launch, _ = quant_gemm_launch(x, qweight, qzeros, scales, perm, out, **fmt)
     launch(x.device)
     return out
+
+
+def dequantize(qweight, qzeros, scales, dtype: torch.dtype, *, gguf: bool = False, **fmt) -> torch.Tensor:
+    """The weight in `dtype`, laid out as the torch dequantizers return it (AWQ/GPTQ `[K, N]`, GGUF `[N, K]`) and
+    equal to theirs cast to `dtype`, bit for bit; `fmt` as `quant_gemm_launch`'s (awq, bits, zero_offset, mins)."""
+    bits, n = fmt["bits"], scales.shape[0 if gguf else 1]
+    if gguf:  # qweight [N, K*bits/8] bytes
+        shape = n, qweight.shape[1] * 8 // bits
+    else:  # qweight AWQ [K, N/8], GPTQ [K*bits/32, N] int32 words
+        shape = qweight.shape[0] * (1 if fmt["awq"] else 32 // bits), n
+    out = tc.empty(shape, dtype, scales.device)
+    dequantize_launch(qweight, qzeros, scales, out, gguf=gguf, **fmt)(scales.device)
+    return out
+
+
+def dequantize_launch(
+    qweight, qzeros, scales, out, *, awq: bool, bits: int, zero_offset: int, gguf: bool = False, mins=None
+) -> tc.Launch:
+    """The launch that writes the whole weight into `out` (`dequantize`'s layout) in one pass: 0.5-1 byte of codes
+    read and one element written per weight, the zeros and scales read once per tile."""
+    n, k = out.shape if gguf else out.shape[::-1]
+    groups = scales.shape[1 if gguf else 0]
+    _check_quant_launch(out.dtype, qweight, qzeros, scales, mins, None, awq, gguf, bits, k, n, groups)
+    block_k, block_n = group_step(64, k // groups), 128
+    return tc.Launch(
+        _dequantize_kernel,
+        (k // block_k, triton.cdiv(n, block_n)),  # block_k divides the group size, hence K
+        (
+            qweight,
+            scales if qzeros is None else qzeros,
+            scales,
+            scales if mins is None else mins,
+            out,
+            n,
+            k,
+            k // groups,
+        ),
+        dict(
+            AWQ=awq,
+            GGUF=gguf,
+            HAS_MIN=mins is not None,
+            BITS=bits,
+            ZERO_OFFSET=zero_offset,
+            BLOCK_K=block_k,
+            BLOCK_N=block_n,
+            num_warps=8,
+        ),
+    )
 
 
 def quant_gemm_launch(
@@ -204,7 +331,7 @@ def quant_gemm_launch(
     `zero_offset`). Tiles are `arch`'s (None: the device's)."""
     m, k = x.shape
     n, groups = scales.shape if gguf else scales.shape[::-1]
-    _check_quant_launch(x, qweight, qzeros, scales, mins, perm, awq, gguf, bits, k, n, groups)
+    _check_quant_launch(x.dtype, qweight, qzeros, scales, mins, perm, awq, gguf, bits, k, n, groups)
     group_size = k // groups
     tile = quant_tile(m, group_size, x.dtype, tc.arch(x.device) if arch is None else arch)
     if gguf and x.dtype == torch.float32:  # its nibble addressing takes a few more registers: 2 stages spill
@@ -253,7 +380,7 @@ def quant_gemm_launch(
     return launch, partial
 
 
-def _check_quant_launch(x, qweight, qzeros, scales, mins, perm, awq, gguf, bits, k, n, groups) -> None:
+def _check_quant_launch(x_dtype, qweight, qzeros, scales, mins, perm, awq, gguf, bits, k, n, groups) -> None:
     pack = 32 // bits
     if gguf:
         want = {"qweight": ((n, k * bits // 8), torch.int8 if bits == 8 else torch.uint8)}
@@ -272,8 +399,8 @@ def _check_quant_launch(x, qweight, qzeros, scales, mins, perm, awq, gguf, bits,
         raise ValueError(f"quantized gemm: mins must be contiguous {tuple(scales.shape)}, got {tuple(mins.shape)}")
     if (not gguf and n % pack) or k % groups or k % pack or not scales.is_contiguous():
         raise ValueError(f"quantized gemm: K={k}, N={n}, {groups} groups do not fit {bits}-bit packing")
-    if x.dtype not in tc.DTYPES:
-        raise ValueError(f"quantized gemm: x dtype must be one of {tc.DTYPES}, got {x.dtype}")
+    if x_dtype not in tc.DTYPES:
+        raise ValueError(f"quantized gemm: x dtype must be one of {tc.DTYPES}, got {x_dtype}")
     if perm is not None and (perm.shape != (k,) or perm.dtype != torch.int32):
         raise ValueError(f"quantized gemm: perm must be int32 [{k}], got {perm.dtype} {tuple(perm.shape)}")
 
@@ -295,6 +422,24 @@ def _compile_gguf(arch: int):
     """Q4_0 and Q8_0 (constant zero), Q4_1 (float minimum); GGUF's groups are always 32."""
     variants = [(4, 8, "gguf"), (8, 0, "gguf"), (4, 0, "gguf min")]
     yield from _compile_cases(arch, awq=False, variants=variants, groups=(32,))
+
+
+@register("quant_dequantize")
+def _compile_dequantize(arch: int):
+    """The dense path's one-pass dequantize per output dtype and format (act-order needs no variant: the dense
+    path gathers x); its tiles do not depend on the arch."""
+    variants = [(True, 4, 0, ""), (False, 4, 1, ""), (False, 8, 1, "")]
+    variants += [(False, 4, 8, "gguf"), (False, 8, 0, "gguf"), (False, 4, 0, "gguf min")]
+    for dtype in tc.DTYPES:
+        for awq, bits, zero_offset, form in variants:
+            for group_size in (32,) if form.startswith("gguf") else (32, 128):
+                _, qweight, qzeros, scales, mins, _, _ = _example_inputs(dtype, 1, group_size, bits, awq, form)
+                out = torch.empty(4096, 4096, dtype=dtype, device="meta")
+                fmt = dict(awq=awq, bits=bits, zero_offset=zero_offset, gguf=form.startswith("gguf"), mins=mins)
+                launch = dequantize_launch(qweight, qzeros, scales, out, **fmt)
+                kind = "awq" if awq else form or "gptq"
+                config = f"{str(dtype).removeprefix('torch.')} {kind} {bits}bit zero+{zero_offset} g={group_size}"
+                yield CompileCase(launch.kernel, config, launch.args, launch.kwargs)
 
 
 def _compile_cases(arch: int, awq: bool, variants, groups=(32, 128)):

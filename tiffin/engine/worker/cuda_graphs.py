@@ -15,15 +15,19 @@ import torch
 from tiffin.engine.core.scheduler import SchedulerOutput
 from tiffin.engine.worker.batch import HostBatch, Upload, round16
 from tiffin.kernels import AttentionMetadata
+from tiffin.kernels.quant import DENSE_MIN_TOKENS
 
 MAX_GRAPH_BATCH = 512  # like vLLM: larger decode batches are compute-bound, launch overhead no longer shows
 
 
-def decode_batch_sizes(max_num_seqs: int) -> list[int]:
+def decode_batch_sizes(max_num_seqs: int, quantized: bool = False) -> list[int]:
     """Sizes decode steps are padded to (a CUDA graph each): 1, 2, 4, 8, then every 8, up to the first that holds
-    min(max_num_seqs, 512) sequences."""
+    min(max_num_seqs, 512) sequences. A quantized model's stop below DENSE_MIN_TOKENS: from there its GEMMs
+    dequantize whole weights, which a graph would keep in its pool; those steps run eagerly, unpadded."""
     top, sizes = min(max_num_seqs, MAX_GRAPH_BATCH), []
     for size in itertools.chain((1, 2, 4), itertools.count(8, 8)):
+        if quantized and size >= DENSE_MIN_TOKENS:
+            return sizes
         sizes.append(size)
         if size >= top:
             return sizes

@@ -19,7 +19,7 @@ from tiffin.engine.core.sequence import Sequence
 from tiffin.engine.models.config import ModelConfig
 from tiffin.engine.sampling_params import SamplingParams
 from tiffin.engine.worker.batch import synthetic_step
-from tiffin.engine.worker.cuda_graphs import DecodeGraphs, decode_batch_sizes
+from tiffin.engine.worker.cuda_graphs import DecodeGraphs
 from tiffin.kernels import kv_quant
 
 CPU_KV_CACHE_CAP = 4 << 30  # bytes; like vLLM's CPU backend default
@@ -204,15 +204,22 @@ def profile_memory(runner, probe: MemoryProbe) -> MemoryProfile:
         ]
         for seq in seqs:
             seq.append_token(0)  # an output token: the penalties count outputs
-        runner.sampler(torch.zeros(len(seqs), runner.model_config.vocab_size, device=runner.device), seqs)
-        del inputs, logits
+        # the sampled logits come from the lm_head over max_num_seqs rows, as a decode step of that many computes
+        # them: a quantized lm_head dequantizes its whole weight there from DENSE_MIN_TOKENS rows on
+        model = runner.model_config
+        rows = torch.zeros(len(seqs), model.hidden_size, dtype=model.dtype, device=runner.device)
+        sampled = runner.model.compute_logits(rows) if model.task == "generate" else None
+        if sampled is None:  # a pooling model, or a tensor-parallel rank but the first
+            sampled = torch.zeros(len(seqs), model.vocab_size, device=runner.device)
+        runner.sampler(sampled, seqs)
+        del inputs, logits, rows, sampled
     probe.synchronize(runner.device)
     peak = probe.max_memory_reserved(runner.device) - reserved
     graphs = 0
     if runner.policy.capture_graphs:
         before = probe.memory_reserved(runner.device)
         decode = DecodeGraphs(
-            decode_batch_sizes(c.max_num_seqs), runner.device, block_size, runner.num_blocks, runner.max_blocks_per_seq
+            runner.decode_graph_sizes(), runner.device, block_size, runner.num_blocks, runner.max_blocks_per_seq
         )
         decode.capture(runner.model)
         probe.synchronize(runner.device)

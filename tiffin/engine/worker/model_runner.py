@@ -99,7 +99,7 @@ class ModelRunner:
             warm_padded_sizes(self.model, model_config.dtype, config.max_num_batched_tokens)
         self.decode_graphs: DecodeGraphs | None = None  # None: decode steps run unpadded
         if self.policy.capture_graphs:
-            self.pad_decodes(decode_batch_sizes(config.max_num_seqs))
+            self.pad_decodes(self.decode_graph_sizes())
 
     def execute(self, scheduler_output: SchedulerOutput) -> SamplerOutput:
         """One step, under the runner's device whichever thread calls it: Triton launches on the calling thread's
@@ -257,6 +257,10 @@ class ModelRunner:
         )
         pooling = None if pooling_parts is None else PoolingMetadata(*map(upload.get, pooling_parts))
         return ModelInput(input_ids, positions, attn, logits_indices, lora, pooling)
+
+    def decode_graph_sizes(self) -> list[int]:
+        """The batch sizes decode steps are padded to and captured at (a quantized model's stay on its fused GEMMs)."""
+        return decode_batch_sizes(self.config.max_num_seqs, self.model_config.quant_config is not None)
 
     def pad_decodes(self, sizes: list[int]) -> None:
         """Pad decode-only steps of up to `sizes[-1]` sequences to the next of `sizes` (`DecodeGraphs`); on

@@ -11,7 +11,7 @@ from tiffin.kernels.quant import DENSE_MIN_TOKENS
 @torch.inference_mode()
 def warm_up_triton(runner) -> None:
     """Launch every Triton kernel variant serving can through `runner`'s model. Variants follow a step's sizes:
-    quantized GEMM tiles and split-K by token count (all counts below the dense branch, per distinct layer);
+    quantized GEMM tiles and split-K by token count (every count up to the dense path's dequantize, per distinct layer);
     attention by batch and token counts as Triton specializes them (1, a multiple of 16, other) and, for
     decode-only steps, KV splits, which follow the batch size and the longest context. The steps run the model on
     the runner's own KV cache, so a quantized one (`kv_cache_dtype`) warms its quantized write and attention
@@ -41,7 +41,7 @@ def warm_up_triton(runner) -> None:
     for layer in distinct_linears(runner.model):
         if hasattr(layer, "qweight"):
             x = torch.zeros(DENSE_MIN_TOKENS, layer.input_size, dtype=runner.model_config.dtype, device=runner.device)
-            for m in range(1, DENSE_MIN_TOKENS):
+            for m in range(1, DENSE_MIN_TOKENS + 1):  # the fused GEMM's tiles and splits, then the dense path's
                 layer.method.apply(layer, x[:m])
 
 
