@@ -1,11 +1,12 @@
 """How many kernels one decode layer launches in a captured decode graph, recorded by the CUDA emulation (every
 aten op and Triton launch of the capture): a replay costs the GPU one launch each, and a small model's decode
 step is bound by them (issue #25). A bf16-shaped llama run in fp16 (the interpreter computes bf16 wrongly; the
-kernels launched are the same), plain and AWQ.
+kernels launched are the same): llama plain and AWQ, and qwen3 (q/k RMSNorm).
 
 Before the fused kernels: 33 plain (RMSNorm 8 ops twice, rotary 7, two residual adds, SiLU and mul), 39 AWQ (a
 `sum` and `copy_` after each split-K GEMM). With them: 9 each (two norms, rotary + KV write, attention, SiLU-and-
-mul, four GEMMs)."""
+mul, four GEMMs). Qwen3 took 12 (its q and k norms and their `cat` before the rotary) until the norms moved into
+the rotary KV write: 9 as llama."""
 
 from pathlib import Path
 
@@ -43,9 +44,10 @@ def no_warm_up(monkeypatch):
     monkeypatch.setattr(model_runner, "warm_up_triton", lambda runner: None)
 
 
-@pytest.mark.parametrize("model", ["plain", "awq"])
+@pytest.mark.parametrize("model", ["llama", "qwen3", "awq"])
 def test_decode_layer_kernel_count(tiny_model, cuda_emulation, no_warm_up, model):
-    path = tiny_model("llama") if model == "plain" else QUANT / "awq-g64"
+    path = QUANT / "awq-g64" if model == "awq" else tiny_model(model)
     kernels = decode_layer_kernels(path, cuda_emulation)
     assert len(kernels) <= 12, kernels
     assert kernels.count("_paged_attention_kernel") == 1  # the window is one whole layer
+    assert kernels.count("_rms_norm_kernel") == 2 and "aten.cat.default" not in kernels  # qwen3: q/k norm fused

@@ -25,12 +25,13 @@ TRITON_OPS = [
     "rms_norm",
     "add_rms_norm",
     "silu_and_mul",
+    "gelu_and_mul",
     "rotary_write_kv",
 ]
 
 
 def test_each_backend_runs_its_own_implementation_or_torchs():
-    for op in TRITON_OPS:  # every op has its Triton kernel (rms_norm and silu_and_mul since #25)
+    for op in TRITON_OPS:  # every op has its Triton kernel (the fused decode-layer ops since #25)
         own = kernel(op, "torch")
         assert own.__module__.startswith("tiffin.kernels") and own.__name__ == f"{op}_torch"
         assert kernel(op, "triton").__name__ == f"{op}_triton"

@@ -100,10 +100,12 @@ def rope(head_dim: int, max_pos: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("codes", CODES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
 @pytest.mark.parametrize("head_dim", [48, 64])
-def test_rotary_write_kv_matches_quantize(codes, dtype, head_dim):
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["", "qk_norm"])
+def test_rotary_write_kv_matches_quantize(codes, dtype, head_dim, qk_norm):
     """Four query heads on two KV heads: the roped queries equal the torch path's, the caches hold the codes and
     scales of its roped keys and values. Head_dim 48 (halves of 24: a block padded past them) takes the fused
-    kernel, 64 rope, then the write of the keys rotated (kv_quant)."""
+    kernel, 64 rope, then the write of the keys rotated (kv_quant). With `qk_norm` the heads are RMS-normalized
+    (Qwen3) before the rope, in the kernel or before the rope respectively."""
     gen = torch.Generator().manual_seed(7)
     heads, kv_heads, tokens = 4, 2, 5
     cos, sin = rope(head_dim)
@@ -113,11 +115,13 @@ def test_rotary_write_kv_matches_quantize(codes, dtype, head_dim):
     slots, positions = torch.tensor([3, -1, 12, 0, 7]), torch.tensor([3, 9, 12, 0, 63])
     shape = (4, 4, kv_heads, head_dim)
     got, want = empty_cache(shape, codes), empty_cache(shape, codes)
+    norms = [(torch.rand(head_dim, generator=gen) + 0.5).to(dtype) for _ in "qk"] + [1e-6] if qk_norm else []
     args = (slots, positions, cos, sin, heads)
-    q = kernels.rotary_write_kv(qk, v, *got[0], *args, "triton", *got[1])
-    q_want = kernels.rotary_write_kv(qk, v, *want[0], *args, "torch", *want[1])
+    q = kernels.rotary_write_kv(qk, v, *got[0], *args, "triton", *got[1], *norms)
+    q_want = kernels.rotary_write_kv(qk, v, *want[0], *args, "torch", *want[1], *norms)
     torch.testing.assert_close(q, q_want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
-    roped = kernels.fused.rotate(qk, cos[positions].to(dtype)[:, None], sin[positions].to(dtype)[:, None])
+    normed = kernels.fused.qk_rms_norm(qk, heads, *norms, "torch") if qk_norm else qk
+    roped = kernels.fused.rotate(normed, cos[positions].to(dtype)[:, None], sin[positions].to(dtype)[:, None])
     assert_same_cache(got, reference_write(roped[:, heads:], v, slots, shape, codes))
 
 

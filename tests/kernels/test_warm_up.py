@@ -35,7 +35,7 @@ def test_no_kernel_variant_is_first_launched_after_warm_up(tiny_model, interpret
     with tc.recording_launches() as warm:
         warm_up_triton(llm.llm_engine.model_runner)
     kernels = {variant[0] for variant in warm}
-    model_kernels = {"_rms_norm_kernel", "_rotary_write_kv_kernel", "_silu_and_mul_kernel"}  # the fused ones
+    model_kernels = {"_rms_norm_kernel", "_rotary_write_kv_kernel", "_act_and_mul_kernel"}  # the fused ones
     assert {"_paged_attention_kernel", "_merge_splits_kernel"} | model_kernels <= kernels, kernels
     params = [
         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),

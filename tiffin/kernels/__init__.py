@@ -12,6 +12,7 @@ __all__ = [
     "AttentionMetadata",
     "add_rms_norm",
     "argmax",
+    "gelu_and_mul",
     "paged_attention",
     "write_kv",
     "resolve_backend",
@@ -89,4 +90,4 @@ def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-from tiffin.kernels.fused import add_rms_norm, rotary_write_kv  # noqa: E402  (its references import the above)
+from tiffin.kernels.fused import add_rms_norm, gelu_and_mul, rotary_write_kv  # noqa: E402  (its references import the above)

@@ -5,7 +5,9 @@ issued before the fusion, so the CPU path computes and costs the same).
 
 - `add_rms_norm(x, residual, weight, eps)`: `residual += x`, then RMSNorm of the sum -> (normed, residual).
 - `rotary_write_kv(qk, v, ...)`: rotate the query and key heads (neox halves) by the tokens' positions, scatter
-  the rotated keys and the values into the paged caches; returns the rotated queries.
+  the rotated keys and the values into the paged caches; returns the rotated queries. With q/k norm weights
+  (Qwen3) each head is RMS-normalized first, in the same launch.
+- `gelu_and_mul(gate_up, ...)`: gelu(gate) * up, exact or tanh-approximated GELU.
 """
 
 import torch
@@ -36,18 +38,34 @@ def rotary_write_kv(
     backend: str = "torch",
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
 ) -> torch.Tensor:
     """`qk [T, num_heads + num_kv_heads, head_dim]` (query heads, then key heads), `v [T, num_kv_heads,
     head_dim]`, `cos`/`sin` `[max_positions, head_dim / 2]` fp32 -> the rotated queries `[T, num_heads,
     head_dim]`; the rotated keys and `v` go to the caches at `slot_mapping` (slot -1 skipped). The rotation
     rounds like the unfused one: cos/sin cast to x's dtype, each product and sum rounded to it. A quantized cache
-    takes its scales as `write_kv` does."""
+    takes its scales as `write_kv` does. `q_norm_weight`/`k_norm_weight` `[head_dim]` (both or neither): each
+    query/key head is first RMS-normalized with its weight and `eps`, rounded as `rms_norm` rounds."""
     if qk.dim() != 3 or v.shape != (qk.shape[0], qk.shape[1] - num_heads, qk.shape[2]):
         raise ValueError(f"rotary_write_kv: qk {tuple(qk.shape)} and v {tuple(v.shape)} do not fit {num_heads} heads")
     if cos.shape != sin.shape or cos.shape[-1] * 2 != qk.shape[-1] or positions.shape != qk.shape[:1]:
         raise ValueError(f"rotary_write_kv: cos/sin {tuple(cos.shape)} do not fit head_dim {qk.shape[-1]}")
+    if (q_norm_weight is None) != (k_norm_weight is None) or not all(
+        w is None or w.shape == qk.shape[-1:] for w in (q_norm_weight, k_norm_weight)
+    ):
+        raise ValueError(f"rotary_write_kv: q/k norm weights must both be [{qk.shape[-1]}] or both None")
     args = (qk, v, k_cache, v_cache, slot_mapping, positions, cos, sin, num_heads, k_scale, v_scale)
-    return kernel("rotary_write_kv", backend)(*args)
+    return kernel("rotary_write_kv", backend)(*args, q_norm_weight, k_norm_weight, eps)
+
+
+def gelu_and_mul(gate_up: torch.Tensor, backend: str = "torch", approximate: str = "none") -> torch.Tensor:
+    """`[..., 2*I]` -> `[..., I]`: gelu(gate) * up, `approximate` "none" (erf) or "tanh" as torch's gelu; the
+    GELU is rounded to gate's dtype before the multiply, as torch stores it."""
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"gelu_and_mul: approximate must be 'none' or 'tanh', got {approximate!r}")
+    return kernel("gelu_and_mul", backend)(gate_up, approximate)
 
 
 @implements("add_rms_norm", "torch")
@@ -62,11 +80,41 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+def qk_rms_norm(
+    qk: torch.Tensor, num_heads: int, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor, eps: float, backend: str
+) -> torch.Tensor:
+    """The unfused q/k norm: `qk`'s query heads and key heads each RMS-normalized by their own weight."""
+    q, k = qk.split([num_heads, qk.shape[1] - num_heads], dim=1)
+    rms_norm = kernel("rms_norm", backend)
+    return torch.cat([rms_norm(q, q_norm_weight, eps), rms_norm(k, k_norm_weight, eps)], dim=1)
+
+
 @implements("rotary_write_kv", "torch")
 def rotary_write_kv_torch(
-    qk, v, k_cache, v_cache, slot_mapping, positions, cos, sin, num_heads, k_scale=None, v_scale=None
+    qk,
+    v,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    positions,
+    cos,
+    sin,
+    num_heads,
+    k_scale=None,
+    v_scale=None,
+    q_norm_weight=None,
+    k_norm_weight=None,
+    eps=0.0,
 ) -> torch.Tensor:
+    if q_norm_weight is not None:
+        qk = qk_rms_norm(qk, num_heads, q_norm_weight, k_norm_weight, eps, "torch")
     rotated = rotate(qk, cos[positions].to(qk.dtype)[:, None], sin[positions].to(qk.dtype)[:, None])
     q, k = rotated.split([num_heads, qk.shape[1] - num_heads], dim=1)
     kernel("write_kv", "torch")(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q
+
+
+@implements("gelu_and_mul", "torch")
+def gelu_and_mul_torch(gate_up: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate=approximate) * up

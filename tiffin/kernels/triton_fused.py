@@ -1,9 +1,10 @@
 """Triton kernels of the element-wise ops of a decode layer, one launch each where torch issues a chain:
-RMSNorm (with or without the residual add before it), SiLU-and-mul, and the rotary embedding fused with the KV
-cache write. The torch implementations (kernels/__init__.py, kernels/fused.py) are their references: each kernel
-rounds where torch rounds (every intermediate torch stores in the activation dtype is cast to it here), with fp32
-arithmetic in between. One program per row (per token and head for the rotary): decode rows are few and short,
-and a row fits one block (hidden sizes up to 16k).
+RMSNorm (with or without the residual add before it), SiLU- and GELU-and-mul, and the rotary embedding (with
+Qwen3's per-head q/k RMSNorm before it) fused with the KV cache write. The torch implementations
+(kernels/__init__.py, kernels/fused.py) are their references: each kernel rounds where torch rounds (every
+intermediate torch stores in the activation dtype is cast to it here), with fp32 arithmetic in between. One
+program per row (per token and head for the rotary): decode rows are few and short, and a row fits one block
+(hidden sizes up to 16k).
 """
 
 import itertools
@@ -115,36 +116,56 @@ def add_rms_norm_triton(x, residual, weight, eps) -> tuple[torch.Tensor, torch.T
 
 
 @triton.jit
-def _silu_and_mul_kernel(gate_up_ptr, out_ptr, width, stride_in, stride_out, BLOCK: tl.constexpr):
+def _act_and_mul_kernel(gate_up_ptr, out_ptr, width, stride_in, stride_out, ACT: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < width
     gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0)
     up = tl.load(gate_up_ptr + row * stride_in + width + cols, mask=mask, other=0.0)
     g = gate.to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # torch stores silu(gate) before the multiply
-    tl.store(out_ptr + row * stride_out + cols, (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+    if ACT == "silu":
+        act = g / (1.0 + tl.exp(-g))
+    elif ACT == "gelu":
+        act = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
+    else:  # "gelu_tanh": 0.5 g (1 + tanh(u)) written as g * sigmoid(2u), which neither tail cancels or overflows
+        u = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        act = g / (1.0 + tl.exp(-2.0 * u))
+    act = act.to(gate.dtype)  # torch stores act(gate) before the multiply
+    tl.store(out_ptr + row * stride_out + cols, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
 
 
-def silu_and_mul_launch(gate_up: torch.Tensor) -> tuple[tc.Launch, torch.Tensor]:
+ACTS = {"silu": "silu", "none": "gelu", "tanh": "gelu_tanh"}  # silu, or gelu's `approximate` -> the kernel's ACT
+
+
+def act_and_mul_launch(gate_up: torch.Tensor, act: str) -> tuple[tc.Launch, torch.Tensor]:
+    """`act` one of `ACTS`' values."""
     gate_up = _rows(gate_up)
     rows, width = gate_up.shape[0], gate_up.shape[1] // 2
     out = tc.empty((rows, width), gate_up.dtype, gate_up.device)
     launch = tc.Launch(
-        _silu_and_mul_kernel,
+        _act_and_mul_kernel,
         (rows,),
         (gate_up, out, width, gate_up.stride(0), out.stride(0)),
-        _row_launch_options(width),
+        dict(ACT=act, **_row_launch_options(width)),
     )
     return launch, out
 
 
-@implements("silu_and_mul", "triton")
-def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
-    launch, out = silu_and_mul_launch(gate_up)
+def _act_and_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    launch, out = act_and_mul_launch(gate_up, act)
     if gate_up.numel():
         launch(gate_up.device)
     return out.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
+@implements("silu_and_mul", "triton")
+def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
+    return _act_and_mul(gate_up, "silu")
+
+
+@implements("gelu_and_mul", "triton")
+def gelu_and_mul_triton(gate_up: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    return _act_and_mul(gate_up, ACTS[approximate])
 
 
 @triton.jit
@@ -160,6 +181,9 @@ def _rotary_write_kv_kernel(
     k_scale_ptr,
     v_scale_ptr,
     slot_mapping_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    eps,
     num_heads,
     stride_qk_token,
     stride_qk_head,
@@ -170,10 +194,12 @@ def _rotary_write_kv_kernel(
     HALF: tl.constexpr,
     BLOCK: tl.constexpr,
     CODES: tl.constexpr,
+    QK_NORM: tl.constexpr,
 ):
     """Program (token, head) over the query heads then the key heads; a key head also copies its value head. A
     quantized cache (`CODES` "int8", "fp8_e4m3", "fp8_e5m2"; scales as int16 bf16 bits) takes each head's codes
-    and scale, the head's two halves reduced together."""
+    and scale, the head's two halves reduced together. `QK_NORM`: the head is first RMS-normalized by its weight
+    (`q_norm_ptr` for a query head, `k_norm_ptr` for a key head), its halves reduced together likewise."""
     token, head = tl.program_id(0), tl.program_id(1)
     d = tl.arange(0, BLOCK)
     mask = d < HALF
@@ -182,6 +208,14 @@ def _rotary_write_kv_kernel(
     x1 = tl.load(src + d, mask=mask, other=0.0)
     x2 = tl.load(src + HALF + d, mask=mask, other=0.0)
     dtype = x1.dtype
+    if QK_NORM:  # rounded as `rms_norm`: the normed head cast to x's dtype, then times the weight, cast again
+        a, b = x1.to(tl.float32), x2.to(tl.float32)
+        rstd = 1.0 / tl.sqrt((tl.sum(a * a, 0) + tl.sum(b * b, 0)) / (2 * HALF) + eps)
+        norm_ptr = q_norm_ptr if head < num_heads else k_norm_ptr
+        w1 = tl.load(norm_ptr + d, mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(norm_ptr + HALF + d, mask=mask, other=0.0).to(tl.float32)
+        x1 = (w1 * (a * rstd).to(dtype).to(tl.float32)).to(dtype)
+        x2 = (w2 * (b * rstd).to(dtype).to(tl.float32)).to(dtype)
     # cos/sin rounded to x's dtype, each product and the sum rounded to it: the unfused rotation's arithmetic
     cos = tl.load(cos_ptr + pos * HALF + d, mask=mask, other=0.0).to(dtype).to(tl.float32)
     sin = tl.load(sin_ptr + pos * HALF + d, mask=mask, other=0.0).to(dtype).to(tl.float32)
@@ -223,7 +257,20 @@ def _rotary_write_kv_kernel(
 
 
 def rotary_write_kv_launch(
-    qk, v, k_cache, v_cache, slot_mapping, positions, cos, sin, num_heads: int, k_scale=None, v_scale=None
+    qk,
+    v,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    positions,
+    cos,
+    sin,
+    num_heads: int,
+    k_scale=None,
+    v_scale=None,
+    q_norm_weight=None,
+    k_norm_weight=None,
+    eps: float = 0.0,
 ) -> tuple[tc.Launch, torch.Tensor]:
     num_tokens, heads, head_dim = qk.shape
     if k_cache.shape[2:] != (heads - num_heads, head_dim) or k_cache.shape != v_cache.shape:
@@ -238,6 +285,9 @@ def rotary_write_kv_launch(
         raise ValueError("rotary_write_kv: qk, v, cos and sin need unit stride along head_dim")
     if slot_mapping.dtype != torch.int64 or positions.dtype not in (torch.int32, torch.int64):
         raise ValueError("rotary_write_kv: slot_mapping must be int64 and positions integers")
+    norms = (q_norm_weight, k_norm_weight) if q_norm_weight is not None else (qk, qk)  # stand-ins, never read
+    if q_norm_weight is not None and not all(w.is_contiguous() and w.dtype == qk.dtype for w in norms):
+        raise ValueError(f"rotary_write_kv: q/k norm weights must be contiguous {qk.dtype}")
     q = tc.empty((num_tokens, num_heads, head_dim), qk.dtype, qk.device)
     half = head_dim // 2
     launch = tc.Launch(
@@ -256,6 +306,8 @@ def rotary_write_kv_launch(
             k_cache if k_scale is None else k_scale.view(torch.int16),
             v_cache if v_scale is None else v_scale.view(torch.int16),
             slot_mapping,
+            *norms,
+            eps,
             num_heads,
             qk.stride(0),
             qk.stride(1),
@@ -264,23 +316,44 @@ def rotary_write_kv_launch(
             q.stride(0),
             q.stride(1),
         ),
-        dict(HALF=half, BLOCK=triton.next_power_of_2(half), CODES=tc.kv_codes(k_cache), num_warps=1),
+        dict(
+            HALF=half,
+            BLOCK=triton.next_power_of_2(half),
+            CODES=tc.kv_codes(k_cache),
+            QK_NORM=q_norm_weight is not None,
+            num_warps=1,
+        ),
     )
     return launch, q
 
 
 @implements("rotary_write_kv", "triton")
 def rotary_write_kv_triton(
-    qk, v, k_cache, v_cache, slot_mapping, positions, cos, sin, num_heads, k_scale=None, v_scale=None
+    qk,
+    v,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    positions,
+    cos,
+    sin,
+    num_heads,
+    k_scale=None,
+    v_scale=None,
+    q_norm_weight=None,
+    k_norm_weight=None,
+    eps=0.0,
 ) -> torch.Tensor:
     if k_scale is not None and kv_quant.rotates(qk.shape[-1]):
-        # the cache stores keys rotated (kv_quant) after rope: roped here, rotated and written by write_kv
+        # the cache stores keys rotated (kv_quant) after rope: normed and roped here, rotated and written by write_kv
+        if q_norm_weight is not None:
+            qk = fused.qk_rms_norm(qk, num_heads, q_norm_weight, k_norm_weight, eps, "triton")
         roped = fused.rotate(qk, cos[positions].to(qk.dtype)[:, None], sin[positions].to(qk.dtype)[:, None])
         q, k = roped.split([num_heads, qk.shape[1] - num_heads], dim=1)
         kernel("write_kv", "triton")(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return q
     args = (qk, v, k_cache, v_cache, slot_mapping, positions, cos, sin, num_heads, k_scale, v_scale)
-    launch, q = rotary_write_kv_launch(*args)
+    launch, q = rotary_write_kv_launch(*args, q_norm_weight, k_norm_weight, eps)
     if qk.shape[0]:
         launch(qk.device)
     return q
@@ -289,8 +362,9 @@ def rotary_write_kv_triton(
 @register("fused_elementwise")
 def _compile_cases(arch: int):
     """Per activation dtype: RMSNorm with and without the residual (hidden 2048 and 8192, the widest block per warp
-    count), SiLU-and-mul (intermediate 8192 and 14336), the rotary KV write (head_dim 64, 128, 256) into a cache of
-    the model's dtype and each quantized one."""
+    count), SiLU- and both GELU-and-mul (intermediate 8192 and 14336), the rotary KV write (head_dim 64, 128, 256)
+    into a cache of the model's dtype and each quantized one, and with the q/k norm into a model-dtype and an int8
+    cache (the norm comes before, and is the same for, every cache format)."""
     meta = dict(device="meta")
     for dtype in tc.DTYPES:
         name = str(dtype).removeprefix("torch.")
@@ -301,16 +375,19 @@ def _compile_cases(arch: int):
                 launch, _, _ = rms_norm_launch(x, residual, weight, 1e-6)
                 add = "add_" if residual is not None else ""
                 yield CompileCase(launch.kernel, f"{add}rms_norm {name} hidden={hidden}", launch.args, launch.kwargs)
-        for intermediate in (8192, 14336):
-            launch, _ = silu_and_mul_launch(torch.empty(4, 2 * intermediate, dtype=dtype, **meta))
-            yield CompileCase(launch.kernel, f"silu_and_mul {name} I={intermediate}", launch.args, launch.kwargs)
-        for (codes, cache_dtype), head_dim in itertools.product(
-            [("", dtype), *kv_quant.CACHE_DTYPES.items()], (64, 128, 256)
+        for (op, act), intermediate in itertools.product(
+            [("silu_and_mul", "silu"), ("gelu_and_mul", "gelu"), ("gelu_tanh_and_mul", "gelu_tanh")], (8192, 14336)
         ):
+            launch, _ = act_and_mul_launch(torch.empty(4, 2 * intermediate, dtype=dtype, **meta), act)
+            yield CompileCase(launch.kernel, f"{op} {name} I={intermediate}", launch.args, launch.kwargs)
+        caches = [("", dtype, False), *((codes, d, False) for codes, d in kv_quant.CACHE_DTYPES.items())]
+        caches += [("", dtype, True), ("int8", torch.int8, True)]
+        for (codes, cache_dtype, qk_norm), head_dim in itertools.product(caches, (64, 128, 256)):
             qkv = torch.empty(4, (32 + 16) * head_dim, dtype=dtype, **meta)
             qk, v = qkv.split([40 * head_dim, 8 * head_dim], dim=-1)
             cache = torch.empty(64, 16, 8, head_dim, dtype=cache_dtype, **meta)
             rope = torch.empty(4096, head_dim // 2, dtype=torch.float32, **meta)
+            norm_weight = torch.empty(head_dim, dtype=dtype, **meta) if qk_norm else None
             launch, _ = rotary_write_kv_launch(
                 qk.view(4, 40, head_dim),
                 v.view(4, 8, head_dim),
@@ -322,7 +399,11 @@ def _compile_cases(arch: int):
                 torch.empty_like(rope),
                 32,
                 *tc.example_kv_scales(cache),
+                norm_weight,
+                norm_weight,
+                1e-6,
             )
             kv = f" kv={codes}" if codes else ""
-            config = f"rotary_write_kv {name} head_dim={head_dim}{kv}"
+            norm = " qk_norm" if qk_norm else ""
+            config = f"rotary_write_kv {name} head_dim={head_dim}{kv}{norm}"
             yield CompileCase(launch.kernel, config, launch.args, launch.kwargs)

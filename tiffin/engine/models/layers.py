@@ -7,6 +7,7 @@ is stored (plain, AWQ, GPTQ, GGUF) is not the model's business. Sizes are the ch
 "row" or None) and `parts` say how a tensor-parallel rank takes its share (`models/linear.py`).
 """
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -21,17 +22,11 @@ LinearFactory = Callable[..., nn.Module]  # (name, input_size, output_sizes, bia
 EmbeddingFactory = Callable[[str, int, int], nn.Module]  # (name, vocab_size, hidden_size) -> an Embedding
 
 
-def gelu_and_mul(gate_up: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return torch.nn.functional.gelu(gate, approximate=approximate) * up
-
-
-# hidden_act -> fn(gate_up [..., 2 * intermediate], backend="torch") -> act(gate) * up [..., intermediate]; the
-# GELUs stay in torch on every backend (no fused Triton kernel for them yet: a GELU model decodes unfused)
+# hidden_act -> fn(gate_up [..., 2 * intermediate], backend="torch") -> act(gate) * up [..., intermediate]
 ACTIVATIONS: dict[str, Callable[..., torch.Tensor]] = {
     "silu": kernels.silu_and_mul,
-    "gelu": lambda gate_up, backend="torch": gelu_and_mul(gate_up),
-    "gelu_pytorch_tanh": lambda gate_up, backend="torch": gelu_and_mul(gate_up, "tanh"),
+    "gelu": kernels.gelu_and_mul,
+    "gelu_pytorch_tanh": functools.partial(kernels.gelu_and_mul, approximate="tanh"),
 }
 
 
@@ -103,9 +98,11 @@ class Rotation:
     def rotate_and_write_kv(
         self, qk: torch.Tensor, v: torch.Tensor, attention, slot_mapping: torch.Tensor, backend: str
     ) -> torch.Tensor:
-        """Rotate the query and key heads of `qk`, write the keys and `v` to `attention`'s caches -> the queries.
-        With Triton, one kernel reads the tables at the positions itself; otherwise the rotation above (gathered
-        once per forward, or the native CPU pass) and `write_kv`."""
+        """Rotate the query and key heads of `qk`, write the keys and `v` to `attention`'s caches -> the queries;
+        with `attention.qk_norm` (Qwen3) each head is RMS-normalized by `q_norm`/`k_norm` before. With Triton, one
+        kernel does it all, reading the tables at the positions itself; otherwise the norms, the rotation above
+        (gathered once per forward, or the native CPU pass) and `write_kv`."""
+        norms = (attention.q_norm.weight, attention.k_norm.weight, attention.q_norm.eps) if attention.qk_norm else ()
         if backend == "triton":
             r = self.rotary
             return kernels.rotary_write_kv(
@@ -121,7 +118,10 @@ class Rotation:
                 backend,
                 attention.k_scale,
                 attention.v_scale,
+                *norms,
             )
+        if norms:
+            qk = kernels.fused.qk_rms_norm(qk, attention.num_heads, *norms, backend)
         q, k = self(qk).split([attention.num_heads, attention.num_kv_heads], dim=1)
         kernels.write_kv(
             k, v, attention.k_cache, attention.v_cache, slot_mapping, backend, attention.k_scale, attention.v_scale

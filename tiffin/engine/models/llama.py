@@ -47,7 +47,7 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.dtype)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.dtype)
-        self.qk_norm = config.qk_norm
+        self.qk_norm = config.qk_norm  # applied by `Rotation.rotate_and_write_kv`, fused into it on a GPU
         self.rotary = rotary  # applied through the forward's `Rotation`; the native decode step reads its tables
         self.backend = backend
         self.scale = self.head_dim**-0.5
@@ -64,9 +64,6 @@ class Attention(nn.Module):
         qk, v = self.qkv_proj(x, lora).split([self.qkv_proj.offsets[2], self.qkv_proj.output_sizes[2]], dim=-1)
         qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            qk = torch.cat([self.q_norm(q, self.backend), self.k_norm(k, self.backend)], dim=1)
         q = rotation.rotate_and_write_kv(qk, v, self, attn_metadata.slot_mapping, self.backend)
         o = kernels.paged_attention(
             q, self.k_cache, self.v_cache, attn_metadata, self.scale, self.backend, True, self.k_scale, self.v_scale
