@@ -54,9 +54,9 @@ class LoRAMetadata:
         cls, sorted_tokens: torch.Tensor, slot_starts: torch.Tensor, slot_counts: torch.Tensor
     ) -> "LoRAMetadata":
         """Metadata over persistent buffers that a CUDA graph reads, refilled in place every step with
-        `group_by_slot`'s arrays (`sorted_tokens` padded to its length): its shapes and the kernels' grids are
-        fixed (every slot, any group as large as the batch), so a layer launches even while its slots hold
-        nothing, as adapters load after the capture. Triton kernels only: the torch path groups on the host."""
+        `group_by_slot`'s arrays: its shapes and the kernels' grids are fixed (every slot, any group as large as
+        the batch), and every adapter layer launches, even while its slots hold nothing (adapters load after the
+        capture). Triton kernels only: the torch path groups on the host."""
         n = sorted_tokens.shape[0]
         return cls(n, sorted_tokens, slot_starts, slot_counts, slot_starts.shape[0], n, [], False, graphed=True)
 
@@ -107,9 +107,9 @@ class LoRAMetadata:
 def group_by_slot(token_slots: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`token_slots [T]` int64 (-1: the base model) -> the tokens with a slot, grouped by slot in token order
     (int64), and each of the `num_slots` slots' start among them and count (int32)."""
-    used = np.count_nonzero(token_slots >= 0)
-    counts = np.bincount(token_slots[token_slots >= 0], minlength=num_slots)
-    order = np.argsort(token_slots, kind="stable")[token_slots.size - used :]  # -1s sort first
+    used = token_slots[token_slots >= 0]
+    counts = np.bincount(used, minlength=num_slots)
+    order = np.argsort(token_slots, kind="stable")[token_slots.size - used.size :]  # -1s sort first
     return order, (np.cumsum(counts) - counts).astype(np.int32), counts.astype(np.int32)
 
 
