@@ -10,8 +10,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 from gguf_files import write_gguf
+from lora_adapters import ADAPTERS, make_adapter
+from transformers import AutoModelForCausalLM
 
-from tiffin import LLM, AsyncLLMEngine, SamplingParams
+from tiffin import LLM, AsyncLLMEngine, LoRARequest, SamplingParams
 from tiffin.engine.worker import model_runner
 from tiffin.kernels import triton_common as tc
 from tiffin.kernels.quant import DENSE_MIN_TOKENS
@@ -21,7 +23,7 @@ QUANT = Path(__file__).parents[1] / "fixtures" / "quant"
 PROMPTS = ["Hello, tiffin", "The quick brown fox jumps", "1 2 3", "Once upon a time in a land far away"]
 
 
-def generate(llm: LLM) -> list:
+def generate(llm: LLM, lora_request: list | None = None) -> list:
     """One batch that shrinks as its requests end (decode batches of 4, 3, 2, 1: padded and exact graph sizes):
     greedy with logprobs, greedy, and seeded samples -> (tokens, logprobs) per request."""
     params = [
@@ -30,7 +32,7 @@ def generate(llm: LLM) -> list:
         SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
         SamplingParams(temperature=1.0, max_tokens=2, seed=2, ignore_eos=True),
     ]
-    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=lora_request)
     return [(c.token_ids, c.logprobs) for o in outs for c in o.outputs]
 
 
@@ -78,6 +80,47 @@ def test_graphed_decode_equals_eager_llama(tiny_model, cuda_emulation, monkeypat
 @pytest.mark.parametrize("arch", ["qwen3", pytest.param("qwen2", marks=pytest.mark.slow), "mistral"])
 def test_graphed_decode_equals_eager_architectures(tiny_model, cuda_emulation, no_warm_up, arch):
     graphed_equals_eager(tiny_model(arch), cuda_emulation, dtype="float16")
+
+
+def test_graphed_decode_with_lora_equals_eager(tiny_model, cuda_emulation, no_warm_up, tmp_path):
+    """Decode steps mixing the base model and two adapters replay graphs captured before any adapter loaded (slot
+    indices in the graph's buffers, weights in the slots), with the eager engine's tokens; then again after one
+    adapter is removed and a third loaded into its slot between steps."""
+    path = tiny_model("llama")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    a, b, c = (
+        LoRARequest(name, i + 1, str(make_adapter(path, tmp_path / name, i, model, **ADAPTERS[name])))
+        for i, name in enumerate(ADAPTERS)
+    )
+    first, second = [None, a, b, a], [c, None, a, c]
+
+    def run(llm: LLM) -> list:
+        outs = generate(llm, first)
+        llm.llm_engine.remove_lora(b.lora_int_id)
+        return outs + generate(llm, second)
+
+    want = run(build(path, eager=True, enable_lora=True, max_loras=2))
+    llm = build(path, eager=False, enable_lora=True, max_loras=2)
+    engine, uploads = llm.llm_engine, []
+    slots, step = engine.model_runner.lora_slots, engine.step
+
+    def counted():  # (replayed, uploads) per step
+        replays = cuda_emulation.replays
+        cuda_emulation.reset_counts()
+        outputs = step()
+        uploads.append((cuda_emulation.replays - replays, len(cuda_emulation.uploads)))
+        return outputs
+
+    engine.step = counted
+    assert sorted(engine.model_runner.decode_graphs.graphs) == [1, 2, 4]
+    got = generate(llm, first)
+    assert cuda_emulation.replays == 4 and [m.name for m in slots.slots] == ["qv-r8", "all-rslora-r16"]
+    llm.llm_engine.remove_lora(b.lora_int_id)
+    got += generate(llm, second)
+    assert cuda_emulation.replays == 8 and [m.name for m in slots.slots] == ["qv-r8", "mlp-patterns"]
+    assert_same(got, want)
+    assert got[4][0] != want[0][0], "the third adapter changes nothing"  # the first prompt, base then adapter
+    assert all(n == 1 for replayed, n in uploads if replayed), uploads  # a graphed step's one upload, LoRA's too
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", pytest.param("fp8_e4m3", marks=pytest.mark.slow)])

@@ -11,7 +11,7 @@ import torch
 
 from tiffin.kernels import triton_common as tc
 from tiffin.kernels import triton_lora as tlora
-from tiffin.kernels.lora import LoRAMetadata, lora_apply, lora_expand, lora_shrink
+from tiffin.kernels.lora import LoRAMetadata, group_by_slot, lora_apply, lora_expand, lora_shrink
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 8e-2}
 
@@ -91,6 +91,22 @@ def test_apply_matches_per_adapter_loop(case, dtype, backend, interpreter, poiso
     tol = TOLERANCE[dtype] * (2 if dtype == torch.float16 else 1)
     torch.testing.assert_close(y.double(), y_ref, rtol=tol, atol=tol)
     assert torch.equal(y[~adapted], base_rows)
+
+
+@pytest.mark.parametrize("case", ["decode-mixed", "odd-sizes"])
+def test_graphed_metadata_over_stale_buffers(case, interpreter, poisoned):
+    """A decode graph's metadata (`graphed_over`): fixed-size buffers, every slot in the grid (some empty, one
+    never used), token entries past the groups left from an earlier step; the kernels read only the groups."""
+    token_slots, hidden, rank, slices, num_slots = CASES[case]
+    x, a, b, y, offsets, _ = make_case(token_slots, hidden, rank, slices, num_slots + 1, torch.float32, seed=2)
+    _, y_ref, adapted = reference(x, a, b, y, offsets, token_slots)
+    tokens, starts, counts = group_by_slot(np.array(token_slots), num_slots + 1)
+    stale = torch.full((len(token_slots),), len(token_slots) - 1)
+    stale[: len(tokens)] = torch.from_numpy(tokens)
+    md = LoRAMetadata.graphed_over(stale, torch.from_numpy(starts), torch.from_numpy(counts))
+    assert md.num_slots == num_slots + 1 and md.max_slot_tokens == len(token_slots) and md.graphed
+    lora_apply(x, a, b, y, offsets, md, "triton")
+    torch.testing.assert_close(y.double(), y_ref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3])

@@ -2,9 +2,12 @@
 nothing) the variants are recorded as Triton specializes them, and serving must launch none that warm-up did not."""
 
 import pytest
+import torch
+from lora_adapters import ADAPTERS, make_adapter
+from transformers import AutoModelForCausalLM
 
-from tiffin import LLM, SamplingParams
-from tiffin.engine.worker.warm_up import warm_up_triton
+from tiffin import LLM, LoRARequest, SamplingParams
+from tiffin.engine.worker.warm_up import warm_up_lora, warm_up_triton
 from tiffin.kernels import triton_common as tc
 
 pytestmark = [pytest.mark.slow]
@@ -49,3 +52,35 @@ def test_no_kernel_variant_is_first_launched_after_warm_up(tiny_model, interpret
     assert served, "serving launched no Triton kernel"
     new = served - warm
     assert not new, f"{len(new)} variants first launched while serving, e.g. {sorted(new, key=str)[:2]}"
+
+
+def test_no_lora_kernel_variant_is_first_launched_after_warm_up(tiny_model, interpreter, tmp_path):
+    """The LoRA kernels' warm-up (`warm_up_lora`, part of `warm_up_triton`), then steps mixing the base model and
+    two adapters, prefill chunks of one slot and decodes of several: no LoRA variant is new."""
+    base = tiny_model("llama")
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    names = ["qv-r8", "all-rslora-r16"]
+    loras = [
+        LoRARequest(n, i + 1, str(make_adapter(base, tmp_path / n, i, model, **ADAPTERS[n])))
+        for i, n in enumerate(names)
+    ]
+    llm = LLM(
+        base,
+        dtype="float32",
+        kernel_backend="triton",
+        enable_lora=True,
+        max_loras=2,
+        num_kv_blocks=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+    )
+    with tc.recording_launches() as warm:
+        warm_up_lora(llm.llm_engine.model_runner)
+    assert {variant[0] for variant in warm} == {"_lora_shrink_kernel", "_lora_expand_kernel"}
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with tc.recording_launches() as served:
+        llm.generate(PROMPTS, params, use_tqdm=False, lora_request=[loras[0], None, loras[1], loras[0]])
+    lora_served = {v for v in served if v[0] in ("_lora_shrink_kernel", "_lora_expand_kernel")}
+    assert lora_served, "serving launched no LoRA kernel"
+    new = lora_served - warm
+    assert not new, f"{len(new)} LoRA variants first launched while serving, e.g. {sorted(new, key=str)[:2]}"

@@ -47,6 +47,18 @@ class LoRAMetadata:
     pad_mask: torch.Tensor | None = None  # [G, pad_width, 1]: 1 on real rows, 0 on repeats
     token_rows: torch.Tensor | None = None  # [T] int64: each token's row in the layout; a zeroed row for base
     token_slots: np.ndarray | None = None  # [T] host: what `build` was given
+    graphed: bool = False  # `graphed_over`'s: every adapter layer launches, whatever its slots hold
+
+    @classmethod
+    def graphed_over(
+        cls, sorted_tokens: torch.Tensor, slot_starts: torch.Tensor, slot_counts: torch.Tensor
+    ) -> "LoRAMetadata":
+        """Metadata over persistent buffers that a CUDA graph reads, refilled in place every step with
+        `group_by_slot`'s arrays: its shapes and the kernels' grids are fixed (every slot, any group as large as
+        the batch), and every adapter layer launches, even while its slots hold nothing (adapters load after the
+        capture). Triton kernels only: the torch path groups on the host."""
+        n = sorted_tokens.shape[0]
+        return cls(n, sorted_tokens, slot_starts, slot_counts, slot_starts.shape[0], n, [], False, graphed=True)
 
     @classmethod
     def build(cls, token_slots: np.ndarray, device: torch.device, dtype: torch.dtype) -> "LoRAMetadata":
@@ -57,9 +69,7 @@ class LoRAMetadata:
         if used.size == 0:
             raise ValueError("LoRAMetadata needs at least one token with an adapter slot")
         num_slots = int(used.max()) + 1
-        counts = np.bincount(used, minlength=num_slots)
-        starts = np.cumsum(counts) - counts
-        order = np.argsort(slots, kind="stable")[slots.size - used.size :]  # -1s sort first
+        order, starts, counts = group_by_slot(slots, num_slots)
         active = np.flatnonzero(counts)
         groups = [(int(s), int(starts[s]), int(starts[s] + counts[s])) for s in active]
         width = int(counts.max())
@@ -92,6 +102,15 @@ class LoRAMetadata:
             if not np.array_equal(active, np.arange(len(active))):
                 md.active_slots = to(active, torch.int64)
         return md
+
+
+def group_by_slot(token_slots: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`token_slots [T]` int64 (-1: the base model) -> the tokens with a slot, grouped by slot in token order
+    (int64), and each of the `num_slots` slots' start among them and count (int32)."""
+    used = token_slots[token_slots >= 0]
+    counts = np.bincount(used, minlength=num_slots)
+    order = np.argsort(token_slots, kind="stable")[token_slots.size - used.size :]  # -1s sort first
+    return order, (np.cumsum(counts) - counts).astype(np.int32), counts.astype(np.int32)
 
 
 def lora_shrink(x: torch.Tensor, a_stack: torch.Tensor, md: LoRAMetadata, backend: str = "torch") -> torch.Tensor:

@@ -26,7 +26,8 @@ from tiffin.quant.base import rank_slice
 
 class LoRALayer:
     """Device slots of one Linear's adapters: `a [S, slices*R, in]`, `b [S, R, out]` (layouts in
-    tiffin.kernels.lora), in `dtype`; the delta is added to the base output in its own dtype."""
+    tiffin.kernels.lora), in `dtype`; the delta is added to the base output in its own dtype. The stacks are
+    allocated once and written in place (`set_slot`): CUDA graphs captured before any adapter loaded read them."""
 
     def __init__(
         self,
@@ -45,7 +46,7 @@ class LoRALayer:
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor, lora: LoRAMetadata | None) -> torch.Tensor:
         """`y` (the base output of `x`) plus each token's adapter delta; `lora`: the step's token -> slot map."""
-        if lora is None or not any(self.filled[: lora.num_slots]):
+        if lora is None or not (lora.graphed or any(self.filled[: lora.num_slots])):
             return y
         x2, y2 = x.reshape(-1, x.shape[-1]).to(self.a.dtype), y.view(-1, y.shape[-1])
         lora_apply(x2, self.a, self.b, y2, self.offsets, lora, self.backend)
@@ -97,6 +98,12 @@ class LoRASlots:
     def prepare(self, loras: list[LoRAModel | None], num_tokens: np.ndarray) -> LoRAMetadata | None:
         """Install this step's adapters into slots; the step's token -> slot metadata (None: no adapter).
         `loras[i]` is scheduled request i's adapter, which runs `num_tokens[i]` tokens."""
+        seq_slots = self.assign(loras)
+        return None if seq_slots is None else self.metadata(np.repeat(seq_slots, num_tokens))
+
+    def assign(self, loras: list[LoRAModel | None]) -> np.ndarray | None:
+        """Install the adapters of `loras` (one per scheduled request) into slots -> each request's slot (-1: the
+        base model), or None when none has an adapter."""
         needed = {m.identity: m for m in loras if m is not None}
         if not needed:
             return None
@@ -108,8 +115,7 @@ class LoRASlots:
                 slot_of[identity] = self._install(model, set(slot_of.values()))
         for slot in slot_of.values():
             self.slot_lru.move_to_end(slot)
-        seq_slots = np.array([-1 if m is None else slot_of[m.identity] for m in loras], dtype=np.int64)
-        return self.metadata(np.repeat(seq_slots, num_tokens))
+        return np.array([-1 if m is None else slot_of[m.identity] for m in loras], dtype=np.int64)
 
     def metadata(self, token_slots: np.ndarray) -> LoRAMetadata:
         return LoRAMetadata.build(token_slots, self.device, self.dtype)

@@ -1,8 +1,9 @@
 """Decode-only steps padded to a few batch sizes, their inputs in persistent buffers, one CUDA graph per size.
 
-Invariant: a graph's inputs live in `DecodeBuffers` and are filled in place; its attention grid depends on the
-batch size alone (max_seq_len is max_model_len's). Padding rows run token 0 at position 0 into the dummy KV
-block past the pool; their outputs are never read."""
+Invariant: a graph's inputs live in `DecodeBuffers` and are filled in place, by the step's one upload; its
+attention grid depends on the batch size alone (max_seq_len is max_model_len's), and so do its LoRA kernels'
+(every slot, any group as large as the batch: `LoRAMetadata.graphed_over`). Padding rows run token 0 at position 0
+into the dummy KV block past the pool, on the base model; their outputs are never read."""
 
 import bisect
 import itertools
@@ -15,6 +16,7 @@ import torch
 from tiffin.engine.core.scheduler import SchedulerOutput
 from tiffin.engine.worker.batch import HostBatch, Upload, round16
 from tiffin.kernels import AttentionMetadata
+from tiffin.kernels.lora import LoRAMetadata, group_by_slot
 from tiffin.kernels.quant import DENSE_MIN_TOKENS
 
 MAX_GRAPH_BATCH = 512  # like vLLM: larger decode batches are compute-bound, launch overhead no longer shows
@@ -43,17 +45,30 @@ class DecodeBuffers:
     seq_lens: torch.Tensor
     block_tables: torch.Tensor  # [sizes[-1], max_blocks_per_seq rounded up to 16]
     query_start_loc: torch.Tensor  # 0..sizes[-1]: one token per sequence
+    lora_tokens: torch.Tensor | None  # [sizes[-1]] the tokens with an adapter, by slot (`group_by_slot`)
+    lora_starts: torch.Tensor | None  # [max_loras]
+    lora_counts: torch.Tensor | None  # [max_loras]; None: no LoRA
 
 
 class DecodeGraphs:
     """Pads decode-only steps of up to `sizes[-1]` sequences to the next of `sizes`; on CUDA, replays the size's
     graph (`capture`), elsewhere runs the same padded inputs eagerly (how the tests run this path on CPU)."""
 
-    def __init__(self, sizes: list[int], device: torch.device, block_size: int, dummy_block: int, max_blocks: int):
+    def __init__(
+        self,
+        sizes: list[int],
+        device: torch.device,
+        block_size: int,
+        dummy_block: int,
+        max_blocks: int,
+        max_loras: int = 0,
+    ):
+        """`max_loras`: the LoRA slots (0: no LoRA)."""
         self.sizes, self.device, self.block_size, self.dummy = sizes, device, block_size, dummy_block
-        self.max_seq_len = max_blocks * block_size
+        self.max_seq_len, self.max_loras = max_blocks * block_size, max_loras
         n = sizes[-1]
         ints = lambda fill, shape, dtype: torch.full(shape, fill, dtype=dtype, device=device)
+        lora = lambda length, dtype: ints(0, (length,), dtype) if max_loras else None
         self.buffers = DecodeBuffers(
             input_ids=ints(0, (n,), torch.int64),
             positions=ints(0, (n,), torch.int64),
@@ -61,6 +76,9 @@ class DecodeGraphs:
             seq_lens=ints(1, (n,), torch.int32),
             block_tables=ints(dummy_block, (n, round16(max_blocks)), torch.int32),
             query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=device),
+            lora_tokens=lora(n, torch.int64),
+            lora_starts=lora(max_loras, torch.int32),
+            lora_counts=lora(max_loras, torch.int32),
         )
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
@@ -71,10 +89,11 @@ class DecodeGraphs:
             return 0
         return self.sizes[bisect.bisect_left(self.sizes, n)]
 
-    def stage(self, size: int, b: HostBatch, upload: Upload) -> Callable[[], None]:
+    def stage(self, size: int, b: HostBatch, upload: Upload, seq_slots: np.ndarray | None = None) -> Callable[[], None]:
         """Add the step's inputs, padded to `size` rows, to `upload`; the function returned copies them into the
-        buffers once it is sent (device to device). Stale block-table columns past this step's width are never
-        read: no row's context reaches them."""
+        buffers once it is sent (device to device). `seq_slots`: each sequence's LoRA slot (-1: none; None: no
+        sequence has one). Stale block-table columns past this step's width, and LoRA tokens past the groups' end,
+        are never read: no row's context reaches them, no slot's count."""
         buf, pad = self.buffers, size - len(b.seq_lens)
         padded = lambda a, fill, dtype: np.concatenate([a, np.full((pad, *a.shape[1:]), fill, a.dtype)]).astype(dtype)
         parts = [
@@ -87,6 +106,16 @@ class DecodeGraphs:
                 upload.add(padded(b.block_tables, self.dummy, np.int32)),
             ),
         ]
+        if self.max_loras:
+            token_slots = np.full(size, -1, np.int64)
+            if seq_slots is not None:
+                token_slots[: len(seq_slots)] = seq_slots
+            tokens, starts, counts = group_by_slot(token_slots, self.max_loras)
+            parts += [
+                (buf.lora_tokens[: len(tokens)], upload.add(tokens)),
+                (buf.lora_starts, upload.add(starts)),
+                (buf.lora_counts, upload.add(counts)),
+            ]
 
         def fill() -> None:
             for dst, part in parts:
@@ -103,7 +132,7 @@ class DecodeGraphs:
             return hidden
         seq_lens = b.seq_lens.tolist() + [1] * (size - len(b.seq_lens))
         buf = self.buffers
-        return model(buf.input_ids[:size], buf.positions[:size], self.metadata(size, seq_lens))
+        return model(buf.input_ids[:size], buf.positions[:size], self.metadata(size, seq_lens), self.lora(size))
 
     def metadata(self, size: int, seq_lens: list[int]) -> AttentionMetadata:
         """Views of the buffers. max_seq_len is max_model_len's, whatever the step's contexts: the attention grid
@@ -120,18 +149,25 @@ class DecodeGraphs:
             max_seq_len=self.max_seq_len,
         )
 
+    def lora(self, size: int) -> LoRAMetadata | None:
+        """Views of the LoRA buffers (None without LoRA)."""
+        buf = self.buffers
+        if buf.lora_tokens is None:
+            return None
+        return LoRAMetadata.graphed_over(buf.lora_tokens[:size], buf.lora_starts, buf.lora_counts)
+
     @torch.inference_mode()
     def capture(self, model: Callable) -> None:
         """Largest size first, so that the smaller graphs reuse its memory pool. Each size runs once eagerly
         first: Triton compiles and cuBLAS picks its kernels outside the capture."""
         buf, pool = self.buffers, None
         for size in reversed(self.sizes):
-            attn_metadata = self.metadata(size, [1] * size)
+            attn_metadata, lora = self.metadata(size, [1] * size), self.lora(size)
             ids, pos = buf.input_ids[:size], buf.positions[:size]
-            model(ids, pos, attn_metadata)
+            model(ids, pos, attn_metadata, lora)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                hidden = model(ids, pos, attn_metadata)
+                hidden = model(ids, pos, attn_metadata, lora)
             pool = graph.pool()
             self.graphs[size] = graph, hidden

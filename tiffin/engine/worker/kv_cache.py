@@ -19,7 +19,6 @@ from tiffin.engine.core.sequence import Sequence
 from tiffin.engine.models.config import ModelConfig
 from tiffin.engine.sampling_params import SamplingParams
 from tiffin.engine.worker.batch import synthetic_step
-from tiffin.engine.worker.cuda_graphs import DecodeGraphs
 from tiffin.kernels import kv_quant
 
 CPU_KV_CACHE_CAP = 4 << 30  # bytes; like vLLM's CPU backend default
@@ -218,9 +217,7 @@ def profile_memory(runner, probe: MemoryProbe) -> MemoryProfile:
     graphs = 0
     if runner.policy.capture_graphs:
         before = probe.memory_reserved(runner.device)
-        decode = DecodeGraphs(
-            runner.decode_graph_sizes(), runner.device, block_size, runner.num_blocks, runner.max_blocks_per_seq
-        )
+        decode = runner.new_decode_graphs(runner.decode_graph_sizes())
         decode.capture(runner.model)
         probe.synchronize(runner.device)
         graphs = probe.memory_reserved(runner.device) - before

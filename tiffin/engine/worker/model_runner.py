@@ -125,7 +125,10 @@ class ModelRunner:
         pooled = None
         if size:
             batch = self.host_batch(scheduler_output)
-            fill = self.decode_graphs.stage(size, batch, upload)
+            seq_slots = (
+                None if self.lora_slots is None else self.lora_slots.assign([s.lora for s in scheduler_output.seqs])
+            )
+            fill = self.decode_graphs.stage(size, batch, upload, seq_slots)
             logits_indices = upload.add(batch.logits_indices.astype(np.int64))
             upload.send()
             hidden = self.decode_graphs.run(size, batch, self.model, fill)
@@ -265,9 +268,17 @@ class ModelRunner:
     def pad_decodes(self, sizes: list[int]) -> None:
         """Pad decode-only steps of up to `sizes[-1]` sequences to the next of `sizes` (`DecodeGraphs`); on
         CUDA, capture one graph per size."""
-        self.decode_graphs = DecodeGraphs(sizes, self.device, self.block_size, self.num_blocks, self.max_blocks_per_seq)
+        self.decode_graphs = self.new_decode_graphs(sizes)
         if self.device.type == "cuda":
             self.decode_graphs.capture(self.model)
+
+    def new_decode_graphs(self, sizes: list[int]) -> DecodeGraphs:
+        """Buffers for decode steps padded to `sizes`, LoRA's too with adapters (whose graphed metadata only the
+        Triton kernels take)."""
+        if self.lora_slots is not None and self.backend != "triton":
+            raise ValueError(f"padded decode steps with LoRA need the Triton kernels, not {self.backend!r}")
+        max_loras = 0 if self.lora_slots is None else self.config.max_loras
+        return DecodeGraphs(sizes, self.device, self.block_size, self.num_blocks, self.max_blocks_per_seq, max_loras)
 
     def allocate_kv_cache(self) -> None:
         """`kv_tensors`: every tensor of the pool, blocks on dim 2 (`KVCacheSpec.allocate`); `kv_cache` the first."""

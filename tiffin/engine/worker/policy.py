@@ -34,11 +34,7 @@ def choose_policy(
         pad_prefills=cpu and backend == "torch" and dtype != torch.float32 and has_amx and not config.enable_lora,
         # the interpreter compiles nothing; tensor-parallel steps are collective (no lone warm-up forwards)
         warm_up_triton=device.type == "cuda" and backend == "triton" and single,
-        # graphs pay where launches dominate; the torch attention builds per-step host tensors; LoRA metadata is
-        # not in persistent buffers yet; a tensor-parallel step is broadcast to the other ranks, not replayed
-        capture_graphs=device.type == "cuda"
-        and backend == "triton"
-        and not config.enforce_eager
-        and not config.enable_lora
-        and single,
+        # graphs pay where launches dominate; the torch attention (and LoRA) builds per-step host tensors; a
+        # tensor-parallel step is broadcast to the other ranks, not replayed
+        capture_graphs=device.type == "cuda" and backend == "triton" and not config.enforce_eager and single,
     )

@@ -1,10 +1,12 @@
 """Work done at start so that serving never pays a first-use cost: every Triton kernel variant compiled, and on
 CPUs with AMX every padded GEMM size built by oneDNN."""
 
+import numpy as np
 import torch
 
 from tiffin.engine.models.linear import Embedding, Linear
 from tiffin.engine.worker.batch import padded_tokens, synthetic_step
+from tiffin.kernels.lora import LoRAMetadata, lora_apply
 from tiffin.kernels.quant import DENSE_MIN_TOKENS
 
 
@@ -15,7 +17,7 @@ def warm_up_triton(runner) -> None:
     attention by batch and token counts as Triton specializes them (1, a multiple of 16, other) and, for
     decode-only steps, KV splits, which follow the batch size and the longest context. The steps run the model on
     the runner's own KV cache, so a quantized one (`kv_cache_dtype`) warms its quantized write and attention
-    variants. LoRA kernels launch only with an adapter loaded and are not covered yet."""
+    variants. With `enable_lora`, the LoRA kernels too (`warm_up_lora`)."""
     # here, not at the top: a torch-backend process never imports triton
     from tiffin.kernels.triton_attention import MIN_SPLIT_TOKENS
     from tiffin.kernels.triton_common import MAX_SPLITS, num_sms
@@ -43,6 +45,33 @@ def warm_up_triton(runner) -> None:
             x = torch.zeros(DENSE_MIN_TOKENS, layer.input_size, dtype=runner.model_config.dtype, device=runner.device)
             for m in range(1, DENSE_MIN_TOKENS + 1):  # the fused GEMM's tiles and splits, then the dense path's
                 layer.method.apply(layer, x[:m])
+    if runner.lora_slots is not None:
+        warm_up_lora(runner)
+
+
+@torch.inference_mode()
+def warm_up_lora(runner) -> None:
+    """Launch every LoRA shrink/expand variant a step can reach, on the empty (zeroed) slots: per distinct adapter
+    layer and tile class of the largest slot group (`_block_m`: up to 16, 32, more tokens), the fewest programs (one
+    slot, the class's fewest tokens) and the most (every slot, its most tokens). Split-K falls as programs grow, so
+    the two bound the choices between; each runs at a token count divisible by 16 and one not (the stride of the
+    split-K partials)."""
+    slots, most = runner.lora_slots, runner.config.max_num_batched_tokens
+    layers = {(a.a.shape, a.b.shape, tuple(a.offsets)): a for a in (m.adapters for m in slots.layers.values())}
+    cases = set()
+    for lo, hi in ((1, 16), (17, 32), (33, most)):
+        for group, used in ((lo, 1), (min(hi, most - slots.max_loras + 1), slots.max_loras)):
+            first, even = group + used - 1, -(-(group + used - 1) // 16) * 16  # the group, a token on each other slot
+            if group >= lo:
+                cases |= {(group, used, t) for t in (first, even, even + 1) if t <= most}
+    for group, used, tokens in sorted(cases):
+        token_slots = np.full(tokens, -1)  # the tokens past the groups run the base model
+        token_slots[: group + used - 1] = np.r_[np.zeros(group, int), np.arange(1, used)]
+        md = LoRAMetadata.build(token_slots, runner.device, slots.dtype)
+        for layer in layers.values():
+            x = torch.zeros(tokens, layer.input_size, dtype=slots.dtype, device=runner.device)
+            y = torch.zeros(tokens, layer.b.shape[2], dtype=runner.model_config.dtype, device=runner.device)
+            lora_apply(x, layer.a, layer.b, y, layer.offsets, md, layer.backend)
 
 
 @torch.inference_mode()
