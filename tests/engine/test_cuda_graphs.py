@@ -123,6 +123,22 @@ def test_graphed_decode_with_lora_equals_eager(tiny_model, cuda_emulation, no_wa
     assert all(n == 1 for replayed, n in uploads if replayed), uploads  # a graphed step's one upload, LoRA's too
 
 
+def test_an_eager_lora_step_uploads_once(tiny_model, cuda_emulation, no_warm_up, tmp_path):
+    """A prefill beside decodes, with an adapter (installed the step before): one pinned upload, the adapter's
+    token -> slot grouping in it. Before, the grouping's arrays were copies of their own (4 more, pageable)."""
+    path = tiny_model("llama")
+    adapter = LoRARequest("qv-r8", 1, str(make_adapter(path, tmp_path / "qv", 0, **ADAPTERS["qv-r8"])))
+    engine = build(path, eager=True, enable_lora=True, max_loras=2).llm_engine
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.add_request("a", PROMPTS[0], params, adapter)
+    engine.step()  # installs the adapter
+    engine.add_request("b", PROMPTS[1], params, adapter)
+    engine.add_request("c", PROMPTS[2], params)
+    cuda_emulation.reset_counts()
+    engine.step()
+    assert len(cuda_emulation.uploads) == 1 and cuda_emulation.uploads[0].endswith("pinned"), cuda_emulation.uploads
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", pytest.param("fp8_e4m3", marks=pytest.mark.slow)])
 def test_graphed_decode_equals_eager_quantized_kv_cache(tiny_model, cuda_emulation, no_warm_up, kv_cache_dtype):
     """Quantized KV caches (#28): the graphs replay the Triton kernels that write codes and scales (keys rotated

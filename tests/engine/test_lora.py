@@ -63,13 +63,13 @@ def interleaved(prompts, dirs) -> list[str | None]:
 def record_steps(llm: LLM) -> list[set]:
     """Distinct adapters of every step the model runner executes."""
     slots = llm.llm_engine.model_runner.lora_slots
-    steps, prepare = [], slots.prepare
+    steps, stage = [], slots.stage
 
-    def spy(loras, num_tokens):
+    def spy(loras, num_tokens, add):
         steps.append({(m.identity if m else None) for m in loras})
-        return prepare(loras, num_tokens)
+        return stage(loras, num_tokens, add)
 
-    slots.prepare = spy
+    slots.stage = spy
     return steps
 
 

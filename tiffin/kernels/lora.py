@@ -17,6 +17,7 @@ however many adapters mix; when one group dwarfs the others (a long prefill chun
 would multiply the work, so it runs one GEMM per slot on the tokens gathered in slot order.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,7 +64,21 @@ class LoRAMetadata:
     @classmethod
     def build(cls, token_slots: np.ndarray, device: torch.device, dtype: torch.dtype) -> "LoRAMetadata":
         """`token_slots [T]`: slot per token, -1 for the base model (at least one must use a slot); `dtype`:
-        the stacks' dtype."""
+        the stacks' dtype. Its arrays copied to `device` one by one: a step sends them with its batch (`staged`)."""
+        arrays = []
+
+        def add(a: np.ndarray) -> int:
+            arrays.append(a)
+            return len(arrays) - 1
+
+        return cls.staged(token_slots, dtype, add)(lambda i: torch.from_numpy(arrays[i]).to(device))
+
+    @classmethod
+    def staged(
+        cls, token_slots: np.ndarray, dtype: torch.dtype, add: Callable[[np.ndarray], int]
+    ) -> Callable[[Callable[[int], torch.Tensor]], "LoRAMetadata"]:
+        """`build` in two halves around a step's one upload: its host arrays given to `add` (which returns a
+        handle) now, the metadata made from their device copies (`get(handle)`) by the returned function."""
         slots = np.asarray(token_slots, dtype=np.int64)
         used = slots[slots >= 0]
         if used.size == 0:
@@ -72,20 +87,10 @@ class LoRAMetadata:
         order, starts, counts = group_by_slot(slots, num_slots)
         active = np.flatnonzero(counts)
         groups = [(int(s), int(starts[s]), int(starts[s] + counts[s])) for s in active]
-        width = int(counts.max())
+        max_slot_tokens = width = int(counts.max())
         padded = len(groups) * width <= PAD_LIMIT * used.size
-        to = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a)).to(device, dt)
-        md = cls(
-            int(slots.size),
-            to(order, torch.int64),
-            to(starts, torch.int32),
-            to(counts, torch.int32),
-            num_slots,
-            width,
-            groups,
-            padded,
-            token_slots=slots,
-        )
+        grouped = [add(order), add(starts), add(counts)]
+        layout = {}
         if padded:
             if used.size < slots.size and len(groups) * width == used.size:
                 width += 1  # base tokens need a padding row to read zeros from
@@ -95,13 +100,27 @@ class LoRAMetadata:
             pad_rows = np.flatnonzero(~real.reshape(-1))
             rows = np.full(slots.size, pad_rows[0] if pad_rows.size else 0)  # base tokens read a zeroed row
             rows[order] = np.flatnonzero(real)
-            md.pad_width = width
-            md.padded_tokens = to(order[np.minimum(cols, n - 1) + starts[active, None]].reshape(-1), torch.int64)
-            md.padded_real, md.pad_mask = to(np.flatnonzero(real), torch.int64), to(real[:, :, None], dtype)
-            md.token_rows = to(rows, torch.int64)
+            layout = {
+                "padded_tokens": add(order[np.minimum(cols, n - 1) + starts[active, None]].reshape(-1)),
+                "padded_real": add(np.flatnonzero(real)),
+                "pad_mask": add(real[:, :, None].astype(np.float32)),
+                "token_rows": add(rows),
+            }
             if not np.array_equal(active, np.arange(len(active))):
-                md.active_slots = to(active, torch.int64)
-        return md
+                layout["active_slots"] = add(active)
+
+        def finish(get: Callable[[int], torch.Tensor]) -> "LoRAMetadata":
+            on_device = {name: get(handle) for name, handle in layout.items()}
+            if "pad_mask" in on_device:
+                on_device["pad_mask"] = on_device["pad_mask"].to(dtype)
+            grouping = [get(handle) for handle in grouped]
+            pad_width = width if padded else 0
+            return cls(
+                int(slots.size), *grouping, num_slots, max_slot_tokens, groups, padded, **on_device,
+                pad_width=pad_width, token_slots=slots,
+            )  # fmt: skip
+
+        return finish
 
 
 def group_by_slot(token_slots: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

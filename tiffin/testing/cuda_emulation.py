@@ -170,13 +170,14 @@ class CudaEmulation:
     # -- install -----------------------------------------------------------------------------------------------
 
     def __enter__(self) -> "CudaEmulation":
-        from tiffin.kernels import kv_quant, triton_common
+        from tiffin.kernels import kv_quant, triton_common, triton_lora
 
         self._patches = stack = contextlib.ExitStack()
         emu = self
         # device tensors cached by (size, device) outlive an emulation; the next one would see them as host memory
-        kv_quant._hadamard.cache_clear()
-        stack.callback(kv_quant._hadamard.cache_clear)
+        for cached in (kv_quant._hadamard, triton_lora._offsets):
+            cached.cache_clear()
+            stack.callback(cached.cache_clear)
 
         def patch(owner, name, value):
             old = getattr(owner, name)

@@ -12,6 +12,7 @@ Rank 0 decides the slots; the other ranks install what it sends with the step (`
 """
 
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -95,11 +96,14 @@ class LoRASlots:
         no mutable state, so any thread may call it."""
         return load_lora_model(request, self.layers, self.stacked_modules, self.max_lora_rank, self.dtype, roots)
 
-    def prepare(self, loras: list[LoRAModel | None], num_tokens: np.ndarray) -> LoRAMetadata | None:
-        """Install this step's adapters into slots; the step's token -> slot metadata (None: no adapter).
-        `loras[i]` is scheduled request i's adapter, which runs `num_tokens[i]` tokens."""
+    def stage(
+        self, loras: list[LoRAModel | None], num_tokens: np.ndarray, add: Callable[[np.ndarray], int]
+    ) -> Callable[[Callable[[int], torch.Tensor]], LoRAMetadata] | None:
+        """Install this step's adapters into slots and stage the step's token -> slot metadata with its upload
+        (`LoRAMetadata.staged`); None when no request has an adapter. `loras[i]` is scheduled request i's
+        adapter, which runs `num_tokens[i]` tokens."""
         seq_slots = self.assign(loras)
-        return None if seq_slots is None else self.metadata(np.repeat(seq_slots, num_tokens))
+        return None if seq_slots is None else LoRAMetadata.staged(np.repeat(seq_slots, num_tokens), self.dtype, add)
 
     def assign(self, loras: list[LoRAModel | None]) -> np.ndarray | None:
         """Install the adapters of `loras` (one per scheduled request) into slots -> each request's slot (-1: the

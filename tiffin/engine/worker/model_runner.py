@@ -241,6 +241,8 @@ class ModelRunner:
             starts = np.cumsum(b.query_lens) - b.query_lens
             host = PoolingMetadata.host_arrays(starts[pools], b.query_lens[pools])
             pooling_parts = [upload.add(a) for a in host]
+        loras = [s.lora for s in scheduler_output.seqs]
+        lora = None if self.lora_slots is None else self.lora_slots.stage(loras, b.query_lens, upload.add)
         upload.send()
         input_ids, positions, slots, query_start_loc, seq_lens, block_tables, logits_indices = map(upload.get, parts)
         attn = kernels.AttentionMetadata(
@@ -253,13 +255,8 @@ class ModelRunner:
             max_query_len=int(np.diff(b.query_start_loc).max()),
             max_seq_len=int(b.seq_lens.max()),
         )
-        lora = (
-            None
-            if self.lora_slots is None
-            else self.lora_slots.prepare([s.lora for s in scheduler_output.seqs], b.query_lens)
-        )
         pooling = None if pooling_parts is None else PoolingMetadata(*map(upload.get, pooling_parts))
-        return ModelInput(input_ids, positions, attn, logits_indices, lora, pooling)
+        return ModelInput(input_ids, positions, attn, logits_indices, lora and lora(upload.get), pooling)
 
     def decode_graph_sizes(self) -> list[int]:
         """The batch sizes decode steps are padded to and captured at (a quantized model's stay on its fused GEMMs)."""
