@@ -280,6 +280,8 @@ class MessagesBuilder(AnswerBuilder):
     (with the first output: it carries the prompt's token counts), each block's start, deltas and stop, then
     `message_delta` (stop reason, output tokens) and `message_stop`."""
 
+    named_events = True
+
     def __init__(self, model: str, reader: AnswerReader) -> None:
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
         self.model, self.reader = model, reader
@@ -331,9 +333,6 @@ class MessagesBuilder(AnswerBuilder):
 
     def error_event(self, message: str) -> dict:
         return error_body(APIError(500, message))
-
-    def sse(self, event: dict) -> str:
-        return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
 
     def _message(self, content: list[dict], usage: dict) -> dict:
         return {

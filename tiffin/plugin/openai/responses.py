@@ -44,6 +44,7 @@ class AnswerBuilder(ABC):
 
     id: str
     stream_end: ClassVar[str] = ""
+    named_events: ClassVar[bool] = False  # each event also names its `type` in an `event:` line (Responses, Messages)
 
     @abstractmethod
     def response(self, finals: list[RequestOutput]) -> dict:
@@ -63,8 +64,9 @@ class AnswerBuilder(ABC):
         return {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
 
     def sse(self, event: dict) -> str:
-        """An event as a server-sent event: OpenAI's classic endpoints send data lines only."""
-        return f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+        """An event as a server-sent event: a data line (OpenAI's classic endpoints), after its name when named."""
+        name = f"event: {event['type']}\n" if self.named_events else ""
+        return f"{name}data: {json.dumps(event, ensure_ascii=False)}\n\n"
 
 
 class ResponseBuilder(AnswerBuilder):

@@ -12,7 +12,6 @@ Invariants:
 - A refused field is named as the Responses API names it (`input`, `text`, `max_output_tokens`), not as the chat
   request it was translated into."""
 
-import json
 import time
 import uuid
 from typing import TYPE_CHECKING, Any, Literal
@@ -191,6 +190,8 @@ class ResponsesBuilder(AnswerBuilder):
     """One Response: its output items built from the choice's answer as it grows (`AnswerStream`), every event
     numbered, the final Response stored when the request asked."""
 
+    named_events = True
+
     def __init__(
         self,
         req: ResponsesRequest,
@@ -247,9 +248,6 @@ class ResponsesBuilder(AnswerBuilder):
 
     def error_event(self, message: str) -> dict:
         return self._event("error", code="server_error", message=message, param=None)
-
-    def sse(self, event: dict) -> str:
-        return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
 
     def _event(self, kind: str, **fields) -> dict:
         self.sequence_number += 1
