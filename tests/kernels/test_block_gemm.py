@@ -3,6 +3,8 @@ arithmetic (exact integer block dot products at one or two activation levels, or
 reference against float64 algebra on the dequantized weight and activations, and the repacking of GGUF / AWQ /
 GPTQ weights against each format's own dequantization."""
 
+import os
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ from tiffin.kernels import cpu_native
 from tiffin.kernels.quant import awq_dequantize, gguf_dequantize, gptq_dequantize, unpack_awq, unpack_cols, unpack_rows
 
 native = pytest.mark.skipif(cpu_native.library() is None, reason="no C++ compiler: the native kernels are not built")
-SHAPES = [(1, 64, 1), (1, 576, 960), (3, 96, 17), (7, 1056, 33), (64, 1536, 40), (300, 544, 7)]  # (M, K, N)
+SHAPES = [(1, 64, 1), (1, 576, 960), (3, 96, 17), (7, 1056, 33), (50, 1088, 100), (64, 1536, 40), (300, 544, 7)]  # (M, K, N)
 
 
 def random_blocks(n: int, k: int, bits: int, seed: int, levels: int = 1) -> ig.BlockWeights:
@@ -48,6 +50,13 @@ def test_prompt_sized_inputs_take_bf16_dot_products_at_two_levels():
     got = ig.block_gemm(large, w2).double()
     tolerance = 1e-5 if ig.in_bf16(large, w2) else 1e-3  # without the CPU's bf16: 15-bit activations
     torch.testing.assert_close(got, want, rtol=0, atol=tolerance * float(want.abs().max()))
+
+
+@native
+def test_prompt_sized_steps_take_the_matrix_units_where_the_cpu_has_them():
+    amx = cpu_native.library().tiffin_quant_kernels().decode().count("AMX") == 1
+    wanted = os.environ.get("TIFFIN_CPU_AMX") != "0"
+    assert amx == (wanted and cpu_native.bf16_min_rows() is not None and torch.cpu._is_amx_tile_supported())
 
 
 @native

@@ -10,7 +10,8 @@ Activations are quantized per row and block (`quantize_activations`): one level 
 127`, llama.cpp's scheme) or two (15 bits), so a block contributes `d * dx * sum(q * qx) + m * dx * sum(qx)`: an
 exact integer dot product, then fp32. At two levels, steps from `cpu_native.bf16_min_rows()` rows on (bound by
 arithmetic, not by reading the weights) run bf16 dot products instead (`in_bf16`). `block_gemm_reference` is each
-arithmetic in torch; the native kernels (`kernels/csrc/cpu_quant*.cpp`) compute the same with AVX-512 VNNI / BF16.
+arithmetic in torch; the native kernels (`kernels/csrc/cpu_quant*.cpp`) compute the same with AVX-512 VNNI / BF16
+or AMX bf16 tiles.
 
 Layout (`BlockWeights`), rows interleaved by 16 (padded with zero rows) so that a vector lane is an output row:
 `codes` uint8 `[groups, blocks * 16 * 32 * bits / 8]`, per group and block the registers of 16 rows x 4 inputs

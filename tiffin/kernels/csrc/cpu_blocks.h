@@ -3,10 +3,16 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define TIFFIN_VNNI 1
+#endif
+#if TIFFIN_VNNI && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define TIFFIN_AMX 1
 #endif
 
 namespace {
@@ -79,6 +85,32 @@ struct Weights {
   int64_t n;  // rows, before padding to whole groups
 };
 
+#if TIFFIN_AMX
+// Intel AMX (Xeon from Sapphire Rapids): 8 tile registers of up to 16 rows of 64 bytes. Linux hands out their
+// state only on request, once per process. TIFFIN_CPU_AMX=0 keeps to AVX-512 (to compare the two).
+inline bool amx_usable() {
+  static const bool granted = [] {
+    const char* setting = std::getenv("TIFFIN_CPU_AMX");
+    if (setting && std::strcmp(setting, "0") == 0) return false;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  }();
+  return granted;
+}
+
+// The calling thread's tile shapes: tile t has rows[t] rows of colsb[t] bytes.
+inline void configure_tiles(const uint16_t (&colsb)[8], const uint8_t (&rows)[8]) {
+  struct {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  } config;
+  for (int t = 0; t < 8; ++t) config.colsb[t] = colsb[t], config.rows[t] = rows[t];
+  asm volatile("ldtilecfg %0" ::"m"(config));  // GCC 12 drops the stores before `_tile_loadconfig(&config)`
+}
+#else
+inline bool amx_usable() { return false; }
+#endif
+
 #if TIFFIN_VNNI
 // The first `lanes` (of 16) outputs in `acc` to y's elements at..at+lanes, as out_dtype.
 inline void store_outputs(__m512 acc, void* y, int out_dtype, int64_t at, int64_t lanes) {
@@ -93,7 +125,7 @@ inline void store_outputs(__m512 acc, void* y, int out_dtype, int64_t at, int64_
 #endif
 }  // namespace
 
-// The bf16 GEMM (cpu_quant_bf16.cpp): built where the CPU has AVX-512 BF16.
+// The bf16 GEMM (cpu_quant_bf16.cpp): built where the CPU has AVX-512 BF16 (1), on AMX tiles where it has those (2).
 extern "C" int tiffin_bf16_gemm_built();
 extern "C" void tiffin_bf16_gemm(int dtype, const void* x, int64_t x_stride, int64_t m, int64_t k, int bits,
                                  const Weights& w, int out_dtype, void* y, int64_t y_stride, int threads);

@@ -230,13 +230,19 @@ extern "C" void tiffin_quantize_acts(int dtype, const void* x, int64_t x_stride,
 
 // The fewest activation rows that take bf16 dot products at two levels (from about here arithmetic, not reading
 // the weights, bounds a call), or -1 where the CPU has none.
-extern "C" int64_t tiffin_bf16_min_rows() { return tiffin_bf16_gemm_built() ? 32 : -1; }
+extern "C" int64_t tiffin_bf16_min_rows() {
+  const int built = tiffin_bf16_gemm_built();
+  return built == 2 ? 16 : built == 1 ? 32 : -1;  // AMX tiles: their cost is turning the weights into bf16
+}
 
 // What this build computes quantized layers with, for the log.
 extern "C" const char* tiffin_quant_kernels() {
 #if TIFFIN_VNNI
-  return tiffin_bf16_gemm_built() ? "AVX-512 VNNI integer dot products; AVX-512 BF16 for prompt-sized steps"
-                                  : "AVX-512 VNNI integer dot products";
+  switch (tiffin_bf16_gemm_built()) {
+    case 2: return "AVX-512 VNNI integer dot products; AMX bf16 tiles for prompt-sized steps";
+    case 1: return "AVX-512 VNNI integer dot products; AVX-512 BF16 for prompt-sized steps";
+    default: return "AVX-512 VNNI integer dot products";
+  }
 #else
   return "portable C++ (no AVX-512 VNNI on this CPU: several times slower)";
 #endif
