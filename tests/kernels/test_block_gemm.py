@@ -53,6 +53,14 @@ def test_prompt_sized_inputs_take_bf16_dot_products_at_two_levels():
 
 
 @native
+@pytest.mark.parametrize("bits", [4, 8])
+def test_native_row_lookup_is_the_dequantized_weight(bits):
+    w, rows = random_blocks(40, 96, bits, seed=5), torch.tensor([0, 17, 39, 17])
+    want = ig.dequantize_blocks(w)[rows]  # the whole weight, in torch
+    torch.testing.assert_close(ig.dequantize_blocks(w, rows), want, rtol=1e-6, atol=0)
+
+
+@native
 def test_prompt_sized_steps_take_the_matrix_units_where_the_cpu_has_them():
     amx = cpu_native.library().tiffin_quant_kernels().decode().count("AMX") == 1
     wanted = os.environ.get("TIFFIN_CPU_AMX") != "0"

@@ -143,7 +143,9 @@ def _per_row(t: torch.Tensor, w: BlockWeights, rows: torch.Tensor) -> torch.Tens
 
 def dequantize_blocks(w: BlockWeights, rows: torch.Tensor | None = None) -> torch.Tensor:
     """The weight `[N, K]` (or its rows `rows`) in float32: `q * d + m`, exact for GGUF's blocks (each product
-    and sum is representable)."""
+    and sum is representable); a few rows (an embedding lookup) in one native pass where it is built."""
+    if rows is not None and rows.device.type == "cpu" and cpu_native.library() is not None:
+        return cpu_native.dequantize_rows(w.codes, w.scales, w.offsets, w.bits, w.in_features, rows)
     rows = torch.arange(w.out_features) if rows is None else rows
     q = unpack_codes(w, rows).view(len(rows), -1, BLOCK).float()
     d, m = _per_row(w.scales, w, rows)[..., None], _per_row(w.offsets, w, rows)[..., None]

@@ -36,6 +36,7 @@ _ROTARY_ARGS = [_i32, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i32, _i32, _i32
 _ARGMAX_ARGS = [_i32, _ptr, _i64, _ptr, _i64, _i64, _i32]
 _BLOCK_GEMM_ARGS = [_i32, _ptr, _i64, _i64, _i64, _i32, _ptr, _i64, _ptr, _ptr, _i32, _ptr, _i64, _i32, _i32]
 _QUANTIZE_ACTS_ARGS = [_i32, _ptr, _i64, _i64, _i64, _i32, _ptr, _ptr, _ptr, _ptr, _i32]
+_DEQUANTIZE_ROWS_ARGS = [_ptr, _ptr, _ptr, _i32, _i64, _ptr, _i64, _ptr]
 _DECODE_LAYERS_ARGS = [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i32]
 
 
@@ -62,6 +63,7 @@ def library() -> ctypes.CDLL | None:
     lib.tiffin_block_gemm.argtypes, lib.tiffin_block_gemm.restype = _BLOCK_GEMM_ARGS, None
     lib.tiffin_quantize_acts.argtypes, lib.tiffin_quantize_acts.restype = _QUANTIZE_ACTS_ARGS, None
     lib.tiffin_decode_layers.argtypes, lib.tiffin_decode_layers.restype = _DECODE_LAYERS_ARGS, None
+    lib.tiffin_dequantize_rows.argtypes, lib.tiffin_dequantize_rows.restype = _DEQUANTIZE_ROWS_ARGS, None
     lib.tiffin_bf16_min_rows.argtypes, lib.tiffin_bf16_min_rows.restype = [], ctypes.c_int64
     lib.tiffin_quant_kernels.argtypes, lib.tiffin_quant_kernels.restype = [], ctypes.c_char_p
     logger.info("native CPU kernels for quantized layers: %s", lib.tiffin_quant_kernels().decode())
@@ -255,6 +257,17 @@ def block_gemm(
         code, x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], bits, *args, torch.get_num_threads()
     )
     return y
+
+
+def dequantize_rows(
+    codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int, k: int, rows: torch.Tensor
+) -> torch.Tensor:
+    """Weight rows `rows` in the block layout of `tiffin.kernels.block_gemm` -> `[len(rows), k]` float32."""
+    rows = rows.to(torch.int64).contiguous()
+    out = torch.empty(len(rows), k, dtype=torch.float32)
+    ptrs = (codes.data_ptr(), scales.data_ptr(), offsets.data_ptr())
+    library().tiffin_dequantize_rows(*ptrs, bits, k, rows.data_ptr(), len(rows), out.data_ptr())
+    return out
 
 
 def quantize_acts(x: torch.Tensor, levels: int = 1) -> tuple[torch.Tensor, ...]:

@@ -78,6 +78,14 @@ inline void store_value(void* y, int dtype, int64_t i, float v) {  // rounding t
   static_cast<uint16_t*>(y)[i] = h;
 }
 
+// Input j (0..31) of lane `lane`'s row in a block of codes (the layout above).
+inline int block_code(const uint8_t* block, int bits, int lane, int j) {
+  const int quad = j / 4, byte = 4 * lane + j % 4;
+  if (bits == 8) return block[quad * 64 + byte];
+  const uint8_t packed = block[(quad % 4) * 64 + byte];
+  return quad < 4 ? packed & 0x0F : packed >> 4;
+}
+
 struct Weights {
   const uint8_t* codes;
   const uint16_t* scales;

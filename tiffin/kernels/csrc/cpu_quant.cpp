@@ -164,14 +164,7 @@ void tile(const Acts& a, int64_t m0, const Weights& w, int64_t g0, void* y, int 
           const uint8_t* block = w.codes + (g * a.blocks + b) * block_bytes;
           int32_t dot = 0;
           for (int j = 0; j < QK; ++j) {
-            const int quad = j / 4, byte = 4 * l + j % 4;
-            int code;
-            if constexpr (BITS == 8) {
-              code = block[quad * 64 + byte];
-            } else {
-              const uint8_t packed = block[(quad % 4) * 64 + byte];
-              code = quad < 4 ? packed & 0x0F : packed >> 4;
-            }
+            const int code = block_code(block, BITS, l, j);
             const int32_t act = LEVELS == 1 ? a.q[row + b * QK + j] : 127 * a.q[row + b * QK + j] + a.q2[row + b * QK + j];
             dot += code * act;
           }
@@ -226,6 +219,22 @@ extern "C" void tiffin_quantize_acts(int dtype, const void* x, int64_t x_stride,
   std::memcpy(q2, a.q2.data(), a.q2.size());
   std::memcpy(dx, a.dx.data(), a.dx.size() * sizeof(float));
   std::memcpy(sx, a.sx.data(), a.sx.size() * sizeof(float));
+}
+
+// Weight rows `rows` as fp32 `out [count, k]`: `q * d + m` (a quantized token embedding's lookup).
+extern "C" void tiffin_dequantize_rows(const uint8_t* codes, const uint16_t* scales, const uint16_t* offsets, int bits,
+                                       int64_t k, const int64_t* rows, int64_t count, float* out) {
+  const int64_t blocks = k / QK, block_bytes = LANES * QK * bits / 8;
+  for (int64_t r = 0; r < count; ++r) {
+    const int64_t group = rows[r] / LANES, lane = rows[r] % LANES;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* block = codes + (group * blocks + b) * block_bytes;
+      const int64_t at = (group * blocks + b) * LANES + lane;
+      const float d = half_to_float(scales[at]), m = half_to_float(offsets[at]);
+      for (int j = 0; j < QK; ++j)
+        out[r * k + b * QK + j] = static_cast<float>(block_code(block, bits, static_cast<int>(lane), j)) * d + m;
+    }
+  }
 }
 
 // The fewest activation rows that take bf16 dot products at two levels (from about here arithmetic, not reading
