@@ -7,7 +7,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "cpu_types.h"
 
@@ -61,6 +65,55 @@ struct Decoder {
 };
 
 namespace {
+
+#if defined(__AVX512F__)
+// e^x for 16 lanes within ~2 ulp: x = n ln2 + r (Cody-Waite, |r| <= ln2 / 2), e^r by its Taylor series to r^7.
+inline __m512 exp16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 round_to(float, __m512 v) { return v; }
+inline __m512 round_to(bf16, __m512 v) {  // to bf16 and back, nearest even (from_float's rounding, NaN aside)
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
+  return _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(bf16* p, __m512 v) {  // v already rounded: its top halves
+  const __m512i top = _mm512_srli_epi32(_mm512_castps_si512(v), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(top));
+}
+#endif
+
+// act = silu(g) * u over n values, each rounded to T as torch's two ops round.
+template <typename T>
+void silu_and_mul(const T* g, const T* u, T* act, int64_t n) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  for (; j + 16 <= n; j += 16) {
+    const __m512 gate = load16(g + j);
+    const __m512 one = _mm512_set1_ps(1.f);
+    const __m512 silu = round_to(T{}, _mm512_div_ps(gate, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate)))));
+    store16(act + j, round_to(T{}, _mm512_mul_ps(silu, load16(u + j))));
+  }
+#endif
+  for (; j < n; ++j) {
+    const float gate = to_float(g[j]);
+    const float silu = to_float(from_float<T>(gate / (1.f + std::exp(-gate))));
+    act[j] = from_float<T>(silu * to_float(u[j]));
+  }
+}
 
 template <typename T>
 struct Step {
@@ -122,11 +175,7 @@ struct Step {
     linear(layer.gate_up, h.data(), gate_up.data());
     for (int64_t t = 0; t < tokens; ++t) {
       const T* g = &gate_up[t * 2 * inter];
-      for (int64_t j = 0; j < inter; ++j) {  // silu(g) * u, each rounded as torch's two ops round
-        const float gate = to_float(g[j]);
-        const float silu = to_float(from_float<T>(gate / (1.f + std::exp(-gate))));
-        act[t * inter + j] = from_float<T>(silu * to_float(g[inter + j]));
-      }
+      silu_and_mul(g, g + inter, &act[t * inter], inter);
     }
     linear(layer.down, act.data(), out.data());
   }

@@ -19,6 +19,8 @@
 // is `dx * (127 q1 + q2)` with `dx = max|x| / 127^2`, 15 bits a block (`q1` exact: `127 q1 + q2` fits 16 bits),
 // for two integer dot products a block where one does not reach the model's own answers (a flipped argmax on
 // SmolLM2-135M at one level, as llama.cpp's scheme flips it).
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -192,12 +194,15 @@ void rows(const Acts& a, int64_t m0, const Weights& w, int64_t g0, int64_t g1, v
 
 template <int BITS, int LEVELS>
 void gemm(const Acts& a, int64_t m, const Weights& w, void* y, int out_dtype, int64_t y_stride, int threads) {
-  constexpr int64_t GT = 4;  // row groups a task reads: their codes stay in L1 across the activation rows
-  const int64_t groups = (w.n + LANES - 1) / LANES, tasks = (groups + GT - 1) / GT;
-  // threads pay from ~32 KB of codes on (their start costs about a microsecond)
-#pragma omp parallel for num_threads(threads) schedule(static) if (m * groups * a.blocks >= 128)
-  for (int64_t t = 0; t < tasks; ++t) {
-    const int64_t g0 = t * GT, g1 = std::min(groups, g0 + GT);
+  constexpr int64_t GT = 4;  // row groups read together: their codes stay in L1 across the activation rows
+  const int64_t groups = (w.n + LANES - 1) / LANES;
+  // threads pay from ~32 KB of codes on (their start costs about a microsecond); each takes an equal share of the
+  // groups (whole tasks of GT would leave one thread a task more: 5 against 4 on a 576-row projection)
+#pragma omp parallel num_threads(threads) if (m * groups * a.blocks >= 128)
+  for (int64_t g0 = groups * omp_get_thread_num() / omp_get_num_threads(),
+               end = groups * (omp_get_thread_num() + 1) / omp_get_num_threads();
+       g0 < end; g0 += GT) {
+    const int64_t g1 = std::min(end, g0 + GT);
     int64_t m0 = 0;
     for (; m0 + 4 <= m; m0 += 4) rows<BITS, LEVELS, 4>(a, m0, w, g0, g1, y, out_dtype, y_stride);
     switch (m - m0) {
