@@ -406,7 +406,7 @@ def _write_kv_quantized_launch(key, value, k_cache, v_cache, slot_mapping, k_sca
     tc.check_kv_scales("write_kv", k_cache, k_scale, v_scale)
     if key.dtype not in tc.DTYPES or value.dtype != key.dtype:
         raise ValueError(f"write_kv: key/value dtypes must be one of {tc.DTYPES}, got {key.dtype}/{value.dtype}")
-    key, value = kv_quant.rotate(key), value.float()  # keys stored rotated (kv_quant), both quantized from fp32
+    key, value = kv_quant.rotate(key, exact=True), value.float()  # keys stored rotated (kv_quant), both from fp32
     num_tokens, num_kv_heads, head_dim = key.shape
     # heads of strided views of a fused qkv output are read in place; a copy only where head_dim is strided
     key = key if key.stride(2) == 1 else key.contiguous()
@@ -432,10 +432,18 @@ def _write_kv_quantized_launch(key, value, k_cache, v_cache, slot_mapping, k_sca
 
 @implements("paged_attention", "triton")
 def paged_attention_triton(
-    query, k_cache, v_cache, md: AttentionMetadata, scale: float, causal: bool = True, k_scale=None, v_scale=None
+    query,
+    k_cache,
+    v_cache,
+    md: AttentionMetadata,
+    scale: float,
+    causal: bool = True,
+    k_scale=None,
+    v_scale=None,
+    query_rotated=False,
 ) -> torch.Tensor:
     out = tc.empty(query.shape, query.dtype, query.device)
-    if k_scale is not None:  # against keys stored rotated (kv_quant)
+    if k_scale is not None and not query_rotated:  # against keys stored rotated (kv_quant)
         query = kv_quant.rotate(query).to(query.dtype)
     if query.shape[0]:
         kv = (k_cache, v_cache, md, scale, out)
