@@ -142,12 +142,12 @@ def test_an_eager_lora_step_uploads_once(tiny_model, cuda_emulation, no_warm_up,
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", pytest.param("fp8_e4m3", marks=pytest.mark.slow)])
 def test_graphed_decode_equals_eager_quantized_kv_cache(tiny_model, cuda_emulation, no_warm_up, kv_cache_dtype):
     """Quantized KV caches (#28): the graphs replay the Triton kernels that write codes and scales (keys rotated
-    after rope, so by the write kernel, not the fused rotary one) and read them back, through the scale tensors
-    the layers held at capture."""
+    after rope, in the fused rotary kernel) and read them back, through the scale tensors the layers held at
+    capture."""
     with tc.recording_launches() as launched:
         graphed_equals_eager(tiny_model("llama"), cuda_emulation, dtype="float16", kv_cache_dtype=kv_cache_dtype)
     quantized = {name for name, kwargs, _ in launched if dict(kwargs).get("KV_CODES") or dict(kwargs).get("CODES")}
-    assert quantized == {"_paged_attention_kernel", "_write_kv_quantized_kernel"}
+    assert quantized == {"_paged_attention_kernel", "_rotary_write_kv_kernel"}
 
 
 @pytest.mark.slow

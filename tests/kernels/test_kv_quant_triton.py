@@ -2,10 +2,11 @@
 under Triton's interpreter on CPU tensors, fp32 and fp16 queries (the interpreter computes bf16 wrongly).
 
 - `write_kv` and `rotary_write_kv` write the codes and scales `kv_quant.quantize` computes (of the keys rotated by
-  `kv_quant.rotate`), bit for bit: the kernels round with integer arithmetic on fp32 bits (int8 half to even as
-  torch's `round`, fp8 to nearest even as torch's cast), so there is no tie to excuse; the inputs include exact
-  ties, an all-zero head and values in fp8's subnormal range. (The torch backend's CPU write sums the rotation in
-  the native kernel's order, an ulp away: the reference here is `kv_quant` itself.)
+  `kv_quant.rotate(exact=True)`, which the fused kernel's fp64 butterflies reproduce), bit for bit: the kernels
+  round with integer arithmetic on fp32 bits (int8 half to even as torch's `round`, fp8 to nearest even as
+  torch's cast), so there is no tie to excuse; the inputs include exact ties, an all-zero head and values in fp8's
+  subnormal range. (The torch backend's CPU write sums the rotation in the native kernel's order, an ulp away:
+  the reference here is `kv_quant` itself.)
 - `paged_attention` reads a quantized cache as the torch implementation does: both within the dtype's tolerance
   of a float64 attention over the dequantized cache (prefill after a cached prefix, fresh prompts, decode,
   split-KV decode with its merge; GQA, block size 16, head dims 64 and 128).
@@ -50,7 +51,7 @@ def reference_write(key, value, slots, shape, codes: str) -> tuple:
     """The caches `kv_quant` says `key` and `value` make at `slots` (-1 skipped): keys rotated, then quantized."""
     caches, scales = empty_cache(shape, codes)
     keep = slots >= 0
-    for x, cache, scale in ((kv_quant.rotate(key), caches[0], scales[0]), (value, caches[1], scales[1])):
+    for x, cache, scale in ((kv_quant.rotate(key, exact=True), caches[0], scales[0]), (value, caches[1], scales[1])):
         c, s = kv_quant.quantize(x[keep], kv_quant.CACHE_DTYPES[codes])
         cache.view(torch.uint8).view(-1, *shape[2:])[slots[keep]] = c.view(torch.uint8)
         scale.view(-1, shape[2])[slots[keep]] = s
@@ -72,8 +73,9 @@ def hard_heads(tokens: int, num_kv_heads: int, head_dim: int, dtype, gen) -> tor
 @pytest.mark.parametrize("codes", CODES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
 @pytest.mark.parametrize("head_dim", [64, 80])  # 80: a block padded past the head, masked
-def test_write_kv_matches_quantize(codes, dtype, head_dim):
-    """Key and value as strided views of one fused qkv row, as the model passes them; slot -1 skipped."""
+def test_write_kv_matches_quantize(codes, dtype, head_dim, monkeypatch):
+    """Key and value as strided views of one fused qkv row, as the model passes them; slot -1 skipped. The kernel
+    rotates the keys itself (no fp64 matmul in torch before it)."""
     gen = torch.Generator().manual_seed(head_dim)
     num_kv_heads, tokens = 2, 6
     key = hard_heads(tokens, num_kv_heads, head_dim, dtype, gen)
@@ -82,9 +84,10 @@ def test_write_kv_matches_quantize(codes, dtype, head_dim):
     key, value = key.view(tokens, num_kv_heads, head_dim), value.view(tokens, num_kv_heads, head_dim)
     slots = torch.tensor([31, -1, 0, 79, 16, 5])
     shape = (5, 16, num_kv_heads, head_dim)
-    got = empty_cache(shape, codes)
+    want, got = reference_write(key, value, slots, shape, codes), empty_cache(shape, codes)
+    monkeypatch.setattr(kv_quant, "rotate", None)
     kernels.write_kv(key, value, *got[0], slots, "triton", *got[1])
-    assert_same_cache(got, reference_write(key, value, slots, shape, codes))
+    assert_same_cache(got, want)
     assert got[1][0].view(-1, num_kv_heads)[31, 0] == torch.finfo(torch.bfloat16).tiny  # the all-zero head
     if codes == "int8":  # the ties (a value head: keys are rotated) half to even: 0.5 -> 0, 1.5 -> 2, -0.5 -> -0
         tie_codes = got[0][1].view(-1, num_kv_heads, head_dim)[5, 1, :16].tolist()
@@ -101,11 +104,12 @@ def rope(head_dim: int, max_pos: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
 @pytest.mark.parametrize("head_dim", [48, 64])
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["", "qk_norm"])
-def test_rotary_write_kv_matches_quantize(codes, dtype, head_dim, qk_norm):
+@pytest.mark.parametrize("rotate_query", [False, True], ids=["", "rotate_query"])
+def test_rotary_write_kv_matches_quantize(codes, dtype, head_dim, qk_norm, rotate_query):
     """Four query heads on two KV heads: the roped queries equal the torch path's, the caches hold the codes and
-    scales of its roped keys and values. Head_dim 48 (halves of 24: a block padded past them) takes the fused
-    kernel, 64 rope, then the write of the keys rotated (kv_quant). With `qk_norm` the heads are RMS-normalized
-    (Qwen3) before the rope, in the kernel or before the rope respectively."""
+    scales of its roped keys and values. Head_dim 48 (halves of 24: a block padded past them) stores keys as they
+    are, 64 rotated by the Hadamard matrix (kv_quant), in the same kernel; `rotate_query` returns the queries
+    rotated alike there. With `qk_norm` the heads are RMS-normalized (Qwen3) before the rope."""
     gen = torch.Generator().manual_seed(7)
     heads, kv_heads, tokens = 4, 2, 5
     cos, sin = rope(head_dim)
@@ -117,8 +121,8 @@ def test_rotary_write_kv_matches_quantize(codes, dtype, head_dim, qk_norm):
     got, want = empty_cache(shape, codes), empty_cache(shape, codes)
     norms = [(torch.rand(head_dim, generator=gen) + 0.5).to(dtype) for _ in "qk"] + [1e-6] if qk_norm else []
     args = (slots, positions, cos, sin, heads)
-    q = kernels.rotary_write_kv(qk, v, *got[0], *args, "triton", *got[1], *norms)
-    q_want = kernels.rotary_write_kv(qk, v, *want[0], *args, "torch", *want[1], *norms)
+    q = kernels.rotary_write_kv(qk, v, *got[0], *args, "triton", *got[1], *norms, rotate_query=rotate_query)
+    q_want = kernels.rotary_write_kv(qk, v, *want[0], *args, "torch", *want[1], *norms, rotate_query=rotate_query)
     torch.testing.assert_close(q, q_want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
     normed = kernels.fused.qk_rms_norm(qk, heads, *norms, "torch") if qk_norm else qk
     roped = kernels.fused.rotate(normed, cos[positions].to(dtype)[:, None], sin[positions].to(dtype)[:, None])
@@ -170,6 +174,22 @@ def test_paged_attention_matches_torch(codes, dtype, name, monkeypatch):
         launches = ta.paged_attention_launches(*batch[:4], 0.1, batch[0], k_scale=batch[4], v_scale=batch[5])
         assert [launch.kernel for launch in launches] == [ta._paged_attention_kernel, ta._merge_splits_kernel]
     check_attention(batch, dtype)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_paged_attention_takes_queries_rotated(backend):
+    """`query_rotated`: queries rotated by the caller (the fused rotary write) are not rotated again: the answer is
+    the one for the unrotated queries (bit for bit on Triton, which rotates them so itself; the torch path then
+    skips the native decode, which rotates in its own order)."""
+    query, *kv = quantized_batch(*BATCHES["prefill-after-prefix-and-decodes"], torch.float16, "int8", seed=5)
+    rotated = kv_quant.rotate(query).to(query.dtype)
+    out = kernels.paged_attention(query, *kv[:3], 0.125, backend, True, *kv[3:])
+    kv[2].torch_plan = None  # the torch path plans per decode kind
+    got = kernels.paged_attention(rotated, *kv[:3], 0.125, backend, True, *kv[3:], query_rotated=True)
+    if backend == "triton":
+        assert torch.equal(got, out)
+    else:
+        assert rel_error(got, out.double()) <= 2 * TOLERANCE[torch.float16]
 
 
 def test_paged_attention_non_causal_matches_torch():

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from tiffin.engine.models.linear import Linear
 from tiffin.engine.models.loader import build_model, get_model_config
 from tiffin.kernels import triton_common as tc
+from tiffin.kernels import triton_quant
 from tiffin.kernels.quant import (
     DENSE_MIN_TOKENS,
     awq_dequantize,
@@ -37,6 +38,7 @@ from tiffin.kernels.triton_quant import (
     _compile_dequantize,
     _compile_gguf,
     _compile_gptq,
+    dense_pass_columns,
     dequantize,
     group_step,
     quant_gemm_launch,
@@ -334,6 +336,47 @@ def test_the_dense_path_allocates_no_more_than_the_weight_and_output(
     y = gemm(x, "triton")
     assert y.is_cuda and y.shape == (m, n)
     assert torch.cuda.max_memory_allocated() - before == (k * n + m * n) * 2
+
+
+@pytest.mark.parametrize(
+    "fmt, group_size, bits, zero_offset", [("awq", 64, 4, 0), ("gptq", 128, 8, 1), ("Q4_1", 32, 4, 0)]
+)
+def test_a_large_vocabulary_lm_head_dequantizes_in_bounded_passes(
+    cuda_emulation, monkeypatch, fmt, group_size, bits, zero_offset
+):
+    """A quantized lm_head at DENSE_MIN_TOKENS rows (256 sequences sampling in one step): the dense path held the
+    whole weight in x's dtype beside the logits (152k x 4096 in fp16: 1.2 GB); it now takes passes of at most
+    DENSE_PASS_BYTES over the vocabulary. Scaled down (a 512 KiB pass, a 10,000 x 512 weight of 10 MB in fp16),
+    the peak above the start is the logits plus one pass's buffer, not the weight, and the logits are one pass's
+    bit for bit."""
+    k, n, m = 512, 10_000, DENSE_MIN_TOKENS
+    with torch.device("cuda"):
+        gemm, _, _ = dense_layer(fmt, k, n, group_size, bits, zero_offset, False)
+        x = torch.randn(m, k).half()
+
+    def peak_and_logits(pass_bytes: int) -> tuple[int, torch.Tensor]:
+        monkeypatch.setattr(triton_quant, "DENSE_PASS_BYTES", pass_bytes)
+        gc.collect()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        y = gemm(x, "triton")
+        return torch.cuda.max_memory_allocated() - before, y
+
+    whole_peak, whole = peak_and_logits(1 << 30)
+    assert whole_peak == (k * n + m * n) * 2  # 15.4 MB: the weight and the logits
+    peak, logits = peak_and_logits(512 << 10)
+    assert dense_pass_columns(k, n, torch.float16) == 512  # 20 passes, the last of 272 columns
+    assert peak == m * n * 2 + (512 << 10)  # 5.6 MB: the logits and one pass
+    assert torch.equal(logits, whole)
+
+
+def test_the_dense_pass_bounds_a_real_lm_head():
+    """A 152k x 4096 lm_head (1.2 GB in fp16, 2.5 GB in fp32) passes over at most DENSE_PASS_BYTES of weight at a
+    time; an MLP's weight fits one pass."""
+    for dtype in (torch.float16, torch.float32):
+        columns = dense_pass_columns(4096, 151_936, dtype)
+        assert columns < 151_936 and 4096 * columns * dtype.itemsize <= triton_quant.DENSE_PASS_BYTES
+    assert dense_pass_columns(4096, 2 * 11008, torch.float16) == 2 * 11008
 
 
 def test_offsets_into_whole_weights_are_int64():

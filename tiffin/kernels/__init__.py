@@ -39,12 +39,16 @@ def paged_attention(
     causal: bool = True,
     k_scale=None,
     v_scale=None,
+    query_rotated: bool = False,
 ):
     """`query [T, num_heads, head_dim]` -> `[T, num_heads, head_dim]`, reading K/V through `md.block_tables`.
     `causal=False` (encoders): each query row sees every key of its request's `seq_len`, not only the earlier.
-    Quantized caches are read with their scales `k_scale`/`v_scale` `[num_blocks, block_size, num_kv_heads]`."""
+    Quantized caches are read with their scales `k_scale`/`v_scale` `[num_blocks, block_size, num_kv_heads]`;
+    their keys are stored rotated (`kv_quant`) and the queries are rotated alike, unless `query_rotated` says
+    they come so (`rotary_write_kv(..., rotate_query=True)`)."""
     _check_scales(k_cache, v_cache, k_scale, v_scale)
-    return kernel("paged_attention", backend)(query, k_cache, v_cache, md, scale, causal, k_scale, v_scale)
+    args = (query, k_cache, v_cache, md, scale, causal, k_scale, v_scale, query_rotated)
+    return kernel("paged_attention", backend)(*args)
 
 
 def _check_scales(k_cache, v_cache, k_scale, v_scale) -> None:

@@ -45,7 +45,7 @@ def write_kv_torch(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_s
     elif not bool(keep.all()):  # reading `keep` is free on the host, and dropping rows beats copying them
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     if k_scale is not None:
-        key = kv_quant.rotate(key)
+        key = kv_quant.rotate(key, exact=True)
     for x, cache, scales in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
         if scales is None:
             cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, x.to(cache.dtype))
@@ -136,18 +136,26 @@ def _prefill_spans(md: AttentionMetadata, blocks, device) -> list[_Span]:
 
 @implements("paged_attention", "torch")
 def paged_attention_torch(
-    query, k_cache, v_cache, md: AttentionMetadata, scale: float, causal: bool = True, k_scale=None, v_scale=None
+    query,
+    k_cache,
+    v_cache,
+    md: AttentionMetadata,
+    scale: float,
+    causal: bool = True,
+    k_scale=None,
+    v_scale=None,
+    query_rotated=False,
 ) -> torch.Tensor:
     """`query` `[T, num_heads, head_dim]` -> `[T, num_heads, head_dim]`. Decode rows (one query token, the last
     of its context) see every key either way; `causal` only changes the prefill spans."""
     out = torch.empty_like(query)
     out[md.query_start_loc_cpu[-1] :] = 0  # rows past the batch's tokens (padding) belong to no sequence
-    native = cpu_native.supports_cache(query, k_cache)
+    native = cpu_native.supports_cache(query, k_cache) and not query_rotated  # it rotates the queries itself
     decodes, prefills = _plan(md, k_cache.shape[1], query.device, native)
     kv = (k_cache, v_cache, k_scale, v_scale)
     if native and decodes is not None:  # the native kernel rotates the queries of a quantized cache itself
         cpu_native.paged_decode(query, out, *kv, md.block_tables, md.seq_lens, *decodes, scale)
-    if k_scale is not None and (prefills or not native):  # its keys are stored rotated (kv_quant)
+    if k_scale is not None and not query_rotated and (prefills or not native):  # its keys are stored rotated
         query = kv_quant.rotate(query).to(query.dtype)
     if not native:
         _decode_groups(query, out, *kv, decodes, scale)

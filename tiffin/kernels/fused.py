@@ -12,6 +12,7 @@ issued before the fusion, so the CPU path computes and costs the same).
 
 import torch
 
+from tiffin.kernels import kv_quant
 from tiffin.kernels.dispatch import implements, kernel
 
 
@@ -41,13 +42,16 @@ def rotary_write_kv(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
+    rotate_query: bool = False,
 ) -> torch.Tensor:
     """`qk [T, num_heads + num_kv_heads, head_dim]` (query heads, then key heads), `v [T, num_kv_heads,
     head_dim]`, `cos`/`sin` `[max_positions, head_dim / 2]` fp32 -> the rotated queries `[T, num_heads,
     head_dim]`; the rotated keys and `v` go to the caches at `slot_mapping` (slot -1 skipped). The rotation
     rounds like the unfused one: cos/sin cast to x's dtype, each product and sum rounded to it. A quantized cache
     takes its scales as `write_kv` does. `q_norm_weight`/`k_norm_weight` `[head_dim]` (both or neither): each
-    query/key head is first RMS-normalized with its weight and `eps`, rounded as `rms_norm` rounds."""
+    query/key head is first RMS-normalized with its weight and `eps`, rounded as `rms_norm` rounds. `rotate_query`:
+    where the cache stores its keys rotated (quantized, power-of-two head dims: `kv_quant`) the queries come back
+    rotated alike (`kv_quant.rotate(q).to(q.dtype)`), for `paged_attention(..., query_rotated=True)`."""
     if qk.dim() != 3 or v.shape != (qk.shape[0], qk.shape[1] - num_heads, qk.shape[2]):
         raise ValueError(f"rotary_write_kv: qk {tuple(qk.shape)} and v {tuple(v.shape)} do not fit {num_heads} heads")
     if cos.shape != sin.shape or cos.shape[-1] * 2 != qk.shape[-1] or positions.shape != qk.shape[:1]:
@@ -57,7 +61,7 @@ def rotary_write_kv(
     ):
         raise ValueError(f"rotary_write_kv: q/k norm weights must both be [{qk.shape[-1]}] or both None")
     args = (qk, v, k_cache, v_cache, slot_mapping, positions, cos, sin, num_heads, k_scale, v_scale)
-    return kernel("rotary_write_kv", backend)(*args, q_norm_weight, k_norm_weight, eps)
+    return kernel("rotary_write_kv", backend)(*args, q_norm_weight, k_norm_weight, eps, rotate_query)
 
 
 def gelu_and_mul(gate_up: torch.Tensor, backend: str = "torch", approximate: str = "none") -> torch.Tensor:
@@ -105,13 +109,14 @@ def rotary_write_kv_torch(
     q_norm_weight=None,
     k_norm_weight=None,
     eps=0.0,
+    rotate_query=False,
 ) -> torch.Tensor:
     if q_norm_weight is not None:
         qk = qk_rms_norm(qk, num_heads, q_norm_weight, k_norm_weight, eps, "torch")
     rotated = rotate(qk, cos[positions].to(qk.dtype)[:, None], sin[positions].to(qk.dtype)[:, None])
     q, k = rotated.split([num_heads, qk.shape[1] - num_heads], dim=1)
     kernel("write_kv", "torch")(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-    return q
+    return kv_quant.rotate(q).to(q.dtype) if rotate_query and k_scale is not None else q
 
 
 @implements("gelu_and_mul", "torch")

@@ -17,6 +17,7 @@ Every kernel that writes or reads a quantized cache matches `rotate`, `quantize`
 reference."""
 
 import functools
+import math
 
 import torch
 
@@ -36,22 +37,32 @@ def rotates(head_dim: int) -> bool:
     return head_dim & (head_dim - 1) == 0
 
 
-def rotate(x: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, exact: bool = False) -> torch.Tensor:
     """`x` `[..., head_dim]` times the normalized Sylvester Hadamard matrix (entry (i, j): (-1)^popcount(i & j) /
-    sqrt(head_dim)), in fp32 (one matmul; the native kernels' butterflies sum in another order, which may move a
-    value by an ulp); `x` as fp32 where head_dim is not a power of two."""
+    sqrt(head_dim)), as fp32; `x` as fp32 where head_dim is not a power of two. Queries: one fp32 matmul. Keys
+    (`exact`, stored quantized): the +-x sums in fp64, exact wherever a head's values span under 2^22 (any order
+    then gives the same sums: the kernels' butterflies too), times fp64 sqrt(1 / head_dim), rounded once to fp32,
+    so every writer stores the same codes; 4x the fp32 matmul's cost on CPU, which queries need not pay."""
     n = x.shape[-1]
     if not rotates(n):
         return x.float()
+    if exact:
+        return ((x.double().reshape(-1, n) @ _signs(n, x.device)) * math.sqrt(1 / n)).float().reshape(x.shape)
     return (x.float().reshape(-1, n) @ _hadamard(n, x.device)).reshape(x.shape)
 
 
 @functools.cache
-def _hadamard(n: int, device: torch.device) -> torch.Tensor:
-    h = torch.ones(1, 1)
+def _signs(n: int, device: torch.device) -> torch.Tensor:
+    """The unnormalized Sylvester Hadamard matrix of size `n`, fp64."""
+    h = torch.ones(1, 1, dtype=torch.float64)
     while len(h) < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
-    return (h / torch.tensor(float(n)).sqrt()).to(device)  # symmetric: x @ h rotates rows
+    return h.to(device)
+
+
+@functools.cache
+def _hadamard(n: int, device: torch.device) -> torch.Tensor:
+    return (_signs(n, torch.device("cpu")).float() / torch.tensor(float(n)).sqrt()).to(device)  # x @ h rotates rows
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,7 +19,8 @@ Quantized caches (`kv_quant`: int8 or fp8 codes, a bf16 scale per token and KV h
 K/V tile's codes times its tokens' scales, in fp32, rounded to the query's dtype (the values the torch path
 dequantizes), then the same math. fp8 codes are unpacked by bit arithmetic, not Triton's fp8 types, so every
 format runs from sm_80 on; e4m3 and e5m2 share one binary (`KV_CODES="fp8"`, the format a runtime argument).
-The write kernel quantizes per token and KV head (triton_common has the code arithmetic both share).
+The write kernel quantizes per token and KV head, keys rotated first where head_dim is a power of two
+(triton_common has the code arithmetic both share, and the rotation the fused rotary write shares too).
 
 Host code never reads device tensors: grids come from the host-side ints in `AttentionMetadata`. Launch,
 interpreter and tile plumbing: triton_common.
@@ -38,7 +39,7 @@ from tiffin.kernels import triton_common as tc
 from tiffin.kernels.attention import AttentionMetadata
 from tiffin.kernels.compile_check import CompileCase, register
 from tiffin.kernels.dispatch import implements
-from tiffin.kernels.triton_common import bf16_bits_to_float, kv_code_values, kv_quantize, kv_scale
+from tiffin.kernels.triton_common import bf16_bits_to_float, hadamard_halves, kv_code_values, kv_quantize, kv_scale
 
 HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 # fp32 queries on a quantized cache: d=256 spills on sm_80 and sm_90 at every tile tried (BLOCK_N 16 or 32, one or
@@ -138,9 +139,11 @@ def _write_kv_quantized_kernel(
     stride_value_head,
     CODES: tl.constexpr,
     BLOCK: tl.constexpr,
+    ROTATE: tl.constexpr,
 ):
     """Program (token, KV head): the head's key and value quantized (`kv_quant`), codes and scales stored at its
-    slot. Caches and scales contiguous: `[slots, num_kv_heads, head_dim]` and `[slots, num_kv_heads]`."""
+    slot; `ROTATE` (head_dim a power of two, BLOCK) the key times the Hadamard matrix first, by its halves.
+    Caches and scales contiguous: `[slots, num_kv_heads, head_dim]` and `[slots, num_kv_heads]`."""
     token, kv_head = tl.program_id(0), tl.program_id(1)
     slot = tl.load(slot_mapping_ptr + token)
     if slot < 0:  # padding token
@@ -148,10 +151,17 @@ def _write_kv_quantized_kernel(
     d = tl.arange(0, BLOCK)
     mask = d < head_dim
     row = slot * tl.num_programs(1) + kv_head
-    k = tl.load(key_ptr + token * stride_key_token + kv_head * stride_key_head + d, mask=mask, other=0.0)
-    k = k.to(tl.float32)
-    scale, scale_bits = kv_scale(tl.max(tl.abs(k), 0), CODES)
-    tl.store(k_cache_ptr + row * head_dim + d, kv_quantize(k, scale, CODES), mask=mask)
+    src = key_ptr + token * stride_key_token + kv_head * stride_key_head
+    if ROTATE:
+        h = tl.arange(0, BLOCK // 2)
+        k1, k2 = hadamard_halves(tl.load(src + h), tl.load(src + BLOCK // 2 + h), BLOCK // 2)
+        scale, scale_bits = kv_scale(tl.maximum(tl.max(tl.abs(k1), 0), tl.max(tl.abs(k2), 0)), CODES)
+        tl.store(k_cache_ptr + row * head_dim + h, kv_quantize(k1, scale, CODES))
+        tl.store(k_cache_ptr + row * head_dim + BLOCK // 2 + h, kv_quantize(k2, scale, CODES))
+    else:
+        k = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)
+        scale, scale_bits = kv_scale(tl.max(tl.abs(k), 0), CODES)
+        tl.store(k_cache_ptr + row * head_dim + d, kv_quantize(k, scale, CODES), mask=mask)
     tl.store(k_scale_ptr + row, scale_bits)
     v = tl.load(value_ptr + token * stride_value_token + kv_head * stride_value_head + d, mask=mask, other=0.0)
     v = v.to(tl.float32)
@@ -406,8 +416,9 @@ def _write_kv_quantized_launch(key, value, k_cache, v_cache, slot_mapping, k_sca
     tc.check_kv_scales("write_kv", k_cache, k_scale, v_scale)
     if key.dtype not in tc.DTYPES or value.dtype != key.dtype:
         raise ValueError(f"write_kv: key/value dtypes must be one of {tc.DTYPES}, got {key.dtype}/{value.dtype}")
-    key, value = kv_quant.rotate(key), value.float()  # keys stored rotated (kv_quant), both quantized from fp32
     num_tokens, num_kv_heads, head_dim = key.shape
+    rotate = kv_quant.rotates(head_dim)  # keys stored rotated (kv_quant): by the kernel
+    key, value = key if rotate else key.float(), value.float()  # quantized from fp32
     # heads of strided views of a fused qkv output are read in place; a copy only where head_dim is strided
     key = key if key.stride(2) == 1 else key.contiguous()
     value = value if value.stride(2) == 1 else value.contiguous()
@@ -426,16 +437,24 @@ def _write_kv_quantized_launch(key, value, k_cache, v_cache, slot_mapping, k_sca
             *key.stride()[:2],
             *value.stride()[:2],
         ),
-        dict(CODES=tc.kv_codes(k_cache), BLOCK=_pad_head_dim(head_dim), num_warps=1),
+        dict(CODES=tc.kv_codes(k_cache), BLOCK=_pad_head_dim(head_dim), ROTATE=rotate, num_warps=1),
     )
 
 
 @implements("paged_attention", "triton")
 def paged_attention_triton(
-    query, k_cache, v_cache, md: AttentionMetadata, scale: float, causal: bool = True, k_scale=None, v_scale=None
+    query,
+    k_cache,
+    v_cache,
+    md: AttentionMetadata,
+    scale: float,
+    causal: bool = True,
+    k_scale=None,
+    v_scale=None,
+    query_rotated=False,
 ) -> torch.Tensor:
     out = tc.empty(query.shape, query.dtype, query.device)
-    if k_scale is not None:  # against keys stored rotated (kv_quant)
+    if k_scale is not None and not query_rotated:  # against keys stored rotated (kv_quant)
         query = kv_quant.rotate(query).to(query.dtype)
     if query.shape[0]:
         kv = (k_cache, v_cache, md, scale, out)
@@ -644,6 +663,10 @@ def _compile_cases(arch: int):
                 launch = write_kv_launch(key, key, cache, cache, slots, *tc.example_kv_scales(cache))
                 config = f"{name} write_kv kv={codes} block={_pad_head_dim(head_dim)}"
                 yield CompileCase(launch.kernel, config, launch.args, launch.kwargs)
+            key = torch.empty(2, 2, 80, dtype=dtype, device="meta")  # not a power of two: stored unrotated
+            cache = torch.empty(4, 16, 2, 80, dtype=cache_dtype, device="meta")
+            launch = write_kv_launch(key, key, cache, cache, slots, *tc.example_kv_scales(cache))
+            yield CompileCase(launch.kernel, f"{name} write_kv kv={codes} head_dim=80", launch.args, launch.kwargs)
 
 
 def _launch_kind(launch: tc.Launch) -> str:

@@ -9,6 +9,7 @@ to fp32 (`UPCAST`); fp16 keeps the GPU's exact code path (fp16 operands, fp32 ac
 
 import contextlib
 import functools
+import math
 import sys
 from dataclasses import dataclass
 
@@ -318,3 +319,31 @@ def kv_code_values(codes, fp8_shift, CODES: tl.constexpr):
 def bf16_bits_to_float(bits):
     """Scales loaded as int16 bits -> fp32 (exact)."""
     return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.constexpr_function
+def _inv_sqrt(n):
+    return math.sqrt(1 / n)  # as `kv_quant.rotate`'s fp64 scale
+
+
+@triton.jit
+def hadamard_halves(x1, x2, HALF: tl.constexpr):
+    """A head's halves `x1`, `x2` `[HALF]` (2 * HALF a power of two) -> the halves of the head times the normalized
+    Hadamard matrix, fp32, as `kv_quant.rotate(exact=True)`: butterflies in fp64 (their +-x sums exact), times fp64
+    sqrt(1 / (2 * HALF)), rounded once. The top index bit's butterfly first: H_2n = [[H_n, H_n], [H_n, -H_n]]."""
+    a, b = x1.to(tl.float64), x2.to(tl.float64)
+    scale = tl.full([], _inv_sqrt(2 * HALF), tl.float64)
+    lo, hi = _butterflies(a + b, HALF), _butterflies(a - b, HALF)
+    return (lo * scale).to(tl.float32), (hi * scale).to(tl.float32)
+
+
+@triton.jit
+def _butterflies(x, N: tl.constexpr):
+    """`x` `[N]` times the unnormalized Sylvester Hadamard matrix of size N (entries (-1)^popcount(i & j), one
+    factor [[1, 1], [1, -1]] per index bit): a butterfly on the lowest bit moves its result to the highest, so
+    log2(N) of them treat each bit once and end in the original order."""
+    for bit in tl.static_range(16):
+        if (1 << bit) < N:
+            a, b = tl.split(tl.reshape(x, [N // 2, 2]))
+            x = tl.reshape(tl.trans(tl.join(a + b, a - b)), [N])
+    return x

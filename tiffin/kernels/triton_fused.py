@@ -13,11 +13,11 @@ import torch
 import triton
 import triton.language as tl
 
-from tiffin.kernels import fused, kv_quant
+from tiffin.kernels import kv_quant
 from tiffin.kernels import triton_common as tc
 from tiffin.kernels.compile_check import CompileCase, register
-from tiffin.kernels.dispatch import implements, kernel
-from tiffin.kernels.triton_common import kv_quantize, kv_scale
+from tiffin.kernels.dispatch import implements
+from tiffin.kernels.triton_common import hadamard_halves, kv_quantize, kv_scale
 
 MAX_ROW = 16384  # the widest row one program handles (a block of the whole row)
 
@@ -195,11 +195,15 @@ def _rotary_write_kv_kernel(
     BLOCK: tl.constexpr,
     CODES: tl.constexpr,
     QK_NORM: tl.constexpr,
+    ROTATE_KEYS: tl.constexpr,
+    ROTATE_QUERIES: tl.constexpr,
 ):
     """Program (token, head) over the query heads then the key heads; a key head also copies its value head. A
     quantized cache (`CODES` "int8", "fp8_e4m3", "fp8_e5m2"; scales as int16 bf16 bits) takes each head's codes
-    and scale, the head's two halves reduced together. `QK_NORM`: the head is first RMS-normalized by its weight
-    (`q_norm_ptr` for a query head, `k_norm_ptr` for a key head), its halves reduced together likewise."""
+    and scale, the head's two halves reduced together; `ROTATE_KEYS` (power-of-two head dims) its keys times the
+    Hadamard matrix (`kv_quant`), `ROTATE_QUERIES` the returned queries alike, for the attention to meet them.
+    `QK_NORM`: the head is first RMS-normalized by its weight (`q_norm_ptr` for a query head, `k_norm_ptr` for a
+    key head), its halves reduced together likewise."""
     token, head = tl.program_id(0), tl.program_id(1)
     d = tl.arange(0, BLOCK)
     mask = d < HALF
@@ -223,6 +227,9 @@ def _rotary_write_kv_kernel(
     y1 = ((a * cos).to(dtype).to(tl.float32) - (b * sin).to(dtype).to(tl.float32)).to(dtype)
     y2 = ((b * cos).to(dtype).to(tl.float32) + (a * sin).to(dtype).to(tl.float32)).to(dtype)
     if head < num_heads:
+        if ROTATE_QUERIES:  # rounded to x's dtype after, as `kv_quant.rotate(query).to(query.dtype)`
+            r1, r2 = hadamard_halves(y1, y2, HALF)
+            y1, y2 = r1.to(dtype), r2.to(dtype)
         dst = q_out_ptr + token * stride_q_token + head * stride_q_head
         tl.store(dst + d, y1, mask=mask)
         tl.store(dst + HALF + d, y2, mask=mask)
@@ -245,6 +252,8 @@ def _rotary_write_kv_kernel(
                 tl.store(v_cache_ptr + row + HALF + d, v_hi.to(v_cache_dtype), mask=mask)
             else:  # masked lanes hold 0.0: they never raise the largest magnitude
                 k1, k2 = y1.to(tl.float32), y2.to(tl.float32)
+                if ROTATE_KEYS:
+                    k1, k2 = hadamard_halves(y1, y2, HALF)
                 scale, scale_bits = kv_scale(tl.maximum(tl.max(tl.abs(k1), 0), tl.max(tl.abs(k2), 0)), CODES)
                 tl.store(k_cache_ptr + row + d, kv_quantize(k1, scale, CODES), mask=mask)
                 tl.store(k_cache_ptr + row + HALF + d, kv_quantize(k2, scale, CODES), mask=mask)
@@ -271,6 +280,7 @@ def rotary_write_kv_launch(
     q_norm_weight=None,
     k_norm_weight=None,
     eps: float = 0.0,
+    rotate_query: bool = False,
 ) -> tuple[tc.Launch, torch.Tensor]:
     num_tokens, heads, head_dim = qk.shape
     if k_cache.shape[2:] != (heads - num_heads, head_dim) or k_cache.shape != v_cache.shape:
@@ -290,6 +300,7 @@ def rotary_write_kv_launch(
         raise ValueError(f"rotary_write_kv: q/k norm weights must be contiguous {qk.dtype}")
     q = tc.empty((num_tokens, num_heads, head_dim), qk.dtype, qk.device)
     half = head_dim // 2
+    rotate_keys = k_scale is not None and kv_quant.rotates(head_dim)
     launch = tc.Launch(
         _rotary_write_kv_kernel,
         (num_tokens, heads),
@@ -321,6 +332,8 @@ def rotary_write_kv_launch(
             BLOCK=triton.next_power_of_2(half),
             CODES=tc.kv_codes(k_cache),
             QK_NORM=q_norm_weight is not None,
+            ROTATE_KEYS=rotate_keys,
+            ROTATE_QUERIES=rotate_keys and rotate_query,
             num_warps=1,
         ),
     )
@@ -343,17 +356,10 @@ def rotary_write_kv_triton(
     q_norm_weight=None,
     k_norm_weight=None,
     eps=0.0,
+    rotate_query=False,
 ) -> torch.Tensor:
-    if k_scale is not None and kv_quant.rotates(qk.shape[-1]):
-        # the cache stores keys rotated (kv_quant) after rope: normed and roped here, rotated and written by write_kv
-        if q_norm_weight is not None:
-            qk = fused.qk_rms_norm(qk, num_heads, q_norm_weight, k_norm_weight, eps, "triton")
-        roped = fused.rotate(qk, cos[positions].to(qk.dtype)[:, None], sin[positions].to(qk.dtype)[:, None])
-        q, k = roped.split([num_heads, qk.shape[1] - num_heads], dim=1)
-        kernel("write_kv", "triton")(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-        return q
     args = (qk, v, k_cache, v_cache, slot_mapping, positions, cos, sin, num_heads, k_scale, v_scale)
-    launch, q = rotary_write_kv_launch(*args, q_norm_weight, k_norm_weight, eps)
+    launch, q = rotary_write_kv_launch(*args, q_norm_weight, k_norm_weight, eps, rotate_query)
     if qk.shape[0]:
         launch(qk.device)
     return q
@@ -363,8 +369,10 @@ def rotary_write_kv_triton(
 def _compile_cases(arch: int):
     """Per activation dtype: RMSNorm with and without the residual (hidden 2048 and 8192, the widest block per warp
     count), SiLU- and both GELU-and-mul (intermediate 8192 and 14336), the rotary KV write (head_dim 64, 128, 256)
-    into a cache of the model's dtype and each quantized one, and with the q/k norm into a model-dtype and an int8
-    cache (the norm comes before, and is the same for, every cache format)."""
+    into a cache of the model's dtype and each quantized one (keys and queries rotated, as the layers ask), and
+    with the q/k norm into a model-dtype and an int8 cache (the norm comes before, and is the same for, every cache
+    format); into an int8 cache with the queries left as they are (head_dim 128), and at head_dim 80 (no
+    rotation: not a power of two)."""
     meta = dict(device="meta")
     for dtype in tc.DTYPES:
         name = str(dtype).removeprefix("torch.")
@@ -382,7 +390,9 @@ def _compile_cases(arch: int):
             yield CompileCase(launch.kernel, f"{op} {name} I={intermediate}", launch.args, launch.kwargs)
         caches = [("", dtype, False), *((codes, d, False) for codes, d in kv_quant.CACHE_DTYPES.items())]
         caches += [("", dtype, True), ("int8", torch.int8, True)]
-        for (codes, cache_dtype, qk_norm), head_dim in itertools.product(caches, (64, 128, 256)):
+        cases = [(*cache, head_dim, True) for cache, head_dim in itertools.product(caches, (64, 128, 256))]
+        cases += [("int8", torch.int8, False, 128, False), ("int8", torch.int8, False, 80, True)]
+        for codes, cache_dtype, qk_norm, head_dim, rotate_query in cases:
             qkv = torch.empty(4, (32 + 16) * head_dim, dtype=dtype, **meta)
             qk, v = qkv.split([40 * head_dim, 8 * head_dim], dim=-1)
             cache = torch.empty(64, 16, 8, head_dim, dtype=cache_dtype, **meta)
@@ -402,8 +412,10 @@ def _compile_cases(arch: int):
                 norm_weight,
                 norm_weight,
                 1e-6,
+                rotate_query,
             )
             kv = f" kv={codes}" if codes else ""
             norm = " qk_norm" if qk_norm else ""
-            config = f"rotary_write_kv {name} head_dim={head_dim}{kv}{norm}"
+            plain_query = "" if rotate_query or not codes else " query unrotated"
+            config = f"rotary_write_kv {name} head_dim={head_dim}{kv}{norm}{plain_query}"
             yield CompileCase(launch.kernel, config, launch.args, launch.kwargs)

@@ -15,10 +15,12 @@ partials (in split order: the result does not depend on who arrives last) into t
 for the next launch (or graph replay). One launch, where a separate `sum` and `copy_` were two more kernels per
 linear in a decode layer. Host code never reads device tensors.
 
-From `DENSE_MIN_TOKENS` rows on the GEMM is compute-bound: `_dequantize_kernel` writes the whole weight in x's
-dtype in one pass (each program one tile, decoded by the same `_dequantize_tile` as the GEMM's, so both compute
-the torch dequantizers' values) and a dense matmul follows. Offsets into a whole weight (GGUF's `[N, K]` codes,
-the dequantized weight) are int64: N x K passes 2^31 for a large vocabulary's lm_head.
+From `DENSE_MIN_TOKENS` rows on the GEMM is compute-bound: `_dequantize_kernel` writes the weight in x's dtype
+in one pass (each program one tile, decoded by the same `_dequantize_tile` as the GEMM's, so both compute the
+torch dequantizers' values) and a dense matmul follows, in passes over the output columns of at most
+`DENSE_PASS_BYTES` of dequantized weight each: a 152k-vocabulary lm_head at hidden 4096 is 1.2 GB in fp16, which
+a batch of 256 sampled rows would otherwise allocate beside its logits. Offsets into a whole weight (GGUF's
+`[N, K]` codes, the dequantized weight) are int64: N x K passes 2^31 for a large vocabulary's lm_head.
 
 Launch, interpreter and tile plumbing: triton_common.
 """
@@ -33,6 +35,10 @@ from tiffin.kernels import triton_common as tc
 from tiffin.kernels.compile_check import CompileCase, register
 from tiffin.kernels.dispatch import implements
 from tiffin.kernels.quant import DENSE_MIN_TOKENS
+
+# The dense path's dequantized weight per pass; a weight larger than this (an lm_head) is multiplied in passes over
+# its output columns, each still a large matmul (152k x 4096 fp16: 5 passes of 32k columns).
+DENSE_PASS_BYTES = 256 << 20
 
 
 def quant_tile(m: int, group_size: int, dtype: torch.dtype, arch: int = 80) -> tc.Tile:
@@ -205,6 +211,8 @@ def _dequantize_kernel(
     N,
     K,
     group_size,
+    n_start,
+    width,
     AWQ: tl.constexpr,
     GGUF: tl.constexpr,
     HAS_MIN: tl.constexpr,
@@ -213,9 +221,11 @@ def _dequantize_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    """Output columns `n_start` to `n_start + width` of the weight (N columns) into `out`, `width` wide."""
     offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_k, mask_n = offs_k < K, offs_n < N
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = n_start + cols
+    mask_k, mask_n = offs_k < K, cols < width
     group = tl.program_id(0) * BLOCK_K // group_size
     w = _dequantize_tile(
         qweight_ptr, qzeros_ptr, scales_ptr, mins_ptr, offs_k, offs_n, mask_k, mask_n, group, N, K, group_size,
@@ -223,9 +233,9 @@ def _dequantize_kernel(
     )  # fmt: skip
     # int64: the weight has N x K elements, past 2^31 for a large lm_head
     if GGUF:  # [N, K], as gguf_dequantize returns it
-        offs = offs_n.to(tl.int64)[None, :] * K + offs_k[:, None]
+        offs = cols.to(tl.int64)[None, :] * K + offs_k[:, None]
     else:
-        offs = offs_k.to(tl.int64)[:, None] * N + offs_n[None, :]
+        offs = offs_k.to(tl.int64)[:, None] * width + cols[None, :]
     tl.store(out_ptr + offs, w.to(out_ptr.dtype.element_ty), mask=mask_k[:, None] & mask_n[None, :])
 
 
@@ -248,10 +258,7 @@ def gguf_gemm_triton(x, qweight, scales, mins, bits: int) -> torch.Tensor:
 def _run(x, qweight, qzeros, scales, perm, **fmt) -> torch.Tensor:
     x = x if x.stride(1) == 1 else x.contiguous()
     if x.shape[0] >= DENSE_MIN_TOKENS:  # compute-bound: one pass to a dense weight, then cuBLAS
-        w = dequantize(qweight, qzeros, scales, x.dtype, **fmt)
-        if fmt.get("gguf"):
-            return torch.nn.functional.linear(x, w)
-        return (x if perm is None else x[:, perm]) @ w
+        return _dense(x if perm is None else x[:, perm], qweight, qzeros, scales, **fmt)
     m, n = x.shape[0], scales.shape[0 if fmt.get("gguf") else 1]
     out = tc.empty((m, n), x.dtype, x.device)
     if m == 0:
@@ -259,6 +266,32 @@ def _run(x, qweight, qzeros, scales, perm, **fmt) -> torch.Tensor:
     launch, _ = quant_gemm_launch(x, qweight, qzeros, scales, perm, out, **fmt)
     launch(x.device)
     return out
+
+
+def _dense(x, qweight, qzeros, scales, *, gguf: bool = False, **fmt) -> torch.Tensor:
+    """x @ the weight: dequantized whole where it fits `DENSE_PASS_BYTES`, else into one buffer of that size pass
+    after pass, each pass's product written into its columns of the output (the same dot products: the same
+    values as one pass)."""
+    k, n = x.shape[1], scales.shape[0 if gguf else 1]
+    columns = dense_pass_columns(k, n, x.dtype)
+    if columns >= n:
+        w = dequantize(qweight, qzeros, scales, x.dtype, gguf=gguf, **fmt)
+        return torch.nn.functional.linear(x, w) if gguf else x @ w
+    out = tc.empty((x.shape[0], n), x.dtype, x.device)
+    buffer = tc.empty((k * columns,), x.dtype, x.device)
+    for start in range(0, n, columns):
+        width = min(columns, n - start)
+        w = buffer[: k * width].view((width, k) if gguf else (k, width))
+        dequantize_launch(qweight, qzeros, scales, w, gguf=gguf, n_start=start, **fmt)(x.device)
+        torch.mm(x, w.T if gguf else w, out=out[:, start : start + width])
+    return out
+
+
+def dense_pass_columns(k: int, n: int, dtype: torch.dtype) -> int:
+    """Output columns per pass of the dense path: as many as `DENSE_PASS_BYTES` of weight hold, in whole tiles of
+    `_dequantize_kernel` (at least one: 128 columns), all `n` where they fit."""
+    columns = DENSE_PASS_BYTES // (k * dtype.itemsize) // 128 * 128
+    return n if columns >= n else max(columns, 128)
 
 
 def dequantize(qweight, qzeros, scales, dtype: torch.dtype, *, gguf: bool = False, **fmt) -> torch.Tensor:
@@ -275,17 +308,30 @@ def dequantize(qweight, qzeros, scales, dtype: torch.dtype, *, gguf: bool = Fals
 
 
 def dequantize_launch(
-    qweight, qzeros, scales, out, *, awq: bool, bits: int, zero_offset: int, gguf: bool = False, mins=None
+    qweight,
+    qzeros,
+    scales,
+    out,
+    *,
+    awq: bool,
+    bits: int,
+    zero_offset: int,
+    gguf: bool = False,
+    mins=None,
+    n_start: int = 0,
 ) -> tc.Launch:
-    """The launch that writes the whole weight into `out` (`dequantize`'s layout) in one pass: 0.5-1 byte of codes
-    read and one element written per weight, the zeros and scales read once per tile."""
-    n, k = out.shape if gguf else out.shape[::-1]
-    groups = scales.shape[1 if gguf else 0]
+    """The launch that writes the weight's output columns from `n_start` on into `out` (`dequantize`'s layout, as
+    many columns as `out` has; `n_start` a multiple of 128) in one pass: 0.5-1 byte of codes read and one element
+    written per weight, the zeros and scales read once per tile."""
+    width, k = out.shape if gguf else out.shape[::-1]
+    n, groups = scales.shape if gguf else scales.shape[::-1]
     _check_quant_launch(out.dtype, qweight, qzeros, scales, mins, None, awq, gguf, bits, k, n, groups)
     block_k, block_n = group_step(64, k // groups), 128
+    if n_start % block_n or n_start + width > n or not out.is_contiguous():
+        raise ValueError(f"dequantize: columns {n_start}+{width} of {n} into {tuple(out.shape)} (contiguous)")
     return tc.Launch(
         _dequantize_kernel,
-        (k // block_k, triton.cdiv(n, block_n)),  # block_k divides the group size, hence K
+        (k // block_k, triton.cdiv(width, block_n)),  # block_k divides the group size, hence K
         (
             qweight,
             scales if qzeros is None else qzeros,
@@ -295,6 +341,8 @@ def dequantize_launch(
             n,
             k,
             k // groups,
+            n_start,
+            width,
         ),
         dict(
             AWQ=awq,

@@ -175,7 +175,7 @@ class CudaEmulation:
         self._patches = stack = contextlib.ExitStack()
         emu = self
         # device tensors cached by (size, device) outlive an emulation; the next one would see them as host memory
-        for cached in (kv_quant._hadamard, triton_lora._offsets):
+        for cached in (kv_quant._hadamard, kv_quant._signs, triton_lora._offsets):
             cached.cache_clear()
             stack.callback(cached.cache_clear)
 

@@ -97,15 +97,17 @@ class Rotation:
 
     def rotate_and_write_kv(
         self, qk: torch.Tensor, v: torch.Tensor, attention, slot_mapping: torch.Tensor, backend: str
-    ) -> torch.Tensor:
-        """Rotate the query and key heads of `qk`, write the keys and `v` to `attention`'s caches -> the queries;
-        with `attention.qk_norm` (Qwen3) each head is RMS-normalized by `q_norm`/`k_norm` before. With Triton, one
-        kernel does it all, reading the tables at the positions itself; otherwise the norms, the rotation above
-        (gathered once per forward, or the native CPU pass) and `write_kv`."""
+    ) -> tuple[torch.Tensor, bool]:
+        """Rotate the query and key heads of `qk`, write the keys and `v` to `attention`'s caches -> (the queries,
+        whether they come rotated as a quantized cache stores its keys: `paged_attention`'s `query_rotated`); with
+        `attention.qk_norm` (Qwen3) each head is RMS-normalized by `q_norm`/`k_norm` before. With Triton, one
+        kernel does it all (the Hadamard rotations of a quantized cache too), reading the tables at the positions
+        itself; otherwise the norms, the rotation above (gathered once per forward, or the native CPU pass) and
+        `write_kv`, and the attention rotates the queries."""
         norms = (attention.q_norm.weight, attention.k_norm.weight, attention.q_norm.eps) if attention.qk_norm else ()
         if backend == "triton":
             r = self.rotary
-            return kernels.rotary_write_kv(
+            q = kernels.rotary_write_kv(
                 qk,
                 v,
                 attention.k_cache,
@@ -119,14 +121,16 @@ class Rotation:
                 attention.k_scale,
                 attention.v_scale,
                 *norms,
+                rotate_query=True,
             )
+            return q, True
         if norms:
             qk = kernels.fused.qk_rms_norm(qk, attention.num_heads, *norms, backend)
         q, k = self(qk).split([attention.num_heads, attention.num_kv_heads], dim=1)
         kernels.write_kv(
             k, v, attention.k_cache, attention.v_cache, slot_mapping, backend, attention.k_scale, attention.v_scale
         )
-        return q
+        return q, False
 
 
 class MLP(nn.Module):
