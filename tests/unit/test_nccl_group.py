@@ -70,3 +70,29 @@ def test_a_broken_nccl_group_is_aborted_not_destroyed(monkeypatch, backend, brok
     group.broken = "tensor-parallel worker rank 1 died (exit code -9)" if broken else None
     group.shutdown()
     assert calls == [want]
+
+
+def test_a_step_crosses_in_two_broadcasts_one_pinned_upload(four_gpus, monkeypatch):
+    """#25 defect 7: rank 0 sends a step (lists, a host tensor, device tensors) in its two broadcasts with one
+    pinned upload (before: a pageable one per list and host tensor, and the header's); a receiving rank reads
+    back the header, then the lists and host tensor in one copy (before: the whole payload)."""
+    sent = []
+    monkeypatch.setattr(dist, "broadcast", lambda t, src: sent.append(t.clone()))
+    rank0 = WorkerGroup(TensorParallel(0, 2), torch.device("cuda", 0), 1.0, conns=[], procs=[])
+    values = [[1, 2], [], torch.tensor([0, -1], dtype=torch.int32), torch.arange(5, device="cuda:0"), 3, None]
+    four_gpus.reset_counts()
+    assert rank0.run(values, None, lambda: "forward") == "forward"
+    assert len(sent) == 2 and len(four_gpus.uploads) == 1 and four_gpus.uploads[0].endswith("pinned")
+
+    class Doorbell:
+        def recv_bytes(self):
+            return b"s"
+
+    received = iter(sent)
+    monkeypatch.setattr(dist, "broadcast", lambda t, src: t.copy_(next(received)))
+    rank1 = WorkerGroup(TensorParallel(1, 2), torch.device("cuda", 0), 1.0, conns=[Doorbell()])
+    four_gpus.reset_counts()
+    got, extra = rank1.receive()
+    assert four_gpus.reads == ["tolist (24, 3)", "cpu (4,)"] and four_gpus.uploads == []
+    assert extra is None and got[:2] == [[1, 2], []] and got[4:] == [3, None]
+    assert not got[2].is_cuda and got[2].tolist() == [0, -1] and got[3].is_cuda and got[3].tolist() == list(range(5))

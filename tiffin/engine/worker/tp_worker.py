@@ -2,9 +2,9 @@
 a `ModelRunner` of their rank (their shard of the weights, their share of the KV cache) on what it receives.
 
 A step crosses as the wire format's values: the block copies each rank runs on its KV before the forward
-(`KVCopies`, as two flat lists), input_ids, positions, logits indices, the LoRA slot of each token (None without
-adapters) and every AttentionMetadata field; the adapters rank 0 installed this step, if any, follow as one
-pickled object."""
+(`KVCopies`, as two flat lists), input_ids, positions, logits indices, the LoRA slot of each token (a host tensor,
+so on the host at every rank; None without adapters) and every AttentionMetadata field; the adapters rank 0
+installed this step, if any, follow as one pickled object."""
 
 import dataclasses
 
@@ -59,5 +59,5 @@ def _decode(step: tuple[list, object], lora_slots: LoRASlots | None) -> ModelInp
     (input_ids, positions, logits_indices, token_slots, *attn), installs = step
     if installs:
         lora_slots.install(installs)
-    lora = None if token_slots is None else lora_slots.metadata(token_slots.cpu().numpy())
+    lora = None if token_slots is None else lora_slots.metadata(token_slots.numpy())
     return ModelInput(input_ids, positions, AttentionMetadata(*attn), logits_indices, lora)
