@@ -4,6 +4,9 @@ reference against float64 algebra on the dequantized weight and activations, and
 GPTQ weights against each format's own dequantization."""
 
 import os
+import platform
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -161,12 +164,20 @@ def test_threads_split_the_output_rows():
         torch.set_num_threads(before)
 
 
+@pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("g++") is None, reason="x86-64 with g++ only")
+@pytest.mark.parametrize("march", ["x86-64", "x86-64-v3", "cooperlake", "sapphirerapids"])
+def test_the_sources_compile_for_every_cpu_kind(march):
+    """The kernels' sources for CPUs other than this one: plain x86-64, AVX2, AVX-512 VNNI and BF16 without AMX (AMD
+    Zen 4 and 5's set), with AMX (-march=native builds only this machine's)."""
+    flags = ["-fsyntax-only", f"-march={march}", "-fopenmp", "-std=c++17"]
+    done = subprocess.run(["g++", *flags, *map(str, cpu_native.SOURCES)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
 @native
 def test_the_portable_path_is_the_same_arithmetic(tmp_path):
     """The C++ that CPUs without AVX-512 VNNI (or BF16) compile, built here with those turned off."""
     import ctypes
-    import shutil
-    import subprocess
 
     compiler = shutil.which("c++") or shutil.which("g++")
     portable = tmp_path / "portable.so"

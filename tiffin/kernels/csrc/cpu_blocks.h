@@ -115,8 +115,13 @@ inline void configure_tiles(const uint16_t (&colsb)[8], const uint8_t (&rows)[8]
   for (int t = 0; t < 8; ++t) config.colsb[t] = colsb[t], config.rows[t] = rows[t];
   asm volatile("ldtilecfg %0" ::"m"(config));  // GCC 12 drops the stores before `_tile_loadconfig(&config)`
 }
+
+// The tiles back to their initial state: the thread's context switches then save no tile data.
+inline void release_tiles() { _tile_release(); }
 #else
 inline bool amx_usable() { return false; }
+inline void configure_tiles(const uint16_t (&)[8], const uint8_t (&)[8]) {}
+inline void release_tiles() {}
 #endif
 
 #if TIFFIN_VNNI

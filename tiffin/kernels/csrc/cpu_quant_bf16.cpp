@@ -191,6 +191,7 @@ void gemm_bf16(const void* x, int dtype, int64_t x_stride, int64_t m, int64_t k,
         default: bf16_rows<1>(xb.data(), m, pairs, wb.data(), y, out_dtype, y_stride, n0, w.n); break;
       }
     }
+    if (amx) release_tiles();
   }
 }
 }  // namespace
