@@ -358,8 +358,9 @@ def test_minilm_through_the_openai_client_matches_sentence_transformers():
             client = openai.OpenAI(base_url=str(http.base_url), api_key="unused", http_client=http, max_retries=0)
             floats = client.embeddings.create(model="all-minilm-l6-v2", input=MINILM_TEXTS, encoding_format="float")
             decoded = client.embeddings.create(model="all-minilm-l6-v2", input=MINILM_TEXTS)
-            assert [d.embedding for d in decoded.data] == [d.embedding for d in floats.data]
             got = torch.tensor([d.embedding for d in floats.data])
+            # two requests, batched as they arrive: fp32 GEMMs of other row counts may differ in the last bits
+            torch.testing.assert_close(torch.tensor([d.embedding for d in decoded.data]), got, rtol=1e-5, atol=1e-6)
             assert got.shape == (len(MINILM_TEXTS), 384)
             assert torch.nn.functional.cosine_similarity(got, want[:-1]).min() >= 0.99999
             short = client.embeddings.create(model="all-minilm-l6-v2", input=MINILM_TEXTS, dimensions=128)

@@ -61,7 +61,8 @@ def test_prompt_sized_inputs_take_bf16_dot_products_at_two_levels():
 def test_native_row_lookup_is_the_dequantized_weight(bits):
     w, rows = random_blocks(40, 96, bits, seed=5), torch.tensor([0, 17, 39, 17])
     want = ig.dequantize_blocks(w)[rows]  # the whole weight, in torch
-    torch.testing.assert_close(ig.dequantize_blocks(w, rows), want, rtol=1e-6, atol=0)
+    # `q * d + m` fused or not: one rounding apart (GGUF's blocks are exact either way)
+    torch.testing.assert_close(ig.dequantize_blocks(w, rows), want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))
 
 
 @native
