@@ -77,11 +77,6 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const bf16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
 inline __m512 round_to(float, __m512 v) { return v; }
 inline __m512 round_to(bf16, __m512 v) {  // to bf16 and back, nearest even (from_float's rounding, NaN aside)
   const __m512i u = _mm512_castps_si512(v);

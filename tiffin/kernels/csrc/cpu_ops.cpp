@@ -122,11 +122,6 @@ void decode_task(const T* q, T* out, const C* k_cache, const C* v_cache, const b
 // dot), the next tile's K rows prefetched (blocks lie anywhere in memory); then P·V per KV head. 1.5-2x the
 // generic loop on a 64-sequence decode (Intel Xeon AMX, 1 and 2 threads).
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const bf16* p) {
-  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
 inline __m256i load16_bytes(const void* p) {
   return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }

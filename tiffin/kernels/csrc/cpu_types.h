@@ -6,6 +6,9 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -33,6 +36,15 @@ bf16 from_float<bf16>(float x) {  // round to nearest even, as torch does
   u += 0x7FFF + ((u >> 16) & 1);
   return bf16{static_cast<uint16_t>(u >> 16)};
 }
+
+#if defined(__AVX512F__)
+// 16 values as fp32.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+#endif
 
 template <typename F>
 void by_dtype(int dtype, F&& run) {
