@@ -39,14 +39,17 @@ def pack(values: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor
     if len(layout) > HEADER_FIELDS:
         raise ValueError(f"a step has {len(layout)} fields, the header holds {HEADER_FIELDS}")
     layout += [(0, 0, 0)] * (HEADER_FIELDS - len(layout))
+    host.append(np.zeros(_even(sum(map(len, host))) - sum(map(len, host)), np.int64))
     sent = _send([np.array(layout).reshape(-1), *host], device)
     header, host_part = sent[: HEADER_FIELDS * 3], sent[HEADER_FIELDS * 3 :]
-    return header, torch.cat([host_part, *on_device]) if on_device else host_part  # cat promotes int32
+    device_parts = [torch.nn.functional.pad(v, (0, _even(len(v)) - len(v))) for v in on_device]
+    return header, torch.cat([host_part, *device_parts]) if on_device else host_part  # cat promotes int32
 
 
 def payload_size(layout: list) -> int:
     """Payload elements of a header read back as `(kind, dim0, dim1)` rows."""
-    return sum(_numel(*v) for v in layout)
+    host = sum(_numel(*v) for v in layout if v[0] in HOST_KINDS)
+    return _even(host) + sum(_even(_numel(*v)) for v in layout if v[0] not in HOST_KINDS)
 
 
 def unpack(layout: list, payload: torch.Tensor) -> list:
@@ -55,11 +58,11 @@ def unpack(layout: list, payload: torch.Tensor) -> list:
     layout = [row for row in layout if row[0]]
     host_size = sum(_numel(*row) for row in layout if row[0] in HOST_KINDS)
     host = payload[:host_size].cpu() if host_size else torch.empty(0, dtype=torch.int64)
-    values, offsets = [], {True: 0, False: host_size}  # next element of the host part, of the device part
+    values, offsets = [], {True: 0, False: _even(host_size)}  # next element of the host part, of the device part
     for kind, d0, d1 in layout:
         on_host, n = kind in HOST_KINDS, _numel(kind, d0, d1)
         part, start = (host, offsets[True]) if on_host else (payload, offsets[False])
-        offsets[on_host] += n
+        offsets[on_host] += n if on_host else _even(n)
         if kind == INT_KIND:
             values.append(d0)
         elif kind == NONE_KIND:
@@ -81,6 +84,12 @@ def _send(parts: list, device: torch.device) -> torch.Tensor:
         view[offset : offset + size] = part
         offset += size
     return buffer if device.type == "cpu" else buffer.to(device, non_blocking=True)
+
+
+def _even(n: int) -> int:
+    """Elements a part takes in the payload: whole pairs, so that each device tensor starts 16-byte aligned, as
+    Triton specializes kernels by their pointers' divisibility by 16 (`Upload` keeps its parts so too)."""
+    return n + n % 2
 
 
 def _dims(t: torch.Tensor) -> tuple[int, int]:
