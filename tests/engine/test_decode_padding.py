@@ -43,15 +43,15 @@ def test_padded_decode_equals_unpadded(tiny_model, monkeypatch):
     runner.pad_decodes(decode_batch_sizes(16))
     graphs = runner.decode_graphs
     assert not graphs.graphs
-    sizes, run = [], graphs.run
+    sizes, padded = [], graphs.padded
 
     def record(size, batch, *args):
         sizes.append((size, len(batch.seq_lens)))
         # the step's attention grid must not depend on its contexts: max_seq_len is max_model_len's
         assert graphs.metadata(size, [1] * size).max_seq_len == runner.max_blocks_per_seq * runner.block_size
-        return run(size, batch, *args)
+        return padded(size, batch, *args)
 
-    monkeypatch.setattr(graphs, "run", record)
+    monkeypatch.setattr(graphs, "padded", record)
     got = _generate(llm)
     assert (8, 5) in sizes and any(n < size for size, n in sizes)  # padded steps ran, with padding rows
     for (want_ids, want_lp), (got_ids, got_lp) in zip(want, got, strict=True):

@@ -22,6 +22,8 @@ from tiffin.engine.errors import EngineDeadError, EngineError
 from tiffin.engine.lora.request import LoRARequest
 from tiffin.engine.models.loader import build_model, get_model_config
 from tiffin.engine.outputs import EngineStats
+from tiffin.engine.worker import model_runner
+from tiffin.kernels import triton_common as tc
 from tiffin.tiny import make_tiny_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
@@ -181,6 +183,31 @@ def test_quantized_shards_compute_the_whole_layer(name):
             for i, piece in enumerate(expected.split(full.output_sizes, dim=1)):
                 got = [s.method.apply(s, x[:, : s.input_size]).split(s.output_sizes, dim=1)[i] for s in shards]
                 assert torch.equal(torch.cat(got, dim=1), piece), (path, i)
+
+
+def test_graphed_tp_decode_equals_eager_tp1(tiny_model, cuda_emulation, monkeypatch):
+    """The CUDA path under tensor parallelism (the CUDA emulation; each worker under one of its own, NCCL's
+    collectives run by gloo): every rank warms up and captures its decode graphs, all-reduces inside, and the
+    ranks replay them together. Greedy and seeded tokens equal the eager TP=1 engine's; rank 1 replayed every graph
+    rank 0 did; serving launched no Triton variant that start-up (warm-up) did not."""
+    path = tiny_model("llama")
+    args = dict(device="cuda", dtype="float32", num_kv_blocks=64, max_num_seqs=4, max_model_len=96)
+    vocab = get_model_config(path).vocab_size
+    with monkeypatch.context() as patched:
+        patched.setattr(model_runner, "warm_up_triton", lambda runner: None)
+        want = run(LLM(str(path), enforce_eager=True, **args), vocab)
+    with tc.recording_launches() as started:
+        llm = LLM(str(path), tensor_parallel_size=2, distributed_timeout=120, **args)
+    try:
+        assert sorted(llm.llm_engine.model_runner.decode_graphs.graphs) == [1, 2, 4]
+        with tc.recording_launches() as served:
+            got = run(llm, vocab)
+        replays = cuda_emulation.replays
+    finally:
+        llm.shutdown()
+    assert got == want
+    assert replays > 0 and cuda_emulation.worker_replays() == {1: replays}
+    assert served and not served - started, sorted(served - started, key=str)[:2]
 
 
 def test_killed_worker_fails_in_flight_requests(tiny_model):

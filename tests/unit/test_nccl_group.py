@@ -25,8 +25,8 @@ def four_gpus(monkeypatch):
 def test_ranks_join_on_consecutive_gpus_from_the_configured_one(four_gpus, monkeypatch):
     """device="cuda:1" with two ranks: cuda:1 and cuda:2 (each rank used to take cuda:<rank>, putting rank 0 on
     cuda:0 beside the engine's cuda:1 tensors, or two ranks on one GPU); the communicator is bound to that GPU
-    (`device_id`), and a failed collective raises in the waiting rank instead of NCCL's watchdog ending the
-    process (blocking wait, communicators aborted only)."""
+    (`device_id`), and a failed collective aborts the communicators instead of NCCL's watchdog ending the process
+    (eager engines also wait blocking: the collective raises in the waiting rank)."""
     import os
 
     joined = []
@@ -39,7 +39,10 @@ def test_ranks_join_on_consecutive_gpus_from_the_configured_one(four_gpus, monke
     assert [(backend, current) for backend, current, _ in joined] == [("nccl", 1), ("nccl", 2)]
     assert [kw["device_id"] for *_, kw in joined] == [torch.device("cuda", 1), torch.device("cuda", 2)]
     assert [kw["rank"] for *_, kw in joined] == [0, 1]
-    assert os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "1" and os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    # CUDA graphs (the default) capture collectives, which cannot block the host: the watchdog's abort only
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2" and "TORCH_NCCL_BLOCKING_WAIT" not in os.environ
+    group_module._init_group(EngineConfig("m", device="cuda:1", tensor_parallel_size=2, enforce_eager=True), 0, 29500)
+    assert os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "1"
     assert [group_module.rank_device(config.torch_device, r) for r in (0, 1)] == [
         torch.device("cuda", 1),
         torch.device("cuda", 2),

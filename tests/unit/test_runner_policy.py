@@ -40,7 +40,7 @@ def test_tensor_parallel_ranks_keep_their_even_thread_split():
         ({}, "triton", True, True),
         ({"enforce_eager": True}, "triton", True, False),
         ({"enable_lora": True}, "triton", True, True),  # slot indices in the graphs' buffers, weights in slots
-        ({"tensor_parallel_size": 2}, "triton", False, False),
+        ({"tensor_parallel_size": 2}, "triton", True, True),  # every rank captures and warms up, in step
         ({}, "torch", False, False),
     ],
 )

@@ -28,6 +28,11 @@ graph would not do: they recompute what they computed, so results do not change.
 runs when issued), the pool's reuse of memory freed within a capture (a graph here holds every intermediate, so
 graph memory reads higher than on a GPU), bf16 (the interpreter's bf16 dots are wrong: test in fp32/fp16).
 
+Tensor parallelism: `init_process_group("nccl")` joins with gloo (the collectives then run on the memory behind
+the devices), and the worker processes a group starts run under an emulation of their own (the same settings),
+whose graph replays `worker_replays()` reads once they have ended. A collective captured in a graph is replayed
+with it, and replay waits for it, as a graph's stream does.
+
 Counted, for tests to assert per step: `uploads` (host -> device copies) and `reads` (device -> host), each a
 list of short descriptions; `launches` (the Triton kernels launched, by name); a graph's `kernels()` lists what
 its replay would launch. `allocated(device)` and the peak are tracked from tagged storages, behind
@@ -36,13 +41,17 @@ its replay would launch. `allocated(device)` and the peak are tracked from tagge
 
 import contextlib
 import dataclasses
+import functools
+import tempfile
 import threading
 import time
 import weakref
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map_only
@@ -170,6 +179,7 @@ class CudaEmulation:
     # -- install -----------------------------------------------------------------------------------------------
 
     def __enter__(self) -> "CudaEmulation":
+        from tiffin.engine.distributed import group as group_module
         from tiffin.kernels import kv_quant, triton_common, triton_lora
 
         self._patches = stack = contextlib.ExitStack()
@@ -237,6 +247,20 @@ class CudaEmulation:
         # split-K tile counters are kept per device: ones from before this emulation are untagged host memory
         patch(triton_common, "_TILE_COUNTERS", {})
 
+        # tensor parallelism: NCCL's collectives run by gloo on the memory behind the devices, and the worker
+        # processes of a group under an emulation of their own (`worker_replays`)
+        original_init = dist.init_process_group
+
+        def init_process_group(backend=None, **kwargs):
+            if backend == "nccl":
+                backend, kwargs = "gloo", {k: v for k, v in kwargs.items() if k != "device_id"}
+            return original_init(backend, **kwargs)
+
+        patch(dist, "init_process_group", init_process_group)
+        self._stats = stack.enter_context(tempfile.TemporaryDirectory(prefix="tiffin-emulated-workers-"))
+        settings = dict(device_count=self.device_count, total_memory=self.total_memory, capability=self.capability)
+        patch(group_module, "_worker", functools.partial(_emulated_worker, settings | {"sms": self.sms}, self._stats))
+
         original_run = threading.Thread.run
 
         def run(thread):  # every thread sees CUDA tensors as the one that started the emulation does
@@ -249,6 +273,10 @@ class CudaEmulation:
 
     def __exit__(self, *exc) -> None:
         self._patches.close()
+
+    def worker_replays(self) -> dict[int, int]:
+        """Graph replays of each tensor-parallel worker that has ended (rank -> count)."""
+        return {int(f.stem[4:]): int(f.read_text()) for f in Path(self._stats).glob("rank*")}
 
     def _reset_peak(self, device=None) -> None:
         index = self.index(device)
@@ -274,6 +302,18 @@ class CudaEmulation:
             self.capturing.nodes.append(_Node(again, launch.args, {}, None))
         with _no_modes():
             run(launch)
+
+
+def _emulated_worker(settings: dict, stats: str, *worker_args) -> None:
+    """A tensor-parallel worker process (`group._worker`) under an emulation like its engine's; once it ends, its
+    graph replays in `stats`/rank<N>."""
+    from tiffin.engine.distributed.group import _worker
+
+    with CudaEmulation(**settings) as emu:
+        try:
+            _worker(*worker_args)
+        finally:
+            (Path(stats) / f"rank{worker_args[1]}").write_text(str(emu.replays))
 
 
 @contextlib.contextmanager
@@ -379,6 +419,9 @@ class _Node:
     def replay(self) -> None:
         resolve = lambda tree: tree_map_only(_Outside, _Outside.get, tree)
         fresh = self.func(*resolve(self.args), **resolve(self.kwargs))
+        for leaf in tree_flatten(fresh)[0]:  # a collective's Work: the graph's stream waits on it
+            if isinstance(leaf, torch.ScriptObject):
+                torch._C._distributed_c10d.Work.unbox(leaf).wait()
         for captured, new in zip(tree_flatten(resolve(self.out))[0], tree_flatten(fresh)[0]):
             if isinstance(captured, torch.Tensor) and captured is not new and captured.data_ptr() != new.data_ptr():
                 captured.copy_(new)
@@ -479,7 +522,8 @@ class _CaptureMode(TorchDispatchMode):
         out = func(*args, **kwargs)
         inputs = _storages((args, kwargs))
         self.graph.inside.update(_storages(out) - inputs)
-        if func not in _NOT_REPLAYED and not _only_views(func, inputs, out):
+        # a collective writes its tensors in place, though its schema does not say so
+        if func not in _NOT_REPLAYED and (func.namespace == "c10d" or not _only_views(func, inputs, out)):
             self.graph.nodes.append(_Node(func, args, kwargs, out))
         return out
 

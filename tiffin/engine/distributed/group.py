@@ -86,15 +86,16 @@ class WorkerGroup:
             raise EngineDeadError(self._diagnose(e)) from e
         return self
 
-    def agree_num_blocks(self, num_blocks: int) -> int:
-        """The KV block count every rank can hold (the smallest); on rank 0, a worker's start-up error raised."""
+    def agree_min(self, value: int) -> int:
+        """The smallest of every rank's `value` (the KV block count all can hold, the SM count all warm up for);
+        every rank calls it at the same point of its start. On rank 0, a worker's start-up error raised."""
         if self.tp.rank:
-            self.conns[0].send(("ready", num_blocks))
+            self.conns[0].send(("ready", value))
             return self.conns[0].recv()
-        counts = [num_blocks] + [self._receive(conn, rank)[1] for rank, conn in enumerate(self.conns, 1)]
+        values = [value] + [self._receive(conn, rank)[1] for rank, conn in enumerate(self.conns, 1)]
         for conn in self.conns:
-            conn.send(min(counts))
-        return min(counts)
+            conn.send(min(values))
+        return min(values)
 
     def _receive(self, conn, rank: int) -> tuple:
         """A starting worker's next message; its start-up error (or death, or silence) raised, workers ended."""
@@ -184,10 +185,13 @@ def _init_group(config, rank: int, port: int) -> None:
     nccl = device.type == "cuda"
     if nccl:
         torch.cuda.set_device(device)
-        # a collective that fails or times out raises in the rank waiting on it, which names the rank at fault
-        # (`WorkerGroup.run`), and only aborts the communicators: by default NCCL's watchdog ends the process
-        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+        # a failed or timed-out collective only aborts the communicators (by default NCCL's watchdog ends the
+        # process); then the next collective raises in rank 0, which names the rank at fault (`WorkerGroup.run`)
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        if config.enforce_eager:
+            # and the collective itself raises where it waits. Not with CUDA graphs: a captured collective
+            # cannot block the host (the wait would query an event of the capture)
+            os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
     dist.init_process_group(
         "nccl" if nccl else "gloo",
         init_method=f"tcp://127.0.0.1:{port}",

@@ -1,4 +1,6 @@
 """Decode-only steps padded to a few batch sizes, their inputs in persistent buffers, one CUDA graph per size.
+Under tensor parallelism every rank captures the same sizes, its all-reduces inside the graphs; rank 0 sends each
+step's padded inputs (`padded`) and the ranks replay the same size together.
 
 Invariant: a graph's inputs live in `DecodeBuffers` and are filled in place, by the step's one upload; its
 attention grid depends on the batch size alone (max_seq_len is max_model_len's), and so do its LoRA kernels'
@@ -14,7 +16,7 @@ import numpy as np
 import torch
 
 from tiffin.engine.core.scheduler import SchedulerOutput
-from tiffin.engine.worker.batch import HostBatch, Upload, round16
+from tiffin.engine.worker.batch import HostBatch, round16
 from tiffin.kernels import AttentionMetadata
 from tiffin.kernels.lora import LoRAMetadata, group_by_slot
 from tiffin.kernels.quant import DENSE_MIN_TOKENS
@@ -89,50 +91,44 @@ class DecodeGraphs:
             return 0
         return self.sizes[bisect.bisect_left(self.sizes, n)]
 
-    def stage(self, size: int, b: HostBatch, upload: Upload, seq_slots: np.ndarray | None = None) -> Callable[[], None]:
-        """Add the step's inputs, padded to `size` rows, to `upload`; the function returned copies them into the
-        buffers once it is sent (device to device). `seq_slots`: each sequence's LoRA slot (-1: none; None: no
-        sequence has one). Stale block-table columns past this step's width, and LoRA tokens past the groups' end,
-        are never read: no row's context reaches them, no slot's count."""
-        buf, pad = self.buffers, size - len(b.seq_lens)
+    def padded(self, size: int, b: HostBatch, seq_slots: np.ndarray | None = None) -> list[np.ndarray]:
+        """The step's inputs padded to `size` rows, one array per buffer they fill, in `DecodeBuffers` order (the
+        LoRA grouping only with LoRA). `seq_slots`: each sequence's LoRA slot (-1: none; None: no sequence has
+        one). Stale block-table columns past this step's width, and LoRA tokens past the groups' end, are never
+        read: no row's context reaches them, no slot's count."""
+        pad = size - len(b.seq_lens)
         padded = lambda a, fill, dtype: np.concatenate([a, np.full((pad, *a.shape[1:]), fill, a.dtype)]).astype(dtype)
-        parts = [
-            (buf.input_ids[:size], upload.add(padded(b.input_ids, 0, np.int64))),
-            (buf.positions[:size], upload.add(padded(b.positions, 0, np.int64))),
-            (buf.slot_mapping[:size], upload.add(padded(b.slots, self.dummy * self.block_size, np.int64))),
-            (buf.seq_lens[:size], upload.add(padded(b.seq_lens, 1, np.int32))),
-            (
-                buf.block_tables[:size, : b.block_tables.shape[1]],
-                upload.add(padded(b.block_tables, self.dummy, np.int32)),
-            ),
+        arrays = [
+            padded(b.input_ids, 0, np.int64),
+            padded(b.positions, 0, np.int64),
+            padded(b.slots, self.dummy * self.block_size, np.int64),
+            padded(b.seq_lens, 1, np.int32),
+            padded(b.block_tables, self.dummy, np.int32),
         ]
         if self.max_loras:
             token_slots = np.full(size, -1, np.int64)
             if seq_slots is not None:
                 token_slots[: len(seq_slots)] = seq_slots
-            tokens, starts, counts = group_by_slot(token_slots, self.max_loras)
-            parts += [
-                (buf.lora_tokens[: len(tokens)], upload.add(tokens)),
-                (buf.lora_starts, upload.add(starts)),
-                (buf.lora_counts, upload.add(counts)),
-            ]
+            arrays += group_by_slot(token_slots, self.max_loras)
+        return arrays
 
-        def fill() -> None:
-            for dst, part in parts:
-                dst.copy_(upload.get(part))
+    def write(self, parts: list[torch.Tensor]) -> None:
+        """Copy `parts` (`padded`'s arrays on the device) into the leading corner of their buffers."""
+        buf = self.buffers
+        buffers = [buf.input_ids, buf.positions, buf.slot_mapping, buf.seq_lens, buf.block_tables]
+        buffers += [buf.lora_tokens, buf.lora_starts, buf.lora_counts]
+        for buffer, part in zip(buffers, parts):
+            buffer[tuple(slice(0, n) for n in part.shape)].copy_(part)
 
-        return fill
-
-    def run(self, size: int, b: HostBatch, model: Callable, fill: Callable[[], None]) -> torch.Tensor:
-        """`fill` the buffers (`stage`), then replay the size's graph or run `model` on them."""
-        fill()
+    def run(self, size: int, model: Callable, seq_lens: Callable[[], list[int]]) -> torch.Tensor:
+        """Replay the size's graph on the buffers (filled by `write`), or run `model` on them (`seq_lens()`: the
+        padded step's, which the torch attention reads on the host; asked only then)."""
         if size in self.graphs:
             graph, hidden = self.graphs[size]
             graph.replay()
             return hidden
-        seq_lens = b.seq_lens.tolist() + [1] * (size - len(b.seq_lens))
         buf = self.buffers
-        return model(buf.input_ids[:size], buf.positions[:size], self.metadata(size, seq_lens), self.lora(size))
+        return model(buf.input_ids[:size], buf.positions[:size], self.metadata(size, seq_lens()), self.lora(size))
 
     def metadata(self, size: int, seq_lens: list[int]) -> AttentionMetadata:
         """Views of the buffers. max_seq_len is max_model_len's, whatever the step's contexts: the attention grid

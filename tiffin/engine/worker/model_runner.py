@@ -86,7 +86,7 @@ class ModelRunner:
             pooling_only=model_config.task != "generate",
         )
         if group is not None:
-            self.num_blocks = group.agree_num_blocks(self.num_blocks)
+            self.num_blocks = group.agree_min(self.num_blocks)
         self.allocate_kv_cache()
         prefix_caching = config.enable_prefix_caching and model_config.causal
         self.num_host_blocks = kv_cache.num_host_blocks(config, self.kv_spec, prefix_caching)  # (tier, swap)
@@ -124,15 +124,7 @@ class ModelRunner:
         size = self.decode_graphs.size_for(scheduler_output) if graphs else 0
         pooled = None
         if size:
-            batch = self.host_batch(scheduler_output)
-            seq_slots = (
-                None if self.lora_slots is None else self.lora_slots.assign([s.lora for s in scheduler_output.seqs])
-            )
-            fill = self.decode_graphs.stage(size, batch, upload, seq_slots)
-            logits_indices = upload.add(batch.logits_indices.astype(np.int64))
-            upload.send()
-            hidden = self.decode_graphs.run(size, batch, self.model, fill)
-            logits = self.model.compute_logits(hidden[upload.get(logits_indices)])
+            logits = self.graphed_step(scheduler_output, upload, size)
         elif self.group is None:
             logits, pooled = self.run_model(self.prepare(scheduler_output, upload))
         else:  # the other ranks run the same step on their shards
@@ -198,6 +190,30 @@ class ModelRunner:
         samples = len(inputs.logits_indices) and self.model_config.task == "generate"
         logits = self.model.compute_logits(hidden[inputs.logits_indices]) if samples else None
         return logits, None if inputs.pooling is None else self.model.pool(hidden, inputs.pooling)
+
+    def graphed_step(self, scheduler_output: SchedulerOutput, upload: Upload, size: int) -> torch.Tensor | None:
+        """A decode-only step padded to `size`, its inputs in the step's upload: `run_graphed` here and, under
+        tensor parallelism, on every rank."""
+        batch = self.host_batch(scheduler_output)
+        loras = [s.lora for s in scheduler_output.seqs]
+        seq_slots = None if self.lora_slots is None else self.lora_slots.assign(loras)
+        parts = [upload.add(a) for a in self.decode_graphs.padded(size, batch, seq_slots)]
+        indices = upload.add(batch.logits_indices.astype(np.int64))
+        upload.send()
+        padded, logits_indices = [upload.get(p) for p in parts], upload.get(indices)
+        forward = lambda: self.run_graphed(size, padded, logits_indices)
+        if self.group is None:
+            return forward()
+        copies = scheduler_output.copies
+        return tp_worker.run_graphed(self.group, size, padded, logits_indices, self.lora_slots, copies, forward)
+
+    @torch.inference_mode()
+    def run_graphed(self, size: int, padded: list[torch.Tensor], logits_indices: torch.Tensor) -> torch.Tensor | None:
+        """A decode step padded to `size` (`DecodeGraphs.padded`'s arrays on the device): its graph replayed, or
+        its padded inputs run eagerly where none was captured; the logits as `run_model` gives them."""
+        self.decode_graphs.write(padded)
+        hidden = self.decode_graphs.run(size, self.model, lambda: padded[3].tolist())
+        return self.model.compute_logits(hidden[logits_indices])
 
     def finish_pooling(self, pooled: torch.Tensor, seqs: list) -> list[list[float]]:
         """Each pooling sequence's result as its params ask: an embedding cut to its `dimensions`, then normalized

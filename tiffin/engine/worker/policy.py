@@ -32,9 +32,8 @@ def choose_policy(
         size_threads=cpu and single,
         # oneDNN builds an AMX kernel per new row count of a bf16/fp16 linear; LoRA maps adapters per real token
         pad_prefills=cpu and backend == "torch" and dtype != torch.float32 and has_amx and not config.enable_lora,
-        # the interpreter compiles nothing; tensor-parallel steps are collective (no lone warm-up forwards)
-        warm_up_triton=device.type == "cuda" and backend == "triton" and single,
-        # graphs pay where launches dominate; the torch attention (and LoRA) builds per-step host tensors; a
-        # tensor-parallel step is broadcast to the other ranks, not replayed
-        capture_graphs=device.type == "cuda" and backend == "triton" and not config.enforce_eager and single,
+        # the interpreter compiles nothing; tensor-parallel ranks warm up in step (their forwards are collective)
+        warm_up_triton=device.type == "cuda" and backend == "triton",
+        # graphs pay where launches dominate; the torch attention (and LoRA) builds per-step host tensors
+        capture_graphs=device.type == "cuda" and backend == "triton" and not config.enforce_eager,
     )

@@ -2,9 +2,10 @@
 a `ModelRunner` of their rank (their shard of the weights, their share of the KV cache) on what it receives.
 
 A step crosses as the wire format's values: the block copies each rank runs on its KV before the forward
-(`KVCopies`, as two flat lists), input_ids, positions, logits indices, the LoRA slot of each token (a host tensor,
-so on the host at every rank; None without adapters) and every AttentionMetadata field; the adapters rank 0
-installed this step, if any, follow as one pickled object."""
+(`KVCopies`, as two flat lists), the size of the decode graph it replays (0: none), then for an eager step
+input_ids, positions, logits indices, the LoRA slot of each token (a host tensor, so on the host at every rank;
+None without adapters) and every AttentionMetadata field, and for a graphed one the logits indices and the graph's
+padded inputs; the adapters rank 0 installed this step, if any, follow as one pickled object."""
 
 import dataclasses
 
@@ -34,12 +35,24 @@ def start(config: EngineConfig, model_config: ModelConfig, max_model_len: int, d
 def run(group: WorkerGroup, inputs: ModelInput, lora_slots: LoRASlots | None, copies: KVCopies, forward):
     """Rank 0: send `inputs`, the step's block copies (each rank copies its share of the KV) and the adapters
     installed for them to the other ranks, then run `forward()`."""
-    installs = None if lora_slots is None else lora_slots.pop_installs() or None
     token_slots = None if inputs.lora is None else torch.from_numpy(inputs.lora.token_slots)
     attn = [getattr(inputs.attn, f.name) for f in dataclasses.fields(inputs.attn)]
+    values = [0, inputs.input_ids, inputs.positions, inputs.logits_indices, token_slots, *attn]
+    return _send(group, values, lora_slots, copies, forward)
+
+
+def run_graphed(
+    group: WorkerGroup, size: int, padded: list, logits_indices, lora_slots: LoRASlots | None, copies, forward
+):
+    """Rank 0: a decode step padded to `size` (`padded`: the buffers' contents, `DecodeGraphs.padded` on the
+    device) to the other ranks, which replay their graph of that size; then `forward()`."""
+    return _send(group, [size, logits_indices, *padded], lora_slots, copies, forward)
+
+
+def _send(group: WorkerGroup, values: list, lora_slots: LoRASlots | None, copies: KVCopies, forward):
+    installs = None if lora_slots is None else lora_slots.pop_installs() or None
     offloads, loads = ([i for pair in pairs for i in pair] for pairs in (copies.offloads, copies.loads))
-    values = [offloads, loads, inputs.input_ids, inputs.positions, inputs.logits_indices, token_slots, *attn]
-    return group.run(values, installs, forward)
+    return group.run([offloads, loads, *values], installs, forward)
 
 
 def _serve_rank(group: WorkerGroup, runner_cls, config, model_config, max_model_len):
@@ -48,16 +61,20 @@ def _serve_rank(group: WorkerGroup, runner_cls, config, model_config, max_model_
 
     def serve() -> None:
         while (step := group.receive()) is not None:
-            (offloads, loads, *values), installs = step
+            (offloads, loads, size, *values), installs = step
             runner.copy_blocks(KVCopies([*zip(offloads[::2], offloads[1::2])], [*zip(loads[::2], loads[1::2])]))
-            runner.run_model(_decode((values, installs), runner.lora_slots))
+            if installs:
+                runner.lora_slots.install(installs)
+            if size:
+                logits_indices, *padded = values
+                runner.run_graphed(size, padded, logits_indices)
+            else:
+                runner.run_model(_decode(values, runner.lora_slots))
 
     return serve
 
 
-def _decode(step: tuple[list, object], lora_slots: LoRASlots | None) -> ModelInput:
-    (input_ids, positions, logits_indices, token_slots, *attn), installs = step
-    if installs:
-        lora_slots.install(installs)
+def _decode(values: list, lora_slots: LoRASlots | None) -> ModelInput:
+    input_ids, positions, logits_indices, token_slots, *attn = values
     lora = None if token_slots is None else lora_slots.metadata(token_slots.numpy())
     return ModelInput(input_ids, positions, AttentionMetadata(*attn), logits_indices, lora)

@@ -17,7 +17,8 @@ def warm_up_triton(runner) -> None:
     attention by batch and token counts as Triton specializes them (1, a multiple of 16, other) and, for
     decode-only steps, KV splits, which follow the batch size and the longest context. The steps run the model on
     the runner's own KV cache, so a quantized one (`kv_cache_dtype`) warms its quantized write and attention
-    variants. With `enable_lora`, the LoRA kernels too (`warm_up_lora`)."""
+    variants. With `enable_lora`, the LoRA kernels too (`warm_up_lora`). Tensor-parallel ranks run the same steps
+    (the smallest SM count of theirs), their forwards' all-reduces meeting."""
     # here, not at the top: a torch-backend process never imports triton
     from tiffin.kernels.triton_attention import MIN_SPLIT_TOKENS
     from tiffin.kernels.triton_common import MAX_SPLITS, num_sms
@@ -27,7 +28,8 @@ def warm_up_triton(runner) -> None:
     long = min(runner.max_model_len - 1, MIN_SPLIT_TOKENS * MAX_SPLITS)  # context for the most KV splits
     # every batch size whose programs may not fill the GPU twice (KV splits vary), then one of each
     # specialization class; programs >= sequences, so larger batches never split
-    sizes = sorted({*range(1, 2 * num_sms(runner.device) + 1), 16, 17, 32, 33} & set(range(1, most + 1)))
+    sms = num_sms(runner.device) if runner.group is None else runner.group.agree_min(num_sms(runner.device))
+    sizes = sorted({*range(1, 2 * sms + 1), 16, 17, 32, 33} & set(range(1, most + 1)))
     contexts = sorted({1, min(long, MIN_SPLIT_TOKENS + 1), long})  # no split, two, as many as fit
     steps = [[(1, 1)] * (d - 1) + [(ctx, 1)] for d in sizes for ctx in contexts]
     for tokens in (16, 17, 32, 33):  # prefill chunks, prefills after a cached prefix, mixed steps
