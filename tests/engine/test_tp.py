@@ -185,23 +185,30 @@ def test_quantized_shards_compute_the_whole_layer(name):
                 assert torch.equal(torch.cat(got, dim=1), piece), (path, i)
 
 
-def test_graphed_tp_decode_equals_eager_tp1(tiny_model, cuda_emulation, monkeypatch):
+@pytest.mark.parametrize("adapters", [False, True], ids=["base", "lora"])
+def test_graphed_tp_decode_equals_eager_tp1(tiny_model, cuda_emulation, monkeypatch, tmp_path, adapters):
     """The CUDA path under tensor parallelism (the CUDA emulation; each worker under one of its own, NCCL's
     collectives run by gloo): every rank warms up and captures its decode graphs, all-reduces inside, and the
-    ranks replay them together. Greedy and seeded tokens equal the eager TP=1 engine's; rank 1 replayed every graph
-    rank 0 did; serving launched no Triton variant that start-up (warm-up) did not."""
+    ranks replay them together. Greedy and seeded tokens equal the eager TP=1 engine's, with adapters too (rank 0
+    sends their installs with the graphed steps); rank 1 replayed every graph rank 0 did; serving launched no
+    Triton variant that start-up (warm-up) did not."""
     path = tiny_model("llama")
     args = dict(device="cuda", dtype="float32", num_kv_blocks=64, max_num_seqs=4, max_model_len=96)
+    loras = {}
+    if adapters:
+        lora = LoRARequest("a1", 1, str(make_adapter(path, tmp_path / "a1", seed=1, r=8, lora_alpha=16)))
+        loras = {"lora_request": [None, lora, lora, None, lora, None, lora]}
+        args |= dict(enable_lora=True, max_loras=2)
     vocab = get_model_config(path).vocab_size
     with monkeypatch.context() as patched:
         patched.setattr(model_runner, "warm_up_triton", lambda runner: None)
-        want = run(LLM(str(path), enforce_eager=True, **args), vocab)
+        want = run(LLM(str(path), enforce_eager=True, **args), vocab, **loras)
     with tc.recording_launches() as started:
         llm = LLM(str(path), tensor_parallel_size=2, distributed_timeout=120, **args)
     try:
         assert sorted(llm.llm_engine.model_runner.decode_graphs.graphs) == [1, 2, 4]
         with tc.recording_launches() as served:
-            got = run(llm, vocab)
+            got = run(llm, vocab, **loras)
         replays = cuda_emulation.replays
     finally:
         llm.shutdown()

@@ -1,11 +1,14 @@
 """The tensor-parallel wire format (#25 defect 7): every kind of value round-trips on its own side (lists and host
 tensors on the host, device tensors on the device); on CUDA (emulated) rank 0 sends a step in one pinned upload
-and a receiving rank reads back the header and the host-side values only."""
+and a receiving rank reads back the header and the host-side values only. On both sides a step's device tensors
+start 16-byte aligned."""
 
+import numpy as np
 import pytest
 import torch
 
 from tiffin.engine.distributed import wire
+from tiffin.engine.worker.batch import Upload
 from tiffin.testing.cuda_emulation import CudaEmulation
 
 
@@ -108,3 +111,14 @@ def test_device_tensors_arrive_16_byte_aligned(emulation):
     got = cross(header, payload)
     assert_same(got, values)
     assert [(t.data_ptr() - payload.data_ptr()) % 16 for t in got[1:] if t.dtype == torch.int64] == [0, 0, 0]
+
+
+def test_a_steps_uploaded_arrays_start_16_byte_aligned(emulation):
+    """The same on rank 0's side: each array of a step's one pinned upload (`Upload`) starts 16-byte aligned."""
+    upload = Upload(torch.device("cuda"))
+    parts = [upload.add(np.arange(n, dtype=dtype)) for n, dtype in ((3, np.int32), (5, np.int64), (1, np.int32))]
+    upload.add(np.zeros((2, 3), np.int32))
+    upload.send()
+    got = [upload.get(p) for p in parts]
+    assert [t.tolist() for t in got] == [[0, 1, 2], [0, 1, 2, 3, 4], [0]]
+    assert [(t.data_ptr() - got[0].data_ptr()) % 16 for t in got] == [0, 0, 0]
