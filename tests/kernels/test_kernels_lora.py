@@ -109,19 +109,57 @@ def test_graphed_metadata_over_stale_buffers(case, interpreter, poisoned):
     torch.testing.assert_close(y.double(), y_ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("splits", [1, 2, 3])
-def test_shrink_split_k(splits, interpreter, poisoned):
-    token_slots = [0, 1, 1, -1, 0]
-    x, a, _, _, _, md = make_case(token_slots, 384, 16, [32, 32], 2, torch.float32, seed=3)
-    out = torch.empty(x.shape[0], a.shape[1])
+SPLIT_CASES = {
+    # name: token slots (3 slots; N = 3 x 24 = 72 columns: ragged N tiles in fp32 and fp16)
+    "decode": [0, 2, -1, 2, 0],  # 16-row tiles
+    "ragged": [1] * 40 + [0, -1, 2] + [1] * 30 + [0] * 4,  # slot 1: 70 rows, two 64-row tiles, the second ragged
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("splits", [1, 2, 3, 5])
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=list(SPLIT_CASES))
+def test_shrink_split_k(case, splits, dtype, interpreter, poisoned):
+    """Forced K splits (K = 360: a ragged last split) over several slots. The last split of each tile sums the
+    partials into `out` in the kernel: launched again onto NaN output and partials, as a graph replays it, the tile
+    counters were reset and the second launch writes the same result (the partials are summed in split order)."""
+    token_slots = SPLIT_CASES[case]
+    x, a, _, _, _, md = make_case(token_slots, 360, 24, [24, 24, 24], 3, dtype, seed=3)
+    out = torch.full((x.shape[0], a.shape[1]), float("nan"), dtype=dtype)
     launch, partial = tlora.shrink_launch(x, a, out, md, splits=splits)
-    assert (partial is None) == (splits == 1) and launch.grid[1] == splits
+    assert (partial is None) == (splits == 1) and launch.grid[1] == (1 if partial is None else partial.shape[0])
     launch(x.device)
+    first = out.clone()
+    out.fill_(float("nan"))
     if partial is not None:
-        out.copy_(partial.sum(0))
-    h_ref = reference(x, a, torch.zeros(2, 16, 64), torch.zeros(5, 64), [0, 32, 64], token_slots)[0]
+        partial.fill_(float("nan"))
+    launch(x.device)
     rows = torch.tensor(token_slots) >= 0
-    torch.testing.assert_close(out[rows].double(), h_ref[rows], rtol=1e-4, atol=1e-4)
+    assert torch.equal(out[rows], first[rows])
+    h_ref = reference(x, a, torch.zeros(3, 24, 72), torch.zeros(len(token_slots), 72), [0, 24, 48, 72], token_slots)[0]
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out[rows].double(), h_ref[rows], rtol=tol, atol=tol)
+
+
+def test_split_k_shrink_is_one_launch(cuda_emulation, poisoned):
+    """Captured in a decode graph, a split-K shrink is one kernel: nothing sums the partials after it."""
+    token_slots = [0, 1, -1, 1]
+    x, a, _, _, _, md = make_case(token_slots, 512, 16, [16, 16], 2, torch.float32, seed=4)
+    x, a = x.cuda(), a.cuda()
+    md = LoRAMetadata.build(np.array(token_slots), x.device, torch.float32)
+    launch, partial = tlora.shrink_launch(x, a, torch.empty(4, 32, device=x.device), md)
+    assert partial is not None and partial.shape[0] > 1  # the dispatcher's own choice splits K
+    h = lora_shrink(x, a, md, "triton")  # eager first, as the engine does: the tile counters exist before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        h = lora_shrink(x, a, md, "triton")
+    kernels = [k for k in graph.kernels() if k != "aten.full.default"]  # `poisoned` NaN-fills the allocations
+    assert kernels == ["_lora_shrink_kernel"], graph.kernels()
+    h.fill_(float("nan"))
+    graph.replay()
+    h_ref = reference(x.cpu(), a.cpu(), torch.zeros(2, 16, 32), torch.zeros(4, 32), [0, 16, 32], token_slots)[0]
+    rows = torch.tensor(token_slots) >= 0
+    torch.testing.assert_close(h.cpu()[rows].double(), h_ref[rows], rtol=1e-4, atol=1e-4)
 
 
 def test_bf16_torch_path():

@@ -162,7 +162,7 @@ def split_k(
 ) -> tuple[int, torch.Tensor | None]:
     """Cut the K of a GEMM with `programs` output tiles into `splits` ranges of whole `block_k` steps (None:
     `num_splits`' choice) -> (K rows per range, the fp32 `[splits, *out.shape]` partials the ranges write, or
-    None when one range writes `out` itself). `run_split_k` sums the partials."""
+    None when one range writes `out` itself). The kernel sums the partials itself (`reduce_split_k`)."""
     if splits is None:
         splits = num_splits(programs, k // block_k, out.device)
     k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
@@ -185,11 +185,22 @@ def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     return counters
 
 
-def run_split_k(launch: Launch, partial: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-    launch(out.device)
-    if partial is not None:
-        out.copy_(partial.sum(0))
-    return out
+@triton.jit
+def reduce_split_k(acc, partial_ptrs, out_ptrs, mask, counter_ptr, split, splits, stride_split):
+    """Split `split` of `splits` of one output tile: stores its fp32 `acc` as its partial (`partial_ptrs` is split
+    0's tile, each next split's `stride_split` on) and counts itself in on the tile's counter (`tile_counters`). The
+    last to arrive sums the tile's partials in split order (the result does not depend on who arrives last) into
+    `out_ptrs` and resets the counter to 0 for the next launch, which a graph replay makes without a memset. So a
+    split-K GEMM is one launch, where a separate sum and copy were two more kernels."""
+    tl.store(partial_ptrs + split * stride_split, acc, mask=mask)
+    tl.debug_barrier()  # every thread's partial stored before the release below publishes it
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == splits - 1:  # the last split of this tile: the others' partials are visible
+        total = tl.zeros_like(acc)
+        for part in range(splits):
+            total += tl.load(partial_ptrs + part * stride_split, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(counter_ptr, 0)
 
 
 def empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

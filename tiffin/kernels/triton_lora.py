@@ -7,9 +7,11 @@ adapters. Programs past a slot's token count return at once; grids are sized fro
 group), so host code never reads device tensors.
 
 Shrink (`[T, K] -> [T, N]`, K large, N = slices x rank small) splits K across programs when tiles alone
-cannot fill the GPU (decode), writing fp32 partials that one sum reduces. Expand (`[T, N] -> += [T, O]`) runs
-a grid axis over the fused layer's slices; each slice reads its own rank block of the shrink result and adds
-into its own output columns. Each output element is written by exactly one program: no atomics.
+cannot fill the GPU (decode): each split writes an fp32 partial, and the last of a tile's splits to arrive sums
+them into the output (`reduce_split_k`, counted on the shared tile counters), so a split-K shrink is one launch.
+Expand (`[T, N] -> += [T, O]`) runs a grid axis over the fused layer's slices; each slice reads its own rank
+block of the shrink result and adds into its own output columns. Each output element is written by exactly one
+program: the only atomics are split-K's tile counters.
 
 Launch, interpreter and tile plumbing: triton_common.
 """
@@ -24,6 +26,7 @@ from tiffin.kernels import triton_common as tc
 from tiffin.kernels.compile_check import CompileCase, register
 from tiffin.kernels.dispatch import implements
 from tiffin.kernels.lora import LoRAMetadata
+from tiffin.kernels.triton_common import reduce_split_k
 
 
 def shrink_tile(max_slot_tokens: int, n: int, dtype: torch.dtype) -> tc.Tile:
@@ -51,6 +54,8 @@ def _lora_shrink_kernel(
     x_ptr,
     a_ptr,
     out_ptr,
+    partial_ptr,
+    tile_counters_ptr,
     sorted_ptr,
     starts_ptr,
     counts_ptr,
@@ -97,12 +102,13 @@ def _lora_shrink_kernel(
             acc = tl.dot(x.to(tl.float32), a.to(tl.float32), acc)
         else:
             acc = tl.dot(x, a, acc, input_precision=DOT_PRECISION)
-    ptrs = out_ptr + pid_k * stride_split + tokens[:, None] * stride_ot + offs_n[None, :]
+    tile = tokens[:, None] * stride_ot + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT:
-        tl.store(ptrs, acc, mask=mask)
+    if SPLIT:  # partials [splits, T, N] fp32, laid out as out; a tile's splits all get here or all returned
+        counter = tile_counters_ptr + slot * tl.num_programs(0) + pid_mn
+        reduce_split_k(acc, partial_ptr + tile, out_ptr + tile, mask, counter, pid_k, tl.num_programs(1), stride_split)
     else:
-        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + tile, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -166,25 +172,31 @@ def _lora_expand_kernel(
 def lora_shrink_triton(x: torch.Tensor, a_stack: torch.Tensor, md: LoRAMetadata) -> torch.Tensor:
     x = x if x.stride(1) == 1 else x.contiguous()
     out = tc.empty((x.shape[0], a_stack.shape[1]), x.dtype, x.device)
-    return tc.run_split_k(*shrink_launch(x, a_stack, out, md), out)
+    shrink_launch(x, a_stack, out, md)[0](x.device)
+    return out
 
 
 def shrink_launch(
     x, a_stack, out, md: LoRAMetadata, splits: int | None = None
 ) -> tuple[tc.Launch, torch.Tensor | None]:
-    """The launch and, with split-K, the fp32 `[splits, T, N]` partials it writes (summed by the caller)."""
+    """The launch, which writes `out`, and with split-K the fp32 `[splits, T, N]` partials it sums there itself
+    (scratch, returned for tests); `splits` defaults to the dispatcher's choice."""
     k, n = x.shape[1], a_stack.shape[1]
     tile = shrink_tile(md.max_slot_tokens, n, x.dtype)
     tiles = triton.cdiv(md.max_slot_tokens, tile.block_m) * triton.cdiv(n, tile.block_n)
     k_per_split, partial = tc.split_k(out, k, tile.block_k, tiles * md.num_slots, splits)
-    target = out if partial is None else partial
+    if partial is not None and out.stride() != partial.stride()[1:]:
+        raise ValueError(f"lora_shrink: out must be contiguous for split-K, got strides {out.stride()}")
+    counters = tc.tile_counters(out.device, tiles * md.num_slots) if partial is not None else out
     launch = tc.Launch(
         _lora_shrink_kernel,
         (tiles, triton.cdiv(k, k_per_split), md.num_slots),
         (
             x,
             a_stack,
-            target,
+            out,
+            out if partial is None else partial,  # unread placeholders without split-K
+            counters,
             md.sorted_tokens,
             md.slot_starts,
             md.slot_counts,
@@ -194,8 +206,8 @@ def shrink_launch(
             x.stride(0),
             a_stack.stride(0),
             a_stack.stride(1),
-            target.stride(-2),
-            target.stride(0) if partial is not None else 0,
+            out.stride(0),
+            partial.stride(0) if partial is not None else 0,
         ),
         dict(SPLIT=partial is not None, **tc.dot_options(x), **tile.options()),
     )

@@ -35,6 +35,7 @@ from tiffin.kernels import triton_common as tc
 from tiffin.kernels.compile_check import CompileCase, register
 from tiffin.kernels.dispatch import implements
 from tiffin.kernels.quant import DENSE_MIN_TOKENS
+from tiffin.kernels.triton_common import reduce_split_k
 
 # The dense path's dequantized weight per pass; a weight larger than this (an lm_head) is multiplied in passes over
 # its output columns, each still a large matmul (152k x 4096 fp16: 5 passes of 32k columns).
@@ -187,16 +188,8 @@ def _quant_gemm_kernel(
     tile = offs_m[:, None] * stride_om + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT:  # partials [splits, M, N] fp32, laid out as out
-        tl.store(partial_ptr + pid_k * stride_split + tile, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partial stored before the release below publishes it
         counter = tile_counters_ptr + pid_m * tl.num_programs(1) + pid_n
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == tl.num_programs(2) - 1:  # the last split of this tile: the others' partials are visible
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for split in range(tl.num_programs(2)):
-                total += tl.load(partial_ptr + split * stride_split + tile, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + tile, total.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(counter, 0)  # ready for the next launch, which a graph replay makes without a memset
+        reduce_split_k(acc, partial_ptr + tile, out_ptr + tile, mask, counter, pid_k, tl.num_programs(2), stride_split)
     else:
         tl.store(out_ptr + tile, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
