@@ -123,9 +123,12 @@ async def run_load(url: str, model: str, wl: Workload, concurrency: int | None, 
 
 
 async def sse_chunks(resp: aiohttp.ClientResponse) -> AsyncIterator[dict]:
-    """The JSON chunks of an OpenAI-style server-sent-event stream, up to its [DONE]."""
+    """The JSON chunks of an OpenAI-style server-sent-event stream, up to its [DONE]; other SSE lines (comments
+    such as keep-alives, `event:` fields) carry no chunk."""
     async for line in resp.content:
-        data = line.strip().removeprefix(b"data:").strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line.removeprefix(b"data:").strip()
         if data and data != b"[DONE]":
             yield json.loads(data)
 
