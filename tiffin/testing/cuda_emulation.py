@@ -258,8 +258,10 @@ class CudaEmulation:
 
         patch(dist, "init_process_group", init_process_group)
         self._stats = stack.enter_context(tempfile.TemporaryDirectory(prefix="tiffin-emulated-workers-"))
-        settings = dict(device_count=self.device_count, total_memory=self.total_memory, capability=self.capability)
-        patch(group_module, "_worker", functools.partial(_emulated_worker, settings | {"sms": self.sms}, self._stats))
+        settings = dict(
+            device_count=self.device_count, total_memory=self.total_memory, capability=self.capability, sms=self.sms
+        )
+        patch(group_module, "_worker", functools.partial(_emulated_worker, settings, self._stats))
 
         original_run = threading.Thread.run
 

@@ -39,7 +39,8 @@ def pack(values: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor
     if len(layout) > HEADER_FIELDS:
         raise ValueError(f"a step has {len(layout)} fields, the header holds {HEADER_FIELDS}")
     layout += [(0, 0, 0)] * (HEADER_FIELDS - len(layout))
-    host.append(np.zeros(_even(sum(map(len, host))) - sum(map(len, host)), np.int64))
+    host_size = sum(map(len, host))
+    host.append(np.zeros(_even(host_size) - host_size, np.int64))
     sent = _send([np.array(layout).reshape(-1), *host], device)
     header, host_part = sent[: HEADER_FIELDS * 3], sent[HEADER_FIELDS * 3 :]
     device_parts = [torch.nn.functional.pad(v, (0, _even(len(v)) - len(v))) for v in on_device]

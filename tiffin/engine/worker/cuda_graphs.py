@@ -120,15 +120,16 @@ class DecodeGraphs:
         for buffer, part in zip(buffers, parts):
             buffer[tuple(slice(0, n) for n in part.shape)].copy_(part)
 
-    def run(self, size: int, model: Callable, seq_lens: Callable[[], list[int]]) -> torch.Tensor:
-        """Replay the size's graph on the buffers (filled by `write`), or run `model` on them (`seq_lens()`: the
-        padded step's, which the torch attention reads on the host; asked only then)."""
+    def run(self, size: int, model: Callable) -> torch.Tensor:
+        """Replay the size's graph on the buffers (filled by `write`), or run `model` on them (the torch attention
+        then reads the step's seq_lens on the host)."""
         if size in self.graphs:
             graph, hidden = self.graphs[size]
             graph.replay()
             return hidden
         buf = self.buffers
-        return model(buf.input_ids[:size], buf.positions[:size], self.metadata(size, seq_lens()), self.lora(size))
+        metadata = self.metadata(size, buf.seq_lens[:size].tolist())
+        return model(buf.input_ids[:size], buf.positions[:size], metadata, self.lora(size))
 
     def metadata(self, size: int, seq_lens: list[int]) -> AttentionMetadata:
         """Views of the buffers. max_seq_len is max_model_len's, whatever the step's contexts: the attention grid

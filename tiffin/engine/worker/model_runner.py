@@ -212,7 +212,7 @@ class ModelRunner:
         """A decode step padded to `size` (`DecodeGraphs.padded`'s arrays on the device): its graph replayed, or
         its padded inputs run eagerly where none was captured; the logits as `run_model` gives them."""
         self.decode_graphs.write(padded)
-        hidden = self.decode_graphs.run(size, self.model, lambda: padded[3].tolist())
+        hidden = self.decode_graphs.run(size, self.model)
         return self.model.compute_logits(hidden[logits_indices])
 
     def finish_pooling(self, pooled: torch.Tensor, seqs: list) -> list[list[float]]:
