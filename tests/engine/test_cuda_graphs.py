@@ -298,36 +298,74 @@ def test_seeded_rows_draw_on_the_device_independently_of_the_batch(tiny_model, c
     assert not [u for u in cuda_emulation.uploads if f"({vocab},)" in u or f", {vocab})" in u]
 
 
+def propose_continuation(engine, want: list) -> None:
+    """Proposals of up to 3 tokens from the run's own continuation `want` (the tiny model repeats nothing an
+    n-gram would find); request ids are the engine's first, 0.."""
+    continuation = {str(i): ids for i, (ids, _) in enumerate(want)}
+
+    class Known:
+        def propose(self, seqs):
+            for seq in seqs:
+                seq.spec_token_ids = continuation[seq.request_id][seq.num_output_tokens :][:3]
+
+    engine.proposer = Known()
+
+
+def count_steps(engine, emu) -> list[tuple[int, int, int, int]]:
+    """From now on, per step of `engine`: (uploads, reads, graphs replayed, sequences verifying proposals)."""
+    steps, step = [], engine.step
+
+    def counted():
+        emu.reset_counts()
+        replays, drafts = emu.replays, engine.scheduler.spec_drafts
+        outputs = step()
+        steps.append((len(emu.uploads), len(emu.reads), emu.replays - replays, engine.scheduler.spec_drafts - drafts))
+        return outputs
+
+    engine.step = counted
+    return steps
+
+
+def assert_verifying_steps_replayed(engine, steps: list) -> None:
+    assert engine.model_runner.decode_graphs.sizes == [1, 2, 4, 8, 16, 24]  # 4 sequences of 1 + 4 proposals
+    verifying = [replayed for _, _, replayed, verified in steps if verified]
+    assert verifying and all(replayed == 1 for replayed in verifying), steps
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_speculation_on_the_cuda_path(tiny_model, cuda_emulation, no_warm_up, method):
-    """Verifying steps on the CUDA path (Triton kernels, pinned uploads, decode graphs for the steps without
-    proposals): the tokens of no speculation; a verifying step uploads once and reads its tokens and acceptances
-    at once. Proposals: the run's own continuation (the tiny model repeats nothing an n-gram would find)."""
+    """Verifying steps on the CUDA path (Triton kernels, pinned uploads, decode graphs): the tokens of no
+    speculation; a verifying step replays a graph of its rows (a row per proposal and one more), uploads once
+    and reads its tokens and acceptances at once."""
     path = tiny_model("llama")
     want = generate(build(path, eager=False))
     spec = {"method": method, "model": str(path) if method == "draft_model" else None}
     llm = build(path, eager=False, speculative_config=spec)
     engine = llm.llm_engine
     if method == "ngram":
-        continuation = {str(i): ids for i, (ids, _) in enumerate(want)}
-
-        class Known:
-            def propose(self, seqs):
-                for seq in seqs:
-                    seq.spec_token_ids = continuation[seq.request_id][seq.num_output_tokens :][:3]
-
-        engine.proposer = Known()
-    steps, step = [], engine.step
-
-    def counted():
-        cuda_emulation.reset_counts()
-        outputs = step()
-        steps.append((len(cuda_emulation.uploads), len(cuda_emulation.reads)))
-        return outputs
-
-    engine.step = counted
+        propose_continuation(engine, want)
+    steps = count_steps(engine, cuda_emulation)
     assert_same(generate(llm), want)
     stats = engine.stats()
     assert stats.spec_accepted_tokens > 0 and stats.kv_blocks_used == 0, stats
+    assert_verifying_steps_replayed(engine, steps)
     if method == "ngram":  # the draft model's forwards upload and read on their own
-        assert all(uploads == 1 and reads <= 2 for uploads, reads in steps), steps
+        assert all(uploads == 1 and reads <= 2 for uploads, reads, _, _ in steps), steps
+
+
+def test_verifying_steps_with_adapters_replay_graphs(tiny_model, cuda_emulation, no_warm_up, tmp_path):
+    """A verifying step mixing the base model and two adapters: each of a sequence's rows runs its adapter in the
+    replayed graph, giving the tokens of eager steps without speculation."""
+    path = tiny_model("llama")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    a, b = (
+        LoRARequest(name, i + 1, str(make_adapter(path, tmp_path / name, i, model, **ADAPTERS[name])))
+        for i, name in enumerate(list(ADAPTERS)[:2])
+    )
+    loras = [a, None, b, a]
+    want = generate(build(path, eager=True, enable_lora=True, max_loras=2), loras)
+    llm = build(path, eager=False, enable_lora=True, max_loras=2, speculative_config={"method": "ngram"})
+    propose_continuation(llm.llm_engine, want)
+    steps = count_steps(llm.llm_engine, cuda_emulation)
+    assert_same(generate(llm, loras), want)
+    assert_verifying_steps_replayed(llm.llm_engine, steps)

@@ -1,4 +1,6 @@
-"""Decode-only steps padded to a few batch sizes, their inputs in persistent buffers, one CUDA graph per size.
+"""Decode-only steps padded to a few row counts, their inputs in persistent buffers, one CUDA graph per size. A
+decode row is a plain decode's token or one of a verifying sequence's (speculative decoding), each its own
+attention entry.
 Under tensor parallelism every rank captures the same sizes, its all-reduces inside the graphs; rank 0 sends each
 step's padded inputs (`padded`) and the ranks replay the same size together.
 
@@ -24,11 +26,11 @@ from tiffin.kernels.quant import DENSE_MIN_TOKENS
 MAX_GRAPH_BATCH = 512  # like vLLM: larger decode batches are compute-bound, launch overhead no longer shows
 
 
-def decode_batch_sizes(max_num_seqs: int, quantized: bool = False) -> list[int]:
-    """Sizes decode steps are padded to (a CUDA graph each): 1, 2, 4, 8, then every 8, up to the first that holds
-    min(max_num_seqs, 512) sequences. A quantized model's stop below DENSE_MIN_TOKENS: from there its GEMMs
+def decode_batch_sizes(max_rows: int, quantized: bool = False) -> list[int]:
+    """Row counts decode steps are padded to (a CUDA graph each): 1, 2, 4, 8, then every 8, up to the first that
+    holds min(max_rows, 512) rows. A quantized model's stop below DENSE_MIN_TOKENS: from there its GEMMs
     dequantize whole weights, which a graph would keep in its pool; those steps run eagerly, unpadded."""
-    top, sizes = min(max_num_seqs, MAX_GRAPH_BATCH), []
+    top, sizes = min(max_rows, MAX_GRAPH_BATCH), []
     for size in itertools.chain((1, 2, 4), itertools.count(8, 8)):
         if quantized and size >= DENSE_MIN_TOKENS:
             return sizes
@@ -46,7 +48,7 @@ class DecodeBuffers:
     slot_mapping: torch.Tensor
     seq_lens: torch.Tensor
     block_tables: torch.Tensor  # [sizes[-1], max_blocks_per_seq rounded up to 16]
-    query_start_loc: torch.Tensor  # 0..sizes[-1]: one token per sequence
+    query_start_loc: torch.Tensor  # 0..sizes[-1]: one token per attention entry
     lora_tokens: torch.Tensor | None  # [sizes[-1]] the tokens with an adapter, by slot (`group_by_slot`)
     lora_starts: torch.Tensor | None  # [max_loras]
     lora_counts: torch.Tensor | None  # [max_loras]; None: no LoRA
@@ -85,15 +87,17 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def size_for(self, scheduler_output: SchedulerOutput) -> int:
-        """The padded size of a decode-only step, or 0 when it runs unpadded."""
-        n = len(scheduler_output.seqs)
-        if n > self.sizes[-1] or max(scheduler_output.num_scheduled_tokens) > 1:
+        """The padded size of a step whose every query token is a decode row (`HostBatch`'s entries: plain
+        decodes and verifying ones, a row per proposal and one more), or 0 when it runs unpadded (a prefill)."""
+        counts = scheduler_output.num_scheduled_tokens
+        if any(n > 1 and not seq.spec_token_ids for seq, n in zip(scheduler_output.seqs, counts)):
             return 0
-        return self.sizes[bisect.bisect_left(self.sizes, n)]
+        rows = sum(counts)
+        return self.sizes[bisect.bisect_left(self.sizes, rows)] if rows <= self.sizes[-1] else 0
 
-    def padded(self, size: int, b: HostBatch, seq_slots: np.ndarray | None = None) -> list[np.ndarray]:
+    def padded(self, size: int, b: HostBatch, row_slots: np.ndarray | None = None) -> list[np.ndarray]:
         """The step's inputs padded to `size` rows, one array per buffer they fill, in `DecodeBuffers` order (the
-        LoRA grouping only with LoRA). `seq_slots`: each sequence's LoRA slot (-1: none; None: no sequence has
+        LoRA grouping only with LoRA). `row_slots`: each row's LoRA slot (-1: none; None: no sequence has
         one). Stale block-table columns past this step's width, and LoRA tokens past the groups' end, are never
         read: no row's context reaches them, no slot's count."""
         pad = size - len(b.seq_lens)
@@ -107,8 +111,8 @@ class DecodeGraphs:
         ]
         if self.max_loras:
             token_slots = np.full(size, -1, np.int64)
-            if seq_slots is not None:
-                token_slots[: len(seq_slots)] = seq_slots
+            if row_slots is not None:
+                token_slots[: len(row_slots)] = row_slots
             arrays += group_by_slot(token_slots, self.max_loras)
         return arrays
 

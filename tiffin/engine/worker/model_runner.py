@@ -192,12 +192,13 @@ class ModelRunner:
         return logits, None if inputs.pooling is None else self.model.pool(hidden, inputs.pooling)
 
     def graphed_step(self, scheduler_output: SchedulerOutput, upload: Upload, size: int) -> torch.Tensor | None:
-        """A decode-only step padded to `size`, its inputs in the step's upload: `run_graphed` here and, under
-        tensor parallelism, on every rank."""
+        """A decode-only step (verifying ones too) padded to `size` rows, its inputs in the step's upload:
+        `run_graphed` here and, under tensor parallelism, on every rank."""
         batch = self.host_batch(scheduler_output)
         loras = [s.lora for s in scheduler_output.seqs]
         seq_slots = None if self.lora_slots is None else self.lora_slots.assign(loras)
-        parts = [upload.add(a) for a in self.decode_graphs.padded(size, batch, seq_slots)]
+        row_slots = None if seq_slots is None else np.repeat(seq_slots, batch.query_lens)
+        parts = [upload.add(a) for a in self.decode_graphs.padded(size, batch, row_slots)]
         indices = upload.add(batch.logits_indices.astype(np.int64))
         upload.send()
         padded, logits_indices = [upload.get(p) for p in parts], upload.get(indices)
@@ -275,8 +276,11 @@ class ModelRunner:
         return ModelInput(input_ids, positions, attn, logits_indices, lora and lora(upload.get), pooling)
 
     def decode_graph_sizes(self) -> list[int]:
-        """The batch sizes decode steps are padded to and captured at (a quantized model's stay on its fused GEMMs)."""
-        return decode_batch_sizes(self.config.max_num_seqs, self.model_config.quant_config is not None)
+        """The row counts decode steps are padded to and captured at: a row a sequence, or with speculation one
+        per proposal and one more (a quantized model's stay on its fused GEMMs)."""
+        spec = self.config.speculative_config
+        rows = self.config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
+        return decode_batch_sizes(rows, self.model_config.quant_config is not None)
 
     def pad_decodes(self, sizes: list[int]) -> None:
         """Pad decode-only steps of up to `sizes[-1]` sequences to the next of `sizes` (`DecodeGraphs`); on
