@@ -114,7 +114,7 @@ def test_quantized_caches_move_codes_and_scales(path, kv_cache_dtype):
     want = [drive(plain, requests)[0], drive(plain, requests)[0]]
     tiers = dict(preemption_mode="swap", swap_space=0.01, kv_offload_memory=1 << 20)
     tiered = engine(path, num_kv_blocks=12, kv_cache_dtype=kv_cache_dtype, **tiers)
-    assert len(tiered.model_runner.host_kv) == 2
+    assert len(tiered.model_runner.host_tier) == len(tiered.model_runner.host_swap) == 2
     assert [drive(tiered, requests)[0], drive(tiered, requests)[0]] == want
     assert tiered.stats().swapped_out_seqs > 0 and tiered.stats().host_tier_hits > 0
 
@@ -193,7 +193,7 @@ def test_copies_on_the_cuda_path(path, on_cpu, cuda_emulation):
     requests, want = on_cpu
     args = dict(device="cuda", kernel_backend="torch", enforce_eager=True, max_model_len=128, num_kv_blocks=12)
     cuda = engine(path, preemption_mode="swap", swap_space=0.01, kv_offload_memory=1 << 20, **args)
-    assert all(cuda_emulation.is_pinned(t) for t in cuda.model_runner.host_kv)
+    assert all(cuda_emulation.is_pinned(t) for t in cuda.model_runner.host_tier + cuda.model_runner.host_swap)
     assert drive(cuda, requests)[0] == want
     assert drive(cuda, requests)[0] == want  # the second time, prefixes come back from the host tier
     stats = cuda.stats()
