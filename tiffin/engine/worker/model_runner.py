@@ -145,9 +145,9 @@ class ModelRunner:
         """The step's block copies between the KV pool and the host blocks, every tensor of the pool: offloads
         (device -> host), then loads (host -> device), the order `core/kv_offload` relies on; each batched over the
         step's blocks of one host region. An int8 tier for a wider pool (`KVCacheSpec.for_tier`) has its blocks
-        quantized on the device (fewer bytes to the host) and dequantized there once back. On CUDA the copies run
-        on a side stream that first waits for the work queued before (the last forward wrote the blocks) and
-        that the forward waits for; an offload's scatter into the host blocks waits for its device -> host copy
+        quantized on the device (fewer bytes to the host) and dequantized there after the copy back. On CUDA the
+        copies run on a side stream that first waits for the work queued before (the last forward wrote the blocks)
+        and that the forward waits for; an offload's scatter into the host blocks waits for its device -> host copy
         (a host synchronization, in steps that offload only), a load is asynchronous throughout."""
         if not copies:
             return
