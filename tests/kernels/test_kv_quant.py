@@ -55,6 +55,26 @@ def test_int8_heads_use_the_whole_range():
     assert codes.abs().amax(-1).eq(127).all()
 
 
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_kv_blocks_round_trip_within_the_int8_error(head_dim):
+    """`quantize_kv` stores blocks as a quantized cache does (keys rotated: rotated queries meet them as the keys),
+    `dequantize_kv` rotates the keys back: each head within the int8 error of its largest magnitude (the keys' in
+    L2, which the rotation keeps; a score's within that times the query's norm)."""
+    kv = torch.randn(2, 3, 16, 2, head_dim, generator=torch.Generator().manual_seed(head_dim))
+    kv[0, ..., 5] *= 20  # an outlier channel
+    codes, scales = kv_quant.quantize_kv(kv, torch.int8)
+    assert codes.shape == kv.shape and codes.dtype == torch.int8 and scales.shape == kv.shape[:-1]
+    step = RELATIVE_ERROR[torch.int8] * 1.01
+    key_error = kv_quant.rotate(kv[0]).abs().amax(-1) * step * head_dim**0.5  # per head, in L2
+    q = torch.randn(head_dim, generator=torch.Generator().manual_seed(1))
+    scores = kv_quant.dequantize(codes[0], scales[0], torch.float32) @ kv_quant.rotate(q)
+    assert torch.all((scores - kv[0] @ q).abs() <= key_error * q.norm())
+    back = kv_quant.dequantize_kv(codes, scales, torch.float32)
+    assert kv_quant.dequantize_kv(codes, scales, torch.bfloat16).dtype == torch.bfloat16
+    assert torch.all((back[1] - kv[1]).abs() <= kv[1].abs().amax(-1, keepdim=True) * step)
+    assert torch.all((back[0] - kv[0]).norm(dim=-1) <= key_error)
+
+
 def _write_case(cache_dtype, dtype, tokens=37, heads=3, head_dim=64, blocks=10, block_size=16):
     gen = torch.Generator().manual_seed(tokens)
     key = (torch.randn(tokens, heads, head_dim, generator=gen) * 3).to(dtype)

@@ -373,16 +373,20 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def stats(self) -> EngineStats:
-        bm, kv_spec = self.block_manager, self.model_runner.kv_spec
-        host_blocks = sum(pool.num_used_blocks for pool in (bm.tier, bm.swap) if pool is not None)
+        bm, runner = self.block_manager, self.model_runner
+        host_bytes = sum(
+            pool.num_used_blocks * spec.bytes_per_block
+            for pool, spec in ((bm.tier, runner.tier_spec), (bm.swap, runner.kv_spec))
+            if pool is not None
+        )
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_swapped=len(self.scheduler.swapped),
             kv_blocks_total=bm.num_blocks,
             kv_blocks_used=bm.num_used_blocks,
-            kv_bytes_per_token=kv_spec.bytes_per_token,
-            host_kv_bytes_used=host_blocks * kv_spec.bytes_per_block,
+            kv_bytes_per_token=runner.kv_spec.bytes_per_token,
+            host_kv_bytes_used=host_bytes,
             num_preemptions=self.scheduler.num_preemptions,
             swapped_out_seqs=self.scheduler.num_swapped_out,
             swapped_in_seqs=self.scheduler.num_swapped_in,

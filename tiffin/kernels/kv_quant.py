@@ -79,3 +79,17 @@ def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`codes * scales` in `dtype` (computed in fp32)."""
     return (codes.float() * scales.float()[..., None]).to(dtype)
+
+
+def quantize_kv(kv: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks of a plain cache, K and V stacked on dim 0 (`[2, ..., head_dim]`), as a quantized cache of `dtype`
+    holds them: codes and scales, stacked alike, keys rotated as every writer rotates them."""
+    (k_codes, k_scales), (v_codes, v_scales) = quantize(rotate(kv[0], exact=True), dtype), quantize(kv[1], dtype)
+    return torch.stack([k_codes, v_codes]), torch.stack([k_scales, v_scales])
+
+
+def dequantize_kv(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`quantize_kv`'s blocks back in a plain cache's `dtype`, keys rotated back (the normalized Hadamard matrix is
+    its own inverse; the fp32 matmul: these values are approximations already)."""
+    keys = rotate(dequantize(codes[0], scales[0], torch.float32)).to(dtype)
+    return torch.stack([keys, dequantize(codes[1], scales[1], dtype)])

@@ -1,7 +1,8 @@
 """Host memory behind the KV pool, bookkept here, copied by the worker: the prefix cache's host tier (blocks evicted
 from the pool, least recently used dropped first) and the swap region (the blocks of sequences preempted by swap).
 
-Host block ids: the tier's are 0..tier_blocks-1, the swap region's follow; the worker holds one host pool of both.
+Host block ids: the tier's are 0..tier_blocks-1, the swap region's follow. The worker holds each in tensors of its
+own (the tier's may store another format: `kv_offload_dtype`), numbered from 0 by `KVCopies.split`.
 
 A step's copies (`KVCopies`, taken from the BlockManager once the step is scheduled) run in this order, before the
 forward: every offload (device -> host), then every load (host -> device). Hence:
@@ -26,6 +27,15 @@ class KVCopies:
 
     def __bool__(self) -> bool:
         return bool(self.offloads or self.loads)
+
+    def split(self, tier_blocks: int) -> tuple["KVCopies", "KVCopies"]:
+        """The copies of the tier's host blocks and those of the swap region's, its ids less `tier_blocks`."""
+        tier = KVCopies([c for c in self.offloads if c[1] < tier_blocks], [c for c in self.loads if c[0] < tier_blocks])
+        swap = KVCopies(
+            [(block, host - tier_blocks) for block, host in self.offloads if host >= tier_blocks],
+            [(host - tier_blocks, block) for host, block in self.loads if host >= tier_blocks],
+        )
+        return tier, swap
 
 
 class HostTier:

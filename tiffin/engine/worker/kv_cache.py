@@ -3,13 +3,15 @@
 Invariant: on CUDA the pool is sized after a profiling step (the largest batch on just its blocks, the sampler's
 worst case at max_num_seqs rows, the decode graphs captured) whose KV and graphs are freed first; one
 max_model_len sequence fits or start fails naming the numbers. Every layer's K and V live in one zeroed tensor
-with one block past the pool, which padded decode rows write (`cuda_graphs`). Host KV blocks (the prefix cache's
-host tier, the swap region) are tensors of the same shapes, sized by their settings alone."""
+with one block past the pool, which padded decode rows write (`cuda_graphs`). Host KV blocks are tensors of the
+same shapes, sized by their settings alone: the swap region's in the pool's format (a resumed sequence continues on
+the KV it left), the prefix cache's host tier's in `KVCacheSpec.for_tier`'s (int8 codes and scales for a wider
+pool with `kv_offload_dtype` int8)."""
 
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -94,6 +96,11 @@ class KVCacheSpec:
         dtype = kv_quant.CACHE_DTYPES.get(kv_cache_dtype, model_config.dtype)
         return cls(model_config.num_layers, block_size, num_kv_heads, model_config.head_dim, dtype)
 
+    def for_tier(self, kv_offload_dtype: str) -> "KVCacheSpec":
+        """The host tier's blocks: int8 ones for `kv_offload_dtype` int8 where the pool stores wider values; else
+        the pool's (a quantized pool's blocks go as they are: fp8 codes to int8 ones would lose bits, save none)."""
+        return replace(self, dtype=torch.int8) if kv_offload_dtype == "int8" and not self.quantized else self
+
     @property
     def quantized(self) -> bool:
         return self.dtype in kv_quant.CODE_MAX
@@ -142,10 +149,13 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-def num_host_blocks(config: EngineConfig, spec: KVCacheSpec, prefix_caching: bool) -> tuple[int, int]:
-    """Host blocks of the prefix cache's tier (`kv_offload_memory`; none without prefix caching) and of the swap
-    region (`swap_space`, with preemption_mode swap), each a rank's share under tensor parallelism."""
-    tier = config.kv_offload_memory // spec.bytes_per_block if prefix_caching else 0
+def num_host_blocks(
+    config: EngineConfig, spec: KVCacheSpec, tier_spec: KVCacheSpec, prefix_caching: bool
+) -> tuple[int, int]:
+    """Host blocks of the prefix cache's tier (`kv_offload_memory` of `tier_spec`'s; none without prefix caching)
+    and of the swap region (`swap_space` of `spec`'s, with preemption_mode swap), each a rank's share under tensor
+    parallelism."""
+    tier = config.kv_offload_memory // tier_spec.bytes_per_block if prefix_caching else 0
     swap = int(config.swap_space * GiB) // spec.bytes_per_block if config.preemption_mode == "swap" else 0
     return tier, swap
 

@@ -29,6 +29,7 @@ from tiffin.engine.worker.cuda_graphs import DecodeGraphs, decode_batch_sizes
 from tiffin.engine.worker.policy import choose_policy
 from tiffin.engine.worker.sampler import Sampler, SamplerOutput
 from tiffin.engine.worker.warm_up import warm_padded_sizes, warm_up_triton
+from tiffin.kernels import kv_quant
 
 
 class ModelRunner:
@@ -89,8 +90,11 @@ class ModelRunner:
             self.num_blocks = group.agree_min(self.num_blocks)
         self.allocate_kv_cache()
         prefix_caching = config.enable_prefix_caching and model_config.causal
-        self.num_host_blocks = kv_cache.num_host_blocks(config, self.kv_spec, prefix_caching)  # (tier, swap)
-        self.host_kv = self.kv_spec.allocate_host(sum(self.num_host_blocks), self.device.type == "cuda")
+        self.tier_spec = self.kv_spec.for_tier(config.kv_offload_dtype)
+        self.num_host_blocks = kv_cache.num_host_blocks(config, self.kv_spec, self.tier_spec, prefix_caching)
+        pin = self.device.type == "cuda"
+        self.host_tier = self.tier_spec.allocate_host(self.num_host_blocks[0], pin)
+        self.host_swap = self.kv_spec.allocate_host(self.num_host_blocks[1], pin)
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.cpu_decoder = CpuDecoder.build(self.model, self.block_size) if self.policy.native_decode else None
         if self.policy.warm_up_triton:
@@ -139,44 +143,57 @@ class ModelRunner:
     @torch.inference_mode()
     def copy_blocks(self, copies: KVCopies) -> None:
         """The step's block copies between the KV pool and the host blocks, every tensor of the pool: offloads
-        (device -> host), then loads (host -> device), the order `core/kv_offload` relies on. On CUDA they run
-        on a side stream that first waits for the work queued before (the last forward wrote the blocks) and
-        that the forward waits for; an offload's scatter into the host blocks waits for its device -> host copy
+        (device -> host), then loads (host -> device), the order `core/kv_offload` relies on; each batched over the
+        step's blocks of one host region. An int8 tier for a wider pool (`KVCacheSpec.for_tier`) has its blocks
+        quantized on the device (fewer bytes to the host) and dequantized there after the copy back. On CUDA the
+        copies run on a side stream that first waits for the work queued before (the last forward wrote the blocks)
+        and that the forward waits for; an offload's scatter into the host blocks waits for its device -> host copy
         (a host synchronization, in steps that offload only), a load is asynchronous throughout."""
         if not copies:
             return
         if self.device.type != "cuda":
-            self._copy(copies, self.device)
+            self._copy(copies)
             return
         self.copy_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.copy_stream):
-            self._copy(copies, self.device)
+            self._copy(copies)
         torch.cuda.current_stream().wait_stream(self.copy_stream)
 
-    def _copy(self, copies: KVCopies, device: torch.device) -> None:
-        pinned = device.type == "cuda"
-        # fp8 codes as bytes: torch has no CPU index_copy_ for float8
-        pool, host_pool = (
-            [t.view(torch.uint8) if t.dtype.itemsize == 1 else t for t in ts] for ts in (self.kv_tensors, self.host_kv)
-        )
-        if copies.offloads:
-            src, dst = (torch.tensor(ids) for ids in zip(*copies.offloads))
-            src = src.to(device)
-            gathered = [kv.index_select(2, src) for kv in pool]
-            if pinned:
-                staged = [torch.empty(g.shape, dtype=g.dtype, pin_memory=True) for g in gathered]
-                for host, g in zip(staged, gathered):
-                    host.copy_(g, non_blocking=True)
-                self.copy_stream.synchronize()
-                gathered = staged
-            for host, g in zip(host_pool, gathered):
-                host.index_copy_(2, dst, g)
-        if copies.loads:
-            src, dst = (torch.tensor(ids) for ids in zip(*copies.loads))
-            dst = dst.to(device)
-            for kv, host in zip(pool, host_pool):
-                blocks = host.index_select(2, src)
-                kv.index_copy_(2, dst, blocks.pin_memory().to(device, non_blocking=True) if pinned else blocks)
+    def _copy(self, copies: KVCopies) -> None:
+        tier, swap = copies.split(self.num_host_blocks[0])
+        converts = self.tier_spec != self.kv_spec
+        regions = ((tier, self.host_tier, converts), (swap, self.host_swap, False))
+        for region, host_pool, convert in regions:
+            if region.offloads:
+                self._offload(region.offloads, host_pool, convert)
+        for region, host_pool, convert in regions:
+            if region.loads:
+                self._load(region.loads, host_pool, convert)
+
+    def _offload(self, pairs: list[tuple[int, int]], host_pool: list[torch.Tensor], quantize: bool) -> None:
+        src, dst = (torch.tensor(ids) for ids in zip(*pairs))
+        gathered = [kv.index_select(2, src.to(self.device)) for kv in _as_bytes(self.kv_tensors)]
+        if quantize:
+            gathered = kv_quant.quantize_kv(gathered[0], torch.int8)
+        if self.device.type == "cuda":
+            staged = [torch.empty(g.shape, dtype=g.dtype, pin_memory=True) for g in gathered]
+            for host, g in zip(staged, gathered):
+                host.copy_(g, non_blocking=True)
+            self.copy_stream.synchronize()
+            gathered = staged
+        for host, g in zip(_as_bytes(host_pool), gathered):
+            host.index_copy_(2, dst, g)
+
+    def _load(self, pairs: list[tuple[int, int]], host_pool: list[torch.Tensor], dequantize: bool) -> None:
+        src, dst = (torch.tensor(ids) for ids in zip(*pairs))
+        blocks = [host.index_select(2, src) for host in _as_bytes(host_pool)]
+        if self.device.type == "cuda":
+            blocks = [b.pin_memory().to(self.device, non_blocking=True) for b in blocks]
+        if dequantize:
+            blocks = [kv_quant.dequantize_kv(*blocks, self.kv_spec.dtype)]
+        dst = dst.to(self.device)
+        for kv, b in zip(_as_bytes(self.kv_tensors), blocks):
+            kv.index_copy_(2, dst, b)
 
     @torch.inference_mode()
     def run_model(self, inputs: ModelInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -301,6 +318,11 @@ class ModelRunner:
         """`kv_tensors`: every tensor of the pool, blocks on dim 2 (`KVCacheSpec.allocate`); `kv_cache` the first."""
         self.kv_tensors = self.kv_spec.allocate(self.num_blocks, self.device, self.model.layers_kv())
         self.kv_cache = self.kv_tensors[0]
+
+
+def _as_bytes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """fp8 codes as bytes: torch has no CPU index_copy_ for float8."""
+    return [t.view(torch.uint8) if t.dtype.is_floating_point and t.dtype.itemsize == 1 else t for t in tensors]
 
 
 def _keep_freed_memory_mapped() -> None:
