@@ -54,7 +54,8 @@ def test_swap_space_holds_released_blocks_until_the_copies_are_taken():
     swap_blocks = seq.swap_blocks
     assert bm.swap_in(seq, 1)
     assert bm.swap.num_used_blocks == 0 and bm.swap.free == [] and len(seq.block_table) == 3
-    assert bm.take_copies().loads == list(zip(swap_blocks, seq.block_table))
+    assert seq.block_table[:2] == table[:2]  # its full blocks are still cached: only the partial one is loaded
+    assert bm.take_copies().loads == [(swap_blocks[2], seq.block_table[2])]
     assert len(bm.swap.free) == 3  # reusable once the step that reads them has its copies
     bm.check_invariants([seq])
 
@@ -71,7 +72,7 @@ class Contents:
             self.host[host] = self.device.get(device)
         for host, device in copies.loads:
             self.device[device] = self.host.get(host)
-        for seq, first_block in computed:  # the forward writes the blocks past the loaded ones
+        for seq, first_block in computed:  # the forward writes the blocks past the prefix found
             hashes = bm._hashes(seq, seq.num_tokens // BLOCK)
             for i in range(first_block, len(seq.block_table)):
                 self.device[seq.block_table[i]] = hashes[i] if i < len(hashes) else ("partial", seq.seq_id)
@@ -98,7 +99,7 @@ tokens = st.lists(st.integers(0, 2), min_size=1, max_size=20)  # tiny alphabet: 
     st.integers(0, 8),
 )
 def test_copies_keep_every_block_what_its_hash_says(ops, num_blocks, tier_blocks, swap_blocks):
-    """Random admissions (device hits, then host-tier hits), frees, swaps out and in, several per step: after each
+    """Random admissions (device and host-tier hits interleaved), frees, swaps out and in, several per step: after each
     step's copies and forward, every cached block (device or host tier) and every live sequence's block holds
     the KV of its hash; the bookkeeping's invariants hold throughout; the tier never exceeds its blocks. As in the
     scheduler, a sequence admitted or swapped in is neither freed nor swapped out before its step runs."""
@@ -109,13 +110,10 @@ def test_copies_keep_every_block_what_its_hash_says(ops, num_blocks, tier_blocks
         if op == "admit":
             seq = make_seq(prompt)
             cached = bm.get_computed_blocks(seq)
-            loaded = bm.get_offloaded_blocks(seq, len(cached))
-            num_cached = (len(cached) + len(loaded)) * BLOCK
-            if bm.allocate_slots(seq, seq.num_tokens - num_cached, cached, loaded):
-                bm.host_tier_hits += len(loaded) * BLOCK
-                seq.num_computed_tokens = num_cached
+            if bm.allocate_slots(seq, seq.num_tokens - len(cached) * BLOCK, cached):
+                seq.num_computed_tokens = len(cached) * BLOCK
                 live.append(seq)
-                computed.append((seq, len(cached) + len(loaded)))
+                computed.append((seq, len(cached)))
         elif op == "free" and settled:
             seq = settled[len(prompt) % len(settled)]
             live.remove(seq)
@@ -157,10 +155,8 @@ def test_a_load_continues_the_hash_chain():
     assert len(bm.take_copies().offloads) == 3 and bm.tier.num_used_blocks == 3
     bm.free_seq(filler)
     again = make_seq(list(range(13)))
-    assert bm.get_computed_blocks(again) == []
-    loaded = bm.get_offloaded_blocks(again, 0)
-    assert len(loaded) == 3  # 12 of 13 tokens: the last one is recomputed
-    assert bm.allocate_slots(again, 1, [], loaded)
+    assert bm.get_computed_blocks(again) == [None] * 3  # 12 of 13 tokens: the last one is recomputed
+    assert bm.allocate_slots(again, 1, [None] * 3)
     assert [b for _, b in bm.take_copies().loads] == again.block_table[:3]
     third = make_seq(list(range(13)))
     assert bm.get_computed_blocks(third) == again.block_table[:3]
@@ -191,8 +187,7 @@ def test_a_host_block_loaded_in_a_step_is_not_overwritten_in_it():
         bm.free_seq(seq)
     assert bm.take_copies().offloads == [(0, 0)]
     again = make_seq(list(range(5)))
-    loaded = bm.get_offloaded_blocks(again, 0)
-    assert loaded == [0] and bm.allocate_slots(again, 1, [], loaded)
+    assert bm.get_computed_blocks(again) == [None] and bm.allocate_slots(again, 1, [None])
     copies = bm.take_copies()
     assert copies.offloads == [] and copies.loads == [(0, again.block_table[0])]
     bm.check_invariants([again])
