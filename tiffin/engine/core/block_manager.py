@@ -108,8 +108,8 @@ class BlockManager:
 
     def _extend(self, seq: Sequence, hits: list[int | None], loads: dict[int, int], num_blocks: int) -> None:
         """Extend `seq`'s table to `num_blocks` blocks: at position i the cached block `hits[i]`, shared, else a fresh
-        one, loaded from host block `loads[i]` if any. The host blocks are pinned already, so popping fresh blocks
-        (which offloads evicted ones to the tier) drops none of them."""
+        one, loaded from host block `loads[i]` if any. The host blocks are pinned (tier) or held (swap) already:
+        popping fresh blocks, which offloads evicted ones to the tier, overwrites none of them."""
         for block in hits:  # out of the free queue before any block is popped: popping evicts no hit
             if block is not None:
                 if self.ref_cnt[block] == 0:
