@@ -3,7 +3,7 @@ and the swap region, checked against a model of what each device and host block 
 in their order (offloads, then loads) and its forward writes what it computes."""
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tiffin.engine.config import EngineConfig
@@ -90,28 +90,41 @@ class Contents:
             assert [self.device[b] for b in seq.block_table[: len(hashes)]] == hashes
 
 
-tokens = st.lists(st.integers(0, 2), min_size=1, max_size=20)  # tiny alphabet: shared prefixes are common
+DOCS = [list(range(100, 136)), list(range(100, 112)) + [1] * 24, list(range(100, 120)) + [2] * 16]
+prompts = st.builds(lambda doc, n: DOCS[doc][:n], st.integers(0, 2), st.integers(1, 36))  # sharing long prefixes
 
 
 @settings(max_examples=200, deadline=None)
 @given(
-    st.lists(st.tuples(st.sampled_from("admit free swap_out swap_in".split()), tokens), min_size=1, max_size=40),
+    st.lists(
+        st.tuples(st.sampled_from("admit pool free swap_out swap_in".split()), prompts),
+        min_size=10,
+        max_size=60,
+    ),
     st.integers(6, 16),
     st.integers(1, 6),
     st.integers(0, 8),
 )
+@example(  # a prefix of device, tier and device blocks, as `interleaved_prefix` builds it (a step every third op)
+    [("admit", DOCS[0][:25]), ("pool", DOCS[0]), ("swap_in", [])]
+    + [("free", []), ("free", []), ("pool", DOCS[1]), ("free", []), ("admit", DOCS[0]), ("swap_in", [])],
+    16,
+    2,
+    0,
+)
 def test_copies_keep_every_block_what_its_hash_says(ops, num_blocks, tier_blocks, swap_blocks):
-    """Random admissions (device and host-tier hits interleaved), frees, swaps out and in, several per step: after each
-    step's copies and forward, every cached block (device or host tier) and every live sequence's block holds
+    """Random admissions (device and host-tier hits interleaved), pooling ones (no hits: their copies of cached blocks
+    stay unhashed, so the blocks after them may outlive the cached ones), frees, swaps out and in, several per step:
+    after each step's copies and forward, every cached block (device or host tier) and every live sequence's block holds
     the KV of its hash; the bookkeeping's invariants hold throughout; the tier never exceeds its blocks. As in the
     scheduler, a sequence admitted or swapped in is neither freed nor swapped out before its step runs."""
     bm = BlockManager(num_blocks, BLOCK, host_tier_blocks=tier_blocks, swap_blocks=swap_blocks)
     contents, live, swapped, computed = Contents(), [], [], []
     for i, (op, prompt) in enumerate(ops):
         settled = [s for s in live if s.num_computed_tokens == s.num_tokens]  # their step ran
-        if op == "admit":
+        if op in ("admit", "pool"):
             seq = make_seq(prompt)
-            cached = bm.get_computed_blocks(seq)
+            cached = bm.get_computed_blocks(seq) if op == "admit" else []
             if bm.allocate_slots(seq, seq.num_tokens - len(cached) * BLOCK, cached):
                 seq.num_computed_tokens = len(cached) * BLOCK
                 live.append(seq)
