@@ -152,6 +152,34 @@ def test_an_int8_tier_recomputes_as_few_tokens_and_loads_kv_quant_blocks(path):
     assert sum(g[0] == w[0] for g, w in zip(got, want)) >= 0.75 * len(want)
 
 
+def test_a_prefix_continues_past_a_tier_hit_to_the_blocks_still_on_the_device(path):
+    """A 64-token prompt asked twice: the second computes its block 3 again (the last token is always recomputed),
+    its copy unhashed, so the blocks of its answer (4, 5) follow a block 3 the first one holds. A filler then evicts
+    only that block 3 to the tier (unhashed and unused blocks go first). The chat's next turn finds blocks 0-2 and 4-5
+    on the device and 3 in the tier: it computes only its tokens past them, where a prefix stopping at the first
+    block the tier lacks would recompute blocks 4-5 too; its outputs are a run's without the tier."""
+    vocab = 2048
+    rng = random.Random(2)
+    prompt = [rng.randrange(4, vocab) for _ in range(4 * BLOCK)]
+    filler = [rng.randrange(4, vocab) for _ in range(10 * BLOCK)]  # with its answer, 11 of the 16 blocks
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (1, 40, 8)]
+
+    def turns(llm):
+        drive(llm, [(prompt, params[0])])
+        (answer,), _ = drive(llm, [(prompt, params[1])])
+        drive(llm, [(filler, params[2])])
+        before = llm.stats()
+        (last,), _ = drive(llm, [(prompt + answer + filler[:10], params[2])])  # 114 tokens: 6 full blocks cached
+        return answer + last, before, llm.stats()
+
+    want, *_ = turns(engine(path, num_kv_blocks=16))
+    got, before, after = turns(engine(path, num_kv_blocks=16, kv_offload_memory=1 << 20))
+    assert got == want
+    assert after.prefix_cache_hits - before.prefix_cache_hits == 6 * BLOCK
+    assert after.host_tier_hits - before.host_tier_hits == BLOCK
+    assert after.prefill_tokens - before.prefill_tokens == 114 - 6 * BLOCK
+
+
 def preempting_workload(vocab: int, num: int = 10, max_tokens: int = 60, seed: int = 0):
     rng = random.Random(seed)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)

@@ -11,12 +11,13 @@ Invariants kept here:
 - Hashes cover a sequence's tokens only, never proposals beyond them (speculative decoding): slots a step
   fills for proposals that are then rejected are written again before a hash can cover them.
 - Host tier (`kv_offload.HostTier`, with prefix caching): a hashed block reallocated has its contents offloaded
-  to the tier first, unless the tier holds its hash already. An admission's prefix continues past its device hits
-  with the tier's blocks of the following hashes, loaded into fresh device blocks that take their hash again;
-  both count as prefix-cache hits (the last token still recomputed).
+  to the tier first, unless the tier holds its hash already. An admission's prefix runs as long as each next hash
+  is on the device (looked up first) or in the tier, in any interleaving: device hits are shared, tier hits loaded
+  into fresh device blocks at their place in the table, which take their hash again; both count as prefix-cache
+  hits (the last token still recomputed). A lookup touches nothing: the allocation that loads a tier block pins it.
 - Swap (`kv_offload.SwapSpace`): a sequence holds device blocks or swap blocks, never both; a swapped-out one
   keeps its num_computed_tokens, its swap blocks holding the blocks of those tokens until it is swapped in (or
-  freed).
+  freed). Swapped in, its full blocks still in the prefix cache are shared; only the others are loaded.
 - Every copy between device and host goes through `pending`, taken once per step (`take_copies`), in the order
   and with the pinning `kv_offload` states.
 """
@@ -72,59 +73,53 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def get_computed_blocks(self, seq: Sequence) -> list[int]:
-        """The blocks of the longest cached full-block prefix of `seq`, stopping short of its last token."""
+    def get_computed_blocks(self, seq: Sequence) -> list[int | None]:
+        """The longest cached full-block prefix of `seq`, stopping short of its last token: each block's device
+        block, or None where the host tier holds its hash. Touches nothing: `allocate_slots` takes them."""
         if not self.enable_prefix_caching:
             return []
         blocks = []
         for block_hash in self._hashes(seq, (seq.num_tokens - 1) // self.block_size):
             block = self.cached.get(block_hash)
-            if block is None:
+            if block is None and (self.tier is None or block_hash not in self.tier.blocks):
                 break
             blocks.append(block)
         return blocks
 
-    def get_offloaded_blocks(self, seq: Sequence, num_computed_blocks: int) -> list[int]:
-        """The host-tier blocks (pinned) of the hashes that follow `seq`'s first `num_computed_blocks` blocks, as
-        far as the tier holds them, stopping short of its last token."""
-        if self.tier is None:
-            return []
-        blocks = []
-        for block_hash in self._hashes(seq, (seq.num_tokens - 1) // self.block_size)[num_computed_blocks:]:
-            block = self.tier.lookup(block_hash)
-            if block is None:
-                break
-            blocks.append(block)
-        return blocks
-
-    def allocate_slots(
-        self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = (), loaded: list[int] = ()
-    ) -> bool:
-        """Extend `seq`'s block table to hold its computed tokens, `computed_blocks` (prefix-cache hits for a
-        sequence being admitted), the host-tier blocks `loaded` (their hits after those, copied into fresh device
-        blocks) and `num_new_tokens` more. False, changing nothing, if the pool is short."""
-        num_loaded = len(computed_blocks) + len(loaded)
-        num_tokens = max(seq.num_computed_tokens, num_loaded * self.block_size) + num_new_tokens
-        num_new_blocks = self.blocks_needed(num_tokens) - len(seq.block_table) - len(computed_blocks)
-        reclaimed = sum(1 for b in computed_blocks if self.ref_cnt[b] == 0)
-        if num_new_blocks > len(self.free) - reclaimed:
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int | None] = ()) -> bool:
+        """Extend `seq`'s block table to hold its computed tokens, `computed_blocks` (`get_computed_blocks` of a
+        sequence being admitted: its device blocks shared, its host-tier blocks loaded into fresh ones) and
+        `num_new_tokens` more. False, changing nothing, if the pool is short."""
+        num_tokens = max(seq.num_computed_tokens, len(computed_blocks) * self.block_size) + num_new_tokens
+        num_blocks = self.blocks_needed(num_tokens)
+        if not self._has_room(computed_blocks, num_blocks - len(seq.block_table)):
             return False
-        for block in computed_blocks:
-            if self.ref_cnt[block] == 0:
-                del self.free[block]
-            self.ref_cnt[block] += 1
-        seq.block_table.extend(computed_blocks)
-        self._append_blocks(seq, loaded, num_new_blocks)
+        hashes = self._hashes(seq, len(computed_blocks))
+        loads = {i: self.tier.lookup(hashes[i]) for i, block in enumerate(computed_blocks) if block is None}
+        self._extend(seq, computed_blocks, loads, num_blocks)
         if self.enable_prefix_caching:
             self._cache_full_blocks(seq, min(num_tokens, seq.num_tokens) // self.block_size)
         return True
 
-    def _append_blocks(self, seq: Sequence, loaded: list[int], num_blocks: int) -> None:
-        """Append `num_blocks` fresh blocks to `seq`'s table, the first ones loaded from the host blocks `loaded`."""
-        for i in range(num_blocks):
-            seq.block_table.append(self._pop_free())
-            if i < len(loaded):
-                self.pending.loads.append((loaded[i], seq.block_table[-1]))
+    def _has_room(self, hits: list[int | None], num_blocks: int) -> bool:
+        """Whether the pool holds `num_blocks` more blocks for a table, the cached blocks of `hits` among them."""
+        hits = [block for block in hits if block is not None]
+        return num_blocks - len(hits) <= len(self.free) - sum(1 for block in hits if self.ref_cnt[block] == 0)
+
+    def _extend(self, seq: Sequence, hits: list[int | None], loads: dict[int, int], num_blocks: int) -> None:
+        """Extend `seq`'s table to `num_blocks` blocks: at position i the cached block `hits[i]`, shared, else a fresh
+        one, loaded from host block `loads[i]` if any. The host blocks are pinned (tier) or held (swap) already:
+        popping fresh blocks, which offloads evicted ones to the tier, overwrites none of them."""
+        for block in hits:  # out of the free queue before any block is popped: popping evicts no hit
+            if block is not None:
+                if self.ref_cnt[block] == 0:
+                    del self.free[block]
+                self.ref_cnt[block] += 1
+        for i in range(len(seq.block_table), num_blocks):
+            block = hits[i] if i < len(hits) and hits[i] is not None else self._pop_free()
+            if i in loads:
+                self.pending.loads.append((loads[i], block))
+            seq.block_table.append(block)
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Give back the blocks of `seq`'s table past its first `num_tokens` slots (rejected proposals'); they
@@ -166,12 +161,16 @@ class BlockManager:
         return True
 
     def swap_in(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Give swapped-out `seq` device blocks for its computed tokens, loaded from its swap blocks (which it
-        gives back), and for `num_new_tokens` more. False, changing nothing, if the pool is short."""
+        """Give swapped-out `seq` device blocks for its computed tokens and for `num_new_tokens` more: its full blocks
+        still in the prefix cache shared, the others loaded from its swap blocks (all given back). False, changing
+        nothing, if the pool is short."""
         num_tokens = seq.num_computed_tokens + num_new_tokens
-        if self.blocks_needed(num_tokens) > len(self.free):
+        num_full = seq.num_computed_tokens // self.block_size if self.enable_prefix_caching else 0
+        hits = [self.cached.get(block_hash) for block_hash in self._hashes(seq, num_full)]
+        if not self._has_room(hits, self.blocks_needed(num_tokens)):
             return False
-        self._append_blocks(seq, seq.swap_blocks, self.blocks_needed(num_tokens))
+        loads = {i: block for i, block in enumerate(seq.swap_blocks) if i >= num_full or hits[i] is None}
+        self._extend(seq, hits, loads, self.blocks_needed(num_tokens))
         self.swap.released += seq.swap_blocks
         seq.swap_blocks = []
         if self.enable_prefix_caching:

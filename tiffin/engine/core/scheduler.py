@@ -250,16 +250,13 @@ class Scheduler:
                 skipped.append(seq)
                 continue
             pools = seq.pooling_params is not None
-            cached = [] if pools else self.block_manager.get_computed_blocks(seq)
-            loaded = [] if pools else self.block_manager.get_offloaded_blocks(seq, len(cached))
-            num_cached = (len(cached) + len(loaded)) * self.block_manager.block_size
+            cached = [] if pools else self.block_manager.get_computed_blocks(seq)  # None: in the host tier
+            num_cached = len(cached) * self.block_manager.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
-            if (pools and num_new < seq.num_tokens) or not self.block_manager.allocate_slots(
-                seq, num_new, cached, loaded
-            ):
+            if (pools and num_new < seq.num_tokens) or not self.block_manager.allocate_slots(seq, num_new, cached):
                 break
             self.waiting.pop(seq)
-            self._count_cache_lookup(seq, num_cached, len(loaded) * self.block_manager.block_size)
+            self._count_cache_lookup(seq, num_cached, cached.count(None) * self.block_manager.block_size)
             seq.num_computed_tokens = num_cached
             self._run(seq)
             if seats is not None:
