@@ -7,6 +7,7 @@ Random tiny models copy nothing, so real n-gram proposals are mostly rejected; t
 the run's known continuation, one token in five corrupted, so that long accepted runs and rejections both
 happen."""
 
+import dataclasses
 import json
 import random
 
@@ -193,6 +194,38 @@ def test_no_proposals_from_disable_by_batch_size_on(tiny_model):
     assert stats.spec_draft_tokens == 0
     _, stats = generate(path, prompts, GREEDY, spec, scripted, max_num_seqs=len(prompts) - 1)
     assert stats.spec_draft_tokens > 0
+
+
+def test_acceptance_per_position_reaches_the_metrics(tiny_model):
+    """A draft is accepted up to its first rejected proposal: each position's count is at most the one before, and
+    they sum to the accepted proposals. The scripted proposer proposes up to 6: only num_speculative_tokens (4)
+    are verified. /metrics exports the counts, labelled by position, advanced by what each stats adds."""
+    from prometheus_client import REGISTRY, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tiffin.plugin.metrics import engine_metrics
+
+    path = tiny_model("llama")
+    prompts = prompts_for(1000, 7)
+    expected, _ = generate(path, prompts, GREEDY)
+    scripted = {key: c.token_ids for key, c in expected.items()}
+    _, stats = generate(path, prompts, GREEDY, SPECS["scripted"], scripted, **TIGHT)
+    per_pos = stats.spec_accepted_per_pos
+    assert len(per_pos) == 4 and sum(per_pos) == stats.spec_accepted_tokens, stats
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:])) and per_pos[-1] > 0, per_pos
+    assert per_pos[0] < stats.spec_drafts and stats.spec_draft_tokens <= 4 * stats.spec_drafts, stats
+
+    def exported() -> dict[str, float]:
+        families = text_string_to_metric_families(generate_latest(REGISTRY).decode())
+        name = "tiffin_spec_decode_num_accepted_tokens_per_pos_total"
+        return {s.labels["position"]: s.value for f in families for s in f.samples if s.name == name}
+
+    metrics = engine_metrics()
+    before = exported()
+    metrics.on_stats(stats)
+    metrics.on_stats(dataclasses.replace(stats, spec_accepted_per_pos=tuple(3 * n for n in per_pos)))
+    after = exported()
+    assert {p: after[p] - before.get(p, 0) for p in after} == {str(i): 3 * n for i, n in enumerate(per_pos)}
 
 
 def test_structured_outputs_as_without(tiny_model):

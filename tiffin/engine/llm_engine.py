@@ -398,6 +398,7 @@ class LLMEngine:
             spec_drafts=self.scheduler.spec_drafts,
             spec_draft_tokens=self.scheduler.spec_draft_tokens,
             spec_accepted_tokens=self.scheduler.spec_accepted_tokens,
+            spec_accepted_per_pos=tuple(self.scheduler.spec_accepted_per_pos.tolist()),
             weight_bytes=self.weight_bytes,
         )
 
