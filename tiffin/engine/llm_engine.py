@@ -266,7 +266,7 @@ class LLMEngine:
         where = (type(error), frame.filename, frame.lineno)
         if where not in self._proposer_errors:
             self._proposer_errors.add(where)
-            logger.error("proposing failed; the step decodes without proposals (logged once)", exc_info=error)
+            logger.error("proposer failed, step runs without proposals (logged once per raising line)", exc_info=error)
 
     def _execute(self, scheduler_output: SchedulerOutput) -> tuple[SchedulerOutput, SamplerOutput]:
         """Run `scheduler_output`; if it raises, run each half (recursively) and fail the requests that fail alone.
