@@ -1,14 +1,17 @@
 """Speculative decoding is lossless inside continuous batching: with proposals verified, greedy outputs are the
 ones without speculation token for token, and seeded sampled outputs too (deterministic proposals keep each
 position's draws); across the four tiny architectures, plain and GGUF and AWQ weights, mixed LoRA batches,
-preemption and chunked prefill in the same run; logprobs, stop conditions and n alike; no block left behind.
+preemption and chunked prefill in the same run; logprobs, stop conditions and n alike; no block left behind;
+a proposer that raises costing only its step's proposals; acceptance counted per position.
 
 Random tiny models copy nothing, so real n-gram proposals are mostly rejected; the `Scripted` proposer proposes
 the run's known continuation, one token in five corrupted, so that long accepted runs and rejections both
 happen."""
 
 import dataclasses
+import itertools
 import json
+import logging
 import random
 
 import jsonschema
@@ -226,6 +229,27 @@ def test_acceptance_per_position_reaches_the_metrics(tiny_model):
     metrics.on_stats(dataclasses.replace(stats, spec_accepted_per_pos=tuple(3 * n for n in per_pos)))
     after = exported()
     assert {p: after[p] - before.get(p, 0) for p in after} == {str(i): 3 * n for i, n in enumerate(per_pos)}
+
+
+def test_a_proposer_that_raises_leaves_its_step_without_proposals(tiny_model, monkeypatch, caplog):
+    """Every other round sets its proposals, then raises: those steps decode without any, and outputs are those
+    of no speculation; the error is logged once."""
+    path = tiny_model("llama")
+    prompts = prompts_for(1000, 8)
+    expected, _ = generate(path, prompts, GREEDY)
+    scripted, propose, calls = {key: c.token_ids for key, c in expected.items()}, Scripted.propose, itertools.count()
+
+    def flaky(self, seqs) -> None:
+        propose(self, seqs)
+        if next(calls) % 2:
+            raise ValueError("proposer failed")
+
+    monkeypatch.setattr(Scripted, "propose", flaky)
+    with caplog.at_level(logging.ERROR, logger="tiffin.engine.llm_engine"):
+        got, stats = generate(path, prompts, GREEDY, SPECS["scripted"], scripted, **TIGHT)
+    assert {key: c.token_ids for key, c in got.items()} == scripted
+    assert stats.spec_accepted_tokens > 0 and next(calls) > 4, stats
+    assert [r.exc_info[1].args for r in caplog.records if r.exc_info] == [("proposer failed",)]
 
 
 def test_structured_outputs_as_without(tiny_model):
