@@ -18,11 +18,12 @@ caching is off, so that every round computes the same prefills. A method whose e
 proposer not there yet) is skipped, saying why.
 
 Printed per (workload, batch, method): output tokens, median wall seconds, output tok/s, its ratio to no speculation
-(the median of the rounds' ratios), acceptance rate (accepted / proposed tokens), mean tokens per verifying step (1
-+ accepted / verifying decodes) and how many greedy outputs equal those without speculation in the same round
-(counted over all rounds). An output that differs is a bug (speculation must not change greedy text): the first
-difference is printed and the exit status is 1. While `--disable-by-batch-size` sequences run (default:
-SpeculativeConfig's auto, 4 on CPU), the engine proposes nothing.
+(the median of the rounds' ratios), acceptance rate (accepted / proposed tokens), acceptance by position (of the
+verifying decodes, the share whose proposal at position 1, 2, ... was accepted: vLLM's per-position rate), mean
+tokens per verifying step (1 + accepted / verifying decodes) and how many greedy outputs equal those without
+speculation in the same round (counted over all rounds). An output that differs is a bug (speculation must not
+change greedy text): the first difference is printed and the exit status is 1. While `--disable-by-batch-size`
+sequences run (default: SpeculativeConfig's auto, 4 on CPU), the engine proposes nothing.
 
 The bars of the issue: batch-1 ngram >= 2x output tok/s on the copy workload; at 64 concurrent >= 0.95x; the
 random prompts at batch 1 >= 0.95x. They are printed after the table, met or not (timings never fail the run).
@@ -53,6 +54,7 @@ import sys
 import textwrap
 import time
 from dataclasses import dataclass, field
+from itertools import zip_longest
 
 import tiffin  # noqa: F401
 import torch
@@ -197,6 +199,7 @@ class Result:
     drafts: int = 0
     draft_tokens: int = 0
     accepted: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
     identical: int = 0  # outputs equal to no speculation's in the same round
     compared: int = 0
     first_difference: str | None = None
@@ -207,8 +210,9 @@ def requests(prompts: list[list[int]], batch: int) -> list[list[int]]:
     return prompts if batch == 1 else [prompts[i % len(prompts)] for i in range(batch)]
 
 
-def timed_run(llm, prompts: list[list[int]], batch: int, params) -> tuple[list[list[int]], float, tuple[int, ...]]:
-    """The output token ids of a run, its wall time, and its (drafts, proposed, accepted) counts."""
+def timed_run(llm, prompts: list[list[int]], batch: int, params) -> tuple[list[list[int]], float, tuple]:
+    """The output token ids of a run, its wall time, and its (drafts, proposed, accepted, accepted per position)
+    counts."""
     engine, reqs = llm.llm_engine, [{"prompt_token_ids": p} for p in requests(prompts, batch)]
     first_sight(engine)
     before = engine.stats()
@@ -223,9 +227,10 @@ def timed_run(llm, prompts: list[list[int]], batch: int, params) -> tuple[list[l
     counts = tuple(
         getattr(after, k) - getattr(before, k) for k in ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")
     )
+    per_pos = [a - b for a, b in zip(after.spec_accepted_per_pos, before.spec_accepted_per_pos)]
     if failed := [o.error for o in outs if getattr(o, "error", None)]:
         raise RuntimeError(f"{len(failed)} of {len(outs)} requests failed: {failed[:3]}")
-    return [list(o.outputs[0].token_ids) for o in outs], wall, counts
+    return [list(o.outputs[0].token_ids) for o in outs], wall, (*counts, per_pos)
 
 
 def first_sight(engine) -> None:
@@ -370,6 +375,7 @@ def main(argv: list[str] | None = None) -> None:
                     res.drafts += counts[0]
                     res.draft_tokens += counts[1]
                     res.accepted += counts[2]
+                    res.accepted_per_pos = list(map(sum, zip_longest(res.accepted_per_pos, counts[3], fillvalue=0)))
                     print(f"round {r + 1}, {w}, batch {b}, {m}: {wall:.2f} s", file=sys.stderr)
                 for m in names[1:]:
                     compare(results[w, b, m], outs[m], outs[NONE], f"{w}, batch {b}, {m}, round {r + 1}")
@@ -395,6 +401,9 @@ def main(argv: list[str] | None = None) -> None:
                 "output tok/s": f"{rate(res):.1f}",
                 "vs none": f"{speedup(res, base):.2f}x",
                 "acceptance": f"{res.accepted / res.draft_tokens:.1%}" if res.draft_tokens else "-",
+                "acceptance by position": " ".join(f"{a / res.drafts:.0%}" for a in res.accepted_per_pos)
+                if res.drafts
+                else "-",
                 "tokens per verifying step": f"{1 + res.accepted / res.drafts:.2f}" if res.drafts else "-",
                 "identical to none": "-" if m == NONE else f"{res.identical}/{res.compared}",
             }

@@ -16,6 +16,8 @@ import pytest
 openai = pytest.importorskip("openai")
 bentoml = pytest.importorskip("bentoml")
 
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
 from tiffin import LLM, SamplingParams  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
@@ -318,6 +320,10 @@ def test_metrics(server, client):
         for k in ("drafts", "draft_tokens", "accepted_tokens")
     }
     assert 0 < spec["drafts"] <= spec["draft_tokens"] and spec["accepted_tokens"] <= spec["draft_tokens"], spec
+    samples = [s for f in text_string_to_metric_families(server.http.get("/metrics").text) for s in f.samples]
+    per_pos = {s.labels["position"]: s.value for s in samples if s.name.endswith("accepted_tokens_per_pos_total")}
+    accepted = next(s.value for s in samples if s.name == "tiffin_spec_decode_num_accepted_tokens_total")
+    assert sorted(per_pos) == ["0", "1", "2", "3"] and sum(per_pos.values()) == accepted, per_pos  # 4 proposals
     assert after["tiffin_prompt_tokens_total"] > before["tiffin_prompt_tokens_total"]
     for name in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
         assert after[f"tiffin_{name}_count"] == before[f"tiffin_{name}_count"] + 1

@@ -1,13 +1,17 @@
 """Speculative decoding is lossless inside continuous batching: with proposals verified, greedy outputs are the
 ones without speculation token for token, and seeded sampled outputs too (deterministic proposals keep each
 position's draws); across the four tiny architectures, plain and GGUF and AWQ weights, mixed LoRA batches,
-preemption and chunked prefill in the same run; logprobs, stop conditions and n alike; no block left behind.
+preemption and chunked prefill in the same run; logprobs, stop conditions and n alike; no block left behind;
+a proposer that raises costing only its step's proposals; acceptance counted per position.
 
 Random tiny models copy nothing, so real n-gram proposals are mostly rejected; the `Scripted` proposer proposes
 the run's known continuation, one token in five corrupted, so that long accepted runs and rejections both
 happen."""
 
+import dataclasses
+import itertools
 import json
+import logging
 import random
 
 import jsonschema
@@ -193,6 +197,59 @@ def test_no_proposals_from_disable_by_batch_size_on(tiny_model):
     assert stats.spec_draft_tokens == 0
     _, stats = generate(path, prompts, GREEDY, spec, scripted, max_num_seqs=len(prompts) - 1)
     assert stats.spec_draft_tokens > 0
+
+
+def test_acceptance_per_position_reaches_the_metrics(tiny_model):
+    """A draft is accepted up to its first rejected proposal: each position's count is at most the one before, and
+    they sum to the accepted proposals. The scripted proposer proposes up to 6: only num_speculative_tokens (4)
+    are verified. /metrics exports the counts, labelled by position, advanced by what each stats adds."""
+    from prometheus_client import REGISTRY, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tiffin.plugin.metrics import engine_metrics
+
+    path = tiny_model("llama")
+    prompts = prompts_for(1000, 7)
+    expected, _ = generate(path, prompts, GREEDY)
+    scripted = {key: c.token_ids for key, c in expected.items()}
+    _, stats = generate(path, prompts, GREEDY, SPECS["scripted"], scripted, **TIGHT)
+    per_pos = stats.spec_accepted_per_pos
+    assert len(per_pos) == 4 and sum(per_pos) == stats.spec_accepted_tokens, stats
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:])) and per_pos[-1] > 0, per_pos
+    assert per_pos[0] < stats.spec_drafts and stats.spec_draft_tokens <= 4 * stats.spec_drafts, stats
+
+    def exported() -> dict[str, float]:
+        families = text_string_to_metric_families(generate_latest(REGISTRY).decode())
+        name = "tiffin_spec_decode_num_accepted_tokens_per_pos_total"
+        return {s.labels["position"]: s.value for f in families for s in f.samples if s.name == name}
+
+    metrics = engine_metrics()
+    before = exported()
+    metrics.on_stats(stats)
+    metrics.on_stats(dataclasses.replace(stats, spec_accepted_per_pos=tuple(3 * n for n in per_pos)))
+    after = exported()
+    assert {p: after[p] - before.get(p, 0) for p in after} == {str(i): 3 * n for i, n in enumerate(per_pos)}
+
+
+def test_a_proposer_that_raises_leaves_its_step_without_proposals(tiny_model, monkeypatch, caplog):
+    """Every other round sets its proposals, then raises: those steps decode without any, and outputs are those
+    of no speculation; the error is logged once."""
+    path = tiny_model("llama")
+    prompts = prompts_for(1000, 8)
+    expected, _ = generate(path, prompts, GREEDY)
+    scripted, propose, calls = {key: c.token_ids for key, c in expected.items()}, Scripted.propose, itertools.count()
+
+    def flaky(self, seqs) -> None:
+        propose(self, seqs)
+        if next(calls) % 2:
+            raise ValueError("proposer failed")
+
+    monkeypatch.setattr(Scripted, "propose", flaky)
+    with caplog.at_level(logging.ERROR, logger="tiffin.engine.llm_engine"):
+        got, stats = generate(path, prompts, GREEDY, SPECS["scripted"], scripted, **TIGHT)
+    assert {key: c.token_ids for key, c in got.items()} == scripted
+    assert stats.spec_accepted_tokens > 0 and next(calls) > 4, stats
+    assert [r.exc_info[1].args for r in caplog.records if r.exc_info] == [("proposer failed",)]
 
 
 def test_structured_outputs_as_without(tiny_model):

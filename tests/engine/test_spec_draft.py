@@ -1,8 +1,10 @@
 """Speculative decoding with a draft model (`draft_model`): greedy outputs the target's whatever the draft, the
 draft's KV reused across rounds (a draft equal to the target is accepted nearly always), seeded sampling what it
-is without speculation, unseeded proposals drawn from the q they report, no draft block leaked, and drafts that
-cannot serve refused."""
+is without speculation, unseeded proposals drawn from the q they report, no draft block leaked, a failing draft
+costing only its proposals, and drafts that cannot serve refused."""
 
+import itertools
+import logging
 import shutil
 
 import pytest
@@ -113,6 +115,36 @@ def test_greedy_outputs_are_the_targets(tiny_model, draft, reference, arch, kind
     if kind == "noisy":  # proposals accepted in part: a shadow keeps its KV up to the first rejected one
         assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
     assert (stats.num_preemptions > 0) == (mode == "preempted")
+    assert_no_blocks_held(llm)
+
+
+@pytest.mark.parametrize("mode", ["plain", "preempted"])
+def test_a_failing_draft_forward_costs_only_its_rounds_proposals(tiny_model, reference, monkeypatch, caplog, mode):
+    """The draft's first forward raises (the prompts': their blocks hashed, never written), then one in 11, the
+    first of a round or a later one: those rounds' steps decode without proposals. Every request finishes with
+    the target's greedy outputs, the error is logged once, no block of either pool is left, and the draft, started
+    over after each failure, is still accepted nearly always (a hashed block left unwritten would be found by the
+    prompt's next round, and the draft would propose from garbage)."""
+    target = tiny_model("llama")
+    llm = with_draft(target, target, **MODES[mode])
+    runner, calls = llm.llm_engine.proposer.runner, itertools.count()
+    run_model = runner.run_model
+
+    def flaky(*args):
+        if next(calls) % 11 == 0:
+            raise RuntimeError("draft forward failed")
+        return run_model(*args)
+
+    monkeypatch.setattr(runner, "run_model", flaky)
+    with caplog.at_level(logging.ERROR, logger="tiffin.engine.llm_engine"):
+        outputs = llm.generate(prompts(), GREEDY, use_tqdm=False)
+    assert all(o.finished and o.error is None for o in outputs)
+    assert [o.outputs[0].token_ids for o in outputs] == reference("llama")
+    logged = [r for r in caplog.records if r.exc_info and r.exc_info[1].args == ("draft forward failed",)]
+    assert len(logged) == 1 and next(calls) > 33, logged  # logged once of 4 failures or more
+    stats = llm.llm_engine.stats()
+    print(f"failing draft = target {mode}: {stats.spec_accepted_tokens}/{stats.spec_draft_tokens} accepted")
+    assert stats.spec_accepted_tokens >= 0.95 * stats.spec_draft_tokens > 0
     assert_no_blocks_held(llm)
 
 

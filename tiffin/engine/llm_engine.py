@@ -3,7 +3,8 @@
 A step that raises is retried on halves of its batch until each failing request runs alone: only those fail
 (their outputs carry `error`), the others sample exactly what the full batch would have given them. When
 every request of a batch fails alone and a one-token probe forward fails too, the engine itself is broken:
-`step()` raises EngineDeadError."""
+`step()` raises EngineDeadError. A speculative proposer that raises fails nobody: the step runs without
+proposals."""
 
 import copy
 import dataclasses
@@ -13,6 +14,7 @@ import logging
 import os
 import threading
 import time
+import traceback
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -135,6 +137,7 @@ class LLMEngine:
         self.num_pooling_requests = self.num_pooling_tokens = 0
         self.last_step_tokens = 0
         self._failed: list[str] = []  # requests failed during this step
+        self._proposer_errors: set[tuple] = set()  # (type, file, line) of the proposer failures logged
         self._grammar_backend: GrammarBackend | None = None  # made for the first structured-outputs request
         self._grammar_backend_lock = threading.Lock()
         self.check_invariants = os.environ.get("TIFFIN_CHECK_INVARIANTS") == "1"  # after every step (tests set it)
@@ -239,7 +242,11 @@ class LLMEngine:
         decodes = [] if limit is not None and len(self.scheduler.running) >= limit else scheduler_output.decodes()
         if not decodes:
             return
-        self.proposer.propose(decodes)
+        try:
+            self.proposer.propose(decodes)
+        except Exception as e:
+            self._proposer_failed(decodes, e)
+            return
         for seq in decodes:
             if seq.thinking is not None and (cap := seq.thinking.max_proposals(seq.num_output_tokens)) is not None:
                 del seq.spec_token_ids[cap:]
@@ -247,6 +254,19 @@ class LLMEngine:
                 synced = seq.grammar.sync(seq.output_token_ids)
                 del seq.spec_token_ids[seq.grammar.accepted_prefix(seq.spec_token_ids) if synced else 0 :]
         self.scheduler.schedule_proposals(scheduler_output)
+
+    def _proposer_failed(self, decodes: list[Sequence], error: Exception) -> None:
+        """Proposals only save time: when proposing raises, the step's decodes run without any, emitting what they
+        would have. Logged once per place that raised (a failing draft could otherwise log every step). Every
+        step tries again: a failure may come from one request's input, which will finish, and a failed round costs
+        only its own time (the draft proposer starts its shadows over)."""
+        for seq in decodes:  # a proposer may have set some before it raised
+            seq.spec_token_ids, seq.spec_probs = [], None
+        frame = traceback.extract_tb(error.__traceback__)[-1]
+        where = (type(error), frame.filename, frame.lineno)
+        if where not in self._proposer_errors:
+            self._proposer_errors.add(where)
+            logger.error("proposer failed, step runs without proposals (logged once per raising line)", exc_info=error)
 
     def _execute(self, scheduler_output: SchedulerOutput) -> tuple[SchedulerOutput, SamplerOutput]:
         """Run `scheduler_output`; if it raises, run each half (recursively) and fail the requests that fail alone.
@@ -402,6 +422,7 @@ class LLMEngine:
             spec_drafts=self.scheduler.spec_drafts,
             spec_draft_tokens=self.scheduler.spec_draft_tokens,
             spec_accepted_tokens=self.scheduler.spec_accepted_tokens,
+            spec_accepted_per_pos=tuple(self.scheduler.spec_accepted_per_pos.tolist()),
             weight_bytes=self.weight_bytes,
         )
 

@@ -55,6 +55,7 @@ class EngineStats:
     spec_drafts: int = 0  # speculative decoding: decodes that verified proposals
     spec_draft_tokens: int = 0  # proposals verified
     spec_accepted_tokens: int = 0  # proposals accepted
+    spec_accepted_per_pos: tuple[int, ...] = ()  # proposals accepted by their position, 0 first: they sum to the above
     num_swapped: int = 0  # sequences preempted by swap, waiting to be swapped in
     kv_bytes_per_token: int = 0  # K and V of one token, every layer (this rank's share under tensor parallelism)
     host_kv_bytes_used: int = 0  # host memory holding KV blocks: the prefix cache's host tier and swapped sequences

@@ -66,6 +66,11 @@ class EngineMetrics:
         self.spec_drafts = Counter("tiffin_spec_decode_num_drafts", "Decodes that verified proposals.")
         self.spec_draft_tokens = Counter("tiffin_spec_decode_num_draft_tokens", "Proposed tokens verified.")
         self.spec_accepted_tokens = Counter("tiffin_spec_decode_num_accepted_tokens", "Proposed tokens accepted.")
+        self.spec_accepted_per_pos = Counter(  # per-position acceptance rate = this / drafts
+            "tiffin_spec_decode_num_accepted_tokens_per_pos",
+            "Proposed tokens accepted, by their position in the draft (0: the first).",
+            ["position"],
+        )
         self.ttft = Histogram(
             "tiffin_time_to_first_token_seconds", "Time to first token.", buckets=REQUEST_LATENCY_BUCKETS
         )
@@ -106,6 +111,8 @@ class EngineMetrics:
         self._advance("model", self.spec_drafts, stats.spec_drafts)
         self._advance("model", self.spec_draft_tokens, stats.spec_draft_tokens)
         self._advance("model", self.spec_accepted_tokens, stats.spec_accepted_tokens)
+        for position, total in enumerate(stats.spec_accepted_per_pos):
+            self._advance("model", self.spec_accepted_per_pos.labels(position=str(position)), total)
 
     def on_embedding_stats(self, stats: EngineStats) -> None:
         """The hook of the embedding engine beside the model: its pooling counters and KV gauges of its own (the

@@ -30,9 +30,10 @@ schedules none of it: the turns save the budget up until it fits.
 
 Speculative decoding: a decode may carry its sequence's proposals (`spec_token_ids`, set between `schedule` and
 the step's forward, then `schedule_proposals`), computed as more query tokens of the same step and verified by
-its logits rows, one per proposal plus one. Proposals only use what the step leaves (budget, free blocks): they
-never preempt. `update` keeps the accepted proposals and one more token, gives back the slots of the rejected
-ones (their KV stays unread, then overwritten) and clears every proposal.
+its logits rows, one per proposal plus one: at most `num_speculative_tokens` proposals. Proposals only use what
+the step leaves (budget, free blocks): they never preempt. `update` keeps the accepted proposals and one more
+token, gives back the slots of the rejected ones (their KV stays unread, then overwritten) and clears every
+proposal.
 """
 
 import bisect
@@ -40,6 +41,8 @@ import heapq
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from tiffin.engine.config import EngineConfig
 from tiffin.engine.core.block_manager import BlockManager
@@ -183,6 +186,9 @@ class Scheduler:
         self.num_prefill_tokens = 0  # tokens computed before a sequence's newest one (prompts, recomputes)
         self.num_generated_tokens = 0
         self.spec_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0  # speculative decoding totals
+        spec = config.speculative_config
+        # how often the proposal at each position was accepted: a prefix is, so the counts never grow with position
+        self.spec_accepted_per_pos = np.zeros(0 if spec is None else spec.num_speculative_tokens, dtype=np.int64)
 
     def key(self, seq: Sequence) -> SchedulingKey:
         """Its place in the scheduling order (fcfs: every sequence at level 0)."""
@@ -282,7 +288,7 @@ class Scheduler:
             if not seq.spec_token_ids:
                 continue
             room = min(budget, seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
-            k = max(min(len(seq.spec_token_ids), room), 0)
+            k = max(min(len(seq.spec_token_ids), room, len(self.spec_accepted_per_pos)), 0)
             if k and not self.block_manager.allocate_slots(seq, 1 + k):
                 k = 0
             del seq.spec_token_ids[k:]
@@ -313,13 +319,13 @@ class Scheduler:
                 seq.pooled = result
                 self.finish(seq, "stop")
                 got_token.append(seq)
-        row = 0
+        row, accepted_lens = 0, []
         for seq in out.sampling_seqs:
             spec, seq.spec_token_ids, seq.spec_probs = seq.spec_token_ids, [], None
             rows = range(row, row + len(spec) + 1)
             row = rows.stop
             num_accepted = next((j for j in range(len(spec)) if not accepted[rows[j]]), len(spec))
-            self.spec_accepted_tokens += num_accepted
+            accepted_lens.append(num_accepted)
             if seq.finished:  # aborted while its step ran
                 continue
             seq.num_computed_tokens -= len(spec) - num_accepted
@@ -334,7 +340,15 @@ class Scheduler:
             if spec and not seq.finished:
                 self.block_manager.trim(seq, seq.num_tokens)
             got_token.append(seq)
+        if any(accepted_lens):
+            self._count_accepted(accepted_lens)
         return got_token
+
+    def _count_accepted(self, accepted_lens: list[int]) -> None:
+        """Count a step's accepted proposals: position i was accepted in each decode that accepted more than i."""
+        per_pos = self.spec_accepted_per_pos
+        per_pos += (np.arange(len(per_pos)) < np.array(accepted_lens)[:, None]).sum(0)
+        self.spec_accepted_tokens += sum(accepted_lens)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """End `seq` (stopped, aborted, or failed) and free its blocks at once."""

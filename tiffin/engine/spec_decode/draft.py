@@ -63,9 +63,21 @@ class DraftProposer:
         self.check_invariants = os.environ.get("TIFFIN_CHECK_INVARIANTS") == "1"
 
     def propose(self, seqs: list[Sequence]) -> None:
-        """Draft for `seqs`; the shadows of sequences not among them (finished, preempted, aborted) are freed."""
+        """Draft for `seqs`; the shadows of sequences not among them (finished, preempted, aborted) are freed. A
+        round that raises drops every shadow before it raises: a failed forward leaves some of their slots
+        unwritten, maybe hashed, and the next round starts them over from the target's tokens."""
         for seq_id in self.shadows.keys() - {s.seq_id for s in seqs}:
             self.block_manager.free_seq(self.shadows.pop(seq_id))
+        try:
+            self._round(seqs)
+        except Exception:
+            self._drop_shadows()
+            raise
+        finally:
+            if self.check_invariants:
+                self.block_manager.check_invariants(self.shadows.values())
+
+    def _round(self, seqs: list[Sequence]) -> None:
         step, budget, drafting = SchedulerOutput(), self.max_num_batched_tokens, []
         for seq in seqs:
             n = min(self.k + 1, seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
@@ -76,8 +88,13 @@ class DraftProposer:
                 drafting += [(seq, n)] if step.sampling[-1] else []
         if step.seqs:
             self._draft(step, drafting)
-        if self.check_invariants:
-            self.block_manager.check_invariants(self.shadows.values())
+
+    def _drop_shadows(self) -> None:
+        """Free every shadow, unhashing the blocks past its computed tokens (their KV may not be what the hash says)."""
+        for shadow in self.shadows.values():
+            self.block_manager.forget_uncomputed(shadow)
+            self.block_manager.free_seq(shadow)
+        self.shadows.clear()
 
     def _schedule(self, seq: Sequence, n: int, budget: int) -> tuple[Sequence, int] | None:
         """`seq`'s synced shadow, given the slots of its round, and the tokens its first step computes: at most
