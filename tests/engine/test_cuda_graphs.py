@@ -251,6 +251,23 @@ def test_a_decode_step_uploads_once_and_reads_the_tokens(tiny_model, cuda_emulat
     assert cuda_emulation.replays == (0 if eager else 3)
 
 
+# every filter, penalty and seed at once: the sampler's largest pass, which KV sizing profiles
+WORST = SamplingParams(
+    temperature=0.8,
+    top_k=5,
+    top_p=0.9,
+    min_p=0.01,
+    logprobs=20,
+    min_tokens=2,
+    max_tokens=3,
+    seed=1,
+    repetition_penalty=1.2,
+    frequency_penalty=0.1,
+    presence_penalty=0.1,
+    ignore_eos=True,
+)
+
+
 @pytest.mark.slow
 def test_memory_stays_within_utilization_with_graphs_and_the_worst_sampler(tiny_model, no_warm_up):
     """KV sizing on an emulated device of 12 MiB at utilization 0.5: after start (KV cache and graphs) and the
@@ -264,23 +281,33 @@ def test_memory_stays_within_utilization_with_graphs_and_the_worst_sampler(tiny_
         config = dict(max_num_seqs=32, max_model_len=96, max_num_batched_tokens=96, num_kv_blocks=None)
         llm = build(tiny_model("llama"), eager=False, gpu_memory_utilization=utilization, **config)
         runner = llm.llm_engine.model_runner
-        params = SamplingParams(
-            temperature=0.8,
-            top_k=5,
-            top_p=0.9,
-            min_p=0.01,
-            logprobs=20,
-            min_tokens=2,
-            max_tokens=3,
-            seed=1,
-            repetition_penalty=1.2,
-            frequency_penalty=0.1,
-            presence_penalty=0.1,
-            ignore_eos=True,
-        )
-        llm.generate([{"prompt_token_ids": [5] * 90}] + [{"prompt_token_ids": [7]}] * 31, params, use_tqdm=False)
+        llm.generate([{"prompt_token_ids": [5] * 90}] + [{"prompt_token_ids": [7]}] * 31, WORST, use_tqdm=False)
         assert torch.cuda.max_memory_allocated() <= total * utilization
         assert runner.num_blocks < 32 * runner.max_blocks_per_seq  # sized by memory, not by max_num_seqs
+
+
+@pytest.mark.slow
+def test_a_draft_model_shares_the_memory_of_the_targets_kv_pool(tiny_model, no_warm_up):
+    """With a draft model, on an emulated device of 14 MiB at utilization 0.5: the draft's weights and KV pool count
+    in the target's sizing, so the peak stays within 7 MiB after start and after the largest step sampled with
+    every filter, penalty and seed, and both pools hold as many blocks. Before, the target filled the budget
+    alone, and the draft's weights and pool came on top (7.7 MB); and the profiled sampler pass had max_num_seqs
+    rows, where a verifying step samples twice as many."""
+    total, utilization = 14 << 20, 0.5
+    with pytest.MonkeyPatch.context() as patched, CudaEmulation(total_memory=total):
+        patched.setenv("TRITON_INTERPRET", "1")
+        path = tiny_model("llama")
+        spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 1}
+        config = dict(max_num_seqs=16, max_model_len=256, max_num_batched_tokens=96, num_kv_blocks=None)
+        llm = build(path, eager=False, gpu_memory_utilization=utilization, speculative_config=spec, **config)
+        engine = llm.llm_engine
+        target, draft = engine.model_runner, engine.proposer.runner
+        assert torch.cuda.max_memory_allocated() <= total * utilization
+        llm.generate([{"prompt_token_ids": [5] * 90}] + [{"prompt_token_ids": [7]}] * 15, WORST, use_tqdm=False)
+        assert torch.cuda.max_memory_allocated() <= total * utilization
+        assert engine.stats().spec_drafts > 0
+        assert draft.num_blocks == target.num_blocks < 16 * target.max_blocks_per_seq  # sized by memory
+        assert engine.proposer.block_manager.num_blocks == target.num_blocks
 
 
 @pytest.mark.slow
