@@ -4,7 +4,8 @@
 Each target sequence has a shadow sequence in the draft, keyed by its seq_id: the target's tokens, then the
 draft's last proposals, of which only the accepted ones keep their KV next round. A round runs k batched
 forwards over all shadows: the first computes every shadow's uncomputed tokens (a new prompt, or the tokens
-accepted since), the later ones the token drafted just before; each samples one proposal per shadow. A greedy
+accepted since), the later ones the token drafted just before (plain decodes: on CUDA they replay the draft's own
+decode graphs, captured for up to max_num_seqs rows); each samples one proposal per shadow. A greedy
 sequence gets the draft's argmax; a sampled one a draw from the draft's distribution q (temperature, min-p,
 top-k, top-p as the target's sampler; penalties left out: any q is lossless when the draw follows it), which
 `spec_probs` reports, except with a seed (`_sample`). Slots for a whole round are allocated before any proposal
@@ -24,6 +25,7 @@ from tiffin.engine.core.sequence import Sequence
 from tiffin.engine.models.config import ModelConfig
 from tiffin.engine.models.loader import get_model_config
 from tiffin.engine.models.source import resolve_model_path
+from tiffin.engine.worker.batch import Upload
 from tiffin.engine.worker.model_runner import ModelRunner
 from tiffin.engine.worker.sampler import _GREEDY_EPS, Sampler, sampling_probs
 
@@ -51,7 +53,6 @@ def load_draft(
         max_model_len=max_model_len,
         enable_lora=False,
         tensor_parallel_size=1,
-        enforce_eager=True,  # its forwards go through run_model, never the decode graphs
         speculative_config=None,
         kv_offload_memory=0,  # its shadows' KV is cheap to recompute: no host blocks
         preemption_mode="recompute",
@@ -158,11 +159,16 @@ class DraftProposer:
             seq.spec_token_ids = self.shadows[seq.seq_id].token_ids[-n:]
             seq.spec_probs = torch.stack(probs[seq.seq_id]) if probs[seq.seq_id] else None
 
+    @torch.inference_mode()
     def _forward(self, step: SchedulerOutput) -> torch.Tensor | None:
-        """The logits of `step`'s sampling shadows, launched on the draft's device whichever thread calls."""
-        device = self.runner.device
-        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            return self.runner.run_model(self.runner.prepare(step))[0]
+        """The logits of `step`'s sampling shadows, launched on the draft's device whichever thread calls; a step of
+        one token per shadow (the round's later ones) replays the draft's decode graphs when it has them."""
+        runner = self.runner
+        size = 0 if runner.decode_graphs is None else runner.decode_graphs.size_for(step)
+        with torch.cuda.device(runner.device) if runner.device.type == "cuda" else contextlib.nullcontext():
+            if size:
+                return runner.graphed_step(step, Upload(runner.device), size)
+            return runner.run_model(runner.prepare(step))[0]
 
     @torch.inference_mode()
     def _sample(

@@ -192,14 +192,14 @@ def num_kv_blocks(
     return int(blocks)
 
 
-def profile_memory(runner, probe: MemoryProbe) -> MemoryProfile:
+def profile_memory(runner, probe: MemoryProbe, draft=None) -> MemoryProfile:
     """Runs `runner`'s largest step on a KV cache of just the blocks it needs: a forward of
     max_num_batched_tokens tokens (sequences of at most max_model_len, at most max_num_seqs of them), then a
     sampler pass over the most rows a decode step samples (`max_decode_rows`: a verifying step's are a sequence's
     proposals and one more) with every filter, penalty, seeded draw and 20 logprobs on (the sampler's worst
     case). When the runner captures CUDA graphs, they are captured on that cache too and what they hold
-    measured, then dropped. That cache is released before free memory is read, so the real pool
-    is sized from what stays in use."""
+    measured, then dropped; so are a `draft` runner's (loaded, not started). That cache is released before free
+    memory is read, so the real pool is sized from what stays in use."""
     c, max_len, block_size = runner.config, runner.max_model_len, runner.block_size
     tokens = min(c.max_num_batched_tokens, c.max_num_seqs * max_len)
     lengths = [max_len] * (tokens // max_len) + [tokens % max_len] * (tokens % max_len > 0)
@@ -232,18 +232,31 @@ def profile_memory(runner, probe: MemoryProbe) -> MemoryProfile:
         del inputs, logits, rows, sampled
     probe.synchronize(runner.device)
     peak = probe.max_memory_reserved(runner.device) - reserved
-    graphs = 0
-    if runner.policy.capture_graphs:
-        before = probe.memory_reserved(runner.device)
-        decode = runner.new_decode_graphs(runner.decode_graph_sizes())
-        decode.capture(runner.model)
-        probe.synchronize(runner.device)
-        graphs = probe.memory_reserved(runner.device) - before
-        del decode
+    graphs = _graph_bytes(runner, probe)
+    if draft is not None:  # its graphs, on a pool as small
+        draft.num_blocks = runner.num_blocks
+        draft.allocate_kv_cache()
+        graphs += _graph_bytes(draft, probe)
+        _release_kv(draft)
+    _release_kv(runner)
+    probe.empty_cache()
+    free, total = probe.mem_get_info(runner.device)
+    return MemoryProfile(total, free, peak, graphs)
+
+
+def _graph_bytes(runner, probe: MemoryProbe) -> int:
+    """What `runner`'s decode graphs, captured on its current cache and dropped, hold (0 when it captures none)."""
+    if not runner.policy.capture_graphs:
+        return 0
+    before = probe.memory_reserved(runner.device)
+    decode = runner.new_decode_graphs(runner.decode_graph_sizes())
+    decode.capture(runner.model)
+    probe.synchronize(runner.device)
+    return probe.memory_reserved(runner.device) - before
+
+
+def _release_kv(runner) -> None:
     del runner.kv_cache, runner.kv_tensors
     for attn in runner.model.layers_kv():
         attn.k_cache = attn.v_cache = torch.empty(0)
         attn.k_scale = attn.v_scale = None
-    probe.empty_cache()
-    free, total = probe.mem_get_info(runner.device)
-    return MemoryProfile(total, free, peak, graphs)

@@ -88,16 +88,17 @@ class ModelRunner:
     def start(self, num_blocks: int | None = None, draft: "ModelRunner | None" = None) -> None:
         """Size the KV pool (`num_blocks`, else `kv_cache.num_kv_blocks`), allocate it and the host blocks, warm
         up, capture the decode graphs. A `draft` runner, its model loaded but not started, shares the pool's
-        memory: its weights are in use when the profile reads free memory, each block costs its KV too, and it
-        starts on as many blocks. Its activations are not profiled: a draft no larger than the target (whose
-        worst step and sampler pass are) peaks lower, and never during the target's steps."""
+        memory: its weights are in use when the profile reads free memory, its decode graphs are profiled with
+        the target's, each block costs its KV too, and it starts on as many blocks. Its activations are not: a
+        draft no larger than the target (whose worst step and sampler pass are) peaks lower, and never during the
+        target's steps."""
         config, model_config, group = self.config, self.model_config, self.group
         if num_blocks is None:
             num_blocks = kv_cache.num_kv_blocks(
                 config,
                 self.kv_spec,
                 self.max_blocks_per_seq,
-                lambda: kv_cache.profile_memory(self, kv_cache.CUDA_MEMORY),
+                lambda: kv_cache.profile_memory(self, kv_cache.CUDA_MEMORY, draft),
                 pooling_only=model_config.task != "generate",
                 draft_bytes_per_block=0 if draft is None else draft.kv_spec.bytes_per_block,
             )
