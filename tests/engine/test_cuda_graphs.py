@@ -14,7 +14,7 @@ from lora_adapters import ADAPTERS, make_adapter
 from transformers import AutoModelForCausalLM
 
 from tiffin import LLM, AsyncLLMEngine, LoRARequest, SamplingParams
-from tiffin.engine.worker import model_runner
+from tiffin.engine.worker import kv_cache, model_runner
 from tiffin.kernels import triton_common as tc
 from tiffin.kernels.quant import DENSE_MIN_TOKENS
 from tiffin.testing.cuda_emulation import CudaEmulation
@@ -251,6 +251,23 @@ def test_a_decode_step_uploads_once_and_reads_the_tokens(tiny_model, cuda_emulat
     assert cuda_emulation.replays == (0 if eager else 3)
 
 
+# every filter, penalty and seed at once: the sampler's largest pass, which KV sizing profiles
+WORST = SamplingParams(
+    temperature=0.8,
+    top_k=5,
+    top_p=0.9,
+    min_p=0.01,
+    logprobs=20,
+    min_tokens=2,
+    max_tokens=3,
+    seed=1,
+    repetition_penalty=1.2,
+    frequency_penalty=0.1,
+    presence_penalty=0.1,
+    ignore_eos=True,
+)
+
+
 @pytest.mark.slow
 def test_memory_stays_within_utilization_with_graphs_and_the_worst_sampler(tiny_model, no_warm_up):
     """KV sizing on an emulated device of 12 MiB at utilization 0.5: after start (KV cache and graphs) and the
@@ -264,23 +281,39 @@ def test_memory_stays_within_utilization_with_graphs_and_the_worst_sampler(tiny_
         config = dict(max_num_seqs=32, max_model_len=96, max_num_batched_tokens=96, num_kv_blocks=None)
         llm = build(tiny_model("llama"), eager=False, gpu_memory_utilization=utilization, **config)
         runner = llm.llm_engine.model_runner
-        params = SamplingParams(
-            temperature=0.8,
-            top_k=5,
-            top_p=0.9,
-            min_p=0.01,
-            logprobs=20,
-            min_tokens=2,
-            max_tokens=3,
-            seed=1,
-            repetition_penalty=1.2,
-            frequency_penalty=0.1,
-            presence_penalty=0.1,
-            ignore_eos=True,
-        )
-        llm.generate([{"prompt_token_ids": [5] * 90}] + [{"prompt_token_ids": [7]}] * 31, params, use_tqdm=False)
+        llm.generate([{"prompt_token_ids": [5] * 90}] + [{"prompt_token_ids": [7]}] * 31, WORST, use_tqdm=False)
         assert torch.cuda.max_memory_allocated() <= total * utilization
         assert runner.num_blocks < 32 * runner.max_blocks_per_seq  # sized by memory, not by max_num_seqs
+
+
+@pytest.mark.slow
+def test_a_draft_model_shares_the_memory_of_the_targets_kv_pool(tiny_model, no_warm_up):
+    """With a draft model, on an emulated device of 14 MiB at utilization 0.5: the draft's weights and KV pool count
+    in the target's sizing, so the peak stays within 7 MiB after start and after the largest step sampled with
+    every filter, penalty and seed, and both pools hold as many blocks; what stays in use after start (both
+    models' graphs too) leaves the profiled step's peak. Before, the target filled the budget alone, and the
+    draft's weights and pool came on top (7.7 MB); and the profiled sampler pass had max_num_seqs rows, where a
+    verifying step samples twice as many."""
+    total, utilization = 14 << 20, 0.5
+    with pytest.MonkeyPatch.context() as patched, CudaEmulation(total_memory=total):
+        patched.setenv("TRITON_INTERPRET", "1")
+        profiles, profile_memory = [], kv_cache.profile_memory
+        patched.setattr(kv_cache, "profile_memory", lambda *args: profiles.append(profile_memory(*args)) or profiles[0])
+        path = tiny_model("llama")
+        spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 1}
+        config = dict(max_num_seqs=16, max_model_len=256, max_num_batched_tokens=96, num_kv_blocks=None)
+        llm = build(path, eager=False, gpu_memory_utilization=utilization, speculative_config=spec, **config)
+        engine = llm.llm_engine
+        target, draft = engine.model_runner, engine.proposer.runner
+        assert torch.cuda.max_memory_allocated() <= total * utilization
+        # what stays in use leaves the profiled peak, but for the dummy block past each pool (sizing leaves it out)
+        dummies = target.kv_spec.bytes_per_block + draft.kv_spec.bytes_per_block
+        assert torch.cuda.memory_allocated() + profiles[0].peak <= total * utilization + dummies
+        llm.generate([{"prompt_token_ids": [5] * 90}] + [{"prompt_token_ids": [7]}] * 15, WORST, use_tqdm=False)
+        assert torch.cuda.max_memory_allocated() <= total * utilization
+        assert engine.stats().spec_drafts > 0
+        assert draft.num_blocks == target.num_blocks < 16 * target.max_blocks_per_seq  # sized by memory
+        assert engine.proposer.block_manager.num_blocks == target.num_blocks
 
 
 @pytest.mark.slow
@@ -312,17 +345,25 @@ def propose_continuation(engine, want: list) -> None:
 
 
 def count_steps(engine, emu) -> list[tuple[int, int, int, int]]:
-    """From now on, per step of `engine`: (uploads, reads, graphs replayed, sequences verifying proposals)."""
-    steps, step = [], engine.step
+    """From now on, per step of `engine`: (uploads, reads, graphs the target replayed, sequences verifying
+    proposals); a draft model's replays are its own."""
+    steps, step, execute, target_replays = [], engine.step, engine.model_runner.execute, [0]
+
+    def executed(scheduler_output):
+        replays = emu.replays
+        out = execute(scheduler_output)
+        target_replays[0] += emu.replays - replays
+        return out
 
     def counted():
         emu.reset_counts()
-        replays, drafts = emu.replays, engine.scheduler.spec_drafts
+        replays, drafts = target_replays[0], engine.scheduler.spec_drafts
         outputs = step()
-        steps.append((len(emu.uploads), len(emu.reads), emu.replays - replays, engine.scheduler.spec_drafts - drafts))
+        replayed = target_replays[0] - replays
+        steps.append((len(emu.uploads), len(emu.reads), replayed, engine.scheduler.spec_drafts - drafts))
         return outputs
 
-    engine.step = counted
+    engine.model_runner.execute, engine.step = executed, counted
     return steps
 
 
@@ -351,6 +392,49 @@ def test_speculation_on_the_cuda_path(tiny_model, cuda_emulation, no_warm_up, me
     assert_verifying_steps_replayed(engine, steps)
     if method == "ngram":  # the draft model's forwards upload and read on their own
         assert all(uploads == 1 and reads <= 2 for uploads, reads, _, _ in steps), steps
+
+
+def drafted(llm: LLM, emu) -> tuple[list, list, int, list[int]]:
+    """`generate(llm)` with a draft model -> (its outputs, the proposals of each round, the proposals accepted, the
+    graphs each draft step padded to a graph size replayed); checks the draft's pool ends empty."""
+    proposer, proposals, replays = llm.llm_engine.proposer, [], []
+    propose, graphs = proposer.propose, proposer.runner.decode_graphs
+
+    def recorded(seqs):
+        propose(seqs)
+        proposals.append([(seq.request_id, list(seq.spec_token_ids)) for seq in seqs])
+
+    def counted(size, model, run=graphs and graphs.run):
+        before = emu.replays
+        hidden = run(size, model)
+        replays.append(emu.replays - before)
+        return hidden
+
+    proposer.propose = recorded
+    if graphs is not None:
+        graphs.run = counted
+    outputs = generate(llm)
+    propose([])
+    assert proposer.block_manager.num_used_blocks == 0 and not proposer.shadows
+    return outputs, proposals, llm.llm_engine.stats().spec_accepted_tokens, replays
+
+
+def test_draft_rounds_replay_the_drafts_decode_graphs(tiny_model, cuda_emulation, no_warm_up):
+    """A draft model's one-token steps (a round's later forwards) replay the draft's own decode graphs, captured
+    for up to max_num_seqs rows: its proposals, so the acceptances and tokens, are the eager draft's (greedy and
+    seeded), and its pool ends empty. Before, the draft ran every step eagerly."""
+    path = tiny_model("llama")
+    spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}
+    want, want_proposals, want_accepted, eager_replays = drafted(
+        build(path, eager=True, speculative_config=spec), cuda_emulation
+    )
+    llm = build(path, eager=False, speculative_config=spec)
+    graphs = llm.llm_engine.proposer.runner.decode_graphs
+    assert graphs.sizes == [1, 2, 4] and set(graphs.graphs) == {1, 2, 4}
+    got, proposals, accepted, replays = drafted(llm, cuda_emulation)
+    assert_same(got, want)
+    assert proposals == want_proposals and accepted == want_accepted > 0
+    assert not eager_replays and replays and all(n == 1 for n in replays), replays
 
 
 def test_verifying_steps_with_adapters_replay_graphs(tiny_model, cuda_emulation, no_warm_up, tmp_path):

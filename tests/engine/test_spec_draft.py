@@ -203,3 +203,16 @@ def test_drafts_that_cannot_serve_are_refused(tiny_model, tmp_path):
     embedder = make_tiny_model(tmp_path / "embed", "qwen3", architectures=["Qwen3Model"])
     with pytest.raises(ValueError, match="cannot generate"):
         with_draft(tiny_model("llama"), embedder)
+
+
+def test_target_and_draft_pools_share_the_kv_memory_and_their_block_count(tiny_model, draft):
+    """`kv_cache_memory` holds both pools, of as many blocks each (on CUDA `gpu_memory_utilization`'s budget the
+    same: test_cuda_graphs); an explicit `num_kv_blocks` is both pools' size. Before, each pool took it all."""
+    target, other = tiny_model("llama"), draft("other")
+    llm = with_draft(target, other, kv_cache_memory=2 << 20)
+    runner, draft_runner = llm.llm_engine.model_runner, llm.llm_engine.proposer.runner
+    both = runner.kv_spec.bytes_per_block + draft_runner.kv_spec.bytes_per_block
+    assert runner.num_blocks == draft_runner.num_blocks == (2 << 20) // both
+    assert llm.llm_engine.proposer.block_manager.num_blocks == runner.num_blocks
+    llm = with_draft(target, other, num_kv_blocks=40)
+    assert llm.llm_engine.model_runner.num_blocks == llm.llm_engine.proposer.runner.num_blocks == 40

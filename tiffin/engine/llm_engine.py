@@ -47,6 +47,7 @@ from tiffin.engine.pooling_params import PoolingParams
 from tiffin.engine.reasoning import opens_thinking, resolve_reasoning_parser
 from tiffin.engine.sampling_params import SamplingParams
 from tiffin.engine.spec_decode import make_proposer
+from tiffin.engine.spec_decode.draft import load_draft
 from tiffin.engine.structured.backend import GrammarBackend, GrammarState
 from tiffin.engine.worker.model_runner import ModelRunner
 from tiffin.engine.worker.sampler import SamplerOutput
@@ -114,7 +115,16 @@ class LLMEngine:
         self.think_end_ids = (
             None if self.reasoning is None else self.tokenizer.encode(self.reasoning.end, add_special_tokens=False)
         )
-        self.model_runner = ModelRunner(config, self.model_config, self.max_model_len, set(self.eos_token_ids))
+        spec = config.speculative_config
+        # a draft model's weights load first: the target sizes its KV pool with the draft's (`ModelRunner.start`)
+        draft = (
+            load_draft(spec, config, self.model_config, self.max_model_len)
+            if spec is not None and spec.method == "draft_model"
+            else None
+        )
+        self.model_runner = ModelRunner(
+            config, self.model_config, self.max_model_len, set(self.eos_token_ids), draft=draft
+        )
         self.weight_bytes = sum(p.nbytes for p in self.model_runner.model.parameters())
         slots = self.model_runner.lora_slots
         roots = None if config.lora_roots is None else parse_roots(config.lora_roots)
@@ -130,8 +140,7 @@ class LLMEngine:
             self.model_runner.num_blocks, config.block_size, prefix_caching, tier_blocks, swap_blocks
         )
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
-        spec = config.speculative_config
-        self.proposer = None if spec is None else make_proposer(spec, config, self.model_runner)
+        self.proposer = None if spec is None else make_proposer(spec, config, self.model_runner, draft)
         self.requests: dict[str, Request] = {}
         self.num_prompt_tokens = 0
         self.num_pooling_requests = self.num_pooling_tokens = 0

@@ -17,8 +17,11 @@ class Proposer(Protocol):
         """Set the proposals of `seqs`, every sequence that decodes this step and may speculate."""
 
 
-def make_proposer(config: SpeculativeConfig, engine_config: EngineConfig, target: ModelRunner) -> Proposer:
-    """The proposer of `config.method` for the engine of `engine_config`, whose model `target` runs."""
+def make_proposer(
+    config: SpeculativeConfig, engine_config: EngineConfig, target: ModelRunner, draft: ModelRunner | None = None
+) -> Proposer:
+    """The proposer of `config.method` for the engine of `engine_config`, whose model `target` runs; `draft`: the
+    draft model's runner for `draft_model` (`draft.load_draft`, started by `target`)."""
     if config.method == "ngram":
         from tiffin.engine.spec_decode.ngram import NgramProposer
 
@@ -29,4 +32,4 @@ def make_proposer(config: SpeculativeConfig, engine_config: EngineConfig, target
         return SuffixProposer(config)
     from tiffin.engine.spec_decode.draft import DraftProposer
 
-    return DraftProposer(config, engine_config, target)
+    return DraftProposer(config, engine_config, target, draft)

@@ -4,7 +4,8 @@
 Each target sequence has a shadow sequence in the draft, keyed by its seq_id: the target's tokens, then the
 draft's last proposals, of which only the accepted ones keep their KV next round. A round runs k batched
 forwards over all shadows: the first computes every shadow's uncomputed tokens (a new prompt, or the tokens
-accepted since), the later ones the token drafted just before; each samples one proposal per shadow. A greedy
+accepted since), the later ones the token drafted just before (plain decodes: on CUDA they replay the draft's own
+decode graphs, captured for up to max_num_seqs rows); each samples one proposal per shadow. A greedy
 sequence gets the draft's argmax; a sampled one a draw from the draft's distribution q (temperature, min-p,
 top-k, top-p as the target's sampler; penalties left out: any q is lossless when the draw follows it), which
 `spec_probs` reports, except with a seed (`_sample`). Slots for a whole round are allocated before any proposal
@@ -21,42 +22,53 @@ from tiffin.engine.config import EngineConfig, SpeculativeConfig
 from tiffin.engine.core.block_manager import BlockManager
 from tiffin.engine.core.scheduler import SchedulerOutput
 from tiffin.engine.core.sequence import Sequence
+from tiffin.engine.models.config import ModelConfig
 from tiffin.engine.models.loader import get_model_config
 from tiffin.engine.models.source import resolve_model_path
+from tiffin.engine.worker.batch import Upload
 from tiffin.engine.worker.model_runner import ModelRunner
 from tiffin.engine.worker.sampler import _GREEDY_EPS, Sampler, sampling_probs
 
 
-class DraftProposer:
-    def __init__(self, config: SpeculativeConfig, engine_config: EngineConfig, target: ModelRunner):
-        """ValueError when the draft cannot generate, or has tokens the target has not."""
-        path = resolve_model_path(config.model)
-        model_config, vocab = get_model_config(path), target.model_config.vocab_size
-        if model_config.task != "generate":
-            raise ValueError(f"draft model {config.model!r} cannot generate (it serves {model_config.task!r})")
-        if model_config.vocab_size > vocab:
-            raise ValueError(
-                f"draft model {config.model!r} has vocab_size {model_config.vocab_size}, more than the target's "
-                f"{vocab}: a draft must share the target's tokenizer"
-            )
-        model_config.dtype = target.model_config.dtype
-        draft_config = dataclasses.replace(
-            engine_config,
-            model=path,
-            tokenizer=engine_config.tokenizer or engine_config.model,
-            device=str(target.device),
-            max_model_len=target.max_model_len,
-            num_kv_blocks=target.num_blocks,  # about the target's token capacity, without profiling memory
-            enable_lora=False,
-            tensor_parallel_size=1,
-            enforce_eager=True,  # its forwards go through run_model, never the decode graphs
-            speculative_config=None,
-            kv_offload_memory=0,  # its shadows' KV is cheap to recompute: no host blocks
-            preemption_mode="recompute",
+def load_draft(
+    config: SpeculativeConfig, engine_config: EngineConfig, target_config: ModelConfig, max_model_len: int
+) -> ModelRunner:
+    """The runner of `config.model`, its weights loaded, not started: the target's runner sizes its KV pool with
+    the draft's and starts it on as many blocks (`ModelRunner.start`). ValueError when the draft cannot generate,
+    or has tokens the target (`target_config`) has not."""
+    path = resolve_model_path(config.model)
+    model_config, vocab = get_model_config(path), target_config.vocab_size
+    if model_config.task != "generate":
+        raise ValueError(f"draft model {config.model!r} cannot generate (it serves {model_config.task!r})")
+    if model_config.vocab_size > vocab:
+        raise ValueError(
+            f"draft model {config.model!r} has vocab_size {model_config.vocab_size}, more than the target's "
+            f"{vocab}: a draft must share the target's tokenizer"
         )
-        self.runner = ModelRunner(draft_config, model_config, target.max_model_len, set())
-        self.block_manager = BlockManager(self.runner.num_blocks, draft_config.block_size)
-        self.k, self.vocab, self.max_model_len = config.num_speculative_tokens, vocab, target.max_model_len
+    model_config.dtype = target_config.dtype
+    draft_config = dataclasses.replace(
+        engine_config,
+        model=path,
+        tokenizer=engine_config.tokenizer or engine_config.model,
+        max_model_len=max_model_len,
+        enable_lora=False,
+        tensor_parallel_size=1,
+        speculative_config=None,
+        kv_offload_memory=0,  # its shadows' KV is cheap to recompute: no host blocks
+        preemption_mode="recompute",
+    )
+    return ModelRunner(draft_config, model_config, max_model_len, set(), start=False)
+
+
+class DraftProposer:
+    def __init__(
+        self, config: SpeculativeConfig, engine_config: EngineConfig, target: ModelRunner, runner: ModelRunner
+    ):
+        """`runner`: `load_draft`'s, started by `target`."""
+        self.runner = runner
+        self.block_manager = BlockManager(runner.num_blocks, runner.block_size)
+        self.k, self.max_model_len = config.num_speculative_tokens, target.max_model_len
+        self.vocab = target.model_config.vocab_size
         self.max_num_batched_tokens = engine_config.max_num_batched_tokens
         self.shadows: dict[int, Sequence] = {}
         self.sampler = Sampler(set(), engine_config.seed)
@@ -147,11 +159,16 @@ class DraftProposer:
             seq.spec_token_ids = self.shadows[seq.seq_id].token_ids[-n:]
             seq.spec_probs = torch.stack(probs[seq.seq_id]) if probs[seq.seq_id] else None
 
+    @torch.inference_mode()
     def _forward(self, step: SchedulerOutput) -> torch.Tensor | None:
-        """The logits of `step`'s sampling shadows, launched on the draft's device whichever thread calls."""
-        device = self.runner.device
-        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            return self.runner.run_model(self.runner.prepare(step))[0]
+        """The logits of `step`'s sampling shadows, launched on the draft's device whichever thread calls; a step of
+        one token per shadow (the round's later ones) replays the draft's decode graphs when it has them."""
+        runner = self.runner
+        size = 0 if runner.decode_graphs is None else runner.decode_graphs.size_for(step)
+        with torch.cuda.device(runner.device) if runner.device.type == "cuda" else contextlib.nullcontext():
+            if size:
+                return runner.graphed_step(step, Upload(runner.device), size)
+            return runner.run_model(runner.prepare(step))[0]
 
     @torch.inference_mode()
     def _sample(

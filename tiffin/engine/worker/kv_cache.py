@@ -1,7 +1,7 @@
 """The KV cache's size and storage.
 
 Invariant: on CUDA the pool is sized after a profiling step (the largest batch on just its blocks, the sampler's
-worst case at max_num_seqs rows, the decode graphs captured) whose KV and graphs are freed first; one
+worst case at a decode step's most rows, the decode graphs captured) whose KV and graphs are freed first; one
 max_model_len sequence fits or start fails naming the numbers. Every layer's K and V live in one zeroed tensor
 with one block past the pool, which padded decode rows write (`cuda_graphs`). Host KV blocks are tensors of the
 same shapes, sized by their settings alone: the swap region's in the pool's format (a resumed sequence continues on
@@ -161,37 +161,45 @@ def num_host_blocks(
 
 
 def num_kv_blocks(
-    config: EngineConfig, spec: KVCacheSpec, max_blocks_per_seq: int, profile: Callable, pooling_only: bool = False
+    config: EngineConfig,
+    spec: KVCacheSpec,
+    max_blocks_per_seq: int,
+    profile: Callable,
+    pooling_only: bool = False,
+    draft_bytes_per_block: int = 0,
 ) -> int:
     """`num_kv_blocks`, else what `kv_cache_memory` holds, else what `gpu_memory_utilization` of the GPU leaves
     (`profile()` measures the largest step; a default share of RAM on CPU); never more than max_num_seqs
     sequences of max_model_len use, nor, for a model that only pools (its sequences hold blocks for one step),
-    more than one step's max_num_batched_tokens can fill (a partial block per sequence)."""
+    more than one step's max_num_batched_tokens can fill (a partial block per sequence). A draft model's pool of
+    as many blocks (`draft_bytes_per_block` each) shares the memory, as vLLM sizes them together."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     most = config.max_num_seqs * max_blocks_per_seq
     if pooling_only:
         most = min(most, -(-config.max_num_batched_tokens // spec.block_size) + config.max_num_seqs)
+    bytes_per_block = spec.bytes_per_block + draft_bytes_per_block
     if config.kv_cache_memory is None and config.torch_device.type == "cuda":
-        kv_blocks = profile().kv_blocks(config.gpu_memory_utilization, spec.bytes_per_block, max_blocks_per_seq)
+        kv_blocks = profile().kv_blocks(config.gpu_memory_utilization, bytes_per_block, max_blocks_per_seq)
         return min(kv_blocks, most)
     memory = config.kv_cache_memory
     if memory is None:
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         memory = min(CPU_KV_CACHE_CAP, available // 4)
-    blocks = min(memory // spec.bytes_per_block, most)
+    blocks = min(memory // bytes_per_block, most)
     if blocks < 1:
-        raise ValueError(f"KV cache memory of {memory} bytes holds no block of {spec.bytes_per_block} bytes")
+        raise ValueError(f"KV cache memory of {memory} bytes holds no block of {bytes_per_block} bytes")
     return int(blocks)
 
 
-def profile_memory(runner, probe: MemoryProbe) -> MemoryProfile:
+def profile_memory(runner, probe: MemoryProbe, draft=None) -> MemoryProfile:
     """Runs `runner`'s largest step on a KV cache of just the blocks it needs: a forward of
     max_num_batched_tokens tokens (sequences of at most max_model_len, at most max_num_seqs of them), then a
-    sampler pass over max_num_seqs rows of the vocabulary with every filter, penalty, seeded draw and 20 logprobs
-    on (the sampler's worst case). When the runner captures CUDA graphs, they are captured on that cache too and
-    what they hold measured, then dropped. That cache is released before free memory is read, so the real pool
-    is sized from what stays in use."""
+    sampler pass over the most rows a decode step samples (`max_decode_rows`: a verifying step's are a sequence's
+    proposals and one more) with every filter, penalty, seeded draw and 20 logprobs on (the sampler's worst
+    case). When the runner captures CUDA graphs, they are captured on that cache too and what they hold
+    measured, then dropped; so are a `draft` runner's (loaded, not started). That cache is released before free
+    memory is read, so the real pool is sized from what stays in use."""
     c, max_len, block_size = runner.config, runner.max_model_len, runner.block_size
     tokens = min(c.max_num_batched_tokens, c.max_num_seqs * max_len)
     lengths = [max_len] * (tokens // max_len) + [tokens % max_len] * (tokens % max_len > 0)
@@ -209,12 +217,12 @@ def profile_memory(runner, probe: MemoryProbe) -> MemoryProfile:
         worst |= dict(repetition_penalty=1.1, frequency_penalty=0.1, presence_penalty=0.1)
         seqs = [
             Sequence("profile", i, [0], SamplingParams(**worst, seed=i if i % 2 else None), 1)
-            for i in range(c.max_num_seqs)
+            for i in range(runner.max_decode_rows())
         ]
         for seq in seqs:
             seq.append_token(0)  # an output token: the penalties count outputs
-        # the sampled logits come from the lm_head over max_num_seqs rows, as a decode step of that many computes
-        # them: a quantized lm_head dequantizes its whole weight there from DENSE_MIN_TOKENS rows on
+        # the sampled logits come from the lm_head over those rows, as a decode step of that many computes them:
+        # a quantized lm_head dequantizes its whole weight there from DENSE_MIN_TOKENS rows on
         model = runner.model_config
         rows = torch.zeros(len(seqs), model.hidden_size, dtype=model.dtype, device=runner.device)
         sampled = runner.model.compute_logits(rows) if model.task == "generate" else None
@@ -224,18 +232,31 @@ def profile_memory(runner, probe: MemoryProbe) -> MemoryProfile:
         del inputs, logits, rows, sampled
     probe.synchronize(runner.device)
     peak = probe.max_memory_reserved(runner.device) - reserved
-    graphs = 0
-    if runner.policy.capture_graphs:
-        before = probe.memory_reserved(runner.device)
-        decode = runner.new_decode_graphs(runner.decode_graph_sizes())
-        decode.capture(runner.model)
-        probe.synchronize(runner.device)
-        graphs = probe.memory_reserved(runner.device) - before
-        del decode
+    graphs = _graph_bytes(runner, probe)
+    if draft is not None:  # its graphs, on a pool as small
+        draft.num_blocks = runner.num_blocks
+        draft.allocate_kv_cache()
+        graphs += _graph_bytes(draft, probe)
+        _release_kv(draft)
+    _release_kv(runner)
+    probe.empty_cache()
+    free, total = probe.mem_get_info(runner.device)
+    return MemoryProfile(total, free, peak, graphs)
+
+
+def _graph_bytes(runner, probe: MemoryProbe) -> int:
+    """What `runner`'s decode graphs, captured on its current cache and dropped, hold (0 when it captures none)."""
+    if not runner.policy.capture_graphs:
+        return 0
+    before = probe.memory_reserved(runner.device)
+    decode = runner.new_decode_graphs(runner.decode_graph_sizes())
+    decode.capture(runner.model)
+    probe.synchronize(runner.device)
+    return probe.memory_reserved(runner.device) - before
+
+
+def _release_kv(runner) -> None:
     del runner.kv_cache, runner.kv_tensors
     for attn in runner.model.layers_kv():
         attn.k_cache = attn.v_cache = torch.empty(0)
         attn.k_scale = attn.v_scale = None
-    probe.empty_cache()
-    free, total = probe.mem_get_info(runner.device)
-    return MemoryProfile(total, free, peak, graphs)

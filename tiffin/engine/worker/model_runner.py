@@ -40,9 +40,12 @@ class ModelRunner:
         max_model_len: int,
         eos_token_ids: set[int],
         group: WorkerGroup | None = None,
+        draft: "ModelRunner | None" = None,
+        start: bool = True,
     ):
         """With `tensor_parallel_size` > 1 this is rank 0, which starts the other ranks' workers (`group`: a
-        worker's own, given to the runner of its rank)."""
+        worker's own, given to the runner of its rank). Loads the model, then, if `start`, starts the runner
+        (`start`, with `draft`)."""
         self.config, self.model_config, self.max_model_len = config, model_config, max_model_len
         self.device = config.torch_device if group is None else group.device
         self.backend = kernels.resolve_backend(config.kernel_backend, self.device)
@@ -79,15 +82,27 @@ class ModelRunner:
         self.kv_spec = kv_cache.KVCacheSpec.of(
             model_config, self.block_size, tp.kv_heads(model_config.num_kv_heads), config.kv_cache_dtype
         )
-        self.num_blocks = kv_cache.num_kv_blocks(
-            config,
-            self.kv_spec,
-            self.max_blocks_per_seq,
-            lambda: kv_cache.profile_memory(self, kv_cache.CUDA_MEMORY),
-            pooling_only=model_config.task != "generate",
-        )
-        if group is not None:
-            self.num_blocks = group.agree_min(self.num_blocks)
+        if start:
+            self.start(draft=draft)
+
+    def start(self, num_blocks: int | None = None, draft: "ModelRunner | None" = None) -> None:
+        """Size the KV pool (`num_blocks`, else `kv_cache.num_kv_blocks`), allocate it and the host blocks, warm
+        up, capture the decode graphs. A `draft` runner, its model loaded but not started, shares the pool's
+        memory: its weights are in use when the profile reads free memory, its decode graphs are profiled with
+        the target's, each block costs its KV too, and it starts on as many blocks. Its activations are not: a
+        draft no larger than the target (whose worst step and sampler pass are) peaks lower, and never during the
+        target's steps."""
+        config, model_config, group = self.config, self.model_config, self.group
+        if num_blocks is None:
+            num_blocks = kv_cache.num_kv_blocks(
+                config,
+                self.kv_spec,
+                self.max_blocks_per_seq,
+                lambda: kv_cache.profile_memory(self, kv_cache.CUDA_MEMORY, draft),
+                pooling_only=model_config.task != "generate",
+                draft_bytes_per_block=0 if draft is None else draft.kv_spec.bytes_per_block,
+            )
+        self.num_blocks = num_blocks if group is None else group.agree_min(num_blocks)
         self.allocate_kv_cache()
         prefix_caching = config.enable_prefix_caching and model_config.causal
         self.tier_spec = self.kv_spec.for_tier(config.kv_offload_dtype)
@@ -104,6 +119,8 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None  # None: decode steps run unpadded
         if self.policy.capture_graphs:
             self.pad_decodes(self.decode_graph_sizes())
+        if draft is not None:
+            draft.start(self.num_blocks)
 
     def execute(self, scheduler_output: SchedulerOutput) -> SamplerOutput:
         """One step, under the runner's device whichever thread calls it: Triton launches on the calling thread's
@@ -292,12 +309,16 @@ class ModelRunner:
         pooling = None if pooling_parts is None else PoolingMetadata(*map(upload.get, pooling_parts))
         return ModelInput(input_ids, positions, attn, logits_indices, lora and lora(upload.get), pooling)
 
-    def decode_graph_sizes(self) -> list[int]:
-        """The row counts decode steps are padded to and captured at: a row a sequence, or with speculation one
-        per proposal and one more (a quantized model's stay on its fused GEMMs)."""
+    def max_decode_rows(self) -> int:
+        """The most rows a decode step computes and samples: a row a sequence, or with speculation one per
+        proposal and one more."""
         spec = self.config.speculative_config
-        rows = self.config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
-        return decode_batch_sizes(rows, self.model_config.quant_config is not None)
+        return self.config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
+
+    def decode_graph_sizes(self) -> list[int]:
+        """The row counts decode steps are padded to and captured at (a quantized model's stay on its fused
+        GEMMs)."""
+        return decode_batch_sizes(self.max_decode_rows(), self.model_config.quant_config is not None)
 
     def pad_decodes(self, sizes: list[int]) -> None:
         """Pad decode-only steps of up to `sizes[-1]` sequences to the next of `sizes` (`DecodeGraphs`); on
