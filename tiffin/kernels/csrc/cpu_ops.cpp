@@ -35,10 +35,40 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+#if defined(__AVX512F__)
+// exp_nonpositive on 16 lanes (GCC leaves the scalar loop unvectorized).
+inline __m512 exp_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+#endif
+
 // Each of `rows` rows of `len` scores becomes e^(score - its max); denom[row] = 1 / the row's sum.
 inline void softmax_rows(float* scores, float* denom, int rows, int len) {
   for (int r = 0; r < rows; ++r) {
     float* sr = scores + static_cast<int64_t>(r) * len;
+#if defined(__AVX512F__)
+    const auto tail = [&](int t) { return static_cast<__mmask16>(len - t >= 16 ? 0xFFFF : (1u << (len - t)) - 1); };
+    __m512 vmax = _mm512_set1_ps(sr[0]);
+    for (int t = 0; t < len; t += 16) vmax = _mm512_mask_max_ps(vmax, tail(t), _mm512_maskz_loadu_ps(tail(t), sr + t), vmax);
+    const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    __m512 sum = _mm512_setzero_ps();
+    for (int t = 0; t < len; t += 16) {
+      const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail(t), sr + t), max));
+      _mm512_mask_storeu_ps(sr + t, tail(t), e);
+      sum = _mm512_mask_add_ps(sum, tail(t), sum, e);
+    }
+    denom[r] = 1.f / _mm512_reduce_add_ps(sum);
+#else
     float max = sr[0];
 #pragma omp simd reduction(max : max)
     for (int t = 1; t < len; ++t) max = sr[t] > max ? sr[t] : max;
@@ -49,15 +79,41 @@ inline void softmax_rows(float* scores, float* denom, int rows, int len) {
       sum += sr[t];
     }
     denom[r] = 1.f / sum;
+#endif
   }
 }
 
-// The scales of a quantized cache's tokens for the task's KV heads: out[h * len + t] is token t's scale of KV head
-// kv_first + h (`offsets[t]` its slot's element offset, slot_stride elements a slot, head_dim a head).
-inline void token_scales(float* out, const bf16* scales, const int64_t* offsets, int len, int kv_first, int kv_heads,
-                         int num_kv_heads, int head_dim) {
-  for (int h = 0; h < kv_heads; ++h)
-    for (int t = 0; t < len; ++t) out[h * len + t] = to_float(scales[offsets[t] / head_dim + kv_first + h]);
+// The scales of a quantized cache's tokens for the task's KV heads: ks[h * len + t] (vs[...]) is token t's K (V)
+// scale of KV head kv_first + h. A block's scales are `[block_size, num_kv_heads]`, read block by block through the
+// table, a few blocks ahead prefetched (each block lies anywhere: every one a cache miss otherwise).
+inline void token_scales(float* ks, float* vs, const bf16* k_scale, const bf16* v_scale, const int32_t* block_table,
+                         int block_size, int len, int kv_first, int kv_heads, int num_kv_heads) {
+  constexpr int AHEAD = 8;
+  const int blocks = (len + block_size - 1) / block_size;
+  const int64_t block_stride = static_cast<int64_t>(block_size) * num_kv_heads;
+  for (int b = 0; b < blocks; ++b) {
+    if (b + AHEAD < blocks) {
+      __builtin_prefetch(k_scale + block_table[b + AHEAD] * block_stride + kv_first);
+      __builtin_prefetch(v_scale + block_table[b + AHEAD] * block_stride + kv_first);
+    }
+    const int64_t first = block_table[b] * block_stride + kv_first;
+    const int t0 = b * block_size, n = len - t0 < block_size ? len - t0 : block_size;
+    for (int i = 0; i < n; ++i)
+      for (int h = 0; h < kv_heads; ++h) {
+        ks[h * len + t0 + i] = to_float(k_scale[first + i * num_kv_heads + h]);
+        vs[h * len + t0 + i] = to_float(v_scale[first + i * num_kv_heads + h]);
+      }
+  }
+}
+
+// Probabilities times their tokens' V scales (sum_t p_t s_t v_t): row hq of `probs` by row hq / group of `scales`.
+inline void weigh_by_scales(float* __restrict probs, const float* __restrict scales, int heads, int group, int len) {
+  for (int hq = 0; hq < heads; ++hq) {
+    float* __restrict p = probs + static_cast<int64_t>(hq) * len;
+    const float* __restrict s = scales + static_cast<int64_t>(hq / group) * len;
+#pragma omp simd
+    for (int t = 0; t < len; ++t) p[t] *= s[t];
+  }
 }
 
 // One task: the query heads of one sequence that share KV heads [kv_first, kv_end), reading each token's K (then
@@ -83,8 +139,7 @@ void decode_task(const T* q, T* out, const C* k_cache, const C* v_cache, const b
   float* ks = denom + heads;
   float* vs = ks + kv_heads * len;
   if constexpr (is_code<C>) {
-    token_scales(ks, k_scale, offsets.data(), len, kv_first, kv_heads, num_kv_heads, head_dim);
-    token_scales(vs, v_scale, offsets.data(), len, kv_first, kv_heads, num_kv_heads, head_dim);
+    token_scales(ks, vs, k_scale, v_scale, block_table, block_size, len, kv_first, kv_heads, num_kv_heads);
   }
   for (int i = 0; i < heads * head_dim; ++i) qf[i] = to_float(q[i]) * scale;
   if constexpr (is_code<C>)  // keys are stored rotated
@@ -252,8 +307,7 @@ void decode_task_avx512(const T* q, T* out, const C* k_cache, const C* v_cache, 
   float* q_steps = vs + kv_heads * len;  // int8 keys: the query's int16 codes and their steps
   int16_t* q16 = reinterpret_cast<int16_t*>(q_steps + heads);
   if constexpr (is_code<C>) {
-    token_scales(ks, k_scale, offsets.data(), len, kv_first, kv_heads, num_kv_heads, D);
-    token_scales(vs, v_scale, offsets.data(), len, kv_first, kv_heads, num_kv_heads, D);
+    token_scales(ks, vs, k_scale, v_scale, block_table, block_size, len, kv_first, kv_heads, num_kv_heads);
   }
   k_cache += kv_first * D;
   v_cache += kv_first * D;
@@ -294,9 +348,7 @@ void decode_task_avx512(const T* q, T* out, const C* k_cache, const C* v_cache, 
       scores[hq * len + t] = _mm512_reduce_add_ps(dot(hq, offsets[t])) * head_scale(hq) * token_scale;
     }
   softmax_rows(scores, denom, heads, len);
-  if constexpr (is_code<C>)  // V's scales weigh the probabilities: sum_t p_t s_t v_t
-    for (int hq = 0; hq < heads; ++hq)
-      for (int t = 0; t < len; ++t) scores[hq * len + t] *= vs[(hq / group) * len + t];
+  if constexpr (is_code<C>) weigh_by_scales(scores, vs, heads, group, len);
   weigh_values<D>(out, v_cache, offsets.data(), scores, denom, len, kv_heads, group);
 }
 #endif
