@@ -10,6 +10,7 @@ import torch
 
 from tiffin import LLM, SamplingParams
 from tiffin.engine.config import EngineConfig
+from tiffin.engine.core.kv_offload import KVCopies
 from tiffin.kernels import kv_quant
 
 BLOCK = 16
@@ -372,3 +373,69 @@ def test_copies_on_the_cuda_path(path, on_cpu, cuda_emulation, kv_offload_dtype)
     stats = cuda.stats()
     assert stats.swapped_out_seqs > 0 and stats.host_tier_hits > 0, stats
     assert len(cuda.model_runner.host_tier) == 1 + (kv_offload_dtype == "int8")
+
+
+def test_offloads_overlap_the_forward_on_cuda(path, on_cpu, cuda_emulation, monkeypatch):
+    """Emulated CUDA: in a step that offloads, no host synchronization and no write to the host blocks between its
+    copies and its forward (the device -> host copies overlap it); the host blocks hold the evicted bytes by the
+    next step's copies, and the outputs are the CPU's."""
+    from tiffin.testing import cuda_emulation as emulation
+
+    requests, want = on_cpu
+    cuda = engine(path, device="cuda", **CUDA_TIERS, **CUDA_ARGS)
+    runner = cuda.model_runner
+    regions = {"tier": runner.host_tier, "swap": runner.host_swap}
+    pools = {t.untyped_storage().data_ptr() for pool in regions.values() for t in pool}
+    log, evicted, landed, lost = [], {}, [], []  # lost: asserting in a step would fail the step, not the test
+    for cls in (emulation._Stream, emulation._Event):
+        monkeypatch.setattr(cls, "synchronize", lambda self: log.append("sync"))
+    index_copy, writing = torch.Tensor.index_copy_, []
+
+    def scatter(self, dim, index, source):
+        if not writing and self.untyped_storage().data_ptr() in pools:
+            log.append("host write")
+        writing.append(self)  # the emulation's torch function mode calls this again: once a write
+        try:
+            return index_copy(self, dim, index, source)
+        finally:
+            writing.pop()
+
+    def check_landed():
+        """The host blocks hold what the last offloading step evicted."""
+        for (region, host), kv in evicted.items():
+            if not all(torch.equal(t[:, :, host], b) for t, b in zip(regions[region], kv)):
+                lost.append((region, host))
+        landed.append(len(evicted))
+        evicted.clear()
+
+    def copy(copies, *args, copy=runner._copy):
+        check_landed()
+        for region, part in zip(regions, copies.split(runner.num_host_blocks[0])):
+            evicted.update({(region, h): [t[:, :, b].cpu() for t in runner.kv_tensors] for b, h in part.offloads})
+        rereads = {h for _, h in copies.offloads} & {h for h, _ in copies.loads}  # these land before the loads
+        log.append("offloading step" if copies.offloads and not rereads else "step")
+        return copy(copies, *args)
+
+    def run_model(inputs, run_model=runner.run_model):
+        log.append("forward")
+        return run_model(inputs)
+
+    monkeypatch.setattr(torch.Tensor, "index_copy_", scatter)
+    monkeypatch.setattr(runner, "_copy", copy)
+    monkeypatch.setattr(runner, "run_model", run_model)
+    assert drive(cuda, requests)[0] == want["auto"][0]
+    runner.finish_offloads()
+    check_landed()
+    assert cuda.stats().swapped_out_seqs > 0 and sum(landed) > 0 and not lost, lost
+    # from each offloading step's copies to its forward
+    overlapped = [step.split("forward")[0] for step in " ".join(log).split("offloading step")[1:]]
+    assert len(overlapped) > 3 and not [s for s in overlapped if "sync" in s or "host write" in s], overlapped
+    assert "host write" in " ".join(log)
+    # a load of a host block an offload of its step writes: that offload lands first (a host synchronization)
+    host = runner.num_host_blocks[0]  # the swap region's first
+    for t in runner.kv_tensors:
+        t[:, :, 0] = torch.rand_like(t[:, :, 0])
+    want_kv, log[:] = [t[:, :, 0].cpu() for t in runner.kv_tensors], []
+    runner.copy_blocks(KVCopies([(0, host)], [(host, 1)]))
+    assert log == ["step", "sync", "host write"] and not runner.pending_offloads, log
+    assert all(torch.equal(t[:, :, 1].cpu(), b) for t, b in zip(runner.kv_tensors, want_kv))

@@ -4,15 +4,18 @@ from the pool, least recently used dropped first) and the swap region (the block
 Host block ids: the tier's are 0..tier_blocks-1, the swap region's follow. The worker holds each in tensors of its
 own (the tier's may store another format: `kv_offload_dtype`), numbered from 0 by `KVCopies.split`.
 
-A step's copies (`KVCopies`, taken from the BlockManager once the step is scheduled) run in this order, before the
-forward: every offload (device -> host), then every load (host -> device). Hence:
+A step's copies (`KVCopies`, taken from the BlockManager once the step is scheduled) take effect in this order:
+every offload reads its device block, then every load writes its device block, then the step's forward runs; an
+offload's host block holds its bytes before a load of its step or a later step's copy reads or writes it. The
+worker keeps this order (`ModelRunner.copy_blocks`; on CUDA an offload's device -> host copy overlaps the
+forward). Hence:
 - a device block evicted or swapped out, then reallocated in the same step, is read before a load or the forward
   writes it. A device block a load writes is held by the sequence admitted or swapped in with it, which is
   neither freed nor preempted before the step's forward (the scheduler preempts before it admits), so no offload
   of the step reads it (`BlockManager._offload` asserts it);
 - a host block that the step's copies read or write is pinned until they are taken: it is neither dropped from the
   tier nor reused, so no offload overwrites what a load of the same step reads, and no two offloads of a step write
-  one host block (a load may read what an offload of its step wrote: offloads run first).
+  one host block (a load may read what an offload of its step wrote: offloads take effect first).
 Copies not taken (a step that runs nothing) stay pending for the next step, in the same order.
 """
 

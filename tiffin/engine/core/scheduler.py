@@ -57,7 +57,7 @@ class SchedulerOutput:
     sampling: list[bool] = field(default_factory=list)  # whether each sequence samples a token this step
     sampling_seqs: list[Sequence] = field(default_factory=list)  # those that do, in order: one logits row each
     pooling_seqs: list[Sequence] = field(default_factory=list)  # pooling sequences, in order: one pooled row each
-    copies: KVCopies = field(default_factory=KVCopies)  # to run before the forward (`LLMEngine.step` sets them)
+    copies: KVCopies = field(default_factory=KVCopies)  # their order: core/kv_offload (`LLMEngine.step` sets them)
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
         pools = seq.pooling_params is not None

@@ -1,11 +1,11 @@
 """The model runner under tensor parallelism: rank 0 starts the group and sends each step; ranks 1..N-1 each run
 a `ModelRunner` of their rank (their shard of the weights, their share of the KV cache) on what it receives.
 
-A step crosses as the wire format's values: the block copies each rank runs on its KV before the forward
-(`KVCopies`, as two flat lists), the size of the decode graph it replays (0: none), then for an eager step
-input_ids, positions, logits indices, the LoRA slot of each token (a host tensor, so on the host at every rank;
-None without adapters) and every AttentionMetadata field, and for a graphed one the logits indices and the graph's
-padded inputs; the adapters rank 0 installed this step, if any, follow as one pickled object."""
+A step crosses as the wire format's values: the block copies each rank runs on its KV (`KVCopies`, as two flat
+lists; `ModelRunner.copy_blocks`, as rank 0 does), the size of the decode graph it replays (0: none), then for an
+eager step input_ids, positions, logits indices, the LoRA slot of each token (a host tensor, so on the host at
+every rank; None without adapters) and every AttentionMetadata field, and for a graphed one the logits indices and
+the graph's padded inputs; the adapters rank 0 installed this step, if any, follow as one pickled object."""
 
 import dataclasses
 
