@@ -14,8 +14,9 @@ from lora_adapters import ADAPTERS, make_adapter
 from transformers import AutoModelForCausalLM
 
 from tiffin import LLM, AsyncLLMEngine, LoRARequest, SamplingParams
-from tiffin.engine.worker import kv_cache, model_runner
+from tiffin.engine.worker import cuda_graphs, kv_cache, model_runner
 from tiffin.kernels import triton_common as tc
+from tiffin.kernels import triton_quant
 from tiffin.kernels.quant import DENSE_MIN_TOKENS
 from tiffin.testing.cuda_emulation import CudaEmulation
 
@@ -166,19 +167,18 @@ def test_graphed_decode_equals_eager_gguf(tiny_model, cuda_emulation, no_warm_up
 @pytest.mark.slow
 def test_quantized_graphs_stop_below_the_dense_path(cuda_emulation, no_warm_up, monkeypatch):
     """A quantized model captures no size from DENSE_MIN_TOKENS on: there its GEMMs dequantize whole weights (a
-    GGUF lm_head's is gigabytes), which a graph would keep in its pool. max_num_seqs=256 (of decode_batch_sizes',
-    only 1, 2, 4 and 256 kept, to capture few) captures 1, 2 and 4; the decode step of 256 sequences runs eagerly,
-    unpadded, through the one-pass dequantize, and gives the eager engine's tokens. Before, size 256 was captured
-    with the torch dequantizers inside (and failed to start once: `torch.tensor(AWQ_NIBBLE, device=...)`, a
-    pageable upload, inside the capture)."""
+    GGUF lm_head's is gigabytes), which a graph would keep in its pool. With DENSE_MIN_TOKENS at 8 here (256 in
+    serving: the same code path, 32 times fewer rows under the interpreter), max_num_seqs=8 captures 1, 2 and 4;
+    the decode step of 8 sequences runs eagerly, unpadded, through the one-pass dequantize, and gives the eager
+    engine's tokens. Before, size DENSE_MIN_TOKENS was captured with the torch dequantizers inside (and failed to
+    start once: `torch.tensor(AWQ_NIBBLE, device=...)`, a pageable upload, inside the capture)."""
     assert DENSE_MIN_TOKENS == 256
-    sizes = model_runner.decode_batch_sizes
-    monkeypatch.setattr(
-        model_runner, "decode_batch_sizes", lambda n, quantized: [s for s in sizes(n, quantized) if s in (1, 2, 4, 256)]
-    )
-    kwargs = dict(max_num_seqs=256, num_kv_blocks=300)  # fp32: the dense and fused GEMMs agree to rounding
+    dense = 8
+    monkeypatch.setattr(cuda_graphs, "DENSE_MIN_TOKENS", dense)
+    monkeypatch.setattr(triton_quant, "DENSE_MIN_TOKENS", dense)
+    kwargs = dict(max_num_seqs=dense)  # fp32: the dense and fused GEMMs agree to rounding
     params = SamplingParams(temperature=0, max_tokens=2, logprobs=2, ignore_eos=True)
-    prompts = PROMPTS + ["a"] * (DENSE_MIN_TOKENS - len(PROMPTS))
+    prompts = PROMPTS + ["a"] * (dense - len(PROMPTS))
     run = lambda llm: [
         (c.token_ids, c.logprobs) for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs
     ]
