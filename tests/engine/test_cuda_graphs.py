@@ -382,7 +382,7 @@ def count_steps(engine, emu) -> list[tuple[int, int, int, int]]:
 
 
 def assert_verifying_steps_replayed(engine, steps: list) -> None:
-    assert engine.model_runner.decode_graphs.sizes == [1, 2, 4, 8, 16, 24]  # 4 sequences of 1 + 4 proposals
+    assert engine.model_runner.decode_graphs.sizes == [1, 2, 4, 8, 16]  # 4 sequences of 1 + 3 proposals
     verifying = [replayed for _, _, replayed, verified in steps if verified]
     assert verifying and all(replayed == 1 for replayed in verifying), steps
 
@@ -394,7 +394,8 @@ def test_speculation_on_the_cuda_path(tiny_model, cuda_emulation, no_warm_up, me
     and reads its tokens and acceptances at once."""
     path = tiny_model("llama")
     want = generate(build(path, eager=False))
-    spec = {"method": method, "model": str(path) if method == "draft_model" else None}
+    # 3 proposals (the continuation's, or the draft's): 16 rows, one graph size fewer than the default 4's 20
+    spec = {"method": method, "model": str(path) if method == "draft_model" else None, "num_speculative_tokens": 3}
     llm = build(path, eager=False, speculative_config=spec)
     engine = llm.llm_engine
     if method == "ngram":
@@ -451,6 +452,9 @@ def test_draft_rounds_replay_the_drafts_decode_graphs(tiny_model, cuda_emulation
     assert not eager_replays and replays and all(n == 1 for n in replays), replays
 
 
+SPEC_NGRAM = {"method": "ngram", "num_speculative_tokens": 3}  # propose_continuation's 3 tokens: 16 rows at most
+
+
 def test_verifying_steps_with_adapters_replay_graphs(tiny_model, cuda_emulation, no_warm_up, tmp_path):
     """A verifying step mixing the base model and two adapters: each of a sequence's rows runs its adapter in the
     replayed graph, giving the tokens of eager steps without speculation."""
@@ -462,7 +466,7 @@ def test_verifying_steps_with_adapters_replay_graphs(tiny_model, cuda_emulation,
     )
     loras = [a, None, b, a]
     want = generate(build(path, eager=True, enable_lora=True, max_loras=2), loras)
-    llm = build(path, eager=False, enable_lora=True, max_loras=2, speculative_config={"method": "ngram"})
+    llm = build(path, eager=False, enable_lora=True, max_loras=2, speculative_config=SPEC_NGRAM)
     propose_continuation(llm.llm_engine, want)
     steps = count_steps(llm.llm_engine, cuda_emulation)
     assert_same(generate(llm, loras), want)
