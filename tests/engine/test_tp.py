@@ -201,7 +201,7 @@ def test_graphed_tp_decode_equals_eager_tp1(tiny_model, cuda_emulation, monkeypa
     # few tokens, a short context: steps under the interpreter cost by their tokens (warm-up runs LoRA kernels on up
     # to max_num_batched_tokens, attention on up to max_model_len)
     args = dict(device="cuda", dtype="float32", num_kv_blocks=64, max_num_seqs=4, max_model_len=64)
-    args |= dict(max_num_batched_tokens=64)
+    args |= dict(max_num_batched_tokens=32)
     loras, new_tokens = {}, 6
     if adapters:
         lora = LoRARequest("a1", 1, str(make_adapter(path, tmp_path / "a1", seed=1, r=8, lora_alpha=16)))
