@@ -14,10 +14,12 @@ from lora_adapters import ADAPTERS, make_adapter
 from transformers import AutoModelForCausalLM
 
 from tiffin import LLM, AsyncLLMEngine, LoRARequest, SamplingParams
-from tiffin.engine.worker import kv_cache, model_runner
+from tiffin.engine.worker import cuda_graphs, kv_cache, model_runner
 from tiffin.kernels import triton_common as tc
+from tiffin.kernels import triton_quant
 from tiffin.kernels.quant import DENSE_MIN_TOKENS
 from tiffin.testing.cuda_emulation import CudaEmulation
+from tiffin.tiny import make_tiny_model
 
 QUANT = Path(__file__).parents[1] / "fixtures" / "quant"
 PROMPTS = ["Hello, tiffin", "The quick brown fox jumps", "1 2 3", "Once upon a time in a land far away"]
@@ -53,6 +55,17 @@ def build(path, eager: bool, **kwargs) -> LLM:
 def no_warm_up(monkeypatch):
     """Warm-up launches every kernel variant (one test keeps it): seconds under the interpreter, for nothing here."""
     monkeypatch.setattr(model_runner, "warm_up_triton", lambda runner: None)
+
+
+def keep_graph_sizes(monkeypatch, keep: set[int]) -> None:
+    """Decode graphs captured only for the sizes of `decode_batch_sizes` in `keep` (and its largest): each size
+    captured costs two forwards of that many rows under the interpreter (the sizing's capture and the engine's)."""
+    sizes = model_runner.decode_batch_sizes
+    monkeypatch.setattr(
+        model_runner,
+        "decode_batch_sizes",
+        lambda n, quantized: [s for s in sizes(n, quantized) if s in keep or s == sizes(n, quantized)[-1]],
+    )
 
 
 def graphed_equals_eager(path, emu, **kwargs) -> None:
@@ -158,27 +171,27 @@ def test_graphed_decode_equals_eager_quantized(cuda_emulation, no_warm_up, name)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q8_0], ids=["Q4_0", "Q8_0"])
-def test_graphed_decode_equals_eager_gguf(tiny_model, cuda_emulation, no_warm_up, tmp_path, qtype):
-    path = write_gguf(tiny_model("llama"), tmp_path / f"{qtype.name}.gguf", qtype)
+def test_graphed_decode_equals_eager_gguf(cuda_emulation, no_warm_up, tmp_path, qtype):
+    # a vocabulary of 512: the quantized lm_head's GEMM launches a quarter of the tiny model's programs
+    path = write_gguf(make_tiny_model(tmp_path / "tiny", vocab_size=512), tmp_path / f"{qtype.name}.gguf", qtype)
     graphed_equals_eager(path, cuda_emulation)
 
 
 @pytest.mark.slow
 def test_quantized_graphs_stop_below_the_dense_path(cuda_emulation, no_warm_up, monkeypatch):
     """A quantized model captures no size from DENSE_MIN_TOKENS on: there its GEMMs dequantize whole weights (a
-    GGUF lm_head's is gigabytes), which a graph would keep in its pool. max_num_seqs=256 (of decode_batch_sizes',
-    only 1, 2, 4 and 256 kept, to capture few) captures 1, 2 and 4; the decode step of 256 sequences runs eagerly,
-    unpadded, through the one-pass dequantize, and gives the eager engine's tokens. Before, size 256 was captured
-    with the torch dequantizers inside (and failed to start once: `torch.tensor(AWQ_NIBBLE, device=...)`, a
-    pageable upload, inside the capture)."""
+    GGUF lm_head's is gigabytes), which a graph would keep in its pool. With DENSE_MIN_TOKENS at 8 here (256 in
+    serving: the same code path, 32 times fewer rows under the interpreter), max_num_seqs=8 captures 1, 2 and 4;
+    the decode step of 8 sequences runs eagerly, unpadded, through the one-pass dequantize, and gives the eager
+    engine's tokens. Before, size DENSE_MIN_TOKENS was captured with the torch dequantizers inside (and failed to
+    start once: `torch.tensor(AWQ_NIBBLE, device=...)`, a pageable upload, inside the capture)."""
     assert DENSE_MIN_TOKENS == 256
-    sizes = model_runner.decode_batch_sizes
-    monkeypatch.setattr(
-        model_runner, "decode_batch_sizes", lambda n, quantized: [s for s in sizes(n, quantized) if s in (1, 2, 4, 256)]
-    )
-    kwargs = dict(max_num_seqs=256, num_kv_blocks=300)  # fp32: the dense and fused GEMMs agree to rounding
+    dense = 8
+    monkeypatch.setattr(cuda_graphs, "DENSE_MIN_TOKENS", dense)
+    monkeypatch.setattr(triton_quant, "DENSE_MIN_TOKENS", dense)
+    kwargs = dict(max_num_seqs=dense)  # fp32: the dense and fused GEMMs agree to rounding
     params = SamplingParams(temperature=0, max_tokens=2, logprobs=2, ignore_eos=True)
-    prompts = PROMPTS + ["a"] * (DENSE_MIN_TOKENS - len(PROMPTS))
+    prompts = PROMPTS + ["a"] * (dense - len(PROMPTS))
     run = lambda llm: [
         (c.token_ids, c.logprobs) for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs
     ]
@@ -269,13 +282,14 @@ WORST = SamplingParams(
 
 
 @pytest.mark.slow
-def test_memory_stays_within_utilization_with_graphs_and_the_worst_sampler(tiny_model, no_warm_up):
-    """KV sizing on an emulated device of 12 MiB at utilization 0.5: after start (KV cache and graphs) and the
-    largest step sampled with every filter, penalty and seed, the peak stays within 6 MiB. Before, the pool was
+def test_memory_stays_within_utilization_with_graphs_and_the_worst_sampler(tiny_model, no_warm_up, monkeypatch):
+    """KV sizing on an emulated device of 10 MiB at utilization 0.5: after start (KV cache and graphs) and the
+    largest step sampled with every filter, penalty and seed, the peak stays within 5 MiB. Before, the pool was
     sized before the graphs were captured (their memory came on top) and the profiled sampler ran no penalties
     (their [rows, vocab] counts came on top); and start failed: the profiling step read `cpu_decoder` before it
-    was set."""
-    total, utilization = 12 << 20, 0.5
+    was set. Graphs of 1, 2, 4 and 32 rows (of decode_batch_sizes', to capture few)."""
+    keep_graph_sizes(monkeypatch, {1, 2, 4})
+    total, utilization = 10 << 20, 0.5
     with pytest.MonkeyPatch.context() as patched, CudaEmulation(total_memory=total):
         patched.setenv("TRITON_INTERPRET", "1")
         config = dict(max_num_seqs=32, max_model_len=96, max_num_batched_tokens=96, num_kv_blocks=None)
@@ -287,13 +301,15 @@ def test_memory_stays_within_utilization_with_graphs_and_the_worst_sampler(tiny_
 
 
 @pytest.mark.slow
-def test_a_draft_model_shares_the_memory_of_the_targets_kv_pool(tiny_model, no_warm_up):
+def test_a_draft_model_shares_the_memory_of_the_targets_kv_pool(tiny_model, no_warm_up, monkeypatch):
     """With a draft model, on an emulated device of 14 MiB at utilization 0.5: the draft's weights and KV pool count
     in the target's sizing, so the peak stays within 7 MiB after start and after the largest step sampled with
     every filter, penalty and seed, and both pools hold as many blocks; what stays in use after start (both
     models' graphs too) leaves the profiled step's peak. Before, the target filled the budget alone, and the
     draft's weights and pool came on top (7.7 MB); and the profiled sampler pass had max_num_seqs rows, where a
-    verifying step samples twice as many."""
+    verifying step samples twice as many. Graphs of 1, 2, 4 rows and the largest (of decode_batch_sizes', to capture
+    few)."""
+    keep_graph_sizes(monkeypatch, {1, 2, 4})
     total, utilization = 14 << 20, 0.5
     with pytest.MonkeyPatch.context() as patched, CudaEmulation(total_memory=total):
         patched.setenv("TRITON_INTERPRET", "1")
@@ -368,7 +384,7 @@ def count_steps(engine, emu) -> list[tuple[int, int, int, int]]:
 
 
 def assert_verifying_steps_replayed(engine, steps: list) -> None:
-    assert engine.model_runner.decode_graphs.sizes == [1, 2, 4, 8, 16, 24]  # 4 sequences of 1 + 4 proposals
+    assert engine.model_runner.decode_graphs.sizes == [1, 2, 4, 8, 16]  # 4 sequences of 1 + 3 proposals
     verifying = [replayed for _, _, replayed, verified in steps if verified]
     assert verifying and all(replayed == 1 for replayed in verifying), steps
 
@@ -380,7 +396,8 @@ def test_speculation_on_the_cuda_path(tiny_model, cuda_emulation, no_warm_up, me
     and reads its tokens and acceptances at once."""
     path = tiny_model("llama")
     want = generate(build(path, eager=False))
-    spec = {"method": method, "model": str(path) if method == "draft_model" else None}
+    # 3 proposals (the continuation's, or the draft's): 16 rows, one graph size fewer than the default 4's 20
+    spec = {"method": method, "model": str(path) if method == "draft_model" else None, "num_speculative_tokens": 3}
     llm = build(path, eager=False, speculative_config=spec)
     engine = llm.llm_engine
     if method == "ngram":
@@ -437,6 +454,9 @@ def test_draft_rounds_replay_the_drafts_decode_graphs(tiny_model, cuda_emulation
     assert not eager_replays and replays and all(n == 1 for n in replays), replays
 
 
+SPEC_NGRAM = {"method": "ngram", "num_speculative_tokens": 3}  # propose_continuation's 3 tokens: 16 rows at most
+
+
 def test_verifying_steps_with_adapters_replay_graphs(tiny_model, cuda_emulation, no_warm_up, tmp_path):
     """A verifying step mixing the base model and two adapters: each of a sequence's rows runs its adapter in the
     replayed graph, giving the tokens of eager steps without speculation."""
@@ -448,7 +468,7 @@ def test_verifying_steps_with_adapters_replay_graphs(tiny_model, cuda_emulation,
     )
     loras = [a, None, b, a]
     want = generate(build(path, eager=True, enable_lora=True, max_loras=2), loras)
-    llm = build(path, eager=False, enable_lora=True, max_loras=2, speculative_config={"method": "ngram"})
+    llm = build(path, eager=False, enable_lora=True, max_loras=2, speculative_config=SPEC_NGRAM)
     propose_continuation(llm.llm_engine, want)
     steps = count_steps(llm.llm_engine, cuda_emulation)
     assert_same(generate(llm, loras), want)

@@ -5,6 +5,7 @@ GPTQ fixtures, with LoRA adapters in a mixed batch; named refusals; a killed or 
 naming its rank, within the collective timeout, and leaves no process behind."""
 
 import asyncio
+import dataclasses
 import os
 import signal
 import time
@@ -43,10 +44,10 @@ def prompts(vocab: int) -> list[dict]:
     return [{"prompt_token_ids": torch.randint(4, vocab, (n,), generator=g).tolist()} for n in PROMPT_LENS]
 
 
-def run(llm: LLM, vocab: int, **kwargs) -> list[list[int]]:
+def run(llm: LLM, vocab: int, max_tokens: int = NEW_TOKENS, **kwargs) -> list[list[int]]:
     """Greedy outputs, then seeded samples, of one batch (the sampled requests run beside greedy ones)."""
     ps = prompts(vocab)
-    params = [GREEDY] * len(ps) + SAMPLED
+    params = [dataclasses.replace(p, max_tokens=max_tokens) for p in [GREEDY] * len(ps) + SAMPLED]
     outs = llm.generate(ps + ps[: len(SAMPLED)], params, use_tqdm=False, **kwargs)
     return [o.outputs[0].token_ids for o in outs]
 
@@ -197,8 +198,11 @@ def test_graphed_tp_decode_equals_eager_tp1(tiny_model, cuda_emulation, monkeypa
     sends their installs with the graphed steps); rank 1 replayed every graph rank 0 did; serving launched no
     Triton variant that start-up (warm-up) did not."""
     path = tiny_model("llama")
-    args = dict(device="cuda", dtype="float32", num_kv_blocks=64, max_num_seqs=4, max_model_len=96)
-    loras = {}
+    # few tokens, a short context: steps under the interpreter cost by their tokens (warm-up runs LoRA kernels on up
+    # to max_num_batched_tokens, attention on up to max_model_len)
+    args = dict(device="cuda", dtype="float32", num_kv_blocks=64, max_num_seqs=4, max_model_len=64)
+    args |= dict(max_num_batched_tokens=32)
+    loras, new_tokens = {}, 6
     if adapters:
         lora = LoRARequest("a1", 1, str(make_adapter(path, tmp_path / "a1", seed=1, r=8, lora_alpha=16)))
         loras = {"lora_request": [None, lora, lora, None, lora, None, lora]}
@@ -206,13 +210,13 @@ def test_graphed_tp_decode_equals_eager_tp1(tiny_model, cuda_emulation, monkeypa
     vocab = get_model_config(path).vocab_size
     with monkeypatch.context() as patched:
         patched.setattr(model_runner, "warm_up_triton", lambda runner: None)
-        want = run(LLM(str(path), enforce_eager=True, **args), vocab, **loras)
+        want = run(LLM(str(path), enforce_eager=True, **args), vocab, new_tokens, **loras)
     with tc.recording_launches() as started:
         llm = LLM(str(path), tensor_parallel_size=2, distributed_timeout=120, **args)
     try:
         assert sorted(llm.llm_engine.model_runner.decode_graphs.graphs) == [1, 2, 4]
         with tc.recording_launches() as served:
-            got = run(llm, vocab, **loras)
+            got = run(llm, vocab, new_tokens, **loras)
         replays = cuda_emulation.replays
     finally:
         llm.shutdown()
