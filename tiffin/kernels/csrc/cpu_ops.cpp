@@ -59,7 +59,8 @@ inline void softmax_rows(float* scores, float* denom, int rows, int len) {
 #if defined(__AVX512F__)
     const auto tail = [&](int t) { return static_cast<__mmask16>(len - t >= 16 ? 0xFFFF : (1u << (len - t)) - 1); };
     __m512 vmax = _mm512_set1_ps(sr[0]);
-    for (int t = 0; t < len; t += 16) vmax = _mm512_mask_max_ps(vmax, tail(t), _mm512_maskz_loadu_ps(tail(t), sr + t), vmax);
+    for (int t = 0; t < len; t += 16)
+      vmax = _mm512_mask_max_ps(vmax, tail(t), _mm512_maskz_loadu_ps(tail(t), sr + t), vmax);
     const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
     __m512 sum = _mm512_setzero_ps();
     for (int t = 0; t < len; t += 16) {
@@ -243,10 +244,15 @@ inline __m512 dot_partial_i8(const int16_t* q16, const i8* k) {
 template <int D>
 void quantize_query(const float* qf, int heads, int16_t* q16, float* steps) {
   for (int h = 0; h < heads; ++h) {
-    float amax = 0.f;
-    for (int d = 0; d < D; ++d) amax = std::fmax(amax, std::fabs(qf[h * D + d]));
-    steps[h] = amax > 0.f ? amax / 32767.f : 1.f;
-    for (int d = 0; d < D; ++d) q16[h * D + d] = static_cast<int16_t>(std::nearbyint(qf[h * D + d] / steps[h]));
+    const float* x = qf + h * D;
+    __m512 amax = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + d)));
+    const float largest = _mm512_reduce_max_ps(amax);
+    steps[h] = largest > 0.f ? largest / 32767.f : 1.f;
+    const __m512 step = _mm512_set1_ps(steps[h]);
+    for (int d = 0; d < D; d += 16)  // rounded to nearest even, as nearbyint
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16 + h * D + d),
+                          _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(x + d), step))));
   }
 }
 #endif

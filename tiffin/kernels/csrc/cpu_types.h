@@ -116,6 +116,31 @@ C encode(float y) {  // y = value / scale, within +-code_max<C>() but for roundi
 // quantized cache stores keys and how queries meet them (kv_quant.rotate: the same matrix, summed in another order).
 inline void hadamard(float* x, int n) {
   if (n & (n - 1)) return;
+#if defined(__AVX512F__)
+  if (n == 64 || n == 128) {  // the same sums in the same order, in registers
+    __m512 v[8];
+    for (int i = 0; i < n / 16; ++i) v[i] = _mm512_loadu_ps(x + 16 * i);
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int h = 1; h < 16; h *= 2) {  // lanes j and j ^ h of a vector: x[j] + x[j ^ h] where bit h of j is 0
+      const __m512i partner = _mm512_xor_si512(lane, _mm512_set1_epi32(h));
+      const __mmask16 upper = _mm512_test_epi32_mask(lane, _mm512_set1_epi32(h));
+      for (int i = 0; i < n / 16; ++i) {
+        const __m512 y = _mm512_permutexvar_ps(partner, v[i]);
+        v[i] = _mm512_mask_sub_ps(_mm512_add_ps(v[i], y), upper, y, v[i]);
+      }
+    }
+    for (int h = 1; h < n / 16; h *= 2)  // whole vectors
+      for (int i = 0; i < n / 16; i += 2 * h)
+        for (int j = i; j < i + h; ++j) {
+          const __m512 a = v[j], b = v[j + h];
+          v[j] = _mm512_add_ps(a, b);
+          v[j + h] = _mm512_sub_ps(a, b);
+        }
+    const __m512 norm = _mm512_set1_ps(1.f / std::sqrt(static_cast<float>(n)));
+    for (int i = 0; i < n / 16; ++i) _mm512_storeu_ps(x + 16 * i, _mm512_mul_ps(v[i], norm));
+    return;
+  }
+#endif
   for (int h = 1; h < n; h *= 2)
     for (int i = 0; i < n; i += 2 * h)
       for (int j = i; j < i + h; ++j) {
