@@ -3,8 +3,9 @@
 quality (SmolLM2-135M-Instruct, fp32 weights dequantized from its GGUF, `cpu_quant_compute="exact"`):
   perplexity  on the prose of Python's own `pydoc_data/topics.py` (its topics in sorted order, the first
               `--ppl-tokens` tokens), in windows of `--window` tokens each computed in chunks of `--chunk`: every
-              chunk attends to the earlier ones through the (quantized) cache, and to its own tokens as the cache
-              holds them too (tiffin's attention always reads the cache); and at how many of those positions the
+              chunk attends to the earlier ones and to its own tokens through the (quantized) cache, as a prompt's
+              later chunks do (a window's first chunk, like any prompt without a cached prefix, attends its
+              exact keys and values); and at how many of those positions the
               most likely next token is the model-dtype cache's;
   greedy      16 chat prompts x 48 tokens (min_tokens 48: EOS masked), each cache dtype against the model-dtype
               one: how many equal, and where the others first differ;

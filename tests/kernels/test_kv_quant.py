@@ -161,32 +161,43 @@ def test_torch_path_matches_the_native_kernel(monkeypatch, cache_dtype):
     torch.testing.assert_close(torch_path, native, rtol=1e-5, atol=QUERY_ERROR[cache_dtype])
 
 
-def test_prefill_reads_the_cache_it_wrote():
-    """A prompt written through write_kv, then attended causally: the result of attention over its dequantized
-    K/V, which is what a later decode step reads too."""
+def test_a_prompt_attends_its_fresh_kv_and_a_later_chunk_the_cache():
+    """One step, two prefills written through write_kv: a prompt without a cached prefix attends the keys and
+    values given as `fresh_kv` (exactly, not their int8 codes read back); a chunk after a cached prefix attends
+    the dequantized cache, its own tokens included, as a later decode step reads them."""
     gen = torch.Generator().manual_seed(1)
-    n, heads, kv_heads, head_dim, block_size = 20, 4, 2, 64, 16
-    q, k, v = (torch.randn(n, h, head_dim, generator=gen) for h in (heads, kv_heads, kv_heads))
-    caches = [torch.zeros(3, block_size, kv_heads, head_dim, dtype=torch.int8) for _ in range(2)]
-    scales = [torch.zeros(3, block_size, kv_heads, dtype=torch.bfloat16) for _ in range(2)]
+    heads, kv_heads, head_dim, block_size, prefix, n = 4, 2, 64, 16, 12, 20
+    caches = [torch.zeros(6, block_size, kv_heads, head_dim, dtype=torch.int8) for _ in range(2)]
+    scales = [torch.zeros(6, block_size, kv_heads, dtype=torch.bfloat16) for _ in range(2)]
+    q, k, v = (torch.randn(prefix + 2 * n, h, head_dim, generator=gen) for h in (heads, kv_heads, kv_heads))
+    kernels.write_kv(k[:prefix], v[:prefix], *caches, torch.arange(prefix) + 4 * block_size, "torch", *scales)
+    step = slice(prefix, None)  # request 0: blocks 1, 2, no prefix; request 1: blocks 4, 5 after `prefix` tokens
     md = AttentionMetadata(
-        slot_mapping=torch.arange(n) + block_size,  # blocks 1 and 2
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-        seq_lens=torch.tensor([n], dtype=torch.int32),
-        block_tables=torch.tensor([[1, 2]], dtype=torch.int32),
-        query_start_loc_cpu=[0, n],
-        seq_lens_cpu=[n],
+        slot_mapping=torch.cat([torch.arange(n) + block_size, torch.arange(prefix, prefix + n) + 4 * block_size]),
+        query_start_loc=torch.tensor([0, n, 2 * n], dtype=torch.int32),
+        seq_lens=torch.tensor([n, prefix + n], dtype=torch.int32),
+        block_tables=torch.tensor([[1, 2], [4, 5]], dtype=torch.int32),
+        query_start_loc_cpu=[0, n, 2 * n],
+        seq_lens_cpu=[n, prefix + n],
         max_query_len=n,
-        max_seq_len=n,
+        max_seq_len=prefix + n,
     )
-    kernels.write_kv(k, v, *caches, md.slot_mapping, "torch", *scales)
-    out = kernels.paged_attention(q, *caches, md, head_dim**-0.5, "torch", True, *scales)
-    kd, vd = (kv_quant.dequantize(*kv_quant.quantize(x, torch.int8), torch.float32) for x in (kv_quant.rotate(k), v))
-    qd = kv_quant.rotate(q)  # q.k = (q H).(k H): the stored keys are rotated
-    ref = torch.nn.functional.scaled_dot_product_attention(
-        qd.transpose(0, 1), kd.transpose(0, 1), vd.transpose(0, 1), is_causal=True, enable_gqa=True
-    ).transpose(0, 1)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    kernels.write_kv(k[step], v[step], *caches, md.slot_mapping, "torch", *scales)
+    fresh_kv = k[step], v[step]
+    out = kernels.paged_attention(q[step], *caches, md, head_dim**-0.5, "torch", True, *scales, fresh_kv=fresh_kv)
+
+    def sdpa(q, k, v, mask):  # [n, heads, head_dim] against [L, kv_heads, head_dim]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            *(x.transpose(0, 1) for x in (q, k, v)), attn_mask=mask, enable_gqa=True
+        )
+        return o.transpose(0, 1)
+
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    torch.testing.assert_close(out[:n], sdpa(q[prefix : prefix + n], k[step][:n], v[step][:n], causal))
+    k1, v1 = torch.cat([k[:prefix], k[prefix + n :]]), torch.cat([v[:prefix], v[prefix + n :]])
+    kd, vd = (kv_quant.dequantize(*kv_quant.quantize(x, torch.int8), torch.float32) for x in (kv_quant.rotate(k1), v1))
+    mask = torch.ones(n, prefix + n, dtype=torch.bool).tril(prefix)
+    torch.testing.assert_close(out[n:], sdpa(kv_quant.rotate(q[prefix + n :]), kd, vd, mask), rtol=1e-5, atol=1e-5)
 
 
 def test_scales_are_checked():

@@ -40,14 +40,18 @@ def paged_attention(
     k_scale=None,
     v_scale=None,
     query_rotated: bool = False,
+    fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """`query [T, num_heads, head_dim]` -> `[T, num_heads, head_dim]`, reading K/V through `md.block_tables`.
     `causal=False` (encoders): each query row sees every key of its request's `seq_len`, not only the earlier.
     Quantized caches are read with their scales `k_scale`/`v_scale` `[num_blocks, block_size, num_kv_heads]`;
     their keys are stored rotated (`kv_quant`) and the queries are rotated alike, unless `query_rotated` says
-    they come so (`rotary_write_kv(..., rotate_query=True)`)."""
+    they come so (`rotary_write_kv(..., rotate_query=True)`). `fresh_kv`: this step's keys and values as given
+    to `write_kv` (unrotated queries only); the torch path attends a prompt without a cached prefix over them,
+    in the model's dtype, rather than reading them back (dequantized) from the cache, as vLLM's CPU backend does.
+    Triton reads every row from the cache in one launch and ignores it."""
     _check_scales(k_cache, v_cache, k_scale, v_scale)
-    args = (query, k_cache, v_cache, md, scale, causal, k_scale, v_scale, query_rotated)
+    args = (query, k_cache, v_cache, md, scale, causal, k_scale, v_scale, query_rotated, fresh_kv)
     return kernel("paged_attention", backend)(*args)
 
 

@@ -145,6 +145,7 @@ def paged_attention_torch(
     k_scale=None,
     v_scale=None,
     query_rotated=False,
+    fresh_kv=None,
 ) -> torch.Tensor:
     """`query` `[T, num_heads, head_dim]` -> `[T, num_heads, head_dim]`. Decode rows (one query token, the last
     of its context) see every key either way; `causal` only changes the prefill spans."""
@@ -155,16 +156,22 @@ def paged_attention_torch(
     kv = (k_cache, v_cache, k_scale, v_scale)
     if native and decodes is not None:  # the native kernel rotates the queries of a quantized cache itself
         cpu_native.paged_decode(query, out, *kv, md.block_tables, md.seq_lens, *decodes, scale)
-    if k_scale is not None and not query_rotated and (prefills or not native):  # its keys are stored rotated
-        query = kv_quant.rotate(query).to(query.dtype)
+    fresh = [fresh_kv is not None and p.mask is None for p in prefills]  # no cached prefix: all in `fresh_kv`
+    rotated = query  # against keys stored rotated
+    if k_scale is not None and not query_rotated and (not all(fresh) or not native):
+        rotated = kv_quant.rotate(query).to(query.dtype)
     if not native:
-        _decode_groups(query, out, *kv, decodes, scale)
-    for p in prefills:
-        q = query[p.rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        _decode_groups(rotated, out, *kv, decodes, scale)
+    for p, from_fresh in zip(prefills, fresh):
+        if from_fresh:
+            q, (k, v) = query[p.rows], (x[p.rows].transpose(0, 1).unsqueeze(0) for x in fresh_kv)
+        else:
+            q = rotated[p.rows]
+            k, v = _gather(k_cache, k_scale, p, q.dtype), _gather(v_cache, v_scale, p, q.dtype)
         o = F.scaled_dot_product_attention(
-            q,
-            _gather(k_cache, k_scale, p, q.dtype),
-            _gather(v_cache, v_scale, p, q.dtype),
+            q.transpose(0, 1).unsqueeze(0),  # [1, H, n, D]
+            k,
+            v,
             attn_mask=p.mask if causal else None,
             is_causal=causal and p.mask is None,
             scale=scale,

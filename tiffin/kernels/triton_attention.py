@@ -452,6 +452,7 @@ def paged_attention_triton(
     k_scale=None,
     v_scale=None,
     query_rotated=False,
+    fresh_kv=None,
 ) -> torch.Tensor:
     out = tc.empty(query.shape, query.dtype, query.device)
     if k_scale is not None and not query_rotated:  # against keys stored rotated (kv_quant)

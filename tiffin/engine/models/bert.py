@@ -62,9 +62,8 @@ class SelfAttention(nn.Module):
         kernels.write_kv(
             k, v, self.k_cache, self.v_cache, attn_metadata.slot_mapping, self.backend, self.k_scale, self.v_scale
         )
-        o = kernels.paged_attention(
-            q, self.k_cache, self.v_cache, attn_metadata, self.scale, self.backend, False, self.k_scale, self.v_scale
-        )
+        kv = (self.k_cache, self.v_cache, attn_metadata, self.scale, self.backend, False, self.k_scale, self.v_scale)
+        o = kernels.paged_attention(q, *kv, fresh_kv=(k, v))
         return o.flatten(1)
 
 

@@ -97,9 +97,10 @@ class Rotation:
 
     def rotate_and_write_kv(
         self, qk: torch.Tensor, v: torch.Tensor, attention, slot_mapping: torch.Tensor, backend: str
-    ) -> tuple[torch.Tensor, bool]:
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """Rotate the query and key heads of `qk`, write the keys and `v` to `attention`'s caches -> (the queries,
-        whether they come rotated as a quantized cache stores its keys: `paged_attention`'s `query_rotated`); with
+        the keys and values written: `paged_attention`'s `fresh_kv`, or None where the queries come rotated as a
+        quantized cache stores its keys: `query_rotated`); with
         `attention.qk_norm` (Qwen3) each head is RMS-normalized by `q_norm`/`k_norm` before. With Triton, one
         kernel does it all (the Hadamard rotations of a quantized cache too), reading the tables at the positions
         itself; otherwise the norms, the rotation above (gathered once per forward, or the native CPU pass) and
@@ -123,14 +124,14 @@ class Rotation:
                 *norms,
                 rotate_query=True,
             )
-            return q, True
+            return q, None
         if norms:
             qk = kernels.fused.qk_rms_norm(qk, attention.num_heads, *norms, backend)
         q, k = self(qk).split([attention.num_heads, attention.num_kv_heads], dim=1)
         kernels.write_kv(
             k, v, attention.k_cache, attention.v_cache, slot_mapping, backend, attention.k_scale, attention.v_scale
         )
-        return q, False
+        return q, (k, v)
 
 
 class MLP(nn.Module):

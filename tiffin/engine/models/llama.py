@@ -64,9 +64,9 @@ class Attention(nn.Module):
         qk, v = self.qkv_proj(x, lora).split([self.qkv_proj.offsets[2], self.qkv_proj.output_sizes[2]], dim=-1)
         qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, rotated = rotation.rotate_and_write_kv(qk, v, self, attn_metadata.slot_mapping, self.backend)
+        q, fresh_kv = rotation.rotate_and_write_kv(qk, v, self, attn_metadata.slot_mapping, self.backend)
         kv = (self.k_cache, self.v_cache, attn_metadata, self.scale, self.backend, True, self.k_scale, self.v_scale)
-        o = kernels.paged_attention(q, *kv, query_rotated=rotated)
+        o = kernels.paged_attention(q, *kv, query_rotated=fresh_kv is None, fresh_kv=fresh_kv)
         return self.o_proj(o.flatten(1), lora)
 
 
