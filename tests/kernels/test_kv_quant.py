@@ -89,10 +89,11 @@ def _write_case(cache_dtype, dtype, tokens=37, heads=3, head_dim=64, blocks=10, 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("cache_dtype", CODES, ids=CODE_IDS)
-def test_native_write_is_the_reference(dtype, cache_dtype):
+@pytest.mark.parametrize("head_dim", [64, 40])  # 16 lanes at a time (int8, AVX-512), one at a time
+def test_native_write_is_the_reference(dtype, cache_dtype, head_dim):
     """Values byte for byte the reference's codes and scales; keys rotated, by butterflies where the reference
     multiplies by the matrix: within half a step of the rotated keys, their scales within a bf16 rounding."""
-    key, value, slots, (kc, vc), (ks, vs) = _write_case(cache_dtype, dtype)
+    key, value, slots, (kc, vc), (ks, vs) = _write_case(cache_dtype, dtype, head_dim=head_dim)
     cpu_native.write_kv(key, value, kc, vc, ks, vs, slots)
     keep = slots >= 0
     written = lambda cache: cache.view(torch.uint8).flatten(0, 1)[slots[keep]].view(cache_dtype)

@@ -3,6 +3,7 @@
 // first, tripling the memory traffic of an op bound by it); RMSNorm is one pass instead of ~8 small ops.
 // Built by tiffin/kernels/cpu_native.py with the host's compiler; torch's OpenMP runtime runs the threads
 // (the library links libgomp.so.1, which resolves to the copy torch already loaded).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -396,33 +397,58 @@ void decode(const void* query, int64_t query_row_stride, void* out, int64_t out_
   }
 }
 
+// One head of `n` values, rotated where it is a key, as kv_quant.quantize stores it: the largest magnitude over
+// code_max, in bf16, divides the values.
+template <typename C>
+void quantize_head(const float* x, int n, C* codes, bf16* scale) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<C, i8>) {
+    if (n % 16 == 0) {  // 16 lanes at a time: the same max, quotients and round-half-even (MXCSR's default)
+      __m512 amax = _mm512_setzero_ps();
+      for (int d = 0; d < n; d += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + d)));
+      const float s = to_float(from_float<bf16>(std::max(_mm512_reduce_max_ps(amax) / 127.f, 1.17549435e-38f)));
+      *scale = from_float<bf16>(s);
+      const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+      for (int d = 0; d < n; d += 16) {
+        const __m512 y = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(_mm512_loadu_ps(x + d), sv), lo), hi);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + d), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(y)));
+      }
+      return;
+    }
+  }
+#endif
+  float amax = 0.f;
+  for (int d = 0; d < n; ++d) amax = std::max(amax, std::fabs(x[d]));  // std::fmax: a libm call per value
+  const float s = to_float(from_float<bf16>(std::max(amax / code_max<C>(), 1.17549435e-38f)));
+  *scale = from_float<bf16>(s);
+  for (int d = 0; d < n; ++d) codes[d] = encode<C>(x[d] / s);
+}
+
 // Each token's K and V heads ([heads, head_dim] rows, `*_row_stride` elements apart) into cache slot `slots[t]`
-// (-1: none): copied, or quantized per head as kv_quant.quantize does (the largest magnitude over code_max, in bf16,
-// divides the values), keys rotated first (kv_quant.rotate).
+// (-1: none): copied, or quantized per head (`quantize_head`), keys rotated first (kv_quant.rotate).
 template <typename T, typename C>
 void write_kv(const T* key, int64_t key_row_stride, const T* value, int64_t value_row_stride, int64_t tokens,
               int heads, int head_dim, const int64_t* slots, C* k_cache, C* v_cache, bf16* k_scale, bf16* v_scale,
               int num_threads) {
   const int64_t row = static_cast<int64_t>(heads) * head_dim;
-#pragma omp parallel for num_threads(num_threads) if (tokens * row >= (1 << 16))
-  for (int64_t t = 0; t < tokens; ++t) {
-    if (slots[t] < 0) continue;
+#pragma omp parallel num_threads(num_threads) if (tokens * row >= (1 << 16))
+  {
     std::vector<float> xf(is_code<C> ? head_dim : 0);
-    for (int side = 0; side < 2; ++side) {
-      const T* x = side ? value + t * value_row_stride : key + t * key_row_stride;
-      C* cache = (side ? v_cache : k_cache) + slots[t] * row;
-      if constexpr (!is_code<C>) {
-        std::memcpy(cache, x, row * sizeof(T));
-      } else {
-        bf16* scales = (side ? v_scale : k_scale) + slots[t] * heads;
-        for (int h = 0; h < heads; ++h) {
-          for (int d = 0; d < head_dim; ++d) xf[d] = to_float(x[h * head_dim + d]);
-          if (side == 0) hadamard(xf.data(), head_dim);  // keys are stored rotated
-          float amax = 0.f;
-          for (int d = 0; d < head_dim; ++d) amax = std::fmax(amax, std::fabs(xf[d]));
-          const float s = to_float(from_float<bf16>(std::fmax(amax / code_max<C>(), 1.17549435e-38f)));
-          scales[h] = from_float<bf16>(s);
-          for (int d = 0; d < head_dim; ++d) cache[h * head_dim + d] = encode<C>(xf[d] / s);
+#pragma omp for
+    for (int64_t t = 0; t < tokens; ++t) {
+      if (slots[t] < 0) continue;
+      for (int side = 0; side < 2; ++side) {
+        const T* x = side ? value + t * value_row_stride : key + t * key_row_stride;
+        C* cache = (side ? v_cache : k_cache) + slots[t] * row;
+        if constexpr (!is_code<C>) {
+          std::memcpy(cache, x, row * sizeof(T));
+        } else {
+          bf16* scales = (side ? v_scale : k_scale) + slots[t] * heads;
+          for (int h = 0; h < heads; ++h) {
+            for (int d = 0; d < head_dim; ++d) xf[d] = to_float(x[h * head_dim + d]);
+            if (side == 0) hadamard(xf.data(), head_dim);  // keys are stored rotated
+            quantize_head(xf.data(), head_dim, cache + h * head_dim, scales + h);
+          }
         }
       }
     }
