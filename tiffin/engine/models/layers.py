@@ -100,11 +100,10 @@ class Rotation:
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """Rotate the query and key heads of `qk`, write the keys and `v` to `attention`'s caches -> (the queries,
         the keys and values written: `paged_attention`'s `fresh_kv`, or None where the queries come rotated as a
-        quantized cache stores its keys: `query_rotated`); with
-        `attention.qk_norm` (Qwen3) each head is RMS-normalized by `q_norm`/`k_norm` before. With Triton, one
-        kernel does it all (the Hadamard rotations of a quantized cache too), reading the tables at the positions
-        itself; otherwise the norms, the rotation above (gathered once per forward, or the native CPU pass) and
-        `write_kv`, and the attention rotates the queries."""
+        quantized cache stores its keys: `query_rotated`); with `attention.qk_norm` (Qwen3) each head is
+        RMS-normalized by `q_norm`/`k_norm` before. With Triton, one kernel does it all (the Hadamard rotations of
+        a quantized cache too), reading the tables at the positions itself; otherwise the norms, the rotation above
+        (gathered once per forward, or the native CPU pass) and `write_kv`, and the attention rotates the queries."""
         norms = (attention.q_norm.weight, attention.k_norm.weight, attention.q_norm.eps) if attention.qk_norm else ()
         if backend == "triton":
             r = self.rotary
