@@ -271,6 +271,9 @@ void weigh_values(T* out, const C* v_cache, const int64_t* offsets, const float*
       for (int g = 0; g < HEADS; ++g)
         for (int j = 0; j < V; ++j) acc[g][j] = _mm512_setzero_ps();
       for (int t = 0; t < len; ++t) {
+        if (h == 0 && t + 32 < len)  // the whole row: the later heads' passes find it in L2
+          for (int l = 0; l < kv_heads * D * static_cast<int>(sizeof(C)); l += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(v_cache + offsets[t + 32]) + l, _MM_HINT_T1);
         if (t + 16 < len)
           for (int l = 0; l < D * static_cast<int>(sizeof(C)); l += 64)
             _mm_prefetch(reinterpret_cast<const char*>(v_cache + h * D + offsets[t + 16]) + l, _MM_HINT_T0);
@@ -341,6 +344,9 @@ void decode_task_avx512(const T* q, T* out, const C* k_cache, const C* v_cache, 
     for (int j = t + 16; j < t + 32 && j < len; ++j)  // the next tile's rows: blocks lie anywhere in memory
       for (int l = 0; l < row_lines; ++l)
         _mm_prefetch(reinterpret_cast<const char*>(k_cache + offsets[j]) + 64 * l, _MM_HINT_T0);
+    for (int j = t + 32; j < t + 48 && j < len; ++j)  // and the one after into L2: L1 tracks few misses at a time
+      for (int l = 0; l < row_lines; ++l)
+        _mm_prefetch(reinterpret_cast<const char*>(k_cache + offsets[j]) + 64 * l, _MM_HINT_T1);
     for (int hq = 0; hq < heads; ++hq) {
       __m512 part[16];
       for (int j = 0; j < 16; ++j) part[j] = dot(hq, offsets[t + j]);
