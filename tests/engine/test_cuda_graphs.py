@@ -51,6 +51,16 @@ def build(path, eager: bool, **kwargs) -> LLM:
     return LLM(str(path), enforce_eager=eager, **kwargs)
 
 
+@pytest.fixture(scope="module")
+def llama_eager(tiny_model) -> list:
+    """`generate` on the eager llama engine of `build`'s defaults, in a CUDA emulation of its own: what graphed and
+    speculating llama engines must give. Computed once for the module's tests, which only read it."""
+    with pytest.MonkeyPatch.context() as patched, CudaEmulation():
+        patched.setenv("TRITON_INTERPRET", "1")
+        patched.setattr(model_runner, "warm_up_triton", lambda runner: None)
+        return generate(build(tiny_model("llama"), eager=True))
+
+
 @pytest.fixture
 def no_warm_up(monkeypatch):
     """Warm-up launches every kernel variant (one test keeps it): seconds under the interpreter, for nothing here."""
@@ -79,14 +89,11 @@ def graphed_equals_eager(path, emu, **kwargs) -> None:
     assert_same(got, want)
 
 
-def test_graphed_decode_equals_eager_llama(tiny_model, cuda_emulation, monkeypatch):
+def test_graphed_decode_equals_eager_llama(tiny_model, cuda_emulation, llama_eager):
     """The graphed engine warms up, as an engine starts on a GPU. Failed before `Rotation`: the capture reused the
     cos/sin rows of the eager pass before it, so tokens differed from the second on."""
-    with monkeypatch.context() as patched:
-        patched.setattr(model_runner, "warm_up_triton", lambda runner: None)
-        want = generate(build(tiny_model("llama"), eager=True))
     llm = build(tiny_model("llama"), eager=False)
-    assert_same(generate(llm), want)
+    assert_same(generate(llm), llama_eager)
     assert cuda_emulation.replays == 4
 
 
@@ -206,11 +213,11 @@ def test_quantized_graphs_stop_below_the_dense_path(cuda_emulation, no_warm_up, 
     assert "_dequantize_kernel" in {name for name, _, _ in launched}
 
 
-def test_engine_thread_launches_on_the_engine_device(tiny_model, cuda_emulation, no_warm_up):
+def test_engine_thread_launches_on_the_engine_device(tiny_model, cuda_emulation, no_warm_up, llama_eager):
     """`device="cuda:1"` under AsyncLLMEngine: the engine is built in this thread, its steps run in `tiffin-engine`,
-    whose current device was cuda:0: Triton launched there with cuda:1's tensors (an illegal address on a GPU)."""
+    whose current device was cuda:0: Triton launched there with cuda:1's tensors (an illegal address on a GPU).
+    It gives the tokens of the eager engine on cuda:0."""
     path = tiny_model("llama")
-    want = generate(build(path, eager=True))  # on cuda:0, in this thread
     engine = AsyncLLMEngine.from_engine_args(
         str(path), device="cuda:1", dtype="float32", num_kv_blocks=64, max_num_seqs=4, max_model_len=96
     )
@@ -234,7 +241,7 @@ def test_engine_thread_launches_on_the_engine_device(tiny_model, cuda_emulation,
         outs = asyncio.run(run_all())
     finally:
         engine.shutdown()
-    assert_same([(c.token_ids, c.logprobs) for c in outs], want)
+    assert_same([(c.token_ids, c.logprobs) for c in outs], llama_eager)
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["graphed", "eager"])
@@ -391,12 +398,11 @@ def assert_verifying_steps_replayed(engine, steps: list) -> None:
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_speculation_on_the_cuda_path(tiny_model, cuda_emulation, no_warm_up, method):
+def test_speculation_on_the_cuda_path(tiny_model, cuda_emulation, no_warm_up, method, llama_eager):
     """Verifying steps on the CUDA path (Triton kernels, pinned uploads, decode graphs): the tokens of no
-    speculation; a verifying step replays a graph of its rows (a row per proposal and one more), uploads once
-    and reads its tokens and acceptances at once."""
-    path = tiny_model("llama")
-    want = generate(build(path, eager=False))
+    speculation (the eager engine's, which graphed steps give); a verifying step replays a graph of its rows (a
+    row per proposal and one more), uploads once and reads its tokens and acceptances at once."""
+    path, want = tiny_model("llama"), llama_eager
     # 3 proposals (the continuation's, or the draft's): 16 rows, one graph size fewer than the default 4's 20
     spec = {"method": method, "model": str(path) if method == "draft_model" else None, "num_speculative_tokens": 3}
     llm = build(path, eager=False, speculative_config=spec)
