@@ -177,14 +177,17 @@ def random_conversations(n: int, seed: int) -> list[list[dict]]:
     return prompts
 
 
-def render(model: str, conversations: list[list[dict]]) -> list[list[int]]:
-    """Each conversation's prompt token ids as the engine renders a chat (the same function, with the model's
-    tokenizer): every engine then gets the same ids."""
+def render(model: str, workloads: dict[str, list[list[dict]]]) -> dict[str, list[list[int]]]:
+    """Each workload's conversations' prompt token ids as the engine renders a chat (the same function, with the
+    model's tokenizer, loaded once: a GGUF file's takes seconds to convert): every engine then gets the same ids."""
     from tiffin.engine.chat import ChatSettings, render_chat
     from tiffin.engine.models.source import load_tokenizer
 
     tokenizer, settings = load_tokenizer(model), ChatSettings(timeout=30.0, max_chars=10**7)
-    return [render_chat(tokenizer, c, True, settings)["prompt_token_ids"] for c in conversations]
+    return {
+        w: [render_chat(tokenizer, c, True, settings)["prompt_token_ids"] for c in conversations]
+        for w, conversations in workloads.items()
+    }
 
 
 # ---- the runs ----
@@ -338,10 +341,7 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(args.threads)
     copy = copy_conversations()[: args.prompts]
-    workloads = {
-        "copy": render(args.model, copy),
-        "random": render(args.model, random_conversations(args.prompts, args.seed)),
-    }
+    workloads = render(args.model, {"copy": copy, "random": random_conversations(args.prompts, args.seed)})
     k = args.num_speculative_tokens
     longest = max(len(p) for prompts in workloads.values() for p in prompts)
     max_model_len = longest + args.max_tokens + k + 1

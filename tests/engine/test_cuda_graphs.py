@@ -51,6 +51,16 @@ def build(path, eager: bool, **kwargs) -> LLM:
     return LLM(str(path), enforce_eager=eager, **kwargs)
 
 
+@pytest.fixture(scope="module")
+def llama_eager(tiny_model) -> list:
+    """`generate` on the eager llama engine of `build`'s defaults, in a CUDA emulation of its own: what graphed and
+    speculating llama engines must give. Computed once for the module's tests, which only read it."""
+    with pytest.MonkeyPatch.context() as patched, CudaEmulation():
+        patched.setenv("TRITON_INTERPRET", "1")
+        patched.setattr(model_runner, "warm_up_triton", lambda runner: None)
+        return generate(build(tiny_model("llama"), eager=True))
+
+
 @pytest.fixture
 def no_warm_up(monkeypatch):
     """Warm-up launches every kernel variant (one test keeps it): seconds under the interpreter, for nothing here."""
@@ -79,14 +89,11 @@ def graphed_equals_eager(path, emu, **kwargs) -> None:
     assert_same(got, want)
 
 
-def test_graphed_decode_equals_eager_llama(tiny_model, cuda_emulation, monkeypatch):
+def test_graphed_decode_equals_eager_llama(tiny_model, cuda_emulation, llama_eager):
     """The graphed engine warms up, as an engine starts on a GPU. Failed before `Rotation`: the capture reused the
     cos/sin rows of the eager pass before it, so tokens differed from the second on."""
-    with monkeypatch.context() as patched:
-        patched.setattr(model_runner, "warm_up_triton", lambda runner: None)
-        want = generate(build(tiny_model("llama"), eager=True))
     llm = build(tiny_model("llama"), eager=False)
-    assert_same(generate(llm), want)
+    assert_same(generate(llm), llama_eager)
     assert cuda_emulation.replays == 4
 
 
@@ -206,11 +213,11 @@ def test_quantized_graphs_stop_below_the_dense_path(cuda_emulation, no_warm_up, 
     assert "_dequantize_kernel" in {name for name, _, _ in launched}
 
 
-def test_engine_thread_launches_on_the_engine_device(tiny_model, cuda_emulation, no_warm_up):
+def test_engine_thread_launches_on_the_engine_device(tiny_model, cuda_emulation, no_warm_up, llama_eager):
     """`device="cuda:1"` under AsyncLLMEngine: the engine is built in this thread, its steps run in `tiffin-engine`,
-    whose current device was cuda:0: Triton launched there with cuda:1's tensors (an illegal address on a GPU)."""
+    whose current device was cuda:0: Triton launched there with cuda:1's tensors (an illegal address on a GPU).
+    It gives the tokens of the eager engine on cuda:0."""
     path = tiny_model("llama")
-    want = generate(build(path, eager=True))  # on cuda:0, in this thread
     engine = AsyncLLMEngine.from_engine_args(
         str(path), device="cuda:1", dtype="float32", num_kv_blocks=64, max_num_seqs=4, max_model_len=96
     )
@@ -234,7 +241,7 @@ def test_engine_thread_launches_on_the_engine_device(tiny_model, cuda_emulation,
         outs = asyncio.run(run_all())
     finally:
         engine.shutdown()
-    assert_same([(c.token_ids, c.logprobs) for c in outs], want)
+    assert_same([(c.token_ids, c.logprobs) for c in outs], llama_eager)
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["graphed", "eager"])
@@ -283,41 +290,43 @@ WORST = SamplingParams(
 
 @pytest.mark.slow
 def test_memory_stays_within_utilization_with_graphs_and_the_worst_sampler(tiny_model, no_warm_up, monkeypatch):
-    """KV sizing on an emulated device of 10 MiB at utilization 0.5: after start (KV cache and graphs) and the
-    largest step sampled with every filter, penalty and seed, the peak stays within 5 MiB. Before, the pool was
+    """KV sizing on an emulated device of 7 MiB at utilization 0.5: after start (KV cache and graphs) and the
+    largest step sampled with every filter, penalty and seed, the peak stays within 3.5 MiB. Before, the pool was
     sized before the graphs were captured (their memory came on top) and the profiled sampler ran no penalties
     (their [rows, vocab] counts came on top); and start failed: the profiling step read `cpu_decoder` before it
-    was set. Graphs of 1, 2, 4 and 32 rows (of decode_batch_sizes', to capture few)."""
+    was set. 16 sequences, graphs of 1, 2, 4 and 16 rows (of decode_batch_sizes', to capture few: each captured
+    row costs a forward of it under the interpreter, twice); the pool, 76 blocks, sized by memory."""
     keep_graph_sizes(monkeypatch, {1, 2, 4})
-    total, utilization = 10 << 20, 0.5
+    total, utilization = 7 << 20, 0.5
     with pytest.MonkeyPatch.context() as patched, CudaEmulation(total_memory=total):
         patched.setenv("TRITON_INTERPRET", "1")
-        config = dict(max_num_seqs=32, max_model_len=96, max_num_batched_tokens=96, num_kv_blocks=None)
+        config = dict(max_num_seqs=16, max_model_len=96, max_num_batched_tokens=96, num_kv_blocks=None)
         llm = build(tiny_model("llama"), eager=False, gpu_memory_utilization=utilization, **config)
         runner = llm.llm_engine.model_runner
-        llm.generate([{"prompt_token_ids": [5] * 90}] + [{"prompt_token_ids": [7]}] * 31, WORST, use_tqdm=False)
+        llm.generate([{"prompt_token_ids": [5] * 90}] + [{"prompt_token_ids": [7]}] * 15, WORST, use_tqdm=False)
         assert torch.cuda.max_memory_allocated() <= total * utilization
-        assert runner.num_blocks < 32 * runner.max_blocks_per_seq  # sized by memory, not by max_num_seqs
+        assert runner.num_blocks < 16 * runner.max_blocks_per_seq  # sized by memory, not by max_num_seqs
 
 
 @pytest.mark.slow
 def test_a_draft_model_shares_the_memory_of_the_targets_kv_pool(tiny_model, no_warm_up, monkeypatch):
-    """With a draft model, on an emulated device of 14 MiB at utilization 0.5: the draft's weights and KV pool count
-    in the target's sizing, so the peak stays within 7 MiB after start and after the largest step sampled with
+    """With a draft model, on an emulated device of 11 MiB at utilization 0.5: the draft's weights and KV pool count
+    in the target's sizing, so the peak stays within 5.5 MiB after start and after the largest step sampled with
     every filter, penalty and seed, and both pools hold as many blocks; what stays in use after start (both
     models' graphs too) leaves the profiled step's peak. Before, the target filled the budget alone, and the
-    draft's weights and pool came on top (7.7 MB); and the profiled sampler pass had max_num_seqs rows, where a
-    verifying step samples twice as many. Graphs of 1, 2, 4 rows and the largest (of decode_batch_sizes', to capture
-    few)."""
+    draft's weights and pool came on top (7.7 MB, on 14 MiB and 16 sequences); and the profiled sampler pass had
+    max_num_seqs rows, where a verifying step samples twice as many. 8 sequences (16 verifying rows) and graphs of 1,
+    2, 4 rows and the largest (of decode_batch_sizes', to capture few): each captured row costs a forward of it under
+    the interpreter, four times over (the sizing's and the engine's capture, target and draft)."""
     keep_graph_sizes(monkeypatch, {1, 2, 4})
-    total, utilization = 14 << 20, 0.5
+    total, utilization = 11 << 20, 0.5
     with pytest.MonkeyPatch.context() as patched, CudaEmulation(total_memory=total):
         patched.setenv("TRITON_INTERPRET", "1")
         profiles, profile_memory = [], kv_cache.profile_memory
         patched.setattr(kv_cache, "profile_memory", lambda *args: profiles.append(profile_memory(*args)) or profiles[0])
         path = tiny_model("llama")
         spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 1}
-        config = dict(max_num_seqs=16, max_model_len=256, max_num_batched_tokens=96, num_kv_blocks=None)
+        config = dict(max_num_seqs=8, max_model_len=256, max_num_batched_tokens=96, num_kv_blocks=None)
         llm = build(path, eager=False, gpu_memory_utilization=utilization, speculative_config=spec, **config)
         engine = llm.llm_engine
         target, draft = engine.model_runner, engine.proposer.runner
@@ -325,10 +334,10 @@ def test_a_draft_model_shares_the_memory_of_the_targets_kv_pool(tiny_model, no_w
         # what stays in use leaves the profiled peak, but for the dummy block past each pool (sizing leaves it out)
         dummies = target.kv_spec.bytes_per_block + draft.kv_spec.bytes_per_block
         assert torch.cuda.memory_allocated() + profiles[0].peak <= total * utilization + dummies
-        llm.generate([{"prompt_token_ids": [5] * 90}] + [{"prompt_token_ids": [7]}] * 15, WORST, use_tqdm=False)
+        llm.generate([{"prompt_token_ids": [5] * 90}] + [{"prompt_token_ids": [7]}] * 7, WORST, use_tqdm=False)
         assert torch.cuda.max_memory_allocated() <= total * utilization
         assert engine.stats().spec_drafts > 0
-        assert draft.num_blocks == target.num_blocks < 16 * target.max_blocks_per_seq  # sized by memory
+        assert draft.num_blocks == target.num_blocks < 8 * target.max_blocks_per_seq  # sized by memory
         assert engine.proposer.block_manager.num_blocks == target.num_blocks
 
 
@@ -390,12 +399,11 @@ def assert_verifying_steps_replayed(engine, steps: list) -> None:
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_speculation_on_the_cuda_path(tiny_model, cuda_emulation, no_warm_up, method):
+def test_speculation_on_the_cuda_path(tiny_model, cuda_emulation, no_warm_up, method, llama_eager):
     """Verifying steps on the CUDA path (Triton kernels, pinned uploads, decode graphs): the tokens of no
-    speculation; a verifying step replays a graph of its rows (a row per proposal and one more), uploads once
-    and reads its tokens and acceptances at once."""
-    path = tiny_model("llama")
-    want = generate(build(path, eager=False))
+    speculation (the eager engine's, which graphed steps give); a verifying step replays a graph of its rows (a
+    row per proposal and one more), uploads once and reads its tokens and acceptances at once."""
+    path, want = tiny_model("llama"), llama_eager
     # 3 proposals (the continuation's, or the draft's): 16 rows, one graph size fewer than the default 4's 20
     spec = {"method": method, "model": str(path) if method == "draft_model" else None, "num_speculative_tokens": 3}
     llm = build(path, eager=False, speculative_config=spec)
