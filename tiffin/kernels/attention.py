@@ -168,6 +168,10 @@ def paged_attention_torch(
         else:
             q = rotated[p.rows]
             k, v = _gather(k_cache, k_scale, p, q.dtype), _gather(v_cache, v_scale, p, q.dtype)
+        if _prefill_native(q):  # k, v: [1, Hkv, L, D] views of [L, Hkv, D] rows
+            k, v = (x.squeeze(0).transpose(0, 1) for x in (k, v))
+            cpu_native.prefill_attention(q, k, v, scale, causal, out=out[p.rows])
+            continue
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),  # [1, H, n, D]
             k,
@@ -191,6 +195,17 @@ def _decode_groups(query, out, k_cache, v_cache, k_scale, v_scale, groups: list[
         else:
             o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=g.mask, scale=scale, enable_gqa=True)
             out[g.rows] = o.squeeze(2)
+
+
+def _prefill_native(query: torch.Tensor) -> bool:
+    """Whether a prefill span runs the native bf16 kernel rather than SDPA: where the CPU has bf16 dot products
+    but no AMX tiles (AMD Zen 4, Xeons before the 4th generation), on which SDPA widens bf16 to fp32 and the
+    kernel is 2-3x faster; with AMX, SDPA's flash kernel runs on the tiles. TIFFIN_CPU_PREFILL=sdpa|native
+    overrides, for measuring."""
+    choice = os.environ.get("TIFFIN_CPU_PREFILL", "auto")
+    if choice == "sdpa" or not cpu_native.supports_prefill(query):
+        return False
+    return choice == "native" or not torch.cpu._is_amx_tile_supported()
 
 
 @functools.cache
