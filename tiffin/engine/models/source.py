@@ -30,7 +30,7 @@ HUB_FILES = [
     "chat_template.jinja",
 ]
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
-FINGERPRINT_BYTES = 1 << 20  # how much of each end of a GGUF file its tokenizer's cache key reads
+METADATA_BYTES = 16 << 20  # how much of a GGUF file its tokenizer's cache key reads
 
 
 def resolve_model_path(model: str, revision: str | None = None) -> str:
@@ -79,19 +79,16 @@ def load_tokenizer(path: str):
 
 
 def _gguf_tokenizer_key(gguf: Path) -> str:
-    """What a GGUF's converted tokenizer is cached under: the file (resolved path, size, mtime and both ends,
-    which a different file matches only by design, without reading all its gigabytes) and the transformers
-    version, since another may convert differently."""
+    """What a GGUF's converted tokenizer is cached under: the file's size and first bytes, where a GGUF keeps its
+    metadata, the vocabulary, merges and chat template among it (a few MB for the largest vocabularies), without
+    reading all its gigabytes; and the transformers version, since another may convert differently. Copies of a
+    file share the entry; a test's fresh temporary copy of the same model finds it too."""
     import transformers
 
-    path = gguf.resolve()
-    stat = path.stat()
-    key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{transformers.__version__}".encode())
-    with open(path, "rb") as f:
-        key.update(f.read(FINGERPRINT_BYTES))
-        f.seek(max(stat.st_size - FINGERPRINT_BYTES, 0))
-        key.update(f.read(FINGERPRINT_BYTES))
-    return key.hexdigest()[:32]
+    with open(gguf, "rb") as f:
+        head = f.read(METADATA_BYTES)
+    size = gguf.stat().st_size
+    return hashlib.sha256(f"{size}\0{transformers.__version__}\0".encode() + head).hexdigest()[:32]
 
 
 def _save_atomically(tokenizer, directory: Path) -> None:
