@@ -2,8 +2,18 @@
 resolved by `huggingface_hub` to its snapshot in the local Hugging Face cache, downloaded first unless
 HF_HUB_OFFLINE is set. The token comes from HF_TOKEN (or `huggingface-cli login`), as huggingface_hub reads it."""
 
+import functools
+import hashlib
+import logging
+import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
+
+from tiffin.cache import default_cache_dir
+
+logger = logging.getLogger(__name__)
 
 # what tiffin reads from a hub repo: weights, configs, tokenizer; never other formats' duplicates of the weights
 HUB_FILES = [
@@ -20,6 +30,7 @@ HUB_FILES = [
     "chat_template.jinja",
 ]
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+METADATA_BYTES = 16 << 20  # how much of a GGUF file its tokenizer's cache key reads
 
 
 def resolve_model_path(model: str, revision: str | None = None) -> str:
@@ -45,7 +56,8 @@ def resolve_model_path(model: str, revision: str | None = None) -> str:
 
 def load_tokenizer(path: str):
     """The tokenizer of a Hugging Face directory, or transformers' conversion of a GGUF file's vocabulary,
-    merges and chat template."""
+    merges and chat template. The conversion takes seconds for a vocabulary of SmolLM2's 49k tokens, loading
+    the saved copy a tenth of that, so the copy is kept under the cache dir, per file and transformers version."""
     # here, not at the top: the Bento's model store imports this module, and `bentoml build` must not load torch
     from transformers import AutoTokenizer
 
@@ -54,4 +66,46 @@ def load_tokenizer(path: str):
     gguf = find_gguf(path)
     if gguf is None:
         return AutoTokenizer.from_pretrained(path)
-    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    cached = default_cache_dir() / "tokenizers" / _gguf_tokenizer_key(gguf)
+    if cached.is_dir():  # complete if there at all: it is renamed into place once written
+        try:
+            return AutoTokenizer.from_pretrained(cached)
+        except Exception as e:  # whatever a damaged copy raises: it is converted again and replaced
+            logger.warning("the cached tokenizer %s failed to load, converting %s again: %r", cached, gguf, e)
+            shutil.rmtree(cached, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    _save_atomically(tokenizer, cached)
+    return tokenizer
+
+
+def _gguf_tokenizer_key(gguf: Path) -> str:
+    """What a GGUF's converted tokenizer is cached under: the file's size and first bytes, where a GGUF keeps its
+    metadata, the vocabulary, merges and chat template among it (a few MB for the largest vocabularies), without
+    reading all its gigabytes; and the transformers version, since another may convert differently. Copies of a
+    file share the entry; a test's fresh temporary copy of the same model finds it too."""
+    import transformers
+
+    with open(gguf, "rb") as f:
+        head = f.read(METADATA_BYTES)
+    size = gguf.stat().st_size
+    return hashlib.sha256(f"{size}\0{transformers.__version__}\0".encode() + head).hexdigest()[:32]
+
+
+def _save_atomically(tokenizer, directory: Path) -> None:
+    """`tokenizer` saved to `directory`, written aside and renamed into place: a reader sees all of it or none,
+    and of racing writers one rename wins. Not written (a read-only cache, a full disk): a warning, once."""
+    try:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=directory.parent) as tmp:
+            tokenizer.save_pretrained(Path(tmp) / "tokenizer")
+            os.replace(Path(tmp) / "tokenizer", directory)
+    except OSError as e:
+        if not directory.is_dir():  # else another process renamed its copy into place first
+            _warn_uncached(directory.parent, e.strerror or str(e))
+
+
+@functools.cache  # once per cache dir and cause, not once per engine build
+def _warn_uncached(cache_dir: Path, cause: str) -> None:
+    logger.warning(
+        "tokenizers converted from GGUF are not cached in %s (%s): each load converts again", cache_dir, cause
+    )
