@@ -122,22 +122,24 @@ def reference_attention(q, k, v, scale, causal):
 PREFILL_SHAPES = [(37, 37, True), (70, 1000, True), (1, 65, True), (100, 100, False), (33, 130, False)]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("n_q,n_k,causal", PREFILL_SHAPES + [(1536, 1536, True)])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (4, 1, 64)])
-def test_prefill_attention_matches_float64(n_q, n_k, causal, heads, kv_heads, head_dim):
+def test_prefill_attention_matches_float64(dtype, n_q, n_k, causal, heads, kv_heads, head_dim):
     """Queries, keys and values as views of one fused projection's rows (strided, as the models split them),
-    tiles of 64 keys and blocks of 32 queries cut anywhere, multithreaded; within bf16's tolerance of the float64
-    reference (what SDPA in bf16 reaches too: its probabilities are rounded to bf16 alike)."""
-    if not cpu_native.supports_prefill(torch.empty(1, 1, head_dim, dtype=torch.bfloat16)):
+    tiles of keys and blocks of 32 queries cut anywhere, multithreaded; within the dtype's tolerance of the
+    float64 reference (bf16: what SDPA in bf16 reaches too, its probabilities rounded to bf16 alike)."""
+    if not cpu_native.supports_prefill(torch.empty(1, 1, head_dim, dtype=dtype)):
         pytest.skip("this CPU has no AVX512-BF16: the prefill kernel is not built")
     if n_q == 1536 and (heads, head_dim) != (9, 64):
         pytest.skip("one long prompt suffices")
     gen = torch.Generator().manual_seed(n_q * heads + head_dim)
     width = (heads + 2 * kv_heads) * head_dim
-    rows = (torch.randn(n_k, width, generator=gen) + 0.5).bfloat16()
+    rows = (torch.randn(n_k, width, generator=gen) + 0.5).to(dtype)
     q, k, v = rows.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
     q, k, v = q[n_k - n_q :].view(n_q, heads, head_dim), k.view(n_k, kv_heads, -1), v.view(n_k, kv_heads, -1)
     out = cpu_native.prefill_attention(q, k, v, head_dim**-0.5, causal)
     ref = reference_attention(q, k, v, head_dim**-0.5, causal)
-    assert out.dtype == torch.bfloat16 and out.shape == q.shape
-    assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < 1e-2
+    assert out.dtype == dtype and out.shape == q.shape
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < tolerance

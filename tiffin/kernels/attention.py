@@ -198,14 +198,14 @@ def _decode_groups(query, out, k_cache, v_cache, k_scale, v_scale, groups: list[
 
 
 def _prefill_native(query: torch.Tensor) -> bool:
-    """Whether a prefill span runs the native bf16 kernel rather than SDPA: where the CPU has bf16 dot products
-    but no AMX tiles (AMD Zen 4, Xeons before the 4th generation), on which SDPA widens bf16 to fp32 and the
-    kernel is 2-3x faster; with AMX, SDPA's flash kernel runs on the tiles. TIFFIN_CPU_PREFILL=sdpa|native
-    overrides, for measuring."""
+    """Whether a prefill span runs the native kernel rather than SDPA: fp32 (1.1-1.6x SDPA's flash kernel), and
+    bf16 where the CPU has bf16 dot products but no AMX tiles (AMD Zen 4, Xeons before the 4th generation), on
+    which SDPA widens bf16 to fp32 (the kernel: 2.8-3.7x); with AMX tiles SDPA's bf16 runs on them. Figures:
+    benchmarks/README.md. TIFFIN_CPU_PREFILL=sdpa|native overrides, for measuring."""
     choice = os.environ.get("TIFFIN_CPU_PREFILL", "auto")
     if choice == "sdpa" or not cpu_native.supports_prefill(query):
         return False
-    return choice == "native" or not torch.cpu._is_amx_tile_supported()
+    return choice == "native" or query.dtype == torch.float32 or not torch.cpu._is_amx_tile_supported()
 
 
 @functools.cache

@@ -38,8 +38,8 @@ _BLOCK_GEMM_ARGS = [_i32, _ptr, _i64, _i64, _i64, _i32, _ptr, _i64, _ptr, _ptr, 
 _QUANTIZE_ACTS_ARGS = [_i32, _ptr, _i64, _i64, _i64, _i32, _ptr, _ptr, _ptr, _ptr, _i32]
 _DEQUANTIZE_ROWS_ARGS = [_ptr, _ptr, _ptr, _i32, _i64, _ptr, _i64, _ptr]
 _DECODE_LAYERS_ARGS = [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i32]
-_PREFILL_ARGS = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _i32, ctypes.c_float, _i32]
-_PREFILL_ARGS += [_i32]
+_PREFILL_ARGS = [_i32, _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _i32, ctypes.c_float]
+_PREFILL_ARGS += [_i32, _i32]
 
 
 @functools.cache
@@ -67,7 +67,7 @@ def library() -> ctypes.CDLL | None:
     lib.tiffin_decode_layers.argtypes, lib.tiffin_decode_layers.restype = _DECODE_LAYERS_ARGS, None
     lib.tiffin_dequantize_rows.argtypes, lib.tiffin_dequantize_rows.restype = _DEQUANTIZE_ROWS_ARGS, None
     lib.tiffin_prefill_attention.argtypes, lib.tiffin_prefill_attention.restype = _PREFILL_ARGS, None
-    lib.tiffin_prefill_head_dim_supported.argtypes, lib.tiffin_prefill_head_dim_supported.restype = [_i32], _i32
+    lib.tiffin_prefill_supported.argtypes, lib.tiffin_prefill_supported.restype = [_i32, _i32], _i32
     lib.tiffin_bf16_min_rows.argtypes, lib.tiffin_bf16_min_rows.restype = [], ctypes.c_int64
     lib.tiffin_quant_kernels.argtypes, lib.tiffin_quant_kernels.restype = [], ctypes.c_char_p
     logger.info("native CPU kernels for quantized layers: %s", lib.tiffin_quant_kernels().decode())
@@ -235,13 +235,9 @@ def paged_decode(
 
 
 def supports_prefill(query: torch.Tensor) -> bool:
-    """Whether `prefill_attention` runs for `query` `[T, num_heads, head_dim]`: bf16 on a CPU with bf16 dot
-    products (AVX512-BF16) and a head_dim it is built for."""
-    return (
-        query.dtype == torch.bfloat16
-        and supports(query)
-        and bool(library().tiffin_prefill_head_dim_supported(query.shape[-1]))
-    )
+    """Whether `prefill_attention` runs for `query` `[T, num_heads, head_dim]`: fp32 or bf16, on a CPU with
+    AVX512-BF16, at a head_dim it is built for."""
+    return supports(query) and bool(library().tiffin_prefill_supported(DTYPE_CODES[query.dtype], query.shape[-1]))
 
 
 def prefill_attention(
@@ -253,14 +249,15 @@ def prefill_attention(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SDPA of `query` `[n_q, num_heads, head_dim]` over `key`/`value` `[n_k, num_kv_heads, head_dim]` (the
-    queries the last n_q positions where `causal`) -> `out` (new if None) `[n_q, num_heads, head_dim]`, in bf16
-    dot products."""
+    queries the last n_q positions where `causal`) -> `out` (new if None) `[n_q, num_heads, head_dim]`; bf16 in
+    the CPU's bf16 dot products."""
     out = torch.empty(query.shape, dtype=query.dtype) if out is None else out
     for t in (query, key, value, out):
         if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
             raise ValueError("prefill_attention needs each row's heads contiguous")
     (n_q, heads, head_dim), (n_k, kv_heads, _) = query.shape, key.shape
     library().tiffin_prefill_attention(
+        DTYPE_CODES[query.dtype],
         query.data_ptr(),
         query.stride(0),
         key.data_ptr(),

@@ -1,8 +1,9 @@
-// Causal attention of a prompt's bf16 queries over contiguous bf16 keys and values (its own, or a cached prefix
-// gathered before them) in the CPU's bf16 dot products (AVX512-BF16: exact products, fp32 sums), flash-attention
-// style: a block of query rows walks the key tiles it may see with an online softmax, never holding a score matrix.
-// torch's SDPA widens bf16 to fp32 on CPUs without AMX tiles and runs there at the fp32 rate (a third of the bf16
-// one on AMD Zen 4); the arithmetic is SDPA's: scores in fp32, probabilities rounded to bf16 for P.V, fp32 sums.
+// Attention of a prompt's queries over contiguous keys and values (its own, or a cached prefix gathered before
+// them), causal or not, flash-attention style: a block of query rows walks the key tiles it may see with an online
+// softmax, never holding a score matrix. bf16 runs in the CPU's bf16 dot products (AVX512-BF16: exact products,
+// fp32 sums), where torch's SDPA widens bf16 to fp32 on CPUs without AMX tiles and runs at the fp32 rate (a third
+// of the bf16 one on AMD Zen 4); fp32 in FMAs. The arithmetic is SDPA's: scores in fp32, probabilities rounded to
+// the inputs' dtype for P.V, fp32 sums.
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -21,42 +22,56 @@ constexpr int kTile = 256;  // keys a step of the walk takes: the softmax's per-
 constexpr int kSub = 64;    // keys the dot products take at a time (4 vectors of 16); a tile's last ones no row
                             // sees are skipped
 
-// Keys and values packed for the dot products, per KV head. K: groups of 16 keys, each dim pair a vector of the
-// 16 keys' pairs ([n / 16][D / 2][16][2]), so a query's broadcast pair meets 16 keys at once. V: token pairs, each
-// a row of D dims' pairs ([n / 2][D][2]), so a row's broadcast probability pair meets 16 dims. Zero-padded to a
-// whole tile.
+// The kernels see K, V, queries and probabilities as 32-bit words: a bf16 pair (multiplied in the CPU's bf16
+// dot products: exact products, fp32 sums) or an fp32 value (FMAs). kTokensPerWord probabilities (tokens) a word.
+template <typename T>
+constexpr int kTokensPerWord = 4 / static_cast<int>(sizeof(T));
+
+template <typename T>
+inline __m512 madd(__m512 acc, __m512i a, __m512i b) {
+  if constexpr (std::is_same_v<T, bf16>) return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+  else return _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), acc);
+}
+
+// Keys and values packed for the products, per KV head, zero-padded to a multiple of kSub keys (what the walk
+// reads). K: groups of 16 keys, each of a row's W words a vector of the 16 keys' words ([n / 16][W][16]), so a
+// query's broadcast word meets 16 keys at once. V: rows of D words, each word the values of kTokensPerWord tokens
+// in one dim ([n / tokens a word][D]), so a broadcast word of probabilities meets 16 dims.
 struct Packed {
   std::vector<uint32_t> k, v;
 };
 
-void pack(Packed& p, const bf16* k, int64_t k_stride, const bf16* v, int64_t v_stride, int n, int d) {
-  const size_t padded = static_cast<size_t>(n + kTile - 1) / kTile * kTile;
-  p.k.assign(padded * d / 2, 0);
+template <typename T>
+void pack(Packed& p, const T* k, int64_t k_stride, const T* v, int64_t v_stride, int n, int d) {
+  constexpr int tokens = kTokensPerWord<T>;
+  const int words = d / tokens;
+  const size_t padded = static_cast<size_t>(n + kSub - 1) / kSub * kSub;
+  p.k.assign(padded * words, 0);
   for (int t = 0; t < n; ++t) {
     const uint32_t* row = reinterpret_cast<const uint32_t*>(k + t * k_stride);
-    uint32_t* dst = p.k.data() + static_cast<size_t>(t / 16) * 16 * d / 2 + t % 16;
-    for (int j = 0; j < d / 2; ++j) dst[j * 16] = row[j];
+    uint32_t* dst = p.k.data() + static_cast<size_t>(t / 16) * 16 * words + t % 16;
+    for (int j = 0; j < words; ++j) dst[j * 16] = row[j];
   }
-  p.v.assign(padded * d / 2, 0);
+  p.v.assign(padded * words, 0);
   for (int t = 0; t < n; ++t) {
-    const uint16_t* row = reinterpret_cast<const uint16_t*>(v + t * v_stride);
-    uint16_t* dst = reinterpret_cast<uint16_t*>(p.v.data() + static_cast<size_t>(t / 2) * d) + t % 2;
-    for (int j = 0; j < d; ++j) dst[2 * j] = row[j];
+    T* dst = reinterpret_cast<T*>(p.v.data() + static_cast<size_t>(t / tokens) * d) + t % tokens;
+    for (int j = 0; j < d; ++j) dst[tokens * j] = v[t * v_stride + j];
   }
 }
 
-// Scores of 4 query rows (bf16, `q_stride` apart) against 64 packed keys, times `scale`, into rows of `s`.
-template <int D>
-inline void score4(float* s, const bf16* q, int64_t q_stride, const uint32_t* keys, float scale) {
+// Scores of 4 query rows (`q_stride` apart) against 64 packed keys, times `scale`, into rows of `s`.
+template <typename T, int D>
+inline void score4(float* s, const T* q, int64_t q_stride, const uint32_t* keys, float scale) {
+  constexpr int words = D / kTokensPerWord<T>;
   __m512 acc[4][4];
   for (auto& row : acc)
     for (auto& a : row) a = _mm512_setzero_ps();
-  for (int j = 0; j < D / 2; ++j) {
-    __m512bh k[4];
-    for (int c = 0; c < 4; ++c) k[c] = (__m512bh)_mm512_loadu_si512(keys + (c * D / 2 + j) * 16);
+  for (int j = 0; j < words; ++j) {
+    __m512i k[4];
+    for (int c = 0; c < 4; ++c) k[c] = _mm512_loadu_si512(keys + (c * words + j) * 16);
     for (int r = 0; r < 4; ++r) {
-      const __m512bh qj = (__m512bh)_mm512_set1_epi32(reinterpret_cast<const int32_t*>(q + r * q_stride)[j]);
-      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], qj, k[c]);
+      const __m512i qj = _mm512_set1_epi32(reinterpret_cast<const int32_t*>(q + r * q_stride)[j]);
+      for (int c = 0; c < 4; ++c) acc[r][c] = madd<T>(acc[r][c], qj, k[c]);
     }
   }
   for (int r = 0; r < 4; ++r)
@@ -64,18 +79,19 @@ inline void score4(float* s, const bf16* q, int64_t q_stride, const uint32_t* ke
       _mm512_storeu_ps(s + r * kTile + 16 * c, _mm512_mul_ps(acc[r][c], _mm512_set1_ps(scale)));
 }
 
-// o[r] += p[r] . V over 64 packed tokens for 4 rows (probability pairs, rows kTile / 2 apart): dims [d0, d0 + 64).
-template <int D>
+// o[r] += p[r] . V over 64 packed tokens for 4 rows (probability words, rows kProbWords apart): dims [d0, d0 + 64).
+template <typename T, int D>
 inline void weigh4(float* o, const uint32_t* p, const uint32_t* values, int d0) {
+  constexpr int row_words = kTile / kTokensPerWord<T>;
   __m512 acc[4][4];
   for (int r = 0; r < 4; ++r)
     for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_loadu_ps(o + r * D + d0 + 16 * c);
-  for (int j = 0; j < kSub / 2; ++j) {
-    __m512bh v[4];
-    for (int c = 0; c < 4; ++c) v[c] = (__m512bh)_mm512_loadu_si512(values + j * D + d0 + 16 * c);
+  for (int j = 0; j < kSub / kTokensPerWord<T>; ++j) {
+    __m512i v[4];
+    for (int c = 0; c < 4; ++c) v[c] = _mm512_loadu_si512(values + j * D + d0 + 16 * c);
     for (int r = 0; r < 4; ++r) {
-      const __m512bh pj = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(p[r * kTile / 2 + j]));
-      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pj, v[c]);
+      const __m512i pj = _mm512_set1_epi32(static_cast<int32_t>(p[r * row_words + j]));
+      for (int c = 0; c < 4; ++c) acc[r][c] = madd<T>(acc[r][c], pj, v[c]);
     }
   }
   for (int r = 0; r < 4; ++r)
@@ -86,9 +102,9 @@ inline __mmask16 first_lanes(int64_t n) {  // the lanes below n, of 16
   return n >= 16 ? 0xFFFF : (n > 0 ? static_cast<__mmask16>((1u << n) - 1) : 0);
 }
 
-// Row r's scores s[0, width) become bf16 probabilities e^(s - m) in p (zero past the `seen` keys it sees), its
+// Row r's scores s[0, width) become probabilities e^(s - m) in p, as T (zero past the `seen` keys it sees), its
 // running max m and sum l updated and its output o rescaled to the new max.
-template <int D>
+template <typename T, int D>
 inline void online_softmax(const float* s, uint32_t* p, float* o, float& m, float& l, int64_t seen, int width) {
   __m512 vmax = _mm512_set1_ps(m);
   for (int c = 0; c < seen; c += 16)
@@ -100,7 +116,10 @@ inline void online_softmax(const float* s, uint32_t* p, float* o, float& m, floa
     const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(s + c), _mm512_set1_ps(m_new)));
     const __m512 kept = _mm512_maskz_mov_ps(first_lanes(seen - c), e);
     sum = _mm512_add_ps(sum, kept);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + c / 2), (__m256i)_mm512_cvtneps_pbh(kept));
+    if constexpr (std::is_same_v<T, bf16>)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + c / 2), (__m256i)_mm512_cvtneps_pbh(kept));
+    else
+      _mm512_storeu_ps(reinterpret_cast<float*>(p + c), kept);
   }
   l = l * correction + _mm512_reduce_add_ps(sum);
   m = m_new;
@@ -111,20 +130,21 @@ inline void online_softmax(const float* s, uint32_t* p, float* o, float& m, floa
 
 // One task: query rows [0, rows) of one head against the keys each may see (row r: the first `visible + r` keys,
 // all `n_k` where not causal), walking the tiles with a running max `m` and sum `l` per row. Rows past `rows` up
-// to a multiple of 4 repeat the last one in the dot products and are never stored.
-template <int D>
-void attend_rows(const bf16* q, int64_t q_stride, bf16* out, int64_t out_stride, const Packed& kv, int rows,
+// to a multiple of 4 repeat the last one in the products and are never stored.
+template <typename T, int D>
+void attend_rows(const T* q, int64_t q_stride, T* out, int64_t out_stride, const Packed& kv, int rows,
                  int64_t visible, int n_k, bool causal, float scale) {
+  constexpr int tokens = kTokensPerWord<T>, p_row = kTile / tokens, v_row = D;  // words
   alignas(64) float s[kRows * kTile], o[kRows * D], m[kRows], l[kRows];
-  alignas(64) uint32_t p[kRows * kTile / 2];
-  alignas(64) bf16 tail[4 * D];
+  alignas(64) uint32_t p[kRows * p_row];
+  alignas(64) T tail[4 * D];
   const int padded = (rows + 3) / 4 * 4;
   std::fill(o, o + padded * D, 0.f);
   std::fill(m, m + rows, -INFINITY);
   std::fill(l, l + rows, 0.f);
-  std::fill(p + rows * kTile / 2, p + padded * kTile / 2, 0u);
+  std::fill(p + rows * p_row, p + padded * p_row, 0u);
   for (int i = 0; i < 4; ++i) {  // the last group of 4 rows, contiguous
-    const bf16* row = q + std::min(padded - 4 + i, rows - 1) * q_stride;
+    const T* row = q + std::min(padded - 4 + i, rows - 1) * q_stride;
     std::copy(row, row + D, tail + i * D);
   }
   const auto seen_by = [&](int r) { return causal ? std::min<int64_t>(visible + r, n_k) : n_k; };
@@ -134,30 +154,28 @@ void attend_rows(const bf16* q, int64_t q_stride, bf16* out, int64_t out_stride,
     for (int r = 0; r < padded; r += 4) {
       const bool whole = rows - r >= 4;
       for (int c = 0; c < width; c += kSub)
-        score4<D>(s + r * kTile + c, whole ? q + r * q_stride : tail, whole ? q_stride : D,
-                  kv.k.data() + (t0 + c) * D / 2, scale);
+        score4<T, D>(s + r * kTile + c, whole ? q + r * q_stride : tail, whole ? q_stride : D,
+                     kv.k.data() + (t0 + c) * D / tokens, scale);
     }
     for (int r = 0; r < rows; ++r) {
       const int64_t seen = std::clamp<int64_t>(seen_by(r) - t0, 0, kTile);
-      online_softmax<D>(s + r * kTile, p + r * kTile / 2, o + r * D, m[r], l[r], seen, width);
+      online_softmax<T, D>(s + r * kTile, p + r * p_row, o + r * D, m[r], l[r], seen, width);
     }
     for (int r = 0; r < padded; r += 4)
       for (int c = 0; c < width; c += kSub)
         for (int d0 = 0; d0 < D; d0 += 64)
-          weigh4<D>(o + r * D, p + r * kTile / 2 + c / 2, kv.v.data() + (t0 + c) / 2 * D, d0);
+          weigh4<T, D>(o + r * D, p + r * p_row + c / tokens, kv.v.data() + (t0 + c) / tokens * v_row, d0);
   }
   for (int r = 0; r < rows; ++r) {
     const __m512 inv = _mm512_set1_ps(1.f / l[r]);
     for (int d = 0; d < D; d += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_stride + d),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), inv)));
+      store16(out + r * out_stride + d, round_to(T{}, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), inv)));
   }
 }
 
-template <int D>
-void prefill(const bf16* q, int64_t q_stride, const bf16* k, int64_t k_stride, const bf16* v, int64_t v_stride,
-             bf16* out, int64_t out_stride, int n_q, int n_k, int heads, int kv_heads, float scale, bool causal,
-             int num_threads) {
+template <typename T, int D>
+void prefill(const T* q, int64_t q_stride, const T* k, int64_t k_stride, const T* v, int64_t v_stride, T* out,
+             int64_t out_stride, int n_q, int n_k, int heads, int kv_heads, float scale, bool causal, int num_threads) {
   std::vector<Packed> packed(kv_heads);
 #pragma omp parallel for num_threads(num_threads)
   for (int h = 0; h < kv_heads; ++h) pack(packed[h], k + h * D, k_stride, v + h * D, v_stride, n_k, D);
@@ -167,41 +185,46 @@ void prefill(const bf16* q, int64_t q_stride, const bf16* k, int64_t k_stride, c
   for (int64_t task = 0; task < static_cast<int64_t>(blocks) * heads; ++task) {
     const int block = blocks - 1 - static_cast<int>(task / heads), h = static_cast<int>(task % heads);
     const int r0 = block * kRows, rows = std::min(kRows, n_q - r0);
-    attend_rows<D>(q + r0 * q_stride + h * D, q_stride, out + r0 * out_stride + h * D, out_stride,
-                   packed[h / (heads / kv_heads)], rows, static_cast<int64_t>(n_k) - n_q + r0 + 1, n_k, causal, scale);
+    attend_rows<T, D>(q + r0 * q_stride + h * D, q_stride, out + r0 * out_stride + h * D, out_stride,
+                      packed[h / (heads / kv_heads)], rows, static_cast<int64_t>(n_k) - n_q + r0 + 1, n_k, causal,
+                      scale);
   }
 }
 #endif
 
 }  // namespace
 
-// Whether this build has the bf16 prefill attention (the CPU's AVX512-BF16), and for which head_dims.
-extern "C" int tiffin_prefill_head_dim_supported(int head_dim) {
+// Whether this build has the prefill attention for `dtype` (0 fp32, 2 bf16: the CPU's AVX512-BF16) at head_dim.
+extern "C" int tiffin_prefill_supported(int dtype, int head_dim) {
 #if defined(__AVX512BF16__)
-  return head_dim == 64 || head_dim == 128;
+  return (dtype == 0 || dtype == 2) && (head_dim == 64 || head_dim == 128);
 #else
-  (void)head_dim;
+  (void)dtype, (void)head_dim;
   return 0;
 #endif
 }
 
-// out[i] = softmax(q[i] . K^T * scale) V for each query row i and head, bf16 rows of `heads` (`kv_heads`) heads of
-// head_dim contiguous values, rows `*_stride` elements apart. Causal: query i, the last n_q of n_k positions, sees
-// the first n_k - n_q + i + 1 keys; otherwise all n_k.
-extern "C" void tiffin_prefill_attention(const void* q, int64_t q_stride, const void* k, int64_t k_stride,
+// out[i] = softmax(q[i] . K^T * scale) V for each query row i and head, rows of `heads` (`kv_heads`) heads of
+// head_dim contiguous values (`dtype` 0 fp32, 2 bf16), rows `*_stride` elements apart. Causal: query i, the last
+// n_q of n_k positions, sees the first n_k - n_q + i + 1 keys; otherwise all n_k.
+extern "C" void tiffin_prefill_attention(int dtype, const void* q, int64_t q_stride, const void* k, int64_t k_stride,
                                          const void* v, int64_t v_stride, void* out, int64_t out_stride, int n_q,
                                          int n_k, int heads, int kv_heads, int head_dim, float scale, int causal,
                                          int num_threads) {
 #if defined(__AVX512BF16__)
-  const auto run = [&](auto d) {
-    prefill<decltype(d)::value>(static_cast<const bf16*>(q), q_stride, static_cast<const bf16*>(k), k_stride,
-                                static_cast<const bf16*>(v), v_stride, static_cast<bf16*>(out), out_stride, n_q, n_k,
-                                heads, kv_heads, scale, causal != 0, num_threads);
-  };
-  if (head_dim == 64) run(std::integral_constant<int, 64>{});
-  if (head_dim == 128) run(std::integral_constant<int, 128>{});
+  by_dtype(dtype, [&](auto t) {
+    using T = decltype(t);
+    const auto run = [&](auto d) {
+      prefill<T, decltype(d)::value>(static_cast<const T*>(q), q_stride, static_cast<const T*>(k), k_stride,
+                                     static_cast<const T*>(v), v_stride, static_cast<T*>(out), out_stride, n_q, n_k,
+                                     heads, kv_heads, scale, causal != 0, num_threads);
+    };
+    if (head_dim == 64) run(std::integral_constant<int, 64>{});
+    if (head_dim == 128) run(std::integral_constant<int, 128>{});
+  });
 #else
-  (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride, (void)out, (void)out_stride, (void)n_q;
-  (void)n_k, (void)heads, (void)kv_heads, (void)head_dim, (void)scale, (void)causal, (void)num_threads;
+  (void)dtype, (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride, (void)out;
+  (void)out_stride, (void)n_q, (void)n_k, (void)heads, (void)kv_heads, (void)head_dim, (void)scale, (void)causal;
+  (void)num_threads;
 #endif
 }
