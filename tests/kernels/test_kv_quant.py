@@ -151,6 +151,39 @@ def test_native_decode_reads_quantized_blocks_as_their_values(dtype, cache_dtype
     torch.testing.assert_close(out, ref, **tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("cache_dtype", [None, *CODES], ids=["model-dtype", *CODE_IDS])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_native_prefill_reads_the_cache_in_place(dtype, cache_dtype, head_dim):
+    """A prompt's chunk after its cached prefix (70 queries, the last of 300 slots through a shuffled block
+    table): the native prefill kernel reads the blocks in place, a quantized cache's codes times their scales with
+    the keys rotated back, against float64 attention of the unrotated queries over the cache's values."""
+    lens = [300]
+    query, codes, scales, plain, md = _decode_case(cache_dtype or torch.int8, dtype, head_dim, lens)
+    query = torch.randn(70, 6, head_dim, generator=torch.Generator().manual_seed(3)).to(dtype)
+    if not cpu_native.supports_prefill(query):
+        pytest.skip("this CPU has no AVX512-BF16: the prefill kernel is not built")
+    caches, cache_scales = (plain, (None, None)) if cache_dtype is None else (codes, scales)
+    out = torch.empty_like(query)
+    cpu_native.paged_prefill(query, out, *caches, *cache_scales, md.block_tables[0], 300, 0.125)
+    values_of = plain if cache_dtype is None else kv_quant.dequantize(codes, scales, torch.float32)
+    keys, values = (x.flatten(0, 1)[_slots(md.block_tables[0], 16, 300)].float() for x in values_of)
+    if cache_dtype is not None:
+        keys = kv_quant.rotate(keys)  # stored rotated: rotated back
+    keys, values = keys.double(), values.double()
+    scores = torch.einsum("qhd,khd->hqk", query.double(), keys.repeat_interleave(3, 1)) * 0.125
+    visible = torch.arange(300) <= torch.arange(230, 300)[:, None]
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1)
+    ref = torch.einsum("hqk,khd->qhd", probs, values.repeat_interleave(3, 1))
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < tolerance
+
+
+def _slots(table: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
+    positions = torch.arange(length)
+    return table[positions // block_size].long() * block_size + positions % block_size
+
+
 @pytest.mark.parametrize("cache_dtype", CODES, ids=CODE_IDS)
 def test_torch_path_matches_the_native_kernel(monkeypatch, cache_dtype):
     """The torch path (no native library: fp16 models, other CPUs' fallback) over the same quantized cache."""

@@ -157,21 +157,25 @@ def paged_attention_torch(
     if native and decodes is not None:  # the native kernel rotates the queries of a quantized cache itself
         cpu_native.paged_decode(query, out, *kv, md.block_tables, md.seq_lens, *decodes, scale)
     fresh = [fresh_kv is not None and p.mask is None for p in prefills]  # no cached prefix: all in `fresh_kv`
+    native_prefill = native and _prefill_native(query)  # reading the cache in place, queries unrotated
     rotated = query  # against keys stored rotated
-    if k_scale is not None and not query_rotated and (not all(fresh) or not native):
+    if k_scale is not None and not query_rotated and (not native or not (native_prefill or all(fresh))):
         rotated = kv_quant.rotate(query).to(query.dtype)
     if not native:
         _decode_groups(rotated, out, *kv, decodes, scale)
     for p, from_fresh in zip(prefills, fresh):
+        if native_prefill and from_fresh:
+            k, v = (x[p.rows] for x in fresh_kv)
+            cpu_native.prefill_attention(query[p.rows], k, v, scale, causal, out=out[p.rows])
+            continue
+        if native_prefill:
+            cpu_native.paged_prefill(query[p.rows], out[p.rows], *kv, p.blocks, p.length, scale, causal)
+            continue
         if from_fresh:
             q, (k, v) = query[p.rows], (x[p.rows].transpose(0, 1).unsqueeze(0) for x in fresh_kv)
         else:
             q = rotated[p.rows]
             k, v = _gather(k_cache, k_scale, p, q.dtype), _gather(v_cache, v_scale, p, q.dtype)
-        if _prefill_native(q):  # k, v: [1, Hkv, L, D] views of [L, Hkv, D] rows
-            k, v = (x.squeeze(0).transpose(0, 1) for x in (k, v))
-            cpu_native.prefill_attention(q, k, v, scale, causal, out=out[p.rows])
-            continue
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),  # [1, H, n, D]
             k,

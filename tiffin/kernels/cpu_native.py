@@ -40,6 +40,8 @@ _DEQUANTIZE_ROWS_ARGS = [_ptr, _ptr, _ptr, _i32, _i64, _ptr, _i64, _ptr]
 _DECODE_LAYERS_ARGS = [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i32]
 _PREFILL_ARGS = [_i32, _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _i32, ctypes.c_float]
 _PREFILL_ARGS += [_i32, _i32]
+_PAGED_PREFILL_ARGS = [_i32, _ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _i32, _i32, _ptr, _ptr, _ptr, _ptr, _ptr]
+_PAGED_PREFILL_ARGS += [_i32, ctypes.c_float, _i32, _i32]
 
 
 @functools.cache
@@ -67,6 +69,7 @@ def library() -> ctypes.CDLL | None:
     lib.tiffin_decode_layers.argtypes, lib.tiffin_decode_layers.restype = _DECODE_LAYERS_ARGS, None
     lib.tiffin_dequantize_rows.argtypes, lib.tiffin_dequantize_rows.restype = _DEQUANTIZE_ROWS_ARGS, None
     lib.tiffin_prefill_attention.argtypes, lib.tiffin_prefill_attention.restype = _PREFILL_ARGS, None
+    lib.tiffin_prefill_paged.argtypes, lib.tiffin_prefill_paged.restype = _PAGED_PREFILL_ARGS, None
     lib.tiffin_prefill_supported.argtypes, lib.tiffin_prefill_supported.restype = [_i32, _i32], _i32
     lib.tiffin_bf16_min_rows.argtypes, lib.tiffin_bf16_min_rows.restype = [], ctypes.c_int64
     lib.tiffin_quant_kernels.argtypes, lib.tiffin_quant_kernels.restype = [], ctypes.c_char_p
@@ -276,6 +279,54 @@ def prefill_attention(
         torch.get_num_threads(),
     )
     return out
+
+
+def paged_prefill(
+    query: torch.Tensor,
+    out: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    block_table: torch.Tensor,
+    length: int,
+    scale: float,
+    causal: bool = True,
+) -> None:
+    """`prefill_attention` of `query` `[n_q, num_heads, head_dim]` into `out` over the first `length` slots of
+    `block_table` (int32 block ids) in the paged caches, read in place: a quantized cache's codes dequantized and
+    its keys rotated back as they are read, so the queries are not rotated."""
+    _, heads, head_dim = query.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    for t in (query, out):
+        if t.stride(2) != 1 or t.stride(1) != head_dim:
+            raise ValueError("paged_prefill needs each row's heads contiguous")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and block_table.is_contiguous()):
+        raise ValueError("paged_prefill needs contiguous caches and block table")
+    if block_table.dtype != torch.int32 or len(block_table) * block_size < length:
+        raise ValueError("paged_prefill needs an int32 block table covering `length` slots")
+    library().tiffin_prefill_paged(
+        DTYPE_CODES[query.dtype],
+        query.data_ptr(),
+        query.stride(0),
+        out.data_ptr(),
+        out.stride(0),
+        len(query),
+        length,
+        heads,
+        kv_heads,
+        head_dim,
+        CACHE_DTYPE_CODES[k_cache.dtype],
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        data_ptr(k_scale),
+        data_ptr(v_scale),
+        block_table.data_ptr(),
+        block_size,
+        scale,
+        causal,
+        torch.get_num_threads(),
+    )
 
 
 def bf16_min_rows() -> int | None:

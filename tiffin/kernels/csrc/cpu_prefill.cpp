@@ -21,6 +21,7 @@ constexpr int kRows = 32;   // query rows a task keeps
 constexpr int kTile = 256;  // keys a step of the walk takes: the softmax's per-row work amortized over more keys
 constexpr int kSub = 64;    // keys the dot products take at a time (4 vectors of 16); a tile's last ones no row
                             // sees are skipped
+constexpr int kMaxHeadDim = 128;
 
 // The kernels see K, V, queries and probabilities as 32-bit words: a bf16 pair (multiplied in the CPU's bf16
 // dot products: exact products, fp32 sums) or an fp32 value (FMAs). kTokensPerWord probabilities (tokens) a word.
@@ -34,30 +35,69 @@ inline __m512 madd(__m512 acc, __m512i a, __m512i b) {
 }
 
 // Keys and values packed for the products, per KV head, zero-padded to a multiple of kSub keys (what the walk
-// reads). K: groups of 16 keys, each of a row's W words a vector of the 16 keys' words ([n / 16][W][16]), so a
-// query's broadcast word meets 16 keys at once. V: rows of D words, each word the values of kTokensPerWord tokens
-// in one dim ([n / tokens a word][D]), so a broadcast word of probabilities meets 16 dims.
+// reads). K: groups of 16 keys, each word of a row a vector of the 16 keys' words ([n / 16][D / tokens][16]), so
+// a query's broadcast word meets 16 keys at once. V: rows of D words, each word the values of kTokensPerWord
+// tokens in one dim ([n / tokens][D]), so a broadcast word of probabilities meets 16 dims.
 struct Packed {
   std::vector<uint32_t> k, v;
 };
 
-template <typename T>
-void pack(Packed& p, const T* k, int64_t k_stride, const T* v, int64_t v_stride, int n, int d) {
+// fetch(t, k_row, v_row) writes token t's key and value rows of the KV head (d values of T each).
+template <typename T, typename Fetch>
+void pack(Packed& p, int n, int d, const Fetch& fetch) {
   constexpr int tokens = kTokensPerWord<T>;
   const int words = d / tokens;
   const size_t padded = static_cast<size_t>(n + kSub - 1) / kSub * kSub;
   p.k.assign(padded * words, 0);
-  for (int t = 0; t < n; ++t) {
-    const uint32_t* row = reinterpret_cast<const uint32_t*>(k + t * k_stride);
-    uint32_t* dst = p.k.data() + static_cast<size_t>(t / 16) * 16 * words + t % 16;
-    for (int j = 0; j < words; ++j) dst[j * 16] = row[j];
-  }
   p.v.assign(padded * words, 0);
+  alignas(64) T k_row[kMaxHeadDim], v_row[kMaxHeadDim];
   for (int t = 0; t < n; ++t) {
-    T* dst = reinterpret_cast<T*>(p.v.data() + static_cast<size_t>(t / tokens) * d) + t % tokens;
-    for (int j = 0; j < d; ++j) dst[tokens * j] = v[t * v_stride + j];
+    fetch(t, k_row, v_row);
+    const uint32_t* k_words = reinterpret_cast<const uint32_t*>(k_row);
+    uint32_t* k_dst = p.k.data() + static_cast<size_t>(t / 16) * 16 * words + t % 16;
+    for (int j = 0; j < words; ++j) k_dst[j * 16] = k_words[j];
+    T* v_dst = reinterpret_cast<T*>(p.v.data() + static_cast<size_t>(t / tokens) * d) + t % tokens;
+    for (int j = 0; j < d; ++j) v_dst[tokens * j] = v_row[j];
   }
 }
+
+// Rows of one KV head of contiguous keys and values (`*_stride` elements a token).
+template <typename T>
+struct DenseRows {
+  const T *k, *v;
+  int64_t k_stride, v_stride;
+  int d;
+  void operator()(int t, T* k_row, T* v_row) const {
+    std::copy(k + t * k_stride, k + t * k_stride + d, k_row);
+    std::copy(v + t * v_stride, v + t * v_stride + d, v_row);
+  }
+};
+
+// Rows of one KV head from the paged caches through a block table: a quantized cache's codes times their token's
+// scale in fp32 (kv_quant.dequantize), the keys rotated back (stored rotated: the normalized Hadamard matrix is its
+// own inverse), then rounded to T; a model-dtype cache's rows as they are.
+template <typename T, typename C>
+struct PagedRows {
+  const C *k_cache, *v_cache;
+  const bf16 *k_scale, *v_scale;
+  const int32_t* block_table;
+  int block_size, kv_heads, head, d;
+  void operator()(int t, T* k_row, T* v_row) const {
+    const int64_t slot = static_cast<int64_t>(block_table[t / block_size]) * block_size + t % block_size;
+    const C *k = k_cache + (slot * kv_heads + head) * d, *v = v_cache + (slot * kv_heads + head) * d;
+    if constexpr (is_code<C>) {
+      const float ks = to_float(k_scale[slot * kv_heads + head]), vs = to_float(v_scale[slot * kv_heads + head]);
+      alignas(64) float x[kMaxHeadDim];
+      for (int j = 0; j < d; ++j) x[j] = to_float(k[j]) * ks;
+      hadamard(x, d);
+      for (int j = 0; j < d; ++j) k_row[j] = from_float<T>(x[j]);
+      for (int j = 0; j < d; ++j) v_row[j] = from_float<T>(to_float(v[j]) * vs);
+    } else {
+      std::copy(k, k + d, k_row);
+      std::copy(v, v + d, v_row);
+    }
+  }
+};
 
 // Scores of 4 query rows (`q_stride` apart) against 64 packed keys, times `scale`, into rows of `s`.
 template <typename T, int D>
@@ -79,7 +119,8 @@ inline void score4(float* s, const T* q, int64_t q_stride, const uint32_t* keys,
       _mm512_storeu_ps(s + r * kTile + 16 * c, _mm512_mul_ps(acc[r][c], _mm512_set1_ps(scale)));
 }
 
-// o[r] += p[r] . V over 64 packed tokens for 4 rows (probability words, rows kProbWords apart): dims [d0, d0 + 64).
+// o[r] += p[r] . V over 64 packed tokens for 4 rows (probability words, rows kTile / kTokensPerWord apart), dims
+// [d0, d0 + 64).
 template <typename T, int D>
 inline void weigh4(float* o, const uint32_t* p, const uint32_t* values, int d0) {
   constexpr int row_words = kTile / kTokensPerWord<T>;
@@ -173,12 +214,13 @@ void attend_rows(const T* q, int64_t q_stride, T* out, int64_t out_stride, const
   }
 }
 
-template <typename T, int D>
-void prefill(const T* q, int64_t q_stride, const T* k, int64_t k_stride, const T* v, int64_t v_stride, T* out,
-             int64_t out_stride, int n_q, int n_k, int heads, int kv_heads, float scale, bool causal, int num_threads) {
+// rows_of(h): the fetch of KV head h's rows (DenseRows, PagedRows).
+template <typename T, int D, typename RowsOf>
+void prefill(const T* q, int64_t q_stride, T* out, int64_t out_stride, int n_q, int n_k, int heads, int kv_heads,
+             const RowsOf& rows_of, float scale, bool causal, int num_threads) {
   std::vector<Packed> packed(kv_heads);
 #pragma omp parallel for num_threads(num_threads)
-  for (int h = 0; h < kv_heads; ++h) pack(packed[h], k + h * D, k_stride, v + h * D, v_stride, n_k, D);
+  for (int h = 0; h < kv_heads; ++h) pack<T>(packed[h], n_k, D, rows_of(h));
   const int blocks = (n_q + kRows - 1) / kRows;
   // the last query blocks see the most keys: handed out first, they do not end the step alone
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
@@ -189,6 +231,15 @@ void prefill(const T* q, int64_t q_stride, const T* k, int64_t k_stride, const T
                       packed[h / (heads / kv_heads)], rows, static_cast<int64_t>(n_k) - n_q + r0 + 1, n_k, causal,
                       scale);
   }
+}
+
+// Calls run(T{}, integral_constant<D>) for `dtype` (0 fp32, 2 bf16) and a head_dim the kernel is built for.
+template <typename F>
+void by_dtype_and_head_dim(int dtype, int head_dim, F&& run) {
+  by_dtype(dtype, [&](auto t) {
+    if (head_dim == 64) run(t, std::integral_constant<int, 64>{});
+    if (head_dim == 128) run(t, std::integral_constant<int, 128>{});
+  });
 }
 #endif
 
@@ -212,19 +263,48 @@ extern "C" void tiffin_prefill_attention(int dtype, const void* q, int64_t q_str
                                          int n_k, int heads, int kv_heads, int head_dim, float scale, int causal,
                                          int num_threads) {
 #if defined(__AVX512BF16__)
-  by_dtype(dtype, [&](auto t) {
+  by_dtype_and_head_dim(dtype, head_dim, [&](auto t, auto d) {
     using T = decltype(t);
-    const auto run = [&](auto d) {
-      prefill<T, decltype(d)::value>(static_cast<const T*>(q), q_stride, static_cast<const T*>(k), k_stride,
-                                     static_cast<const T*>(v), v_stride, static_cast<T*>(out), out_stride, n_q, n_k,
-                                     heads, kv_heads, scale, causal != 0, num_threads);
+    constexpr int D = decltype(d)::value;
+    const auto rows_of = [&](int h) {
+      return DenseRows<T>{static_cast<const T*>(k) + h * D, static_cast<const T*>(v) + h * D, k_stride, v_stride, D};
     };
-    if (head_dim == 64) run(std::integral_constant<int, 64>{});
-    if (head_dim == 128) run(std::integral_constant<int, 128>{});
+    prefill<T, D>(static_cast<const T*>(q), q_stride, static_cast<T*>(out), out_stride, n_q, n_k, heads, kv_heads,
+                  rows_of, scale, causal != 0, num_threads);
   });
 #else
   (void)dtype, (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride, (void)out;
   (void)out_stride, (void)n_q, (void)n_k, (void)heads, (void)kv_heads, (void)head_dim, (void)scale, (void)causal;
   (void)num_threads;
+#endif
+}
+
+// The same with the n_k keys and values read through `block_table` from paged caches ([blocks, block_size,
+// kv_heads, head_dim]) of `cache_dtype` (the query's, or 3 int8, 4 fp8 e4m3, 5 fp8 e5m2 codes with bf16 scales
+// [slots, kv_heads], keys stored rotated): no dequantized copy of the cache, and the queries not rotated.
+extern "C" void tiffin_prefill_paged(int dtype, const void* q, int64_t q_stride, void* out, int64_t out_stride,
+                                     int n_q, int n_k, int heads, int kv_heads, int head_dim, int cache_dtype,
+                                     const void* k_cache, const void* v_cache, const void* k_scale,
+                                     const void* v_scale, const int32_t* block_table, int block_size, float scale,
+                                     int causal, int num_threads) {
+#if defined(__AVX512BF16__)
+  by_dtype_and_head_dim(dtype, head_dim, [&](auto t, auto d) {
+    using T = decltype(t);
+    constexpr int D = decltype(d)::value;
+    by_cache_dtype<T>(cache_dtype, [&](auto c) {
+      using C = decltype(c);
+      const auto rows_of = [&](int h) {
+        return PagedRows<T, C>{static_cast<const C*>(k_cache), static_cast<const C*>(v_cache),
+                               static_cast<const bf16*>(k_scale), static_cast<const bf16*>(v_scale),
+                               block_table, block_size, kv_heads, h, D};
+      };
+      prefill<T, D>(static_cast<const T*>(q), q_stride, static_cast<T*>(out), out_stride, n_q, n_k, heads, kv_heads,
+                    rows_of, scale, causal != 0, num_threads);
+    });
+  });
+#else
+  (void)dtype, (void)q, (void)q_stride, (void)out, (void)out_stride, (void)n_q, (void)n_k, (void)heads;
+  (void)kv_heads, (void)head_dim, (void)cache_dtype, (void)k_cache, (void)v_cache, (void)k_scale, (void)v_scale;
+  (void)block_table, (void)block_size, (void)scale, (void)causal, (void)num_threads;
 #endif
 }
