@@ -203,8 +203,8 @@ def _decode_groups(query, out, k_cache, v_cache, k_scale, v_scale, groups: list[
 
 def _prefill_native(query: torch.Tensor) -> bool:
     """Whether a prefill span runs the native kernel rather than SDPA: fp32 (1.1-1.6x SDPA's flash kernel), and
-    bf16 where the CPU has bf16 dot products but no AMX tiles (AMD Zen 4, Xeons before the 4th generation), on
-    which SDPA widens bf16 to fp32 (the kernel: 2.8-3.7x); with AMX tiles SDPA's bf16 runs on them. Figures:
+    bf16 where the CPU has bf16 dot products but no AMX tiles (AMD Zen 4 and 5), on which SDPA widens bf16 to
+    fp32 (the kernel: 2.8-3.7x); with AMX tiles SDPA's bf16 runs on them. Figures:
     benchmarks/README.md. TIFFIN_CPU_PREFILL=sdpa|native overrides, for measuring."""
     choice = os.environ.get("TIFFIN_CPU_PREFILL", "auto")
     if choice == "sdpa" or not cpu_native.supports_prefill(query):
