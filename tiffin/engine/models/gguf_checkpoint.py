@@ -96,6 +96,20 @@ def find_gguf(path: str | Path) -> Path | None:
     return files[0] if files else None
 
 
+class _Reader(gguf.GGUFReader):
+    """`gguf.GGUFReader` over a plain ndarray view of its memory map: the reader slices its map once per
+    metadata value (a vocabulary's every token and merge), and a `np.memmap` slice costs ~3x a plain one
+    (SmolLM2's file: 2.5 -> 0.9 s). The tensors' data are views of the same mapped pages either way."""
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._data
+
+    @data.setter
+    def data(self, mapped: np.memmap) -> None:
+        self._data = mapped.view(np.ndarray)
+
+
 @functools.lru_cache(maxsize=1)  # the config, the eos ids and the weights of one load share one parse
 def open_gguf(path: Path) -> "GGUFCheckpoint":
     return GGUFCheckpoint(path)
@@ -108,7 +122,7 @@ class GGUFCheckpoint:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         check_header(self.path)
-        self.reader = gguf.GGUFReader(self.path)
+        self.reader = _Reader(self.path)
         self.arch = ""  # llama.cpp's name, which keys are spelled with: general.architecture's own is not
         self.arch = self.text(Keys.General.ARCHITECTURE)
         self.architecture = gguf_architecture(self.arch, self.path.name)
