@@ -233,6 +233,12 @@ def test_an_int8_tier_keeps_a_quantized_pool_format(path, kv_cache_dtype):
     assert [t.dtype for t in int8.model_runner.host_tier] == [t.dtype for t in runner.kv_tensors]
 
 
+def test_fp8_is_vllms_name_for_e4m3(path):
+    runner = engine(path, num_kv_blocks=12, kv_cache_dtype="fp8").model_runner
+    assert runner.config.kv_cache_dtype == "fp8_e4m3"
+    assert runner.kv_cache.dtype == torch.float8_e4m3fn
+
+
 def test_a_bad_kv_offload_dtype_is_refused():
     with pytest.raises(ValueError, match="kv_offload_dtype"):
         EngineConfig("model", kv_offload_dtype="fp8_e4m3")

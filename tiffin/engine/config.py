@@ -88,8 +88,8 @@ class EngineConfig:
     )
     kv_cache_dtype: str = _setting(
         "auto",
-        "what the KV cache stores: auto (the model's dtype), int8 or fp8_e4m3 / fp8_e5m2 (a byte per value and a "
-        "scale per token and KV head: about half a bf16 cache's bytes)",
+        "what the KV cache stores: auto (the model's dtype), int8 or fp8_e4m3 (fp8, as vLLM names it) / fp8_e5m2 (a "
+        "byte per value and a scale per token and KV head: about half a bf16 cache's bytes)",
     )
     kv_offload_memory: int = _setting(
         0,
@@ -228,6 +228,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {list(DTYPE_NAMES)}, got {self.dtype!r}")
         if self.cpu_quant_compute not in ("native", "int8", "exact"):
             raise ValueError(f"cpu_quant_compute must be 'native', 'int8' or 'exact', got {self.cpu_quant_compute!r}")
+        if self.kv_cache_dtype == "fp8":  # vLLM's name for it
+            self.kv_cache_dtype = "fp8_e4m3"
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.kv_offload_dtype not in KV_OFFLOAD_DTYPES:
