@@ -43,16 +43,25 @@ def load_json(text: str, name: str) -> Any:
         ) from None
 
 
+_END = object()
+
+
 def check_shape(value: Any, name: str) -> None:
     """`value` (a spec given as JSON values) nests at most MAX_NESTING objects and arrays, holds at most MAX_NODES
     of them, and is at most MAX_SPEC_BYTES as JSON text. Only after this may recursive code walk it."""
-    nodes, stack = 0, [(value, 1)]
+    # a stack of iterators, one per open object or array, each at the depth of its items: a wide list is walked
+    # only as far as the limits allow (all its items pushed at once, 200,000 of them took a second under load)
+    nodes, stack = 0, [(iter((value,)), 1)]
     while stack:
-        item, depth = stack.pop()
+        items, depth = stack[-1]
+        item = next(items, _END)
+        if item is _END:
+            stack.pop()
+            continue
         if isinstance(item, dict):
-            children = item.values()
+            children = iter(item.values())
         elif isinstance(item, (list, tuple)):
-            children = item
+            children = iter(item)
         else:
             continue
         nodes += 1
@@ -62,7 +71,7 @@ def check_shape(value: Any, name: str) -> None:
             )
         if nodes > MAX_NODES:
             raise ValueError(f"{name} has more than {MAX_NODES} objects and arrays; at most {MAX_NODES} are accepted")
-        stack.extend((child, depth + 1) for child in children)
+        stack.append((children, depth + 1))
     check_text(json.dumps(value), name)
 
 
