@@ -275,6 +275,8 @@ def test_fuzzed_bodies_never_get_a_5xx(fuzz_client):
     assert stats.num_running == stats.num_waiting == stats.kv_blocks_used == 0
     generating = ("/completions", "/chat/completions", "/responses", "/messages")
     answered = sum(n for (path, status), n in statuses.items() if status == 200 and path in generating)
-    assert statuses.total() >= EXAMPLES and answered > EXAMPLES // 20, statuses  # the engine ran too
+    # the engine ran too: ~6% of the bodies generate (131 of 2000 run alone, 99 after other tests' imports, whose
+    # constants Hypothesis mixes into its draws), so the bound leaves room for the draws to move
+    assert statuses.total() >= EXAMPLES and answered > EXAMPLES // 40, statuses
     assert {path for path, _ in statuses} == {path for path, _, _ in ROUTES}, statuses
     print(f"fuzz statuses: {dict(sorted(statuses.items()))}", file=sys.stderr)
