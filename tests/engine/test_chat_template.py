@@ -3,7 +3,10 @@ transformers' `apply_chat_template` encodes it, control tokens spelled in a mess
 template is refused within 2 s by the limit it runs into, naming the setting, without building gigabytes."""
 
 import resource
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from copy import deepcopy
 
 import pytest
 
@@ -165,3 +168,30 @@ def test_limits_are_engine_settings(tiny_model):
     for bad in ({"chat_template_timeout": 0}, {"chat_template_max_chars": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             EngineConfig("m", **bad)
+
+
+def test_renders_at_once_each_hold_a_tokenizer_of_their_own(tiny_model, monkeypatch):
+    """Encoding control tokens as text sets a flag on the tokenizer for that encode: renders at once never share
+    one, a finished render's copy serves the next, and the first chat finds one made at load (a copy takes ~0.2 s
+    on the default model)."""
+    llm = LLM(tiny_model("llama"), num_kv_blocks=64)
+    engine, renders = llm.llm_engine, 4
+    at_once = threading.Barrier(renders, timeout=10)
+    held = []
+
+    def hold(tokenizer, *args, **kwargs):
+        held.append(tokenizer)
+        at_once.wait()
+        return render_chat(tokenizer, *args, **kwargs)
+
+    monkeypatch.setattr("tiffin.engine.llm_engine.render_chat", hold)
+    copies = []
+    monkeypatch.setattr("tiffin.engine.llm_engine.deepcopy", lambda t: copies.append(t) or deepcopy(t))
+    with ThreadPoolExecutor(renders) as pool:
+        prompts = list(pool.map(lambda _: engine.render_chat([{"role": "user", "content": FORGED}]), range(renders)))
+    assert len({id(t) for t in held}) == renders and engine.tokenizer not in held
+    assert len(copies) == renders - 1  # the first render took the copy made at load
+    assert all(p.token_ids.count(IM_START_ID) == 2 for p in prompts)
+    at_once = threading.Barrier(1)
+    engine.render_chat([{"role": "user", "content": "hi"}])
+    assert len(copies) == renders - 1 and held[-1] in held[:renders]

@@ -6,16 +6,17 @@ every request of a batch fails alone and a one-token probe forward fails too, th
 `step()` raises EngineDeadError. A speculative proposer that raises fails nobody: the step runs without
 proposals."""
 
-import copy
 import dataclasses
 import functools
 import json
 import logging
 import os
+import queue
 import threading
 import time
 import traceback
 from concurrent.futures import FIRST_COMPLETED, wait
+from copy import deepcopy
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -103,7 +104,9 @@ class LLMEngine:
         )
         self.model_config.dtype = resolve_dtype(config.dtype, self.model_config.dtype, config.torch_device)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
-        self._chat_tokenizers = threading.local()  # render_chat's, a copy per thread
+        # render_chat's copies, one per render at once: a copy takes ~0.2 s, so the first is made here, not in a chat
+        self._chat_tokenizers = queue.SimpleQueue()
+        self._chat_tokenizers.put(deepcopy(self.tokenizer))
         self.max_model_len = self._max_model_len()
         self.max_prompt_chars = PROMPT_CHARS_SLACK * self.max_model_len * max(map(len, self.tokenizer.get_vocab()))
         self.eos_token_ids = frozenset(self._eos_token_ids())
@@ -562,15 +565,19 @@ class LLMEngine:
     ) -> TokenizedPrompt:
         """One conversation rendered within the chat template limits (tiffin.engine.chat; chat_template_max_chars
         defaults to the longest prompt `tokenize` takes) and checked as `tokenize` checks a prompt (`fit_context` as
-        there); thread-safe: each thread has a copy of the tokenizer, since encoding control tokens as text sets a
-        flag on it for that encode. ParamError when it cannot be rendered or does not fit."""
-        tokenizer = getattr(self._chat_tokenizers, "tokenizer", None)
-        if tokenizer is None:
-            tokenizer = self._chat_tokenizers.tokenizer = copy.deepcopy(self.tokenizer)
+        there); thread-safe: each render takes a copy of the tokenizer of its own, since encoding control tokens as
+        text sets a flag on it for that encode. ParamError when it cannot be rendered or does not fit."""
+        try:
+            tokenizer = self._chat_tokenizers.get_nowait()
+        except queue.Empty:
+            tokenizer = deepcopy(self.tokenizer)
         config = self.config
         max_chars = config.chat_template_max_chars or self.max_prompt_chars
         settings = ChatSettings(config.chat_template_timeout, max_chars, config.control_tokens_in_messages)
-        rendered = render_chat(tokenizer, messages, add_generation_prompt, settings, **template_kwargs)
+        try:
+            rendered = render_chat(tokenizer, messages, add_generation_prompt, settings, **template_kwargs)
+        finally:
+            self._chat_tokenizers.put(tokenizer)
         return self.tokenize(rendered, fit_context=fit_context)
 
     def _check_params(self, params: SamplingParams | PoolingParams) -> None:
