@@ -24,6 +24,9 @@ from tiffin.engine.worker.batch import synthetic_step
 from tiffin.kernels import kv_quant
 
 CPU_KV_CACHE_CAP = 4 << 30  # bytes; like vLLM's CPU backend default
+# blocks of a CPU pool written at load, the free queue's first: a virtual machine may back fresh memory only when it
+# is first written, ~0.5-0.8 s over a block of every layer on this project's VMs, which a first chat paid otherwise
+FIRST_BLOCKS_WRITTEN = 16
 GiB = 1 << 30
 
 
@@ -120,8 +123,11 @@ class KVCacheSpec:
         attention weights multiply them); each attention layer gets its K and V views (and its scales' views, or
         None). Returns the pool's tensors, each `[2, num_layers, num_blocks + 1, block_size, ...]`: the cache, then
         the scales of a quantized one. On CPU the zeros are the operating system's (calloc): pages take memory once
-        written, so the pool costs what requests use."""
+        written, so the pool costs what requests use, FIRST_BLOCKS_WRITTEN of it from the start."""
         tensors = [_zeros(shape, dtype, device) for shape, dtype in self._shapes(num_blocks + 1)]
+        if device.type == "cpu":
+            for tensor in tensors:
+                tensor[:, :, :FIRST_BLOCKS_WRITTEN].zero_()
         for i, attn in enumerate(layers_kv):
             attn.k_cache, attn.v_cache = tensors[0][0, i], tensors[0][1, i]
             attn.k_scale, attn.v_scale = (tensors[1][0, i], tensors[1][1, i]) if self.quantized else (None, None)
