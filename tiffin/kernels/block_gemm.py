@@ -59,27 +59,40 @@ def pack_codes(
     n, k = codes.shape
     if k % BLOCK or scales.shape != (n, k // BLOCK) or offsets.shape != scales.shape:
         raise ValueError(f"codes [N, K] need K a multiple of {BLOCK} and [N, K/{BLOCK}] scales, got {codes.shape}")
-    quads = _interleave(codes.to(torch.uint8).view(n, k // BLOCK, 8, 4)).transpose(2, 3)  # [G, blocks, quad, 16, 4]
+    quads = codes.to(torch.uint8).view(n, k // BLOCK, 8, 4)
     if bits == 4:
         quads = quads[:, :, :4] | (quads[:, :, 4:] << 4)
-    fp16 = lambda t: _interleave(t.to(torch.float16)).reshape(quads.shape[0], -1).contiguous()
-    codes = quads.reshape(quads.shape[0], -1).contiguous()
+    return _pack_quads(quads.contiguous(), scales, offsets, bits, k, levels)
+
+
+def _pack_quads(
+    quads: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int, k: int, levels: int
+) -> BlockWeights:
+    """The layout from a row's quads `uint8 [N, blocks, registers, 4]` (its 4 bytes of each register of a block),
+    moved as int32s: one copy."""
+    n = quads.shape[0]
+    lanes = _interleave(quads.view(torch.int32).squeeze(-1)).transpose(2, 3)  # [groups, blocks, registers, 16]
+    groups = lanes.shape[0]
+    fp16 = lambda t: _interleave(t.to(torch.float16)).reshape(groups, -1).contiguous()
+    codes = lanes.contiguous().view(torch.uint8).view(groups, -1)
     return BlockWeights(codes, fp16(scales), fp16(offsets), bits, k, n, levels)
 
 
 def from_gguf(
     qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int, levels: int = 1
 ) -> BlockWeights:
-    """GGUF Q4_0 / Q4_1 / Q8_0 rows as `tiffin.quant.gguf` keeps them (see `gguf_dequantize`)."""
+    """GGUF Q4_0 / Q4_1 / Q8_0 rows as `tiffin.quant.gguf` keeps them (see `gguf_dequantize`). Their blocks hold
+    each quad of inputs as the layout does (a Q4 block's byte j holds inputs j and j + 16 in its nibbles, as byte
+    4l + j of register t holds 4t + j and 4t + 16 + j), so repacking moves whole quads; Q8_0's codes + 128 flip
+    the top bit."""
     n = qweight.shape[0]
+    raw = qweight.contiguous().view(torch.uint8)
     if bits == 4:
-        halves = qweight.view(n, -1, 16)
-        codes = torch.cat([halves & 0xF, halves >> 4], dim=-1).view(n, -1)
         offsets = mins if mins is not None else -8 * scales.float()
     else:
-        codes = (qweight.view(n, -1).to(torch.int16) + 128).to(torch.uint8)
-        offsets = -128 * scales.float()
-    return pack_codes(codes, scales, offsets, bits, levels)
+        raw, offsets = raw ^ 0x80, -128 * scales.float()
+    k = raw.shape[1] * 8 // bits
+    return _pack_quads(raw.view(n, k // BLOCK, -1, 4), scales, offsets, bits, k, levels)
 
 
 def from_groups(
