@@ -122,7 +122,7 @@ class GGUFCheckpoint:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         check_header(self.path)
-        self.reader = _Reader(self.path)
+        self.reader = _Reader(self.path, mode="c")  # copy-on-write: its tensors are writable views, not copied
         self.arch = ""  # llama.cpp's name, which keys are spelled with: general.architecture's own is not
         self.arch = self.text(Keys.General.ARCHITECTURE)
         self.architecture = gguf_architecture(self.arch, self.path.name)
@@ -247,7 +247,7 @@ class GGUFCheckpoint:
             if self.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
                 heads = self.dims.heads if ".q_proj." in name else self.dims.kv_heads
                 data = _undo_rope_permutation(data, heads)
-            yield name, torch.from_numpy(np.array(data))  # a copy: the reader's arrays map the file read-only
+            yield name, torch.from_numpy(data)
 
     def _block_count(self) -> int:
         """block_count, once it names exactly the blocks whose blk.N tensors the file holds: the name map and
