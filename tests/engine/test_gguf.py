@@ -41,6 +41,20 @@ def test_kept_layer_equals_dequantize_then_matmul(qtype):
         assert torch.equal(layer(x.to(dtype)), torch.nn.functional.linear(x.to(dtype), weight.to(dtype)))
 
 
+@pytest.mark.parametrize("qtype", list(KEPT_TYPES), ids=lambda t: t.name)
+def test_blocks_at_any_address_load_alike(qtype):
+    """A layer copies its blocks' fields out as 16- or 32-bit words; a file's tensor data may start at any offset
+    its alignment allows (down to 1), whose words are read from an aligned copy."""
+    weight = (np.random.default_rng(1).standard_normal((24, 64)) * 0.05).astype(np.float32)
+    blocks = torch.from_numpy(gguf.quantize(weight, qtype))
+    shifted = torch.empty(blocks.numel() + 1, dtype=torch.uint8)[1:].view(blocks.shape)
+    shifted.copy_(blocks)
+    for raw in (blocks, shifted):
+        layer = Linear(64, [24], False, torch.float32, GGUFLinearMethod(KEPT_TYPES[qtype], "torch"))
+        layer.load("weight", raw, None)
+        assert torch.equal(layer.method.dequantize(layer), torch.from_numpy(gguf.dequantize(blocks.numpy(), qtype)))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("qtype", list(KEPT_TYPES), ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 37, 256])  # 256: the dense path (DENSE_MIN_TOKENS)
