@@ -198,7 +198,7 @@ def load_shard(layer: nn.Module, target: torch.Tensor, tensor, shard: int | None
     if shard is not None:
         target = target.narrow(dim, layer.offsets[shard] // pack, layer.output_sizes[shard] // pack)
     split = getattr(layer, "split", None)
-    if split == "column" or (split == "row" and len(shape_of(tensor)) >= 2):
+    if split == "column" or (split == "row" and len(shape_of(tensor)) == 2):
         along = dim if split == "column" else 1 - dim
         tensor = rank_slice(tensor, along, target.shape[along], layer.tp.rank, layer.tp.size)
     tensor = materialize(tensor)
