@@ -12,7 +12,9 @@ from safetensors.numpy import load_file
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
-def write_gguf(hf_dir: str | Path, out: str | Path, qtype: QType, arch: str | None = None, **raw_tensors) -> Path:
+def write_gguf(
+    hf_dir: str | Path, out: str | Path, qtype: QType, arch: str | None = None, big_endian: bool = False, **raw_tensors
+) -> Path:
     """The checkpoint at `hf_dir` as a GGUF with every 2-D weight in `qtype` (norms stay F32). `arch` overrides
     the architecture written; `raw_tensors` (gguf name -> (uint8 array, type)) are added as they are."""
     hf_dir, out = Path(hf_dir), Path(out)
@@ -21,7 +23,7 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype: QType, arch: str | No
     arch = arch or GGUF_ARCH[config["model_type"]]
     layers, heads, kv_heads = config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    w = gguf.GGUFWriter(out, arch)
+    w = gguf.GGUFWriter(out, arch, endianess=gguf.GGUFEndian.BIG if big_endian else gguf.GGUFEndian.LITTLE)
     w.add_name(f"tiny {config['model_type']}")
     w.add_block_count(layers)
     w.add_context_length(config["max_position_embeddings"])

@@ -94,6 +94,18 @@ def test_tensors_come_out_as_transformers_reads_them(tmp_path, tiny_model):
         assert torch.equal(tensor, reference[name]), name
 
 
+@pytest.mark.parametrize("qtype", [QType.F32, QType.F16], ids=lambda t: t.name)
+def test_a_big_endian_file_reads_as_a_little_endian_one(tmp_path, tiny_model, qtype):
+    def read(big_endian: bool) -> tuple[dict, dict]:
+        path = write_gguf(tiny_model("llama"), tmp_path / f"{big_endian}.gguf", qtype, big_endian=big_endian)
+        checkpoint = GGUFCheckpoint(path)
+        return checkpoint.config({}), dict(checkpoint.weights({}))
+
+    (little_config, little), (big_config, big) = read(False), read(True)
+    assert big_config == little_config and big.keys() == little.keys()
+    assert all(torch.equal(big[name], little[name]) for name in little)
+
+
 def test_refusals_name_what_is_unsupported(tmp_path, tiny_model):
     hf = tiny_model("llama")
     with pytest.raises(ValueError, match="GGUF architecture 'granite' is not supported"):

@@ -1,6 +1,7 @@
-"""GGUF files (llama.cpp's format), read with the `gguf` package: the Hugging Face config their metadata
-implies and their tensors under Hugging Face names (the tokenizer and chat template: transformers' GGUF
-conversion, `tiffin.engine.models.source.load_tokenizer`).
+"""GGUF files (llama.cpp's format): the Hugging Face config their metadata implies and their tensors under
+Hugging Face names, the header read by `gguf_header`, the tensors mapped from the file and dequantized by the
+`gguf` package (the tokenizer and chat template: transformers' GGUF conversion,
+`tiffin.engine.models.source.load_tokenizer`).
 
 Q4_0, Q4_1 and Q8_0 tensors stay quantized (tiffin.quant.gguf) where a layer can hold them: the config names
 them in its `quantization_config`, and they come out as stored (the raw blocks, `uint8 [rows, row_bytes]`).
@@ -9,8 +10,8 @@ llama.cpp's converter interleaves the rows of every llama-family q/k projection 
 adjacent dims, Hugging Face's pairs halves); the rows are put back here, whatever their type, since a row
 is always whole blocks.
 
-Model files are untrusted input. Before the `gguf` package parses one, its header is checked against the file's
-size (`gguf_header`); then every metadata value read is checked for its type and bounds, and every dimension
+Model files are untrusted input. Their header is read only as far as it is checked against the file's size
+(`gguf_header`); then every metadata value read is checked for its type and bounds, and every dimension
 it declares against the tensors present, each refusal a ValueError naming the field. So a file that opens
 builds no layer larger than its own tensors, and nothing sized per position beyond MAX_CONTEXT.
 """
@@ -26,10 +27,10 @@ import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
-from gguf import GGUFValueType, Keys
+from gguf import Keys
 from tqdm.auto import tqdm
 
-from tiffin.engine.models.gguf_header import check_header
+from tiffin.engine.models.gguf_header import Array, check_header
 from tiffin.engine.models.registry import gguf_architecture
 from tiffin.quant.gguf import KEPT_TYPES
 
@@ -46,6 +47,7 @@ TYPES = (
     QType.Q5_K,
     QType.Q6_K,
 )
+WORDS = {QType.F32: np.float32, QType.F16: np.float16}  # the types whose values a big-endian file stores swapped
 # Hugging Face module names, per layer and global, that a supported GGUF may hold
 LAYER_MODULES = (
     "input_layernorm",
@@ -96,20 +98,6 @@ def find_gguf(path: str | Path) -> Path | None:
     return files[0] if files else None
 
 
-class _Reader(gguf.GGUFReader):
-    """`gguf.GGUFReader` over a plain ndarray view of its memory map: the reader slices its map once per
-    metadata value (a vocabulary's every token and merge), and a `np.memmap` slice costs ~3x a plain one
-    (SmolLM2's file: 2.5 -> 0.9 s). The tensors' data are views of the same mapped pages either way."""
-
-    @property
-    def data(self) -> np.ndarray:
-        return self._data
-
-    @data.setter
-    def data(self, mapped: np.memmap) -> None:
-        self._data = mapped.view(np.ndarray)
-
-
 @functools.lru_cache(maxsize=1)  # the config, the eos ids and the weights of one load share one parse
 def open_gguf(path: Path) -> "GGUFCheckpoint":
     return GGUFCheckpoint(path)
@@ -121,14 +109,14 @@ class GGUFCheckpoint:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        check_header(self.path)
-        self.reader = _Reader(self.path, mode="c")  # copy-on-write: its tensors are writable views, not copied
+        self.header = check_header(self.path)
+        self.mapped = np.memmap(self.path, mode="c")  # copy-on-write: its tensors are writable views, not copied
         self.arch = ""  # llama.cpp's name, which keys are spelled with: general.architecture's own is not
         self.arch = self.text(Keys.General.ARCHITECTURE)
         self.architecture = gguf_architecture(self.arch, self.path.name)
-        self.tensor_types = {t.name: t.tensor_type for t in self.reader.tensors}
+        self.tensor_types = {t.name: t.qtype for t in self.header.tensors}
         # ggml lists dims innermost first
-        self.tensor_shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in self.reader.tensors}
+        self.tensor_shapes = {t.name: tuple(reversed(t.dims)) for t in self.header.tensors}
         unsupported = sorted({t.name for t in self.tensor_types.values() if t not in TYPES})
         if unsupported:
             raise self.fail(
@@ -148,12 +136,12 @@ class GGUFCheckpoint:
         return ValueError(f"{self.path.name}: GGUF {message}")
 
     def field(self, key: str, default: Any = None) -> Any:
-        field = self.reader.fields.get(self.key(key))
-        if field is None:
-            return default
+        value = self.header.fields.get(self.key(key), default)
+        if not isinstance(value, bytes):
+            return value
         try:
-            return field.contents()
-        except ValueError as e:  # a string that is not UTF-8
+            return value.decode()
+        except UnicodeDecodeError as e:
             raise self.fail(f"{self.key(key)}: {e}") from None
 
     def text(self, key: str, default: str | None = None) -> str:
@@ -237,13 +225,16 @@ class GGUFCheckpoint:
 
     def weights(self, kept: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, tensor) for every tensor: the raw blocks of those `kept`, the others float32."""
-        for t in tqdm(self.reader.tensors, desc="Loading weights", unit="tensor"):
+        for t in tqdm(self.header.tensors, desc="Loading weights", unit="tensor"):
             name = self.hf_names[t.name]
             shape = self.tensor_shapes[t.name]
+            rows = self.mapped[t.start : t.start + t.n_bytes].view(np.ndarray).reshape(math.prod(shape[:-1]), -1)
             if name in kept:
-                data = t.data.reshape(shape[0], -1)
+                data = rows
             else:
-                data = gguf.dequantize(t.data, t.tensor_type).reshape(shape)
+                if self.header.byte_order == ">" and t.qtype in WORDS:  # what the `gguf` package's reader swaps
+                    rows = rows.view(WORDS[t.qtype]).byteswap().view(np.uint8)
+                data = gguf.dequantize(rows, t.qtype).reshape(shape)
             if self.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
                 heads = self.dims.heads if ".q_proj." in name else self.dims.kv_heads
                 data = _undo_rope_permutation(data, heads)
@@ -293,9 +284,8 @@ class GGUFCheckpoint:
         head_dim = self.integer(Keys.Attention.KEY_LENGTH) or hidden // heads
         if head_dim % 2 or not head_dim:  # the rotary embedding turns halves of each head
             raise self.fail(f"head dimension {self.head_dim_source()} = {head_dim} is not a positive even number")
-        token_list = self.reader.fields.get(Keys.Tokenizer.LIST)
-        is_list = token_list is not None and token_list.types[:1] == [GGUFValueType.ARRAY]
-        tokens = len(token_list.data) if is_list else None
+        token_list = self.header.fields.get(Keys.Tokenizer.LIST)
+        tokens = token_list.length if isinstance(token_list, Array) else None
         vocab = self.integer(Keys.LLM.VOCAB_SIZE) or tokens
         if not vocab:
             raise self.fail(f"metadata lacks {self.key(Keys.LLM.VOCAB_SIZE)} and {Keys.Tokenizer.LIST}")
