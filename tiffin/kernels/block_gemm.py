@@ -47,8 +47,9 @@ class BlockWeights:
 def _interleave(t: torch.Tensor) -> torch.Tensor:
     """`[N, blocks, ...]` -> `[groups, blocks, 16, ...]`, rows padded with zeros to whole groups."""
     groups = -(-t.shape[0] // LANES)
-    padded = torch.nn.functional.pad(t, (0,) * (2 * (t.dim() - 1)) + (0, groups * LANES - t.shape[0]))
-    return padded.view(groups, LANES, *t.shape[1:]).transpose(1, 2)
+    if t.shape[0] % LANES:  # (a pad copies even when it adds nothing)
+        t = torch.nn.functional.pad(t, (0,) * (2 * (t.dim() - 1)) + (0, groups * LANES - t.shape[0]))
+    return t.view(groups, LANES, *t.shape[1:]).transpose(1, 2)
 
 
 def pack_codes(
