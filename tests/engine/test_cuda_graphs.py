@@ -22,7 +22,9 @@ from tiffin.testing.cuda_emulation import CudaEmulation
 from tiffin.tiny import make_tiny_model
 
 QUANT = Path(__file__).parents[1] / "fixtures" / "quant"
-PROMPTS = ["Hello, tiffin", "The quick brown fox jumps", "1 2 3", "Once upon a time in a land far away"]
+# 7, 16, 4 and 5 tokens (the tiny llama's): rows of distinct positions, the second's decodes in its second KV block;
+# short, as a prefill costs by the token under the interpreter
+PROMPTS = ["Hi tiffin", "The quick brown fox jumps", "1 2 3", "Once upon"]
 
 
 def generate(llm: LLM, lora_request: list | None = None) -> list:
