@@ -226,9 +226,11 @@ CUDA_GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 def test_the_cuda_path_pools_as_the_cpu_does(bert_dir, on_cpu, cuda_emulation, monkeypatch):
     """Under the CUDA emulation (Triton kernels in the interpreter, warm-up included): a BERT embeds as on CPU
     (its non-causal prefill kernel), captures no decode graphs, and a decoder's embedding requests run eagerly
-    beside graphed decodes."""
+    beside graphed decodes. Steps of at most 128 tokens: TEXTS run in the same two steps (4 texts, then 2 of 125
+    tokens), and the KV sizing profiles a step of 128 tokens, not 4 sequences of 128 (under the interpreter each
+    token of a step costs)."""
     bert_vectors, llama_dir, tokens, vector = on_cpu
-    cuda = LLM(str(bert_dir), device="cuda", dtype="float32", max_num_seqs=4)
+    cuda = LLM(str(bert_dir), device="cuda", dtype="float32", max_num_seqs=4, max_num_batched_tokens=128)
     assert cuda.llm_engine.model_runner.decode_graphs is None
     assert (embeddings(cuda, TEXTS) - bert_vectors).abs().max() < 1e-5
     monkeypatch.setattr(model_runner, "warm_up_triton", lambda runner: None)  # the llama's: tested elsewhere

@@ -14,10 +14,12 @@ pytestmark = [pytest.mark.slow]
 
 PROMPTS = [
     "Hello, tiffin",
-    "The quick brown fox jumps over the lazy dog " * 12,  # longer than a step: chunked prefill
+    "The quick brown fox jumps over the lazy dog " * 12,  # 266 tokens: chunked prefill, decodes split their KV
     "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16",
     "a",
 ]
+# the LoRA kernels' variants follow the step's tokens and slots, not the context: two steps' worth is chunked enough
+LORA_PROMPTS = [PROMPTS[0], "The quick brown fox jumps over the lazy dog " * 5, *PROMPTS[2:]]
 
 
 @pytest.fixture
@@ -79,7 +81,7 @@ def test_no_lora_kernel_variant_is_first_launched_after_warm_up(tiny_model, inte
     assert {variant[0] for variant in warm} == {"_lora_shrink_kernel", "_lora_expand_kernel"}
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     with tc.recording_launches() as served:
-        llm.generate(PROMPTS, params, use_tqdm=False, lora_request=[loras[0], None, loras[1], loras[0]])
+        llm.generate(LORA_PROMPTS, params, use_tqdm=False, lora_request=[loras[0], None, loras[1], loras[0]])
     lora_served = {v for v in served if v[0] in ("_lora_shrink_kernel", "_lora_expand_kernel")}
     assert lora_served, "serving launched no LoRA kernel"
     new = lora_served - warm
