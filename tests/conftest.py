@@ -3,7 +3,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import pytest
-import torch
+
+# Under pytest-xdist (`-n 2`) the workers share CI's two cores: each runs one thread per pool. Two workers of two
+# threads would oversubscribe the cores, and the pools' threads then spin waiting for a descheduled one (the
+# Triton interpreter's dots run in numpy's OpenBLAS: an emulated CUDA-graph test took 5x as long). OpenBLAS reads
+# its count when numpy loads, which torch's import does: set here, before it.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
+import torch  # noqa: E402
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -11,7 +19,7 @@ if TYPE_CHECKING:
     from tiffin import AsyncLLMEngine
     from tiffin.plugin.openai.serving import OpenAIServing
 
-torch.set_num_threads(2)
+torch.set_num_threads(max(1, 2 // WORKERS))  # two threads on CI's two cores, their share under xdist
 # every engine the tests build in-process checks the block manager's invariants after each step
 os.environ.setdefault("TIFFIN_CHECK_INVARIANTS", "1")
 
