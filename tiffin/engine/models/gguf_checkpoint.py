@@ -47,7 +47,8 @@ TYPES = (
     QType.Q5_K,
     QType.Q6_K,
 )
-WORDS = {QType.F32: np.float32, QType.F16: np.float16}  # the types whose values a big-endian file stores swapped
+# the types whose values a big-endian file stores byte-swapped, as numpy reads them
+BYTE_ORDERED = {QType.F32: np.float32, QType.F16: np.float16}
 # Hugging Face module names, per layer and global, that a supported GGUF may hold
 LAYER_MODULES = (
     "input_layernorm",
@@ -232,8 +233,8 @@ class GGUFCheckpoint:
             if name in kept:
                 data = rows
             else:
-                if self.header.byte_order == ">" and t.qtype in WORDS:  # what the `gguf` package's reader swaps
-                    rows = rows.view(WORDS[t.qtype]).byteswap().view(np.uint8)
+                if self.header.byte_order == ">" and t.qtype in BYTE_ORDERED:  # what the `gguf` package's reader swaps
+                    rows = rows.view(BYTE_ORDERED[t.qtype]).byteswap().view(np.uint8)
                 data = gguf.dequantize(rows, t.qtype).reshape(shape)
             if self.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
                 heads = self.dims.heads if ".q_proj." in name else self.dims.kv_heads
