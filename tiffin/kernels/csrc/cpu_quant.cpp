@@ -148,7 +148,8 @@ inline void accumulate(__m512i (&dots)[GR][MC], int i, const int8_t* q, int t, c
 
 // Block b of row groups g..g+GR into L2. A tile asks for the next tile's block as it reads its own: a decode step
 // streams every weight from memory once, and the hardware prefetchers, which start afresh in each 4 KB page,
-// leave the cores waiting (batch-1 decode of SmolLM2 Q4_1 on a Xeon: 0.89x -> 1.12-1.18x llama.cpp, benchmarks/README.md).
+// leave the cores waiting (batch-1 decode of SmolLM2 Q4_1 on a Xeon: 0.89x -> 1.12-1.18x llama.cpp's,
+// benchmarks/README.md).
 template <int BITS, int GR>  // always inlined: GCC 12 otherwise drops the prefetches of the four-group tiles
 __attribute__((always_inline)) inline void prefetch_block(const Weights& w, int64_t g, int64_t b, int64_t blocks) {
   constexpr int64_t block_bytes = LANES * QK * BITS / 8;
