@@ -170,7 +170,7 @@ void tile(const Acts& a, int64_t m0, const Weights& w, int64_t g0, void* y, int 
   __m512 acc[GR][MC];
   for (int g = 0; g < GR; ++g)
     for (int i = 0; i < MC; ++i) acc[g][i] = _mm512_setzero_ps();
-  const bool ahead = (g0 + 2 * GR) * LANES <= w.n;
+  const bool ahead = m0 == 0 && (g0 + 2 * GR) * LANES <= w.n;  // later rows find the weights cached
   for (int64_t b = 0; b < a.blocks; ++b) {
     if (ahead) prefetch_block<BITS, GR>(w, g0 + GR, b, a.blocks);
     __m512i dots[GR][MC], rests[GR][MC];  // per level
