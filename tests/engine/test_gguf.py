@@ -12,7 +12,7 @@ from gguf_files import write_gguf
 from tiffin.engine.models.gguf_checkpoint import GGUFCheckpoint
 from tiffin.engine.models.linear import Linear
 from tiffin.kernels.triton_quant import _compile_gguf, quant_tile
-from tiffin.quant.gguf import KEPT_TYPES, GGUFLinearMethod
+from tiffin.quant.gguf import FIELD_TYPES, GGUFLinearMethod
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}  # relative to the output's scale
 
@@ -22,7 +22,7 @@ def fused_layer(qtype: QType, k: int, sizes: list[int], backend: str, seed: int)
     g = np.random.default_rng(seed)
     weight = (g.standard_normal((sum(sizes), k)) * 0.05).astype(np.float32)
     blocks = gguf.quantize(weight, qtype)
-    layer = Linear(k, sizes, False, torch.float32, GGUFLinearMethod(KEPT_TYPES[qtype], backend))
+    layer = Linear(k, sizes, False, torch.float32, GGUFLinearMethod([qtype] * len(sizes), backend))
     start = 0
     for shard, size in enumerate(sizes):
         layer.load("weight", torch.from_numpy(blocks[start : start + size].copy()), shard)
@@ -30,7 +30,7 @@ def fused_layer(qtype: QType, k: int, sizes: list[int], backend: str, seed: int)
     return layer, torch.from_numpy(gguf.dequantize(blocks, qtype))
 
 
-@pytest.mark.parametrize("qtype", list(KEPT_TYPES), ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", list(FIELD_TYPES), ids=lambda t: t.name)
 def test_kept_layer_equals_dequantize_then_matmul(qtype):
     layer, weight = fused_layer(qtype, 96, [40, 24, 24], "torch", seed=qtype)
     assert torch.equal(layer.method.dequantize(layer), weight)
@@ -41,7 +41,7 @@ def test_kept_layer_equals_dequantize_then_matmul(qtype):
         assert torch.equal(layer(x.to(dtype)), torch.nn.functional.linear(x.to(dtype), weight.to(dtype)))
 
 
-@pytest.mark.parametrize("qtype", list(KEPT_TYPES), ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", list(FIELD_TYPES), ids=lambda t: t.name)
 def test_blocks_at_any_address_load_alike(qtype):
     """A layer copies its blocks' fields out as 16- or 32-bit words; a file's tensor data may start at any offset
     its alignment allows (down to 1), whose words are read from an aligned copy."""
@@ -50,13 +50,13 @@ def test_blocks_at_any_address_load_alike(qtype):
     shifted = torch.empty(blocks.numel() + 1, dtype=torch.uint8)[1:].view(blocks.shape)
     shifted.copy_(blocks)
     for raw in (blocks, shifted):
-        layer = Linear(64, [24], False, torch.float32, GGUFLinearMethod(KEPT_TYPES[qtype], "torch"))
+        layer = Linear(64, [24], False, torch.float32, GGUFLinearMethod([qtype], "torch"))
         layer.load("weight", raw, None)
         assert torch.equal(layer.method.dequantize(layer), torch.from_numpy(gguf.dequantize(blocks.numpy(), qtype)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("qtype", list(KEPT_TYPES), ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", list(FIELD_TYPES), ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 37, 256])  # 256: the dense path (DENSE_MIN_TOKENS)
 def test_triton_kept_layer_matches_dequantize_then_matmul(interpreter, qtype, dtype, m):
     layer, weight = fused_layer(qtype, 128, [48, 40], "triton", seed=m)
@@ -76,7 +76,7 @@ def test_compile_check_covers_every_gguf_tile(arch):
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         for m in (1, 16, 17, 32, 33, 4096):
             tile = quant_tile(m, 32, dtype)
-            for quant in KEPT_TYPES.values():
+            for quant in FIELD_TYPES.values():
                 for split in (False, True) if m <= 16 else (False,):
                     assert (dtype, quant.bits, quant.has_min, tile.block_m, split) in registered
 
@@ -110,9 +110,9 @@ def test_refusals_name_what_is_unsupported(tmp_path, tiny_model):
     hf = tiny_model("llama")
     with pytest.raises(ValueError, match="GGUF architecture 'granite' is not supported"):
         GGUFCheckpoint(write_gguf(hf, tmp_path / "arch.gguf", QType.F32, arch="granite"))
-    q2k = np.zeros((4, 84), dtype=np.uint8)  # one Q2_K block per row
-    with pytest.raises(ValueError, match=r"GGUF tensor type\(s\) Q2_K not supported"):
-        GGUFCheckpoint(write_gguf(hf, tmp_path / "type.gguf", QType.F32, **{"extra.weight": (q2k, QType.Q2_K)}))
+    iq2 = np.zeros((4, 66), dtype=np.uint8)  # one IQ2_XXS block per row
+    with pytest.raises(ValueError, match=r"GGUF tensor type\(s\) IQ2_XXS not supported"):
+        GGUFCheckpoint(write_gguf(hf, tmp_path / "type.gguf", QType.F32, **{"extra.weight": (iq2, QType.IQ2_XXS)}))
     freqs = np.ones(8, dtype=np.float32)
     with pytest.raises(ValueError, match="rope_freqs"):
         GGUFCheckpoint(write_gguf(hf, tmp_path / "freqs.gguf", QType.F32, **{"rope_freqs.weight": (freqs, QType.F32)}))

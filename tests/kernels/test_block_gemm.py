@@ -3,6 +3,7 @@ arithmetic (exact integer block dot products at one or two activation levels, or
 reference against float64 algebra on the dequantized weight and activations, and the repacking of GGUF / AWQ /
 GPTQ weights against each format's own dequantization."""
 
+import itertools
 import os
 import platform
 import shutil
@@ -18,35 +19,84 @@ from tiffin.kernels.quant import awq_dequantize, gguf_dequantize, gptq_dequantiz
 native = pytest.mark.skipif(cpu_native.library() is None, reason="no C++ compiler: the native kernels are not built")
 # (M, K, N); 50 and 300 rows leave AMX a partial tile
 SHAPES = [(1, 64, 1), (1, 576, 960), (3, 96, 17), (7, 1056, 33), (50, 1088, 100), (64, 1536, 40), (300, 544, 7)]
+# the super-block kinds' K: whole super-blocks of 256
+SUPER_SHAPES = [(1, 256, 1), (1, 1536, 576), (3, 512, 17), (7, 768, 33), (50, 256, 100), (300, 512, 7)]
+FORMATS = sorted(ig.FORMATS)  # (bits, kind)
+FORMAT_IDS = [f"{bits}bit-{['blocks', 'mins', 'centred'][kind]}" for bits, kind in FORMATS]
 
 
-def random_blocks(n: int, k: int, bits: int, seed: int, levels: int = 1) -> ig.BlockWeights:
+def random_blocks(n: int, k: int, bits: int, seed: int, levels: int = 1, kind: int = ig.BLOCKS) -> ig.BlockWeights:
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, generator=g)
+    if kind == ig.SUPER_MINS:
+        sub = lambda: torch.randint(0, 64, (n, k // 32), dtype=torch.uint8, generator=g)
+        d, dmin = (
+            (torch.rand(n, k // 256, generator=g) * 1e-3).half(),
+            (torch.rand(n, k // 256, generator=g) * 1e-3).half(),
+        )
+        return ig.pack_super(codes, sub(), sub(), d, dmin, bits, levels)
+    if kind == ig.SUPER_CENTRED:
+        sub = torch.randint(-128, 128, (n, k // 16), dtype=torch.int8, generator=g)
+        return ig.pack_super(codes, sub, None, (torch.rand(n, k // 256, generator=g) * 1e-3).half(), None, bits, levels)
     scales = torch.rand(n, k // 32, generator=g) * 0.02
     offsets = -(2 ** (bits - 1)) * scales * torch.rand(n, k // 32, generator=g)
     return ig.pack_codes(codes, scales, offsets, bits, levels)
 
 
+def shapes(kind: int) -> list[tuple[int, int, int]]:
+    return SHAPES if kind == ig.BLOCKS else SUPER_SHAPES
+
+
 @native
 @pytest.mark.parametrize("levels", [1, 2])
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("m, k, n", SHAPES)
-def test_native_kernel_is_the_reference_arithmetic(m, k, n, bits, levels):
-    w = random_blocks(n, k, bits, seed=m + k + n, levels=levels)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 3
-    x[0, :32] = 0  # a block of zeros: scale 0
-    want = ig.block_gemm_reference(x, w)
-    # the kernels sum partial dot products in fp32 where the reference sums exact totals, or in another order: the
-    # two differ by fp32 roundings of terms as large as the largest output
-    torch.testing.assert_close(ig.block_gemm(x, w), want, rtol=0, atol=1e-5 * float(want.abs().max()))
+@pytest.mark.parametrize("bits, kind", FORMATS, ids=FORMAT_IDS)
+def test_native_kernel_is_the_reference_arithmetic(bits, kind, levels):
+    for m, k, n in shapes(kind):
+        w = random_blocks(n, k, bits, seed=m + k + n, levels=levels, kind=kind)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 3
+        x[0, :32] = 0  # a block of zeros: scale 0
+        want = ig.block_gemm_reference(x, w)
+        # the kernels sum partial dot products in fp32 where the reference sums exact totals, or in another order:
+        # the two differ by fp32 roundings of terms as large as the largest output
+        torch.testing.assert_close(ig.block_gemm(x, w), want, rtol=0, atol=1e-5 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("bits, kind", FORMATS, ids=FORMAT_IDS)
+def test_layout_round_trips_codes_and_factors(bits, kind):
+    """What the packers take is what the unpackers give back: codes, and each sub-block's d and m."""
+    n, k, g = 37, 512, torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, generator=g)
+    if kind == ig.BLOCKS:
+        d, m = torch.rand(n, k // 32, generator=g).half(), -torch.rand(n, k // 32, generator=g).half()
+        w = ig.pack_codes(codes, d, m, bits)
+        want_d, want_m = d.float(), m.float()
+    elif kind == ig.SUPER_MINS:
+        sc, mn = torch.randint(0, 64, (2, n, k // 32), dtype=torch.uint8, generator=g)
+        d, dmin = torch.rand(2, n, k // 256, generator=g).half()
+        w = ig.pack_super(codes, sc, mn, d, dmin, bits)
+        want_d = d.float().repeat_interleave(8, 1) * sc.float()
+        want_m = -dmin.float().repeat_interleave(8, 1) * mn.float()
+    else:
+        sc, d = torch.randint(-128, 128, (n, k // 16), dtype=torch.int8, generator=g), torch.rand(n, k // 256).half()
+        w = ig.pack_super(codes, sc, None, d, None, bits)
+        want_d = d.float().repeat_interleave(16, 1) * sc.float()
+        want_m = -(2 ** (bits - 1)) * want_d
+    assert torch.equal(ig.unpack_codes(w), codes)
+    rows = torch.tensor([36, 0, 17, 17])
+    assert torch.equal(ig.unpack_codes(w, rows), codes[rows])
+    got_d, got_m = ig.factors(w)
+    assert torch.equal(got_d, want_d) and torch.equal(got_m, want_m)
 
 
 @native
-def test_prompt_sized_inputs_take_bf16_dot_products_at_two_levels():
-    w2, w1 = random_blocks(40, 1536, 4, seed=3, levels=2), random_blocks(40, 1536, 4, seed=3)
+@pytest.mark.parametrize("bits, kind", FORMATS, ids=FORMAT_IDS)
+def test_prompt_sized_inputs_take_bf16_dot_products_at_two_levels(bits, kind):
+    w2, w1 = (
+        random_blocks(40, 1536, bits, seed=3, levels=2, kind=kind),
+        random_blocks(40, 1536, bits, seed=3, kind=kind),
+    )
     rows = cpu_native.bf16_min_rows() or 32
-    small, large = torch.randn(rows - 1, 1536), torch.randn(rows, 1536)
+    small, large = torch.randn(rows - 1, 1536), torch.randn(rows + 19, 1536)
     assert ig.in_bf16(large, w2) == (cpu_native.bf16_min_rows() is not None)
     assert not ig.in_bf16(small, w2) and not ig.in_bf16(large, w1)
     # bf16 operands, sums in float64: the bf16 path differs by fp32 roundings only
@@ -57,9 +107,9 @@ def test_prompt_sized_inputs_take_bf16_dot_products_at_two_levels():
 
 
 @native
-@pytest.mark.parametrize("bits", [4, 8])
-def test_native_row_lookup_is_the_dequantized_weight(bits):
-    w, rows = random_blocks(40, 96, bits, seed=5), torch.tensor([0, 17, 39, 17])
+@pytest.mark.parametrize("bits, kind", FORMATS, ids=FORMAT_IDS)
+def test_native_row_lookup_is_the_dequantized_weight(bits, kind):
+    w, rows = random_blocks(40, 256, bits, seed=5, kind=kind), torch.tensor([0, 17, 39, 17])
     want = ig.dequantize_blocks(w)[rows]  # the whole weight, in torch
     # `q * d + m` fused or not: one rounding apart (GGUF's blocks are exact either way)
     torch.testing.assert_close(ig.dequantize_blocks(w, rows), want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))
@@ -87,20 +137,21 @@ def test_activation_quantization_is_bit_exact(dtype):
     x = (torch.randn(9, 352) * torch.logspace(-3, 3, 352)).to(dtype)
     x[1, 32:64] = 0
     for levels in (1, 2):
-        q, q2, dx, sx = cpu_native.quantize_acts(x, levels)
+        q, q2, dx, sx, sxh = cpu_native.quantize_acts(x, levels)
         want_q, want_dx = ig.quantize_activations(x, levels)
         assert torch.equal(127 * q.int() + q2 if levels == 2 else q, want_q) and torch.equal(dx, want_dx)
         assert torch.equal(sx, want_dx * want_q.view(9, -1, 32).sum(-1).float())
+        assert torch.equal(sxh, want_dx.repeat_interleave(2, 1) * want_q.view(9, -1, 16).sum(-1).float())
         assert int(q.abs().max()) == 127 and (0 < int(q2.abs().max()) <= 64 if levels == 2 else not q2.any())
 
 
 @pytest.mark.parametrize("levels", [1, 2])
-@pytest.mark.parametrize("bits", [4, 8])
-def test_reference_is_the_product_of_the_dequantized_operands(bits, levels):
+@pytest.mark.parametrize("bits, kind", FORMATS, ids=FORMAT_IDS)
+def test_reference_is_the_product_of_the_dequantized_operands(bits, kind, levels):
     """Independent of the block bookkeeping: (qx * dx) @ (q * d + m)^T in float64, qx within half a step of x."""
-    m, k, n = 4, 160, 24
+    m, k, n = 4, 512, 24
     w, x = (
-        random_blocks(n, k, bits, seed=7, levels=levels),
+        random_blocks(n, k, bits, seed=7, levels=levels, kind=kind),
         torch.randn(m, k, generator=torch.Generator().manual_seed(1)),
     )
     qx, dx = ig.quantize_activations(x, levels)
@@ -188,10 +239,12 @@ def test_the_portable_path_is_the_same_arithmetic(tmp_path):
     lib.tiffin_block_gemm.argtypes = cpu_native._BLOCK_GEMM_ARGS
     lib.tiffin_quant_kernels.restype = ctypes.c_char_p
     assert lib.tiffin_quant_kernels().startswith(b"portable")
-    for bits, levels, m in [(4, 1, 3), (8, 2, 5), (4, 2, 40)]:  # 40 rows at two levels: bf16 where built, not here
-        w, x = random_blocks(24, 96, bits, seed=bits + m, levels=levels), torch.randn(m, 96)
+    # 40 rows at two levels: bf16 where built, not here
+    for (bits, kind), (levels, m) in itertools.product(FORMATS, [(1, 3), (2, 5), (2, 40)]):
+        w, x = random_blocks(24, 256, bits, seed=bits + m, levels=levels, kind=kind), torch.randn(m, 256)
         y = torch.empty(m, 24)
-        weights = (w.codes.data_ptr(), 24, w.scales.data_ptr(), w.offsets.data_ptr())
-        lib.tiffin_block_gemm(0, x.data_ptr(), 96, m, 96, bits, *weights, 0, y.data_ptr(), 24, levels, 1)
+        lib.tiffin_block_gemm(
+            0, x.data_ptr(), 256, m, 256, ctypes.byref(ig.native_weights(w)), 0, y.data_ptr(), 24, levels, 1
+        )
         want = ig.block_gemm_reference(x, w, bf16=False)  # integers, whatever the row count
         torch.testing.assert_close(y, want, rtol=0, atol=1e-5 * float(want.abs().max()))

@@ -34,9 +34,9 @@ _WRITE_KV_ARGS = [_i32, _ptr, _i64, _ptr, _i64, _i64, _i32, _i32, _ptr, _i32, _p
 _RMS_NORM_ARGS = [_i32, _ptr, _i64, _ptr, _ptr, _i64, _i32, ctypes.c_float, _i32]
 _ROTARY_ARGS = [_i32, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i32, _i32, _i32]
 _ARGMAX_ARGS = [_i32, _ptr, _i64, _ptr, _i64, _i64, _i32]
-_BLOCK_GEMM_ARGS = [_i32, _ptr, _i64, _i64, _i64, _i32, _ptr, _i64, _ptr, _ptr, _i32, _ptr, _i64, _i32, _i32]
-_QUANTIZE_ACTS_ARGS = [_i32, _ptr, _i64, _i64, _i64, _i32, _ptr, _ptr, _ptr, _ptr, _i32]
-_DEQUANTIZE_ROWS_ARGS = [_ptr, _ptr, _ptr, _i32, _i64, _ptr, _i64, _ptr]
+_BLOCK_GEMM_ARGS = [_i32, _ptr, _i64, _i64, _i64, _ptr, _i32, _ptr, _i64, _i32, _i32]
+_QUANTIZE_ACTS_ARGS = [_i32, _ptr, _i64, _i64, _i64, _i32, _ptr, _ptr, _ptr, _ptr, _ptr, _i32]
+_DEQUANTIZE_ROWS_ARGS = [_ptr, _i64, _ptr, _i64, _ptr]
 _DECODE_LAYERS_ARGS = [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i32]
 _PREFILL_ARGS = [_i32, _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _i32, ctypes.c_float]
 _PREFILL_ARGS += [_i32, _i32]
@@ -64,7 +64,7 @@ def library() -> ctypes.CDLL | None:
     lib.tiffin_rms_norm.argtypes, lib.tiffin_rms_norm.restype = _RMS_NORM_ARGS, None
     lib.tiffin_rotary.argtypes, lib.tiffin_rotary.restype = _ROTARY_ARGS, None
     lib.tiffin_argmax.argtypes, lib.tiffin_argmax.restype = _ARGMAX_ARGS, None
-    lib.tiffin_block_gemm.argtypes, lib.tiffin_block_gemm.restype = _BLOCK_GEMM_ARGS, None
+    lib.tiffin_block_gemm.argtypes, lib.tiffin_block_gemm.restype = _BLOCK_GEMM_ARGS, _i32
     lib.tiffin_quantize_acts.argtypes, lib.tiffin_quantize_acts.restype = _QUANTIZE_ACTS_ARGS, None
     lib.tiffin_decode_layers.argtypes, lib.tiffin_decode_layers.restype = _DECODE_LAYERS_ARGS, None
     lib.tiffin_dequantize_rows.argtypes, lib.tiffin_dequantize_rows.restype = _DEQUANTIZE_ROWS_ARGS, None
@@ -335,47 +335,48 @@ def bf16_min_rows() -> int | None:
     return None if rows < 0 else rows
 
 
-def block_gemm(
-    x: torch.Tensor,
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    offsets: torch.Tensor,
-    bits: int,
-    n: int,
-    levels: int,
-) -> torch.Tensor:
-    """`x [M, K]` (fp32, bf16 or fp16; K a multiple of 32) against the `n` weight rows in the block layout of
-    `tiffin.kernels.block_gemm` -> `[M, n]` in x's dtype; `levels` of int8 activation codes (see
-    `kernels/csrc/cpu_quant.cpp`'s `tiffin_block_gemm` for the bf16 dot products)."""
-    if x.dim() != 2 or x.stride(1) != 1:
-        raise ValueError("block_gemm needs 2-d x with contiguous rows")
-    y = torch.empty(x.shape[0], n, dtype=x.dtype)
+class NativeWeights(ctypes.Structure):
+    """A layer's weights in the block layout of `tiffin.kernels.block_gemm` (kernels/csrc/cpu_blocks.h's Weights):
+    pointers into tensors the caller keeps alive."""
+
+    _fields_ = [
+        ("codes", _ptr),
+        ("scales", _ptr),
+        ("offsets", _ptr),
+        ("n", _i64),
+        ("bits", ctypes.c_int32),
+        ("kind", ctypes.c_int32),
+    ]
+
+
+def block_gemm(x: torch.Tensor, w: NativeWeights, y: torch.Tensor, levels: int) -> None:
+    """`y [M, n]` (x's dtype, unit column stride) = `x [M, K]` (fp32, bf16 or fp16, contiguous; K a multiple of 32)
+    against the weight rows `w`, on `levels` of int8 activation codes (see `kernels/csrc/cpu_quant.cpp`'s
+    `tiffin_block_gemm` for the bf16 dot products)."""
+    if x.dim() != 2 or not x.is_contiguous() or y.stride(1) != 1 or y.dtype != x.dtype:
+        raise ValueError("block_gemm needs contiguous 2-d x and rows of y of its dtype")
     code = ACT_DTYPE_CODES[x.dtype]
-    args = (codes.data_ptr(), n, scales.data_ptr(), offsets.data_ptr(), code, y.data_ptr(), y.stride(0), levels)
-    library().tiffin_block_gemm(
-        code, x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], bits, *args, torch.get_num_threads()
-    )
-    return y
+    args = (ctypes.byref(w), code, y.data_ptr(), y.stride(0), levels, torch.get_num_threads())
+    if library().tiffin_block_gemm(code, x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], *args):
+        raise ValueError(f"no block kernels for {w.bits}-bit codes of kind {w.kind}")
 
 
-def dequantize_rows(
-    codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int, k: int, rows: torch.Tensor
-) -> torch.Tensor:
+def dequantize_rows(w: NativeWeights, k: int, rows: torch.Tensor) -> torch.Tensor:
     """Weight rows `rows` in the block layout of `tiffin.kernels.block_gemm` -> `[len(rows), k]` float32."""
     rows = rows.to(torch.int64).contiguous()
     out = torch.empty(len(rows), k, dtype=torch.float32)
-    ptrs = (codes.data_ptr(), scales.data_ptr(), offsets.data_ptr())
-    library().tiffin_dequantize_rows(*ptrs, bits, k, rows.data_ptr(), len(rows), out.data_ptr())
+    library().tiffin_dequantize_rows(ctypes.byref(w), k, rows.data_ptr(), len(rows), out.data_ptr())
     return out
 
 
 def quantize_acts(x: torch.Tensor, levels: int = 1) -> tuple[torch.Tensor, ...]:
     """The int8 GEMM's quantized activations, for tests: codes `[M, K]` (and the second level's, zeros with one),
-    the step of the activation integer a block `[M, K / 32]` and `step * sum(integer)` a block `[M, K / 32]`."""
+    the step of the activation integer a block `[M, K / 32]` and `step * sum(integer)` a block `[M, K / 32]` and a
+    half-block `[M, K / 16]`."""
     m, k = x.shape
     q, q2 = torch.empty(m, k, dtype=torch.int8), torch.zeros(m, k, dtype=torch.int8)
-    dx = torch.empty(m, k // 32, dtype=torch.float32)
-    sx = torch.empty(m, k // 32, dtype=torch.float32)
-    args = (q.data_ptr(), q2.data_ptr(), dx.data_ptr(), sx.data_ptr(), 1)
+    dx, sx = torch.empty(m, k // 32, dtype=torch.float32), torch.empty(m, k // 32, dtype=torch.float32)
+    sxh = torch.empty(m, k // 16, dtype=torch.float32)
+    args = (q.data_ptr(), q2.data_ptr(), dx.data_ptr(), sx.data_ptr(), sxh.data_ptr(), 1)
     library().tiffin_quantize_acts(ACT_DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), m, k, levels, *args)
-    return q, q2, dx, sx
+    return q, q2, dx, sx, sxh

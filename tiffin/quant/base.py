@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from tiffin.kernels.block_gemm import BLOCK, BlockWeights, from_groups
+from tiffin.kernels.block_gemm import BLOCK, BlockWeights, StackedBlocks, from_groups, parts
 
 logger = logging.getLogger(__name__)
 
@@ -136,14 +136,18 @@ SCALES_DTYPE = torch.float16
 INT8_BACKENDS = {"native": 2, "int8": 1}
 
 
-def keep_blocks(layer: nn.Module, blocks: BlockWeights | None, checkpoint_tensors: tuple[str, ...]) -> None:
+def keep_blocks(
+    layer: nn.Module, blocks: BlockWeights | StackedBlocks | None, checkpoint_tensors: tuple[str, ...]
+) -> None:
     """Make `blocks` the layer's weight and drop the checkpoint's tensors, which the int8 kernels never read;
     `layer.blocks` stays None where the layer cannot take the block layout (it keeps its exact path)."""
     layer.blocks = blocks
     if blocks is None:
         return
-    layer.block_codes, layer.block_scales = param(blocks.codes), param(blocks.scales)
-    layer.block_offsets = param(blocks.offsets)  # parameters: counted in the model's weight bytes
+    for i, part in enumerate(parts(blocks)):  # parameters: counted in the model's weight bytes
+        suffix = str(i) if i else ""
+        for name in ("codes", "scales", "offsets"):
+            setattr(layer, f"block_{name}{suffix}", param(getattr(part, name)))
     for name in checkpoint_tensors:
         delattr(layer, name)
 
@@ -257,6 +261,18 @@ class QuantizationConfig(ABC):
     def linear_method(self, prefix: str, backend: str) -> LinearMethod:
         """How to store the checkpoint's linear layer `prefix` (e.g. `model.layers.0.self_attn.q_proj`), run
         with the resolved kernel `backend`."""
+
+    def layer_method(self, names: list[str], backend: str) -> LinearMethod:
+        """How to store a layer stacking the checkpoint's layers `names` (q/k/v_proj into qkv_proj; one name for a
+        layer of its own): by default each must be stored alike, since one tensor cannot be part plain, part
+        quantized."""
+        methods = [self.linear_method(name, backend) for name in names]
+        if len({type(method) for method in methods}) > 1:
+            raise ValueError(
+                f"the quantization config leaves only some of {names} unquantized; the fused layer must be all one "
+                f"or the other"
+            )
+        return methods[0]
 
     def embedding_method(self, prefix: str, backend: str) -> LinearMethod:
         """How to store the token embedding or output head `prefix` (`model.embed_tokens`, `lm_head`): plain,

@@ -1,24 +1,30 @@
-"""GGUF's Q4_0, Q4_1 and Q8_0 weights kept quantized, computed on by the quantized GEMM (`gguf_gemm`).
+"""GGUF's quantized weights kept quantized: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K.
 
-A GGUF row (one output) is blocks of 32 inputs: an fp16 scale `d` (Q4_1: then an fp16 minimum `m`), then the
-codes, Q8_0 as 32 int8, Q4_0 / Q4_1 as 16 bytes whose low nibbles are inputs 0..15 and high nibbles 16..31.
-Q4_0 and Q8_0 are symmetric groups of 32 (`w = (q - 8) * d`, `w = q * d`), Q4_1 adds the minimum
-(`w = q * d + m`). A layer keeps the codes as the file lays them out, rows `[N, K*bits/8]`, and the scales and
-minimums beside them `[N, K/32]` in fp16 as stored: the torch path dequantizes whole rows with byte ops and the
-GEMM computes the weight in fp32 exactly as llama.cpp does, so a kept layer equals the dequantized one.
+On CPU (the native and int8 backends) every kept tensor is decoded once, as it loads, into the block layout of
+`tiffin.kernels.block_gemm` (`tiffin.quant.gguf_blocks`: each type's arithmetic as llama.cpp lays it out) and
+computed on by the native block GEMMs. A layer stacking tensors of different types (a Q4_K_M file's Q5_0 q and k
+beside a Q8_0 v) keeps one block weight per run of alike shards (`StackedBlocks`), each on its own kernel.
+
+On the torch and Triton backends Q4_0, Q4_1 and Q8_0 keep llama.cpp's rows split into their fields: the codes as
+the file lays them out, rows `[N, K*bits/8]` (Q4: low nibbles inputs 0..15 of a block, high 16..31), the fp16
+scales and minimums beside them `[N, K/32]`, for `gguf_gemm` (the torch path dequantizes whole rows, the Triton
+GEMM computes the weight in fp32 exactly as llama.cpp does). The other types keep the block layout there too and
+multiply its dequantized weight (exact, as gguf-py's).
 
 Which tensors stay quantized is the GGUF reader's call (tiffin.engine.models.gguf_checkpoint): it writes them
 into the config it derives from the file as `quantization_config: {quant_method: gguf, kept: {name: type}}`.
 A kept token embedding serves its row lookups, and the output projection when tied, from the same blocks.
 """
 
+import itertools
 from dataclasses import dataclass
 
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 from torch import nn
 
-from tiffin.kernels.block_gemm import block_gemm, dequantize_blocks, from_gguf
+from tiffin.kernels.block_gemm import BlockWeights, StackedBlocks, block_gemm, dequantize_blocks
 from tiffin.kernels.quant import gguf_dequantize, gguf_gemm
 from tiffin.quant.base import (
     INT8_BACKENDS,
@@ -27,16 +33,18 @@ from tiffin.quant.base import (
     QuantizationConfig,
     UnquantizedLinearMethod,
     keep_blocks,
-    load_shard,
     param,
     register_quant_config,
 )
+from tiffin.quant.gguf_blocks import DECODERS, to_blocks
 
 GROUP_SIZE = 32
 
 
 @dataclass(frozen=True)
 class GGUFQuant:
+    """Q4_0, Q4_1 and Q8_0's fields, as `gguf_gemm` reads them."""
+
     bits: int
     has_min: bool
 
@@ -49,7 +57,8 @@ class GGUFQuant:
         return self.header_bytes + GROUP_SIZE * self.bits // 8
 
 
-KEPT_TYPES = {QType.Q4_0: GGUFQuant(4, False), QType.Q4_1: GGUFQuant(4, True), QType.Q8_0: GGUFQuant(8, False)}
+FIELD_TYPES = {QType.Q4_0: GGUFQuant(4, False), QType.Q4_1: GGUFQuant(4, True), QType.Q8_0: GGUFQuant(8, False)}
+KEPT_TYPES = tuple(DECODERS)  # every type with a block decoder stays quantized
 
 
 @register_quant_config
@@ -59,7 +68,8 @@ class GGUFConfig(QuantizationConfig):
 
     name = "gguf"
     description = (
-        "GGUF (Q4_0, Q4_1 and Q8_0 kept quantized; F32, F16, BF16, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K dequantized at load)"
+        f"GGUF ({', '.join(t.name for t in KEPT_TYPES)} kept quantized; F32, F16, BF16, Q2_K, Q3_K, IQ4_NL and "
+        f"IQ4_XS dequantized at load)"
     )
 
     @classmethod
@@ -67,9 +77,15 @@ class GGUFConfig(QuantizationConfig):
         """`settings` come from the GGUF reader, which keeps only KEPT_TYPES (and refuses unknown types)."""
         return cls(settings.get("kept") or {})
 
+    def layer_method(self, names: list[str], backend: str) -> LinearMethod:
+        """A stacked layer's shards may be of different kept types; the reader keeps all of a layer's or none."""
+        types = [self.kept.get(f"{name}.weight") for name in names]
+        if None in types:
+            return super().layer_method(names, backend)
+        return GGUFLinearMethod([QType[t] for t in types], backend)
+
     def linear_method(self, prefix: str, backend: str) -> LinearMethod:
-        qtype = self.kept.get(f"{prefix}.weight")
-        return UnquantizedLinearMethod() if qtype is None else GGUFLinearMethod(KEPT_TYPES[QType[qtype]], backend)
+        return self.layer_method([prefix], backend) if f"{prefix}.weight" in self.kept else UnquantizedLinearMethod()
 
     embedding_method = linear_method
 
@@ -89,51 +105,93 @@ def block_fields(raw: torch.Tensor, quant: GGUFQuant) -> tuple[torch.Tensor, tor
 
 
 class GGUFLinearMethod(LinearMethod):
-    def __init__(self, quant: GGUFQuant, backend: str):
-        self.quant, self.backend = quant, backend
+    """A layer of GGUF rows, one type per stacked shard (`types`). Each shard's raw rows are held as they load (views
+    of the file's map) and the layer is stored once the last arrives, so a model never holds more than a layer's
+    rows beside its stored weights."""
+
+    def __init__(self, types: list[QType], backend: str):
+        self.types, self.backend = list(types), backend
+        self.fields = FIELD_TYPES.get(types[0]) if backend not in INT8_BACKENDS and len(set(types)) == 1 else None
 
     def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
-        if layer.input_size % GROUP_SIZE:
-            raise ValueError(f"GGUF blocks of {GROUP_SIZE} do not divide the layer's input size {layer.input_size}")
-        k, n, bits = layer.input_size, layer.output_size, self.quant.bits
-        layer.qweight = param(torch.empty(n, k * bits // 8, dtype=torch.int8 if bits == 8 else torch.uint8))
-        layer.scales = param(torch.empty(n, k // GROUP_SIZE, dtype=SCALES_DTYPE))
-        layer.mins = param(torch.empty_like(layer.scales)) if self.quant.has_min else None
-        layer.blocks = None
+        if len(self.types) != len(layer.output_sizes):
+            raise ValueError(f"{len(self.types)} GGUF types for a layer of {len(layer.output_sizes)} shards")
+        for qtype in set(self.types):
+            if layer.input_size % GGML_QUANT_SIZES[qtype][0]:
+                raise ValueError(
+                    f"GGUF {qtype.name} blocks of {GGML_QUANT_SIZES[qtype][0]} do not divide the layer's input size "
+                    f"{layer.input_size}"
+                )
+        layer.blocks, layer.raw_rows = None, [None] * len(self.types)
+        layer.weight_device = torch.empty(0).device  # the model is built under its device
+        if self.fields is not None:
+            k, n, bits = layer.input_size, layer.output_size, self.fields.bits
+            layer.qweight = param(torch.empty(n, k * bits // 8, dtype=torch.int8 if bits == 8 else torch.uint8))
+            layer.scales = param(torch.empty(n, k // GROUP_SIZE, dtype=SCALES_DTYPE))
+            layer.mins = param(torch.empty_like(layer.scales)) if self.fields.has_min else None
 
     def load(self, layer: nn.Module, name: str, tensor: torch.Tensor, shard: int | None) -> None:
-        if name != "weight" or tensor.dtype != torch.uint8:
-            raise ValueError(f"a GGUF-quantized layer takes its raw weight blocks, got {name!r} ({tensor.dtype})")
-        for target, field in zip((layer.qweight, layer.scales, layer.mins), block_fields(tensor, self.quant)):
-            if field is not None:  # copied once, straight into the parameter seen as the field's words
-                words = target.data.view(field.dtype).view(target.shape[0], -1, field.shape[-1])
-                load_shard(layer, words, field, shard, dim=0)
+        shard = shard or 0
+        qtype = self.types[shard]
+        block, size = GGML_QUANT_SIZES[qtype]
+        want = (layer.output_sizes[shard], layer.input_size // block * size)
+        if name != "weight" or tensor.dtype != torch.uint8 or tuple(tensor.shape) != want:
+            raise ValueError(
+                f"a GGUF {qtype.name} layer takes its raw weight rows, uint8 {list(want)}; got {name!r} "
+                f"({tensor.dtype}, {list(tensor.shape)})"
+            )
+        layer.raw_rows[shard] = tensor
+        if all(rows is not None for rows in layer.raw_rows):
+            self._store(layer)
+
+    def _store(self, layer: nn.Module) -> None:
+        """The layer's rows, every shard in, as its weights: fields or blocks (see the module's docstring)."""
+        rows, layer.raw_rows = layer.raw_rows, []
+        if self.fields is not None:
+            raw = torch.cat(rows).to(layer.weight_device)
+            for target, field in zip((layer.qweight, layer.scales, layer.mins), block_fields(raw, self.fields)):
+                if field is not None:  # copied once, straight into the parameter seen as the field's words
+                    target.data.view(field.dtype).view(target.shape[0], -1, field.shape[-1]).copy_(field)
+            return
+        levels = INT8_BACKENDS.get(self.backend, 1)
+        parts = []
+        for qtype, run in itertools.groupby(zip(self.types, rows), key=lambda pair: pair[0]):
+            shards = [raw for _, raw in run]
+            part = to_blocks(shards[0] if len(shards) == 1 else torch.cat(shards), qtype, levels)
+            parts.append(_moved(part, layer.weight_device))
+        keep_blocks(layer, parts[0] if len(parts) == 1 else StackedBlocks(parts), ())
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """The int8 backend reads GGUF's blocks as they are, with fp16 offsets: `-8d` (Q4_0), the minimum (Q4_1),
-        `-128d` beside codes + 128 (Q8_0)."""
-        if self.backend in INT8_BACKENDS:
-            levels = INT8_BACKENDS[self.backend]
-            blocks = from_gguf(layer.qweight.data, layer.scales.data, layer.mins, self.quant.bits, levels)
-            keep_blocks(layer, blocks, ("qweight", "scales", "mins"))
+        missing = [i for i, rows in enumerate(layer.raw_rows) if rows is None]
+        if missing:
+            raise ValueError(f"the checkpoint lacks shard(s) {missing} of a GGUF layer of {len(self.types)}")
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, layer.input_size)
-        if layer.blocks is not None:
+        if self.fields is not None:
+            y = gguf_gemm(x2, layer.qweight, layer.scales, layer.mins, self.fields.bits, self.backend)
+        elif self.backend in INT8_BACKENDS:
             y = block_gemm(x2, layer.blocks)
-        else:
-            y = gguf_gemm(x2, layer.qweight, layer.scales, layer.mins, self.quant.bits, self.backend)
+        else:  # the exact path: the weight as gguf-py dequantizes it, in x's dtype
+            y = torch.nn.functional.linear(x2, dequantize_blocks(layer.blocks).to(x2.dtype))
         return y.view(*x.shape[:-1], layer.output_size)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         """The layer's weight `[out, in]` in float32, exactly (what the exact path multiplies by)."""
-        if layer.blocks is not None:
-            return dequantize_blocks(layer.blocks)
-        return gguf_dequantize(layer.qweight, layer.scales, layer.mins, self.quant.bits)
+        if self.fields is not None:
+            return gguf_dequantize(layer.qweight, layer.scales, layer.mins, self.fields.bits)
+        return dequantize_blocks(layer.blocks)
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the weight, float32 `[len(ids), in]`, exactly."""
-        if layer.blocks is not None:
-            return dequantize_blocks(layer.blocks, ids)
-        mins = None if layer.mins is None else layer.mins[ids]
-        return gguf_dequantize(layer.qweight[ids], layer.scales[ids], mins, self.quant.bits)
+        if self.fields is not None:
+            mins = None if layer.mins is None else layer.mins[ids]
+            return gguf_dequantize(layer.qweight[ids], layer.scales[ids], mins, self.fields.bits)
+        return dequantize_blocks(layer.blocks, ids)
+
+
+def _moved(w: BlockWeights, device: torch.device) -> BlockWeights:
+    if w.codes.device == device:
+        return w
+    return BlockWeights(w.codes.to(device), w.scales.to(device), w.offsets.to(device), w.bits, w.in_features,
+                        w.out_features, w.levels, w.kind)  # fmt: skip

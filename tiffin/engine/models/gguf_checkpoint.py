@@ -3,9 +3,10 @@ Hugging Face names, the header read by `gguf_header`, the tensors mapped from th
 `gguf` package (the tokenizer and chat template: transformers' GGUF conversion,
 `tiffin.engine.models.source.load_tokenizer`).
 
-Q4_0, Q4_1 and Q8_0 tensors stay quantized (tiffin.quant.gguf) where a layer can hold them: the config names
-them in its `quantization_config`, and they come out as stored (the raw blocks, `uint8 [rows, row_bytes]`).
-Every other tensor comes out dequantized to float32 by the `gguf` package (vectorized numpy).
+Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K tensors stay quantized (tiffin.quant.gguf) where a layer can
+hold them: the config names them in its `quantization_config`, and they come out as stored (the raw blocks,
+`uint8 [rows, row_bytes]`). Every other tensor comes out dequantized to float32 by the `gguf` package (vectorized
+numpy).
 llama.cpp's converter interleaves the rows of every llama-family q/k projection (its rotary embedding pairs
 adjacent dims, Hugging Face's pairs halves); the rows are put back here, whatever their type, since a row
 is always whole blocks.
@@ -46,6 +47,10 @@ TYPES = (
     QType.Q4_K,
     QType.Q5_K,
     QType.Q6_K,
+    QType.Q2_K,
+    QType.Q3_K,
+    QType.IQ4_NL,
+    QType.IQ4_XS,
 )
 # the types whose values a big-endian file stores byte-swapped, as numpy reads them
 BYTE_ORDERED = {QType.F32: np.float32, QType.F16: np.float16}
@@ -205,9 +210,9 @@ class GGUFCheckpoint:
         return config
 
     def kept(self, stacked_modules: dict[str, tuple[str, int]]) -> dict[str, str]:
-        """Hugging Face name -> type of the 2-D tensors that stay quantized: Q4_0, Q4_1 or Q8_0, and the same
-        type as every tensor stacked with it into one layer (`stacked_modules`: q/k/v, gate/up), since a layer
-        is stored one way. A group of mixed types is dequantized whole."""
+        """Hugging Face name -> type of the 2-D tensors that stay quantized: those of a type `KEPT_TYPES` holds, where
+        every tensor stacked with it into one layer (`stacked_modules`: q/k/v, gate/up) is too (each shard keeps
+        its own type); a group with any other type is dequantized whole."""
         types = {self.hf_names[name]: qtype for name, qtype in self.tensor_types.items()}
         kept = {}
         for name, qtype in types.items():
@@ -215,7 +220,7 @@ class GGUFCheckpoint:
             parent, _, leaf = module.rpartition(".")
             stacked = stacked_modules.get(leaf, (leaf, 0))[0]
             group = [f"{parent}.{n}.weight" for n, (s, _) in stacked_modules.items() if s == stacked] or [name]
-            if qtype in KEPT_TYPES and all(types.get(g) == qtype for g in group):
+            if qtype in KEPT_TYPES and all(types.get(g) in KEPT_TYPES for g in group):
                 kept[name] = qtype.name
         return kept
 

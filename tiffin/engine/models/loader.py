@@ -88,17 +88,13 @@ def get_linear_method(
     quant_config: QuantizationConfig | None, stacked_modules: dict[str, tuple[str, int]], prefix: str, backend: str
 ) -> LinearMethod:
     """How the layer at `prefix` stores its weight. A stacked layer is judged by its shards' checkpoint names
-    (qkv_proj by q/k/v_proj), which must agree: one tensor cannot be part plain, part quantized."""
+    (qkv_proj by q/k/v_proj): `QuantizationConfig.layer_method`."""
     if quant_config is None:
         return UnquantizedLinearMethod()
-    names = checkpoint_names(stacked_modules, prefix)
-    methods = [quant_config.linear_method(name, backend) for name in names]
-    if len({type(method) for method in methods}) > 1:
-        raise ValueError(
-            f"{prefix}: the quantization config leaves only some of {names} unquantized; the fused layer must be "
-            f"all one or the other"
-        )
-    return methods[0]
+    try:
+        return quant_config.layer_method(checkpoint_names(stacked_modules, prefix), backend)
+    except ValueError as e:
+        raise ValueError(f"{prefix}: {e}") from None
 
 
 def checkpoint_names(stacked_modules: dict[str, tuple[str, int]], prefix: str) -> list[str]:

@@ -11,19 +11,22 @@ import torch
 
 from tiffin.engine.models.llama import LlamaForCausalLM
 from tiffin.kernels import AttentionMetadata, cpu_native, silu_and_mul
+from tiffin.kernels.block_gemm import native_weights, parts
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
+MAX_PARTS = 3  # cpu_decode.cpp's: q, k and v stored three ways
+
+
 class _QuantLinear(ctypes.Structure):
     _fields_ = [
-        ("codes", _ptr),
-        ("scales", _ptr),
-        ("offsets", _ptr),
+        ("parts", ctypes.POINTER(cpu_native.NativeWeights) * MAX_PARTS),
+        ("part_features", _i64 * MAX_PARTS),
+        ("num_parts", _i64),
         ("bias", _ptr),
         ("out_features", _i64),
         ("in_features", _i64),
-        ("bits", _i64),
         ("levels", _i64),
     ]
 
@@ -60,9 +63,12 @@ class _Decoder(ctypes.Structure):
 
 
 def _linear(layer) -> _QuantLinear:
-    b = layer.blocks
-    return _QuantLinear(b.codes.data_ptr(), b.scales.data_ptr(), b.offsets.data_ptr(), cpu_native.data_ptr(layer.bias),
-                        b.out_features, b.in_features, b.bits, b.levels)  # fmt: skip
+    weights = parts(layer.blocks)
+    views = [ctypes.pointer(native_weights(w)) for w in weights]
+    features = [w.out_features for w in weights]
+    return _QuantLinear((ctypes.POINTER(cpu_native.NativeWeights) * MAX_PARTS)(*views), (_i64 * MAX_PARTS)(*features),
+                        len(weights), cpu_native.data_ptr(layer.bias), layer.blocks.out_features,
+                        layer.blocks.in_features, weights[0].levels)  # fmt: skip
 
 
 class CpuDecoder:

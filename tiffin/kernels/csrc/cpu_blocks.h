@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define TIFFIN_VNNI 1
@@ -78,20 +79,150 @@ inline void store_value(void* y, int dtype, int64_t i, float v) {  // rounding t
   static_cast<uint16_t*>(y)[i] = h;
 }
 
-// Input j (0..31) of lane `lane`'s row in a block of codes (the layout above).
-inline int block_code(const uint8_t* block, int bits, int lane, int j) {
-  const int quad = j / 4, byte = 4 * lane + j % 4;
-  if (bits == 8) return block[quad * 64 + byte];
-  const uint8_t packed = block[(quad % 4) * 64 + byte];
-  return quad < 4 ? packed & 0x0F : packed >> 4;
+// The weight layout (tiffin/kernels/block_gemm.py builds it). Rows are interleaved by 16 (padded with zero rows to
+// whole groups), so that each 32-bit lane of an AVX-512 register is one output row. A block is 32 inputs; its codes,
+// per group of 16 rows:
+// - 8 bits: 8 registers of 64 bytes; register t's byte 4l + j is input 4t + j of lane l.
+// - 4 to 6 bits: 4 registers whose byte 4l + j holds the low 4 bits of input 4t + j in its low nibble and of input
+//   4(t + 4) + j in its high one, then a plane of 64 bytes per bit above 4: plane p's byte 4l + j has in bit t
+//   (0..7) bit 4 + p of input 4t + j.
+// Each block (or half-block) of a row has a scale d and an offset m, w = q d + m, found by the layer's `Kind`:
+// - BLOCKS: fp16 `scales` and `offsets` [groups, blocks, 16]; block b's codes at (g * blocks + b) * code_bytes.
+// - SUPER_MINS (GGUF's Q4_K, Q5_K): super-blocks of 8 blocks (K a multiple of 256), a group's each a record of its 8
+//   blocks' codes, then uint8 sub-scales [8][16] and sub-mins [8][16]; `scales` fp16 [groups, supers, 16] holds d
+//   and `offsets` -dmin: a block's d is d * sc, its m -dmin * mn (both exact in fp32).
+// - SUPER_CENTRED (Q6_K): records of the 8 blocks' codes, then int8 sub-scales [16 half-blocks][16]; `scales` fp16
+//   [groups, supers, 16] holds d: half-block h's d is d * sc, its m -2^(bits-1) times that (codes centred).
+enum Kind { BLOCKS = 0, SUPER_MINS = 1, SUPER_CENTRED = 2 };
+constexpr int SUPER = 8;            // blocks per super-block
+constexpr int64_t SUB_BYTES = 256;  // a record's sub-scales (and sub-mins)
+
+constexpr int64_t code_bytes(int bits) { return bits == 8 ? 512 : 256 + 64 * (bits - 4); }
+constexpr int64_t record_bytes(int bits, int kind) {
+  return kind == BLOCKS ? code_bytes(bits) : SUPER * code_bytes(bits) + SUB_BYTES;
 }
 
-struct Weights {
+struct Weights {  // tiffin.kernels.cpu_native.NativeWeights
   const uint8_t* codes;
   const uint16_t* scales;
   const uint16_t* offsets;
   int64_t n;  // rows, before padding to whole groups
+  int32_t bits, kind;
 };
+
+// Block b's codes in group g of a layer of `blocks` blocks a row, in format (bits, kind): the kernels pass both as
+// constants, the scalar code the layer's.
+inline const uint8_t* block_codes(const Weights& w, int bits, int kind, int64_t blocks, int64_t g, int64_t b) {
+  if (kind == BLOCKS) return w.codes + (g * blocks + b) * code_bytes(bits);
+  const int64_t record = g * (blocks / SUPER) + b / SUPER;
+  return w.codes + record * record_bytes(bits, kind) + (b % SUPER) * code_bytes(bits);
+}
+
+// The sub-scales of block b's record in group g (SUPER_* kinds).
+inline const uint8_t* sub_scales(const Weights& w, int bits, int kind, int64_t blocks, int64_t g, int64_t b) {
+  const int64_t record = g * (blocks / SUPER) + b / SUPER;
+  return w.codes + record * record_bytes(bits, kind) + SUPER * code_bytes(bits);
+}
+
+// Input j (0..31) of lane `lane`'s row in a block of codes.
+inline int block_code(const uint8_t* block, int bits, int lane, int j) {
+  const int quad = j / 4, byte = 4 * lane + j % 4;
+  if (bits == 8) return block[quad * 64 + byte];
+  const uint8_t packed = block[(quad % 4) * 64 + byte];
+  int code = quad < 4 ? packed & 0x0F : packed >> 4;
+  for (int p = 0; p < bits - 4; ++p) code |= ((block[256 + p * 64 + byte] >> quad) & 1) << (4 + p);
+  return code;
+}
+
+// d and m of lane `lane` at input j of block b in group g.
+inline void block_factors(const Weights& w, int64_t blocks, int64_t g, int64_t b, int j, int lane, float& d, float& m) {
+  if (w.kind == BLOCKS) {
+    const int64_t at = (g * blocks + b) * LANES + lane;
+    d = half_to_float(w.scales[at]), m = half_to_float(w.offsets[at]);
+    return;
+  }
+  const int64_t super_at = (g * (blocks / SUPER) + b / SUPER) * LANES + lane;
+  const uint8_t* sub = sub_scales(w, w.bits, w.kind, blocks, g, b);
+  if (w.kind == SUPER_MINS) {
+    d = half_to_float(w.scales[super_at]) * static_cast<float>(sub[(b % SUPER) * LANES + lane]);
+    m = half_to_float(w.offsets[super_at]) * static_cast<float>(sub[128 + (b % SUPER) * LANES + lane]);
+    return;
+  }
+  const int8_t sc = static_cast<int8_t>(sub[(2 * (b % SUPER) + j / 16) * LANES + lane]);
+  d = half_to_float(w.scales[super_at]) * static_cast<float>(sc);
+  m = -static_cast<float>(1 << (w.bits - 1)) * d;
+}
+
+// f(bits, kind) with both as compile-time constants, for the formats the kernels are built for; false for another.
+template <typename F>
+bool by_format(int bits, int kind, F&& f) {
+  using std::integral_constant;
+  if (kind == BLOCKS && bits == 4) return f(integral_constant<int, 4>{}, integral_constant<int, BLOCKS>{}), true;
+  if (kind == BLOCKS && bits == 5) return f(integral_constant<int, 5>{}, integral_constant<int, BLOCKS>{}), true;
+  if (kind == BLOCKS && bits == 8) return f(integral_constant<int, 8>{}, integral_constant<int, BLOCKS>{}), true;
+  if (kind == SUPER_MINS && bits == 4) return f(integral_constant<int, 4>{}, integral_constant<int, SUPER_MINS>{}), true;
+  if (kind == SUPER_MINS && bits == 5) return f(integral_constant<int, 5>{}, integral_constant<int, SUPER_MINS>{}), true;
+  if (kind == SUPER_CENTRED && bits == 6)
+    return f(integral_constant<int, 6>{}, integral_constant<int, SUPER_CENTRED>{}), true;
+  return false;
+}
+
+#if TIFFIN_VNNI
+// Register t of a block's codes as whole codes, one a byte: quads t (lo) and t + 4 (hi); at 8 bits, register t
+// (0..7) in lo.
+template <int BITS>
+inline void load_quads(const uint8_t* block, int t, __m512i& lo, __m512i& hi) {
+  const __m512i v = _mm512_loadu_si512(block + t * 64);
+  if constexpr (BITS == 8) {
+    lo = v;
+    return;
+  }
+  lo = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+  hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+  for (int p = 0; p < BITS - 4; ++p) {  // a set plane bit adds 16 << p to its code
+    const __m512i plane = _mm512_loadu_si512(block + 256 + p * 64);
+    const __m512i bit = _mm512_set1_epi8(static_cast<char>(16 << p));
+    lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(plane, _mm512_set1_epi8(static_cast<char>(1 << t))), lo, bit);
+    hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(plane, _mm512_set1_epi8(static_cast<char>(16 << t))), hi, bit);
+  }
+}
+
+// Quad `quad` (inputs 4 quad .. 4 quad + 3) of every lane's codes, one a byte.
+template <int BITS>
+inline __m512i quad_codes(const uint8_t* block, int quad) {
+  __m512i lo, hi;
+  load_quads<BITS>(block, BITS == 8 ? quad : quad % 4, lo, hi);
+  return BITS == 8 || quad < 4 ? lo : hi;
+}
+
+inline __m512 fp16x16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
+// Sixteen bytes as fp32, unsigned or signed.
+template <bool SIGNED>
+inline __m512 bytes_x16(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(SIGNED ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
+}
+
+// The 16 lanes' d and m of block b (half-block h for SUPER_CENTRED) in group g.
+template <int BITS, int KIND>
+inline void factors(const Weights& w, int64_t blocks, int64_t g, int64_t b, int h, __m512& d, __m512& m) {
+  if constexpr (KIND == BLOCKS) {
+    const int64_t at = (g * blocks + b) * LANES;
+    d = fp16x16(w.scales + at), m = fp16x16(w.offsets + at);
+    return;
+  }
+  const int64_t super_at = (g * (blocks / SUPER) + b / SUPER) * LANES;
+  const uint8_t* sub = sub_scales(w, BITS, KIND, blocks, g, b);
+  if constexpr (KIND == SUPER_MINS) {
+    d = _mm512_mul_ps(fp16x16(w.scales + super_at), bytes_x16<false>(sub + (b % SUPER) * LANES));
+    m = _mm512_mul_ps(fp16x16(w.offsets + super_at), bytes_x16<false>(sub + 128 + (b % SUPER) * LANES));
+  } else {
+    d = _mm512_mul_ps(fp16x16(w.scales + super_at), bytes_x16<true>(sub + (2 * (b % SUPER) + h) * LANES));
+    m = _mm512_mul_ps(d, _mm512_set1_ps(-static_cast<float>(1 << (BITS - 1))));
+  }
+}
+#endif
 
 #if TIFFIN_AMX
 // Intel AMX (Xeon from Sapphire Rapids): 8 tile registers of up to 16 rows of 64 bytes. Linux hands out their
@@ -140,5 +271,5 @@ inline void store_outputs(__m512 acc, void* y, int out_dtype, int64_t at, int64_
 
 // The bf16 GEMM (cpu_quant_bf16.cpp): built where the CPU has AVX-512 BF16 (1), on AMX tiles where it has those (2).
 extern "C" int tiffin_bf16_gemm_built();
-extern "C" void tiffin_bf16_gemm(int dtype, const void* x, int64_t x_stride, int64_t m, int64_t k, int bits,
-                                 const Weights& w, int out_dtype, void* y, int64_t y_stride, int threads);
+extern "C" void tiffin_bf16_gemm(int dtype, const void* x, int64_t x_stride, int64_t m, int64_t k, const Weights& w,
+                                 int out_dtype, void* y, int64_t y_stride, int threads);

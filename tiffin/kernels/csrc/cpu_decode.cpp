@@ -29,17 +29,18 @@ extern "C" void tiffin_write_kv(int dtype, const void* key, int64_t key_row_stri
                                 int64_t value_row_stride, int64_t tokens, int heads, int head_dim, const int64_t* slots,
                                 int cache_dtype, void* k_cache, void* v_cache, void* k_scale, void* v_scale,
                                 int num_threads);
-extern "C" void tiffin_block_gemm(int dtype, const void* x, int64_t x_stride, int64_t m, int64_t k, int bits,
-                                  const uint8_t* codes, int64_t n, const uint16_t* scales, const uint16_t* offsets,
-                                  int out_dtype, void* y, int64_t y_stride, int levels, int threads);
+struct Weights;  // cpu_blocks.h
+extern "C" int tiffin_block_gemm(int dtype, const void* x, int64_t x_stride, int64_t m, int64_t k, const Weights* w,
+                                 int out_dtype, void* y, int64_t y_stride, int levels, int threads);
 
-struct QuantLinear {  // a projection in tiffin.kernels.block_gemm's block layout
-  const uint8_t* codes;
-  const uint16_t* scales;
-  const uint16_t* offsets;
+constexpr int MAX_PARTS = 3;
+
+struct QuantLinear {  // a projection in tiffin.kernels.block_gemm's block layout, in parts stored alike (q/k/v)
+  const Weights* parts[MAX_PARTS];
+  int64_t part_features[MAX_PARTS];  // each part's outputs, side by side
+  int64_t num_parts;
   const void* bias;  // model dtype, or null
-  int64_t out_features, in_features;
-  int64_t bits, levels;
+  int64_t out_features, in_features, levels;
 };
 
 struct DecoderLayer {
@@ -109,9 +110,10 @@ struct Step {
   std::vector<int64_t> rows;
 
   void linear(const QuantLinear& w, const T* x, T* y) {
-    tiffin_block_gemm(static_cast<int>(d.dtype), x, w.in_features, tokens, w.in_features, static_cast<int>(w.bits),
-                      w.codes, w.out_features, w.scales, w.offsets, static_cast<int>(d.dtype), y, w.out_features,
-                      static_cast<int>(w.levels), threads);
+    const int dtype = static_cast<int>(d.dtype);
+    for (int64_t p = 0, first = 0; p < w.num_parts; first += w.part_features[p++])
+      tiffin_block_gemm(dtype, x, w.in_features, tokens, w.in_features, w.parts[p], dtype, y + first, w.out_features,
+                        static_cast<int>(w.levels), threads);
     if (w.bias != nullptr) {
       const T* b = static_cast<const T*>(w.bias);
       for (int64_t t = 0; t < tokens; ++t)

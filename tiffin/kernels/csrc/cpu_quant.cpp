@@ -3,18 +3,14 @@
 // 8-bit) with a scale `d` and an offset `m`, `w = q * d + m`. So a block's share of an output is
 // `d * dx * sum(q * qx) + m * dx * sum(qx)`: an exact integer dot product, scaled in fp32.
 //
-// Weight rows are interleaved by 16 (rows padded to a multiple of 16 with zeros), so that each 32-bit lane of an
-// AVX-512 register is one output row: for a group of 16 rows and one block, quad t (inputs 4t..4t+3) of every
-// row is one register of 16 x 4 codes, which `vpdpbusd` (VNNI: u8 x s8, 4 products summed into each int32 lane)
-// multiplies by the same 4 activations broadcast to every lane. A block's 8 quads accumulate in int32, then one
-// conversion and fused multiply-add per block scales all 16 rows at once, and no horizontal sum is needed.
-//
-// Layouts, per group of 16 rows and block:
-// - 4-bit codes: 256 bytes, 4 registers; register t's byte 4l + j holds input 4t + j of row l in its low nibble
-//   and input 4(t + 4) + j in its high one.
-// - 8-bit codes: 512 bytes, 8 registers; register t's byte 4l + j is input 4t + j of row l.
-// - scales and offsets: fp16 `[groups, blocks, 16]`.
-// Activations: int8 codes `[M, K]` in input order, their scales `dx [M, blocks]` and `dx * sum(qx) [M, blocks]`.
+// Weight rows are interleaved by 16 (cpu_blocks.h has the layout), so that each 32-bit lane of an AVX-512 register
+// is one output row: for a group of 16 rows and one block, quad t (inputs 4t..4t+3) of every row is one register of
+// 16 x 4 codes, which `vpdpbusd` (VNNI: u8 x s8, 4 products summed into each int32 lane) multiplies by the same 4
+// activations broadcast to every lane. A block's 8 quads accumulate in int32 (a half-block's 4 where each half has
+// its own scale), then one conversion and fused multiply-add per block scales all 16 rows at once, and no
+// horizontal sum is needed.
+// Activations: int8 codes `[M, K]` in input order, their scales `dx [M, blocks]` and `dx * sum(qx)` a block and a
+// half-block.
 // With two levels, a second int8 code a block holds what the first left, at 1/127 of its step: the activation
 // is `dx * (127 q1 + q2)` with `dx = max|x| / 127^2`, 15 bits a block (`q1` exact: `127 q1 + q2` fits 16 bits),
 // for two integer dot products a block where one does not reach the model's own answers (a flipped argmax on
@@ -36,6 +32,7 @@ struct Acts {  // one call's quantized activations, reused by the thread across 
   std::vector<int8_t> q2;  // [M, K]: the second level's codes (two levels only)
   std::vector<float> dx;   // [M, blocks]: the step of the activation's integer, 127 q + q2 with two levels
   std::vector<float> sx;   // [M, blocks]: dx * the sum of that integer
+  std::vector<float> sxh;  // [M, blocks, 2]: the same per half-block
   int64_t k = 0, blocks = 0;
 };
 
@@ -57,7 +54,8 @@ inline __m512i round_codes(__m512 v) {
 
 // At the block's 32 inputs the scalar arithmetic below, 16 lanes at a time: the decode step quantizes the input of
 // every projection on the calling thread, while the others wait.
-void quantize_row(const void* x, int dtype, int64_t k, int levels, int8_t* q, int8_t* q2, float* dx, float* sx) {
+void quantize_row(const void* x, int dtype, int64_t k, int levels, int8_t* q, int8_t* q2, float* dx, float* sx,
+                  float* sxh) {
   for (int64_t b = 0; b < k / QK; ++b) {
     const __m512 vals[2] = {load_fp32x16(x, dtype, b * QK), load_fp32x16(x, dtype, b * QK + 16)};
     // max_ps returns its second operand where the first is NaN: NaN inputs are skipped, as by std::max
@@ -65,25 +63,27 @@ void quantize_row(const void* x, int dtype, int64_t k, int levels, int8_t* q, in
         _mm512_max_ps(_mm512_abs_ps(vals[1]), _mm512_max_ps(_mm512_abs_ps(vals[0]), _mm512_setzero_ps())));
     const float d = amax / 127.f, d2 = d / 127.f;
     const float id = d != 0.f ? 1.f / d : 0.f, id2 = d2 != 0.f ? 1.f / d2 : 0.f;
-    __m512i sum = _mm512_setzero_si512();
+    int sums[2];
     for (int h = 0; h < 2; ++h) {
       const __m512i v = round_codes(_mm512_mul_ps(vals[h], _mm512_set1_ps(id)));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * QK + 16 * h), _mm512_cvtepi32_epi8(v));
       if (levels == 1) {
-        sum = _mm512_add_epi32(sum, v);
+        sums[h] = _mm512_reduce_add_epi32(v);
         continue;
       }
       const __m512 rest = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(d), vals[h]);
       const __m512i v2 = round_codes(_mm512_mul_ps(rest, _mm512_set1_ps(id2)));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q2 + b * QK + 16 * h), _mm512_cvtepi32_epi8(v2));
-      sum = _mm512_add_epi32(sum, _mm512_add_epi32(_mm512_mullo_epi32(v, _mm512_set1_epi32(127)), v2));
+      sums[h] = _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_mullo_epi32(v, _mm512_set1_epi32(127)), v2));
     }
     dx[b] = levels == 1 ? d : d2;
-    sx[b] = dx[b] * static_cast<float>(_mm512_reduce_add_epi32(sum));
+    sx[b] = dx[b] * static_cast<float>(sums[0] + sums[1]);
+    sxh[2 * b] = dx[b] * static_cast<float>(sums[0]), sxh[2 * b + 1] = dx[b] * static_cast<float>(sums[1]);
   }
 }
 #else
-void quantize_row(const void* x, int dtype, int64_t k, int levels, int8_t* q, int8_t* q2, float* dx, float* sx) {
+void quantize_row(const void* x, int dtype, int64_t k, int levels, int8_t* q, int8_t* q2, float* dx, float* sx,
+                  float* sxh) {
   float vals[QK];
   for (int64_t b = 0; b < k / QK; ++b) {
     float amax = 0.f;
@@ -93,21 +93,22 @@ void quantize_row(const void* x, int dtype, int64_t k, int levels, int8_t* q, in
     }
     const float d = amax / 127.f, d2 = d / 127.f;
     const float id = d != 0.f ? 1.f / d : 0.f, id2 = d2 != 0.f ? 1.f / d2 : 0.f;
-    int sum = 0;
+    int sums[2] = {0, 0};
     for (int j = 0; j < QK; ++j) {
       const int v = std::min(127, std::max(-127, static_cast<int>(std::nearbyint(vals[j] * id))));
       q[b * QK + j] = static_cast<int8_t>(v);
       if (levels == 1) {
-        sum += v;
+        sums[j / 16] += v;
         continue;
       }
       const float rest = std::fma(static_cast<float>(-v), d, vals[j]);
       const int v2 = std::min(127, std::max(-127, static_cast<int>(std::nearbyint(rest * id2))));
       q2[b * QK + j] = static_cast<int8_t>(v2);
-      sum += 127 * v + v2;
+      sums[j / 16] += 127 * v + v2;
     }
     dx[b] = levels == 1 ? d : d2;
-    sx[b] = dx[b] * static_cast<float>(sum);
+    sx[b] = dx[b] * static_cast<float>(sums[0] + sums[1]);
+    sxh[2 * b] = dx[b] * static_cast<float>(sums[0]), sxh[2 * b + 1] = dx[b] * static_cast<float>(sums[1]);
   }
 }
 #endif
@@ -120,29 +121,32 @@ Acts& quantize(const void* x, int dtype, int64_t row_stride, int64_t m, int64_t 
   a.q2.resize(levels == 2 ? m * k : 0);
   a.dx.resize(m * a.blocks);
   a.sx.resize(m * a.blocks);
+  a.sxh.resize(m * a.blocks * 2);
   const int elem = dtype == 0 ? 4 : 2;
 #pragma omp parallel for num_threads(threads) if (m * k >= (1 << 16))
   for (int64_t r = 0; r < m; ++r) {
     const void* row = static_cast<const char*>(x) + r * row_stride * elem;
     int8_t* q2 = levels == 2 ? &a.q2[r * k] : nullptr;
-    quantize_row(row, dtype, k, levels, &a.q[r * k], q2, &a.dx[r * a.blocks], &a.sx[r * a.blocks]);
+    quantize_row(row, dtype, k, levels, &a.q[r * k], q2, &a.dx[r * a.blocks], &a.sx[r * a.blocks],
+                 &a.sxh[r * a.blocks * 2]);
   }
   return a;
 }
 
 
 #if TIFFIN_VNNI
-// Quad t (and, 4-bit, quad t + 4) of activation row i's block `q` against the row groups' codes, into dots[.][i].
-template <int BITS, int GR, int MC>
-inline void accumulate(__m512i (&dots)[GR][MC], int i, const int8_t* q, int t, const __m512i* lo, const __m512i* hi) {
+// Quad t (and, below 8 bits, quad t + 4) of activation row i's block `q` against the row groups' codes, into
+// dots[0][.][i] (quad t + 4 into dots[H - 1]: its own half-block's where halves are scaled apart).
+template <int BITS, int H, int GR, int MC>
+inline void accumulate(__m512i (&dots)[H][GR][MC], int i, const int8_t* q, int t, const __m512i* lo, const __m512i* hi) {
   int32_t quad;
   std::memcpy(&quad, q + 4 * t, 4);
   const __m512i aq = _mm512_set1_epi32(quad);
-  for (int g = 0; g < GR; ++g) dots[g][i] = _mm512_dpbusd_epi32(dots[g][i], lo[g], aq);
-  if constexpr (BITS == 4) {
+  for (int g = 0; g < GR; ++g) dots[0][g][i] = _mm512_dpbusd_epi32(dots[0][g][i], lo[g], aq);
+  if constexpr (BITS < 8) {
     std::memcpy(&quad, q + 4 * (t + 4), 4);
     const __m512i ah = _mm512_set1_epi32(quad);
-    for (int g = 0; g < GR; ++g) dots[g][i] = _mm512_dpbusd_epi32(dots[g][i], hi[g], ah);
+    for (int g = 0; g < GR; ++g) dots[H - 1][g][i] = _mm512_dpbusd_epi32(dots[H - 1][g][i], hi[g], ah);
   }
 }
 
@@ -150,62 +154,59 @@ inline void accumulate(__m512i (&dots)[GR][MC], int i, const int8_t* q, int t, c
 // streams every weight from memory once, and the hardware prefetchers, which start afresh in each 4 KB page,
 // leave the cores waiting (batch-1 decode of SmolLM2 Q4_1 on a Xeon: 0.89x -> 1.12-1.18x llama.cpp's,
 // benchmarks/README.md).
-template <int BITS, int GR>  // always inlined: GCC 12 otherwise drops the prefetches of the four-group tiles
+template <int BITS, int KIND, int GR>  // always inlined: GCC 12 otherwise drops the prefetches of the four-group tiles
 __attribute__((always_inline)) inline void prefetch_block(const Weights& w, int64_t g, int64_t b, int64_t blocks) {
-  constexpr int64_t block_bytes = LANES * QK * BITS / 8;
   for (int i = 0; i < GR; ++i) {
-    const char* codes = reinterpret_cast<const char*>(w.codes + ((g + i) * blocks + b) * block_bytes);
-    for (int64_t line = 0; line < block_bytes; line += 64) _mm_prefetch(codes + line, _MM_HINT_T1);
-    const int64_t at = ((g + i) * blocks + b) * LANES;
+    const char* codes = reinterpret_cast<const char*>(block_codes(w, BITS, KIND, blocks, g + i, b));
+    for (int64_t line = 0; line < code_bytes(BITS); line += 64) _mm_prefetch(codes + line, _MM_HINT_T1);
+    if (KIND != BLOCKS && b % SUPER) continue;  // a record's scales serve its 8 blocks
+    const int64_t at = KIND == BLOCKS ? ((g + i) * blocks + b) * LANES : ((g + i) * (blocks / SUPER) + b / SUPER) * LANES;
     _mm_prefetch(reinterpret_cast<const char*>(w.scales + at), _MM_HINT_T1);
-    _mm_prefetch(reinterpret_cast<const char*>(w.offsets + at), _MM_HINT_T1);
+    if (KIND != SUPER_CENTRED) _mm_prefetch(reinterpret_cast<const char*>(w.offsets + at), _MM_HINT_T1);
+    if constexpr (KIND != BLOCKS) {
+      const char* sub = reinterpret_cast<const char*>(sub_scales(w, BITS, KIND, blocks, g + i, b));
+      for (int64_t line = 0; line < SUB_BYTES; line += 64) _mm_prefetch(sub + line, _MM_HINT_T1);
+    }
   }
 }
 
 // Activation rows m0..m0+MC against row groups g0..g0+GR.
-template <int BITS, int LEVELS, int MC, int GR>
+template <int BITS, int KIND, int LEVELS, int MC, int GR>
 void tile(const Acts& a, int64_t m0, const Weights& w, int64_t g0, void* y, int out_dtype, int64_t y_stride) {
-  constexpr int64_t block_bytes = LANES * QK * BITS / 8;
-  const int64_t group_bytes = a.blocks * block_bytes;
+  constexpr int H = KIND == SUPER_CENTRED ? 2 : 1;  // integer sums a block: one a half-block where each has its scale
+  static_assert(H == 1 || BITS < 8, "8-bit codes are scaled a block at a time");
   __m512 acc[GR][MC];
   for (int g = 0; g < GR; ++g)
     for (int i = 0; i < MC; ++i) acc[g][i] = _mm512_setzero_ps();
   const bool ahead = m0 == 0 && (g0 + 2 * GR) * LANES <= w.n;  // later rows find the weights cached
   for (int64_t b = 0; b < a.blocks; ++b) {
-    if (ahead) prefetch_block<BITS, GR>(w, g0 + GR, b, a.blocks);
-    __m512i dots[GR][MC], rests[GR][MC];  // per level
-    for (int g = 0; g < GR; ++g)
-      for (int i = 0; i < MC; ++i) dots[g][i] = rests[g][i] = _mm512_setzero_si512();
-    for (int t = 0; t < (BITS == 4 ? 4 : 8); ++t) {
+    if (ahead) prefetch_block<BITS, KIND, GR>(w, g0 + GR, b, a.blocks);
+    __m512i dots[H][GR][MC], rests[H][GR][MC];  // per level
+    for (int h = 0; h < H; ++h)
+      for (int g = 0; g < GR; ++g)
+        for (int i = 0; i < MC; ++i) dots[h][g][i] = rests[h][g][i] = _mm512_setzero_si512();
+    for (int t = 0; t < (BITS == 8 ? 8 : 4); ++t) {
       __m512i lo[GR], hi[GR];
-      for (int g = 0; g < GR; ++g) {
-        const __m512i v = _mm512_loadu_si512(w.codes + (g0 + g) * group_bytes + b * block_bytes + t * 64);
-        if constexpr (BITS == 4) {
-          lo[g] = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
-          hi[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
-        } else {
-          lo[g] = v;
-        }
-      }
+      for (int g = 0; g < GR; ++g) load_quads<BITS>(block_codes(w, BITS, KIND, a.blocks, g0 + g, b), t, lo[g], hi[g]);
       for (int i = 0; i < MC; ++i) {
         const int64_t at = (m0 + i) * a.k + b * QK;
-        accumulate<BITS, GR>(dots, i, &a.q[at], t, lo, hi);
-        if constexpr (LEVELS == 2) accumulate<BITS, GR>(rests, i, &a.q2[at], t, lo, hi);
+        accumulate<BITS, H, GR, MC>(dots, i, &a.q[at], t, lo, hi);
+        if constexpr (LEVELS == 2) accumulate<BITS, H, GR, MC>(rests, i, &a.q2[at], t, lo, hi);
       }
     }
-    if constexpr (LEVELS == 2) {  // 127 q1 + q2: (x << 7) - x + rest
-      for (int g = 0; g < GR; ++g)
-        for (int i = 0; i < MC; ++i)
-          dots[g][i] = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(dots[g][i], 7), dots[g][i]), rests[g][i]);
-    }
-    for (int g = 0; g < GR; ++g) {
-      const int64_t at = ((g0 + g) * a.blocks + b) * LANES;
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales + at)));
-      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.offsets + at)));
-      for (int i = 0; i < MC; ++i) {
-        const __m512 dx = _mm512_set1_ps(a.dx[(m0 + i) * a.blocks + b]);
-        acc[g][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[g][i]), _mm512_mul_ps(d, dx), acc[g][i]);
-        acc[g][i] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sx[(m0 + i) * a.blocks + b]), acc[g][i]);
+    for (int h = 0; h < H; ++h) {
+      for (int g = 0; g < GR; ++g) {
+        __m512 d, m;
+        factors<BITS, KIND>(w, a.blocks, g0 + g, b, h, d, m);
+        for (int i = 0; i < MC; ++i) {
+          __m512i dot = dots[h][g][i];
+          if constexpr (LEVELS == 2)  // 127 q1 + q2: (x << 7) - x + rest
+            dot = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(dot, 7), dot), rests[h][g][i]);
+          const int64_t row = (m0 + i) * a.blocks + b;
+          const float sx = H == 2 ? a.sxh[2 * row + h] : a.sx[row];
+          acc[g][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(a.dx[row])), acc[g][i]);
+          acc[g][i] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx), acc[g][i]);
+        }
       }
     }
   }
@@ -215,25 +216,26 @@ void tile(const Acts& a, int64_t m0, const Weights& w, int64_t g0, void* y, int 
   }
 }
 #else
-template <int BITS, int LEVELS, int MC, int GR>
+template <int BITS, int KIND, int LEVELS, int MC, int GR>
 void tile(const Acts& a, int64_t m0, const Weights& w, int64_t g0, void* y, int out_dtype, int64_t y_stride) {
-  constexpr int64_t block_bytes = LANES * QK * BITS / 8;
   for (int64_t g = g0; g < g0 + GR; ++g) {
     for (int l = 0; l < LANES && g * LANES + l < w.n; ++l) {
       for (int i = 0; i < MC; ++i) {
         const int64_t row = (m0 + i) * a.k;
         float acc = 0.f;
         for (int64_t b = 0; b < a.blocks; ++b) {
-          const uint8_t* block = w.codes + (g * a.blocks + b) * block_bytes;
-          int32_t dot = 0;
-          for (int j = 0; j < QK; ++j) {
-            const int code = block_code(block, BITS, l, j);
-            const int32_t act = LEVELS == 1 ? a.q[row + b * QK + j] : 127 * a.q[row + b * QK + j] + a.q2[row + b * QK + j];
-            dot += code * act;
+          const uint8_t* block = block_codes(w, BITS, KIND, a.blocks, g, b);
+          const int64_t at = (m0 + i) * a.blocks + b;
+          for (int h = 0; h < 2; ++h) {  // half-blocks, each with its d and m (the same two for most kinds)
+            int32_t dot = 0;
+            for (int j = 16 * h; j < 16 * h + 16; ++j) {
+              const int32_t act = LEVELS == 1 ? a.q[row + b * QK + j] : 127 * a.q[row + b * QK + j] + a.q2[row + b * QK + j];
+              dot += block_code(block, BITS, l, j) * act;
+            }
+            float d, m;
+            block_factors(w, a.blocks, g, b, 16 * h, l, d, m);
+            acc += static_cast<float>(dot) * (d * a.dx[at]) + m * a.sxh[2 * at + h];
           }
-          const int64_t at = (g * a.blocks + b) * LANES + l;
-          acc += static_cast<float>(dot) * (half_to_float(w.scales[at]) * a.dx[(m0 + i) * a.blocks + b]);
-          acc += half_to_float(w.offsets[at]) * a.sx[(m0 + i) * a.blocks + b];
         }
         store_value(y, out_dtype, (m0 + i) * y_stride + g * LANES + l, acc);
       }
@@ -244,16 +246,16 @@ void tile(const Acts& a, int64_t m0, const Weights& w, int64_t g0, void* y, int 
 
 
 // Row groups g0..g1 against every row of activations, MC rows of them at a time.
-template <int BITS, int LEVELS, int MC>
+template <int BITS, int KIND, int LEVELS, int MC>
 void rows(const Acts& a, int64_t m0, const Weights& w, int64_t g0, int64_t g1, void* y, int out_dtype,
           int64_t y_stride) {
-  constexpr int GR = MC <= 2 ? 4 : 2;
+  constexpr int GR = (MC <= 2 ? 4 : 2) / (KIND == SUPER_CENTRED ? 2 : 1);  // half-blocks' sums take twice the registers
   int64_t g = g0;
-  for (; g + GR <= g1; g += GR) tile<BITS, LEVELS, MC, GR>(a, m0, w, g, y, out_dtype, y_stride);
-  for (; g < g1; ++g) tile<BITS, LEVELS, MC, 1>(a, m0, w, g, y, out_dtype, y_stride);
+  for (; g + GR <= g1; g += GR) tile<BITS, KIND, LEVELS, MC, GR>(a, m0, w, g, y, out_dtype, y_stride);
+  for (; g < g1; ++g) tile<BITS, KIND, LEVELS, MC, 1>(a, m0, w, g, y, out_dtype, y_stride);
 }
 
-template <int BITS, int LEVELS>
+template <int BITS, int KIND, int LEVELS>
 void gemm(const Acts& a, int64_t m, const Weights& w, void* y, int out_dtype, int64_t y_stride, int threads) {
   constexpr int64_t GT = 4;  // row groups read together: their codes stay in L1 across the activation rows
   const int64_t groups = (w.n + LANES - 1) / LANES;
@@ -265,11 +267,11 @@ void gemm(const Acts& a, int64_t m, const Weights& w, void* y, int out_dtype, in
        g0 < end; g0 += GT) {
     const int64_t g1 = std::min(end, g0 + GT);
     int64_t m0 = 0;
-    for (; m0 + 4 <= m; m0 += 4) rows<BITS, LEVELS, 4>(a, m0, w, g0, g1, y, out_dtype, y_stride);
+    for (; m0 + 4 <= m; m0 += 4) rows<BITS, KIND, LEVELS, 4>(a, m0, w, g0, g1, y, out_dtype, y_stride);
     switch (m - m0) {
-      case 3: rows<BITS, LEVELS, 3>(a, m0, w, g0, g1, y, out_dtype, y_stride); break;
-      case 2: rows<BITS, LEVELS, 2>(a, m0, w, g0, g1, y, out_dtype, y_stride); break;
-      case 1: rows<BITS, LEVELS, 1>(a, m0, w, g0, g1, y, out_dtype, y_stride); break;
+      case 3: rows<BITS, KIND, LEVELS, 3>(a, m0, w, g0, g1, y, out_dtype, y_stride); break;
+      case 2: rows<BITS, KIND, LEVELS, 2>(a, m0, w, g0, g1, y, out_dtype, y_stride); break;
+      case 1: rows<BITS, KIND, LEVELS, 1>(a, m0, w, g0, g1, y, out_dtype, y_stride); break;
       default: break;
     }
   }
@@ -277,28 +279,31 @@ void gemm(const Acts& a, int64_t m, const Weights& w, void* y, int out_dtype, in
 
 }  // namespace
 
-// The activation quantization alone, for tests: q and q2 [m, k] (q2 with two levels), dx and sx [m, k / 32].
+// The activation quantization alone, for tests: q and q2 [m, k] (q2 with two levels), dx and sx [m, k / 32], sxh
+// [m, k / 16].
 extern "C" void tiffin_quantize_acts(int dtype, const void* x, int64_t x_stride, int64_t m, int64_t k, int levels,
-                                     int8_t* q, int8_t* q2, float* dx, float* sx, int threads) {
+                                     int8_t* q, int8_t* q2, float* dx, float* sx, float* sxh, int threads) {
   const Acts& a = quantize(x, dtype, x_stride, m, k, levels, threads);
   std::memcpy(q, a.q.data(), a.q.size());
   std::memcpy(q2, a.q2.data(), a.q2.size());
   std::memcpy(dx, a.dx.data(), a.dx.size() * sizeof(float));
   std::memcpy(sx, a.sx.data(), a.sx.size() * sizeof(float));
+  std::memcpy(sxh, a.sxh.data(), a.sxh.size() * sizeof(float));
 }
 
 // Weight rows `rows` as fp32 `out [count, k]`: `q * d + m` (a quantized token embedding's lookup).
-extern "C" void tiffin_dequantize_rows(const uint8_t* codes, const uint16_t* scales, const uint16_t* offsets, int bits,
-                                       int64_t k, const int64_t* rows, int64_t count, float* out) {
-  const int64_t blocks = k / QK, block_bytes = LANES * QK * bits / 8;
+extern "C" void tiffin_dequantize_rows(const Weights* w, int64_t k, const int64_t* rows, int64_t count, float* out) {
+  const int64_t blocks = k / QK;
   for (int64_t r = 0; r < count; ++r) {
-    const int64_t group = rows[r] / LANES, lane = rows[r] % LANES;
+    const int64_t group = rows[r] / LANES;
+    const int lane = static_cast<int>(rows[r] % LANES);
     for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* block = codes + (group * blocks + b) * block_bytes;
-      const int64_t at = (group * blocks + b) * LANES + lane;
-      const float d = half_to_float(scales[at]), m = half_to_float(offsets[at]);
-      for (int j = 0; j < QK; ++j)
-        out[r * k + b * QK + j] = static_cast<float>(block_code(block, bits, static_cast<int>(lane), j)) * d + m;
+      const uint8_t* block = block_codes(*w, w->bits, w->kind, blocks, group, b);
+      float d, m;
+      for (int j = 0; j < QK; ++j) {
+        if (j % 16 == 0) block_factors(*w, blocks, group, b, j, lane, d, m);
+        out[r * k + b * QK + j] = static_cast<float>(block_code(block, w->bits, lane, j)) * d + m;
+      }
     }
   }
 }
@@ -326,17 +331,19 @@ extern "C" const char* tiffin_quant_kernels() {
 // y[m, n] (out_dtype, row stride y_stride) = x[m, :k] (dtype: 0 fp32, 1 fp16, 2 bf16) against the weight rows, the
 // activations quantized per block of 32 to `levels` (1 or 2) of int8 codes, or at two levels and from
 // `tiffin_bf16_min_rows` rows on, rounded to bf16 against the weights turned into bf16 (fp32 sums either way).
-extern "C" void tiffin_block_gemm(int dtype, const void* x, int64_t x_stride, int64_t m, int64_t k, int bits,
-                                  const uint8_t* codes, int64_t n, const uint16_t* scales, const uint16_t* offsets,
-                                  int out_dtype, void* y, int64_t y_stride, int levels, int threads) {
-  const Weights w{codes, scales, offsets, n};
+// Returns 0, or -1 for a format the kernels are not built for (nothing written).
+extern "C" int tiffin_block_gemm(int dtype, const void* x, int64_t x_stride, int64_t m, int64_t k, const Weights* w,
+                                 int out_dtype, void* y, int64_t y_stride, int levels, int threads) {
+  if (!by_format(w->bits, w->kind, [](auto, auto) {})) return -1;
   if (levels == 2 && tiffin_bf16_gemm_built() && m >= tiffin_bf16_min_rows()) {
-    tiffin_bf16_gemm(dtype, x, x_stride, m, k, bits, w, out_dtype, y, y_stride, threads);
-    return;
+    tiffin_bf16_gemm(dtype, x, x_stride, m, k, *w, out_dtype, y, y_stride, threads);
+    return 0;
   }
   const Acts& a = quantize(x, dtype, x_stride, m, k, levels, threads);
-  if (bits == 4 && levels == 1) gemm<4, 1>(a, m, w, y, out_dtype, y_stride, threads);
-  if (bits == 4 && levels == 2) gemm<4, 2>(a, m, w, y, out_dtype, y_stride, threads);
-  if (bits == 8 && levels == 1) gemm<8, 1>(a, m, w, y, out_dtype, y_stride, threads);
-  if (bits == 8 && levels == 2) gemm<8, 2>(a, m, w, y, out_dtype, y_stride, threads);
+  by_format(w->bits, w->kind, [&](auto bits, auto kind) {
+    constexpr int BITS = decltype(bits)::value, KIND = decltype(kind)::value;
+    if (levels == 1) gemm<BITS, KIND, 1>(a, m, *w, y, out_dtype, y_stride, threads);
+    else gemm<BITS, KIND, 2>(a, m, *w, y, out_dtype, y_stride, threads);
+  });
+  return 0;
 }

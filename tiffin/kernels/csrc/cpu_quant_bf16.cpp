@@ -21,25 +21,23 @@ inline __m512i bf16_pairs(__m512 a, __m512 b) {
 }
 
 // Group g's weights as bf16 pairs: out[j] = 16 lanes (rows), each (input 2j, input 2j + 1).
-template <int BITS>
+template <int BITS, int KIND>
 void group_to_bf16(const Weights& w, int64_t blocks, int64_t g, uint32_t* out) {
-  constexpr int64_t block_bytes = LANES * QK * BITS / 8;
   for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t at = (g * blocks + b) * LANES;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales + at)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.offsets + at)));
-    const uint8_t* block = w.codes + (g * blocks + b) * block_bytes;
+    const uint8_t* block = block_codes(w, BITS, KIND, blocks, g, b);
+    __m512 d[2], m[2];  // per half-block
+    factors<BITS, KIND>(w, blocks, g, b, 0, d[0], m[0]);
+    if constexpr (KIND == SUPER_CENTRED) factors<BITS, KIND>(w, blocks, g, b, 1, d[1], m[1]);
+    else d[1] = d[0], m[1] = m[0];
     for (int quad = 0; quad < 8; ++quad) {  // inputs 4 quad .. 4 quad + 3 of every row
-      __m512i v = _mm512_loadu_si512(block + (BITS == 4 ? quad % 4 : quad) * 64);
-      if constexpr (BITS == 4) v = quad < 4 ? _mm512_and_si512(v, _mm512_set1_epi8(0x0F))
-                                            : _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
-      __m512 w[4];
+      const __m512i v = quad_codes<BITS>(block, quad);
+      __m512 vals[4];
       for (int j = 0; j < 4; ++j) {
         const __m512i code = _mm512_and_si512(_mm512_srli_epi32(v, 8 * j), _mm512_set1_epi32(0xFF));
-        w[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(code), d, m);
+        vals[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(code), d[quad / 4], m[quad / 4]);
       }
-      _mm512_storeu_si512(out + (b * 16 + quad * 2) * LANES, bf16_pairs(w[0], w[1]));
-      _mm512_storeu_si512(out + (b * 16 + quad * 2 + 1) * LANES, bf16_pairs(w[2], w[3]));
+      _mm512_storeu_si512(out + (b * 16 + quad * 2) * LANES, bf16_pairs(vals[0], vals[1]));
+      _mm512_storeu_si512(out + (b * 16 + quad * 2 + 1) * LANES, bf16_pairs(vals[2], vals[3]));
     }
   }
 }
@@ -137,7 +135,7 @@ void bf16_rows(const uint32_t* x, int64_t m, int64_t pairs, const uint32_t* wb, 
   for (; m0 < m; ++m0) bf16_tile<1, GR>(x, pairs, wb, m0, y, out_dtype, y_stride, n0, n);
 }
 
-template <int BITS>
+template <int BITS, int KIND>
 void gemm_bf16(const void* x, int dtype, int64_t x_stride, int64_t m, int64_t k, const Weights& w, void* y,
                int out_dtype, int64_t y_stride, int threads) {
   const int64_t pairs = k / 2, blocks = k / QK, groups = (w.n + LANES - 1) / LANES;
@@ -178,7 +176,7 @@ void gemm_bf16(const void* x, int dtype, int64_t x_stride, int64_t m, int64_t k,
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < (groups + GT - 1) / GT; ++t) {
       const int64_t g0 = t * GT, count = std::min(GT, groups - g0);
-      for (int64_t g = 0; g < count; ++g) group_to_bf16<BITS>(w, blocks, g0 + g, &wb[g * pairs * LANES]);
+      for (int64_t g = 0; g < count; ++g) group_to_bf16<BITS, KIND>(w, blocks, g0 + g, &wb[g * pairs * LANES]);
       const int64_t n0 = g0 * LANES;
       if (amx) {
         amx_rows(xb.data(), m, pairs, wb.data(), count, y, out_dtype, y_stride, n0, w.n);
@@ -198,14 +196,14 @@ void gemm_bf16(const void* x, int dtype, int64_t x_stride, int64_t m, int64_t k,
 
 extern "C" int tiffin_bf16_gemm_built() { return amx_usable() ? 2 : 1; }
 
-extern "C" void tiffin_bf16_gemm(int dtype, const void* x, int64_t x_stride, int64_t m, int64_t k, int bits,
-                                 const Weights& w, int out_dtype, void* y, int64_t y_stride, int threads) {
-  if (bits == 4) gemm_bf16<4>(x, dtype, x_stride, m, k, w, y, out_dtype, y_stride, threads);
-  if (bits == 8) gemm_bf16<8>(x, dtype, x_stride, m, k, w, y, out_dtype, y_stride, threads);
+extern "C" void tiffin_bf16_gemm(int dtype, const void* x, int64_t x_stride, int64_t m, int64_t k, const Weights& w,
+                                 int out_dtype, void* y, int64_t y_stride, int threads) {
+  by_format(w.bits, w.kind, [&](auto bits, auto kind) {
+    gemm_bf16<decltype(bits)::value, decltype(kind)::value>(x, dtype, x_stride, m, k, w, y, out_dtype, y_stride, threads);
+  });
 }
 #else
 extern "C" int tiffin_bf16_gemm_built() { return 0; }
 
-extern "C" void tiffin_bf16_gemm(int, const void*, int64_t, int64_t, int64_t, int, const Weights&, int, void*, int64_t,
-                                 int) {}
+extern "C" void tiffin_bf16_gemm(int, const void*, int64_t, int64_t, int64_t, const Weights&, int, void*, int64_t, int) {}
 #endif
