@@ -56,7 +56,15 @@ def llama_bench(binary: str, gguf: str, threads: int, prompt: int, decode: int) 
         env=peer_env(),
     ).stdout
     rows = list(csv.DictReader(io.StringIO(out)))
-    return {"prompt": float(rows[0]["avg_ts"]), "decode": float(rows[1]["avg_ts"])}
+    return {"prompt" if int(row["n_gen"]) == 0 else "decode": float(row["avg_ts"]) for row in rows}
+
+
+def llama_rates(args: argparse.Namespace) -> dict[str, float]:
+    """llama-bench's prompt and decode rates: both from `--llama-bench`, or decode from `--llama-bench-decode`."""
+    if args.llama_bench_decode is None:
+        return llama_bench(args.llama_bench, args.gguf, args.threads, args.prompt_tokens, args.decode_tokens)
+    rates = llama_bench(args.llama_bench, args.gguf, args.threads, args.prompt_tokens, 0)
+    return rates | llama_bench(args.llama_bench_decode, args.gguf, args.threads, 0, args.decode_tokens)
 
 
 def median(values: list[float]) -> float:
@@ -71,9 +79,7 @@ def gguf_table(args: argparse.Namespace) -> str:
         ours["prompt"].append(prompt_rate(llm, args.prompt_tokens, r))
         ours["decode"].append(decode_rate(llm, args.decode_tokens))
         if args.llama_bench:
-            for k, v in llama_bench(
-                args.llama_bench, args.gguf, args.threads, args.prompt_tokens, args.decode_tokens
-            ).items():
+            for k, v in llama_rates(args).items():
                 theirs[k].append(v)
     rows = []
     for kind, label in (
@@ -149,6 +155,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", default="smollm2", help="a .gguf file, or smollm2 (SmolLM2-135M-Instruct Q4_1)")
     ap.add_argument("--llama-bench", metavar="PATH", help="llama.cpp's llama-bench (without: tiffin alone)")
+    ap.add_argument(
+        "--llama-bench-decode",
+        metavar="PATH",
+        help="another llama-bench for batch-1 decode (a -march=native build, whose AMX matmul dies in prompts here)",
+    )
     ap.add_argument("--threads", type=int, default=2, help="threads of both engines")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of each measurement; the median is shown")
     ap.add_argument("--decode-tokens", type=int, default=128)

@@ -13,10 +13,18 @@ GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "q
 
 
 def write_gguf(
-    hf_dir: str | Path, out: str | Path, qtype: QType, arch: str | None = None, big_endian: bool = False, **raw_tensors
+    hf_dir: str | Path,
+    out: str | Path,
+    qtype: QType,
+    arch: str | None = None,
+    big_endian: bool = False,
+    types: dict[str, QType] | None = None,
+    **raw_tensors,
 ) -> Path:
-    """The checkpoint at `hf_dir` as a GGUF with every 2-D weight in `qtype` (norms stay F32). `arch` overrides
-    the architecture written; `raw_tensors` (gguf name -> (uint8 array, type)) are added as they are."""
+    """The checkpoint at `hf_dir` as a GGUF with every 2-D weight in `qtype` (norms stay F32), or in `types[name]`
+    (gguf names) where given. `arch` overrides the architecture written; `raw_tensors` (gguf name -> (uint8 array,
+    type)) are added as they are."""
+    types = types or {}
     hf_dir, out = Path(hf_dir), Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     config = json.loads((hf_dir / "config.json").read_text())
@@ -45,7 +53,7 @@ def write_gguf(
             data = _llama_cpp_permute(data, heads if ".q_proj." in name else kv_heads)
         gguf_name = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
         if data.ndim == 2 and qtype != QType.F32:
-            w.add_tensor(gguf_name, gguf.quantize(data, qtype), raw_dtype=qtype)
+            w.add_tensor(gguf_name, quantize(data, types.get(gguf_name, qtype)), raw_dtype=types.get(gguf_name, qtype))
         else:
             w.add_tensor(gguf_name, data)
     for gguf_name, (data, raw_type) in raw_tensors.items():
@@ -76,3 +84,55 @@ def _add_tokenizer(w: gguf.GGUFWriter, hf_dir: Path) -> None:
 def _llama_cpp_permute(rows: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's converter: within each head, the two rotary halves interleaved row by row."""
     return rows.reshape(heads, 2, -1, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def quantize(data: np.ndarray, qtype: QType) -> np.ndarray:
+    """`data` `[N, K]` in `qtype`'s rows: gguf-py's quantizer where it has one; Q4_K, Q5_K and Q6_K by plain
+    rounding (scales from each sub-block's range, not llama.cpp's search): valid blocks near the weights."""
+    if qtype in (QType.Q4_K, QType.Q5_K):
+        return _quantize_k_mins(data, 5 if qtype == QType.Q5_K else 4)
+    if qtype == QType.Q6_K:
+        return _quantize_q6_k(data)
+    return gguf.quantize(data, qtype)
+
+
+def _half(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16)
+
+
+def _quantize_k_mins(data: np.ndarray, bits: int) -> np.ndarray:
+    n = data.shape[0]
+    x = data.reshape(n, -1, 8, 32).astype(np.float32)  # [N, supers, sub-block, input]
+    mins = np.maximum(0, -x.min(-1))
+    steps = (x.max(-1) + mins) / (2**bits - 1)
+    d, dmin = _half(steps.max(-1) / 63), _half(mins.max(-1) / 63)
+    safe = lambda v: np.where(v == 0, 1, v)
+    sc = np.clip(np.rint(steps / safe(d.astype(np.float32))[..., None]), 0, 63).astype(np.uint8)
+    mn = np.clip(np.rint(mins / safe(dmin.astype(np.float32))[..., None]), 0, 63).astype(np.uint8)
+    step = (d.astype(np.float32)[..., None] * sc)[..., None]
+    shift = (dmin.astype(np.float32)[..., None] * mn)[..., None]
+    q = np.clip(np.rint((x + shift) / safe(step)), 0, 2**bits - 1).astype(np.uint8)
+    packed = np.concatenate(  # 6-bit scales and mins: bytes 0-3, 4-7, then 8-11 (see get_scale_min)
+        [sc[..., :4] | ((sc[..., 4:] >> 4) << 6), mn[..., :4] | ((mn[..., 4:] >> 4) << 6),
+         (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)], axis=-1)  # fmt: skip
+    qs = (q[..., 0::2, :] & 15) | ((q[..., 1::2, :] & 15) << 4)  # [N, supers, 4, 32]
+    fields = [d.view(np.uint8).reshape(n, -1, 2), dmin.view(np.uint8).reshape(n, -1, 2), packed]
+    if bits == 5:
+        fields.append(((q >> 4) << np.arange(8, dtype=np.uint8)[:, None]).sum(-2, dtype=np.uint8))
+    fields.append(qs.reshape(n, -1, 128))
+    return np.concatenate(fields, axis=-1).reshape(n, -1)
+
+
+def _quantize_q6_k(data: np.ndarray) -> np.ndarray:
+    n = data.shape[0]
+    x = data.reshape(n, -1, 16, 16).astype(np.float32)  # [N, supers, sub-block, input]
+    steps = np.abs(x).max(-1) / 31
+    d = _half(steps.max(-1) / 127)
+    safe = lambda v: np.where(v == 0, 1, v)
+    sc = np.clip(np.rint(steps / safe(d.astype(np.float32))[..., None]), -128, 127).astype(np.int8)
+    q = np.clip(np.rint(x / safe(d.astype(np.float32)[..., None, None] * sc[..., None])) + 32, 0, 63).astype(np.uint8)
+    q = q.reshape(n, -1, 2, 4, 32)  # [N, supers, half, quarter, input]
+    ql = (q[:, :, :, :2] & 15) | ((q[:, :, :, 2:] & 15) << 4)  # byte 32s + l: quarters s and s + 2
+    qh = ((q >> 4) << np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]).sum(3, dtype=np.uint8)
+    fields = [ql.reshape(n, -1, 128), qh.reshape(n, -1, 64), sc.view(np.uint8).reshape(n, -1, 16)]
+    return np.concatenate([*fields, d.view(np.uint8).reshape(n, -1, 2)], axis=-1).reshape(n, -1)

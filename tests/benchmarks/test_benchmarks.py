@@ -75,6 +75,7 @@ def runs(env, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
             # the built-in tiny models; their BERT's 128-token context holds sentences of 8-32 BERT word-pieces
             "mixed_load.py": ["mixed_load.py", "--model", "tiffin-tiny-llama", "--embedding-model", "tiffin-tiny-bert"]
             + ["--quick", "--embedding-tokens", "8:32"],
+            "gguf_parity.py": ["gguf_parity.py", gguf, "--ppl-tokens", "300", "--ctx", "64", "--tokens", "3"],
             "quantized.py": ["quantized.py", "--gguf", gguf, "--rounds", "1", "--decode-tokens", "4"]
             + ["--prompt-tokens", "16", "--awq-gptq", "--hf-dir", tiny, "--n", "2"],
         },
@@ -198,6 +199,12 @@ def test_mixed_load(runs):
     assert "chat texts, mixed = the same round's chat alone: yes" in run.stdout, output(run)
     assert "KV blocks used once idle: chat engine 0, embedding engine 0" in run.stdout, output(run)
     assert "FAILED" not in run.stdout and "chat TPOT p50 mixed / alone" in run.stdout, output(run)
+
+
+def test_gguf_parity(runs):
+    run = runs["gguf_parity.py"]
+    assert run.returncode == 0, output(run)
+    assert "\n| tiny.gguf | " in run.stdout and "greedy = transformers" in run.stdout, output(run)
 
 
 def test_quantized(runs):

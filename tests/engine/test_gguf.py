@@ -2,6 +2,8 @@
 under the interpreter), files written by the `gguf` package's writer for each architecture against
 transformers' own GGUF load, and refusals."""
 
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -118,6 +120,37 @@ def test_refusals_name_what_is_unsupported(tmp_path, tiny_model):
         GGUFCheckpoint(write_gguf(hf, tmp_path / "freqs.gguf", QType.F32, **{"rope_freqs.weight": (freqs, QType.F32)}))
 
 
+def mapped_rss(path) -> int:
+    """Bytes of `path` resident in this process's mappings of it (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if "-" in line.split(" ", 1)[0]:  # a mapping's header: address range, perms, ..., path
+            inside = line.endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux's /proc/self/smaps")
+def test_reading_the_weights_hands_back_the_file_s_pages(tmp_path):
+    """Each tensor's pages of the map go once the next is asked for: a model does not hold the file besides its
+    weights; a tensor kept past that reads its pages again, unchanged."""
+    from tiffin.tiny import make_tiny_model
+
+    hf = make_tiny_model(tmp_path / "hf", arch="llama", hidden_size=1024, intermediate_size=1024, rope_scaling=None)
+    path = write_gguf(hf, tmp_path / "m.gguf", QType.Q8_0)
+    checkpoint = GGUFCheckpoint(path)
+    weights = checkpoint.weights(checkpoint.kept({}))
+    _, first = next(weights)
+    kept_copy = first.clone()
+    assert mapped_rss(path) >= first.nbytes
+    rest = dict(weights)
+    assert len(rest) == len(checkpoint.header.tensors) - 1
+    # what the kernel maps around each fault (up to 64 KB, 16 pages, of the file's cached pages) stays
+    assert mapped_rss(path) <= len(checkpoint.header.tensors) * 64 * 1024 < path.stat().st_size / 8
+    assert torch.equal(first, kept_copy)
+
+
 # architecture -> weight type written (norms stay F32); qwen3's head_dim differs from hidden / heads
 WRITTEN = {"llama": QType.Q4_0, "mistral": QType.Q8_0, "qwen2": QType.F32, "qwen3": QType.Q4_0}
 PROMPTS = [[5, 9, 300, 17, 1200, 44], [1, 2, 3, 4, 5, 6], [700, 701, 702, 9, 9, 9], [2000, 3, 150, 77, 8, 1999]]
@@ -150,3 +183,63 @@ def test_written_gguf_matches_transformers(tmp_path, arch):
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected[:, len(PROMPTS[0]) :].tolist()
+
+
+# A Q4_K_M-like file over every kept type, on a model whose inputs are whole K-quant super-blocks (256): stacked
+# layers mixing types (q/k/v, gate/up), a tied Q6_K embedding, each other type somewhere.
+MIXED_TYPES = {
+    "token_embd.weight": QType.Q6_K,
+    "blk.0.attn_q.weight": QType.Q4_K,
+    "blk.0.attn_k.weight": QType.Q4_K,
+    "blk.0.attn_v.weight": QType.Q6_K,
+    "blk.0.attn_output.weight": QType.Q5_K,
+    "blk.0.ffn_gate.weight": QType.Q5_0,
+    "blk.0.ffn_up.weight": QType.Q5_1,
+    "blk.0.ffn_down.weight": QType.Q6_K,
+    "blk.1.attn_q.weight": QType.Q8_0,
+    "blk.1.attn_k.weight": QType.Q4_0,
+    "blk.1.attn_v.weight": QType.Q4_1,
+    "blk.1.attn_output.weight": QType.Q4_K,
+    "blk.1.ffn_gate.weight": QType.Q4_K,
+    "blk.1.ffn_up.weight": QType.Q4_K,
+    "blk.1.ffn_down.weight": QType.Q5_K,
+}
+K_SHAPES = dict(hidden_size=256, intermediate_size=512, tie_word_embeddings=True, rope_scaling=None)
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory):
+    from tiffin.tiny import make_tiny_model
+
+    tmp = tmp_path_factory.mktemp("mixed")
+    hf = make_tiny_model(tmp / "hf", arch="llama", **K_SHAPES)
+    return write_gguf(hf, tmp / "gguf" / "mixed.gguf", QType.Q4_K, types=MIXED_TYPES)
+
+
+def test_k_quant_mix_matches_transformers(mixed_gguf):
+    """Every kept type, mixed types stacked in one layer: the exact path's greedy tokens are transformers' (which
+    dequantizes with gguf-py) at float32; the native kernels' (15-bit activations) the same up to a position where
+    the exact path's two best tokens are within 0.1 nats."""
+    from transformers import AutoModelForCausalLM
+
+    from tiffin import LLM, SamplingParams
+    from tiffin.kernels.block_gemm import StackedBlocks
+
+    reference = AutoModelForCausalLM.from_pretrained(mixed_gguf.parent, gguf_file=mixed_gguf.name, dtype=torch.float32)
+    reference.generation_config.eos_token_id = None
+    ids = torch.tensor(PROMPTS)
+    expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
+    outs = {}
+    for compute in ("exact", "native"):
+        llm = LLM(str(mixed_gguf), dtype="float32", cpu_quant_compute=compute)
+        assert set(llm.llm_engine.model_config.quant_config.kept.values()) == {t.name for t in MIXED_TYPES.values()}
+        model = llm.llm_engine.model_runner.model
+        assert isinstance(model.model.layers[0].self_attn.qkv_proj.blocks, StackedBlocks)
+        outs[compute] = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+    assert [o.token_ids for o in outs["exact"]] == expected[:, len(PROMPTS[0]) :].tolist()
+    for exact, native in zip(outs["exact"], outs["native"]):
+        split = next((i for i, (a, b) in enumerate(zip(exact.token_ids, native.token_ids)) if a != b), None)
+        if split is not None:
+            best, second = sorted((v.logprob for v in exact.logprobs[split].values()), reverse=True)[:2]
+            assert best - second < 0.1, (split, best - second)

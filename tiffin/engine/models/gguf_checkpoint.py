@@ -19,6 +19,7 @@ builds no layer larger than its own tensors, and nothing sized per position beyo
 
 import functools
 import math
+import mmap
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +32,7 @@ from gguf import GGMLQuantizationType as QType
 from gguf import Keys
 from tqdm.auto import tqdm
 
-from tiffin.engine.models.gguf_header import Array, check_header
+from tiffin.engine.models.gguf_header import Array, TensorInfo, check_header
 from tiffin.engine.models.registry import gguf_architecture
 from tiffin.quant.gguf import KEPT_TYPES
 
@@ -116,7 +117,9 @@ class GGUFCheckpoint:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.header = check_header(self.path)
-        self.mapped = np.memmap(self.path, mode="c")  # copy-on-write: its tensors are writable views, not copied
+        with open(self.path, "rb") as f:  # copy-on-write: its tensors are writable views, not copied
+            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        self.mapped = np.frombuffer(self.map, dtype=np.uint8)
         self.arch = ""  # llama.cpp's name, which keys are spelled with: general.architecture's own is not
         self.arch = self.text(Keys.General.ARCHITECTURE)
         self.architecture = gguf_architecture(self.arch, self.path.name)
@@ -230,21 +233,31 @@ class GGUFCheckpoint:
         return {self.field(key) for key in keys} - {None}
 
     def weights(self, kept: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face name, tensor) for every tensor: the raw blocks of those `kept`, the others float32."""
+        """(Hugging Face name, tensor) for every tensor: the raw blocks of those `kept` (views of the file's map), the
+        others float32. Once the consumer asks for the next, a tensor's pages of the map are handed back: a model
+        loads holding about its own weights, not those and the file's pages besides (a view kept longer reads its
+        pages from the file again: nothing writes to the map)."""
         for t in tqdm(self.header.tensors, desc="Loading weights", unit="tensor"):
-            name = self.hf_names[t.name]
-            shape = self.tensor_shapes[t.name]
-            rows = self.mapped[t.start : t.start + t.n_bytes].view(np.ndarray).reshape(math.prod(shape[:-1]), -1)
-            if name in kept:
-                data = rows
-            else:
-                if self.header.byte_order == ">" and t.qtype in BYTE_ORDERED:  # what the `gguf` package's reader swaps
-                    rows = rows.view(BYTE_ORDERED[t.qtype]).byteswap().view(np.uint8)
-                data = gguf.dequantize(rows, t.qtype).reshape(shape)
-            if self.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
-                heads = self.dims.heads if ".q_proj." in name else self.dims.kv_heads
-                data = _undo_rope_permutation(data, heads)
-            yield name, torch.from_numpy(data)
+            yield self._tensor(t, kept)
+            self._release(t.start, t.n_bytes)
+
+    def _release(self, start: int, length: int) -> None:
+        first = start // mmap.PAGESIZE * mmap.PAGESIZE
+        self.map.madvise(mmap.MADV_DONTNEED, first, min(len(self.map), start + length) - first)
+
+    def _tensor(self, t: TensorInfo, kept: dict[str, str]) -> tuple[str, torch.Tensor]:
+        name, shape = self.hf_names[t.name], self.tensor_shapes[t.name]
+        rows = self.mapped[t.start : t.start + t.n_bytes].reshape(math.prod(shape[:-1]), -1)
+        if name in kept:
+            data = rows
+        else:
+            if self.header.byte_order == ">" and t.qtype in BYTE_ORDERED:  # what the `gguf` package's reader swaps
+                rows = rows.view(BYTE_ORDERED[t.qtype]).byteswap().view(np.uint8)
+            data = gguf.dequantize(rows, t.qtype).reshape(shape)
+        if self.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+            heads = self.dims.heads if ".q_proj." in name else self.dims.kv_heads
+            data = _undo_rope_permutation(data, heads)
+        return name, torch.from_numpy(data)
 
     def _block_count(self) -> int:
         """block_count, once it names exactly the blocks whose blk.N tensors the file holds: the name map and
