@@ -8,6 +8,7 @@ AutoAWQ). Anything tiffin cannot run exactly as published is refused here, befor
 the variant named.
 """
 
+import ctypes
 import functools
 import json
 import logging
@@ -191,6 +192,21 @@ class PackedLinearMethod(LinearMethod):
             raise ValueError(
                 f"output sizes {layer.output_sizes}{per_rank} must be multiples of {self.pack} for packed zeros"
             )
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's malloc_trim, or None where the C library has none."""
+    return getattr(ctypes.CDLL(None), "malloc_trim", None)
+
+
+def return_freed_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc keeps them): a weight converted at load leaves its
+    transients' holes between the weights stored before it, ~90 MiB over a 1.5B GGUF's layers, where trimming
+    after each layer costs ~1 ms."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def load_shard(layer: nn.Module, target: torch.Tensor, tensor, shard: int | None, dim: int, pack: int = 1) -> None:

@@ -35,6 +35,7 @@ from tiffin.quant.base import (
     keep_blocks,
     param,
     register_quant_config,
+    return_freed_memory,
 )
 from tiffin.quant.gguf_blocks import DECODERS, to_blocks
 
@@ -105,8 +106,8 @@ def block_fields(raw: torch.Tensor, quant: GGUFQuant) -> tuple[torch.Tensor, tor
 
 
 class GGUFLinearMethod(LinearMethod):
-    """A layer of GGUF rows, one type per stacked shard (`types`). Each shard's raw rows are held as they load (views
-    of the file's map) and the layer is stored once the last arrives, so a model never holds more than a layer's
+    """A layer of GGUF rows, one type per stacked shard (`types`). Each shard's raw rows are held as they load (a copy
+    of all but the last) and the layer is stored once the last arrives, so a model never holds more than a layer's
     rows beside its stored weights."""
 
     def __init__(self, types: list[QType], backend: str):
@@ -143,6 +144,8 @@ class GGUFLinearMethod(LinearMethod):
         layer.raw_rows[shard] = tensor
         if all(rows is not None for rows in layer.raw_rows):
             self._store(layer)
+        else:  # a copy waits for the layer's other shards: the reader hands the file's pages back as it goes on
+            layer.raw_rows[shard] = tensor.clone()
 
     def _store(self, layer: nn.Module) -> None:
         """The layer's rows, every shard in, as its weights: fields or blocks (see the module's docstring)."""
@@ -160,6 +163,7 @@ class GGUFLinearMethod(LinearMethod):
             part = to_blocks(shards[0] if len(shards) == 1 else torch.cat(shards), qtype, levels)
             parts.append(_moved(part, layer.weight_device))
         keep_blocks(layer, parts[0] if len(parts) == 1 else StackedBlocks(parts), ())
+        return_freed_memory()
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         missing = [i for i, rows in enumerate(layer.raw_rows) if rows is None]

@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType as QType
 
 from tiffin.kernels.block_gemm import BlockWeights, from_gguf, pack_codes, pack_super, stack_groups
 
-ROW_CHUNK_BYTES = 16 << 20  # raw rows decoded at a time
+ROW_CHUNK_BYTES = 1 << 20  # raw rows decoded at a time: their transients stay small, and reused
 
 
 def _fields(raw: torch.Tensor, qtype: QType) -> torch.Tensor:
