@@ -12,6 +12,28 @@ from safetensors.numpy import load_file
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
+# A Q4_K_M-like file over every kept type, on a model whose inputs are whole K-quant super-blocks (256): stacked
+# layers mixing types (q/k/v, gate/up), a tied Q6_K embedding, each other type somewhere.
+K_QUANT_MIX = {
+    "token_embd.weight": QType.Q6_K,
+    "blk.0.attn_q.weight": QType.Q4_K,
+    "blk.0.attn_k.weight": QType.Q4_K,
+    "blk.0.attn_v.weight": QType.Q6_K,
+    "blk.0.attn_output.weight": QType.Q5_K,
+    "blk.0.ffn_gate.weight": QType.Q5_0,
+    "blk.0.ffn_up.weight": QType.Q5_1,
+    "blk.0.ffn_down.weight": QType.Q6_K,
+    "blk.1.attn_q.weight": QType.Q8_0,
+    "blk.1.attn_k.weight": QType.Q4_0,
+    "blk.1.attn_v.weight": QType.Q4_1,
+    "blk.1.attn_output.weight": QType.Q4_K,
+    "blk.1.ffn_gate.weight": QType.Q4_K,
+    "blk.1.ffn_up.weight": QType.Q4_K,
+    "blk.1.ffn_down.weight": QType.Q5_K,
+}
+K_SHAPES = dict(hidden_size=256, intermediate_size=512, tie_word_embeddings=True, rope_scaling=None)
+
+
 def write_gguf(
     hf_dir: str | Path,
     out: str | Path,

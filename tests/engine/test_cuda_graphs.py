@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
-from gguf_files import write_gguf
+from gguf_files import K_QUANT_MIX, K_SHAPES, write_gguf
 from lora_adapters import ADAPTERS, make_adapter
 from transformers import AutoModelForCausalLM
 
@@ -186,6 +186,15 @@ def test_graphed_decode_equals_eager_gguf(cuda_emulation, no_warm_up, tmp_path, 
     # a vocabulary of 512: the quantized lm_head's GEMM launches a quarter of the tiny model's programs
     path = write_gguf(make_tiny_model(tmp_path / "tiny", vocab_size=512), tmp_path / f"{qtype.name}.gguf", qtype)
     graphed_equals_eager(path, cuda_emulation)
+
+
+@pytest.mark.slow
+def test_graphed_decode_equals_eager_gguf_k_quants(cuda_emulation, no_warm_up, tmp_path):
+    """The block layout's Triton GEMM, captured and replayed: one layer of K_QUANT_MIX's (Q4_K, Q5_K and Q6_K, both
+    super-block kinds; Q5_0 beside Q5_1; q/k and v, gate and up of different types) and its Q6_K embedding."""
+    hf = make_tiny_model(tmp_path / "tiny", vocab_size=512, num_hidden_layers=1, **K_SHAPES)
+    types = {name: qtype for name, qtype in K_QUANT_MIX.items() if not name.startswith("blk.1.")}
+    graphed_equals_eager(write_gguf(hf, tmp_path / "mixed.gguf", QType.Q4_K, types=types), cuda_emulation)
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
-from gguf_files import write_gguf
+from gguf_files import K_QUANT_MIX, K_SHAPES, write_gguf
 
 from tiffin.engine.models.gguf_checkpoint import GGUFCheckpoint
 from tiffin.engine.models.linear import Linear
@@ -185,35 +185,13 @@ def test_written_gguf_matches_transformers(tmp_path, arch):
     assert [o.outputs[0].token_ids for o in outs] == expected[:, len(PROMPTS[0]) :].tolist()
 
 
-# A Q4_K_M-like file over every kept type, on a model whose inputs are whole K-quant super-blocks (256): stacked
-# layers mixing types (q/k/v, gate/up), a tied Q6_K embedding, each other type somewhere.
-MIXED_TYPES = {
-    "token_embd.weight": QType.Q6_K,
-    "blk.0.attn_q.weight": QType.Q4_K,
-    "blk.0.attn_k.weight": QType.Q4_K,
-    "blk.0.attn_v.weight": QType.Q6_K,
-    "blk.0.attn_output.weight": QType.Q5_K,
-    "blk.0.ffn_gate.weight": QType.Q5_0,
-    "blk.0.ffn_up.weight": QType.Q5_1,
-    "blk.0.ffn_down.weight": QType.Q6_K,
-    "blk.1.attn_q.weight": QType.Q8_0,
-    "blk.1.attn_k.weight": QType.Q4_0,
-    "blk.1.attn_v.weight": QType.Q4_1,
-    "blk.1.attn_output.weight": QType.Q4_K,
-    "blk.1.ffn_gate.weight": QType.Q4_K,
-    "blk.1.ffn_up.weight": QType.Q4_K,
-    "blk.1.ffn_down.weight": QType.Q5_K,
-}
-K_SHAPES = dict(hidden_size=256, intermediate_size=512, tie_word_embeddings=True, rope_scaling=None)
-
-
 @pytest.fixture(scope="module")
 def mixed_gguf(tmp_path_factory):
     from tiffin.tiny import make_tiny_model
 
     tmp = tmp_path_factory.mktemp("mixed")
     hf = make_tiny_model(tmp / "hf", arch="llama", **K_SHAPES)
-    return write_gguf(hf, tmp / "gguf" / "mixed.gguf", QType.Q4_K, types=MIXED_TYPES)
+    return write_gguf(hf, tmp / "gguf" / "mixed.gguf", QType.Q4_K, types=K_QUANT_MIX)
 
 
 def test_k_quant_mix_matches_transformers(mixed_gguf):
@@ -233,7 +211,7 @@ def test_k_quant_mix_matches_transformers(mixed_gguf):
     outs = {}
     for compute in ("exact", "native"):
         llm = LLM(str(mixed_gguf), dtype="float32", cpu_quant_compute=compute)
-        assert set(llm.llm_engine.model_config.quant_config.kept.values()) == {t.name for t in MIXED_TYPES.values()}
+        assert set(llm.llm_engine.model_config.quant_config.kept.values()) == {t.name for t in K_QUANT_MIX.values()}
         model = llm.llm_engine.model_runner.model
         assert isinstance(model.model.layers[0].self_attn.qkv_proj.blocks, StackedBlocks)
         outs[compute] = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]

@@ -248,3 +248,29 @@ def test_the_portable_path_is_the_same_arithmetic(tmp_path):
         )
         want = ig.block_gemm_reference(x, w, bf16=False)  # integers, whatever the row count
         torch.testing.assert_close(y, want, rtol=0, atol=1e-5 * float(want.abs().max()))
+
+
+TRITON_TOL = {torch.float32: 1e-5, torch.float16: 2e-3}  # relative to the output's scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("bits, kind", FORMATS, ids=FORMAT_IDS)
+def test_triton_kernel_is_the_dequantized_product(interpreter, bits, kind, dtype):
+    """The GPU path under the interpreter: the weight decoded tile by tile is `dequantize_blocks`' bit for bit (the
+    dense path's one-pass dequantize), its products those of that weight in x's dtype: decode (whole and split
+    across K), a mid-sized step, a prefill-sized one (the dense path)."""
+    from tiffin.kernels.triton_blocks import block_gemm_launch, block_gemm_triton, dequantize_blocks_triton
+
+    w = random_blocks(40, 512, bits, seed=bits + kind, kind=kind)
+    assert torch.equal(dequantize_blocks_triton(w, dtype), ig.dequantize_blocks(w).to(dtype))
+    weight = ig.dequantize_blocks(w).to(dtype).double()
+    for m in (1, 37, 256):
+        x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).to(dtype)
+        want = x.double() @ weight.T
+        got = block_gemm_triton(x, w)
+        assert got.dtype == dtype and got.shape == (m, 40)
+        assert (got.double() - want).abs().max() <= TRITON_TOL[dtype] * want.abs().max()
+    out = torch.empty(1, 40, dtype=dtype)
+    launch, partial = block_gemm_launch(x[:1], w, out, splits=3)
+    launch(out.device)
+    assert partial is not None and (out.double() - want[:1]).abs().max() <= TRITON_TOL[dtype] * want.abs().max()

@@ -433,6 +433,7 @@ def test_compile_check_every_arch_class():
         "gptq_gemm",
         "gguf_gemm",
         "quant_dequantize",
+        "block_gemm",
         "lora_shrink",
         "lora_expand",
         "fused_elementwise",

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tiffin.kernels import cpu_native
+from tiffin.kernels.dispatch import implements, kernel
 
 BLOCK = 32
 LANES = 16  # weight rows interleaved
@@ -244,6 +245,20 @@ def block_gemm(x: torch.Tensor, w: BlockWeights | StackedBlocks) -> torch.Tensor
         cpu_native.block_gemm(x, native_weights(part), y[:, first : first + part.out_features], part.levels)
         first += part.out_features
     return y
+
+
+def dequantized_gemm(x: torch.Tensor, w: BlockWeights | StackedBlocks, backend: str = "torch") -> torch.Tensor:
+    """`x [M, K]` @ the weight dequantized exactly (`dequantize_blocks`) and rounded to x's dtype -> `[M, N]`:
+    transformers' numerics, what the torch and Triton backends compute."""
+    if x.dim() != 2 or x.shape[1] != w.in_features:
+        raise ValueError(f"dequantized_gemm: x must be [M, {w.in_features}], got {tuple(x.shape)}")
+    outputs = [kernel("dequantized_block_gemm", backend)(x, part) for part in parts(w)]
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+
+
+@implements("dequantized_block_gemm", "torch")
+def dequantized_gemm_torch(x: torch.Tensor, w: BlockWeights) -> torch.Tensor:
+    return torch.nn.functional.linear(x, dequantize_blocks(w).to(x.dtype))
 
 
 def native_weights(w: BlockWeights) -> "cpu_native.NativeWeights":

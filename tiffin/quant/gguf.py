@@ -8,8 +8,9 @@ beside a Q8_0 v) keeps one block weight per run of alike shards (`StackedBlocks`
 On the torch and Triton backends Q4_0, Q4_1 and Q8_0 keep llama.cpp's rows split into their fields: the codes as
 the file lays them out, rows `[N, K*bits/8]` (Q4: low nibbles inputs 0..15 of a block, high 16..31), the fp16
 scales and minimums beside them `[N, K/32]`, for `gguf_gemm` (the torch path dequantizes whole rows, the Triton
-GEMM computes the weight in fp32 exactly as llama.cpp does). The other types keep the block layout there too and
-multiply its dequantized weight (exact, as gguf-py's).
+GEMM computes the weight in fp32 exactly as llama.cpp does). The other types keep the block layout there too, for
+`dequantized_gemm` (the torch path dequantizes the layer per call, the Triton GEMM decodes it tile by tile), the
+weight exact as gguf-py dequantizes it, rounded to the activations' dtype.
 
 Which tensors stay quantized is the GGUF reader's call (tiffin.engine.models.gguf_checkpoint): it writes them
 into the config it derives from the file as `quantization_config: {quant_method: gguf, kept: {name: type}}`.
@@ -24,7 +25,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 from torch import nn
 
-from tiffin.kernels.block_gemm import BlockWeights, StackedBlocks, block_gemm, dequantize_blocks
+from tiffin.kernels.block_gemm import BlockWeights, StackedBlocks, block_gemm, dequantize_blocks, dequantized_gemm
 from tiffin.kernels.quant import gguf_dequantize, gguf_gemm
 from tiffin.quant.base import (
     INT8_BACKENDS,
@@ -177,7 +178,7 @@ class GGUFLinearMethod(LinearMethod):
         elif self.backend in INT8_BACKENDS:
             y = block_gemm(x2, layer.blocks)
         else:  # the exact path: the weight as gguf-py dequantizes it, in x's dtype
-            y = torch.nn.functional.linear(x2, dequantize_blocks(layer.blocks).to(x2.dtype))
+            y = dequantized_gemm(x2, layer.blocks, self.backend)
         return y.view(*x.shape[:-1], layer.output_size)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
