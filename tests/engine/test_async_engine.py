@@ -151,3 +151,27 @@ def test_engine_failure_fails_requests_in_flight_not_the_loop(engines, fail_step
     params = SamplingParams(temperature=0, max_tokens=12)
     after = asyncio.run(_collect(engine, PROMPTS[0], params, "after"))[-1]
     assert after.outputs[0].text == llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0].text
+
+
+def test_a_consumer_behind_gets_the_newest_output_then_the_error():
+    """Outputs queued faster than read collapse to the newest (cumulative), but never past an error: the tokens
+    generated before a failure reach the client first (a stream lost them once the engine outran it)."""
+    from tiffin.engine.async_llm_engine import RequestStream
+    from tiffin.engine.outputs import CompletionOutput, RequestOutput
+
+    async def read() -> tuple[list, BaseException | None]:
+        stream = RequestStream("r", lambda request_id, wake: None)
+        for n in (1, 2, 3):
+            outputs = [CompletionOutput(0, "x" * n, list(range(n)))]
+            stream.queue.put_nowait(RequestOutput("r", "p", [1], outputs))
+        stream.queue.put_nowait(EngineError("device lost"))
+        got = []
+        try:
+            async for out in stream:
+                got.append(out.outputs[0].token_ids)
+        except EngineError as e:
+            return got, e
+        return got, None
+
+    got, error = asyncio.run(read())
+    assert got == [[0, 1, 2]] and "device lost" in str(error)

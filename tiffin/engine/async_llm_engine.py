@@ -49,7 +49,8 @@ CHAT_TEMPLATE_THREADS = 8
 
 class RequestStream:
     """Async iterator over one request's outputs. Leaving it early (cancellation, `close()`) aborts the
-    request, which frees its KV blocks before the next step."""
+    request, which frees its KV blocks before the next step. A consumer that fell behind gets the newest output
+    queued, and an error only after it: the tokens generated before a failure are never skipped."""
 
     def __init__(self, request_id: str, abort: Callable[[str, bool], None]):
         self.request_id = request_id
@@ -58,6 +59,7 @@ class RequestStream:
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self._abort = abort
+        self._error: BaseException | None = None  # queued behind an output not yet returned
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -65,6 +67,9 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput | PoolingRequestOutput:
         if self.finished:
             raise StopAsyncIteration
+        if self._error is not None:
+            self.finished = True
+            raise self._error
         try:
             item = await self.queue.get()
         except asyncio.CancelledError:
@@ -72,7 +77,11 @@ class RequestStream:
             raise
         # Outputs are cumulative: a consumer that fell behind only needs the newest one.
         while not self.queue.empty() and not isinstance(item, BaseException):
-            item = self.queue.get_nowait()
+            newer = self.queue.get_nowait()
+            if isinstance(newer, BaseException):
+                self._error = newer
+                break
+            item = newer
         if isinstance(item, BaseException):
             self.finished = True
             raise item
