@@ -7,12 +7,15 @@ and GPTQ (`w = (q - z) * s` per group) too (`d = s`, `m = -z * s`, a group of 64
 blocks). GGUF's K-quants keep their super-blocks of 256 inputs: an fp16 `d` (and `dmin`) a super-block and small
 integer scales a block (Q4_K, Q5_K: `d * sc`, `-dmin * mn`; kind SUPER_MINS) or half-block (Q6_K: `d * sc`, codes
 centred on 32; kind SUPER_CENTRED), multiplied out in fp32 by the kernels, exactly as llama.cpp dequantizes them.
+FP8 weights (kind FP8) are e4m3 codes in the 8-bit registers with an fp32 scale a block (`w = e4m3(q) * d`, `m =
+0`; 9 bits a weight): compressed-tensors' per-tensor and per-channel scales and block-FP8's 128 x 128 blocks alike.
 All are repacked once at load; a weight takes its format's bits and a little more (Q4_K 4.625, Q6_K 6.625).
 
 Activations are quantized per row and block (`quantize_activations`): one level of int8 codes (`dx = max|x| /
 127`, llama.cpp's scheme) or two (15 bits), so a block contributes `d * dx * sum(q * qx) + m * dx * sum(qx)`: an
 exact integer dot product, then fp32. At two levels, steps from `cpu_native.bf16_min_rows()` rows on (bound by
-arithmetic, not by reading the weights) run bf16 dot products instead (`in_bf16`). `block_gemm_reference` is each
+arithmetic, not by reading the weights) run bf16 dot products instead (`in_bf16`); FP8 weights always do (their
+codes are not integers), on the weight `e4m3(q) * d` rounded to bf16. `block_gemm_reference` is each
 arithmetic in torch; the native kernels (`kernels/csrc/cpu_quant*.cpp`) compute the same with AVX-512 VNNI / BF16
 or AMX bf16 tiles.
 
@@ -21,7 +24,8 @@ that a vector lane is an output row. Per group and block the registers of 16 row
 4t..4t+3), 8-bit quads 0..7 in turn, below 8 bits quads t and t + 4 in the low and high nibbles of register t
 followed by a plane per bit above 4; BLOCKS: `codes` uint8 `[groups, blocks * code_bytes]`, `scales` / `offsets`
 fp16 `[groups, blocks * 16]`; the super kinds: `codes` a record per group and super-block (its 8 blocks' codes, then
-their integer scales), `scales` (d) / `offsets` (-dmin) fp16 `[groups, supers * 16]`.
+their integer scales), `scales` (d) / `offsets` (-dmin) fp16 `[groups, supers * 16]`; FP8: `codes` as 8-bit
+BLOCKS, `scales` fp32 `[groups, blocks * 16]`, `offsets` empty.
 """
 
 import itertools
@@ -37,8 +41,8 @@ BLOCK = 32
 LANES = 16  # weight rows interleaved
 SUPER = 8  # blocks a super-block
 SUB_BYTES = 256  # a record's integer scales (and mins)
-BLOCKS, SUPER_MINS, SUPER_CENTRED = 0, 1, 2  # kinds: where a block's d and m come from (cpu_blocks.h's Kind)
-FORMATS = {(4, BLOCKS), (5, BLOCKS), (8, BLOCKS), (4, SUPER_MINS), (5, SUPER_MINS), (6, SUPER_CENTRED)}
+BLOCKS, SUPER_MINS, SUPER_CENTRED, FP8 = 0, 1, 2, 3  # kinds: what a code is, where its d and m come from (cpu_blocks.h)
+FORMATS = {(4, BLOCKS), (5, BLOCKS), (8, BLOCKS), (4, SUPER_MINS), (5, SUPER_MINS), (6, SUPER_CENTRED), (8, FP8)}
 
 
 def code_bytes(bits: int) -> int:
@@ -183,6 +187,18 @@ def pack_super(
     return BlockWeights(record.view(groups, -1), _fp16_lanes(d), offsets, bits, k, n, levels, kind)
 
 
+def pack_fp8(codes: torch.Tensor, scales: torch.Tensor) -> BlockWeights:
+    """FP8 weights `w[n, k] = e4m3(codes[n, k]) * scales[n, k // 32]` from `float8_e4m3fn [N, K]` (or its bytes) and
+    float32 scales `[N, K / 32]`."""
+    n, k = codes.shape
+    if k % BLOCK or scales.shape != (n, k // BLOCK):
+        raise ValueError(f"fp8 codes [N, K] need K a multiple of {BLOCK} and [N, K/{BLOCK}] scales, got {codes.shape}")
+    registers = _registers(_quads(codes.view(torch.uint8), 8))
+    groups = registers.shape[0]
+    d = _interleave(scales.float()).reshape(groups, -1).contiguous()
+    return BlockWeights(registers.view(groups, -1), d, d.new_empty(0), 8, k, n, 2, FP8)
+
+
 def stack_groups(chunks: Iterable[BlockWeights], rows: int) -> BlockWeights:
     """One weight of `rows` rows from consecutive chunks of them (each but the last whole groups of 16), copied into
     tensors allocated once: a weight converted a chunk at a time never holds two copies of itself."""
@@ -273,6 +289,8 @@ def native_weights(w: BlockWeights) -> "cpu_native.NativeWeights":
 def in_bf16(x: torch.Tensor, w: BlockWeights) -> bool:
     """Whether `x` times `w` runs in bf16 dot products: prompt-sized inputs at two activation levels, where the
     arithmetic (not reading the weights) bounds the call and the CPU has them."""
+    if w.kind == FP8:
+        return True
     rows = cpu_native.bf16_min_rows() if cpu_native.library() is not None else None
     return w.levels == 2 and rows is not None and x.shape[0] >= rows
 
@@ -296,7 +314,7 @@ def quantize_activations(x: torch.Tensor, levels: int = 1) -> tuple[torch.Tensor
 def _block_codes(w: BlockWeights) -> torch.Tensor:
     """Every group's codes a block, `uint8 [groups, blocks, code_bytes]` (a view: records' scales left out)."""
     blocks, groups = w.in_features // BLOCK, w.codes.shape[0]
-    if w.kind == BLOCKS:
+    if w.kind in (BLOCKS, FP8):
         return w.codes.view(groups, blocks, -1)
     records = w.codes.view(groups, blocks // SUPER, -1)
     return records[:, :, : SUPER * code_bytes(w.bits)].unflatten(2, (SUPER, -1)).flatten(1, 2)
@@ -320,8 +338,9 @@ def factors(w: BlockWeights, rows: torch.Tensor | None = None) -> tuple[torch.Te
     """Each sub-block's d and m (`[R, K / w.sub_block]` float32) of rows `rows` (default: all), exactly."""
     rows = torch.arange(w.out_features, device=w.codes.device) if rows is None else rows
     per_row = lambda t: t.view(t.shape[0], -1, LANES)[rows // LANES, :, rows % LANES].float()
-    if w.kind == BLOCKS:
-        return per_row(w.scales), per_row(w.offsets)
+    if w.kind in (BLOCKS, FP8):
+        d = per_row(w.scales)
+        return d, per_row(w.offsets) if w.kind == BLOCKS else torch.zeros_like(d)
     groups, supers = w.codes.shape[0], w.in_features // (SUPER * BLOCK)
     sub = w.codes.view(groups, supers, -1)[:, :, -SUB_BYTES:].view(groups, supers, -1, LANES)
     sub = sub[rows // LANES, :, :, rows % LANES]  # [R, supers, 16]: 8 scales then 8 mins, or 16 scales
@@ -341,7 +360,8 @@ def dequantize_blocks(w: BlockWeights | StackedBlocks, rows: torch.Tensor | None
     if rows is not None and rows.device.type == "cpu" and cpu_native.library() is not None:
         return cpu_native.dequantize_rows(native_weights(w), w.in_features, rows)
     rows = torch.arange(w.out_features, device=w.codes.device) if rows is None else rows
-    q = unpack_codes(w, rows).view(len(rows), -1, w.sub_block).float()
+    q = unpack_codes(w, rows)
+    q = (q.view(torch.float8_e4m3fn) if w.kind == FP8 else q).float().view(len(rows), -1, w.sub_block)
     d, m = factors(w, rows)
     return (q * d[..., None] + m[..., None]).view(len(rows), -1)
 
