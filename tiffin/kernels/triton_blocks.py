@@ -1,9 +1,10 @@
 """Triton GEMM on the block layout of `tiffin.kernels.block_gemm` (the GPU path of `block_gemm`): GGUF's Q5_0, Q5_1,
-Q4_K, Q5_K and Q6_K as the CPU kernels keep them, read in place.
+Q4_K, Q5_K and Q6_K as the CPU kernels keep them, and FP8 (e4m3 codes, an fp32 scale a row and block), read in place.
 
 A program owns a `BLOCK_M x BLOCK_N` output tile and walks K one block of 32 inputs at a time: the tile's weights
 are decoded from the layout (`_weight_tile`: the codes' nibbles and high-bit planes, each block's or half-block's
-`d` and `m` from its fp16 scales or a super-block's integer sub-scales), `q * d + m` in fp32 exactly as
+`d` and `m` from its fp16 scales or a super-block's integer sub-scales; FP8's bytes by integer arithmetic, as
+`triton_common.kv_code_values` reads fp8 KV caches, so sm_80 runs them too), `q * d + m` in fp32 exactly as
 `dequantize_blocks` computes it, then rounded to x's dtype for `tl.dot` with an fp32 accumulator (the torch path's
 weight, `dequantize_blocks(w).to(x.dtype)`). Decode-sized M splits K across programs (`triton_common.split_k`,
 summed in the kernel). From `DENSE_MIN_TOKENS` rows on, `_dequantize_kernel` writes the weight `[N, K]` in x's
@@ -16,7 +17,7 @@ import triton
 import triton.language as tl
 
 from tiffin.kernels import triton_common as tc
-from tiffin.kernels.block_gemm import BLOCK, FORMATS, BlockWeights, code_bytes
+from tiffin.kernels.block_gemm import BLOCK, BLOCKS, FORMATS, FP8, SUPER_CENTRED, BlockWeights, code_bytes
 from tiffin.kernels.compile_check import CompileCase, register
 from tiffin.kernels.dispatch import implements
 from tiffin.kernels.quant import DENSE_MIN_TOKENS
@@ -24,6 +25,8 @@ from tiffin.kernels.triton_common import reduce_split_k
 from tiffin.kernels.triton_quant import dense_pass_columns
 
 DEQUANTIZE_COLUMNS = 128  # output columns a program of the dense path's dequantize writes
+# e4m3 codes read as fp16 bits are 2^-8 of their value: the shift for `kv_code_values`, the unit folded into d
+_E4M3_SHIFT, _E4M3_UNIT = (tl.constexpr(v) for v in tc.FP8_UNPACK["fp8_e4m3"])
 
 
 @triton.jit
@@ -34,7 +37,7 @@ def _weight_tile(codes_ptr, scales_ptr, offsets_ptr, k0, offs_n, mask_n, K, BITS
     quad = j // 4
     group, lane = (offs_n // 16).to(tl.int64), offs_n % 16
     block = k0 // 32
-    if KIND == 0:
+    if KIND == 0 or KIND == 3:  # BLOCKS, FP8: a group's blocks in turn
         base = (group * (K // 32) + block) * CB
     else:
         record = group * (K // 256) + block // 8
@@ -49,7 +52,11 @@ def _weight_tile(codes_ptr, scales_ptr, offsets_ptr, k0, offs_n, mask_n, K, BITS
         for p in tl.static_range(BITS - 4):
             plane = tl.load(codes_ptr + at + 256 + p * 64, mask=mask, other=0).to(tl.int32)
             q |= ((plane >> quad[:, None]) & 1) << (4 + p)
-    if KIND == 0:
+    if KIND == 3:  # e4m3(q) * d, no m: (q's value / 256) * (d * 256) is the same product, rounded once
+        q = tc.kv_code_values(q, _E4M3_SHIFT, "fp8")
+        d = tl.load(scales_ptr + (group * (K // 32) + block) * 16 + lane, mask=mask_n, other=0.0)  # fp32
+        d = (d * _E4M3_UNIT)[None, :]
+    elif KIND == 0:
         factor = (group * (K // 32) + block) * 16 + lane
         d = tl.load(scales_ptr + factor, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         m = tl.load(offsets_ptr + factor, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -67,7 +74,8 @@ def _weight_tile(codes_ptr, scales_ptr, offsets_ptr, k0, offs_n, mask_n, K, BITS
             sc = (sc - (sc >= 128).to(tl.int32) * 256).to(tl.float32)  # int8, stored as bytes
             d = d_super[None, :] * sc
             m = d * -(1 << (BITS - 1))
-    return q.to(tl.float32) * d + m
+    # FP8 adds no m: a `+ 0.0` made ptxas spill a register in sm_80's fp32 split-K tile
+    return q * d if KIND == 3 else q.to(tl.float32) * d + m
 
 
 @triton.jit
@@ -217,11 +225,13 @@ def block_gemm_launch(
 
 
 def _check(w: BlockWeights) -> None:
-    groups = -(-w.out_features // 16)
-    record = code_bytes(w.bits) * (1 if w.kind == 0 else 8) + (0 if w.kind == 0 else 256)
-    units = w.in_features // BLOCK // (1 if w.kind == 0 else 8)
+    groups, flat = -(-w.out_features // 16), w.kind in (BLOCKS, FP8)
+    record = code_bytes(w.bits) * (1 if flat else 8) + (0 if flat else 256)
+    units = w.in_features // BLOCK // (1 if flat else 8)
     if w.codes.shape != (groups, units * record) or not w.codes.is_contiguous():
         raise ValueError(f"block gemm: codes {tuple(w.codes.shape)} are not the layout of {w.bits}-bit kind {w.kind}")
+    if w.kind == FP8 and w.scales.dtype != torch.float32:  # read as fp32: an fp16 scale would be misread
+        raise ValueError(f"block gemm: FP8 scales must be float32, got {w.scales.dtype}")
 
 
 @register("block_gemm")
@@ -246,8 +256,9 @@ def _compile_cases(arch: int):
 
 def _example_weights(bits: int, kind: int, k: int = 4096, n: int = 4096) -> BlockWeights:
     meta = dict(device="meta")
-    units, record = (k // 32, code_bytes(bits)) if kind == 0 else (k // 256, 8 * code_bytes(bits) + 256)
+    flat = kind in (BLOCKS, FP8)
+    units, record = (k // 32, code_bytes(bits)) if flat else (k // 256, 8 * code_bytes(bits) + 256)
     codes = torch.empty(n // 16, units * record, dtype=torch.uint8, **meta)
-    scales = torch.empty(n // 16, units * 16, dtype=torch.float16, **meta)
-    offsets = torch.empty(0 if kind == 2 else n // 16, units * 16, dtype=torch.float16, **meta)
+    scales = torch.empty(n // 16, units * 16, dtype=torch.float32 if kind == FP8 else torch.float16, **meta)
+    offsets = torch.empty(0 if kind in (SUPER_CENTRED, FP8) else n // 16, units * 16, dtype=torch.float16, **meta)
     return BlockWeights(codes, scales, offsets, bits, k, n, kind=kind)
