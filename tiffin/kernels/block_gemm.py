@@ -258,9 +258,19 @@ def block_gemm(x: torch.Tensor, w: BlockWeights | StackedBlocks) -> torch.Tensor
     x, y = x.contiguous(), torch.empty(x.shape[0], w.out_features, dtype=x.dtype)
     first = 0
     for part in parts(w):
-        cpu_native.block_gemm(x, native_weights(part), y[:, first : first + part.out_features], part.levels)
+        out = y[:, first : first + part.out_features]
+        if native_runs(part):
+            cpu_native.block_gemm(x, native_weights(part), out, part.levels)
+        else:
+            out.copy_(block_gemm_reference(x, part))
         first += part.out_features
     return y
+
+
+def native_runs(w: BlockWeights) -> bool:
+    """Whether the native kernels multiply by `w` (the library built): every format but FP8 where the CPU has no
+    AVX-512 BF16 (its codes are not integers: only bf16 dot products take them)."""
+    return cpu_native.library() is not None and (w.kind != FP8 or cpu_native.bf16_min_rows() is not None)
 
 
 def dequantized_gemm(x: torch.Tensor, w: BlockWeights | StackedBlocks, backend: str = "torch") -> torch.Tensor:

@@ -3,7 +3,9 @@
 // even), in the pairs `vdpbf16ps` reads (lane l: row l's inputs 2j, 2j + 1), and multiplies every row of bf16
 // activations by them, accumulating in fp32 across the whole input. AVX-512 BF16 (Zen 4 and later, Xeon from
 // Cooper Lake), or Intel AMX tiles where the CPU has them (Sapphire Rapids on: ~5x the dot products at 64 rows,
-// ~10x at 512); elsewhere `tiffin_bf16_gemm_built` says 0 and cpu_quant.cpp's integer kernels serve every size.
+// ~10x at 512); elsewhere `tiffin_bf16_gemm_built` says 0 and cpu_quant.cpp's integer kernels serve every size
+// (FP8 weights, whose e4m3 codes are no integers, then none: tiffin_block_gemm refuses them). FP8 runs here at every
+// number of rows, decode included.
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -20,9 +22,48 @@ inline __m512i bf16_pairs(__m512 a, __m512 b) {
   return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(b, a));
 }
 
+// FP8: a register of 64 e4m3 codes (lane l's inputs 4t..4t+3 in bytes 4l..4l+3) as fp16 bits of value / 256, its
+// even bytes (inputs 4t, 4t + 2) and odd ones (4t + 1, 4t + 3) a 16-bit lane each: the sign, then exponent and
+// mantissa one bit lower (bias 7 against fp16's 15). A code in a 16-bit lane's high byte shifted right
+// arithmetically by one: the sign twice, then the 7 bits; the mask drops the copy and what lay below. fp16's
+// subnormals are e4m3's (exponent 0: m 2^-9 = m 2^-17 * 256), and vcvtph2ps widens them exactly whatever DAZ says,
+// where fp32 bit tricks would meet fp32 denormals.
+inline void e4m3_halves(__m512i v, __m512i& even, __m512i& odd) {
+  const __m512i mask = _mm512_set1_epi16(static_cast<short>(0xBF80));
+  even = _mm512_and_si512(_mm512_srai_epi16(_mm512_slli_epi16(v, 8), 1), mask);
+  odd = _mm512_and_si512(_mm512_srai_epi16(v, 1), mask);
+}
+
+// One 16-bit lane pair a row of e4m3_halves' fp16 (lane l: row l's two inputs) times d (256 d: `d_lo` rows 0..7,
+// `d_hi` 8..15, each twice) as bf16, nearest even: 32-bit lane l holds row l's two products, in the same order.
+inline __m512i fp8_products(__m512i h, __m512 d_lo, __m512 d_hi) {
+  const __m512 lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), d_lo);
+  const __m512 hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), d_hi);
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+// FP8 block b of group g as bf16 pairs (group_to_bf16's layout): e4m3(q) * d rounded once, as the reference.
+inline void fp8_block_to_bf16(const Weights& w, int64_t blocks, int64_t g, int64_t b, uint32_t* out) {
+  const uint8_t* block = block_codes(w, 8, FP8, blocks, g, b);
+  const __m512 d = _mm512_mul_ps(_mm512_loadu_ps(fp32_scales(w) + (g * blocks + b) * LANES), _mm512_set1_ps(256.f));
+  const __m512 d_lo = _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), d);
+  const __m512 d_hi = _mm512_permutexvar_ps(_mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8), d);
+  for (int t = 0; t < 8; ++t) {
+    __m512i even, odd;
+    e4m3_halves(_mm512_loadu_si512(block + t * 64), even, odd);
+    const __m512i e = fp8_products(even, d_lo, d_hi), o = fp8_products(odd, d_lo, d_hi);  // (4t, 4t + 2), (4t + 1, 4t + 3)
+    _mm512_storeu_si512(out + (b * 16 + t * 2) * LANES, _mm512_mask_blend_epi16(0xAAAAAAAA, e, _mm512_slli_epi32(o, 16)));
+    _mm512_storeu_si512(out + (b * 16 + t * 2 + 1) * LANES, _mm512_mask_blend_epi16(0xAAAAAAAA, _mm512_srli_epi32(e, 16), o));
+  }
+}
+
 // Group g's weights as bf16 pairs: out[j] = 16 lanes (rows), each (input 2j, input 2j + 1).
 template <int BITS, int KIND>
 void group_to_bf16(const Weights& w, int64_t blocks, int64_t g, uint32_t* out) {
+  if constexpr (KIND == FP8) {
+    for (int64_t b = 0; b < blocks; ++b) fp8_block_to_bf16(w, blocks, g, b, out);
+    return;
+  }
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = block_codes(w, BITS, KIND, blocks, g, b);
     __m512 d[2], m[2];  // per half-block
@@ -141,7 +182,7 @@ void gemm_bf16(const void* x, int dtype, int64_t x_stride, int64_t m, int64_t k,
   const int64_t pairs = k / 2, blocks = k / QK, groups = (w.n + LANES - 1) / LANES;
   thread_local std::vector<uint32_t> mine;
   std::vector<uint32_t>& xb = mine;  // the calling thread's, as `quantize`'s
-  const bool amx = amx_usable();
+  const bool amx = amx_usable() && m >= 16;  // fewer rows (FP8's decode) would fill a tile with padding
   const int64_t padded = amx ? (m + 15) / 16 * 16 : m;  // AMX reads whole tiles of 16 rows
   xb.resize(padded * pairs);
   std::fill(xb.begin() + m * pairs, xb.end(), 0u);
@@ -198,7 +239,7 @@ extern "C" int tiffin_bf16_gemm_built() { return amx_usable() ? 2 : 1; }
 
 extern "C" void tiffin_bf16_gemm(int dtype, const void* x, int64_t x_stride, int64_t m, int64_t k, const Weights& w,
                                  int out_dtype, void* y, int64_t y_stride, int threads) {
-  by_format(w.bits, w.kind, [&](auto bits, auto kind) {
+  by_format<true>(w.bits, w.kind, [&](auto bits, auto kind) {
     gemm_bf16<decltype(bits)::value, decltype(kind)::value>(x, dtype, x_stride, m, k, w, y, out_dtype, y_stride, threads);
   });
 }
