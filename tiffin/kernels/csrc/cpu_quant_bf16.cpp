@@ -34,8 +34,9 @@ inline void e4m3_halves(__m512i v, __m512i& even, __m512i& odd) {
   odd = _mm512_and_si512(_mm512_srai_epi16(v, 1), mask);
 }
 
-// One 16-bit lane pair a row of e4m3_halves' fp16 (lane l: row l's two inputs) times d (256 d: `d_lo` rows 0..7,
-// `d_hi` 8..15, each twice) as bf16, nearest even: 32-bit lane l holds row l's two products, in the same order.
+// e4m3_halves' fp16 (32-bit lane l: row l's two inputs) times d, as bf16 rounded to nearest even, in the same places.
+// vcvtph2ps widens a 256-bit half at a time, rows 0..7 then 8..15 with each row's two values side by side: the
+// scales come so (`d_lo`, `d_hi`: 256 d, each row's twice).
 inline __m512i fp8_products(__m512i h, __m512 d_lo, __m512 d_hi) {
   const __m512 lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), d_lo);
   const __m512 hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), d_hi);
@@ -46,7 +47,8 @@ inline __m512i fp8_products(__m512i h, __m512 d_lo, __m512 d_hi) {
 inline void fp8_scales(const Weights& w, int64_t blocks, int64_t g, int64_t b, __m512& d_lo, __m512& d_hi) {
   const __m512 d = _mm512_mul_ps(_mm512_loadu_ps(fp32_scales(w) + (g * blocks + b) * LANES), _mm512_set1_ps(256.f));
   d_lo = _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), d);
-  d_hi = _mm512_permutexvar_ps(_mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8), d);
+  const __m512i upper = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+  d_hi = _mm512_permutexvar_ps(upper, d);
 }
 
 // Register t of an FP8 block's codes (inputs 4t..4t+3) as the bf16 pairs of inputs (4t, 4t + 1) and (4t + 2, 4t + 3):
@@ -54,7 +56,8 @@ inline void fp8_scales(const Weights& w, int64_t blocks, int64_t g, int64_t b, _
 inline void fp8_pairs(const uint8_t* block, int t, __m512 d_lo, __m512 d_hi, __m512i& p01, __m512i& p23) {
   __m512i even, odd;
   e4m3_halves(_mm512_loadu_si512(block + t * 64), even, odd);
-  const __m512i e = fp8_products(even, d_lo, d_hi), o = fp8_products(odd, d_lo, d_hi);  // (4t, 4t + 2), (4t + 1, 4t + 3)
+  const __m512i e = fp8_products(even, d_lo, d_hi);  // lane l: row l's (4t, 4t + 2)
+  const __m512i o = fp8_products(odd, d_lo, d_hi);   // (4t + 1, 4t + 3)
   p01 = _mm512_mask_blend_epi16(0xAAAAAAAA, e, _mm512_slli_epi32(o, 16));
   p23 = _mm512_mask_blend_epi16(0xAAAAAAAA, _mm512_srli_epi32(e, 16), o);
 }
