@@ -15,7 +15,8 @@ Activations are quantized per row and block (`quantize_activations`): one level 
 127`, llama.cpp's scheme) or two (15 bits), so a block contributes `d * dx * sum(q * qx) + m * dx * sum(qx)`: an
 exact integer dot product, then fp32. At two levels, steps from `cpu_native.bf16_min_rows()` rows on (bound by
 arithmetic, not by reading the weights) run bf16 dot products instead (`in_bf16`); FP8 weights always do (their
-codes are not integers), on the weight `e4m3(q) * d` rounded to bf16. `block_gemm_reference` is each
+codes are not integers), on the weight `e4m3(q) * d` rounded to bf16, decode steps included (on a CPU without
+AVX-512 BF16 their reference in torch: `native_runs`). `block_gemm_reference` is each
 arithmetic in torch; the native kernels (`kernels/csrc/cpu_quant*.cpp`) compute the same with AVX-512 VNNI / BF16
 or AMX bf16 tiles.
 
@@ -258,9 +259,19 @@ def block_gemm(x: torch.Tensor, w: BlockWeights | StackedBlocks) -> torch.Tensor
     x, y = x.contiguous(), torch.empty(x.shape[0], w.out_features, dtype=x.dtype)
     first = 0
     for part in parts(w):
-        cpu_native.block_gemm(x, native_weights(part), y[:, first : first + part.out_features], part.levels)
+        out = y[:, first : first + part.out_features]
+        if native_runs(part):
+            cpu_native.block_gemm(x, native_weights(part), out, part.levels)
+        else:
+            out.copy_(block_gemm_reference(x, part))
         first += part.out_features
     return y
+
+
+def native_runs(w: BlockWeights) -> bool:
+    """Whether the native kernels multiply by `w` (the library built): every format but FP8 where the CPU has no
+    AVX-512 BF16 (its codes are not integers: only bf16 dot products take them)."""
+    return cpu_native.library() is not None and (w.kind != FP8 or cpu_native.bf16_min_rows() is not None)
 
 
 def dequantized_gemm(x: torch.Tensor, w: BlockWeights | StackedBlocks, backend: str = "torch") -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 
 from tiffin.engine.models.llama import LlamaForCausalLM
 from tiffin.kernels import AttentionMetadata, cpu_native, silu_and_mul
-from tiffin.kernels.block_gemm import native_weights, parts
+from tiffin.kernels.block_gemm import FP8, native_runs, native_weights, parts
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -68,7 +68,12 @@ def _linear(layer) -> _QuantLinear:
     features = [w.out_features for w in weights]
     return _QuantLinear((ctypes.POINTER(cpu_native.NativeWeights) * MAX_PARTS)(*views), (_i64 * MAX_PARTS)(*features),
                         len(weights), cpu_native.data_ptr(layer.bias), layer.blocks.out_features,
-                        layer.blocks.in_features, weights[0].levels)  # fmt: skip
+                        layer.blocks.in_features, _levels(weights))  # fmt: skip
+
+
+def _levels(weights) -> int:
+    """The activation levels of a projection's parts (FP8 parts, on bf16 dot products, take no levels)."""
+    return next((w.levels for w in weights if w.kind != FP8), weights[0].levels)
 
 
 class CpuDecoder:
@@ -114,8 +119,8 @@ class CpuDecoder:
     @classmethod
     def build(cls, model: torch.nn.Module, block_size: int) -> "CpuDecoder | None":
         """A native decoder for `model`, or None where its steps must run in torch: not the Llama family, a
-        projection not on the int8 kernels (plain, or an adapter slot) or whose inputs are permuted first, an
-        activation other than SiLU, a dtype other than fp32 / bf16."""
+        projection not on the block kernels (plain, an adapter slot, FP8 without AVX-512 BF16) or whose inputs are
+        permuted first, an activation other than SiLU, a dtype other than fp32 / bf16."""
         if not isinstance(model, LlamaForCausalLM) or cpu_native.library() is None:
             return None
         inner = model.model
@@ -124,6 +129,8 @@ class CpuDecoder:
             linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if any(getattr(x, "blocks", None) is None or x.adapters is not None for x in linears):
                 return None
+            if not all(native_runs(w) for x in linears for w in parts(x.blocks)):
+                return None  # FP8 on a CPU without AVX-512 BF16: its torch path runs the reference
             if any(getattr(x, "perm", None) is not None or getattr(x, "gather", None) is not None for x in linears):
                 return None  # act-order GPTQ: its inputs are permuted first
             if mlp.act_and_mul is not silu_and_mul:

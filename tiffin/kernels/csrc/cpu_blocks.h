@@ -93,27 +93,42 @@ inline void store_value(void* y, int dtype, int64_t i, float v) {  // rounding t
 //   and `offsets` -dmin: a block's d is d * sc, its m -dmin * mn (both exact in fp32).
 // - SUPER_CENTRED (Q6_K): records of the 8 blocks' codes, then int8 sub-scales [16 half-blocks][16]; `scales` fp16
 //   [groups, supers, 16] holds d: half-block h's d is d * sc, its m -2^(bits-1) times that (codes centred).
-enum Kind { BLOCKS = 0, SUPER_MINS = 1, SUPER_CENTRED = 2 };
+// - FP8 (8 bits only): the 8-bit registers hold float8 e4m3fn codes (raw bytes, no bias), w = e4m3(q) d, m = 0;
+//   `scales` fp32 [groups, blocks, 16] (read through `fp32_scales`), `offsets` empty. Not integers: only the bf16
+//   GEMM (cpu_quant_bf16.cpp) and `tiffin_dequantize_rows` read them, never the integer kernels.
+enum Kind { BLOCKS = 0, SUPER_MINS = 1, SUPER_CENTRED = 2, FP8 = 3 };
 constexpr int SUPER = 8;            // blocks per super-block
 constexpr int64_t SUB_BYTES = 256;  // a record's sub-scales (and sub-mins)
 
 constexpr int64_t code_bytes(int bits) { return bits == 8 ? 512 : 256 + 64 * (bits - 4); }
+constexpr bool plain_blocks(int kind) { return kind == BLOCKS || kind == FP8; }  // a block's codes, no records
 constexpr int64_t record_bytes(int bits, int kind) {
-  return kind == BLOCKS ? code_bytes(bits) : SUPER * code_bytes(bits) + SUB_BYTES;
+  return plain_blocks(kind) ? code_bytes(bits) : SUPER * code_bytes(bits) + SUB_BYTES;
 }
 
 struct Weights {  // tiffin.kernels.cpu_native.NativeWeights
   const uint8_t* codes;
-  const uint16_t* scales;
+  const uint16_t* scales;  // fp16, or fp32 for FP8
   const uint16_t* offsets;
   int64_t n;  // rows, before padding to whole groups
   int32_t bits, kind;
 };
 
+inline const float* fp32_scales(const Weights& w) { return reinterpret_cast<const float*>(w.scales); }
+
+// An e4m3fn code's value, exactly: integers scaled by powers of two, which never pass through fp32 denormals (the
+// process may flush them). 0x7f / 0xff are NaN.
+inline float e4m3_to_float(uint8_t c) {
+  const int e = (c >> 3) & 0xF, m = c & 7;
+  if (e == 15 && m == 7) return NAN;
+  const float mag = e ? std::ldexp(static_cast<float>(8 + m), e - 10) : std::ldexp(static_cast<float>(m), -9);
+  return c & 0x80 ? -mag : mag;
+}
+
 // Block b's codes in group g of a layer of `blocks` blocks a row, in format (bits, kind): the kernels pass both as
 // constants, the scalar code the layer's.
 inline const uint8_t* block_codes(const Weights& w, int bits, int kind, int64_t blocks, int64_t g, int64_t b) {
-  if (kind == BLOCKS) return w.codes + (g * blocks + b) * code_bytes(bits);
+  if (plain_blocks(kind)) return w.codes + (g * blocks + b) * code_bytes(bits);
   const int64_t record = g * (blocks / SUPER) + b / SUPER;
   return w.codes + record * record_bytes(bits, kind) + (b % SUPER) * code_bytes(bits);
 }
@@ -141,6 +156,10 @@ inline void block_factors(const Weights& w, int64_t blocks, int64_t g, int64_t b
     d = half_to_float(w.scales[at]), m = half_to_float(w.offsets[at]);
     return;
   }
+  if (w.kind == FP8) {
+    d = fp32_scales(w)[(g * blocks + b) * LANES + lane], m = 0.f;
+    return;
+  }
   const int64_t super_at = (g * (blocks / SUPER) + b / SUPER) * LANES + lane;
   const uint8_t* sub = sub_scales(w, w.bits, w.kind, blocks, g, b);
   if (w.kind == SUPER_MINS) {
@@ -154,9 +173,13 @@ inline void block_factors(const Weights& w, int64_t blocks, int64_t g, int64_t b
 }
 
 // f(bits, kind) with both as compile-time constants, for the formats the kernels are built for; false for another.
-template <typename F>
+// FP8 only with FLOAT_CODES (the bf16 GEMM's formats): its codes are not integers, the integer kernels have no
+// instance for it.
+template <bool FLOAT_CODES = false, typename F>
 bool by_format(int bits, int kind, F&& f) {
   using std::integral_constant;
+  if constexpr (FLOAT_CODES)
+    if (kind == FP8 && bits == 8) return f(integral_constant<int, 8>{}, integral_constant<int, FP8>{}), true;
   if (kind == BLOCKS && bits == 4) return f(integral_constant<int, 4>{}, integral_constant<int, BLOCKS>{}), true;
   if (kind == BLOCKS && bits == 5) return f(integral_constant<int, 5>{}, integral_constant<int, BLOCKS>{}), true;
   if (kind == BLOCKS && bits == 8) return f(integral_constant<int, 8>{}, integral_constant<int, BLOCKS>{}), true;
@@ -210,6 +233,10 @@ inline void factors(const Weights& w, int64_t blocks, int64_t g, int64_t b, int 
   if constexpr (KIND == BLOCKS) {
     const int64_t at = (g * blocks + b) * LANES;
     d = fp16x16(w.scales + at), m = fp16x16(w.offsets + at);
+    return;
+  }
+  if constexpr (KIND == FP8) {
+    d = _mm512_loadu_ps(fp32_scales(w) + (g * blocks + b) * LANES), m = _mm512_setzero_ps();
     return;
   }
   const int64_t super_at = (g * (blocks / SUPER) + b / SUPER) * LANES;

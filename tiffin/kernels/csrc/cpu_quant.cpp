@@ -291,7 +291,8 @@ extern "C" void tiffin_quantize_acts(int dtype, const void* x, int64_t x_stride,
   std::memcpy(sxh, a.sxh.data(), a.sxh.size() * sizeof(float));
 }
 
-// Weight rows `rows` as fp32 `out [count, k]`: `q * d + m` (a quantized token embedding's lookup).
+// Weight rows `rows` as fp32 `out [count, k]`: `q * d + m`, FP8's `e4m3(q) * d` (a quantized token embedding's
+// lookup).
 extern "C" void tiffin_dequantize_rows(const Weights* w, int64_t k, const int64_t* rows, int64_t count, float* out) {
   const int64_t blocks = k / QK;
   for (int64_t r = 0; r < count; ++r) {
@@ -302,7 +303,9 @@ extern "C" void tiffin_dequantize_rows(const Weights* w, int64_t k, const int64_
       float d, m;
       for (int j = 0; j < QK; ++j) {
         if (j % 16 == 0) block_factors(*w, blocks, group, b, j, lane, d, m);
-        out[r * k + b * QK + j] = static_cast<float>(block_code(block, w->bits, lane, j)) * d + m;
+        const int q = block_code(block, w->bits, lane, j);
+        out[r * k + b * QK + j] = w->kind == FP8 ? e4m3_to_float(static_cast<uint8_t>(q)) * d
+                                                 : static_cast<float>(q) * d + m;
       }
     }
   }
@@ -331,9 +334,15 @@ extern "C" const char* tiffin_quant_kernels() {
 // y[m, n] (out_dtype, row stride y_stride) = x[m, :k] (dtype: 0 fp32, 1 fp16, 2 bf16) against the weight rows, the
 // activations quantized per block of 32 to `levels` (1 or 2) of int8 codes, or at two levels and from
 // `tiffin_bf16_min_rows` rows on, rounded to bf16 against the weights turned into bf16 (fp32 sums either way).
-// Returns 0, or -1 for a format the kernels are not built for (nothing written).
+// FP8 weights always take the bf16 dot products (`levels` aside). Returns 0, or -1 for a format the kernels are not
+// built for (nothing written): FP8 where the CPU has no AVX-512 BF16.
 extern "C" int tiffin_block_gemm(int dtype, const void* x, int64_t x_stride, int64_t m, int64_t k, const Weights* w,
                                  int out_dtype, void* y, int64_t y_stride, int levels, int threads) {
+  if (w->kind == FP8) {  // e4m3 codes are no integers
+    if (w->bits != 8 || !tiffin_bf16_gemm_built()) return -1;
+    tiffin_bf16_gemm(dtype, x, x_stride, m, k, *w, out_dtype, y, y_stride, threads);
+    return 0;
+  }
   if (!by_format(w->bits, w->kind, [](auto, auto) {})) return -1;
   if (levels == 2 && tiffin_bf16_gemm_built() && m >= tiffin_bf16_min_rows()) {
     tiffin_bf16_gemm(dtype, x, x_stride, m, k, *w, out_dtype, y, y_stride, threads);

@@ -3,7 +3,9 @@
 // even), in the pairs `vdpbf16ps` reads (lane l: row l's inputs 2j, 2j + 1), and multiplies every row of bf16
 // activations by them, accumulating in fp32 across the whole input. AVX-512 BF16 (Zen 4 and later, Xeon from
 // Cooper Lake), or Intel AMX tiles where the CPU has them (Sapphire Rapids on: ~5x the dot products at 64 rows,
-// ~10x at 512); elsewhere `tiffin_bf16_gemm_built` says 0 and cpu_quant.cpp's integer kernels serve every size.
+// ~10x at 512); elsewhere `tiffin_bf16_gemm_built` says 0 and cpu_quant.cpp's integer kernels serve every size
+// (FP8 weights, whose e4m3 codes are no integers, then none: tiffin_block_gemm refuses them). FP8 runs here at every
+// number of rows, decode included.
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -20,9 +22,124 @@ inline __m512i bf16_pairs(__m512 a, __m512 b) {
   return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(b, a));
 }
 
+// FP8: a register of 64 e4m3 codes (lane l's inputs 4t..4t+3 in bytes 4l..4l+3) as fp16 bits of value / 256, its
+// even bytes (inputs 4t, 4t + 2) and odd ones (4t + 1, 4t + 3) a 16-bit lane each: the sign, then exponent and
+// mantissa one bit lower (bias 7 against fp16's 15). A code in a 16-bit lane's high byte shifted right
+// arithmetically by one: the sign twice, then the 7 bits; the mask drops the copy and what lay below. fp16's
+// subnormals are e4m3's (exponent 0: m 2^-9 = m 2^-17 * 256), and vcvtph2ps widens them exactly whatever DAZ says,
+// where fp32 bit tricks would meet fp32 denormals.
+inline void e4m3_halves(__m512i v, __m512i& even, __m512i& odd) {
+  const __m512i mask = _mm512_set1_epi16(static_cast<short>(0xBF80));
+  even = _mm512_and_si512(_mm512_srai_epi16(_mm512_slli_epi16(v, 8), 1), mask);
+  odd = _mm512_and_si512(_mm512_srai_epi16(v, 1), mask);
+}
+
+// e4m3_halves' fp16 (32-bit lane l: row l's two inputs) times d, as bf16 rounded to nearest even, in the same places.
+// vcvtph2ps widens a 256-bit half at a time, rows 0..7 then 8..15 with each row's two values side by side: the
+// scales come so (`d_lo`, `d_hi`: 256 d, each row's twice).
+inline __m512i fp8_products(__m512i h, __m512 d_lo, __m512 d_hi) {
+  const __m512 lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), d_lo);
+  const __m512 hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), d_hi);
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+// FP8 block b of group g's scales times 256 (the fp16 codes' 2^-8), for fp8_products: rows 0..7 and 8..15 each twice.
+inline void fp8_scales(const Weights& w, int64_t blocks, int64_t g, int64_t b, __m512& d_lo, __m512& d_hi) {
+  const __m512 d = _mm512_mul_ps(_mm512_loadu_ps(fp32_scales(w) + (g * blocks + b) * LANES), _mm512_set1_ps(256.f));
+  d_lo = _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), d);
+  const __m512i upper = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+  d_hi = _mm512_permutexvar_ps(upper, d);
+}
+
+// Register t of an FP8 block's codes (inputs 4t..4t+3) as the bf16 pairs of inputs (4t, 4t + 1) and (4t + 2, 4t + 3):
+// e4m3(q) * d rounded once, as the reference.
+inline void fp8_pairs(const uint8_t* block, int t, __m512 d_lo, __m512 d_hi, __m512i& p01, __m512i& p23) {
+  __m512i even, odd;
+  e4m3_halves(_mm512_loadu_si512(block + t * 64), even, odd);
+  const __m512i e = fp8_products(even, d_lo, d_hi);  // lane l: row l's (4t, 4t + 2)
+  const __m512i o = fp8_products(odd, d_lo, d_hi);   // (4t + 1, 4t + 3)
+  p01 = _mm512_mask_blend_epi16(0xAAAAAAAA, e, _mm512_slli_epi32(o, 16));
+  p23 = _mm512_mask_blend_epi16(0xAAAAAAAA, _mm512_srli_epi32(e, 16), o);
+}
+
+// FP8 block b of group g as bf16 pairs (group_to_bf16's layout).
+inline void fp8_block_to_bf16(const Weights& w, int64_t blocks, int64_t g, int64_t b, uint32_t* out) {
+  const uint8_t* block = block_codes(w, 8, FP8, blocks, g, b);
+  __m512 d_lo, d_hi;
+  fp8_scales(w, blocks, g, b, d_lo, d_hi);
+  for (int t = 0; t < 8; ++t) {
+    __m512i p01, p23;
+    fp8_pairs(block, t, d_lo, d_hi, p01, p23);
+    _mm512_storeu_si512(out + (b * 16 + t * 2) * LANES, p01);
+    _mm512_storeu_si512(out + (b * 16 + t * 2 + 1) * LANES, p23);
+  }
+}
+
+// A few rows of activation pairs `x` (FP8's decode steps) against FP8 row groups g0..g0+GR: each register of codes
+// is multiplied as it is turned into bf16, in registers, where group_to_bf16 would stage the pairs in memory for a
+// row or two to read once. A tile asks for the next tile's block as it reads its own (a decode step streams every
+// weight once; see cpu_quant.cpp's prefetch_block).
+template <int MC, int GR>
+void fp8_direct_tile(const uint32_t* x, int64_t pairs, const Weights& w, int64_t g0, void* y, int out_dtype,
+                     int64_t y_stride) {
+  const int64_t blocks = pairs / 16;
+  __m512 acc[MC][GR];
+  for (int i = 0; i < MC; ++i)
+    for (int g = 0; g < GR; ++g) acc[i][g] = _mm512_setzero_ps();
+  const bool ahead = (g0 + 2 * GR) * LANES <= w.n;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block[GR];
+    __m512 d_lo[GR], d_hi[GR];
+    for (int g = 0; g < GR; ++g) {
+      if (ahead) {
+        const char* next = reinterpret_cast<const char*>(block_codes(w, 8, FP8, blocks, g0 + GR + g, b));
+        for (int line = 0; line < 512; line += 64) _mm_prefetch(next + line, _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(fp32_scales(w) + ((g0 + GR + g) * blocks + b) * LANES), _MM_HINT_T1);
+      }
+      block[g] = block_codes(w, 8, FP8, blocks, g0 + g, b);
+      fp8_scales(w, blocks, g0 + g, b, d_lo[g], d_hi[g]);
+    }
+    for (int t = 0; t < 8; ++t) {
+      __m512i p01[GR], p23[GR];
+      for (int g = 0; g < GR; ++g) fp8_pairs(block[g], t, d_lo[g], d_hi[g], p01[g], p23[g]);
+      for (int i = 0; i < MC; ++i) {
+        const __m512bh x01 = (__m512bh)_mm512_set1_epi32(x[i * pairs + b * 16 + 2 * t]);
+        const __m512bh x23 = (__m512bh)_mm512_set1_epi32(x[i * pairs + b * 16 + 2 * t + 1]);
+        for (int g = 0; g < GR; ++g) {
+          acc[i][g] = _mm512_dpbf16_ps(acc[i][g], (__m512bh)p01[g], x01);
+          acc[i][g] = _mm512_dpbf16_ps(acc[i][g], (__m512bh)p23[g], x23);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MC; ++i) {
+    for (int g = 0; g < GR; ++g) {
+      const int64_t first = (g0 + g) * LANES;
+      store_outputs(acc[i][g], y, out_dtype, i * y_stride + first, std::min<int64_t>(LANES, w.n - first));
+    }
+  }
+}
+
+template <int MC>
+void fp8_direct(const uint32_t* x, int64_t pairs, const Weights& w, void* y, int out_dtype, int64_t y_stride,
+                int threads) {
+  constexpr int64_t GR = 4;
+  const int64_t groups = (w.n + LANES - 1) / LANES;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t g0 = 0; g0 < groups; g0 += GR) {
+    if (g0 + GR <= groups) fp8_direct_tile<MC, GR>(x, pairs, w, g0, y, out_dtype, y_stride);
+    else
+      for (int64_t g = g0; g < groups; ++g) fp8_direct_tile<MC, 1>(x, pairs, w, g, y, out_dtype, y_stride);
+  }
+}
+
 // Group g's weights as bf16 pairs: out[j] = 16 lanes (rows), each (input 2j, input 2j + 1).
 template <int BITS, int KIND>
 void group_to_bf16(const Weights& w, int64_t blocks, int64_t g, uint32_t* out) {
+  if constexpr (KIND == FP8) {
+    for (int64_t b = 0; b < blocks; ++b) fp8_block_to_bf16(w, blocks, g, b, out);
+    return;
+  }
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = block_codes(w, BITS, KIND, blocks, g, b);
     __m512 d[2], m[2];  // per half-block
@@ -141,12 +258,12 @@ void gemm_bf16(const void* x, int dtype, int64_t x_stride, int64_t m, int64_t k,
   const int64_t pairs = k / 2, blocks = k / QK, groups = (w.n + LANES - 1) / LANES;
   thread_local std::vector<uint32_t> mine;
   std::vector<uint32_t>& xb = mine;  // the calling thread's, as `quantize`'s
-  const bool amx = amx_usable();
+  const bool amx = amx_usable() && m >= 16;  // fewer rows (FP8's decode) would fill a tile with padding
   const int64_t padded = amx ? (m + 15) / 16 * 16 : m;  // AMX reads whole tiles of 16 rows
   xb.resize(padded * pairs);
   std::fill(xb.begin() + m * pairs, xb.end(), 0u);
   const int elem = dtype == 0 ? 4 : 2;
-#pragma omp parallel for num_threads(threads)
+#pragma omp parallel for num_threads(threads) if (m * k >= (1 << 16))
   for (int64_t r = 0; r < m; ++r) {  // the activations as bf16 pairs, rounded to nearest even
     const char* row = static_cast<const char*>(x) + r * x_stride * elem;
     uint32_t* out = &xb[r * pairs];
@@ -166,6 +283,15 @@ void gemm_bf16(const void* x, int dtype, int64_t x_stride, int64_t m, int64_t k,
         both = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // 32 bf16 in order
       }
       _mm512_storeu_si512(out + j / 2, both);
+    }
+  }
+  if constexpr (KIND == FP8) {
+    switch (m) {  // up to 4 rows: decoded in registers, each row's dot products as the pairs come
+      case 1: return fp8_direct<1>(xb.data(), pairs, w, y, out_dtype, y_stride, threads);
+      case 2: return fp8_direct<2>(xb.data(), pairs, w, y, out_dtype, y_stride, threads);
+      case 3: return fp8_direct<3>(xb.data(), pairs, w, y, out_dtype, y_stride, threads);
+      case 4: return fp8_direct<4>(xb.data(), pairs, w, y, out_dtype, y_stride, threads);
+      default: break;
     }
   }
 #pragma omp parallel num_threads(threads)
@@ -198,7 +324,7 @@ extern "C" int tiffin_bf16_gemm_built() { return amx_usable() ? 2 : 1; }
 
 extern "C" void tiffin_bf16_gemm(int dtype, const void* x, int64_t x_stride, int64_t m, int64_t k, const Weights& w,
                                  int out_dtype, void* y, int64_t y_stride, int threads) {
-  by_format(w.bits, w.kind, [&](auto bits, auto kind) {
+  by_format<true>(w.bits, w.kind, [&](auto bits, auto kind) {
     gemm_bf16<decltype(bits)::value, decltype(kind)::value>(x, dtype, x_stride, m, k, w, y, out_dtype, y_stride, threads);
   });
 }
