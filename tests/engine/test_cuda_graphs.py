@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
+from compressed_checkpoints import write_compressed
 from gguf_files import K_QUANT_MIX, K_SHAPES, write_gguf
 from lora_adapters import ADAPTERS, make_adapter
 from transformers import AutoModelForCausalLM
@@ -195,6 +196,18 @@ def test_graphed_decode_equals_eager_gguf_k_quants(cuda_emulation, no_warm_up, t
     hf = make_tiny_model(tmp_path / "tiny", vocab_size=512, num_hidden_layers=1, **K_SHAPES)
     types = {name: qtype for name, qtype in K_QUANT_MIX.items() if not name.startswith("blk.1.")}
     graphed_equals_eager(write_gguf(hf, tmp_path / "mixed.gguf", QType.Q4_K, types=types), cuda_emulation)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["w4a16-asym-channel", "w8a8-int", "fp8-block", "fp8 at load"])
+def test_graphed_decode_equals_eager_compressed_tensors_and_fp8(cuda_emulation, no_warm_up, tmp_path, name):
+    """compressed-tensors' integer weights (zero points) and FP8 weights (a compressed-tensors block checkpoint,
+    `quantization="fp8"`) in the block layout's Triton GEMM, captured and replayed."""
+    hf = make_tiny_model(tmp_path / "tiny", vocab_size=512, num_hidden_layers=1, hidden_size=128, intermediate_size=192)
+    if name == "fp8 at load":
+        graphed_equals_eager(hf, cuda_emulation, quantization="fp8")
+    else:
+        graphed_equals_eager(write_compressed(hf, tmp_path / name, name), cuda_emulation)
 
 
 @pytest.mark.slow

@@ -170,15 +170,19 @@ def test_shards_are_slices_of_the_checkpoint(tiny_model, monkeypatch):
 
 @pytest.mark.parametrize("name", sorted(p.name for p in QUANT.iterdir() if p.is_dir()))
 def test_quantized_shards_compute_the_whole_layer(name):
-    """Each fixture's layers, built as ranks 0 and 1 of 2 in this process: a column-parallel layer's shards give
-    their slices of each stacked output, a row-parallel layer's partial outputs sum to the whole one's."""
-    config = get_model_config(QUANT / name)
+    assert_shards_compute_the_whole_layer(QUANT / name)
+
+
+def assert_shards_compute_the_whole_layer(path: Path) -> None:
+    """A quantized checkpoint's layers, built as ranks 0 and 1 of 2 in this process: a column-parallel layer's shards
+    give their slices of each stacked output, a row-parallel layer's partial outputs sum to the whole one's."""
+    config = get_model_config(path)
     config.dtype = torch.float32
-    whole, *ranks = (build_model(config, QUANT / name, torch.device("cpu"), 64, "torch", tp) for tp in TP2)
+    whole, *ranks = (build_model(config, path, torch.device("cpu"), 64, "torch", tp) for tp in TP2)
     x = torch.randn(3, config.intermediate_size, generator=torch.Generator().manual_seed(0))
     layers = [m.model.layers[1] for m in (whole, *ranks)]
-    for path in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
-        full, *shards = (layer.get_submodule(path) for layer in layers)
+    for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+        full, *shards = (layer.get_submodule(name) for layer in layers)
         expected = full.method.apply(full, x[:, : full.input_size])
         if shards[0].split == "row":
             inputs = x[:, : full.input_size].chunk(2, dim=1)
@@ -187,7 +191,7 @@ def test_quantized_shards_compute_the_whole_layer(name):
         else:
             for i, piece in enumerate(expected.split(full.output_sizes, dim=1)):
                 got = [s.method.apply(s, x[:, : s.input_size]).split(s.output_sizes, dim=1)[i] for s in shards]
-                assert torch.equal(torch.cat(got, dim=1), piece), (path, i)
+                assert torch.equal(torch.cat(got, dim=1), piece), (name, i)
 
 
 @pytest.mark.parametrize("adapters", [False, True], ids=["base", "lora"])

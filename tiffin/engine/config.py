@@ -132,10 +132,16 @@ class EngineConfig:
     max_num_batched_tokens: int = _setting(4096, "tokens one step may compute, prefill chunks and decodes together")
     max_model_len: int | None = _setting(None, "context length; default: the model's")
     kernel_backend: str = _setting("auto", "torch or triton; auto: triton on CUDA, torch on CPU")
+    quantization: str | None = _setting(
+        None,
+        "the checkpoint's quantization, as vLLM's setting: None reads it from the checkpoint; fp8 quantizes a bf16 / "
+        "fp16 / fp32 checkpoint's linear weights to FP8 as they load (e4m3, a scale per output channel)",
+    )
     cpu_quant_compute: str = _setting(
         "native",
-        "quantized weights (GGUF, AWQ, GPTQ) on CPU: native (kernels on the stored blocks; decode-sized inputs "
-        "quantized per block of 32 to 15 bits, prompt-sized ones in bf16 dot products where the CPU has them), "
+        "quantized weights (GGUF, AWQ, GPTQ, compressed-tensors; FP8 always runs bf16 dot products) on CPU: native "
+        "(kernels on the stored blocks; decode-sized inputs quantized per block of 32 to 15 bits, prompt-sized "
+        "ones in bf16 dot products where the CPU has them), "
         "int8 (the same kernels with activations in int8 per block of 32, llama.cpp's scheme: its answers, which "
         "may differ from the model's), or exact (dequantized, then multiplied in the model dtype: transformers' "
         "numerics, several times slower)",

@@ -95,7 +95,7 @@ class LLMEngine:
         """`config.model` may be a hub id; the engine's config holds the local path it resolved to."""
         config = dataclasses.replace(config, model=resolve_model_path(config.model, config.revision))
         self.config = config
-        self.model_config = get_model_config(config.model, config.task, config.pooling_type)
+        self.model_config = get_model_config(config.model, config.task, config.pooling_type, config.quantization)
         self.task = self.model_config.task  # "generate", "embed" or "classify": its requests' default
         # what requests it takes (vLLM's supported tasks): a decoder that generates also embeds, beside its generations
         self.pooling_task = "classify" if self.task == "classify" else "embed"  # of pooling requests saying none

@@ -71,6 +71,12 @@ class BlockWeights:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.codes, self.scales, self.offsets))
 
+    def to(self, device: torch.device) -> "BlockWeights":
+        if self.codes.device == device:
+            return self
+        moved = (t.to(device) for t in (self.codes, self.scales, self.offsets))
+        return BlockWeights(*moved, self.bits, self.in_features, self.out_features, self.levels, self.kind)
+
     @property
     def sub_block(self) -> int:
         """Inputs that share a d and an m."""

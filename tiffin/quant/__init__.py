@@ -16,6 +16,8 @@ from tiffin.quant.base import (
     load_shard,
     register_quant_config,
 )
+from tiffin.quant.compressed_tensors import CompressedTensorsConfig
+from tiffin.quant.fp8 import FP8Config
 from tiffin.quant.gguf import GGUFConfig, GGUFLinearMethod
 from tiffin.quant.gptq import GPTQConfig, GPTQLinearMethod
 
@@ -23,6 +25,8 @@ __all__ = [
     "QUANT_CONFIGS",
     "AWQConfig",
     "AWQLinearMethod",
+    "CompressedTensorsConfig",
+    "FP8Config",
     "GGUFConfig",
     "GGUFLinearMethod",
     "GPTQConfig",

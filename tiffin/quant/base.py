@@ -290,6 +290,11 @@ class QuantizationConfig(ABC):
             )
         return methods[0]
 
+    @classmethod
+    def at_load(cls) -> "QuantizationConfig":
+        """The config that quantizes a plain checkpoint as it loads (`quantization=<name>`), where the format can."""
+        raise ValueError(f"quantization={cls.name!r} applies to checkpoints quantized with it; this one is not")
+
     def embedding_method(self, prefix: str, backend: str) -> LinearMethod:
         """How to store the token embedding or output head `prefix` (`model.embed_tokens`, `lm_head`): plain,
         unless the format keeps them quantized."""
@@ -308,18 +313,26 @@ def supported() -> str:
     return " and ".join(cls.description for cls in QUANT_CONFIGS.values())
 
 
-def get_quant_config(model_dir: str | Path, raw_config: dict | None = None) -> QuantizationConfig | None:
-    """The checkpoint's quantization, or None for a plain checkpoint; ValueError for an unsupported one."""
+def get_quant_config(
+    model_dir: str | Path, raw_config: dict | None = None, quantization: str | None = None
+) -> QuantizationConfig | None:
+    """The checkpoint's quantization, or None for a plain checkpoint; ValueError for an unsupported one.
+    `quantization` (vLLM's setting) names the format wanted: the checkpoint's own, or one a plain checkpoint is
+    quantized into as it loads (`QuantizationConfig.at_load`)."""
     model_dir = Path(model_dir)
     if raw_config is None:
         raw_config = json.loads((model_dir / "config.json").read_text())
+    if quantization is not None and quantization not in QUANT_CONFIGS:
+        raise ValueError(f"quantization {quantization!r} is not supported; tiffin serves {supported()}")
     found = _find(model_dir, raw_config)
     if found is None:
-        return None
+        return None if quantization is None else QUANT_CONFIGS[quantization].at_load()
     source, default_method, settings = found
     method = str(settings.get("quant_method") or default_method).lower()
     if method not in QUANT_CONFIGS:
         raise ValueError(f"{source}: quantization method {method!r} is not supported; tiffin serves {supported()}")
+    if quantization not in (None, method):
+        raise ValueError(f"quantization={quantization!r}, but the checkpoint is quantized with {method!r} ({source})")
     return QUANT_CONFIGS[method].from_config(settings, source)
 
 

@@ -25,7 +25,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 from torch import nn
 
-from tiffin.kernels.block_gemm import BlockWeights, StackedBlocks, block_gemm, dequantize_blocks, dequantized_gemm
+from tiffin.kernels.block_gemm import StackedBlocks, block_gemm, dequantize_blocks, dequantized_gemm
 from tiffin.kernels.quant import gguf_dequantize, gguf_gemm
 from tiffin.quant.base import (
     INT8_BACKENDS,
@@ -162,7 +162,7 @@ class GGUFLinearMethod(LinearMethod):
         for qtype, run in itertools.groupby(zip(self.types, rows), key=lambda pair: pair[0]):
             shards = [raw for _, raw in run]
             part = to_blocks(shards[0] if len(shards) == 1 else torch.cat(shards), qtype, levels)
-            parts.append(_moved(part, layer.weight_device))
+            parts.append(part.to(layer.weight_device))
         keep_blocks(layer, parts[0] if len(parts) == 1 else StackedBlocks(parts), ())
         return_freed_memory()
 
@@ -193,10 +193,3 @@ class GGUFLinearMethod(LinearMethod):
             mins = None if layer.mins is None else layer.mins[ids]
             return gguf_dequantize(layer.qweight[ids], layer.scales[ids], mins, self.fields.bits)
         return dequantize_blocks(layer.blocks, ids)
-
-
-def _moved(w: BlockWeights, device: torch.device) -> BlockWeights:
-    if w.codes.device == device:
-        return w
-    return BlockWeights(w.codes.to(device), w.scales.to(device), w.offsets.to(device), w.bits, w.in_features,
-                        w.out_features, w.levels, w.kind)  # fmt: skip

@@ -23,11 +23,14 @@ from tiffin.quant import LinearMethod, QuantizationConfig, UnquantizedLinearMeth
 from tiffin.quant.base import materialize
 
 
-def get_model_config(path: str | Path, task: str = "auto", pooling_type: str | None = None) -> ModelConfig:
+def get_model_config(
+    path: str | Path, task: str = "auto", pooling_type: str | None = None, quantization: str | None = None
+) -> ModelConfig:
     """The checkpoint's ModelConfig, its quantization and the `task` it serves included (`resolve_task`), with
     the pooling of a pooling model (`PoolerConfig.read`; `pooling_type` overrides it); ValueError, before any
     weight is read, for an architecture, activation, quantization or task tiffin cannot serve. `path`: a Hugging
-    Face directory, or a GGUF file (or a directory holding one), whose metadata implies the config."""
+    Face directory, or a GGUF file (or a directory holding one), whose metadata implies the config; `quantization`:
+    see `get_quant_config`."""
     gguf = find_gguf(path)
     if gguf is None:
         raw = json.loads((Path(path) / "config.json").read_text())
@@ -36,7 +39,7 @@ def get_model_config(path: str | Path, task: str = "auto", pooling_type: str | N
         raw = checkpoint.config(get_architecture(checkpoint.architecture).model.stacked_modules)
     name = (raw.get("architectures") or ["?"])[0]
     arch = get_architecture(name)
-    config = ModelConfig.from_hf(raw, get_quant_config(path, raw), arch.qkv_bias, arch.qk_norm)
+    config = ModelConfig.from_hf(raw, get_quant_config(path, raw, quantization), arch.qkv_bias, arch.qk_norm)
     config.task, config.causal = resolve_task(arch, name, task), arch.causal
     if arch.positions_after_padding:
         config.position_offset = raw.get("pad_token_id", 1) + 1

@@ -1,0 +1,177 @@
+"""compressed-tensors checkpoints (what llm-compressor writes): integer weights of 4 or 8 bits (`pack-quantized`
+W4A16 / W8A16, `int-quantized` / `naive-quantized` W8A8) and FP8 weights (`float-quantized`), symmetric or with
+zero points, scales per tensor, channel, group or 128 x 128 block, all stored in the block layout
+(`tiffin.quant.block_rows`).
+
+Activations: an integer W8A8 checkpoint's are quantized to int8 as the format means, but per row and block of 32
+inputs, dynamically (finer than its per-token or static per-tensor scale, which is not read), with
+`cpu_quant_compute="int8"`; the default `native` computes them at 15 bits. An FP8 checkpoint's activations stay in
+the model's dtype (weight-only FP8: CPUs have no FP8 arithmetic, and the Triton GEMM decodes the weight to bf16).
+
+Dequantization follows compressed-tensors' `dequantize`: `w = (q - z) * s`. For symmetric weights with bf16 or fp16
+scales the stored blocks give that weight bit for bit; a zero point's `-z * s` is held in fp16 (as AWQ's are).
+"""
+
+import logging
+import re
+from dataclasses import dataclass
+
+import torch
+
+from tiffin.kernels.block_gemm import FP8
+from tiffin.quant.base import (
+    LinearMethod,
+    QuantizationConfig,
+    UnquantizedLinearMethod,
+    register_quant_config,
+    supported,
+)
+from tiffin.quant.block_rows import BlockRowsLinearMethod, Rows, per_block
+
+logger = logging.getLogger(__name__)
+
+FORMATS = {  # compressed-tensors format -> (weight type, bits) it stores
+    "pack-quantized": ("int", (4, 8)),
+    "int-quantized": ("int", (8,)),
+    "naive-quantized": ("int", (8,)),
+    "float-quantized": ("float", (8,)),
+}
+STRATEGIES = ("tensor", "channel", "group", "block")
+
+
+@dataclass(frozen=True)
+class WeightScheme:
+    format: str
+    type: str
+    bits: int
+    symmetric: bool
+    strategy: str
+    block: tuple[int, int] | None
+
+    @classmethod
+    def parse(cls, group: dict, default_format: str | None, source: str) -> "WeightScheme":
+        w = group.get("weights") or {}
+        fmt = group.get("format") or default_format
+        scheme = cls(fmt, w.get("type", "int"), w.get("num_bits"), w.get("symmetric", True), w.get("strategy"),
+                     tuple(w["block_structure"]) if w.get("block_structure") else None)  # fmt: skip
+        problems = []
+        if fmt not in FORMATS:
+            problems.append(f"format {fmt!r}")
+        elif (scheme.type, scheme.bits) not in [(FORMATS[fmt][0], b) for b in FORMATS[fmt][1]]:
+            problems.append(f"{scheme.bits}-bit {scheme.type} weights in format {fmt!r}")
+        if scheme.strategy not in STRATEGIES:
+            problems.append(f"weight strategy {scheme.strategy!r}")
+        if scheme.type == "float" and not scheme.symmetric:
+            problems.append("asymmetric FP8 weights")
+        if w.get("actorder") == "group":
+            problems.append("activation-ordered groups (actorder 'group': a g_idx per layer)")
+        if w.get("dynamic"):
+            problems.append("dynamic weight scales")
+        if group.get("output_activations"):
+            problems.append("quantized output activations")
+        acts = group.get("input_activations")
+        if acts and (acts.get("num_bits") != 8 or acts.get("type", "int") != scheme.type):
+            problems.append(f"{acts.get('num_bits')}-bit {acts.get('type')} activations beside {scheme.type} weights")
+        if problems:
+            raise ValueError(
+                f"{source}: compressed-tensors with {', '.join(problems)} is not supported; tiffin serves {supported()}"
+            )
+        return scheme
+
+
+@register_quant_config
+@dataclass(frozen=True)
+class CompressedTensorsConfig(QuantizationConfig):
+    groups: tuple[tuple[tuple[str, ...], WeightScheme], ...]  # (targets, scheme) in the config's order
+    ignore: tuple[str, ...]
+
+    name = "compressed-tensors"
+    description = (
+        "compressed-tensors (pack-quantized 4/8-bit and int-quantized 8-bit integer weights, symmetric or with zero "
+        "points, per channel or group; float-quantized FP8 weights per tensor, channel or block)"
+    )
+
+    @classmethod
+    def from_config(cls, settings: dict, source: str) -> "CompressedTensorsConfig":
+        problems = [key for key in ("sparsity_config", "transform_config", "kv_cache_scheme") if settings.get(key)]
+        if problems:
+            raise ValueError(f"{source}: compressed-tensors with {', '.join(problems)} is not supported; tiffin "
+                             f"serves {supported()}")  # fmt: skip
+        groups = tuple(
+            (tuple(group.get("targets") or ["Linear"]), WeightScheme.parse(group, settings.get("format"), source))
+            for group in (settings.get("config_groups") or {}).values()
+        )
+        return cls(groups, tuple(settings.get("ignore") or ()))
+
+    def linear_method(self, prefix: str, backend: str) -> LinearMethod:
+        if any(_matches(pattern, prefix) for pattern in self.ignore):
+            return UnquantizedLinearMethod()
+        for targets, scheme in self.groups:
+            if any(target == "Linear" or _matches(target, prefix) for target in targets):
+                return CompressedTensorsLinearMethod(scheme, backend)
+        return UnquantizedLinearMethod()
+
+    def layer_method(self, names: list[str], backend: str) -> LinearMethod:
+        methods = [self.linear_method(name, backend) for name in names]
+        if len({getattr(method, "scheme", None) for method in methods}) > 1:
+            raise ValueError(f"the quantization config stores {names} in different schemes; a fused layer takes one")
+        return methods[0]
+
+
+def _matches(pattern: str, prefix: str) -> bool:
+    """compressed-tensors' targets and ignores: `re:<regex>` matched against the module's name, else the name or
+    its last part."""
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], prefix) is not None
+    return pattern in (prefix, prefix.rsplit(".", 1)[-1])
+
+
+class CompressedTensorsLinearMethod(BlockRowsLinearMethod):
+    def __init__(self, scheme: WeightScheme, backend: str):
+        super().__init__(backend)
+        self.scheme = scheme
+        weight = "weight_packed" if scheme.format == "pack-quantized" else "weight"
+        zero = () if scheme.symmetric else ("weight_zero_point",)
+        self.needed = (weight, "weight_scale", *zero)
+        self.ignored = ("weight_shape", "input_scale", "input_zero_point")
+
+    def rows(self, tensors: dict[str, torch.Tensor], k: int) -> Rows:
+        s = self.scheme
+        if s.format == "pack-quantized":  # stored unsigned: the signed code + 2^(bits - 1)
+            codes = unpack(tensors["weight_packed"], s.bits, k)
+        else:
+            codes = tensors["weight"]
+        n = codes.shape[0]
+        if codes.shape != (n, k):
+            raise ValueError(f"a quantized weight of shape {tuple(codes.shape)} does not fit the layer's {k} inputs")
+        d = per_block(tensors["weight_scale"], n, k, s.block if s.strategy == "block" else None)
+        if s.type == "float":
+            return Rows(codes.view(torch.uint8), d, None, 8, FP8)
+        _check_fp16(tensors["weight_scale"])
+        if s.format != "pack-quantized":  # int8 codes, unsigned as the blocks hold them
+            codes = (codes.to(torch.int16) + 128).to(torch.uint8)
+        middle = 1 << (s.bits - 1)
+        if s.symmetric:
+            zero = torch.full_like(d, middle)
+        else:
+            zero = tensors["weight_zero_point"]
+            if s.format == "pack-quantized":
+                zero = unpack(zero.T, s.bits, n).T
+            zero = per_block(zero.to(torch.int32) + (0 if s.format == "pack-quantized" else middle), n, k)
+        return Rows(codes.to(torch.uint8), d, -zero * d, s.bits)
+
+
+def unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """int32 words `[rows, words]` holding `32 / bits` unsigned values each (the first in the low bits) ->
+    `[rows, count]` int32."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    values = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return values.flatten(-2)[:, :count]
+
+
+def _check_fp16(scale: torch.Tensor) -> None:
+    """Integer weights' scales are held in fp16: say so where that rounds them more than their own dtype does."""
+    held = scale.to(torch.float16).float()
+    small = int(((held != scale.float()) & (scale.abs() < 2**-14)).sum())
+    if small:
+        logger.warning("%d weight scales below fp16's normal range (2^-14) lose precision in the blocks' fp16", small)
