@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 from compressed_checkpoints import QUANTIZED, SCHEMES, write_compressed
-from test_tp import assert_shards_compute_the_whole_layer
 from safetensors.torch import load_file, save_file
+from test_tp import assert_shards_compute_the_whole_layer
 from transformers import AutoModelForCausalLM
 
 from tiffin import LLM, SamplingParams
