@@ -7,12 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from decode_steps import decode_inputs
 from gguf import GGMLQuantizationType as QType
 from gguf_files import write_gguf
 
 from tiffin import LLM, SamplingParams
-from tiffin.engine.core.scheduler import SchedulerOutput
-from tiffin.engine.core.sequence import Sequence
 from tiffin.kernels import cpu_native
 
 pytestmark = pytest.mark.skipif(cpu_native.library() is None, reason="no C++ compiler: no native kernels")
@@ -30,26 +29,6 @@ def gguf_model(tiny_model, tmp_path_factory):
         return paths[arch]
 
     return get
-
-
-def decode_inputs(llm: LLM, prompts: list[list[int]]):
-    """The runner's inputs for one decode step of `prompts`, their KV written by a prefill of all but the last."""
-    runner, step = llm.llm_engine.model_runner, SchedulerOutput()
-    seqs = [Sequence(f"s{i}", 0, p, SamplingParams(), 1) for i, p in enumerate(prompts)]
-    blocks = 0
-    for seq in seqs:
-        needed = -(-len(seq.token_ids) // runner.block_size)
-        seq.block_table = list(range(blocks, blocks + needed))
-        blocks += needed
-        step.add(seq, len(seq.token_ids) - 1)
-    with torch.inference_mode():
-        prefill = runner.prepare(step)
-        runner.model(prefill.input_ids, prefill.positions, prefill.attn)
-    decode = SchedulerOutput()
-    for seq in seqs:
-        seq.num_computed_tokens = len(seq.token_ids) - 1
-        decode.add(seq, 1)
-    return runner.prepare(decode)
 
 
 def native_layers(llm: LLM, inputs, num_layers: int) -> torch.Tensor:

@@ -7,6 +7,7 @@ import itertools
 
 import pytest
 import torch
+from decode_steps import decode_inputs
 from gguf import GGMLQuantizationType as QType
 from gguf_files import write_gguf
 
@@ -144,31 +145,6 @@ def fp8_from(weight: torch.Tensor) -> ig.BlockWeights:
     blocks = weight.view(n, k // 32, 32)
     scales = (blocks.abs().amax(-1) / 448).clamp_min(2**-20)
     return ig.pack_fp8((blocks / scales[..., None]).view(n, k).to(torch.float8_e4m3fn), scales)
-
-
-def decode_inputs(llm, prompts: list[list[int]]):
-    """The runner's inputs for one decode step of `prompts`, their KV written by a prefill of all but the last
-    (tests/engine/test_cpu_decode.py's)."""
-    from tiffin import SamplingParams
-    from tiffin.engine.core.scheduler import SchedulerOutput
-    from tiffin.engine.core.sequence import Sequence
-
-    runner, step = llm.llm_engine.model_runner, SchedulerOutput()
-    seqs = [Sequence(f"s{i}", 0, p, SamplingParams(), 1) for i, p in enumerate(prompts)]
-    blocks = 0
-    for seq in seqs:
-        needed = -(-len(seq.token_ids) // runner.block_size)
-        seq.block_table = list(range(blocks, blocks + needed))
-        blocks += needed
-        step.add(seq, len(seq.token_ids) - 1)
-    with torch.inference_mode():
-        prefill = runner.prepare(step)
-        runner.model(prefill.input_ids, prefill.positions, prefill.attn)
-    decode = SchedulerOutput()
-    for seq in seqs:
-        seq.num_computed_tokens = len(seq.token_ids) - 1
-        decode.add(seq, 1)
-    return runner.prepare(decode)
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,9 @@
   sm_90 without spills).
 """
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from compile_samples import assert_sample_compiles
 
 from tiffin.kernels import block_gemm as ig
 from tiffin.kernels import compile_check
@@ -116,18 +113,4 @@ SAMPLE = [
 def test_compile_check_compiles_fp8_sample():
     """A sample of FP8's cases compiles for sm_80 (no fp8 types needed) and sm_90 without spills (all five archs:
     `python -m tiffin.kernels.compile_check --kernels block_gemm`)."""
-    script = (
-        "from tiffin.kernels import compile_check as cc\n"
-        f"sample = {SAMPLE!r}\n"
-        "for arch in (80, 90):\n"
-        "    cases = [(n, c) for n, c in cc.collect(arch, ['block_gemm']) if c.config in sample]\n"
-        "    assert len(cases) == len(sample), [c.config for _, c in cases]\n"
-        "    for name, case in cases:\n"
-        "        r = cc.compile_case(name, case, arch)\n"
-        "        print(r.config, arch, r.registers, r.shared, r.status)\n"
-        "        assert r.ok, r\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
-    print(proc.stdout)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert_sample_compiles(["block_gemm"], SAMPLE)

@@ -14,12 +14,10 @@ under Triton's interpreter on CPU tensors, fp32 and fp16 queries (the interprete
 """
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from compile_samples import assert_sample_compiles
 from test_fused_kernels import DTYPES, TOLERANCE, interpreter  # noqa: F401  (autouse: kernels interpreted, NaN buffers)
 from test_kernels_attention import make_batch, naive_attention, naive_bidirectional_attention, rel_error
 
@@ -268,20 +266,4 @@ SAMPLE = [
 def test_compile_check_compiles_quantized_sample():
     """A sample of the quantized variants compiles for sm_80 (fp8 codes too: unpacked without Triton's fp8 types)
     and sm_90 without spills (the full table: `python -m tiffin.kernels.compile_check`)."""
-    script = (
-        "import sys\n"
-        "from tiffin.kernels import compile_check as cc\n"
-        f"sample = {SAMPLE!r}\n"
-        "for arch in (80, 90):\n"
-        "    cases = [(n, c) for n, c in cc.collect(arch, ['paged_attention', 'fused_elementwise'])"
-        " if c.config in sample]\n"
-        "    assert len(cases) == len(sample), [c.config for _, c in cases]\n"
-        "    for name, case in cases:\n"
-        "        r = cc.compile_case(name, case, arch)\n"
-        "        print(r.config, arch, r.registers, r.shared, r.status)\n"
-        "        assert r.ok, r\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
-    print(proc.stdout)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert_sample_compiles(["paged_attention", "fused_elementwise"], SAMPLE)

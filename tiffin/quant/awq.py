@@ -16,8 +16,8 @@ from tiffin.quant.base import (
     QuantizationConfig,
     UnquantizedLinearMethod,
     param,
+    refuse,
     register_quant_config,
-    supported,
 )
 
 AWQ_GROUP_SIZES = (32, 64, 128)
@@ -48,8 +48,7 @@ class AWQConfig(QuantizationConfig):
             problems.append("zero_point false")
         if group_size not in AWQ_GROUP_SIZES:
             problems.append(f"group size {group_size}")
-        if problems:
-            raise ValueError(f"{source}: AWQ with {', '.join(problems)} is not supported; tiffin serves {supported()}")
+        refuse(source, "AWQ", problems)
         skip = settings.get("modules_to_not_convert") or ()
         if isinstance(skip, str) or not all(isinstance(s, str) for s in skip):
             raise ValueError(f"{source}: modules_to_not_convert must be a list of module names, got {skip!r}")

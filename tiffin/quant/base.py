@@ -313,6 +313,12 @@ def supported() -> str:
     return " and ".join(cls.description for cls in QUANT_CONFIGS.values())
 
 
+def refuse(source: str, fmt: str, problems: list[str]) -> None:
+    """ValueError naming every variant of `fmt` in `problems` that tiffin cannot run, if any."""
+    if problems:
+        raise ValueError(f"{source}: {fmt} with {', '.join(problems)} is not supported; tiffin serves {supported()}")
+
+
 def get_quant_config(
     model_dir: str | Path, raw_config: dict | None = None, quantization: str | None = None
 ) -> QuantizationConfig | None:

@@ -23,8 +23,8 @@ from tiffin.quant.base import (
     LinearMethod,
     QuantizationConfig,
     UnquantizedLinearMethod,
+    refuse,
     register_quant_config,
-    supported,
 )
 from tiffin.quant.block_rows import BlockRowsLinearMethod, Rows, per_block
 
@@ -72,10 +72,7 @@ class WeightScheme:
         acts = group.get("input_activations")
         if acts and (acts.get("num_bits") != 8 or acts.get("type", "int") != scheme.type):
             problems.append(f"{acts.get('num_bits')}-bit {acts.get('type')} activations beside {scheme.type} weights")
-        if problems:
-            raise ValueError(
-                f"{source}: compressed-tensors with {', '.join(problems)} is not supported; tiffin serves {supported()}"
-            )
+        refuse(source, "compressed-tensors", problems)
         return scheme
 
 
@@ -94,9 +91,7 @@ class CompressedTensorsConfig(QuantizationConfig):
     @classmethod
     def from_config(cls, settings: dict, source: str) -> "CompressedTensorsConfig":
         problems = [key for key in ("sparsity_config", "transform_config", "kv_cache_scheme") if settings.get(key)]
-        if problems:
-            raise ValueError(f"{source}: compressed-tensors with {', '.join(problems)} is not supported; tiffin "
-                             f"serves {supported()}")  # fmt: skip
+        refuse(source, "compressed-tensors", problems)
         groups = tuple(
             (tuple(group.get("targets") or ["Linear"]), WeightScheme.parse(group, settings.get("format"), source))
             for group in (settings.get("config_groups") or {}).values()

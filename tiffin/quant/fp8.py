@@ -14,8 +14,8 @@ from tiffin.quant.base import (
     LinearMethod,
     QuantizationConfig,
     UnquantizedLinearMethod,
+    refuse,
     register_quant_config,
-    supported,
 )
 from tiffin.quant.block_rows import BlockRowsLinearMethod, Rows, per_block
 
@@ -41,8 +41,7 @@ class FP8Config(QuantizationConfig):
         problems = [f"format {fmt!r}"] if fmt != "e4m3" else []
         if block is not None and (len(block) != 2 or block[1] % 32):
             problems.append(f"weight blocks of {block}")
-        if problems:
-            raise ValueError(f"{source}: FP8 with {', '.join(problems)} is not supported; tiffin serves {supported()}")
+        refuse(source, "FP8", problems)
         ignore = settings.get("modules_to_not_convert") or settings.get("ignored_layers") or ()
         return cls(tuple(block) if block else None, tuple(ignore))
 

@@ -18,8 +18,8 @@ from tiffin.quant.base import (
     materialize,
     param,
     rank_slice,
+    refuse,
     register_quant_config,
-    supported,
 )
 
 GPTQ_GROUP_SIZES = (32, 64, 128, -1)
@@ -60,8 +60,7 @@ class GPTQConfig(QuantizationConfig):
             problems.append("a quantized lm_head")
         if settings.get("dynamic"):
             problems.append("per-module 'dynamic' overrides")
-        if problems:
-            raise ValueError(f"{source}: GPTQ with {', '.join(problems)} is not supported; tiffin serves {supported()}")
+        refuse(source, "GPTQ", problems)
         return cls(bits, group_size, bool(settings.get("desc_act", False)), bool(settings.get("sym", True)), fmt)
 
     @property
