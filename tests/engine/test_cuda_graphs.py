@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from gguf import GGMLQuantizationType as QType
 from compressed_checkpoints import write_compressed
+from gguf import GGMLQuantizationType as QType
 from gguf_files import K_QUANT_MIX, K_SHAPES, write_gguf
 from lora_adapters import ADAPTERS, make_adapter
 from transformers import AutoModelForCausalLM
