@@ -227,3 +227,20 @@ def test_a_missing_tensor_is_named(checkpoints, tmp_path):
     save_file(state, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match=r"lacks tensors of shard\(s\) \[1\]"):
         LLM(str(tmp_path), num_kv_blocks=8)
+
+
+def test_fp32_scales_are_held_in_fp16_and_said_so(tmp_path, caplog):
+    """A float32 checkpoint's integer-weight scales (llm-compressor writes them in the model's dtype) round to the
+    blocks' fp16: each weight within 2^-11 of its size, and the load says so."""
+    from tiffin.quant import compressed_tensors
+
+    base = make_tiny_model(tmp_path / "base", "llama", hidden_size=128, intermediate_size=192, dtype="float32")
+    path = write_compressed(base, tmp_path / "w8a8", "w8a8-int")
+    compressed_tensors._warn_once.cache_clear()
+    with caplog.at_level("WARNING", logger="tiffin.quant.compressed_tensors"):
+        stored = _stored_weights(path, "torch")
+    assert "torch.float32 weight scales are held in fp16, rounded to 2^-12 of their size" in caplog.text
+    reference = load_file(path / "reference" / "model.safetensors")
+    for key, weight in stored.items():
+        torch.testing.assert_close(weight, reference[key], rtol=2**-11, atol=0)
+        assert not torch.equal(weight, reference[key])  # rounded, as said

@@ -1,5 +1,6 @@
 """Multi-LoRA in the engine: greedy outputs equal PEFT's (the adapter applied to the transformers model) for one
-generate call interleaving the base model and several adapters, on a float32 base and on an AWQ fixture base;
+generate call interleaving the base model and several adapters, on a float32 base and on quantized bases (AWQ,
+compressed-tensors INT8 and FP8);
 scheduling within the device slots; prefix caching keyed by adapter content; runtime add/remove; and every
 kind of adapter the loader must refuse."""
 
@@ -9,12 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from compressed_checkpoints import write_compressed
 from lora_adapters import ADAPTERS, PeftReference, make_adapter, set_config
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tiffin import LLM, LoRARequest, SamplingParams
 from tiffin.engine.lora.registry import LoRARegistry
+from tiffin.tiny import make_tiny_model
 
 NEW_TOKENS = 24
 PROMPT_LENS = (3, 17, 40, 9, 33, 21, 5, 60, 12, 27, 48, 7)
@@ -104,9 +107,8 @@ def test_greedy_matches_peft_interleaved(fp_case, engine_args):
     assert stats.kv_blocks_used == 0 and stats.num_running == stats.num_waiting == 0
 
 
-@pytest.mark.skipif(not AWQ_REFERENCE.exists(), reason="the AWQ fixture is not present")
-def test_greedy_matches_peft_on_awq_base(tmp_path):
-    """Adapters over AWQ layers: the reference is transformers holding AutoAWQ's own dequantized weights."""
+def awq_base(tmp_path: Path) -> tuple[Path, torch.nn.Module]:
+    """The AWQ fixture and transformers holding AutoAWQ's own dequantized weights."""
     raw = json.loads((AWQ_FIXTURE / "config.json").read_text())
     raw.pop("quantization_config")
     hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**raw), dtype=torch.float32)
@@ -119,24 +121,36 @@ def test_greedy_matches_peft_on_awq_base(tmp_path):
         }
     )
     hf.load_state_dict(state, strict=True)
+    return AWQ_FIXTURE, hf
+
+
+def compressed_base(name: str, tmp_path: Path) -> tuple[Path, torch.nn.Module]:
+    """A compressed-tensors checkpoint of a bf16 tiny llama (its scales bf16, held exactly) and transformers holding
+    its dequantized weights."""
+    base = make_tiny_model(tmp_path / "base", "llama", dtype="bfloat16")
+    path = write_compressed(base, tmp_path / name, name)
+    return path, AutoModelForCausalLM.from_pretrained(path / "reference", dtype=torch.float32)
+
+
+@pytest.mark.parametrize("base", ["awq-g64", "w8a8-int", "fp8-channel"])
+def test_greedy_matches_peft_on_quantized_bases(base, tmp_path):
+    """Adapters over quantized layers (AWQ; compressed-tensors INT8 and FP8): the reference is transformers holding
+    the format's own dequantized weights."""
+    if base == "awq-g64" and not AWQ_REFERENCE.exists():
+        pytest.skip("the AWQ fixture is not present")
+    path, hf = awq_base(tmp_path) if base == "awq-g64" else compressed_base(base, tmp_path)
+    vocab = hf.config.vocab_size
     dirs = build_adapters(None, tmp_path, hf)
     ref = PeftReference(hf, dirs)
-    prompts = prompts_for(raw["vocab_size"], seed=1)[:8]
+    prompts = prompts_for(vocab, seed=1)[:8]
     assign = interleaved(prompts, dirs)
     expected = [ref.generate(p, a, NEW_TOKENS) for p, a in zip(prompts, assign)]
     assert all(e != ref.generate(p, None, NEW_TOKENS) for p, e, a in zip(prompts, expected, assign) if a)
 
-    llm = LLM(
-        str(AWQ_FIXTURE),
-        dtype="float32",
-        kernel_backend="torch",
-        enable_lora=True,
-        max_loras=4,
-        cpu_quant_compute="exact",
-    )
-    assert (
-        type(llm.llm_engine.model_runner.model.model.layers[0].self_attn.qkv_proj.method).__name__ == "AWQLinearMethod"
-    )
+    llm = LLM(str(path), dtype="float32", kernel_backend="torch", enable_lora=True, max_loras=4,
+              cpu_quant_compute="exact")  # fmt: skip
+    method = type(llm.llm_engine.model_runner.model.model.layers[0].self_attn.qkv_proj.method).__name__
+    assert method == ("AWQLinearMethod" if base == "awq-g64" else "CompressedTensorsLinearMethod")
     reqs = requests_for(dirs)
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts],

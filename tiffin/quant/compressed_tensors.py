@@ -8,10 +8,13 @@ inputs, dynamically (finer than its per-token or static per-tensor scale, which 
 `cpu_quant_compute="int8"`; the default `native` computes them at 15 bits. An FP8 checkpoint's activations stay in
 the model's dtype (weight-only FP8: CPUs have no FP8 arithmetic, and the Triton GEMM decodes the weight to bf16).
 
-Dequantization follows compressed-tensors' `dequantize`: `w = (q - z) * s`. For symmetric weights with bf16 or fp16
-scales the stored blocks give that weight bit for bit; a zero point's `-z * s` is held in fp16 (as AWQ's are).
+Dequantization follows compressed-tensors' `dequantize`: `w = (q - z) * s`. The blocks hold integer weights' scales
+in fp16: for symmetric weights with bf16 or fp16 scales (llm-compressor writes them in the model's dtype) they give
+that weight bit for bit; a zero point's `-z * s` is held in fp16 (as AWQ's are), and so are fp32 scales (2^-12 of
+relative rounding, which the load logs). FP8 weights keep their scales in fp32.
 """
 
+import functools
 import logging
 import re
 from dataclasses import dataclass
@@ -165,8 +168,14 @@ def unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
 
 
 def _check_fp16(scale: torch.Tensor) -> None:
-    """Integer weights' scales are held in fp16: say so where that rounds them more than their own dtype does."""
+    """Integer weights' scales are held in fp16: say so (once) where that rounds them."""
     held = scale.to(torch.float16).float()
-    small = int(((held != scale.float()) & (scale.abs() < 2**-14)).sum())
-    if small:
-        logger.warning("%d weight scales below fp16's normal range (2^-14) lose precision in the blocks' fp16", small)
+    if not torch.equal(held, scale.float()):
+        small = bool(((held != scale.float()) & (scale.abs() < 2**-14)).any())
+        _warn_once(f"{scale.dtype} weight scales are held in fp16, rounded" + (" (some below fp16's normal range "
+                   "2^-14, losing more precision)" if small else " to 2^-12 of their size"))  # fmt: skip
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    logger.warning(message)
