@@ -65,8 +65,8 @@ class ToyConfig(QuantizationConfig):
 def test_a_registered_quant_format_is_detected_and_named(tmp_path, monkeypatch):
     monkeypatch.setitem(QUANT_CONFIGS, ToyConfig.name, ToyConfig)
     assert get_quant_config(tmp_path, {"quantization_config": {"quant_method": "toy", "bits": 3}}) == ToyConfig(3)
-    with pytest.raises(ValueError, match=r"method 'fp8' is not supported; tiffin serves AWQ .* and Toy \(3-bit\)"):
-        get_quant_config(tmp_path, {"quantization_config": {"quant_method": "fp8"}})
+    with pytest.raises(ValueError, match=r"method 'bitnet' is not supported; tiffin serves AWQ .* and Toy \(3-bit\)"):
+        get_quant_config(tmp_path, {"quantization_config": {"quant_method": "bitnet"}})
 
 
 @pytest.mark.parametrize(

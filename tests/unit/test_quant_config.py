@@ -88,7 +88,7 @@ def test_autogptq_quantize_config_json(tmp_path):
         ({**GPTQ, "format": "bitblas"}, "checkpoint_format 'bitblas'"),
         ({**GPTQ, "pack_dtype": "int16"}, "pack_dtype 'int16'"),
         ({**GPTQ, "lm_head": True}, "quantized lm_head"),
-        ({"quant_method": "fp8"}, "method 'fp8'"),
+        ({"quant_method": "bitnet"}, "method 'bitnet'"),
         ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "method 'bitsandbytes'"),
     ],
 )
