@@ -204,3 +204,16 @@ def test_quantized_experts_are_refused(checkpoints, tmp_path, quantization_confi
         (path / "config.json").write_text(json.dumps({**raw, "quantization_config": quantization_config}))
     with pytest.raises(ValueError, match="Qwen3MoeForCausalLM quantized with .*: quantized experts are not supported"):
         get_model_config(path, quantization=quantization)
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_tensor_parallel_engine_matches_transformers(checkpoints):
+    """TP=2 worker processes (gloo on CPU): each rank's experts all-reduced, greedy still equals transformers."""
+    path, hf = checkpoints["qwen2_moe"]
+    llm = LLM(str(path), dtype="float32", tensor_parallel_size=2, distributed_timeout=30)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == [reference_generate(hf, p)[0] for p in prompts()]
