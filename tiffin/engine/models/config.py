@@ -123,7 +123,7 @@ class ModelConfig:
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             hidden_act=hidden_act,
-            qkv_bias=qkv_bias or raw.get("attention_bias", False),
+            qkv_bias=raw.get("qkv_bias", qkv_bias) or raw.get("attention_bias", False),  # Qwen2-MoE says qkv_bias
             mlp_bias=raw.get("mlp_bias", False),
             qk_norm=qk_norm,
             dtype=DTYPES.get(str(raw.get("dtype") or raw.get("torch_dtype") or "float32"), torch.float32),
