@@ -292,16 +292,10 @@ def _write_json(path: pathlib.Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
-def make_tiny_model(path: str | pathlib.Path, arch: str = "llama", seed: int = 0, **config_overrides) -> pathlib.Path:
-    """Write a tiny HF checkpoint for `arch` to `path`; same arguments give byte-identical files."""
-    if not isinstance(seed, int) or not 0 <= seed < 2**31:
-        raise ValueError(f"seed must be an integer in [0, 2**31), got {seed!r}")
-    config = make_config(arch, **config_overrides)
-    path = pathlib.Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    qwen = config["model_type"] in ("qwen2", "qwen3")
-    tok = train_tokenizer(config["vocab_size"], qwen)
-    tok.save(str(path / "tokenizer.json"))
+def write_tokenizer(path: pathlib.Path, vocab_size: int, qwen: bool, max_length: int) -> None:
+    """This module's tokenizer of exactly `vocab_size` tokens (Qwen's pipeline with `qwen`), its files written to
+    `path`: for the tiny checkpoints here and those tests write with transformers."""
+    train_tokenizer(vocab_size, qwen).save(str(path / "tokenizer.json"))
     _write_json(
         path / "tokenizer_config.json",
         {
@@ -311,11 +305,22 @@ def make_tiny_model(path: str | pathlib.Path, arch: str = "llama", seed: int = 0
             "bos_token": SPECIAL_TOKENS[BOS_ID],
             "eos_token": SPECIAL_TOKENS[IM_END_ID],
             "pad_token": SPECIAL_TOKENS[PAD_ID],
-            "model_max_length": config["max_position_embeddings"],
+            "model_max_length": max_length,
             "chat_template": CHAT_TEMPLATE,
             "clean_up_tokenization_spaces": False,
         },
     )
+
+
+def make_tiny_model(path: str | pathlib.Path, arch: str = "llama", seed: int = 0, **config_overrides) -> pathlib.Path:
+    """Write a tiny HF checkpoint for `arch` to `path`; same arguments give byte-identical files."""
+    if not isinstance(seed, int) or not 0 <= seed < 2**31:
+        raise ValueError(f"seed must be an integer in [0, 2**31), got {seed!r}")
+    config = make_config(arch, **config_overrides)
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    qwen = config["model_type"] in ("qwen2", "qwen3")
+    write_tokenizer(path, config["vocab_size"], qwen, config["max_position_embeddings"])
     _write_json(path / "config.json", config)
     _write_json(
         path / "generation_config.json", {"bos_token_id": BOS_ID, "eos_token_id": IM_END_ID, "pad_token_id": PAD_ID}

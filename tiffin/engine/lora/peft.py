@@ -224,6 +224,11 @@ def _what(key: str) -> str:
 def _our_layer(module: str, layers: dict[str, Linear], stacked: dict[str, tuple[str, int]]) -> tuple[str, list[int]]:
     """Our layer and the slices of it that checkpoint module `module` covers."""
     parent, _, leaf = module.rpartition(".")
+    if ".experts." in module or ".block_sparse_moe." in module:
+        raise ValueError(
+            f"LoRA on {module}: adapters on a mixture of experts' experts or router are not supported yet "
+            f"(on attention and the shared expert they are)"
+        )
     if leaf not in TARGETS:
         raise ValueError(f"LoRA on {module} is not supported; adapters may target {', '.join(TARGETS[:7])}")
     if leaf in stacked:

@@ -24,6 +24,42 @@ def resolve_dtype(setting: str, checkpoint: torch.dtype, device: torch.device) -
 
 
 @dataclass
+class MoEConfig:
+    """A mixture of experts in place of the MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): `top_k` of `num_experts` SwiGLU
+    experts of `intermediate_size` each, chosen per token by a softmax router; with a Qwen2-MoE shared expert of
+    `shared_expert_size` (0: none) beside them. Dense layers keep the model's MLP: those in `dense_layers`
+    (`mlp_only_layers`), and all but every `sparse_step`-th (`decoder_sparse_step`)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool  # the top-k routing weights rescaled to sum to 1 (`norm_topk_prob`; Mixtral always)
+    shared_expert_size: int = 0
+    sparse_step: int = 1
+    dense_layers: tuple[int, ...] = ()
+
+    def sparse(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (from 0) has the experts, as transformers decides it."""
+        return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
+
+    @classmethod
+    def from_hf(cls, raw: dict, always_renormalize: bool) -> "MoEConfig | None":
+        """None for a dense model (no experts in config.json)."""
+        experts = raw.get("num_experts") or raw.get("num_local_experts") or 0
+        if not experts:
+            return None
+        return cls(
+            num_experts=experts,
+            top_k=raw["num_experts_per_tok"],
+            intermediate_size=raw.get("moe_intermediate_size") or raw["intermediate_size"],
+            renormalize=always_renormalize or bool(raw.get("norm_topk_prob", False)),
+            shared_expert_size=raw.get("shared_expert_intermediate_size") or 0,
+            sparse_step=raw.get("decoder_sparse_step") or 1,
+            dense_layers=tuple(raw.get("mlp_only_layers") or ()),
+        )
+
+
+@dataclass
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -45,6 +81,7 @@ class ModelConfig:
     dtype: torch.dtype
     sliding_window: int | None
     quant_config: QuantizationConfig | None
+    moe: MoEConfig | None = None  # experts in place of the MLP of (some) layers
     # pooling models (task "embed" or "classify"; set by get_model_config) and encoders
     task: str = "generate"
     causal: bool = True
@@ -57,9 +94,15 @@ class ModelConfig:
 
     @classmethod
     def from_hf(
-        cls, raw: dict, quant_config: QuantizationConfig | None, qkv_bias: bool = False, qk_norm: bool = False
+        cls,
+        raw: dict,
+        quant_config: QuantizationConfig | None,
+        qkv_bias: bool = False,
+        qk_norm: bool = False,
+        renormalize_topk: bool = False,
     ) -> "ModelConfig":
-        """`raw` is config.json; `qkv_bias` and `qk_norm` are what the architecture implies beyond it."""
+        """`raw` is config.json; `qkv_bias`, `qk_norm` and `renormalize_topk` (of a mixture of experts) are what
+        the architecture implies beyond it."""
         hidden_act = raw.get("hidden_act", "silu")
         if hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {hidden_act!r}; tiffin serves {', '.join(ACTIVATIONS)}")
@@ -80,12 +123,13 @@ class ModelConfig:
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             hidden_act=hidden_act,
-            qkv_bias=qkv_bias or raw.get("attention_bias", False),
+            qkv_bias=raw.get("qkv_bias", qkv_bias) or raw.get("attention_bias", False),  # Qwen2-MoE says qkv_bias
             mlp_bias=raw.get("mlp_bias", False),
             qk_norm=qk_norm,
             dtype=DTYPES.get(str(raw.get("dtype") or raw.get("torch_dtype") or "float32"), torch.float32),
             sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window", True) else None,
             quant_config=quant_config,
+            moe=MoEConfig.from_hf(raw, renormalize_topk),
             layer_norm_eps=raw.get("layer_norm_eps", 1e-12),
             type_vocab_size=raw.get("type_vocab_size", 0),
             num_labels=len(raw.get("id2label") or {}) or raw.get("num_labels", 0),

@@ -1,8 +1,11 @@
-"""The Llama family in plain torch: Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k RMSNorm).
+"""The Llama family in plain torch: Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k RMSNorm). Each layer's MLP
+comes from the model class's `make_mlp` (the gated MLP here; a mixture of experts in `moe.py`).
 
 The model sees one flattened batch (`input_ids[T]`, `positions[T]`), its attention metadata and, when adapters
 are loaded, its LoRA metadata (token -> adapter slot), never requests.
 """
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -70,22 +73,30 @@ class Attention(nn.Module):
         return self.o_proj(o.flatten(1), lora)
 
 
+def dense_mlp(config: ModelConfig, layer: int, linear: LinearFactory, backend: str, tp: TensorParallel) -> nn.Module:
+    """Layer `layer`'s MLP: the gated one of every Llama layer (`LlamaForCausalLM.make_mlp`)."""
+    return MLP(config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias, linear, backend)
+
+
+MLPFactory = Callable[[ModelConfig, int, LinearFactory, str, TensorParallel], nn.Module]
+
+
 class DecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, linear: LinearFactory, rotary: RotaryEmbedding, backend: str, tp: TensorParallel
+        self,
+        config: ModelConfig,
+        index: int,
+        linear: LinearFactory,
+        rotary: RotaryEmbedding,
+        backend: str,
+        tp: TensorParallel,
+        make_mlp: MLPFactory = dense_mlp,
     ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
         self.self_attn = Attention(config, prefixed(linear, "self_attn."), rotary, backend, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
-        self.mlp = MLP(
-            config.hidden_size,
-            config.intermediate_size,
-            config.hidden_act,
-            config.mlp_bias,
-            prefixed(linear, "mlp."),
-            backend,
-        )
+        self.mlp = make_mlp(config, index, prefixed(linear, "mlp."), backend, tp)
         self.backend = backend
 
     def forward(self, x, residual, rotation, attn_metadata, lora) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,11 +120,12 @@ class Model(nn.Module):
         rotary: RotaryEmbedding,
         backend: str,
         tp: TensorParallel,
+        make_mlp: MLPFactory = dense_mlp,
     ):
         super().__init__()
         self.embed_tokens = embedding("embed_tokens", config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, prefixed(linear, f"layers.{i}."), rotary, backend, tp)
+            DecoderLayer(config, i, prefixed(linear, f"layers.{i}."), rotary, backend, tp, make_mlp)
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
@@ -136,6 +148,7 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    make_mlp = staticmethod(dense_mlp)  # (config, layer index, linear, backend, tp) -> that layer's MLP
 
     def __init__(
         self,
@@ -148,7 +161,8 @@ class LlamaForCausalLM(nn.Module):
     ):
         super().__init__()
         rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
-        self.model = Model(config, prefixed(linear, "model."), prefixed(embedding, "model."), rotary, backend, tp)
+        inner = prefixed(linear, "model."), prefixed(embedding, "model.")
+        self.model = Model(config, *inner, rotary, backend, tp, self.make_mlp)
         generates = config.task == "generate"
         self.lm_head = (
             None

@@ -39,7 +39,10 @@ def get_model_config(
         raw = checkpoint.config(get_architecture(checkpoint.architecture).model.stacked_modules)
     name = (raw.get("architectures") or ["?"])[0]
     arch = get_architecture(name)
-    config = ModelConfig.from_hf(raw, get_quant_config(path, raw, quantization), arch.qkv_bias, arch.qk_norm)
+    quant = get_quant_config(path, raw, quantization)
+    config = ModelConfig.from_hf(raw, quant, arch.qkv_bias, arch.qk_norm, arch.renormalize_topk)
+    if config.moe is not None and quant is not None:
+        raise ValueError(f"{name} quantized with {quant.name}: quantized experts are not supported yet")
     config.task, config.causal = resolve_task(arch, name, task), arch.causal
     if arch.positions_after_padding:
         config.position_offset = raw.get("pad_token_id", 1) + 1
@@ -146,7 +149,10 @@ def checkpoint_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], path: str | Path) -> None:
     params = dict(model.named_parameters())
     expected = set(params)
+    renames = getattr(model, "checkpoint_renames", {})  # checkpoint name part -> the model's
     for key, tensor in weights:
+        for old, new in renames.items():
+            key = key.replace(old, new)
         expected.difference_update(_load_tensor(model, params, key, tensor))
     missing = sorted(expected)
     if missing:
@@ -167,6 +173,9 @@ def _load_tensor(model, params: dict, key: str, tensor: torch.Tensor) -> list[st
         return []
     if key == "lm_head.weight" and model.lm_head is None:  # tied: the embedding is the output projection
         return []
+    experts, found, rest = key.partition(".experts.")
+    if found:  # a mixture of experts' stacked experts take theirs, one expert's or all at once (`moe.Experts`)
+        return [f"{experts}.experts.{name}" for name in model.get_submodule(experts + ".experts").load(rest, tensor)]
     module_path, _, name = key.rpartition(".")
     parent, _, leaf = module_path.rpartition(".")
     shard = None

@@ -8,6 +8,7 @@ from torch import nn
 
 from tiffin.engine.models.bert import BertForSequenceClassification, BertModel
 from tiffin.engine.models.llama import LlamaForCausalLM
+from tiffin.engine.models.moe import MoEForCausalLM
 
 TASKS = ("generate", "embed", "classify")
 
@@ -23,6 +24,7 @@ class Architecture:
     pooling_type: str = "last"  # its pooling when it embeds, unless sentence-transformers' files say otherwise
     checkpoint_prefix: str = ""  # what its checkpoint's weight names lack against the model's (a bare decoder)
     positions_after_padding: bool = False  # RoBERTa: absolute position rows start at pad_token_id + 1
+    renormalize_topk: bool = False  # a mixture of experts' top-k weights always sum to 1, whatever norm_topk_prob
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -31,6 +33,10 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen2ForCausalLM": Architecture(LlamaForCausalLM, qkv_bias=True, gguf_name="qwen2"),
     "Qwen3ForCausalLM": Architecture(LlamaForCausalLM, qk_norm=True, gguf_name="qwen3"),
     "IQuestCoderForCausalLM": Architecture(LlamaForCausalLM),
+    # mixtures of experts (models/moe.py)
+    "MixtralForCausalLM": Architecture(MoEForCausalLM, renormalize_topk=True),
+    "Qwen2MoeForCausalLM": Architecture(MoEForCausalLM, qkv_bias=True),
+    "Qwen3MoeForCausalLM": Architecture(MoEForCausalLM, qk_norm=True),
     # decoders without their head, as Qwen3-Embedding / gte-Qwen2 ship: last-token embeddings
     "LlamaModel": Architecture(LlamaForCausalLM, task="embed", checkpoint_prefix="model."),
     "MistralModel": Architecture(LlamaForCausalLM, task="embed", checkpoint_prefix="model."),

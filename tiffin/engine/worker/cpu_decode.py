@@ -9,6 +9,7 @@ import ctypes
 
 import torch
 
+from tiffin.engine.models.layers import MLP
 from tiffin.engine.models.llama import LlamaForCausalLM
 from tiffin.kernels import AttentionMetadata, cpu_native, silu_and_mul
 from tiffin.kernels.block_gemm import FP8, native_runs, native_weights, parts
@@ -126,6 +127,8 @@ class CpuDecoder:
         inner = model.model
         for layer in inner.layers:
             a, mlp = layer.self_attn, layer.mlp
+            if not isinstance(mlp, MLP):
+                return None  # a mixture of experts
             linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if any(getattr(x, "blocks", None) is None or x.adapters is not None for x in linears):
                 return None

@@ -51,7 +51,9 @@ class ModelRunner:
         self.backend = kernels.resolve_backend(config.kernel_backend, self.device)
         amx, native = torch.cpu._is_amx_tile_supported(), kernels.cpu_native.library() is not None
         self.policy = choose_policy(self.device, model_config.dtype, self.backend, amx, config, native)
-        if model_config.task != "generate":  # a pooling model runs no decode steps to capture
+        # a pooling model runs no decode steps to capture; a mixture of experts sizes its per-expert GEMMs on the
+        # host each step (`models/moe.py`), which a graph cannot replay
+        if model_config.task != "generate" or model_config.moe is not None:
             self.policy = dataclasses.replace(self.policy, capture_graphs=False)
         if group is None and config.tensor_parallel_size > 1:
             group = tp_worker.start(config, model_config, max_model_len, self.device, ModelRunner)

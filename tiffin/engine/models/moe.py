@@ -1,0 +1,162 @@
+"""A mixture of experts in place of the MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): the Llama model of `llama.py` whose
+sparse layers (`MoEConfig.sparse`) route each token through `top_k` of `num_experts` SwiGLU experts.
+
+Routing, as transformers does it: the router (`gate`, no bias) scores the experts, a softmax in fp32 turns the
+scores into probabilities, each token takes its `top_k` most probable experts, their probabilities rescaled to
+sum to 1 where the config says (`norm_topk_prob`; Mixtral always). The layer's output is the weighted sum of
+those experts' outputs, plus, in Qwen2-MoE, a shared expert (a dense MLP every token goes through) scaled by
+`sigmoid(shared_expert_gate(x))`.
+
+Experts are stacked per layer, `gate_up_proj [E, 2I, H]` (each expert's gate rows, then its up rows) and
+`down_proj [E, H, I]`. A forward sorts its (token, choice) pairs by expert and runs one GEMM pair per expert that
+has tokens: a decode step reads its chosen experts' weights and no others'. The outputs go back to (token,
+choice) order and are summed over the choices with their routing weights.
+
+Tensor parallelism splits each expert's intermediate dimension, as the dense MLP's column (gate/up) and row
+(down) split does; the router is replicated; the experts' partial outputs are all-reduced.
+"""
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from tiffin.engine.distributed.tensor_parallel import TensorParallel
+from tiffin.engine.models.config import ModelConfig
+from tiffin.engine.models.layers import ACTIVATIONS, MLP, LinearFactory, prefixed
+from tiffin.engine.models.llama import LlamaForCausalLM, dense_mlp
+from tiffin.kernels.lora import LoRAMetadata
+from tiffin.quant.base import materialize, param, rank_slice
+
+# a checkpoint's per-expert tensor (`experts.{e}.{name}.weight`) -> (our stacked tensor, its half of gate_up)
+EXPERT_SHARDS = {
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", None),
+    "w1": ("gate_up_proj", 0),  # Mixtral's names
+    "w3": ("gate_up_proj", 1),
+    "w2": ("down_proj", None),
+}
+
+
+class Experts(nn.Module):
+    """`num_experts` SwiGLU MLPs stacked: `gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]` (I: this rank's part of
+    the intermediate size)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        hidden_act: str,
+        dtype: torch.dtype,
+        backend: str,
+        tp: TensorParallel,
+    ):
+        super().__init__()
+        size = tp.split(intermediate_size, "the experts' intermediate size (moe_intermediate_size)")
+        self.gate_up_proj = param(torch.empty(num_experts, 2 * size, hidden_size, dtype=dtype))
+        self.down_proj = param(torch.empty(num_experts, hidden_size, size, dtype=dtype))
+        self.act_and_mul, self.backend, self.tp = ACTIVATIONS[hidden_act], backend, tp
+        # pieces not loaded yet: a stacked tensor counts as loaded once all of its experts' pieces are in
+        self.unloaded = {("gate_up_proj", e, s) for e in range(num_experts) for s in (0, 1)}
+        self.unloaded |= {("down_proj", e, None) for e in range(num_experts)}
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """`x [T, H]`, each token's `experts [T, k]` and their routing `weights [T, k]` -> this rank's part of
+        `sum_k weights[t, k] * expert_{experts[t, k]}(x[t])` `[T, H]`."""
+        top_k = experts.shape[1]
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)  # the (token, choice) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()  # the layer's one host sync
+        xs = x[order // top_k]
+        ys = torch.empty_like(xs)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                h = self.act_and_mul(F.linear(xs[start : start + n], self.gate_up_proj[e]), self.backend)
+                torch.mm(h, self.down_proj[e].t(), out=ys[start : start + n])
+                start += n
+        # back to (token, choice) order: a scatter of distinct rows, deterministic where index_add_'s atomics are not
+        ys = torch.empty_like(ys).index_copy_(0, order, ys).view(-1, top_k, ys.shape[-1])
+        return (ys * weights[..., None]).sum(1)
+
+    def load(self, name: str, tensor) -> list[str]:
+        """Place checkpoint tensor `experts.{name}`: one expert's (`{e}.gate_proj.weight`, ...) or, fused as
+        transformers holds them, all experts' (`gate_up_proj`, `down_proj`) -> the stacked tensors now complete."""
+        size = self.down_proj.shape[2]
+        if name in ("gate_up_proj", "down_proj"):
+            full = materialize(tensor)
+            if name == "gate_up_proj":
+                halves = full.chunk(2, dim=1)
+                full = torch.cat([rank_slice(h, 1, size, self.tp.rank, self.tp.size) for h in halves], dim=1)
+            else:
+                full = rank_slice(full, 2, size, self.tp.rank, self.tp.size)
+            self._copy(name, getattr(self, name).data, full)
+            self.unloaded = {piece for piece in self.unloaded if piece[0] != name}
+            return [name]
+        index, _, leaf = name.partition(".")
+        leaf, _, suffix = leaf.partition(".")
+        if not index.isdigit() or leaf not in EXPERT_SHARDS or suffix != "weight":
+            raise ValueError(f"experts.{name}: not an expert weight tiffin reads (gate/up/down_proj or w1/w2/w3)")
+        e, (stacked, shard) = int(index), EXPERT_SHARDS[leaf]
+        if e >= self.gate_up_proj.shape[0]:
+            raise ValueError(f"experts.{name}: expert {e} of a layer of {self.gate_up_proj.shape[0]} experts")
+        target = getattr(self, stacked).data[e]
+        if shard is None:
+            tensor = rank_slice(tensor, 1, size, self.tp.rank, self.tp.size)
+        else:
+            target = target[shard * size : (shard + 1) * size]
+            tensor = rank_slice(tensor, 0, size, self.tp.rank, self.tp.size)
+        self._copy(f"experts.{name}", target, materialize(tensor))
+        self.unloaded.discard((stacked, e, shard))
+        return [] if any(piece[0] == stacked for piece in self.unloaded) else [stacked]
+
+    @staticmethod
+    def _copy(name: str, target: torch.Tensor, tensor: torch.Tensor) -> None:
+        if target.shape != tensor.shape:
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(target.shape)}")
+        target.copy_(tensor)
+
+
+class SparseMoE(nn.Module):
+    """Router, experts and (Qwen2-MoE) the gated shared expert of one layer."""
+
+    def __init__(self, config: ModelConfig, linear: LinearFactory, backend: str, tp: TensorParallel):
+        super().__init__()
+        moe, hidden = config.moe, config.hidden_size
+        self.top_k, self.renormalize, self.tp = moe.top_k, moe.renormalize, tp
+        self.gate = linear("gate", hidden, [moe.num_experts], False)  # replicated on every rank
+        self.experts = Experts(
+            moe.num_experts, hidden, moe.intermediate_size, config.hidden_act, config.dtype, backend, tp
+        )
+        self.shared_expert = self.shared_expert_gate = None
+        if moe.shared_expert_size:
+            shared = prefixed(linear, "shared_expert.")
+            self.shared_expert = MLP(hidden, moe.shared_expert_size, config.hidden_act, False, shared, backend)
+            self.shared_expert_gate = linear("shared_expert_gate", hidden, [1], False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's routing weights `[T, k]` (in x's dtype) and experts `[T, k]`."""
+        probs = self.gate(x).softmax(dim=-1, dtype=torch.float32)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), experts
+
+    def forward(self, x: torch.Tensor, lora: LoRAMetadata | None = None) -> torch.Tensor:
+        y = self.tp.all_reduce(self.experts(x, *self.route(x)))
+        if self.shared_expert is not None:
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, lora)
+        return y
+
+
+class MoEForCausalLM(LlamaForCausalLM):
+    """Mixtral, Qwen2-MoE and Qwen3-MoE: the Llama model with `SparseMoE` as the MLP of its sparse layers."""
+
+    checkpoint_renames = {".block_sparse_moe.": ".mlp."}  # Mixtral's checkpoint name of the layer's router+experts
+
+    @staticmethod
+    def make_mlp(config: ModelConfig, layer: int, linear: LinearFactory, backend: str, tp: TensorParallel):
+        if config.moe.sparse(layer):
+            return SparseMoE(config, linear, backend, tp)
+        return dense_mlp(config, layer, linear, backend, tp)
