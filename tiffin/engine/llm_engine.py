@@ -170,11 +170,8 @@ class LLMEngine:
         `client`: who sent it, for fair share (None: anonymous)."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        params = params or (SamplingParams() if self.task == "generate" else PoolingParams(self.pooling_task))
-        self._check_params(params)
+        (text, token_ids, token_types), params, max_tokens = self.check_request(prompt, params)
         pooling = params if isinstance(params, PoolingParams) else None
-        text, token_ids, token_types = self.tokenize(prompt, pooling)
-        max_tokens = self._check_capacity(len(token_ids)) if pooling else self._check_lengths(len(token_ids), params)
         n = 1 if pooling else params.n
         waiting, limit = len(self.scheduler.waiting), self.config.max_waiting_requests
         if limit is not None and waiting + n > limit:
@@ -214,6 +211,18 @@ class LLMEngine:
             self.scheduler.add(seq)
         self.requests[request_id] = Request(request_id, text, token_ids, seqs)
         self.num_prompt_tokens += len(token_ids)
+
+    def check_request(
+        self, prompt: PromptType, params: SamplingParams | PoolingParams | None = None
+    ) -> tuple[TokenizedPrompt, SamplingParams | PoolingParams, int]:
+        """What `add_request` checks of a request, raising as it does, without touching the engine: the prompt
+        tokenized (`add_request` takes it as is), the params (default: the model's task) and its max_tokens."""
+        params = params or (SamplingParams() if self.task == "generate" else PoolingParams(self.pooling_task))
+        self._check_params(params)
+        pooling = params if isinstance(params, PoolingParams) else None
+        prompt = self.tokenize(prompt, pooling)
+        n = len(prompt.token_ids)
+        return prompt, params, self._check_capacity(n) if pooling else self._check_lengths(n, params)
 
     def _thinking(self, opened: bool, params: SamplingParams, grammar: GrammarState | None) -> ThinkingState | None:
         """A sequence's thinking state (tiffin.engine.core.thinking): none for a model that does not think, nor
