@@ -7,7 +7,8 @@ diverge), advanced with every token it samples.
 
 Invariants (`GrammarBackend`):
 - A compile never runs on its caller's thread; at most `workers` run at once, so one slow compile leaves the
-  others room, and at most MAX_PENDING are queued or running: more are refused (QueueFull).
+  others room, and at most MAX_PENDING are queued or running: more are refused (QueueFull), or wait for room
+  (`wait_for_room`).
 - A queued compile that every caller who asked to wait for it gave up on (`release`) never starts; a running
   one finishes and is cached.
 - Compiled grammars are cached by `StructuredOutputsParams.key`: at most `cache_size` of them and `cache_bytes`
@@ -68,6 +69,7 @@ class GrammarBackend:
         self._pending = 0
         # Reentrant: a future finished (or cancelled) while compile() or release() holds it runs _compiled at once.
         self._lock = threading.RLock()
+        self._room = threading.Condition(self._lock)  # notified as compiles end
         self._workers = ThreadPoolExecutor(workers, thread_name_prefix="tiffin-grammar")
         # The tokenizer's vocabulary is read once, on a worker too (a second or so for 150k tokens).
         self._vocabulary = self._workers.submit(self._read_vocabulary, tokenizer, sorted(stop_token_ids))
@@ -112,6 +114,15 @@ class GrammarBackend:
             if entry.waiters == 0 and not entry.held and future.cancel():
                 del self._cache[key]
 
+    def wait_for_room(self) -> bool:
+        """Block until fewer than MAX_PENDING compiles are queued or running (a caller that cannot be refused, the
+        offline `LLM`, waits where a server answers 429); False if there was room already."""
+        with self._room:
+            if self._pending < MAX_PENDING:
+                return False
+            self._room.wait_for(lambda: self._pending < MAX_PENDING)
+            return True
+
     def _compile(self, grammar):
         import xgrammar
 
@@ -132,6 +143,7 @@ class GrammarBackend:
     def _compiled(self, key: bytes, entry: _Entry, future: Future) -> None:
         with self._lock:
             self._pending -= 1
+            self._room.notify_all()
             if future.cancelled() or future.exception() is not None or self._cache.get(key) is not entry:
                 return
             entry.nbytes = future.result().compiled.memory_size_bytes
