@@ -1,15 +1,32 @@
-"""The offline entry point, shaped like vLLM's `LLM`."""
+"""The offline entry point, shaped like vLLM's `LLM`.
+
+One call takes any number of prompts. The engine's serving bounds (max_waiting_requests, the grammars compiling at
+once), which a server answers with 429, are backpressure here: every prompt is checked first (a bad one raises,
+naming it, before any request is queued), then requests are queued as the engine makes room, between its steps."""
+
+from collections import deque
+from typing import NamedTuple
 
 from tqdm.auto import tqdm
 
 from tiffin.engine.config import EngineConfig
-from tiffin.engine.errors import ParamError
+from tiffin.engine.errors import ParamError, QueueFull
 from tiffin.engine.llm_engine import LLMEngine, PromptType, TokenizedPrompt
 from tiffin.engine.lora.request import LoRARequest
 from tiffin.engine.outputs import PoolingRequestOutput, RequestOutput
 from tiffin.engine.pooling_params import PoolingParams
 from tiffin.engine.sampling_params import SamplingParams
 from tiffin.engine.scoring import cosine_scores, score_pairs
+
+
+class _Queued(NamedTuple):
+    """A checked request of a call, waiting for room in the engine."""
+
+    index: int  # its prompt's, in the call
+    request_id: str
+    prompt: TokenizedPrompt
+    params: SamplingParams | PoolingParams
+    lora: LoRARequest | None
 
 
 class LLM:
@@ -91,9 +108,9 @@ class LLM:
         prompts = [self.llm_engine.render_chat(c, add_generation_prompt, **kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _add(self, prompts, params, lora_request) -> list[str]:
-        """Queue every prompt with its params (one for all, or one each) and adapter; their request ids. An
-        invalid prompt raises ValueError, naming it, before any request stays queued."""
+    def _add(self, prompts, params, lora_request) -> list[_Queued]:
+        """Check every prompt with its params (one for all, or one each) and adapter, and give it a request id;
+        an invalid prompt raises ValueError, naming it, before any request is queued."""
         if isinstance(prompts, (str, dict, TokenizedPrompt)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params if isinstance(params, list) else [params] * len(prompts)
@@ -102,24 +119,58 @@ class LLM:
         loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")
-        engine, ids = self.llm_engine, []
-        try:
-            for prompt, p, lora in zip(prompts, params, loras):
-                ids.append(str(self._counter))
-                self._counter += 1
-                engine.add_request(ids[-1], prompt, p, lora)
-        except ValueError as e:
-            engine.abort_request(ids)
-            message = f"prompt {len(ids) - 1}: {e}"
-            raise (ParamError(e.param, message) if isinstance(e, ParamError) else ValueError(message)) from e
-        return ids
+        engine, queued = self.llm_engine, []
+        limit = engine.config.max_waiting_requests
+        for i, (prompt, p, lora) in enumerate(zip(prompts, params, loras)):
+            try:
+                prompt, p, _ = engine.check_request(prompt, p)
+                n = getattr(p, "n", 1)
+                if limit is not None and n > limit:  # it would never find room
+                    raise ValueError(f"a request of {n} sequences never fits max_waiting_requests={limit}")
+            except ValueError as e:
+                raise _named(i, e) from e
+            queued.append(_Queued(i, str(self._counter), prompt, p, lora))
+            self._counter += 1
+        return queued
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput | PoolingRequestOutput]:
-        finished: dict[str, RequestOutput | PoolingRequestOutput] = {}
-        with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm) as bar:
-            while self.llm_engine.has_unfinished_requests():
-                for out in self.llm_engine.step():
-                    if out.finished:
-                        finished[out.request_id] = out
-                        bar.update()
-        return [finished[i] for i in ids]
+    def _run(self, queued: list[_Queued], use_tqdm: bool) -> list[RequestOutput | PoolingRequestOutput]:
+        """Queue the requests as the engine makes room and step it until every one has finished; their outputs in
+        input order. Whatever raises aborts the call's requests left in the engine."""
+        engine, finished = self.llm_engine, {}
+        waiting = deque(queued)
+        try:
+            with tqdm(total=len(queued), desc="Generating", disable=not use_tqdm) as bar:
+                while waiting or engine.has_unfinished_requests():
+                    self._admit(waiting)
+                    for out in engine.step():
+                        if out.finished:
+                            finished[out.request_id] = out
+                            bar.update()
+        except BaseException:
+            engine.abort_request([q.request_id for q in queued])
+            raise
+        return [finished[q.request_id] for q in queued]
+
+    def _admit(self, waiting: deque[_Queued]) -> None:
+        """Queue waiting requests, in order, until none is left or the engine is full (QueueFull) while it holds
+        requests, whose steps make room. An idle engine is full only of compiles an earlier call left: wait for one."""
+        engine = self.llm_engine
+        while waiting:
+            q = waiting[0]
+            try:
+                engine.add_request(q.request_id, q.prompt, q.params, q.lora)
+            except QueueFull:
+                if engine.has_unfinished_requests():
+                    return
+                if not engine.grammars().wait_for_room():  # not the compile queue: stepping would not help
+                    raise
+                continue
+            except ValueError as e:  # e.g. an adapter that cannot load
+                raise _named(q.index, e) from e
+            waiting.popleft()
+
+
+def _named(index: int, e: ValueError) -> ValueError:
+    """`e` as raised for the call's prompt `index`."""
+    message = f"prompt {index}: {e}"
+    return ParamError(e.param, message) if isinstance(e, ParamError) else ValueError(message)
