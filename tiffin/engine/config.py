@@ -186,7 +186,9 @@ class EngineConfig:
     )
     max_n: int = _setting(64, "samples one request may ask for")
     max_waiting_requests: int | None = _setting(
-        None, "sequences queued beyond the running batch (a request with n counts n); more are refused; None: no bound"
+        None,
+        "sequences queued beyond the running batch (a request with n counts n); more are refused (a server's 429; the "
+        "offline LLM waits for room); None: no bound",
     )
     grammar_compile_timeout: float = _setting(
         5.0,
