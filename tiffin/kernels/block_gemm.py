@@ -20,6 +20,11 @@ AVX-512 BF16 their reference in torch: `native_runs`). `block_gemm_reference` is
 arithmetic in torch; the native kernels (`kernels/csrc/cpu_quant*.cpp`) compute the same with AVX-512 VNNI / BF16
 or AMX bf16 tiles.
 
+W8A8 weights (`per_token`: compressed-tensors int-quantized with int8 activations, one d a row and m = -128 d) take
+their format's own activations instead, int8 per token (`quantize_tokens`: `dx = max|x_row| / 127`), at every number
+of rows where the kernels are built (`in_per_token`): `y = dx d (sum(qx u) - 128 sum(qx))`, one exact integer dot
+product over the whole input (cpu_quant_w8a8.cpp: AMX-INT8 tiles, or AVX-512 VNNI), whatever the layer's levels.
+
 Layout (`BlockWeights`; kernels/csrc/cpu_blocks.h spells it out): rows interleaved by 16 (padded with zero rows) so
 that a vector lane is an output row. Per group and block the registers of 16 rows x 4 inputs (quad t: inputs
 4t..4t+3), 8-bit quads 0..7 in turn, below 8 bits quads t and t + 4 in the low and high nibbles of register t

@@ -345,7 +345,7 @@ def w8a8_min_rows() -> int | None:
 
 
 def w8a8_built() -> int:
-    """The W8A8 GEMM's dot products: 2 AMX-INT8 tiles (from 8 rows, K a multiple of 64), 1 AVX-512 VNNI, 0 none."""
+    """The W8A8 GEMM's dot products: 2 AMX-INT8 tiles (from 6 rows, K a multiple of 64), 1 AVX-512 VNNI, 0 none."""
     return library().tiffin_w8a8_built()
 
 
