@@ -27,10 +27,10 @@
 namespace {
 
 struct TokenActs {  // one call's activations quantized per token, reused by the calling thread across calls
-  std::vector<int8_t> q;  // [rows, k], rows padded to whole tiles of 16 with zeros
+  std::vector<int8_t> q;  // [rows, stride], rows padded to whole tiles of 16 with zeros
   std::vector<float> dx;  // [m]
   std::vector<int32_t> sx;  // [m]: the sum of the row's codes
-  int64_t k = 0;
+  int64_t k = 0, stride = 0;  // stride: k, and a cache line more where k is a multiple of 256 (see quantize_tokens)
 };
 
 inline __m512 fp32x16(const void* x, int dtype, int64_t at) {  // 16 inputs as fp32 (exactly)
@@ -60,15 +60,17 @@ TokenActs& quantize_tokens(const void* x, int dtype, int64_t x_stride, int64_t m
                            int threads) {
   thread_local TokenActs mine;
   TokenActs& a = mine;  // the calling thread's (the team below must not name the thread-local: theirs)
-  a.k = k;
-  a.q.resize(padded * k);
-  std::fill(a.q.begin() + m * k, a.q.end(), int8_t{0});
+  // rows 2^n lines apart fall in a few L1 sets (64 of them): an AMX tile's 16 rows at K = 2048 would share 2 sets
+  // and evict each other (1.4x the time of the whole GEMM at 64 rows)
+  a.k = k, a.stride = k % 256 ? k : k + 64;
+  a.q.resize(padded * a.stride);
+  std::fill(a.q.begin() + m * a.stride, a.q.end(), int8_t{0});
   a.dx.resize(m);
   a.sx.resize(m);
   const int elem = dtype == 0 ? 4 : 2;
 #pragma omp parallel for num_threads(threads) if (m * k >= (1 << 16))
   for (int64_t r = 0; r < m; ++r)
-    quantize_token(static_cast<const char*>(x) + r * x_stride * elem, dtype, k, &a.q[r * k], a.dx[r], a.sx[r]);
+    quantize_token(static_cast<const char*>(x) + r * x_stride * elem, dtype, k, &a.q[r * a.stride], a.dx[r], a.sx[r]);
   return a;
 }
 
@@ -105,7 +107,7 @@ void vnni_tile(const TokenActs& a, int64_t m0, const Weights& w, int64_t g0, voi
     for (int g = 0; g < GR; ++g) wv[g] = _mm512_loadu_si512(codes + g * group_bytes + t * 64);
     for (int i = 0; i < MC; ++i) {
       int32_t quad;
-      std::memcpy(&quad, &a.q[(m0 + i) * k + 4 * t], 4);
+      std::memcpy(&quad, &a.q[(m0 + i) * a.stride + 4 * t], 4);
       const __m512i xv = _mm512_set1_epi32(quad);
       for (int g = 0; g < GR; ++g) dots[i][g] = _mm512_dpbusd_epi32(dots[i][g], wv[g], xv);
     }
@@ -142,12 +144,12 @@ void vnni_groups(const TokenActs& a, int64_t m, const Weights& w, int64_t g0, in
 constexpr bool AMX_INT8 = true;
 
 // AMX: activation rows m0..m0 + 16 MR (whole tiles: the buffer is padded) against groups g0..g0+NR, sums in tiles
-// 0..3 (int32, 16 x 16), activations in 4 and 5 (16 rows x 64 inputs, row stride k), weights in 6 and 7.
+// 0..3 (int32, 16 x 16), activations in 4 and 5 (16 rows x 64 inputs, row stride a.stride), weights in 6 and 7.
 template <int MR, int NR>
 void amx_tile(const TokenActs& a, int64_t m0, int64_t m, const Weights& w, int64_t g0, void* y, int out_dtype,
               int64_t y_stride) {
-  const int64_t k = a.k;
-  const int8_t* x0 = &a.q[m0 * k];
+  const int64_t k = a.k, stride = a.stride;
+  const int8_t* x0 = &a.q[m0 * stride];
   const uint8_t* w0 = group_codes(w, k, g0);
   const uint8_t* w1 = w0 + k / QK * 512;
   _tile_zero(0);
@@ -155,8 +157,8 @@ void amx_tile(const TokenActs& a, int64_t m0, int64_t m, const Weights& w, int64
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t j = 0; j < k; j += 64) {  // 64 inputs: a B tile's 16 quads, 1 KB of a group's codes
-    _tile_loadd(4, x0 + j, k);
-    if constexpr (MR == 2) _tile_loadd(5, x0 + 16 * k + j, k);
+    _tile_loadd(4, x0 + j, stride);
+    if constexpr (MR == 2) _tile_loadd(5, x0 + 16 * stride + j, stride);
     _tile_loadd(6, w0 + j * LANES, 64);
     if constexpr (NR == 2) _tile_loadd(7, w1 + j * LANES, 64);
     _tile_dpbsud(0, 4, 6);  // signed activations x unsigned codes
