@@ -144,7 +144,8 @@ class EngineConfig:
         "ones in bf16 dot products where the CPU has them), "
         "int8 (the same kernels with activations in int8 per block of 32, llama.cpp's scheme: its answers, which "
         "may differ from the model's), or exact (dequantized, then multiplied in the model dtype: transformers' "
-        "numerics, several times slower)",
+        "numerics, several times slower); W8A8 checkpoints whose weights have a scale a row (compressed-tensors "
+        "int-quantized, int8 activations) run their format's int8 activations per token in native and int8 alike",
     )
     enforce_eager: bool = _setting(
         False, "no CUDA graphs: decode steps launch every kernel from Python (graphs are captured on CUDA only)"

@@ -20,6 +20,11 @@ AVX-512 BF16 their reference in torch: `native_runs`). `block_gemm_reference` is
 arithmetic in torch; the native kernels (`kernels/csrc/cpu_quant*.cpp`) compute the same with AVX-512 VNNI / BF16
 or AMX bf16 tiles.
 
+W8A8 weights (`per_token`: compressed-tensors int-quantized with int8 activations, one d a row and m = -128 d) take
+their format's own activations instead, int8 per token (`quantize_tokens`: `dx = max|x_row| / 127`), at every number
+of rows where the kernels are built (`in_per_token`): `y = dx d (sum(qx u) - 128 sum(qx))`, one exact integer dot
+product over the whole input (cpu_quant_w8a8.cpp: AMX-INT8 tiles, or AVX-512 VNNI), whatever the layer's levels.
+
 Layout (`BlockWeights`; kernels/csrc/cpu_blocks.h spells it out): rows interleaved by 16 (padded with zero rows) so
 that a vector lane is an output row. Per group and block the registers of 16 rows x 4 inputs (quad t: inputs
 4t..4t+3), 8-bit quads 0..7 in turn, below 8 bits quads t and t + 4 in the low and high nibbles of register t
@@ -61,6 +66,9 @@ class BlockWeights:
     out_features: int  # N, before padding to whole groups of 16
     levels: int = 1  # of int8 codes the activations are quantized to (2: 15 bits a block)
     kind: int = BLOCKS
+    # W8A8 (`pack_codes`' per_token): activations quantized to int8 per token (row), as the format means them,
+    # from `cpu_native.w8a8_min_rows()` rows on (`in_per_token`); 8-bit BLOCKS with one d a row and m = -128 d only
+    per_token: bool = False
     native: object = field(default=None, repr=False)  # the kernels' view (cpu_native.NativeWeights), made once
 
     def __post_init__(self):
@@ -75,7 +83,8 @@ class BlockWeights:
         if self.codes.device == device:
             return self
         moved = (t.to(device) for t in (self.codes, self.scales, self.offsets))
-        return BlockWeights(*moved, self.bits, self.in_features, self.out_features, self.levels, self.kind)
+        return BlockWeights(*moved, self.bits, self.in_features, self.out_features, self.levels, self.kind,
+                            self.per_token)
 
     @property
     def sub_block(self) -> int:
@@ -149,14 +158,27 @@ def _fp16_lanes(t: torch.Tensor) -> torch.Tensor:
 
 
 def pack_codes(
-    codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int, levels: int = 1
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    bits: int,
+    levels: int = 1,
+    per_token: bool = False,
 ) -> BlockWeights:
     """Weights `w[n, k] = codes[n, k] * scales[n, k // 32] + offsets[n, k // 32]` from unpacked unsigned codes
-    `[N, K]` (K a multiple of 32) and per-block scales and offsets `[N, K / 32]`."""
+    `[N, K]` (K a multiple of 32) and per-block scales and offsets `[N, K / 32]`. `per_token`: a W8A8 weight, whose
+    activations are int8 per token (`BlockWeights.per_token`): 8-bit codes, each row's scale one value and its
+    offset -128 times it, as held (fp16)."""
     n, k = codes.shape
     if k % BLOCK or scales.shape != (n, k // BLOCK) or offsets.shape != scales.shape:
         raise ValueError(f"codes [N, K] need K a multiple of {BLOCK} and [N, K/{BLOCK}] scales, got {codes.shape}")
-    return _pack_quads(_quads(codes, bits), scales, offsets, bits, k, levels)
+    w = _pack_quads(_quads(codes, bits), scales, offsets, bits, k, levels)
+    if per_token:
+        d, m = scales.to(torch.float16).float(), offsets.to(torch.float16).float()
+        if bits != 8 or not (torch.equal(d, d[:, :1].expand_as(d)) and torch.equal(m, -128 * d)):
+            raise ValueError("per-token (W8A8) weights need 8-bit codes, one scale a row and offsets -128 times it")
+        w.per_token = True
+    return w
 
 
 def _pack_quads(
@@ -216,7 +238,7 @@ def stack_groups(chunks: Iterable[BlockWeights], rows: int) -> BlockWeights:
     groups = -(-rows // LANES)
     full = lambda t: t.new_empty(groups, *t.shape[1:]) if t.numel() else t
     w = BlockWeights(full(first.codes), full(first.scales), full(first.offsets), first.bits, first.in_features, rows,
-                     first.levels, first.kind)  # fmt: skip
+                     first.levels, first.kind, first.per_token)  # fmt: skip
     start = 0
     for chunk in itertools.chain([first], chunks):
         end = start + chunk.codes.shape[0]
@@ -298,9 +320,18 @@ def native_weights(w: BlockWeights) -> "cpu_native.NativeWeights":
     """The kernels' view of `w` (pointers into its tensors, which must stay as they are)."""
     if w.native is None:
         w.native = cpu_native.NativeWeights(
-            w.codes.data_ptr(), w.scales.data_ptr(), w.offsets.data_ptr(), w.out_features, w.bits, w.kind
+            w.codes.data_ptr(), w.scales.data_ptr(), w.offsets.data_ptr(), w.out_features, w.bits, w.kind, w.per_token
         )
     return w.native
+
+
+def in_per_token(x: torch.Tensor, w: BlockWeights) -> bool:
+    """Whether `x` times `w` runs on int8 activations per token (the W8A8 GEMM): a per-token weight, from
+    `cpu_native.w8a8_min_rows()` rows on, where the kernels have it (cpu_quant.cpp's `w8a8_runs`)."""
+    if not w.per_token or cpu_native.library() is None or w.in_features > 65536:
+        return False
+    rows = cpu_native.w8a8_min_rows()
+    return rows is not None and x.shape[0] >= rows
 
 
 def in_bf16(x: torch.Tensor, w: BlockWeights) -> bool:
@@ -310,6 +341,15 @@ def in_bf16(x: torch.Tensor, w: BlockWeights) -> bool:
         return True
     rows = cpu_native.bf16_min_rows() if cpu_native.library() is not None else None
     return w.levels == 2 and rows is not None and x.shape[0] >= rows
+
+
+def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row (token): int8 codes `[M, K]` and their step `[M]`, `d = max|x| / 127`, as `quantize_activations`
+    a block."""
+    xf = x.float()
+    d = xf.abs().amax(-1, keepdim=True) / 127
+    q = (xf * torch.where(d != 0, 1 / d, 0)).round().clamp(-127, 127)
+    return q.to(torch.int8), d.squeeze(-1)
 
 
 def quantize_activations(x: torch.Tensor, levels: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -383,10 +423,17 @@ def dequantize_blocks(w: BlockWeights | StackedBlocks, rows: torch.Tensor | None
     return (q * d[..., None] + m[..., None]).view(len(rows), -1)
 
 
-def block_gemm_reference(x: torch.Tensor, w: BlockWeights, bf16: bool | None = None) -> torch.Tensor:
+def block_gemm_reference(
+    x: torch.Tensor, w: BlockWeights, bf16: bool | None = None, per_token: bool | None = None
+) -> torch.Tensor:
     """The kernels' arithmetic in torch: exact integer dot products a block (half-block for SUPER_CENTRED), each
     scaled and summed in fp32; or for `in_bf16` calls (`bf16` overrides), bf16 activations times the weight rounded
-    to bf16, summed in fp32."""
+    to bf16, summed in fp32; or for `in_per_token` calls (`per_token` overrides) int8 activations per token against
+    the signed codes, an exact integer dot product a row times `dx * d` (both rounded once)."""
+    if in_per_token(x, w) if per_token is None else per_token:
+        qx, dx = quantize_tokens(x)
+        dots = qx.to(torch.int64) @ (unpack_codes(w).to(torch.int64) - 128).T
+        return dots.float() * (dx[:, None] * factors(w)[0][None, :, 0])
     if in_bf16(x, w) if bf16 is None else bf16:
         weight = dequantize_blocks(w).bfloat16().float()
         return x.bfloat16().float() @ weight.T

@@ -72,6 +72,8 @@ def library() -> ctypes.CDLL | None:
     lib.tiffin_prefill_paged.argtypes, lib.tiffin_prefill_paged.restype = _PAGED_PREFILL_ARGS, None
     lib.tiffin_prefill_supported.argtypes, lib.tiffin_prefill_supported.restype = [_i32, _i32], _i32
     lib.tiffin_bf16_min_rows.argtypes, lib.tiffin_bf16_min_rows.restype = [], ctypes.c_int64
+    lib.tiffin_w8a8_min_rows.argtypes, lib.tiffin_w8a8_min_rows.restype = [], ctypes.c_int64
+    lib.tiffin_w8a8_built.argtypes, lib.tiffin_w8a8_built.restype = [], _i32
     lib.tiffin_quant_kernels.argtypes, lib.tiffin_quant_kernels.restype = [], ctypes.c_char_p
     logger.info("native CPU kernels for quantized layers: %s", lib.tiffin_quant_kernels().decode())
     return lib
@@ -335,6 +337,18 @@ def bf16_min_rows() -> int | None:
     return None if rows < 0 else rows
 
 
+def w8a8_min_rows() -> int | None:
+    """The fewest activation rows `block_gemm` runs per-token (W8A8) weights on int8 activations per token (the
+    W8A8 GEMM, kernels/csrc/cpu_quant_w8a8.cpp); None where it is not built (no AVX-512 VNNI)."""
+    rows = library().tiffin_w8a8_min_rows()
+    return None if rows < 0 else rows
+
+
+def w8a8_built() -> int:
+    """The W8A8 GEMM's dot products: 2 AMX-INT8 tiles (from 6 rows, K a multiple of 64), 1 AVX-512 VNNI, 0 none."""
+    return library().tiffin_w8a8_built()
+
+
 class NativeWeights(ctypes.Structure):
     """A layer's weights in the block layout of `tiffin.kernels.block_gemm` (kernels/csrc/cpu_blocks.h's Weights):
     pointers into tensors the caller keeps alive."""
@@ -346,6 +360,7 @@ class NativeWeights(ctypes.Structure):
         ("n", _i64),
         ("bits", ctypes.c_int32),
         ("kind", ctypes.c_int32),
+        ("per_token", ctypes.c_int32),
     ]
 
 

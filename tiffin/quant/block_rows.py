@@ -29,6 +29,7 @@ class Rows:
     m: torch.Tensor | None
     bits: int
     kind: int = 0
+    per_token: bool = False  # W8A8: activations int8 per token (`BlockWeights.per_token`)
 
 
 class BlockRowsLinearMethod(LinearMethod):
@@ -78,7 +79,8 @@ class BlockRowsLinearMethod(LinearMethod):
         tp = layer.tp
         part = lambda t, size: None if t is None else rank_slice(t, dim, size, tp.rank, tp.size).contiguous()
         factors = local if dim == 0 else local // BLOCK
-        return Rows(part(rows.codes, local), part(rows.d, factors), part(rows.m, factors), rows.bits, rows.kind)
+        return Rows(part(rows.codes, local), part(rows.d, factors), part(rows.m, factors), rows.bits, rows.kind,
+                    rows.per_token)
 
     def _store(self, layer: nn.Module) -> None:
         shards, layer.shard_rows = layer.shard_rows, []
@@ -89,7 +91,8 @@ class BlockRowsLinearMethod(LinearMethod):
         if first.kind == FP8:
             blocks = pack_fp8(codes, d)
         else:
-            blocks = pack_codes(codes, d, cat("m"), first.bits, INT8_BACKENDS.get(self.backend, 1))
+            levels = INT8_BACKENDS.get(self.backend, 1)
+            blocks = pack_codes(codes, d, cat("m"), first.bits, levels, first.per_token)
         keep_blocks(layer, blocks.to(layer.weight_device), ())
         return_freed_memory()
 

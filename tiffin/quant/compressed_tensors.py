@@ -3,9 +3,12 @@ W4A16 / W8A16, `int-quantized` / `naive-quantized` W8A8) and FP8 weights (`float
 zero points, scales per tensor, channel, group or 128 x 128 block, all stored in the block layout
 (`tiffin.quant.block_rows`).
 
-Activations: an integer W8A8 checkpoint's are quantized to int8 as the format means, but per row and block of 32
-inputs, dynamically (finer than its per-token or static per-tensor scale, which is not read), with
-`cpu_quant_compute="int8"`; the default `native` computes them at 15 bits. An FP8 checkpoint's activations stay in
+Activations: an integer W8A8 checkpoint whose weights have one scale a row (channel or tensor strategy, symmetric)
+has its activations quantized to int8 per token, dynamically, as the format means them (a static per-tensor
+`input_scale` is not read: per token is finer), from `cpu_native.w8a8_min_rows()` rows on, in `native` and `int8`
+alike (`BlockWeights.per_token`: the W8A8 GEMM, AMX-INT8 tiles where the CPU has them); fewer rows, and other
+integer W8A8 weights (groups, zero points), take the int8 kernels per block of 32 inputs (15 bits with `native`,
+8 with `int8`). An FP8 checkpoint's activations stay in
 the model's dtype (weight-only FP8: CPUs have no FP8 arithmetic, and the Triton GEMM decodes the weight to bf16).
 
 Dequantization follows compressed-tensors' `dequantize`: `w = (q - z) * s`. The blocks hold integer weights' scales
@@ -50,13 +53,22 @@ class WeightScheme:
     symmetric: bool
     strategy: str
     block: tuple[int, int] | None
+    int8_activations: bool = False  # input_activations int8 (W8A8)
+
+    @property
+    def per_token(self) -> bool:
+        """Whether the layers run on int8 activations per token (`BlockWeights.per_token`): W8A8 whose weights'
+        blocks all hold a row's scale and m = -128 d."""
+        return (self.int8_activations and self.type == "int" and self.bits == 8 and self.symmetric
+                and self.strategy in ("channel", "tensor"))  # fmt: skip
 
     @classmethod
     def parse(cls, group: dict, default_format: str | None, source: str) -> "WeightScheme":
-        w = group.get("weights") or {}
+        w, acts = group.get("weights") or {}, group.get("input_activations")
         fmt = group.get("format") or default_format
+        int8_acts = bool(acts) and acts.get("type", "int") == "int" and acts.get("num_bits") == 8
         scheme = cls(fmt, w.get("type", "int"), w.get("num_bits"), w.get("symmetric", True), w.get("strategy"),
-                     tuple(w["block_structure"]) if w.get("block_structure") else None)  # fmt: skip
+                     tuple(w["block_structure"]) if w.get("block_structure") else None, int8_acts)  # fmt: skip
         problems = []
         if fmt not in FORMATS:
             problems.append(f"format {fmt!r}")
@@ -72,7 +84,6 @@ class WeightScheme:
             problems.append("dynamic weight scales")
         if group.get("output_activations"):
             problems.append("quantized output activations")
-        acts = group.get("input_activations")
         if acts and (acts.get("num_bits") != 8 or acts.get("type", "int") != scheme.type):
             problems.append(f"{acts.get('num_bits')}-bit {acts.get('type')} activations beside {scheme.type} weights")
         refuse(source, "compressed-tensors", problems)
@@ -149,6 +160,8 @@ class CompressedTensorsLinearMethod(BlockRowsLinearMethod):
         if s.format != "pack-quantized":  # int8 codes, unsigned as the blocks hold them
             codes = (codes.to(torch.int16) + 128).to(torch.uint8)
         middle = 1 << (s.bits - 1)
+        if s.per_token:  # m = -128 d of d as the blocks hold it (fp16), exactly: what the W8A8 GEMM assumes
+            return Rows(codes.to(torch.uint8), d, -middle * d.to(torch.float16).float(), s.bits, per_token=True)
         if s.symmetric:
             zero = torch.full_like(d, middle)
         else:

@@ -112,6 +112,7 @@ struct Weights {  // tiffin.kernels.cpu_native.NativeWeights
   const uint16_t* offsets;
   int64_t n;  // rows, before padding to whole groups
   int32_t bits, kind;
+  int32_t per_token;  // W8A8 (8-bit BLOCKS, d one a row, m = -128 d): activations int8 per token (cpu_quant_w8a8.cpp)
 };
 
 inline const float* fp32_scales(const Weights& w) { return reinterpret_cast<const float*>(w.scales); }
@@ -299,4 +300,9 @@ inline void store_outputs(__m512 acc, void* y, int out_dtype, int64_t at, int64_
 // The bf16 GEMM (cpu_quant_bf16.cpp): built where the CPU has AVX-512 BF16 (1), on AMX tiles where it has those (2).
 extern "C" int tiffin_bf16_gemm_built();
 extern "C" void tiffin_bf16_gemm(int dtype, const void* x, int64_t x_stride, int64_t m, int64_t k, const Weights& w,
+                                 int out_dtype, void* y, int64_t y_stride, int threads);
+
+// The W8A8 GEMM (cpu_quant_w8a8.cpp) of per-token weights: from tiffin_w8a8_min_rows() rows on (-1: not built).
+extern "C" int64_t tiffin_w8a8_min_rows();
+extern "C" void tiffin_w8a8_gemm(int dtype, const void* x, int64_t x_stride, int64_t m, int64_t k, const Weights& w,
                                  int out_dtype, void* y, int64_t y_stride, int threads);

@@ -318,6 +318,12 @@ extern "C" int64_t tiffin_bf16_min_rows() {
   return built == 2 ? 16 : built == 1 ? 32 : -1;  // AMX tiles: their cost is turning the weights into bf16
 }
 
+// Whether tiffin_block_gemm hands `m` rows against `w` to the W8A8 GEMM (block_gemm.py's `in_per_token`).
+static bool w8a8_runs(const Weights& w, int64_t m, int64_t k) {
+  const int64_t rows = tiffin_w8a8_min_rows();
+  return w.per_token && w.bits == 8 && w.kind == BLOCKS && k <= 65536 && rows >= 0 && m >= rows;
+}
+
 // What this build computes quantized layers with, for the log.
 extern "C" const char* tiffin_quant_kernels() {
 #if TIFFIN_VNNI
@@ -334,7 +340,8 @@ extern "C" const char* tiffin_quant_kernels() {
 // y[m, n] (out_dtype, row stride y_stride) = x[m, :k] (dtype: 0 fp32, 1 fp16, 2 bf16) against the weight rows, the
 // activations quantized per block of 32 to `levels` (1 or 2) of int8 codes, or at two levels and from
 // `tiffin_bf16_min_rows` rows on, rounded to bf16 against the weights turned into bf16 (fp32 sums either way).
-// FP8 weights always take the bf16 dot products (`levels` aside). Returns 0, or -1 for a format the kernels are not
+// FP8 weights always take the bf16 dot products, per-token (W8A8) weights from `tiffin_w8a8_min_rows` rows on the
+// W8A8 GEMM on activations int8 per token (`levels` aside, both). Returns 0, or -1 for a format the kernels are not
 // built for (nothing written): FP8 where the CPU has no AVX-512 BF16.
 extern "C" int tiffin_block_gemm(int dtype, const void* x, int64_t x_stride, int64_t m, int64_t k, const Weights* w,
                                  int out_dtype, void* y, int64_t y_stride, int levels, int threads) {
@@ -344,6 +351,10 @@ extern "C" int tiffin_block_gemm(int dtype, const void* x, int64_t x_stride, int
     return 0;
   }
   if (!by_format(w->bits, w->kind, [](auto, auto) {})) return -1;
+  if (w8a8_runs(*w, m, k)) {  // the weight's own activation scheme, whatever `levels`
+    tiffin_w8a8_gemm(dtype, x, x_stride, m, k, *w, out_dtype, y, y_stride, threads);
+    return 0;
+  }
   if (levels == 2 && tiffin_bf16_gemm_built() && m >= tiffin_bf16_min_rows()) {
     tiffin_bf16_gemm(dtype, x, x_stride, m, k, *w, out_dtype, y, y_stride, threads);
     return 0;
