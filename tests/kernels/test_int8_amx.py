@@ -18,9 +18,7 @@ w8a8 = pytest.mark.skipif(
     cpu_native.library() is None or cpu_native.w8a8_min_rows() is None,
     reason="no native W8A8 GEMM (no C++ compiler, or a CPU without AVX-512 VNNI)",
 )
-amx = pytest.mark.skipif(
-    cpu_native.library() is None or cpu_native.w8a8_built() != 2, reason="no AMX-INT8 on this CPU"
-)
+amx = pytest.mark.skipif(cpu_native.library() is None or cpu_native.w8a8_built() != 2, reason="no AMX-INT8 on this CPU")
 ROWS = (1, 5, 16, 17, 64, 130)
 SHAPES = [(n, k) for k in (64, 576, 1536) for n in (37, 100)]
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -83,8 +83,9 @@ class BlockWeights:
         if self.codes.device == device:
             return self
         moved = (t.to(device) for t in (self.codes, self.scales, self.offsets))
-        return BlockWeights(*moved, self.bits, self.in_features, self.out_features, self.levels, self.kind,
-                            self.per_token)
+        return BlockWeights(
+            *moved, self.bits, self.in_features, self.out_features, self.levels, self.kind, self.per_token
+        )
 
     @property
     def sub_block(self) -> int:

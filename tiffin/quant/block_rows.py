@@ -79,8 +79,9 @@ class BlockRowsLinearMethod(LinearMethod):
         tp = layer.tp
         part = lambda t, size: None if t is None else rank_slice(t, dim, size, tp.rank, tp.size).contiguous()
         factors = local if dim == 0 else local // BLOCK
-        return Rows(part(rows.codes, local), part(rows.d, factors), part(rows.m, factors), rows.bits, rows.kind,
-                    rows.per_token)
+        return Rows(
+            part(rows.codes, local), part(rows.d, factors), part(rows.m, factors), rows.bits, rows.kind, rows.per_token
+        )
 
     def _store(self, layer: nn.Module) -> None:
         shards, layer.shard_rows = layer.shard_rows, []
