@@ -108,6 +108,13 @@ def test_unsupported_fields_are_refused_by_name(client):
     assert client.post("/completions", json={**BASE, "best_of": 1}).status_code == 200
 
 
+def test_priority_out_of_range_says_so(client):
+    for priority in (2**63, -(2**63) - 1):
+        message = refused(client, {**BASE, "priority": priority}, "priority")
+        assert "64-bit" in message and "range" in message, message
+    assert client.post("/completions", json={**BASE, "priority": 2**63 - 1}).status_code == 200
+
+
 def test_non_finite_logprobs_never_reach_json():
     out = CompletionOutput(
         0, "ab", [1, 2], "length", None, [{1: Logprob(math.nan, 1, "a")}, {2: Logprob(-math.inf, 1, "b")}]
