@@ -108,6 +108,71 @@ def test_unsupported_fields_are_refused_by_name(client):
     assert client.post("/completions", json={**BASE, "best_of": 1}).status_code == 200
 
 
+def test_priority_out_of_range_says_so(client):
+    for priority in (2**63, -(2**63) - 1):
+        message = refused(client, {**BASE, "priority": priority}, "priority")
+        assert "64-bit" in message and "range" in message, message
+    assert client.post("/completions", json={**BASE, "priority": 2**63 - 1}).status_code == 200
+
+
+def _nested(depth: int) -> str:
+    """JSON text of `depth` objects in each other."""
+    return '{"a": ' * depth + "1" + "}" * depth
+
+
+def _call_history(arguments: str) -> list[dict]:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "done"},
+    ]
+
+
+@pytest.mark.parametrize("depth", [200, 5000])  # past the limit; past what json.loads can recurse
+def test_deep_tool_call_arguments_are_refused_by_name(client, depth):
+    history = _call_history(_nested(depth))
+    message = refused(client, {"messages": history, "max_tokens": 2}, "messages", endpoint="chat/completions")
+    assert "messages[1].tool_calls[0].function.arguments" in message and "128" in message, message
+    message = refused(client, {"messages": history}, "messages", endpoint="tokenize")
+    assert "arguments" in message and "128" in message, message
+    items = [
+        {"role": "user", "content": "hi"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": _nested(depth)},
+        {"type": "function_call_output", "call_id": "c1", "output": "done"},
+    ]
+    message = refused(client, {"input": items, "max_output_tokens": 2}, "input", endpoint="responses")
+    assert "arguments" in message and "128" in message, message
+    # within the limit, a call's arguments are read as before
+    r = client.post("/tokenize", json={"messages": _call_history(_nested(100))})
+    assert r.status_code == 200, r.text
+    still_serving(client)
+
+
+def _raw(client, endpoint: str, body: str):
+    return client.post(f"/{endpoint}", content=body.encode(), headers={"content-type": "application/json"})
+
+
+def test_deep_bodies_are_refused_naming_the_field(client):
+    deep = _nested(900)  # json.loads reads it; encoding it again (the store, a chat turn) recursed past the limit
+    r = _raw(client, "responses", f'{{"input": "hi", "max_output_tokens": 2, "text": {{"x": {deep}}}}}')
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text", r.text
+    assert "128" in r.json()["error"]["message"]
+    use = f'{{"type": "tool_use", "id": "t", "name": "f", "input": {{"x": {deep}}}}}'
+    turns = f'[{{"role": "user", "content": "hi"}}, {{"role": "assistant", "content": [{use}]}}]'
+    r = _raw(client, "messages", f'{{"model": "tiny", "max_tokens": 2, "messages": {turns}}}')
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error" and "messages" in r.json()["error"]["message"]
+    r = _raw(client, "chat/completions", f'{{"messages": [{{"role": "user", "content": "hi"}}], "metadata": {deep}}}')
+    assert r.status_code == 400 and r.json()["error"]["param"] == "metadata", r.text
+    # a tool's schema 64 levels deep (the structured-outputs limit) is well within the body's
+    schema = '{"type": "object", "properties": {"a": ' * 30 + '{"type": "integer"}' + "}}" * 30
+    tool = f'{{"type": "function", "function": {{"name": "f", "parameters": {schema}}}}}'
+    r = _raw(client, "tokenize", f'{{"messages": [{{"role": "user", "content": "hi"}}], "tools": [{tool}]}}')
+    assert r.status_code == 200, r.text
+    still_serving(client)
+
+
 def test_non_finite_logprobs_never_reach_json():
     out = CompletionOutput(
         0, "ab", [1, 2], "length", None, [{1: Logprob(math.nan, 1, "a")}, {2: Logprob(-math.inf, 1, "b")}]

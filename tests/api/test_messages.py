@@ -250,6 +250,12 @@ def test_tool_use_round_trip(http, tool_choice):
             "invalid_request_error",
             ["messages.0.content.0", "user message", "tool_use"],
         ),
+        (
+            {"mcp_servers": [{"type": "url", "url": "https://example.com/sse", "name": "x"}]},
+            400,
+            "invalid_request_error",
+            ["mcp_servers", "not supported"],
+        ),
         ({"model": "nope"}, 404, "not_found_error", ["nope"]),
     ],
 )

@@ -158,6 +158,11 @@ def test_store_bounds():
         ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": 3}}}}, "text"),
         ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": "hi", "background": True}, "background"),
+        ({"input": "hi", "conversation": "conv_123"}, "conversation"),
+        ({"input": "hi", "conversation": {"id": "conv_123"}}, "conversation"),
+        ({"input": "hi", "prompt": {"id": "pmpt_123", "variables": {"city": "Oslo"}}}, "prompt"),
+        ({"input": "hi", "instructions": "lorem ipsum " * 400_000}, "instructions"),  # far past the context
+        ({"input": "hi", "instructions": "lorem ipsum " * 2000}, "instructions"),  # past it in tokens
         ({"input": "hi", "previous_response_id": "resp_missing"}, "previous_response_id"),
         ({"input": 3}, "input"),
     ],

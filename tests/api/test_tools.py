@@ -162,3 +162,17 @@ def test_history_arguments_become_mappings():
     assert template_messages(messages)[0]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
     with pytest.raises(ValueError, match="not valid JSON"):
         template_messages([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}])
+
+
+def test_deep_arguments_are_refused_and_deep_output_is_no_call():
+    deep = '{"a": ' * 5000 + "1" + "}" * 5000  # past what json.loads can recurse
+    for arguments in (deep, '{"a": ' * 129 + "1" + "}" * 129, '{"a": "\\ud800"}'):
+        call = {"function": {"name": "f", "arguments": arguments}}
+        with pytest.raises(ValueError, match=r"tool_calls\[0\]\.function\.arguments: (nests|text must be)"):
+            template_messages([{"role": "assistant", "tool_calls": [call]}])
+    # a model writing such JSON wrote text, not a call that no history takes back: the answer is not a failure
+    for arguments in (deep, '{"a": ' * 200 + "1" + "}" * 200):
+        hermes = f'<tool_call>\n{{"name": "f", "arguments": {arguments}}}\n</tool_call>'
+        assert HermesToolParser().parse(hermes) == (hermes, [])
+        llama = f'{{"name": "f", "parameters": {arguments}}}'
+        assert Llama3JsonToolParser().parse(llama) == (llama, [])

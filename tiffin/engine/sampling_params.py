@@ -120,10 +120,11 @@ class SamplingParams:
             "must be a StructuredOutputsParams",
             self.structured_outputs,
         )
+        _check(_is_int(self.priority), "priority", "must be an integer", self.priority)
         _check(
-            _is_int(self.priority) and INT64[0] <= self.priority <= INT64[1],
+            INT64[0] <= self.priority <= INT64[1],
             "priority",
-            "must be an integer",
+            "is out of the 64-bit integer range [-2**63, 2**63 - 1]",
             self.priority,
         )
         _check(

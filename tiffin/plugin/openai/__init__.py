@@ -1,6 +1,7 @@
 """The OpenAI-compatible API over `AsyncLLMEngine`s, in these owners, each importing only those listed before it:
 
 - `clients`: which client (API key) sent a request;
+- `json_values`: the bound on nesting (and the valid Unicode) of every JSON value a request holds;
 - `tools`, `structured`: tool calling and the ways a request constrains its output (also the typed /generate API's
   `structured_outputs` field);
 - `answer`: an assistant turn's parts read from a choice's text (reasoning, content, tool calls), whole or streamed;

@@ -133,12 +133,16 @@ class MessagesRequest(_Body):
     top_k: Int | None = None
     stream: Bool | None = None
     thinking: Thinking | None = None
+    mcp_servers: list[Any] | None = None  # Anthropic's MCP connector: refused when given, none runs here
     # tiffin's and vLLM's extras
     priority: Int | None = None
     seed: Int | None = None
 
     def chat_request(self) -> ChatCompletionRequest:
         """The chat request that asks the same; APIError naming a field that cannot be translated."""
+        if self.mcp_servers:
+            message = "mcp_servers is not supported: this server connects to no MCP server"
+            raise APIError(400, message, param="mcp_servers")
         chat = {
             **self.model_dump(include=_CHAT_FIELDS),
             "stop": self.stop_sequences,

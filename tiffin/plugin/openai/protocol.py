@@ -5,7 +5,7 @@ Invariants:
   (OpenAI's error shape, `APIError.body()`); a field-type error is pydantic's, which the app answers the same way.
 - Numbers and booleans are strict: a string is never coerced into one, and a JSON integer is a valid float.
 - Every string in a body is valid Unicode: a JSON-escaped lone surrogate is refused before it reaches the
-  tokenizer or a JSON response.
+  tokenizer or a JSON response. No field nests objects and arrays deeper than json_values.MAX_DEPTH.
 - A field sent as null means its default; unknown fields are ignored."""
 
 from typing import Annotated, Any, Literal
@@ -15,6 +15,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, Strict, model_v
 from tiffin.engine.errors import ParamError
 from tiffin.engine.pooling_params import PoolingParams
 from tiffin.engine.sampling_params import SamplingParams
+from tiffin.plugin.openai.json_values import check_value
 from tiffin.plugin.openai.structured import ResponseFormat, request_structured_outputs
 from tiffin.plugin.openai.tools import ChatTool, ToolChoice, ToolParser
 
@@ -64,21 +65,14 @@ def bad_request(e: ValueError) -> APIError:
 class _Body(BaseModel):
     @model_validator(mode="before")
     @classmethod
-    def _valid_unicode(cls, body):
-        """JSON may escape a lone surrogate, which no encoder (tokenizer, JSON response) accepts."""
+    def _valid_values(cls, body):
+        """Every field within tiffin.plugin.openai.json_values's bounds (nesting, valid Unicode), before anything
+        that recurses reads it."""
         for key, value in body.items() if isinstance(body, dict) else ():
-            stack = [value]
-            while stack:  # not recursive: nesting depth is the client's choice
-                item = stack.pop()
-                if isinstance(item, str):
-                    try:
-                        item.encode()
-                    except UnicodeEncodeError:
-                        raise APIError(400, f"{key}: text must be valid Unicode (lone surrogate)", param=key) from None
-                elif isinstance(item, dict):
-                    stack += [*item, *item.values()]
-                elif isinstance(item, list):
-                    stack += item
+            try:
+                check_value(value, key)
+            except ValueError as e:
+                raise APIError(400, str(e), param=key) from None
         return body
 
 

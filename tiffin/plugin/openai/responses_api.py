@@ -9,8 +9,9 @@ Invariants:
 - `previous_response_id` continues the conversation a stored response ended (its input and output, not its
   instructions, as OpenAI's API does); a response is stored (`store`, true by default) for its owner only
   (tiffin.plugin.openai.store).
-- A refused field is named as the Responses API names it (`input`, `text`, `max_output_tokens`), not as the chat
-  request it was translated into."""
+- A refused field is named as the Responses API names it (`input`, `text`, `max_output_tokens`, `instructions`
+  when they alone exceed the context), not as the chat request it was translated into. Fields of OpenAI's API
+  that are not implemented (`UNSUPPORTED`, `background`) are refused by name when given."""
 
 import time
 import uuid
@@ -28,6 +29,7 @@ from tiffin.plugin.openai.store import ResponseStore
 from tiffin.plugin.openai.tools import ToolCall
 
 if TYPE_CHECKING:
+    from tiffin.engine.async_llm_engine import AsyncLLMEngine
     from tiffin.plugin.openai.serving import Answer, OpenAIServing
 
 # `reasoning.effort` as a thinking budget in tokens (vLLM's defaults for low, medium and high); "none" turns thinking
@@ -70,6 +72,16 @@ class ResponsesRequest(_Body):
     metadata: dict[str, Text] | None = None
     user: Name | None = None
     priority: Int | None = None
+    # OpenAI's, not implemented here: refused when given (UNSUPPORTED)
+    conversation: Any = None
+    prompt: Any = None
+
+
+# fields of OpenAI's Responses API that tiffin does not implement, refused by name when not null: why, what to use
+UNSUPPORTED = {
+    "conversation": "conversations are not stored here; continue a response with previous_response_id",
+    "prompt": "there are no stored prompt templates here; send the text as instructions and input",
+}
 
 
 def chat_request(req: ResponsesRequest, conversation: list[dict], thinks: bool) -> ChatCompletionRequest:
@@ -77,6 +89,9 @@ def chat_request(req: ResponsesRequest, conversation: list[dict], thinks: bool) 
     chat messages). `thinks`: the model has think markers, so `reasoning.effort` sets its thinking."""
     if req.background:
         raise APIError(400, "background is not supported", param="background")
+    for name, why in UNSUPPORTED.items():
+        if getattr(req, name) is not None:
+            raise APIError(400, f"{name} is not supported: {why}", param=name)
     system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
     chat = {
         "model": req.model,
@@ -406,6 +421,9 @@ async def create_response(
         history = previous.messages
     conversation = history + input_messages(req.input)
     chat = chat_request(req, conversation, serving.engine.engine.reasoning is not None)
+    engine = serving.engine
+    if req.instructions is not None and len(req.instructions) > engine.engine.max_prompt_chars:  # not rendered
+        raise _instructions_too_long(f"{len(req.instructions)} characters", engine.max_model_len)
 
     def builder(params: SamplingParams, reader: AnswerReader) -> ResponsesBuilder:
         return ResponsesBuilder(req, req.model or serving.model_name, reader, conversation, store, owner, params)
@@ -413,4 +431,21 @@ async def create_response(
     try:
         return await serving.serve_chat(chat, raw, builder)
     except APIError as e:
+        if e.param == "messages" and req.instructions:  # the instructions, alone, may be what does not fit
+            tokens = await _num_tokens(engine, req.instructions)
+            if tokens is not None and tokens >= engine.max_model_len:
+                raise _instructions_too_long(f"{tokens} tokens", engine.max_model_len) from None
         raise e.renamed(FIELD_NAMES) from None
+
+
+async def _num_tokens(engine: "AsyncLLMEngine", text: str) -> int | None:
+    """How many tokens `text` is on its own (None if it cannot be tokenized); counted past the context too."""
+    try:
+        return len((await engine.tokenize({"prompt": text, "add_special_tokens": False}, fit_context=False)).token_ids)
+    except ValueError:
+        return None
+
+
+def _instructions_too_long(size: str, max_model_len: int) -> APIError:
+    message = f"instructions has {size}, more than the model's maximum context length of {max_model_len} tokens"
+    return APIError(400, message, param="instructions")

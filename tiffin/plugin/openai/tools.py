@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict
 
 from tiffin.engine.sampling_params import partial_prefix_len
 from tiffin.engine.structured.params import StructuredOutputsParams, check_json_schema
+from tiffin.plugin.openai import json_values
 
 
 class FunctionDefinition(BaseModel):
@@ -216,10 +217,7 @@ def template_messages(messages: list[dict]) -> list[dict]:
 
 def _arguments(arguments: Any, where: str) -> dict:
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            raise ValueError(f"{where}: not valid JSON") from None
+        arguments = json_values.loads(arguments, where)
     if not isinstance(arguments, dict):
         raise ValueError(f"{where}: must be a JSON object")
     return arguments
@@ -228,7 +226,7 @@ def _arguments(arguments: Any, where: str) -> dict:
 def _call(text: str, arguments_key: str) -> ToolCall | None:
     try:
         obj = json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return None
     return _to_call(obj, arguments_key)
 
@@ -238,6 +236,10 @@ def _to_call(obj: Any, arguments_key: str) -> ToolCall | None:
         return None
     arguments = obj.get(arguments_key, obj.get("arguments", {}))
     if not isinstance(arguments, dict):
+        return None
+    try:  # what no chat history would take back (too deep, a lone surrogate) is text, not a call
+        json_values.check_value(arguments, "arguments")
+    except ValueError:
         return None
     return ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
 
@@ -251,7 +253,7 @@ def _json_calls(text: str) -> list[ToolCall]:
             return calls
         try:
             obj, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return []
         call = _to_call(obj, "parameters")
         if call is None:
