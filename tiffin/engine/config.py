@@ -225,7 +225,8 @@ class EngineConfig:
         "in flight fail with EngineStalled, /livez and /readyz turn 503 naming the stall, until the step ends. "
         "It bounds one step, not a request: a step computes at most max_num_batched_tokens tokens, milliseconds on "
         "a GPU but up to tens of seconds for a multi-billion-parameter model on a few CPU cores, hence the generous "
-        "default (raise it for a large model on a slow CPU). 0 or None: off",
+        "default (raise it for a large model on a slow CPU). 0 or None: off. Served engines (AsyncLLMEngine) only: "
+        "the offline LLM steps in its caller's thread",
     )
 
     def __post_init__(self) -> None:
