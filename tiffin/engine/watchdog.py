@@ -112,15 +112,15 @@ class StallHandling:
         try:
             if locked and not self._watchdog.stalled():
                 return  # a step finished meanwhile
-            pending = [op for op in list(self._inbox) if op[0] in ("add", "lora")]
-            count = len(self._active) + sum(op[0] == "add" for op in pending)
+            count = len(self._active) + sum(op[0] == "add" for op in list(self._inbox))
             self._stalled = count
             timeout = self._watchdog.timeout
             s = "s were" if count != 1 else " was"
             error = EngineStalled(f"no engine step finished in {timeout:g} s while {count} request{s} in flight")
-            logger.error("engine watchdog: %s (engine_stall_timeout); failing them", error)
             if not locked:  # the engine thread is stuck holding the lock: report the stall, touch nothing
+                logger.error("engine watchdog: %s (engine_stall_timeout), outside a step: reported only", error)
                 return
+            logger.error("engine watchdog: %s (engine_stall_timeout); failing them", error)
             self._orphans.extend(self._active)
             for active in self._active.values():
                 _call_soon(active.loop, active.stream.queue.put_nowait, error)
