@@ -10,7 +10,8 @@ templates render on threads of their own (`render_chat`), each within its time l
 grammar is compiled (`GrammarBackend`'s threads) before its request reaches the inbox, so the engine never waits
 on one, and a grammar that fails or misses its deadline is refused like any invalid request. A
 request the engine fails ends its stream with EngineError while the others go on; an engine that cannot run
-at all (EngineDeadError) fails every request, in flight or new, and reports `healthy` False.
+at all (EngineDeadError) fails every request, in flight or new, and reports `healthy` False; so does, until it
+ends, a step that outlasts `engine_stall_timeout` (EngineStalled; tiffin.engine.watchdog).
 
 Outputs are cumulative and safe to show: a text tail that could still become a (removed) stop string is held
 back until it resolves, so each output's text extends the previous one and deltas are plain suffixes.
@@ -29,7 +30,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 from tiffin.engine.config import EngineConfig
-from tiffin.engine.errors import EngineError, ParamError
+from tiffin.engine.errors import EngineError, EngineStalled, ParamError
 from tiffin.engine.llm_engine import LLMEngine, PromptType, TokenizedPrompt
 from tiffin.engine.lora.request import LoRARequest
 from tiffin.engine.outputs import EngineStats, PoolingRequestOutput, RequestOutput
@@ -39,6 +40,7 @@ from tiffin.engine.scoring import cosine_scores, score_pairs
 from tiffin.engine.structured.backend import compile_error
 from tiffin.engine.structured.params import StructuredOutputsParams
 from tiffin.engine.turns import StepTurns
+from tiffin.engine.watchdog import StallHandling
 
 logger = logging.getLogger(__name__)
 # Threads that render chat templates, apart from those that tokenize: a render runs up to chat_template_timeout.
@@ -108,9 +110,10 @@ class _Active:
     loop: asyncio.AbstractEventLoop
 
 
-class AsyncLLMEngine:
+class AsyncLLMEngine(StallHandling):
     """`await add_request(...)` or `async for out in generate(...)`; `stats()` for monitoring. `on_stats`
-    is called in the engine thread with `LLMEngine.stats()` after every step and every inbox batch."""
+    is called in the engine thread with `LLMEngine.stats()` after every step and every inbox batch; `on_step_age`
+    with the seconds the step in progress has run (0 when idle) about every second, in the watchdog's thread."""
 
     def __init__(
         self,
@@ -118,6 +121,7 @@ class AsyncLLMEngine:
         on_stats: Callable[[EngineStats], None] | None = None,
         turns: StepTurns | None = None,
         yields: bool = False,
+        on_step_age: Callable[[float], None] | None = None,
     ):
         """`turns`: shared with the other engines on this device, which then step in turn; `yields`: this engine
         holds its steps short while another has work (an embedding model beside a chat model)."""
@@ -137,6 +141,7 @@ class AsyncLLMEngine:
         self._closed = False
         self._dead: str | None = None  # why a step found the engine unable to work
         self._templates = ThreadPoolExecutor(CHAT_TEMPLATE_THREADS, thread_name_prefix="tiffin-chat-template")
+        self._init_watchdog(engine.config.engine_stall_timeout, on_step_age)
         self._thread = threading.Thread(target=self._run, name="tiffin-engine", daemon=True)
         self._thread.start()
 
@@ -147,10 +152,11 @@ class AsyncLLMEngine:
         on_stats: Callable[[EngineStats], None] | None = None,
         turns: StepTurns | None = None,
         yields: bool = False,
+        on_step_age: Callable[[float], None] | None = None,
         **kwargs,
     ) -> "AsyncLLMEngine":
         """Build the LLMEngine from `EngineConfig` fields (the same keywords as `LLM`)."""
-        return cls(LLMEngine(EngineConfig(model=str(model), **kwargs)), on_stats, turns, yields)
+        return cls(LLMEngine(EngineConfig(model=str(model), **kwargs)), on_stats, turns, yields, on_step_age)
 
     async def add_request(
         self,
@@ -177,6 +183,7 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         accepted = loop.create_future()
         stream = RequestStream(request_id, self.abort)
+        self._check_running()  # again: the engine may have stalled while the prompt was prepared
         self._post(("add", request_id, prompt, params, lora, client, stream, loop, accepted))
         try:
             await accepted
@@ -311,7 +318,7 @@ class AsyncLLMEngine:
     def dead(self) -> str | None:
         """Why the engine stopped working, once it did: a failed step, or a tensor-parallel worker found dead
         while the engine idles."""
-        return self._dead or self.engine.failure()
+        return self._dead or self._stall_message() or self.engine.failure()
 
     @property
     def healthy(self) -> bool:
@@ -319,7 +326,7 @@ class AsyncLLMEngine:
 
     def _check_running(self) -> None:
         if self.dead is not None:
-            raise EngineError(self.dead)
+            raise (EngineError if self._dead or self._stalled is None else EngineStalled)(self.dead)
         if self._closed:
             raise EngineError("the engine is shut down")
 
@@ -330,6 +337,7 @@ class AsyncLLMEngine:
     def shutdown(self, timeout: float = 10.0) -> None:
         """Fail the requests in flight and stop the engine thread."""
         self._closed = True
+        self._watchdog.stop()
         self._post(("shutdown",))
         self._thread.join(timeout)
         self._templates.shutdown(wait=False, cancel_futures=True)
@@ -344,10 +352,12 @@ class AsyncLLMEngine:
         engine = self.engine
         while True:
             if not engine.has_unfinished_requests():
-                self._wakeup.wait()
+                self._wait_for_work()
             self._wakeup.clear()
-            if not self._drain_inbox():
-                return
+            with self._lock:  # everything but the step runs under the lock that the watchdog's trip takes
+                if not self._drain_inbox():
+                    return
+                self._recover()
             if not engine.has_unfinished_requests():
                 continue
             try:
@@ -355,11 +365,13 @@ class AsyncLLMEngine:
                     outputs = engine.step()
             except Exception as e:  # step() isolates failing requests itself: the engine is broken
                 logger.exception("engine step failed")
-                self._dead = f"engine failed: {type(e).__name__}: {e}"
-                self._fail_all(EngineError(self._dead))
+                with self._stepped():
+                    self._dead = f"engine failed: {type(e).__name__}: {e}"
+                    self._fail_all(EngineError(self._dead))
                 continue
-            self._publish_stats()  # first, so a client that sees its last token also sees it counted
-            self._emit(outputs)
+            with self._stepped():
+                self._publish_stats()  # first, so a client that sees its last token also sees it counted
+                self._emit(outputs)
 
     def _drain_inbox(self) -> bool:
         """Apply queued adds and aborts; False once shutdown was requested."""

@@ -219,6 +219,16 @@ class EngineConfig:
         "message can close its turn and open others; False: as the text it is, only the chat template writes them",
     )
 
+    engine_stall_timeout: float | None = _setting(
+        120.0,
+        "seconds one engine step may run while requests are in flight (the engine watchdog); past it the requests "
+        "in flight fail with EngineStalled, /livez and /readyz turn 503 naming the stall, until the step ends. "
+        "It bounds one step, not a request: a step computes at most max_num_batched_tokens tokens, milliseconds on "
+        "a GPU but up to tens of seconds for a multi-billion-parameter model on a few CPU cores, hence the generous "
+        "default (raise it for a large model on a slow CPU). 0 or None: off. Served engines (AsyncLLMEngine) only: "
+        "the offline LLM steps in its caller's thread",
+    )
+
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, dict):
             self.speculative_config = SpeculativeConfig(**self.speculative_config)
@@ -274,6 +284,8 @@ class EngineConfig:
             raise ValueError(f"chat_template_max_chars must be >= 1, got {self.chat_template_max_chars}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
+        if self.engine_stall_timeout is not None and self.engine_stall_timeout < 0:
+            raise ValueError(f"engine_stall_timeout must be >= 0 (0 or None: off), got {self.engine_stall_timeout}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
 

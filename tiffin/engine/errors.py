@@ -21,3 +21,8 @@ class EngineError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine cannot run even a one-token forward: nothing it holds or is given can finish."""
+
+
+class EngineStalled(EngineError):
+    """No engine step finished within `engine_stall_timeout` while requests were in flight (the watchdog's
+    verdict, tiffin.engine.watchdog): the requests in flight fail with it, and so do new ones until a step ends."""

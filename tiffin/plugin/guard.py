@@ -10,6 +10,8 @@
 - Body limit: a declared Content-Length beyond `max_body` is answered 413 without buffering the body; a
   chunked body is counted as it arrives and cut off at the limit.
 - Draining: while `draining()` is true (SIGTERM received), new requests get 503 while running ones finish.
+- Liveness: while `failure()` names why the service is dead (an engine failed or stalled), /livez answers 503 with
+  that reason in OpenAI's error shape, where BentoML's own answer says only that `__is_alive__` is false.
 - Memory: after a request with a large body, freed memory goes back to the OS (see `_release_memory`).
 """
 
@@ -37,14 +39,17 @@ class Guard:
         admin_api_key: str | None = None,
         max_body: int = 10 << 20,
         draining: Callable[[], bool] = lambda: False,
+        failure: Callable[[], str | None] = lambda: None,
     ):
-        self.app, self.max_body, self.draining = app, max_body, draining
+        self.app, self.max_body, self.draining, self.failure = app, max_body, draining, failure
         user_keys = [k.strip().encode() for k in (api_key or "").split(",") if k.strip()]
         self.admin_keys = [admin_api_key.encode()] if admin_api_key else user_keys
         self.keys = user_keys + [k for k in self.admin_keys if k not in user_keys] if user_keys else []
         self.known = list(dict.fromkeys(user_keys + self.admin_keys))  # every key a client may be known by
 
     async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] == "/livez" and (reason := self.failure()) is not None:
+            return await _error(send, 503, reason, "engine_failed", "service_unavailable")
         if scope["type"] != "http" or scope["path"] in PROBES:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])

@@ -38,6 +38,13 @@ class EngineMetrics:
             "KV cache bytes of one token, every layer (a rank's share under tensor parallelism).",
             multiprocess_mode="max",
         )
+        self.step_age = Gauge(  # the engine watchdog's measure; the worst worker's
+            "tiffin_engine_last_step_age_seconds",
+            "Seconds the engine's step in progress has run, since the last one finished, while it holds requests (0 "
+            "idle); past engine_stall_timeout the engine is stalled. engine: model or embedding.",
+            ["engine"],
+            multiprocess_mode="livemax",
+        )
         # prometheus_client appends _total
         self.prefix_cache_queries = Counter(
             "tiffin_prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
@@ -121,6 +128,10 @@ class EngineMetrics:
         self.embedding_kv_blocks_total.set(stats.kv_blocks_total)
         self._advance("embedding", self.embedding_requests, stats.pooling_requests)
         self._advance("embedding", self.embedding_tokens, stats.pooling_tokens)
+
+    def on_step_age(self, engine: str, age: float) -> None:
+        """An AsyncLLMEngine's `on_step_age` hook (its watchdog's thread), with `engine` bound: model or embedding."""
+        self.step_age.labels(engine=engine).set(age)
 
     def _advance(self, engine: str, counter, total: int) -> None:
         seen = self._seen.get((engine, counter), 0)

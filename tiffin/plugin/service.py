@@ -31,6 +31,7 @@ served by a Bento of its own:
 Torch and the engine are imported inside the loader thread, so `bentoml build` imports this module quickly.
 """
 
+import functools
 import gc
 import json
 import logging
@@ -206,6 +207,7 @@ class _ServiceSettings(BaseModel):
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_waiting_requests": None if waiting is None else max(waiting, 4 * MAX_POOLING_INPUTS),
             "seed": self.seed,
+            "engine_stall_timeout": self.engine_stall_timeout,
         }
 
 
@@ -274,6 +276,7 @@ openai_app = create_app(  # answers 503 until _load attaches the servings
     )
 )
 DRAINING = threading.Event()  # set by SIGTERM: new requests get 503, running ones finish
+SERVICE: list = []  # this worker's Tiffin instance, whose `failure` the Guard's /livez names
 
 
 # vLLM serves /tokenize and /detokenize at the root too: BentoML mounts apps behind its own routes and goes into a
@@ -301,6 +304,7 @@ class Tiffin:
         self.router: ModelRouter | None = None  # set once every engine is up
         self.load_error: str | None = None
         self.metrics = engine_metrics()
+        SERVICE[:] = [self]
         threading.Thread(target=self._load, name="tiffin-loader", daemon=True).start()
         if threading.current_thread() is threading.main_thread():
             self._drain_on_sigterm()
@@ -309,7 +313,11 @@ class Tiffin:
         return self.router is not None and all(e.healthy for e in self.engines) and not DRAINING.is_set()
 
     def __is_alive__(self) -> bool:
-        return self.load_error is None and all(e.dead is None for e in self.engines)
+        return self.failure() is None
+
+    def failure(self) -> str | None:
+        """Why /livez answers 503: the model failed to load, or an engine failed or stalled (its watchdog)."""
+        return self.load_error or next((e.dead for e in self.engines if e.dead is not None), None)
 
     def _drain_on_sigterm(self) -> None:
         """Chain to the server's own handler (which stops accepting connections and waits for open ones), after
@@ -348,6 +356,7 @@ class Tiffin:
                 engine = AsyncLLMEngine.from_engine_args(
                     path,
                     on_stats=self.metrics.on_embedding_stats,
+                    on_step_age=functools.partial(self.metrics.on_step_age, "embedding"),
                     turns=turns,
                     yields=True,
                     **settings.embedding_engine_kwargs(),
@@ -362,7 +371,11 @@ class Tiffin:
             else:
                 path, name = resolve_model(settings.model)
             engine = AsyncLLMEngine.from_engine_args(
-                path, on_stats=self.metrics.on_stats, turns=turns, **settings.engine_kwargs()
+                path,
+                on_stats=self.metrics.on_stats,
+                turns=turns,
+                on_step_age=functools.partial(self.metrics.on_step_age, "model"),
+                **settings.engine_kwargs(),
             )
             self.engines.append(engine)
             served, beside = settings.served_model_name or name, [s.model_name for s in servings]
@@ -503,4 +516,5 @@ Tiffin.add_asgi_middleware(
     admin_api_key=settings.admin_api_key,
     max_body=settings.max_request_body,
     draining=DRAINING.is_set,
+    failure=lambda: SERVICE[0].failure() if SERVICE else None,
 )
