@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException
 
 from tiffin.plugin.openai import responses_api
 from tiffin.plugin.openai.clients import client_of
+from tiffin.plugin.openai.encoding import json_bytes_response
 from tiffin.plugin.openai.messages import (
     CountTokensRequest,
     MessagesRequest,
@@ -111,7 +112,7 @@ def create_app(
             raise APIError(
                 404, f"no stored response {response_id!r}", type="not_found_error", code="response_not_found"
             )
-        return stored.response
+        return json_bytes_response(stored.response)
 
     @app.delete("/responses/{response_id}")
     async def delete_response(response_id: str, raw: Request):
