@@ -3,6 +3,7 @@ Response), a function tool round trip through `function_call_output` and `previo
 json_schema, the store (owner-only, bounded, expiring), reasoning items from a thinking model, and refusals naming
 the Responses API's fields."""
 
+import asyncio
 import json
 import time
 
@@ -165,12 +166,82 @@ def test_store_bounds():
         ({"input": "hi", "instructions": "lorem ipsum " * 2000}, "instructions"),  # past it in tokens
         ({"input": "hi", "previous_response_id": "resp_missing"}, "previous_response_id"),
         ({"input": 3}, "input"),
+        # what a Response echoes and the store keeps is bounded (#50)
+        ({"input": "hi", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+        ({"input": "hi", "metadata": {"k" * 65: "v"}}, "metadata"),
+        ({"input": "hi", "metadata": {"k": "v" * 513}}, "metadata"),
+        ({"input": "hi", "tools": [{**WEATHER, "extra": "x" * 1000}]}, "tools"),
+        (
+            {"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather", "x": 1}},
+            "tool_choice",
+        ),
+        ({"input": "hi", "text": {"format": {"type": "text"}, "extra": [1] * 1000}}, "text"),
+        ({"input": "hi", "text": {"format": {"type": "text", "extra": 1}}}, "text"),
+        ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {}, "strict": {}}}}, "text"),
+        ({"input": "hi", "text": {"verbosity": "loud"}}, "text"),
     ],
 )
 def test_refusals_name_the_field(http, body, param):
     r = http.post("/responses", json={"model": "tiny", **body})
     assert 400 <= r.status_code < 500, r.text
     assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_echoed_fields_within_openais_bounds_are_echoed_and_stored(http):
+    metadata = {f"{i:0>64}": "v" * 512 for i in range(16)}
+    text = {"format": {"type": "json_schema", "name": "x", "schema": SCHEMA, "strict": True}, "verbosity": "low"}
+    tool = {**WEATHER, "description": "the weather", "strict": False}
+    body = {"input": "hi", "max_output_tokens": 2, "metadata": metadata, "tools": [tool], "text": text, **GREEDY}
+    r = http.post("/responses", json=body, headers={"authorization": "Bearer key-a"})
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["metadata"] == metadata and answer["tools"] == [tool] and answer["text"] == text
+    stored = http.get(f"/responses/{answer['id']}", headers={"authorization": "Bearer key-a"})
+    assert stored.status_code == 200 and stored.json() == answer
+
+
+def test_the_store_holds_and_counts_the_encoded_json():
+    store = ResponseStore()
+    response = {"id": "r", "metadata": {f"k{i}": "v" for i in range(1000)}}
+    store.put("a", response, [{"role": "user", "content": "hi"}])
+    entry = store.get("a", "r")
+    assert isinstance(entry.response, bytes) and isinstance(entry.messages, bytes)  # not Python objects, 6-8x larger
+    assert json.loads(entry.response) == response and json.loads(entry.messages) == [{"role": "user", "content": "hi"}]
+    assert store.num_bytes == len(entry.response) + len(entry.messages)
+
+
+def test_a_large_stored_response_is_answered_without_stalling_the_loop():
+    """A GET answers the stored bytes as they are: nothing walks or encodes the response on the event loop (a
+    response of 300,000 keys stalled every other request for seconds, on each GET)."""
+    httpx = pytest.importorskip("httpx")
+    from tiffin.plugin.openai.app import create_app
+
+    store = ResponseStore()
+    big = {"id": "resp_big", "object": "response", "output": [{"k": i, "v": [i]} for i in range(300_000)]}
+    store.put(None, big, [])
+    app = create_app(None, store)  # no engine: a GET reads the store alone
+
+    async def run() -> tuple[float, int, bytes]:
+        lag, stop = 0.0, asyncio.Event()
+
+        async def ticker():
+            nonlocal lag
+            while not stop.is_set():
+                before = time.monotonic()
+                await asyncio.sleep(0.01)
+                lag = max(lag, time.monotonic() - before - 0.01)
+
+        tick = asyncio.create_task(ticker())
+        await asyncio.sleep(0.05)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            r = await c.get("/responses/resp_big")
+        stop.set()
+        await tick
+        return lag, r.status_code, r.content
+
+    lag, status, content = asyncio.run(run())
+    assert status == 200 and json.loads(content) == big
+    assert lag < 0.3, f"the event loop stalled {lag:.2f} s"
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["split-markers", "marker-tokens"])

@@ -66,6 +66,7 @@ from tiffin.plugin.openai.protocol import MAX_POOLING_INPUTS, APIError, Bool, Fl
 from tiffin.plugin.openai.routing import ModelRouter
 from tiffin.plugin.openai.serving import OpenAIServing
 from tiffin.plugin.openai.store import ResponseStore
+from tiffin.plugin.openai.tokenize import MAX_TOKENIZE_IDS
 
 logger = logging.getLogger("tiffin.service")
 
@@ -114,6 +115,12 @@ class _ServiceSettings(BaseModel):
     )
     response_store_max_bytes: int = Field(256 << 20, ge=0, description="bytes of JSON those responses may hold")
     response_store_ttl: float = Field(3600.0, gt=0, description="seconds a stored response is kept")
+    max_tokenize_ids: int = Field(
+        MAX_TOKENIZE_IDS,
+        ge=1,
+        description="token ids one /tokenize answers or /detokenize decodes (more: 400); the default, 2^20, counts "
+        "any prompt that fits a 1M-token context",
+    )
     gpu_type: str | None = Field(
         None, description="GPU the Bento asks for when deployed (BentoCloud names, e.g. nvidia-l4, nvidia-a100-80gb)"
     )
@@ -273,7 +280,8 @@ http_server.install(settings.keep_alive_timeout)
 openai_app = create_app(  # answers 503 until _load attaches the servings
     response_store=ResponseStore(
         settings.response_store_max_entries, settings.response_store_max_bytes, settings.response_store_ttl
-    )
+    ),
+    max_tokenize_ids=settings.max_tokenize_ids,
 )
 DRAINING = threading.Event()  # set by SIGTERM: new requests get 503, running ones finish
 SERVICE: list = []  # this worker's Tiffin instance, whose `failure` the Guard's /livez names

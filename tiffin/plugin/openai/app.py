@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException
 
 from tiffin.plugin.openai import responses_api
 from tiffin.plugin.openai.clients import client_of
+from tiffin.plugin.openai.encoding import json_bytes_response
 from tiffin.plugin.openai.messages import (
     CountTokensRequest,
     MessagesRequest,
@@ -48,18 +49,28 @@ from tiffin.plugin.openai.protocol import (
 from tiffin.plugin.openai.responses_api import ResponsesRequest
 from tiffin.plugin.openai.routing import ModelRouter, Serving
 from tiffin.plugin.openai.store import ResponseStore
-from tiffin.plugin.openai.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from tiffin.plugin.openai.tokenize import (
+    MAX_TOKENIZE_IDS,
+    DetokenizeRequest,
+    TokenizeRequest,
+    detokenize,
+    tokenize,
+)
 
 Body = TypeVar("Body", bound=BaseModel)
 
 
 def create_app(
-    servings: Serving | Sequence[Serving] | None = None, response_store: ResponseStore | None = None
+    servings: Serving | Sequence[Serving] | None = None,
+    response_store: ResponseStore | None = None,
+    max_tokenize_ids: int = MAX_TOKENIZE_IDS,
 ) -> FastAPI:
     """The app over `servings` (one per engine). Without any its routes answer 503 until `attach_serving` hands
     them over: the Bento's app exists from import on (`@bentoml.asgi_app`), its engines only once loaded.
-    `response_store`: where the Responses API keeps responses (default: `ResponseStore()`'s bounds)."""
+    `response_store`: where the Responses API keeps responses (default: `ResponseStore()`'s bounds).
+    `max_tokenize_ids`: the most ids one /tokenize answers or /detokenize decodes."""
     app = FastAPI(title="tiffin OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.max_tokenize_ids = max_tokenize_ids
     attach_serving(app, servings)
     store = response_store or ResponseStore()
 
@@ -111,7 +122,7 @@ def create_app(
             raise APIError(
                 404, f"no stored response {response_id!r}", type="not_found_error", code="response_not_found"
             )
-        return stored.response
+        return json_bytes_response(stored.response)
 
     @app.delete("/responses/{response_id}")
     async def delete_response(response_id: str, raw: Request):
@@ -179,12 +190,12 @@ def _tokenize_routes(app: FastAPI, v1: FastAPI) -> None:
     @app.post("/tokenize")
     async def tokenize_route(raw: Request):
         req = await _body(raw, TokenizeRequest)
-        return await tokenize(_ready(v1, raw, req.model, "tokenize"), req)
+        return await tokenize(_ready(v1, raw, req.model, "tokenize"), req, v1.state.max_tokenize_ids)
 
     @app.post("/detokenize")
     async def detokenize_route(raw: Request):
         req = await _body(raw, DetokenizeRequest)
-        return await detokenize(_ready(v1, raw, req.model, "tokenize"), req)
+        return await detokenize(_ready(v1, raw, req.model, "tokenize"), req, v1.state.max_tokenize_ids)
 
 
 def _is_messages_api(raw: Request) -> bool:

@@ -14,7 +14,6 @@ Invariants:
 
 import asyncio
 import base64
-import json
 import struct
 import time
 import uuid
@@ -27,6 +26,7 @@ from fastapi import Request, Response
 from tiffin.engine.errors import EngineError, ParamError, QueueFull
 from tiffin.engine.outputs import PoolingRequestOutput
 from tiffin.engine.pooling_params import PoolingParams
+from tiffin.plugin.openai.encoding import json_response
 from tiffin.plugin.openai.protocol import APIError, EmbeddingRequest, RerankRequest, ScoreRequest
 from tiffin.plugin.openai.serving import model_card, unless_disconnected
 
@@ -227,10 +227,3 @@ def _where(field: str, i: int, count: int) -> str:
 def _base64(embedding: list[float]) -> str:
     """OpenAI's base64 encoding: little-endian float32 bytes, which its client reads with numpy.frombuffer."""
     return base64.b64encode(struct.pack(f"<{len(embedding)}f", *embedding)).decode("ascii")
-
-
-async def json_response(body: dict[str, Any]) -> Response:
-    """`body` as a JSON response, serialized on a worker thread. A non-finite number (a broken model) is an error,
-    never invalid JSON."""
-    content = await asyncio.to_thread(json.dumps, body, ensure_ascii=False, allow_nan=False)
-    return Response(content, media_type="application/json")

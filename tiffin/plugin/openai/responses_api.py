@@ -9,16 +9,21 @@ Invariants:
 - `previous_response_id` continues the conversation a stored response ended (its input and output, not its
   instructions, as OpenAI's API does); a response is stored (`store`, true by default) for its owner only
   (tiffin.plugin.openai.store).
+- What a Response echoes is bounded as OpenAI's API bounds it: `metadata` (16 keys of at most 64 characters,
+  values of at most 512), and an unknown field inside a function tool, `tool_choice`, `text` or `text.format` is
+  refused by name, never echoed or stored.
 - A refused field is named as the Responses API names it (`input`, `text`, `max_output_tokens`, `instructions`
   when they alone exceed the context), not as the chat request it was translated into. Fields of OpenAI's API
   that are not implemented (`UNSUPPORTED`, `background`) are refused by name when given."""
 
+import asyncio
+import json
 import time
 import uuid
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import Request
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from tiffin.engine.outputs import RequestOutput
 from tiffin.engine.sampling_params import SamplingParams
@@ -43,6 +48,18 @@ FIELD_NAMES = {
     "max_tokens": "max_output_tokens",
 }
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
+# OpenAI's bounds on `metadata`: keys, and characters of a key and of a value
+MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
+# the fields OpenAI's API gives each echoed object; any other is refused by name, as OpenAI refuses an unknown
+# parameter (dropping it would hide a client's typo, and echoing it would echo anything, of any size)
+FUNCTION_TOOL_FIELDS = ("type", "name", "description", "parameters", "strict")
+TOOL_CHOICE_FIELDS = ("type", "name")
+TEXT_FIELDS = ("format", "verbosity")
+FORMAT_FIELDS = {
+    "text": ("type",),
+    "json_object": ("type",),
+    "json_schema": ("type", "name", "schema", "description", "strict"),
+}
 
 
 class Reasoning(BaseModel):
@@ -75,6 +92,65 @@ class ResponsesRequest(_Body):
     # OpenAI's, not implemented here: refused when given (UNSUPPORTED)
     conversation: Any = None
     prompt: Any = None
+
+    @field_validator("metadata", mode="before")
+    @classmethod
+    def _bounded_metadata(cls, metadata: Any) -> Any:
+        """OpenAI's bounds, checked before the values are validated one by one: metadata is echoed and stored."""
+        if not isinstance(metadata, dict):
+            return metadata
+        if len(metadata) > MAX_METADATA_KEYS:
+            message = f"metadata: at most {MAX_METADATA_KEYS} keys, got {len(metadata)}"
+            raise APIError(400, message, param="metadata")
+        for key, value in metadata.items():
+            if len(key) > MAX_METADATA_KEY_CHARS:
+                message = f"metadata: a key has {len(key)} characters, at most {MAX_METADATA_KEY_CHARS}"
+                raise APIError(400, message, param="metadata")
+            if isinstance(value, str) and len(value) > MAX_METADATA_VALUE_CHARS:
+                message = f"metadata.{key}: {len(value)} characters, at most {MAX_METADATA_VALUE_CHARS}"
+                raise APIError(400, message, param="metadata")
+        return metadata
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _known_tool_fields(cls, tools: Any) -> Any:
+        for i, tool in enumerate(tools if isinstance(tools, list) else ()):
+            if isinstance(tool, dict) and tool.get("type") == "function":
+                _only(tool, FUNCTION_TOOL_FIELDS, f"tools[{i}]", "tools")
+        return tools
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _known_tool_choice_fields(cls, choice: Any) -> Any:
+        if isinstance(choice, dict):
+            _only(choice, TOOL_CHOICE_FIELDS, "tool_choice", "tool_choice")
+        return choice
+
+    @field_validator("text", mode="before")
+    @classmethod
+    def _known_text_fields(cls, text: Any) -> Any:
+        if not isinstance(text, dict):
+            return text
+        _only(text, TEXT_FIELDS, "text", "text")
+        if text.get("verbosity") not in (None, "low", "medium", "high"):
+            raise APIError(400, "text.verbosity: must be low, medium or high", param="text")
+        fmt = text.get("format")
+        known = FORMAT_FIELDS.get(fmt.get("type")) if isinstance(fmt, dict) else None
+        if known is not None:  # another type is refused as the chat request's response_format
+            _only(fmt, known, "text.format", "text")
+            for key, kind in (("name", str), ("description", str), ("strict", bool)):
+                if fmt.get(key) is not None and not isinstance(fmt[key], kind):
+                    raise APIError(400, f"text.format.{key}: must be a {kind.__name__}", param="text")
+        return text
+
+
+def _only(value: dict, known: tuple[str, ...], where: str, param: str) -> None:
+    """Refuse the first key of `value` not `known`, by name (`where`.key, cut short: it is echoed)."""
+    unknown = next((key for key in value if key not in known), None)
+    if unknown is not None:
+        name = unknown if len(unknown) <= 64 else f"{unknown[:64]}..."
+        message = f"{where}.{name}: unknown field; it has {', '.join(known)}"
+        raise APIError(400, message, param=param)
 
 
 # fields of OpenAI's Responses API that tiffin does not implement, refused by name when not null: why, what to use
@@ -418,7 +494,7 @@ async def create_response(
         if previous is None:
             message = f"previous_response_id: no stored response {req.previous_response_id!r}"
             raise APIError(404, message, param="previous_response_id", code="response_not_found")
-        history = previous.messages
+        history = await asyncio.to_thread(json.loads, previous.messages)
     conversation = history + input_messages(req.input)
     chat = chat_request(req, conversation, serving.engine.engine.reasoning is not None)
     engine = serving.engine

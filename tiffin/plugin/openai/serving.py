@@ -9,7 +9,10 @@ Invariants:
   each within grammar_compile_timeout: past a limit, the deadline or a failed compile, it is a 400 naming the
   field that asked for it. A grammar that fails later (a rejected token) fails its request alone, as a 500,
   while the engine keeps serving.
-- `on_finished` sees each finished request once."""
+- `on_finished` sees each finished request once.
+- A whole answer, and a stream's first and last events (those that echo the request or carry the whole answer),
+  are built and encoded as JSON on a worker thread (tiffin.plugin.openai.encoding); only the small deltas of a
+  stream are encoded on the event loop."""
 
 import asyncio
 import time
@@ -17,13 +20,14 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from tiffin.engine.errors import QueueFull
 from tiffin.engine.outputs import RequestOutput
 from tiffin.engine.sampling_params import SamplingParams
 from tiffin.plugin.openai.answer import AnswerReader
 from tiffin.plugin.openai.clients import client_of
+from tiffin.plugin.openai.encoding import built_json_response
 from tiffin.plugin.openai.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -42,7 +46,7 @@ if TYPE_CHECKING:  # torch, which `bentoml build` need not import
     from tiffin.engine.lora.request import LoRARequest
     from tiffin.plugin.lora import LoRAServing
 
-Answer = dict | StreamingResponse  # the SSE stream when the request asked for `stream`
+Answer = Response | StreamingResponse  # JSON encoded off the loop, or the SSE stream when the request streams
 T = TypeVar("T")
 
 
@@ -156,7 +160,7 @@ class OpenAIServing:
         if req.stream:
             return StreamingResponse(self._sse(streams, builder), media_type="text/event-stream")
         finals = await unless_disconnected(raw, self._collect(streams))
-        return builder.response(finals)
+        return await built_json_response(lambda: builder.response(finals))
 
     async def _open(
         self,
@@ -193,14 +197,14 @@ class OpenAIServing:
     async def _sse(self, streams: list["RequestStream"], builder: AnswerBuilder) -> AsyncIterator[str]:
         finals = [None] * len(streams)
         try:
-            for event in builder.first_events():
-                yield builder.sse(event)
+            for chunk in await _encoded(builder, builder.first_events):
+                yield chunk
             async for i, out in self._merge(streams):
                 finals[i] = out
                 for event in builder.delta_events(i, out):
                     yield builder.sse(event)
-            for event in builder.last_events(finals):
-                yield builder.sse(event)
+            for chunk in await _encoded(builder, lambda: builder.last_events(finals)):
+                yield chunk
         except Exception as e:  # the status line is sent already: report in-band
             yield builder.sse(builder.error_event(f"generation failed: {e}"))
         yield builder.stream_end
@@ -243,6 +247,12 @@ class OpenAIServing:
                 task.cancel()
             for s in streams:
                 s.close()
+
+
+async def _encoded(builder: AnswerBuilder, events: "Callable[[], list[dict]]") -> list[str]:
+    """The events `events()` makes, as server-sent events, made and encoded on a worker thread: a stream's first
+    and last events carry the whole request's echo (a Response's tools and schema) and its final answer."""
+    return await asyncio.to_thread(lambda: [builder.sse(event) for event in events()])
 
 
 async def render_chat(

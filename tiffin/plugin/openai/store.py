@@ -3,22 +3,29 @@
 Invariants:
 - It holds at most `max_entries` responses and `max_bytes` of their JSON (the oldest dropped first), each for at
   most `ttl` seconds; a response larger than `max_bytes` is not stored.
+- It holds each response and its conversation as their encoded JSON bytes, not as Python objects (which take 6-8
+  times as much memory as their JSON): the bytes it counts are the bytes it holds, and a GET answers them as they
+  are, with nothing to encode. `put` encodes, so it runs off the event loop (the answer's worker thread).
 - A response is found only by its owner: the client (API key) that created it; to anyone else it does not exist."""
 
-import json
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from tiffin.plugin.openai.encoding import dumps
+
 
 @dataclass
 class StoredResponse:
     owner: str | None
-    response: dict  # the Response object as it was sent
-    messages: list[dict]  # the conversation through this response, as chat messages (what a follow-up continues)
-    size: int  # bytes of JSON
+    response: bytes  # the Response object as it was sent, as JSON
+    messages: bytes  # JSON of the conversation through this response as chat messages (what a follow-up continues)
     expires: float  # time.monotonic()
+
+    @property
+    def size(self) -> int:
+        return len(self.response) + len(self.messages)
 
 
 class ResponseStore:
@@ -29,13 +36,13 @@ class ResponseStore:
         self._lock = threading.Lock()  # requests finish on the event loop, but tests and threads may share one
 
     def put(self, owner: str | None, response: dict, messages: list[dict]) -> None:
-        size = len(json.dumps(response)) + len(json.dumps(messages))
+        entry = StoredResponse(owner, dumps(response), dumps(messages), time.monotonic() + self.ttl)
         with self._lock:
             self._drop(response["id"])
-            if size > self.max_bytes or self.max_entries < 1:
+            if entry.size > self.max_bytes or self.max_entries < 1:
                 return
-            self._entries[response["id"]] = StoredResponse(owner, response, messages, size, time.monotonic() + self.ttl)
-            self._bytes += size
+            self._entries[response["id"]] = entry
+            self._bytes += entry.size
             now = time.monotonic()
             while (  # one ttl for all: the oldest expires first
                 len(self._entries) > self.max_entries
