@@ -19,6 +19,18 @@ namespace {
 
 constexpr int64_t TILE = 256;  // uint32 an AMX tile: 16 rows of 64 bytes
 
+// AMX operands are placed apart by whole tiles: `tiles` rounded up to `residue` modulo 4, so that a step's four tiles
+// (two of activations, two of weights) sit in different quarters of every 4 KB: different L1 sets, and no 4K
+// aliasing against the decoder's stores. Tiles K / 32 KB apart (the same quarter wherever K is a multiple of 128)
+// in buffers wherever malloc put them made the same call ~1.3-1.5x slower in some processes than in others.
+constexpr int64_t spread(int64_t tiles, int64_t residue) { return tiles + ((residue - tiles) % 4 + 4) % 4; }
+
+// p rounded up to a 4 KB boundary, plus `quarter` KB.
+inline uint32_t* placed(uint32_t* p, int quarter) {
+  const uintptr_t at = (reinterpret_cast<uintptr_t>(p) + 4095) / 4096 * 4096 + quarter * 1024;
+  return reinterpret_cast<uint32_t*>(at);
+}
+
 // 16 fp32 outputs (the first `lanes`) to y's elements at.., as out_dtype: store_value's roundings in a register.
 inline void store_row(__m512 v, void* y, int out_dtype, int64_t at, int64_t lanes) {
   const __mmask16 keep = lanes >= LANES ? 0xFFFF : static_cast<__mmask16>((1u << lanes) - 1);
@@ -28,7 +40,8 @@ inline void store_row(__m512 v, void* y, int out_dtype, int64_t at, int64_t lane
   if (out_dtype == 2) {  // nearest even by integer carry: store_value's bits, denormals included
     const __m512i u = _mm512_castps_si512(v);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16));
+    const __m512i carried = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+    h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(carried, 16));
     h = _mm256_mask_blend_epi16(nan, h, _mm256_set1_epi16(0x7FC0));
   } else {  // NaN as store_value writes it: the sign, a quiet NaN without payload
     h = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -230,7 +243,7 @@ void bf16_tile(const uint32_t* x, int64_t pairs, const uint32_t* wb, int64_t m0,
 // AMX: the same bf16 pairs through tiles of 16 rows of 64 bytes: activations 16 rows x 32 inputs, weights 16 pairs x
 // 16 rows (block_to_bf16's layout is already the one `tdpbf16ps` reads), sums 16 x 16 fp32. Two activation tiles
 // and two weight tiles feed four sums a step of 32 inputs. The activations are stored tile by tile (`xt`: tile
-// (r, s), rows 16r.. and inputs 32s.., 1 KB at (r * steps + s) * TILE): a tile of rows K * 2 bytes apart would put
+// (r, s), rows 16r.. and inputs 32s.., 1 KB at (r * xs + s) * TILE): a tile of rows K * 2 bytes apart would put
 // its 16 lines in a few sets of L1 (all in one where K is a multiple of 2048), and the prefetchers follow a
 // contiguous stream. On the Xeon measured a tile load costs about three products (~17 ns against ~5.3), so the
 // loads, not the products, bound the multiply: four a step for four products is the fewest eight tiles allow.
@@ -265,7 +278,7 @@ struct Decoder {
 // TILE) for `steps` steps from s0, feeding `feed` a step. Sums in tiles 0..3 (activations in 4, 5, weights in 6, 7),
 // which wait in `sums` (tile (r, i) at (r0 + r) * 2 + i) between chunks of steps, and go to y after the last.
 template <int MR, int NR, typename Feed>
-void amx_chunk(const uint32_t* xt, int64_t all_steps, int64_t s0, int64_t steps, const uint32_t* wb, int64_t stride,
+void amx_chunk(const uint32_t* xt, int64_t xs, int64_t s0, int64_t steps, const uint32_t* wb, int64_t stride,
                float* sums, bool first, bool last, int64_t r0, int64_t m, void* y, int out_dtype, int64_t y_stride,
                int64_t n0, int64_t n, Feed&& feed) {
   float* c = sums + r0 * 2 * TILE;
@@ -280,8 +293,8 @@ void amx_chunk(const uint32_t* xt, int64_t all_steps, int64_t s0, int64_t steps,
     if constexpr (MR == 2) _tile_loadd(2, c + 2 * TILE, 64);
     if constexpr (MR == 2 && NR == 2) _tile_loadd(3, c + 3 * TILE, 64);
   }
-  const uint32_t* x0 = xt + (r0 * all_steps + s0) * TILE;
-  const uint32_t* x1 = x0 + all_steps * TILE;
+  const uint32_t* x0 = xt + (r0 * xs + s0) * TILE;
+  const uint32_t* x1 = x0 + xs * TILE;
   const uint32_t* w1 = wb + stride * TILE;
   for (int64_t s = 0; s < steps; ++s) {
     _tile_loadd(4, x0 + s * TILE, 64);
@@ -313,21 +326,23 @@ void amx_chunk(const uint32_t* xt, int64_t all_steps, int64_t s0, int64_t steps,
 // steps at a time (the whole input up to 2048 inputs: sums kept in tiles beat smaller chunks, whose sums a tile
 // store and load each carry over), the next pair or chunk decoded into the other half of a double buffer meanwhile.
 template <int BITS, int KIND>
-void amx_groups(const uint32_t* xt, int64_t m, int64_t steps, const Weights& w, int64_t g0, int64_t g1, void* y,
-                int out_dtype, int64_t y_stride) {
+void amx_groups(const uint32_t* xt, int64_t xs, int64_t m, int64_t steps, const Weights& w, int64_t g0, int64_t g1,
+                void* y, int out_dtype, int64_t y_stride) {
   constexpr int64_t CHUNK = 64;
   if (g0 >= g1) return;
   const int64_t chunk = std::min(steps, CHUNK), tiles = (m + 15) / 16;
   thread_local std::vector<uint32_t> buffer;  // kept: fresh ones would fault their pages in every call
   thread_local std::vector<float> sums;
-  buffer.resize(4 * chunk * TILE);
+  const int64_t gs = spread(chunk, 1), hs = spread(2 * gs, 0);  // tiles from group to group, half to half
+  buffer.resize(2 * hs * TILE + 2048);
   sums.resize((tiles + 1) * 2 * TILE);
-  auto half = [&](int64_t item) { return buffer.data() + item % 2 * 2 * chunk * TILE; };
+  uint32_t* const base = placed(buffer.data(), 2);  // weights at 2 KB and 3 KB of every 4 KB, activations 0 and 1
+  auto half = [&](int64_t item) { return base + item % 2 * hs * TILE; };
   const int64_t chunks = (steps + chunk - 1) / chunk, items = (g1 - g0 + 1) / 2 * chunks;
   const int64_t calls = (tiles + 1) / 2;  // feed() calls a step
   auto decoder = [&](int64_t item) {
     const int64_t g = g0 + item / chunks * 2, s0 = item % chunks * chunk, len = std::min(chunk, steps - s0);
-    return Decoder<BITS, KIND>{w, steps, g, std::min<int64_t>(2, g1 - g), s0, len, half(item), chunk, calls * len};
+    return Decoder<BITS, KIND>{w, steps, g, std::min<int64_t>(2, g1 - g), s0, len, half(item), gs, calls * len};
   };
   decoder(0).finish();
   for (int64_t item = 0; item < items; ++item) {
@@ -335,7 +350,7 @@ void amx_groups(const uint32_t* xt, int64_t m, int64_t steps, const Weights& w, 
     const bool two = g + 1 < g1, first = s0 == 0, last = s0 + len == steps;
     auto run = [&](auto&& feed) {
       auto tile = [&](auto mr, auto nr, int64_t r0) {
-        amx_chunk<decltype(mr)::value, decltype(nr)::value>(xt, steps, s0, len, half(item), chunk, sums.data(), first,
+        amx_chunk<decltype(mr)::value, decltype(nr)::value>(xt, xs, s0, len, half(item), gs, sums.data(), first,
                                                             last, r0, m, y, out_dtype, y_stride, g * LANES, w.n, feed);
       };
       using One = std::integral_constant<int, 1>;
@@ -355,7 +370,7 @@ void amx_groups(const uint32_t* xt, int64_t m, int64_t steps, const Weights& w, 
 }
 #else
 template <int BITS, int KIND>
-void amx_groups(const uint32_t*, int64_t, int64_t, const Weights&, int64_t, int64_t, void*, int, int64_t) {}
+void amx_groups(const uint32_t*, int64_t, int64_t, int64_t, const Weights&, int64_t, int64_t, void*, int, int64_t) {}
 #endif
 
 template <int GR>
@@ -381,15 +396,16 @@ void gemm_bf16(const void* x, int dtype, int64_t x_stride, int64_t m, int64_t k,
   std::vector<uint32_t>& xb = mine;  // the calling thread's, as `quantize`'s
   const bool amx = amx_usable() && m >= 16;  // fewer rows (FP8's decode) would fill a tile with padding
   const int64_t padded = amx ? (m + 15) / 16 * 16 : m;  // AMX reads whole tiles of 16 rows
-  const int64_t steps = k / 32;
-  xb.resize(padded * pairs);
-  std::fill(xb.begin() + (amx ? m / 16 * 16 : m) * pairs, xb.end(), 0u);  // AMX: the padding rows' tiles
+  const int64_t steps = k / 32, xs = spread(steps, 1);  // AMX: tiles from 16 rows to the next 16
+  xb.resize(amx ? padded / 16 * xs * TILE + 1024 : m * pairs);
+  uint32_t* const xt = amx ? placed(xb.data(), 0) : xb.data();
+  if (amx) std::fill(xt + m / 16 * xs * TILE, xb.data() + xb.size(), 0u);  // the padding rows' tiles
   const int elem = dtype == 0 ? 4 : 2;
 #pragma omp parallel for num_threads(threads) if (m * k >= (1 << 16))
   for (int64_t r = 0; r < m; ++r) {  // the activations as bf16 pairs, rounded to nearest even
     const char* row = static_cast<const char*>(x) + r * x_stride * elem;
-    // row-major, or in AMX tiles: row r of tile (r / 16, s) at (r / 16 * steps + s) * 256 + r % 16 * 16
-    uint32_t* out = amx ? &xb[(r / 16 * steps * TILE) + r % 16 * 16] : &xb[r * pairs];
+    // row-major, or in AMX tiles: row r of tile (r / 16, s) at (r / 16 * xs + s) * TILE + r % 16 * 16
+    uint32_t* out = amx ? xt + r / 16 * xs * TILE + r % 16 * 16 : xt + r * pairs;
     const int64_t step_stride = amx ? TILE : 16;
     for (int64_t j = 0; j < k; j += 32) {  // k: whole blocks of 32
       __m512i both;
@@ -423,7 +439,7 @@ void gemm_bf16(const void* x, int dtype, int64_t x_stride, int64_t m, int64_t k,
     {  // each thread an equal share of the pairs of row groups
       configure_tiles({64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16});
       const int64_t duos = (groups + 1) / 2, t = omp_get_thread_num(), all = omp_get_num_threads();
-      amx_groups<BITS, KIND>(xb.data(), m, steps, w, duos * t / all * 2, std::min(groups, duos * (t + 1) / all * 2), y,
+      amx_groups<BITS, KIND>(xt, xs, m, steps, w, duos * t / all * 2, std::min(groups, duos * (t + 1) / all * 2), y,
                              out_dtype, y_stride);
       release_tiles();
     }
