@@ -78,6 +78,7 @@ def runs(env, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
             "gguf_parity.py": ["gguf_parity.py", gguf, "--ppl-tokens", "300", "--ctx", "64", "--tokens", "3"],
             "quantized.py": ["quantized.py", "--gguf", gguf, "--rounds", "1", "--decode-tokens", "4"]
             + ["--prompt-tokens", "16", "--weight-formats", "--hf-dir", tiny, "--n", "2", "--ppl-tokens", "64"],
+            "block_gemm.py": ["block_gemm.py", "--shapes", "48x256", "--rows", "16", "--reps", "2", "--threads", "1"],
         },
         env,
     )
@@ -91,6 +92,12 @@ def test_help(env):
 
 def test_every_benchmark_has_a_cheapest_run(runs):
     assert sorted({name.split()[0] for name in runs}) == SCRIPTS
+
+
+def test_block_gemm(runs):
+    run = runs["block_gemm.py"]
+    assert run.returncode == 0, output(run)
+    assert "\n| 48x256 | 16 | " in run.stdout, output(run)
 
 
 def test_throughput(runs):

@@ -10,16 +10,46 @@
 #include <cstdint>
 #include <vector>
 
+#include <omp.h>
+
 #include "cpu_blocks.h"
 
 #if TIFFIN_VNNI && defined(__AVX512BF16__)
 namespace {
 
-// Two registers of fp32 as bf16 pairs (nearest even): lane l holds (a[l], b[l]).
-inline __m512i bf16_pairs(__m512 a, __m512 b) {
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
-                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+constexpr int64_t TILE = 256;  // uint32 an AMX tile: 16 rows of 64 bytes
+
+// AMX operands are placed apart by whole tiles: `tiles` rounded up to `residue` modulo 4, so that a step's four tiles
+// (two of activations, two of weights) sit in different quarters of every 4 KB: different L1 sets, and no 4K
+// aliasing against the decoder's stores. Tiles K / 32 KB apart (the same quarter wherever K is a multiple of 128)
+// in buffers wherever malloc put them made the same call ~1.3-1.5x slower in some processes than in others.
+constexpr int64_t spread(int64_t tiles, int64_t residue) { return tiles + ((residue - tiles) % 4 + 4) % 4; }
+
+// p rounded up to a 4 KB boundary, plus `quarter` KB.
+inline uint32_t* placed(uint32_t* p, int quarter) {
+  const uintptr_t at = (reinterpret_cast<uintptr_t>(p) + 4095) / 4096 * 4096 + quarter * 1024;
+  return reinterpret_cast<uint32_t*>(at);
+}
+
+// 16 fp32 outputs (the first `lanes`) to y's elements at.., as out_dtype: store_value's roundings in a register.
+inline void store_row(__m512 v, void* y, int out_dtype, int64_t at, int64_t lanes) {
+  const __mmask16 keep = lanes >= LANES ? 0xFFFF : static_cast<__mmask16>((1u << lanes) - 1);
+  if (out_dtype == 0) return _mm512_mask_storeu_ps(static_cast<float*>(y) + at, keep, v);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  __m256i h;
+  if (out_dtype == 2) {  // nearest even by integer carry: store_value's bits, denormals included
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i carried = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+    h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(carried, 16));
+    h = _mm256_mask_blend_epi16(nan, h, _mm256_set1_epi16(0x7FC0));
+  } else {  // NaN as store_value writes it: the sign, a quiet NaN without payload
+    h = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256i quiet = _mm256_or_si256(_mm256_and_si256(h, _mm256_set1_epi16(static_cast<short>(0x8000))),
+                                          _mm256_set1_epi16(0x7E00));
+    h = _mm256_mask_blend_epi16(nan, h, quiet);
+  }
+  _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + at, keep, h);
 }
 
 // FP8: a register of 64 e4m3 codes (lane l's inputs 4t..4t+3 in bytes 4l..4l+3) as fp16 bits of value / 256, its
@@ -115,7 +145,7 @@ void fp8_direct_tile(const uint32_t* x, int64_t pairs, const Weights& w, int64_t
   for (int i = 0; i < MC; ++i) {
     for (int g = 0; g < GR; ++g) {
       const int64_t first = (g0 + g) * LANES;
-      store_outputs(acc[i][g], y, out_dtype, i * y_stride + first, std::min<int64_t>(LANES, w.n - first));
+      store_row(acc[i][g], y, out_dtype, i * y_stride + first, std::min<int64_t>(LANES, w.n - first));
     }
   }
 }
@@ -133,30 +163,56 @@ void fp8_direct(const uint32_t* x, int64_t pairs, const Weights& w, void* y, int
   }
 }
 
-// Group g's weights as bf16 pairs: out[j] = 16 lanes (rows), each (input 2j, input 2j + 1).
+// A register of codes (byte 4l + j: input j of row l) as 16 dwords: rows 8 half .. 8 half + 7, each its inputs 2p and
+// 2p + 1, side by side: what cvtne2ps turns into bf16 pairs in place, with no shuffle after it. One vpermb a
+// register, where shifts and masks take two and the pairs a vpermw after.
+// pair_index(half, p) picks those bytes, into each dword's low byte.
+inline __m512i pair_index(int half, int p) {
+  alignas(64) uint8_t at[64] = {};
+  for (int i = 0; i < 16; ++i) at[4 * i] = static_cast<uint8_t>(4 * (8 * half + i / 2) + 2 * p + i % 2);
+  return _mm512_load_si512(at);
+}
+
+inline __m512i pair_codes(__m512i v, __m512i index) {
+  return _mm512_maskz_permutexvar_epi8(0x1111111111111111ull, index, v);
+}
+
+// Block b of group g as bf16 pairs: out[b * 16 + j] = 16 lanes (rows), each (input 32b + 2j, 32b + 2j + 1).
 template <int BITS, int KIND>
-void group_to_bf16(const Weights& w, int64_t blocks, int64_t g, uint32_t* out) {
+inline void block_to_bf16(const Weights& w, int64_t blocks, int64_t g, int64_t b, uint32_t* out) {
   if constexpr (KIND == FP8) {
-    for (int64_t b = 0; b < blocks; ++b) fp8_block_to_bf16(w, blocks, g, b, out);
-    return;
-  }
-  for (int64_t b = 0; b < blocks; ++b) {
+    fp8_block_to_bf16(w, blocks, g, b, out);
+  } else {
     const uint8_t* block = block_codes(w, BITS, KIND, blocks, g, b);
     __m512 d[2], m[2];  // per half-block
     factors<BITS, KIND>(w, blocks, g, b, 0, d[0], m[0]);
     if constexpr (KIND == SUPER_CENTRED) factors<BITS, KIND>(w, blocks, g, b, 1, d[1], m[1]);
     else d[1] = d[0], m[1] = m[0];
+    // Rows 0..7 and 8..15 (`lo`, `hi`) each row's factor twice, in the order of pair_codes' values.
+    const __m512i lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+    const __m512i index[2][2] = {{pair_index(0, 0), pair_index(0, 1)}, {pair_index(1, 0), pair_index(1, 1)}};
+    __m512 dl[2], ml[2], dh[2], mh[2];
+    for (int h = 0; h < 2; ++h) {
+      dl[h] = _mm512_permutexvar_ps(lo, d[h]), ml[h] = _mm512_permutexvar_ps(lo, m[h]);
+      dh[h] = _mm512_permutexvar_ps(hi, d[h]), mh[h] = _mm512_permutexvar_ps(hi, m[h]);
+    }
     for (int quad = 0; quad < 8; ++quad) {  // inputs 4 quad .. 4 quad + 3 of every row
       const __m512i v = quad_codes<BITS>(block, quad);
-      __m512 vals[4];
-      for (int j = 0; j < 4; ++j) {
-        const __m512i code = _mm512_and_si512(_mm512_srli_epi32(v, 8 * j), _mm512_set1_epi32(0xFF));
-        vals[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(code), d[quad / 4], m[quad / 4]);
+      const int h = quad / 4;
+      for (int p = 0; p < 2; ++p) {  // inputs 4 quad + 2p, + 1: rows 0..7 as cvtne2ps's low half, 8..15 its high
+        const __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pair_codes(v, index[0][p])), dl[h], ml[h]);
+        const __m512 c = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pair_codes(v, index[1][p])), dh[h], mh[h]);
+        _mm512_storeu_si512(out + (b * 16 + quad * 2 + p) * LANES, (__m512i)_mm512_cvtne2ps_pbh(c, a));
       }
-      _mm512_storeu_si512(out + (b * 16 + quad * 2) * LANES, bf16_pairs(vals[0], vals[1]));
-      _mm512_storeu_si512(out + (b * 16 + quad * 2 + 1) * LANES, bf16_pairs(vals[2], vals[3]));
     }
   }
+}
+
+// Group g's weights as bf16 pairs: out[j] = 16 lanes (rows), each (input 2j, input 2j + 1).
+template <int BITS, int KIND>
+void group_to_bf16(const Weights& w, int64_t blocks, int64_t g, uint32_t* out) {
+  for (int64_t b = 0; b < blocks; ++b) block_to_bf16<BITS, KIND>(w, blocks, g, b, out);
 }
 
 // Rows m0..m0+MC of bf16 activation pairs `x` against GR row groups' bf16 weight pairs `wb` (`pairs` each): MC x
@@ -178,70 +234,143 @@ void bf16_tile(const uint32_t* x, int64_t pairs, const uint32_t* wb, int64_t m0,
   for (int i = 0; i < MC; ++i) {
     for (int g = 0; g < GR; ++g) {
       const int64_t first = n0 + g * LANES;
-      store_outputs(acc[i][g], y, out_dtype, (m0 + i) * y_stride + first, std::min<int64_t>(LANES, n - first));
+      store_row(acc[i][g], y, out_dtype, (m0 + i) * y_stride + first, std::min<int64_t>(LANES, n - first));
     }
   }
 }
 
 #if TIFFIN_AMX
 // AMX: the same bf16 pairs through tiles of 16 rows of 64 bytes: activations 16 rows x 32 inputs, weights 16 pairs x
-// 16 rows (group_to_bf16's layout is already the one `tdpbf16ps` reads), sums 16 x 16 fp32. Two activation tiles
-// and two weight tiles feed four sums per step of 32 inputs.
+// 16 rows (block_to_bf16's layout is already the one `tdpbf16ps` reads), sums 16 x 16 fp32. Two activation tiles
+// and two weight tiles feed four sums a step of 32 inputs. The activations are stored tile by tile (`xt`: tile
+// (r, s), rows 16r.. and inputs 32s.., 1 KB at (r * xs + s) * TILE): a tile of rows K * 2 bytes apart would put
+// its 16 lines in a few sets of L1 (all in one where K is a multiple of 2048), and the prefetchers follow a
+// contiguous stream. On the Xeon measured a tile load costs about three products (~17 ns against ~5.3), so the
+// loads, not the products, bound the multiply: four a step for four products is the fewest eight tiles allow.
 
-// Activation rows m0..m0 + 16 MR (xb padded to whole tiles) against NR row groups from n0: sums in tiles 0..3,
-// activations in 4 and 5, weights in 6 and 7.
-template <int MR, int NR>
-void amx_tile(const uint32_t* x, int64_t pairs, const uint32_t* wb, int64_t m0, int64_t m, void* y, int out_dtype,
-              int64_t y_stride, int64_t n0, int64_t n) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  const int64_t x_stride = pairs * 4;
-  for (int64_t j = 0; j < pairs; j += 16) {
-    _tile_loadd(4, x + m0 * pairs + j, x_stride);
-    if constexpr (MR == 2) _tile_loadd(5, x + (m0 + 16) * pairs + j, x_stride);
-    _tile_loadd(6, wb + j * LANES, 64);
-    if constexpr (NR == 2) _tile_loadd(7, wb + (pairs + j) * LANES, 64);
+struct NoFeed {
+  void operator()() {}
+};
+
+// Turns blocks b0..b0 + chunk of `count` row groups from g into bf16 pairs (group i's block b0 + s at out + (i *
+// stride + s) * TILE), spread evenly over `calls` calls: the vector units decode the next chunk between the tile
+// unit's steps on the current one (~10% faster at 16-512 rows than decoding, then multiplying).
+template <int BITS, int KIND>
+struct Decoder {
+  const Weights& w;
+  int64_t blocks, g, count, b0, chunk;
+  uint32_t* out;
+  int64_t stride, calls, credit = 0, group = 0, block = 0;
+
+  void one() {
+    block_to_bf16<BITS, KIND>(w, blocks, g + group, b0 + block, out + (group * stride - b0) * TILE);
+    if (++block == chunk) block = 0, ++group;
+  }
+  void operator()() {  // count * chunk blocks over `calls` calls, Bresenham's way
+    for (credit += count * chunk; credit >= calls; credit -= calls) one();
+  }
+  void finish() {
+    while (group < count) one();
+  }
+};
+
+// Activation tiles r0, r0 + 1 (MR of them) against NR row groups' weight tiles (`wb`, group i's at wb + i * stride *
+// TILE) for `steps` steps from s0, feeding `feed` a step. Sums in tiles 0..3 (activations in 4, 5, weights in 6, 7),
+// which wait in `sums` (tile (r, i) at (r0 + r) * 2 + i) between chunks of steps, and go to y after the last.
+template <int MR, int NR, typename Feed>
+void amx_chunk(const uint32_t* xt, int64_t xs, int64_t s0, int64_t steps, const uint32_t* wb, int64_t stride,
+               float* sums, bool first, bool last, int64_t r0, int64_t m, void* y, int out_dtype, int64_t y_stride,
+               int64_t n0, int64_t n, Feed&& feed) {
+  float* c = sums + r0 * 2 * TILE;
+  if (first) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  } else {
+    _tile_loadd(0, c, 64);
+    if constexpr (NR == 2) _tile_loadd(1, c + TILE, 64);
+    if constexpr (MR == 2) _tile_loadd(2, c + 2 * TILE, 64);
+    if constexpr (MR == 2 && NR == 2) _tile_loadd(3, c + 3 * TILE, 64);
+  }
+  const uint32_t* x0 = xt + (r0 * xs + s0) * TILE;
+  const uint32_t* x1 = x0 + xs * TILE;
+  const uint32_t* w1 = wb + stride * TILE;
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(4, x0 + s * TILE, 64);
+    if constexpr (MR == 2) _tile_loadd(5, x1 + s * TILE, 64);
+    _tile_loadd(6, wb + s * TILE, 64);
+    if constexpr (NR == 2) _tile_loadd(7, w1 + s * TILE, 64);
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (NR == 2) _tile_dpbf16ps(1, 4, 7);
     if constexpr (MR == 2) _tile_dpbf16ps(2, 5, 6);
     if constexpr (MR == 2 && NR == 2) _tile_dpbf16ps(3, 5, 7);
+    feed();
   }
-  alignas(64) float sums[4][16][LANES];
-  _tile_stored(0, sums[0], 64);
-  if constexpr (NR == 2) _tile_stored(1, sums[1], 64);
-  if constexpr (MR == 2) _tile_stored(2, sums[2], 64);
-  if constexpr (MR == 2 && NR == 2) _tile_stored(3, sums[3], 64);
+  _tile_stored(0, c, 64);
+  if constexpr (NR == 2) _tile_stored(1, c + TILE, 64);
+  if constexpr (MR == 2) _tile_stored(2, c + 2 * TILE, 64);
+  if constexpr (MR == 2 && NR == 2) _tile_stored(3, c + 3 * TILE, 64);
+  if (!last) return;
   for (int r = 0; r < MR; ++r) {
-    for (int g = 0; g < NR; ++g) {
-      const int64_t first = n0 + g * LANES, lanes = std::min<int64_t>(LANES, n - first);
-      for (int i = 0; i < 16 && m0 + 16 * r + i < m; ++i)
-        store_outputs(_mm512_load_ps(sums[2 * r + g][i]), y, out_dtype, (m0 + 16 * r + i) * y_stride + first, lanes);
+    const int64_t row0 = (r0 + r) * 16;
+    for (int i = 0; i < NR; ++i) {
+      const int64_t at = n0 + i * LANES, lanes = std::min<int64_t>(LANES, n - at);
+      for (int j = 0; j < 16 && row0 + j < m; ++j)
+        store_row(_mm512_loadu_ps(c + (r * 2 + i) * TILE + j * 16), y, out_dtype, (row0 + j) * y_stride + at, lanes);
     }
   }
 }
 
-// Every activation row against `count` row groups' bf16 pairs in wb.
-void amx_rows(const uint32_t* x, int64_t m, int64_t pairs, const uint32_t* wb, int64_t count, void* y, int out_dtype,
-              int64_t y_stride, int64_t n0, int64_t n) {
-  for (int64_t g = 0; g < count; g += 2) {
-    const uint32_t* w = wb + g * pairs * LANES;
-    const int64_t first = n0 + g * LANES;
-    const bool two = g + 1 < count;
-    int64_t m0 = 0;
-    for (; m0 + 16 < m; m0 += 32) {
-      if (two) amx_tile<2, 2>(x, pairs, w, m0, m, y, out_dtype, y_stride, first, n);
-      else amx_tile<2, 1>(x, pairs, w, m0, m, y, out_dtype, y_stride, first, n);
-    }
-    if (m0 < m) {
-      if (two) amx_tile<1, 2>(x, pairs, w, m0, m, y, out_dtype, y_stride, first, n);
-      else amx_tile<1, 1>(x, pairs, w, m0, m, y, out_dtype, y_stride, first, n);
+// The calling thread's row groups g0..g1 against every activation row, a pair of groups and a chunk of up to CHUNK
+// steps at a time (the whole input up to 2048 inputs: sums kept in tiles beat smaller chunks, whose sums a tile
+// store and load each carry over), the next pair or chunk decoded into the other half of a double buffer meanwhile.
+template <int BITS, int KIND>
+void amx_groups(const uint32_t* xt, int64_t xs, int64_t m, int64_t steps, const Weights& w, int64_t g0, int64_t g1,
+                void* y, int out_dtype, int64_t y_stride) {
+  constexpr int64_t CHUNK = 64;
+  if (g0 >= g1) return;
+  const int64_t chunk = std::min(steps, CHUNK), tiles = (m + 15) / 16;
+  thread_local std::vector<uint32_t> buffer;  // kept: fresh ones would fault their pages in every call
+  thread_local std::vector<float> sums;
+  const int64_t gs = spread(chunk, 1), hs = spread(2 * gs, 0);  // tiles from group to group, half to half
+  buffer.resize(2 * hs * TILE + 2048);
+  sums.resize((tiles + 1) * 2 * TILE);
+  uint32_t* const base = placed(buffer.data(), 2);  // weights at 2 KB and 3 KB of every 4 KB, activations 0 and 1
+  auto half = [&](int64_t item) { return base + item % 2 * hs * TILE; };
+  const int64_t chunks = (steps + chunk - 1) / chunk, items = (g1 - g0 + 1) / 2 * chunks;
+  const int64_t calls = (tiles + 1) / 2;  // feed() calls a step
+  auto decoder = [&](int64_t item) {
+    const int64_t g = g0 + item / chunks * 2, s0 = item % chunks * chunk, len = std::min(chunk, steps - s0);
+    return Decoder<BITS, KIND>{w, steps, g, std::min<int64_t>(2, g1 - g), s0, len, half(item), gs, calls * len};
+  };
+  decoder(0).finish();
+  for (int64_t item = 0; item < items; ++item) {
+    const int64_t g = g0 + item / chunks * 2, s0 = item % chunks * chunk, len = std::min(chunk, steps - s0);
+    const bool two = g + 1 < g1, first = s0 == 0, last = s0 + len == steps;
+    auto run = [&](auto&& feed) {
+      auto tile = [&](auto mr, auto nr, int64_t r0) {
+        amx_chunk<decltype(mr)::value, decltype(nr)::value>(xt, xs, s0, len, half(item), gs, sums.data(), first,
+                                                            last, r0, m, y, out_dtype, y_stride, g * LANES, w.n, feed);
+      };
+      using One = std::integral_constant<int, 1>;
+      using Two = std::integral_constant<int, 2>;
+      int64_t r0 = 0;
+      for (; r0 + 1 < tiles; r0 += 2) two ? tile(Two{}, Two{}, r0) : tile(Two{}, One{}, r0);
+      if (r0 < tiles) two ? tile(One{}, Two{}, r0) : tile(One{}, One{}, r0);
+    };
+    if (item + 1 < items) {
+      auto next = decoder(item + 1);
+      run(next);
+      next.finish();
+    } else {
+      run(NoFeed{});
     }
   }
 }
 #else
-void amx_rows(const uint32_t*, int64_t, int64_t, const uint32_t*, int64_t, void*, int, int64_t, int64_t, int64_t) {}
+template <int BITS, int KIND>
+void amx_groups(const uint32_t*, int64_t, int64_t, int64_t, const Weights&, int64_t, int64_t, void*, int, int64_t) {}
 #endif
 
 template <int GR>
@@ -249,7 +378,14 @@ void bf16_rows(const uint32_t* x, int64_t m, int64_t pairs, const uint32_t* wb, 
                int64_t y_stride, int64_t n0, int64_t n) {
   int64_t m0 = 0;
   for (; m0 + 6 <= m; m0 += 6) bf16_tile<6, GR>(x, pairs, wb, m0, y, out_dtype, y_stride, n0, n);
-  for (; m0 < m; ++m0) bf16_tile<1, GR>(x, pairs, wb, m0, y, out_dtype, y_stride, n0, n);
+  switch (m - m0) {  // the last rows together: a row alone would load GR weights for GR products
+    case 5: return bf16_tile<5, GR>(x, pairs, wb, m0, y, out_dtype, y_stride, n0, n);
+    case 4: return bf16_tile<4, GR>(x, pairs, wb, m0, y, out_dtype, y_stride, n0, n);
+    case 3: return bf16_tile<3, GR>(x, pairs, wb, m0, y, out_dtype, y_stride, n0, n);
+    case 2: return bf16_tile<2, GR>(x, pairs, wb, m0, y, out_dtype, y_stride, n0, n);
+    case 1: return bf16_tile<1, GR>(x, pairs, wb, m0, y, out_dtype, y_stride, n0, n);
+    default: return;
+  }
 }
 
 template <int BITS, int KIND>
@@ -260,13 +396,17 @@ void gemm_bf16(const void* x, int dtype, int64_t x_stride, int64_t m, int64_t k,
   std::vector<uint32_t>& xb = mine;  // the calling thread's, as `quantize`'s
   const bool amx = amx_usable() && m >= 16;  // fewer rows (FP8's decode) would fill a tile with padding
   const int64_t padded = amx ? (m + 15) / 16 * 16 : m;  // AMX reads whole tiles of 16 rows
-  xb.resize(padded * pairs);
-  std::fill(xb.begin() + m * pairs, xb.end(), 0u);
+  const int64_t steps = k / 32, xs = spread(steps, 1);  // AMX: tiles from 16 rows to the next 16
+  xb.resize(amx ? padded / 16 * xs * TILE + 1024 : m * pairs);
+  uint32_t* const xt = amx ? placed(xb.data(), 0) : xb.data();
+  if (amx) std::fill(xt + m / 16 * xs * TILE, xb.data() + xb.size(), 0u);  // the padding rows' tiles
   const int elem = dtype == 0 ? 4 : 2;
 #pragma omp parallel for num_threads(threads) if (m * k >= (1 << 16))
   for (int64_t r = 0; r < m; ++r) {  // the activations as bf16 pairs, rounded to nearest even
     const char* row = static_cast<const char*>(x) + r * x_stride * elem;
-    uint32_t* out = &xb[r * pairs];
+    // row-major, or in AMX tiles: row r of tile (r / 16, s) at (r / 16 * xs + s) * TILE + r % 16 * 16
+    uint32_t* out = amx ? xt + r / 16 * xs * TILE + r % 16 * 16 : xt + r * pairs;
+    const int64_t step_stride = amx ? TILE : 16;
     for (int64_t j = 0; j < k; j += 32) {  // k: whole blocks of 32
       __m512i both;
       if (dtype == 2) {
@@ -282,7 +422,7 @@ void gemm_bf16(const void* x, int dtype, int64_t x_stride, int64_t m, int64_t k,
         }
         both = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // 32 bf16 in order
       }
-      _mm512_storeu_si512(out + j / 2, both);
+      _mm512_storeu_si512(out + j / 32 * step_stride, both);
     }
   }
   if constexpr (KIND == FP8) {
@@ -294,20 +434,27 @@ void gemm_bf16(const void* x, int dtype, int64_t x_stride, int64_t m, int64_t k,
       default: break;
     }
   }
+  if (amx) {
+#pragma omp parallel num_threads(threads)
+    {  // each thread an equal share of the pairs of row groups
+      configure_tiles({64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16});
+      const int64_t duos = (groups + 1) / 2, t = omp_get_thread_num(), all = omp_get_num_threads();
+      amx_groups<BITS, KIND>(xt, xs, m, steps, w, duos * t / all * 2, std::min(groups, duos * (t + 1) / all * 2), y,
+                             out_dtype, y_stride);
+      release_tiles();
+    }
+    return;
+  }
 #pragma omp parallel num_threads(threads)
   {
     constexpr int64_t GT = 4;  // row groups a task turns into bf16, then multiplies together
-    std::vector<uint32_t> wb(GT * pairs * LANES);  // a lane a row: two bf16 inputs
-    if (amx) configure_tiles({64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16});
+    thread_local std::vector<uint32_t> wb;  // a lane a row: two bf16 inputs; kept, as amx_groups' buffers
+    wb.resize(GT * pairs * LANES);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < (groups + GT - 1) / GT; ++t) {
       const int64_t g0 = t * GT, count = std::min(GT, groups - g0);
       for (int64_t g = 0; g < count; ++g) group_to_bf16<BITS, KIND>(w, blocks, g0 + g, &wb[g * pairs * LANES]);
       const int64_t n0 = g0 * LANES;
-      if (amx) {
-        amx_rows(xb.data(), m, pairs, wb.data(), count, y, out_dtype, y_stride, n0, w.n);
-        continue;
-      }
       switch (count) {
         case 4: bf16_rows<4>(xb.data(), m, pairs, wb.data(), y, out_dtype, y_stride, n0, w.n); break;
         case 3: bf16_rows<3>(xb.data(), m, pairs, wb.data(), y, out_dtype, y_stride, n0, w.n); break;
@@ -315,7 +462,6 @@ void gemm_bf16(const void* x, int dtype, int64_t x_stride, int64_t m, int64_t k,
         default: bf16_rows<1>(xb.data(), m, pairs, wb.data(), y, out_dtype, y_stride, n0, w.n); break;
       }
     }
-    if (amx) release_tiles();
   }
 }
 }  // namespace
