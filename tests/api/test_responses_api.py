@@ -147,6 +147,41 @@ def test_store_bounds():
     assert short.get(None, "r") is None and len(short) == 0
 
 
+def test_one_keys_churn_evicts_only_its_own_responses():
+    """Key B's 1,001 tiny stored responses do not push key A's out of the store (#50): each key pays for its own."""
+    from tiffin.plugin.openai.app import create_app
+    from tiffin.plugin.openai.clients import client_id
+
+    store = ResponseStore()  # 1,000 entries in all
+    a, b = client_id(b"key-a"), client_id(b"key-b")
+    store.put(a, {"id": "resp_a", "object": "response"}, [])
+    for i in range(1001):
+        store.put(b, {"id": f"resp_b{i}", "object": "response"}, [])
+    with TestClient(create_app(None, store)) as http:  # no engine: a GET reads the store alone
+        assert http.get("/responses/resp_a", headers={"authorization": "Bearer key-a"}).status_code == 200
+        assert http.get("/responses/resp_b0", headers={"authorization": "Bearer key-b"}).status_code == 404
+        assert http.get("/responses/resp_b1000", headers={"authorization": "Bearer key-b"}).status_code == 200
+    assert len(store) <= 1000 and store.held_by(a) == (1, store.get(a, "resp_a").size)
+
+
+def test_the_store_keeps_a_quota_per_key_in_entries_and_bytes():
+    store = ResponseStore(max_entries=10, max_bytes=4000, owners=2)  # each key: 5 entries, 2,000 bytes
+    for i in range(3):
+        store.put("a", {"id": f"a{i}"}, [])
+    for i in range(20):
+        store.put("b", {"id": f"b{i}"}, [])
+    assert store.held_by("a")[0] == 3 and store.held_by("b")[0] == 5 and store.get("b", "b19") is not None
+    for i in range(4):
+        store.put("b", {"id": f"big{i}", "text": "x" * 900}, [])
+    assert store.held_by("b")[1] <= 2000 and store.get("b", "big3") is not None and store.held_by("a")[0] == 3
+    store.put("b", {"id": "huge", "text": "x" * 2500}, [])  # over B's quota, though not the store's: not kept
+    assert store.get("b", "huge") is None and store.get("b", "big3") is not None
+    for owner in "cdef":  # more keys than the store was sized for: the sum limit holds, the largest pays
+        for i in range(5):
+            store.put(owner, {"id": f"{owner}{i}"}, [])
+    assert len(store) <= 10 and store.num_bytes <= 4000 and store.held_by("a")[0] >= 1
+
+
 @pytest.mark.parametrize(
     "body, param",
     [

@@ -111,7 +111,10 @@ class _ServiceSettings(BaseModel):
         "auto", description="tool-call convention: hermes, llama3_json, or auto (from the chat template)"
     )
     response_store_max_entries: int = Field(
-        1000, ge=0, description="responses the Responses API keeps for previous_response_id and GET (oldest dropped)"
+        1000,
+        ge=0,
+        description="responses the Responses API keeps for previous_response_id and GET (oldest dropped); "
+        "with several API keys, each key's quota is its share of this and of response_store_max_bytes",
     )
     response_store_max_bytes: int = Field(256 << 20, ge=0, description="bytes of JSON those responses may hold")
     response_store_ttl: float = Field(3600.0, gt=0, description="seconds a stored response is kept")
@@ -278,8 +281,11 @@ class RerankApiRequest(BaseModel):
 settings = bentoml.use_arguments(Settings)
 http_server.install(settings.keep_alive_timeout)
 openai_app = create_app(  # answers 503 until _load attaches the servings
-    response_store=ResponseStore(
-        settings.response_store_max_entries, settings.response_store_max_bytes, settings.response_store_ttl
+    response_store=ResponseStore(  # a quota per API key (the admin key's too): one key's churn evicts its own
+        settings.response_store_max_entries,
+        settings.response_store_max_bytes,
+        settings.response_store_ttl,
+        owners=len({k.strip() for k in f"{settings.api_key or ''},{settings.admin_api_key or ''}".split(",")} - {""}),
     ),
     max_tokenize_ids=settings.max_tokenize_ids,
 )

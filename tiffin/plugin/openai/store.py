@@ -1,8 +1,13 @@
 """`ResponseStore`: the Responses API's stored responses (`store`, `previous_response_id`, GET and DELETE), in memory.
 
 Invariants:
-- It holds at most `max_entries` responses and `max_bytes` of their JSON (the oldest dropped first), each for at
-  most `ttl` seconds; a response larger than `max_bytes` is not stored.
+- It holds at most `max_entries` responses and `max_bytes` of their JSON, each for at most `ttl` seconds; a response
+  larger than an owner's byte quota is not stored.
+- Each owner (client) has a quota of its own: `max_entries // owners` responses and `max_bytes // owners` bytes,
+  `owners` being how many clients the store is shared by (the configured API keys). A `put` over its owner's quota
+  drops that owner's oldest responses, never another's: one client's churn evicts only its own entries. The global
+  bounds stay the sum limit: should more owners than `owners` fill it, the owner holding the most pays (its oldest
+  response is dropped), so a client with few responses keeps them while another churns.
 - It holds each response and its conversation as their encoded JSON bytes, not as Python objects (which take 6-8
   times as much memory as their JSON): the bytes it counts are the bytes it holds, and a GET answers them as they
   are, with nothing to encode. `put` encodes, so it runs off the event loop (the answer's worker thread).
@@ -11,7 +16,7 @@ Invariants:
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tiffin.plugin.openai.encoding import dumps
 
@@ -28,10 +33,23 @@ class StoredResponse:
         return len(self.response) + len(self.messages)
 
 
+@dataclass
+class _Holding:
+    """One owner's responses (ids, oldest first) and the bytes they hold."""
+
+    ids: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    bytes: int = 0
+
+
 class ResponseStore:
-    def __init__(self, max_entries: int = 1000, max_bytes: int = 256 << 20, ttl: float = 3600.0) -> None:
+    def __init__(
+        self, max_entries: int = 1000, max_bytes: int = 256 << 20, ttl: float = 3600.0, owners: int = 1
+    ) -> None:
         self.max_entries, self.max_bytes, self.ttl = max_entries, max_bytes, ttl
+        owners = max(owners, 1)
+        self.owner_entries, self.owner_bytes = max_entries // owners, max_bytes // owners  # each owner's quota
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()  # oldest first
+        self._owners: dict[str | None, _Holding] = {}
         self._bytes = 0
         self._lock = threading.Lock()  # requests finish on the event loop, but tests and threads may share one
 
@@ -39,17 +57,22 @@ class ResponseStore:
         entry = StoredResponse(owner, dumps(response), dumps(messages), time.monotonic() + self.ttl)
         with self._lock:
             self._drop(response["id"])
-            if entry.size > self.max_bytes or self.max_entries < 1:
+            if entry.size > self.owner_bytes or self.owner_entries < 1:
                 return
+            now = time.monotonic()
+            while self._entries and next(iter(self._entries.values())).expires < now:  # one ttl: oldest first
+                self._drop(next(iter(self._entries)))
             self._entries[response["id"]] = entry
             self._bytes += entry.size
-            now = time.monotonic()
-            while (  # one ttl for all: the oldest expires first
-                len(self._entries) > self.max_entries
-                or self._bytes > self.max_bytes
-                or next(iter(self._entries.values())).expires < now
-            ):
-                self._drop(next(iter(self._entries)))
+            holding = self._owners.setdefault(owner, _Holding())
+            holding.ids[response["id"]] = None
+            holding.bytes += entry.size
+            while len(holding.ids) > self.owner_entries or holding.bytes > self.owner_bytes:  # its own quota
+                self._drop(next(iter(holding.ids)))
+            while len(self._entries) > self.max_entries:  # the sum limit: the owner holding the most pays
+                self._drop(next(iter(max(self._owners.values(), key=lambda h: len(h.ids)).ids)))
+            while self._bytes > self.max_bytes:
+                self._drop(next(iter(max(self._owners.values(), key=lambda h: h.bytes).ids)))
 
     def get(self, owner: str | None, response_id: str) -> StoredResponse | None:
         with self._lock:
@@ -74,7 +97,19 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def held_by(self, owner: str | None) -> tuple[int, int]:
+        """How many responses `owner` has stored, and their bytes."""
+        with self._lock:
+            holding = self._owners.get(owner)
+            return (len(holding.ids), holding.bytes) if holding else (0, 0)
+
     def _drop(self, response_id: str) -> None:
         entry = self._entries.pop(response_id, None)
-        if entry is not None:
-            self._bytes -= entry.size
+        if entry is None:
+            return
+        self._bytes -= entry.size
+        holding = self._owners[entry.owner]
+        del holding.ids[response_id]
+        holding.bytes -= entry.size
+        if not holding.ids:
+            del self._owners[entry.owner]
