@@ -358,6 +358,35 @@ BUILT = [
 ]
 
 
+def test_a_tool_use_cut_off_by_max_tokens_is_dropped_streamed_or_not():
+    """A call cut off by max_tokens is no text block (#50), streamed or not: the message is the calls completed
+    before it, stop_reason max_tokens."""
+    text = f'{CALL}\n<tool_call>\n{{"name": "get_'
+    reader = AnswerReader(None, False, HermesToolParser())
+
+    def output(end: int, finished: bool) -> RequestOutput:
+        o = CompletionOutput(0, text[:end], list(range(end)), "length" if finished else None)
+        return RequestOutput("r", None, [1, 2, 3], [o], finished, num_cached_tokens=1)
+
+    builder = MessagesBuilder("tiny", reader)
+    stream = [e for end in range(0, len(text), 3) for e in builder.delta_events(0, output(end, False))]
+    final = output(len(text), True)
+    stream += builder.delta_events(0, final) + builder.last_events([final])
+    whole = MessagesBuilder("tiny", reader).response([final])
+    assert [b["type"] for b in whole["content"]] == ["tool_use"] and whole["stop_reason"] == "max_tokens"
+    message = assembled([(e["type"], e) for e in stream])
+    assert without_ids(message["content"]) == without_ids(whole["content"]) and message["stop_reason"] == "max_tokens"
+
+
+def test_tool_choice_any_cut_off_by_max_tokens(http):
+    ask = dict(model="tiny", max_tokens=5, tools=[WEATHER], tool_choice={"type": "any"}, temperature=0)
+    ask["messages"] = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    whole = post(http, **ask)
+    raw = assembled(events(http, ask))
+    assert whole["stop_reason"] == raw["stop_reason"] == "max_tokens"
+    assert whole["content"] == raw["content"] == []  # not the call's markup as text
+
+
 @pytest.mark.parametrize("reader, text, kinds", BUILT)
 @pytest.mark.parametrize("step", [1, 3, 7])
 def test_the_builder_streams_what_it_answers_whole(reader, text, kinds, step):

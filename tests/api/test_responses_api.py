@@ -101,6 +101,18 @@ def test_function_tool_round_trip(http):
     assert answer.usage.input_tokens > first.usage.input_tokens + len("sunny, 21 C") // 4
 
 
+def test_a_required_call_cut_off_by_max_output_tokens(http):
+    """tool_choice required and max_output_tokens cutting the call: no output_text of its markup, streamed or not
+    (#50); the Response is incomplete, for max_output_tokens."""
+    c = client(http)
+    ask = dict(input="Weather in Oslo?", tools=[WEATHER], tool_choice="required", max_output_tokens=5, **GREEDY)
+    whole = c.responses.create(**ask).model_dump()
+    _, last = streamed(c, **ask)
+    assert whole["status"] == last["status"] == "incomplete"
+    assert whole["incomplete_details"] == last["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert comparable(whole) == comparable(last) == []
+
+
 def test_text_format_json_schema(http):
     body = {"text": {"format": {"type": "json_schema", "name": "ab", "schema": SCHEMA}}, "max_output_tokens": 120}
     response = client(http).responses.create(input="json please", **body, **GREEDY)

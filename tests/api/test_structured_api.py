@@ -209,6 +209,16 @@ def _accumulate(stream) -> tuple[str, list[dict], str]:
     return content, [calls[i] for i in sorted(calls)], finish
 
 
+def test_a_required_call_cut_off_by_max_tokens(client):
+    """tool_choice required and max_tokens cutting the call: no content of its markup, streamed or not (#50)."""
+    messages = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    kwargs = dict(model="tiny", tools=[WEATHER_TOOL], tool_choice="required", temperature=0, max_tokens=5)
+    choice = client.chat.completions.create(messages=messages, **kwargs).choices[0]
+    assert choice.finish_reason == "length" and not choice.message.content and not choice.message.tool_calls
+    content, calls, finish = _accumulate(client.chat.completions.create(messages=messages, stream=True, **kwargs))
+    assert (content, calls, finish) == ("", [], "length")
+
+
 @pytest.mark.parametrize(
     "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}], ids=["required", "named"]
 )

@@ -76,6 +76,30 @@ def test_llama3_json_parse():
     assert parser.parse(LLAMA_TEXTS[3]) == ("Plain text {not a call}", [])
 
 
+CUT_OFF = [  # (parser, an output cut off by max_tokens in a call, the content and calls it answers)
+    (HermesToolParser(), '<tool_call>\n{"name": "get_', "", []),
+    (HermesToolParser(), HERMES_TEXTS[0] + '\n<tool_call>\n{"name": "get_ti', "Let me check.", ["get_weather"]),
+    (HermesToolParser(), "Let me check. <tool_", "Let me check.", []),
+    (Llama3JsonToolParser(), '{"name": "get_weather", "parameters": {"ci', "", []),
+    (Llama3JsonToolParser(), '<|python_tag|>{"name": "get_time", "parameters": {}}; {"na', "", []),
+    (Llama3JsonToolParser(), '{"answer": 4', '{"answer": 4', []),  # JSON, but no call: content
+]
+
+
+@pytest.mark.parametrize("parser, text, content, names", CUT_OFF)
+def test_a_call_cut_off_is_dropped_streamed_or_not(parser, text, content, names):
+    """A call cut off by the token limit is not answered as text (#50): whole or streamed, the answer is the
+    complete calls and the content before them, the same both ways."""
+    whole = AnswerReader(tool_parser=parser).read(text, cut=True)
+    assert (whole.content, [c.name for c in whole.calls]) == (content, names)
+    for step in (1, 4):
+        stream, sent, calls = AnswerStream(AnswerReader(tool_parser=parser)), "", []
+        for end in [*range(0, len(text), step), len(text)]:
+            delta = stream.update(text[:end], final=end == len(text), cut=end == len(text))
+            sent, calls = sent + delta.content, calls + delta.calls
+        assert (sent, [c.name for c in calls]) == (content, names)
+
+
 def _stream(parser, text: str, cuts: list[int]) -> tuple[str, list]:
     stream, content, calls = AnswerStream(AnswerReader(tool_parser=parser)), "", []
     for cut in [*sorted(set(cuts)), None]:

@@ -33,7 +33,9 @@ class AnswerReader:
         opened = markers is not None and prompt is not None and opens_thinking(prompt, markers)
         return cls(markers, opened, tool_parser)
 
-    def read(self, text: str, final: bool = True) -> Answer:
+    def read(self, text: str, final: bool = True, cut: bool = False) -> Answer:
+        """The parts of `text` (`final`: all of it; `cut`: it ended at the token limit, so a call it was writing is
+        dropped, tiffin.plugin.openai.tools)."""
         reasoning, content = (
             (None, text)
             if self.markers is None
@@ -41,7 +43,7 @@ class AnswerReader:
         )
         if self.tool_parser is None:
             return Answer(reasoning, content, [])
-        content, calls = self.tool_parser.parse(content, final)
+        content, calls = self.tool_parser.parse(content, final, cut)
         return Answer(reasoning, content, calls)
 
 
@@ -54,9 +56,9 @@ class AnswerStream:
     content_sent: int = 0
     calls: list[ToolCall] = field(default_factory=list)  # sent so far
 
-    def update(self, text: str, final: bool) -> Answer:
+    def update(self, text: str, final: bool, cut: bool = False) -> Answer:
         """The reasoning and content added since the last update, and the calls completed since then."""
-        answer = self.reader.read(text, final)
+        answer = self.reader.read(text, final, cut)
         reasoning = answer.reasoning or ""
         delta = Answer(
             reasoning[self.reasoning_sent :] if answer.reasoning is not None else None,

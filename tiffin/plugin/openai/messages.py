@@ -297,7 +297,7 @@ class MessagesBuilder(AnswerBuilder):
     def response(self, finals: list[RequestOutput]) -> dict:
         final = finals[0]
         o = final.outputs[0]
-        answer = self.reader.read(o.text)
+        answer = self.reader.read(o.text, cut=o.finish_reason == "length")
         stop_reason, stop_sequence = _stop(o, answer.calls)
         usage = {**_input_usage(final), "output_tokens": len(o.token_ids)}
         return {**self._message(_content(answer), usage), "stop_reason": stop_reason, "stop_sequence": stop_sequence}
@@ -309,7 +309,7 @@ class MessagesBuilder(AnswerBuilder):
             self._started = True
             message = self._message([], {**_input_usage(out), "output_tokens": 0})
             events.append({"type": "message_start", "message": {**message, "stop_reason": None, "stop_sequence": None}})
-        new = self._stream.update(o.text, o.finished)
+        new = self._stream.update(o.text, o.finished, o.finish_reason == "length")
         if new.reasoning:
             events += self._extend("thinking", {"type": "thinking_delta", "thinking": new.reasoning})
         if new.content:

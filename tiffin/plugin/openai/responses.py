@@ -221,7 +221,7 @@ class ChatResponses(ResponseBuilder):
         return [self.chunk([{"index": i, **opening}]) for i in range(self.n)]
 
     def _choice(self, o: CompletionOutput, logprobs: dict | None) -> tuple[dict, str | None]:
-        answer = self.reader.read(o.text)
+        answer = self.reader.read(o.text, cut=o.finish_reason == "length")
         message = {"role": "assistant", **self._parts(answer)}
         if answer.calls:
             message["content"] = answer.content or None
@@ -229,7 +229,7 @@ class ChatResponses(ResponseBuilder):
 
     def _delta(self, index: int, o: CompletionOutput, text: str) -> tuple[dict, str | None]:
         stream = self._streams.setdefault(index, AnswerStream(self.reader))
-        new = stream.update(o.text, o.finished)
+        new = stream.update(o.text, o.finished, o.finish_reason == "length")
         delta = self._parts(new, first_call=len(stream.calls) - len(new.calls))
         return {"delta": delta}, _finish_reason(stream.calls, o.finish_reason) if o.finished else None
 

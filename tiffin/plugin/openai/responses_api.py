@@ -318,7 +318,7 @@ class ResponsesBuilder(AnswerBuilder):
 
     def delta_events(self, prompt_index: int, out: RequestOutput) -> list[dict]:
         o = out.outputs[0]
-        new = self._stream.update(o.text, o.finished)
+        new = self._stream.update(o.text, o.finished, o.finish_reason == "length")
         events = []
         if new.reasoning:
             events += self._open_reasoning()

@@ -8,7 +8,11 @@ each function's `parameters` schema; "auto" parses whatever the model wrote.
 
 Streamed and non-streamed results are the same by construction: both come from `parse(text, final)`, which on
 a partial text holds back whatever could still turn out to be a call (an open tag, a prefix of one, a
-message that may be a Llama JSON call) and trailing whitespace, so that what it has returned only grows."""
+message that may be a Llama JSON call) and trailing whitespace, so that what it has returned only grows.
+
+A call cut off by the token limit (`parse(text, cut=True)`: the output ended at max_tokens) is dropped, not returned
+as text: what a streamed answer held back as a possible call stays unsent, so streamed and whole answers agree, and
+the finish reason (`length`, `max_tokens`, `incomplete`) says why the call is missing."""
 
 import json
 import uuid
@@ -64,8 +68,9 @@ class ToolParser:
     separator: str  # between calls, when a grammar writes several
     end: str
 
-    def parse(self, text: str, final: bool = True) -> tuple[str, list[ToolCall]]:
-        """(content, calls) of `text`; with final=False, only what later text cannot change."""
+    def parse(self, text: str, final: bool = True, cut: bool = False) -> tuple[str, list[ToolCall]]:
+        """(content, calls) of `text`; with final=False, only what later text cannot change; with cut (the text
+        ended at the token limit), without the call it was cut off in."""
         raise NotImplementedError
 
     def begin(self, function: str) -> str:
@@ -105,7 +110,7 @@ class HermesToolParser(ToolParser):
     def begin(self, function: str) -> str:
         return f'{self.OPEN}\n{{"name": {json.dumps(function, ensure_ascii=False)}, "arguments": '
 
-    def parse(self, text: str, final: bool = True) -> tuple[str, list[ToolCall]]:
+    def parse(self, text: str, final: bool = True, cut: bool = False) -> tuple[str, list[ToolCall]]:
         content, calls, pos = [], [], 0
         while (start := text.find(self.OPEN, pos)) >= 0:
             stop = text.find(self.CLOSE, start)
@@ -120,7 +125,7 @@ class HermesToolParser(ToolParser):
                 calls.append(call)
             pos = stop + len(self.CLOSE)
         tail = text[pos:]
-        if not final:  # an open tag, or what may become one, is not content yet
+        if not final or cut:  # an open tag, or what may become one, is not content (yet, or ever once cut off)
             open_at = tail.find(self.OPEN)
             tail = tail[:open_at] if open_at >= 0 else tail[: len(tail) - partial_prefix_len(tail, self.OPEN)]
         content.append(tail)
@@ -136,7 +141,7 @@ class Llama3JsonToolParser(ToolParser):
     def begin(self, function: str) -> str:
         return f'{{"name": {json.dumps(function, ensure_ascii=False)}, "parameters": '
 
-    def parse(self, text: str, final: bool = True) -> tuple[str, list[ToolCall]]:
+    def parse(self, text: str, final: bool = True, cut: bool = False) -> tuple[str, list[ToolCall]]:
         body = text.lstrip().removeprefix(self.PYTHON_TAG)
         maybe_calls = body.lstrip().startswith("{") or self.PYTHON_TAG.startswith(text.lstrip())
         if not maybe_calls:
@@ -144,7 +149,17 @@ class Llama3JsonToolParser(ToolParser):
         if not final:  # the message is calls only if all of it parses: wait for the end
             return "", []
         calls = _json_calls(body)
+        if not calls and cut and self._may_be_call(text):  # a call cut off: nothing of it is content
+            return "", []
         return ("", calls) if calls else (text.strip(), [])
+
+    def _may_be_call(self, text: str) -> bool:
+        """Whether `text` begins as a call does: the python tag, or an object whose first key is (or may be) name."""
+        stripped = text.lstrip()
+        if stripped.startswith(self.PYTHON_TAG):
+            return True
+        rest = stripped.removeprefix("{").lstrip()
+        return rest.startswith('"name"') or '"name"'.startswith(rest)
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser)}
