@@ -378,3 +378,49 @@ def test_minilm_through_the_openai_client_matches_sentence_transformers():
             assert cosine.item() >= 0.99999
     finally:
         engine.shutdown()
+
+
+def test_texts_tokenizing_for_long_hold_up_neither_other_routes_nor_readiness_quietly(app, engines, monkeypatch):
+    """Issue #50: a pooled text's tokenizing runs on the engine's own bounded pool, never in asyncio's default
+    executor (6 threads there), where every request body is parsed; so while more embedding requests tokenize than
+    that executor has threads, a chat request beside them is answered. And while one waits over
+    TOKENIZE_READY_WAIT for a tokenizing thread, the engine is not `ready` (the Bento's /readyz 503)."""
+    import concurrent.futures
+    import threading
+
+    import httpx
+
+    from tiffin.engine import async_llm_engine
+
+    chat, embed, _ = engines
+    release = threading.Event()
+    tokenize = embed.engine.tokenize
+
+    def held(*args, **kwargs):  # a long text's tokenizing, without its seconds of CPU
+        release.wait(30)
+        return tokenize(*args, **kwargs)
+
+    monkeypatch.setattr(embed.engine, "tokenize", held)
+    monkeypatch.setattr(async_llm_engine, "TOKENIZE_READY_WAIT", 0.5, raising=False)
+
+    async def scenario():
+        asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(4))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as http:
+            body = {"model": "tiny-bert", "input": "modules and packages " * 50, "truncate_prompt_tokens": -1}
+            embeds = [asyncio.create_task(http.post("/embeddings", json=body)) for _ in range(8)]
+            await asyncio.sleep(0.2)
+            chat_body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            try:
+                answer = await asyncio.wait_for(http.post("/chat/completions", json=chat_body), 20)
+                await asyncio.sleep(0.6)
+                stuck = not embed.ready
+            finally:
+                release.set()
+            results = await asyncio.gather(*embeds)
+            return answer, stuck, results
+
+    answer, stuck, results = asyncio.run(scenario())
+    assert answer.status_code == 200, answer.text
+    assert stuck and embed.ready and chat.serving.engine.ready
+    assert all(r.status_code == 200 for r in results), [r.text for r in results]

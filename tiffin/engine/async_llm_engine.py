@@ -47,6 +47,46 @@ logger = logging.getLogger(__name__)
 # Renders are Python, taking turns on the GIL, so more threads add no speed; they let more slow renders reach their
 # deadlines together instead of queueing behind each other.
 CHAT_TEMPLATE_THREADS = 8
+# Threads that tokenize prompts, a pool of each engine's own: a long text to pool takes seconds, and in asyncio's
+# default executor it would hold up what else runs there (request bodies parsed, responses encoded).
+TOKENIZE_THREADS = 4
+# While a tokenization has waited longer than this for a thread, the engine is not `ready` (the Bento's /readyz 503).
+TOKENIZE_READY_WAIT = 10.0
+
+
+class TokenizePool:
+    """A bounded thread pool for tokenizing that knows how long its oldest queued call has waited."""
+
+    def __init__(self, threads: int = TOKENIZE_THREADS):
+        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="tiffin-tokenize")
+        self._queued: dict[int, float] = {}  # a queued call's id -> when it was queued, oldest first
+        self._lock = threading.Lock()
+
+    async def run(self, fn: Callable, *args):
+        """`fn(*args)` on one of the pool's threads."""
+        key, queued = object(), time.monotonic()
+        with self._lock:
+            self._queued[id(key)] = queued
+
+        def call():
+            with self._lock:
+                self._queued.pop(id(key), None)
+            return fn(*args)
+
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, call)
+        finally:
+            with self._lock:
+                self._queued.pop(id(key), None)  # cancelled before it started
+
+    def waited(self) -> float:
+        """Seconds the oldest call still queued has waited for a thread (0: none waits)."""
+        with self._lock:
+            oldest = next(iter(self._queued.values()), None)
+        return 0.0 if oldest is None else time.monotonic() - oldest
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 class RequestStream:
@@ -141,6 +181,7 @@ class AsyncLLMEngine(StallHandling):
         self._closed = False
         self._dead: str | None = None  # why a step found the engine unable to work
         self._templates = ThreadPoolExecutor(CHAT_TEMPLATE_THREADS, thread_name_prefix="tiffin-chat-template")
+        self.tokenizing = TokenizePool()
         self._init_watchdog(engine.config.engine_stall_timeout, on_step_age)
         self._thread = threading.Thread(target=self._run, name="tiffin-engine", daemon=True)
         self._thread.start()
@@ -219,8 +260,9 @@ class AsyncLLMEngine(StallHandling):
     async def tokenize(
         self, prompt: PromptType, pooling: PoolingParams | None = None, fit_context: bool = True
     ) -> TokenizedPrompt:
-        """`LLMEngine.tokenize` in a worker thread (tokenizers release the GIL): steps and the event loop go on."""
-        return await asyncio.to_thread(self.engine.tokenize, prompt, pooling, fit_context)
+        """`LLMEngine.tokenize` on the engine's tokenizing threads (tokenizers release the GIL): steps and the event
+        loop go on."""
+        return await self.tokenizing.run(self.engine.tokenize, prompt, pooling, fit_context)
 
     async def encode(
         self, prompt: PromptType, pooling_params: PoolingParams | None = None, request_id: str | None = None
@@ -244,7 +286,7 @@ class AsyncLLMEngine(StallHandling):
         pairs = score_pairs(text_1, text_2)
         params = PoolingParams(self.engine.pooling_task, truncate_prompt_tokens=truncate_prompt_tokens)
         if self.task == "classify":
-            prompts = [await asyncio.to_thread(self.engine.tokenize_pair, a, b, params) for a, b in pairs]
+            prompts = [await self.tokenizing.run(self.engine.tokenize_pair, a, b, params) for a, b in pairs]
             return [o.outputs.score for o in await self._encode_all(prompts, params)]
         firsts, seconds = zip(*pairs)
         unique = list(dict.fromkeys([*firsts, *seconds]))  # one text against many: embedded once
@@ -324,6 +366,12 @@ class AsyncLLMEngine(StallHandling):
     def healthy(self) -> bool:
         return self.dead is None and not self._closed
 
+    @property
+    def ready(self) -> bool:
+        """Healthy, and no tokenization has waited over TOKENIZE_READY_WAIT for a thread: a replica whose
+        tokenizing threads are all held by long texts is not ready for more (the Bento's /readyz)."""
+        return self.healthy and self.tokenizing.waited() <= TOKENIZE_READY_WAIT
+
     def _check_running(self) -> None:
         if self.dead is not None:
             raise (EngineError if self._dead or self._stalled is None else EngineStalled)(self.dead)
@@ -341,6 +389,7 @@ class AsyncLLMEngine(StallHandling):
         self._post(("shutdown",))
         self._thread.join(timeout)
         self._templates.shutdown(wait=False, cancel_futures=True)
+        self.tokenizing.shutdown()
 
     def _post(self, op: tuple) -> None:
         self._inbox.append(op)

