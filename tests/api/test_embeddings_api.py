@@ -384,13 +384,13 @@ def test_texts_tokenizing_for_long_hold_up_neither_other_routes_nor_readiness_qu
     """Issue #50: a pooled text's tokenizing runs on the engine's own bounded pool, never in asyncio's default
     executor (6 threads there), where every request body is parsed; so while more embedding requests tokenize than
     that executor has threads, a chat request beside them is answered. And while one waits over
-    TOKENIZE_READY_WAIT for a tokenizing thread, the engine is not `ready` (the Bento's /readyz 503)."""
+    `tokenize_pool.READY_WAIT` for a tokenizing thread, the engine is not `ready` (the Bento's /readyz 503)."""
     import concurrent.futures
     import threading
 
     import httpx
 
-    from tiffin.engine import async_llm_engine
+    from tiffin.engine import tokenize_pool
 
     chat, embed, _ = engines
     release = threading.Event()
@@ -401,7 +401,7 @@ def test_texts_tokenizing_for_long_hold_up_neither_other_routes_nor_readiness_qu
         return tokenize(*args, **kwargs)
 
     monkeypatch.setattr(embed.engine, "tokenize", held)
-    monkeypatch.setattr(async_llm_engine, "TOKENIZE_READY_WAIT", 0.5, raising=False)
+    monkeypatch.setattr(tokenize_pool, "READY_WAIT", 0.5)
 
     async def scenario():
         asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(4))

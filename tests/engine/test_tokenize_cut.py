@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from tiffin.engine.llm_engine import cut_for_truncation
 from tiffin.engine.pooling_params import PoolingParams
+from tiffin.engine.truncation import cut_for_truncation
 from tiffin.tiny import make_tiny_model
 from tiffin.tiny_bert import make_tiny_bert
 

@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
 
+from tiffin.engine import tokenize_pool
 from tiffin.engine.config import EngineConfig
 from tiffin.engine.errors import EngineError, EngineStalled, ParamError
 from tiffin.engine.llm_engine import LLMEngine, PromptType, TokenizedPrompt
@@ -39,6 +40,7 @@ from tiffin.engine.sampling_params import SamplingParams
 from tiffin.engine.scoring import cosine_scores, score_pairs
 from tiffin.engine.structured.backend import compile_error
 from tiffin.engine.structured.params import StructuredOutputsParams
+from tiffin.engine.tokenize_pool import TokenizePool
 from tiffin.engine.turns import StepTurns
 from tiffin.engine.watchdog import StallHandling
 
@@ -47,46 +49,6 @@ logger = logging.getLogger(__name__)
 # Renders are Python, taking turns on the GIL, so more threads add no speed; they let more slow renders reach their
 # deadlines together instead of queueing behind each other.
 CHAT_TEMPLATE_THREADS = 8
-# Threads that tokenize prompts, a pool of each engine's own: a long text to pool takes seconds, and in asyncio's
-# default executor it would hold up what else runs there (request bodies parsed, responses encoded).
-TOKENIZE_THREADS = 4
-# While a tokenization has waited longer than this for a thread, the engine is not `ready` (the Bento's /readyz 503).
-TOKENIZE_READY_WAIT = 10.0
-
-
-class TokenizePool:
-    """A bounded thread pool for tokenizing that knows how long its oldest queued call has waited."""
-
-    def __init__(self, threads: int = TOKENIZE_THREADS):
-        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="tiffin-tokenize")
-        self._queued: dict[int, float] = {}  # a queued call's id -> when it was queued, oldest first
-        self._lock = threading.Lock()
-
-    async def run(self, fn: Callable, *args):
-        """`fn(*args)` on one of the pool's threads."""
-        key, queued = object(), time.monotonic()
-        with self._lock:
-            self._queued[id(key)] = queued
-
-        def call():
-            with self._lock:
-                self._queued.pop(id(key), None)
-            return fn(*args)
-
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, call)
-        finally:
-            with self._lock:
-                self._queued.pop(id(key), None)  # cancelled before it started
-
-    def waited(self) -> float:
-        """Seconds the oldest call still queued has waited for a thread (0: none waits)."""
-        with self._lock:
-            oldest = next(iter(self._queued.values()), None)
-        return 0.0 if oldest is None else time.monotonic() - oldest
-
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 class RequestStream:
@@ -368,9 +330,9 @@ class AsyncLLMEngine(StallHandling):
 
     @property
     def ready(self) -> bool:
-        """Healthy, and no tokenization has waited over TOKENIZE_READY_WAIT for a thread: a replica whose
+        """Healthy, and no tokenization has waited over `tokenize_pool.READY_WAIT` for a thread: a replica whose
         tokenizing threads are all held by long texts is not ready for more (the Bento's /readyz)."""
-        return self.healthy and self.tokenizing.waited() <= TOKENIZE_READY_WAIT
+        return self.healthy and self.tokenizing.waited() <= tokenize_pool.READY_WAIT
 
     def _check_running(self) -> None:
         if self.dead is not None:
