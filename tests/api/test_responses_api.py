@@ -3,12 +3,12 @@ Response), a function tool round trip through `function_call_output` and `previo
 json_schema, the store (owner-only, bounded, expiring), reasoning items from a thinking model, and refusals naming
 the Responses API's fields."""
 
-import asyncio
 import json
 import time
 
 import jsonschema
 import pytest
+from references import max_loop_lag
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
@@ -260,7 +260,6 @@ def test_the_store_holds_and_counts_the_encoded_json():
 def test_a_large_stored_response_is_answered_without_stalling_the_loop():
     """A GET answers the stored bytes as they are: nothing walks or encodes the response on the event loop (a
     response of 300,000 keys stalled every other request for seconds, on each GET)."""
-    httpx = pytest.importorskip("httpx")
     from tiffin.plugin.openai.app import create_app
 
     store = ResponseStore()
@@ -268,25 +267,8 @@ def test_a_large_stored_response_is_answered_without_stalling_the_loop():
     store.put(None, big, [])
     app = create_app(None, store)  # no engine: a GET reads the store alone
 
-    async def run() -> tuple[float, int, bytes]:
-        lag, stop = 0.0, asyncio.Event()
-
-        async def ticker():
-            nonlocal lag
-            while not stop.is_set():
-                before = time.monotonic()
-                await asyncio.sleep(0.01)
-                lag = max(lag, time.monotonic() - before - 0.01)
-
-        tick = asyncio.create_task(ticker())
-        await asyncio.sleep(0.05)
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-            r = await c.get("/responses/resp_big")
-        stop.set()
-        await tick
-        return lag, r.status_code, r.content
-
-    lag, status, content = asyncio.run(run())
+    lag, r = max_loop_lag(app, "GET", "/responses/resp_big")
+    status, content = r.status_code, r.content
     assert status == 200 and json.loads(content) == big
     assert lag < 0.3, f"the event loop stalled {lag:.2f} s"
 

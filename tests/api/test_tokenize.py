@@ -5,6 +5,7 @@ naming its field."""
 import json
 
 import pytest
+from references import max_loop_lag
 
 pytest.importorskip("fastapi")
 hypothesis = pytest.importorskip("hypothesis")
@@ -170,42 +171,14 @@ def test_at_most_max_tokenize_ids_go_in_or_out(api):
             assert refused(client, "/detokenize", {"tokens": [1] * 9}) == "tokens"
 
 
-def _max_loop_lag(app, path: str, body: dict):
-    """The longest the event loop went unanswered while `app` served one POST of `body` to `path`."""
-    import asyncio
-    import time
-
-    import httpx
-
-    async def run():
-        lag, stop = 0.0, asyncio.Event()
-
-        async def ticker():
-            nonlocal lag
-            while not stop.is_set():
-                before = time.monotonic()
-                await asyncio.sleep(0.01)
-                lag = max(lag, time.monotonic() - before - 0.01)
-
-        tick = asyncio.create_task(ticker())
-        await asyncio.sleep(0.05)
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
-            r = await c.post(path, json=body)
-        stop.set()
-        await tick
-        return lag, r
-
-    return asyncio.run(run())
-
-
 def test_a_huge_answer_is_encoded_off_the_event_loop(api):
     """A few hundred thousand ids and their strings were walked and encoded on the event loop, stalling every
     stream and probe for seconds; now the loop keeps turning."""
     text = ("hello world " * 200_000)[: api.engine.engine.max_prompt_chars]  # the longest prompt /tokenize takes
-    lag, r = _max_loop_lag(api.app, "/tokenize", {"prompt": text, "return_token_strs": True})
+    lag, r = max_loop_lag(api.app, "POST", "/tokenize", json={"prompt": text, "return_token_strs": True})
     assert r.status_code == 200, r.text
     answer = r.json()
     assert answer["count"] == len(answer["tokens"]) == len(answer["token_strs"]) >= 100_000
     assert lag < 0.15, f"the event loop stalled {lag:.2f} s"  # 0.3-0.55 s when FastAPI encoded it on the loop
-    lag, r = _max_loop_lag(api.app, "/detokenize", {"tokens": answer["tokens"]})
+    lag, r = max_loop_lag(api.app, "POST", "/detokenize", json={"tokens": answer["tokens"]})
     assert r.status_code == 200 and lag < 0.15, (r.status_code, f"the event loop stalled {lag:.2f} s")

@@ -12,6 +12,7 @@ import shutil
 import pytest
 import torch
 from lora_adapters import PeftReference, make_adapter
+from references import reference_generate
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -85,26 +86,10 @@ def checkpoints(tmp_path_factory):
     return out
 
 
-def reference_generate(hf, prompt: list[int]) -> tuple[list[int], list[float]]:
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    logprobs = [torch.log_softmax(logits[0].float(), -1)[t].item() for logits, t in zip(out.logits, tokens)]
-    return tokens, logprobs
-
-
 @pytest.mark.parametrize("model_type", list(ARCHS))
 def test_greedy_batch_matches_transformers(checkpoints, model_type):
     path, hf = checkpoints[model_type]
-    expected = [reference_generate(hf, p) for p in prompts()]
+    expected = [reference_generate(hf, p, NEW_TOKENS) for p in prompts()]
     llm = LLM(str(path), dtype="float32", enable_prefix_caching=True)
     for _ in range(2):  # the second run's prompts hit the first's cached blocks
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY, use_tqdm=False)
@@ -186,7 +171,7 @@ def test_lora_off_the_experts_matches_peft_and_on_them_is_refused(checkpoints, t
     expected = ref.generate(prompt, "a", NEW_TOKENS)
     ref.model.unload()
     assert out[0].outputs[0].token_ids == expected
-    assert expected != reference_generate(hf, prompt)[0], "the adapter does not change the output"
+    assert expected != reference_generate(hf, prompt, NEW_TOKENS)[0], "the adapter does not change the output"
     with pytest.raises(ValueError, match=r"mlp\.experts\.0\.gate_proj: adapters on a mixture of experts' experts"):
         llm.generate([{"prompt_token_ids": prompt}], params, lora_request=LoRARequest("e", 2, str(experts)))
 
@@ -216,4 +201,4 @@ def test_tensor_parallel_engine_matches_transformers(checkpoints):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY, use_tqdm=False)
     finally:
         llm.shutdown()
-    assert [o.outputs[0].token_ids for o in outs] == [reference_generate(hf, p)[0] for p in prompts()]
+    assert [o.outputs[0].token_ids for o in outs] == [reference_generate(hf, p, NEW_TOKENS)[0] for p in prompts()]

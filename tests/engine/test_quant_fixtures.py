@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from references import reference_generate
 from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -86,21 +87,6 @@ def reference_model(path: Path):
     return hf.eval()
 
 
-def reference_generate(hf, prompt: list[int]) -> tuple[list[int], list[float]]:
-    ids = torch.tensor([prompt])
-    out = hf.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=NEW_TOKENS,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    logprobs = [torch.log_softmax(logits[0].float(), -1)[t].item() for logits, t in zip(out.logits, tokens)]
-    return tokens, logprobs
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_greedy_matches_transformers_with_the_tools_weights(name):
     path = FIXTURES / name
@@ -109,7 +95,7 @@ def test_greedy_matches_transformers_with_the_tools_weights(name):
     prompts = [torch.randint(4, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
     with torch.inference_mode():
         hf = reference_model(path)
-        expected = [reference_generate(hf, p) for p in prompts]
+        expected = [reference_generate(hf, p, NEW_TOKENS) for p in prompts]
     llm = LLM(str(path), dtype="float32", kernel_backend="torch", cpu_quant_compute="exact")
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
