@@ -5,12 +5,46 @@ PROMETHEUS_MULTIPROC_DIR after importing the service module, and prometheus_clie
 first imported."""
 
 import functools
+import os
+import shutil
 import time
+from pathlib import Path
 
 from tiffin.engine.outputs import EngineStats
 
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
 REQUEST_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+def own_prometheus_dir() -> Path | None:
+    """Point BentoML at a Prometheus multiprocess directory of this server's own, `tiffin_prometheus/<pid>` under
+    BENTOML_HOME, and remove those of servers that have exited; the directory, or None in a worker.
+
+    BentoML empties one shared `<BENTOML_HOME>/prometheus_multiproc_dir` whenever a server starts, so a second
+    server under the same home would wipe the first's files and the first's /metrics would then read the second's
+    counters. `bentoml serve` imports the service module before it prepares that directory, so this runs at import;
+    its workers inherit PROMETHEUS_MULTIPROC_DIR (set by then) and keep it."""
+    if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
+        return None
+    from bentoml._internal.configuration.containers import BentoMLContainer
+
+    root = Path(BentoMLContainer.bentoml_home.get()) / "tiffin_prometheus"
+    for other in root.glob("*"):
+        if other.name.isdigit() and not _alive(int(other.name)):
+            shutil.rmtree(other, ignore_errors=True)
+    own = root / str(os.getpid())
+    BentoMLContainer.prometheus_multiproc_dir.set(str(own))
+    return own
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
 
 
 class EngineMetrics:

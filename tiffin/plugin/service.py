@@ -58,7 +58,7 @@ from tiffin.engine.pooling_params import PoolingParams
 from tiffin.engine.sampling_params import SamplingParams
 from tiffin.plugin import http_server
 from tiffin.plugin.guard import Guard
-from tiffin.plugin.metrics import engine_metrics
+from tiffin.plugin.metrics import engine_metrics, own_prometheus_dir
 from tiffin.plugin.model_store import bento_model, is_hub_id, resolve_embedding_model, resolve_model
 from tiffin.plugin.openai import structured
 from tiffin.plugin.openai.app import attach_serving, create_app, create_root_app, create_v2_app
@@ -70,6 +70,7 @@ from tiffin.plugin.openai.store import ResponseStore
 from tiffin.plugin.openai.tokenize import MAX_TOKENIZE_IDS
 
 logger = logging.getLogger("tiffin.service")
+own_prometheus_dir()  # before `bentoml serve` empties BentoML's shared directory, which another server may be using
 
 
 # EngineConfig fields the service sets itself: it resolves the model (a path, store tag or hub id; the checkpoint
