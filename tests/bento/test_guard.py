@@ -137,6 +137,42 @@ def test_draining_turns_new_requests_away():
     assert client.get("/livez").status_code == 200
 
 
+def test_concurrency_is_bounded_per_key_and_in_all_with_openai_shaped_429s():
+    """One key cannot take every slot (issue #50, defect 4); a refusal is OpenAI's error shape with Retry-After,
+    not BentoML's `{"error": "Too many requests"}`; scrapes are never refused."""
+
+    async def run():
+        release = asyncio.Event()
+
+        async def hold(request):
+            await release.wait()
+            return PlainTextResponse("done")
+
+        app = Starlette(routes=[Route("/hold", hold, methods=["POST"]), Route("/metrics", hold)])
+        guard = Guard(app, api_key=f"{KEY},{KEY2}", admin_api_key=ADMIN, max_concurrency=3, max_concurrency_per_key=2)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=guard), base_url="http://guarded") as http:
+            post = lambda key: http.post("/hold", headers=bearer(key))
+            held = [asyncio.create_task(post(KEY)) for _ in range(2)]
+            await asyncio.sleep(0.05)
+            over_share = await post(KEY)
+            held.append(asyncio.create_task(post(KEY2)))  # the other key still gets in
+            held.append(asyncio.create_task(http.get("/metrics", headers=bearer(KEY))))
+            await asyncio.sleep(0.05)
+            full = await post(ADMIN)
+            release.set()
+            done = await asyncio.gather(*held)
+            again = await post(KEY)
+        return over_share, full, done, again, guard.in_flight
+
+    over_share, full, done, again, in_flight = asyncio.run(run())
+    for refused, setting in ((over_share, "max_concurrency_per_key"), (full, "max_concurrency")):
+        error = refused.json()["error"]
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1", refused.text
+        assert set(error) == {"message", "type", "param", "code"} and error["type"] == "rate_limit_error"
+        assert f"({setting})" in error["message"], error
+    assert [r.status_code for r in done] == [200] * 4 and again.status_code == 200 and not in_flight
+
+
 def test_waiting_queue_bound_is_a_429_with_retry_after(openai_app):
     from tiffin import SamplingParams
     from tiffin.engine.errors import QueueFull

@@ -8,6 +8,7 @@ import pytest
 
 from tiffin import AsyncLLMEngine
 from tiffin.engine.config import EngineConfig
+from tiffin.engine.errors import ParamError, QueueFull
 from tiffin.engine.llm_engine import LLMEngine
 from tiffin.engine.sampling_params import SamplingParams
 
@@ -72,6 +73,44 @@ def test_fair_share_splits_the_throughput_between_clients(tiny_model):
     assert fair["light"] >= 20 and abs(fair["busy"] - fair["light"]) <= 0.2 * max(fair.values()), fair
     fcfs = tokens_while_both_wait(make_engine(tiny_model, max_num_seqs=4), clients, 30)
     assert fcfs["busy"] >= 20 and fcfs["light"] == 0, fcfs
+
+
+def test_fair_share_holds_across_priority_levels(tiny_model):
+    """A burst of the most urgent priority from one client does not starve another's (issue #50, defect 4):
+    seats go to the client holding fewest; its priority orders only its own requests."""
+    engine = make_engine(tiny_model, max_num_seqs=4, scheduling_policy="priority", fair_share=True)
+    for i in range(12):  # seats free one at a time
+        engine.add_request(f"busy{i}", prompt(i), params(priority=-1, max_tokens=4 + i), client="busy")
+    engine.step()
+    engine.add_request("light-late", prompt(20), params(priority=5, max_tokens=8), client="light")
+    engine.add_request("light", prompt(21), params(priority=0, max_tokens=8), client="light")
+    first_token_step, step = {}, 0
+    while engine.has_unfinished_requests():
+        step += 1
+        for out in engine.step():
+            if out.outputs[0].token_ids:
+                first_token_step.setdefault(out.request_id, step)
+    assert first_token_step["light"] <= 6, first_token_step  # the first seat that frees (busy0's 4 tokens)
+    assert first_token_step["light"] < first_token_step["light-late"]  # priority orders the client's own
+    assert first_token_step["light"] < max(first_token_step[f"busy{i}"] for i in range(12))
+
+
+def test_each_client_has_a_share_of_the_waiting_queue(tiny_model):
+    engine = make_engine(tiny_model, max_num_seqs=2, max_waiting_requests=20, max_waiting_per_client=6)
+    many = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, n=3)
+    engine.add_request("a0", prompt(0), many, client="a")
+    engine.add_request("a1", prompt(1), many, client="a")
+    with pytest.raises(QueueFull, match="max_waiting_per_client=6"):  # n counts: 6 + 3 > 6
+        engine.add_request("a2", prompt(2), many, client="a")
+    engine.add_request("b0", prompt(3), many, client="b")  # another key still gets in
+    for i in range(3):  # anonymous requests are bound by max_waiting_requests only
+        engine.add_request(f"anonymous{i}", prompt(4 + i), many)
+    with pytest.raises(ParamError, match="never fit max_waiting_per_client") as refused:
+        engine.add_request("a3", prompt(2), SamplingParams(max_tokens=4, n=7), client="b")
+    assert refused.value.param == "n" and "a2" not in engine.requests and "a3" not in engine.requests
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("a2", prompt(2), many, client="a")  # room again once its sequences ran
 
 
 def test_async_engine_hands_the_client_to_the_engine_thread(tiny_model, monkeypatch):

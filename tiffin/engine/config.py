@@ -119,8 +119,9 @@ class EngineConfig:
     )
     fair_share: bool = _setting(
         False,
-        "share the running seats equally between clients (a request's `client`: the server's API key) within a "
-        "priority level, so that one client's burst cannot starve another's requests",
+        "share the running seats equally between clients (a request's `client`: the server's API key), whatever "
+        "priorities they ask for, so that one client's burst cannot starve another's requests; a priority orders a "
+        "client's own requests",
     )
     reasoning_parser: str | None = _setting(
         "auto",
@@ -190,6 +191,12 @@ class EngineConfig:
         None,
         "sequences queued beyond the running batch (a request with n counts n); more are refused (a server's 429; the "
         "offline LLM waits for room); None: no bound",
+    )
+    max_waiting_per_client: int | None = _setting(
+        None,
+        "sequences one client (a server's API key) may have queued beyond the running batch (n counts n); more are "
+        "refused (a 429), so that one key cannot fill max_waiting_requests; anonymous requests are not bound by it; "
+        "None: no bound",
     )
     grammar_compile_timeout: float = _setting(
         5.0,
@@ -282,8 +289,9 @@ class EngineConfig:
             raise ValueError(f"chat_template_timeout must be > 0 seconds, got {self.chat_template_timeout}")
         if self.chat_template_max_chars is not None and self.chat_template_max_chars < 1:
             raise ValueError(f"chat_template_max_chars must be >= 1, got {self.chat_template_max_chars}")
-        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
-            raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
+        for name in ("max_waiting_requests", "max_waiting_per_client"):
+            if (value := getattr(self, name)) is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
         if self.engine_stall_timeout is not None and self.engine_stall_timeout < 0:
             raise ValueError(f"engine_stall_timeout must be >= 0 (0 or None: off), got {self.engine_stall_timeout}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:

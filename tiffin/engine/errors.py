@@ -12,7 +12,8 @@ class ParamError(ValueError):
 
 
 class QueueFull(RuntimeError):
-    """The waiting queue holds max_waiting_requests sequences: try again later."""
+    """The waiting queue holds max_waiting_requests sequences, or the client's max_waiting_per_client: try again
+    later."""
 
 
 class EngineError(RuntimeError):

@@ -159,6 +159,16 @@ class LLMEngine:
         self._grammar_backend_lock = threading.Lock()
         self.check_invariants = os.environ.get("TIFFIN_CHECK_INVARIANTS") == "1"  # after every step (tests set it)
 
+    def _check_queue_room(self, n: int, client: str | None) -> None:
+        own_limit = self.config.max_waiting_per_client if client is not None else None
+        if own_limit is not None and n > own_limit:
+            raise ParamError("n", f"n={n} sequences never fit max_waiting_per_client={own_limit}")
+        waiting, limit = len(self.scheduler.waiting), self.config.max_waiting_requests
+        if limit is not None and waiting + n > limit:
+            raise QueueFull(f"{waiting} sequences are waiting (max_waiting_requests={limit}); retry later")
+        if own_limit is not None and (own := sum(s.client == client for s in self.scheduler.waiting)) + n > own_limit:
+            raise QueueFull(f"{own} of this client's sequences are waiting (max_waiting_per_client={own_limit})")
+
     def add_request(
         self,
         request_id: str,
@@ -171,16 +181,14 @@ class LLMEngine:
         `load_lora` result is taken as is). `params`: SamplingParams to generate, PoolingParams to embed or score
         (default: the model's task). Raises ValueError, leaving the engine untouched, if the request is invalid,
         not the model's task, or can never fit in the context or the KV cache; QueueFull if max_waiting_requests
-        sequences wait already. A `TokenizedPrompt` (what `tokenize` returns) is not tokenized again.
-        `client`: who sent it, for fair share (None: anonymous)."""
+        sequences wait already, or max_waiting_per_client of `client`'s. A `TokenizedPrompt` (what `tokenize`
+        returns) is not tokenized again. `client`: who sent it, for fair share (None: anonymous)."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         (text, token_ids, token_types), params, max_tokens = self.check_request(prompt, params)
         pooling = params if isinstance(params, PoolingParams) else None
         n = 1 if pooling else params.n
-        waiting, limit = len(self.scheduler.waiting), self.config.max_waiting_requests
-        if limit is not None and waiting + n > limit:
-            raise QueueFull(f"{waiting} sequences are waiting (max_waiting_requests={limit}); retry later")
+        self._check_queue_room(n, client)
         lora = None if lora_request is None else self._loras().resolve(lora_request)
         if pooling:
             seq_ids = token_ids if token_types is None else with_token_types(token_ids, token_types)

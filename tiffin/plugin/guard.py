@@ -6,7 +6,11 @@
   refusal is a 401 in OpenAI's error shape.
 - Clients: the app learns which key a request presented, as an opaque id in `scope["state"]` (read it with
   tiffin.plugin.openai.clients.client_of): routes keep per-client things by it. None when no keys are configured
-  or the request presented none of them (on a route open without a key).
+  or the request presented none of them (on a route open without a key). A user key (any key but `admin_api_key`)
+  may not ask for a `priority` below `min_user_priority` (clients.min_priority): it can only lower its own.
+- Concurrency: at most `max_concurrency` requests in the app at once, and `max_concurrency_per_key` of one key's
+  (so one key cannot fill the server); beyond, a 429 in OpenAI's error shape with Retry-After. This replaces
+  BentoML's own bound, which counts every key alike and answers `{"error": "Too many requests"}`.
 - Body limit: a declared Content-Length beyond `max_body` is answered 413 without buffering the body; a
   chunked body is counted as it arrives and cut off at the limit.
 - Draining: while `draining()` is true (SIGTERM received), new requests get 503 while running ones finish.
@@ -21,11 +25,13 @@ import functools
 import hmac
 import json
 import sys
+from collections import Counter
 from collections.abc import Callable
 
-from tiffin.plugin.openai.clients import CLIENT_STATE, client_id, presented_keys
+from tiffin.plugin.openai.clients import CLIENT_STATE, MIN_PRIORITY_STATE, client_id, presented_keys
 
 PROBES = ("/livez", "/readyz")  # orchestrators probe without credentials, and must see draining
+UNCOUNTED = ("/metrics",)  # scrapes are not bounded by the concurrency limits
 ADMIN_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 DISCARD_LIMIT = 64 << 20  # an oversized body up to this is read and dropped, so the client sees the 413
 RELEASE_AFTER = 1 << 20  # body bytes after which a request's freed buffers are handed back to the OS
@@ -40,12 +46,19 @@ class Guard:
         max_body: int = 10 << 20,
         draining: Callable[[], bool] = lambda: False,
         failure: Callable[[], str | None] = lambda: None,
+        max_concurrency: int | None = None,
+        max_concurrency_per_key: int | None = None,
+        min_user_priority: int | None = None,
     ):
         self.app, self.max_body, self.draining, self.failure = app, max_body, draining, failure
         user_keys = [k.strip().encode() for k in (api_key or "").split(",") if k.strip()]
         self.admin_keys = [admin_api_key.encode()] if admin_api_key else user_keys
         self.keys = user_keys + [k for k in self.admin_keys if k not in user_keys] if user_keys else []
         self.known = list(dict.fromkeys(user_keys + self.admin_keys))  # every key a client may be known by
+        self.privileged = [admin_api_key.encode()] if admin_api_key else []  # not bound by min_user_priority
+        self.max_concurrency, self.max_concurrency_per_key = max_concurrency, max_concurrency_per_key
+        self.min_user_priority = min_user_priority
+        self.in_flight: Counter[str | None] = Counter()  # requests in the app, by client
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"] == "/livez" and (reason := self.failure()) is not None:
@@ -58,9 +71,36 @@ class Guard:
         if keys and key not in keys:
             message = "a valid API key is required: Authorization: Bearer <key>, or x-api-key: <key>"
             return await _error(send, 401, message, "invalid_api_key")
-        scope.setdefault("state", {})[CLIENT_STATE] = None if key is None else client_id(key)
+        client = None if key is None else client_id(key)
+        state = scope.setdefault("state", {})
+        state[CLIENT_STATE] = client
+        if key is not None and key not in self.privileged and self.min_user_priority is not None:
+            state[MIN_PRIORITY_STATE] = self.min_user_priority
         if self.draining():
             return await _error(send, 503, "the server is shutting down", "shutting_down", "service_unavailable")
+        if scope["path"] in UNCOUNTED:
+            return await self._bounded(scope, receive, send, headers)
+        if (refusal := self._full(client)) is not None:
+            return await _error(send, 429, refusal, "concurrency_limit", "rate_limit_error")
+        self.in_flight[client] += 1
+        try:
+            await self._bounded(scope, receive, send, headers)
+        finally:
+            self.in_flight[client] -= 1
+            if not self.in_flight[client]:
+                del self.in_flight[client]
+
+    def _full(self, client: str | None) -> str | None:
+        """Why a request of `client` may not start now, or None."""
+        if self.max_concurrency is not None and self.in_flight.total() >= self.max_concurrency:
+            return f"the server is running {self.max_concurrency} requests (max_concurrency); retry later"
+        limit = self.max_concurrency_per_key
+        if limit is not None and client is not None and self.in_flight[client] >= limit:
+            return f"this API key is running {limit} requests (max_concurrency_per_key); retry later"
+        return None
+
+    async def _bounded(self, scope, receive, send, headers: dict) -> None:
+        """The app behind the body limit."""
         try:
             declared = int(headers.get(b"content-length", b"0"))
         except ValueError:
@@ -141,5 +181,7 @@ async def _error(send, status: int, message: str, code: str, kind: str = "invali
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
+    if status == 429:
+        headers.append((b"retry-after", b"1"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

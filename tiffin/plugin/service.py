@@ -77,7 +77,8 @@ own_prometheus_dir()  # before `bentoml serve` empties BentoML's shared director
 # holds the tokenizer) and turns LoRA on when lora_roots is set. Every other field is a setting of the same name.
 _SERVICE_SET = {"model", "tokenizer", "enable_lora", "lora_roots"}
 _ENGINE_SETTINGS = [f for f in fields(EngineConfig) if f.name not in _SERVICE_SET]
-_BENTO_DEFAULTS = {"max_waiting_requests": 1024}  # a server bounds its queue; offline `LLM` use need not
+# a server bounds its queue, each key's share of it, and shares its seats between keys; offline `LLM` use need not
+_BENTO_DEFAULTS = {"max_waiting_requests": 1024, "max_waiting_per_client": 256, "fair_share": True}
 
 
 class _ServiceSettings(BaseModel):
@@ -106,6 +107,20 @@ class _ServiceSettings(BaseModel):
     )
     admin_api_key: str | None = Field(None, description="set: LoRA load/unload need this key (it opens all routes)")
     max_request_body: int = Field(10 << 20, description="bytes; a larger request body gets 413")
+    max_concurrency: int | None = Field(
+        None, ge=1, description="requests served at once (more: 429); None: 4 x max_num_seqs"
+    )
+    max_concurrency_per_key: int | None = Field(
+        None,
+        ge=1,
+        description="requests one API key may have served at once; None: half of max_concurrency when "
+        "api_key lists several keys, else no bound of its own",
+    )
+    min_user_priority: int | None = Field(
+        0,
+        description="the most urgent `priority` a user key may ask for (lower runs first; the default lets users "
+        "only lower their own); the admin key and servers without keys may ask any; None: no bound",
+    )
     shutdown_grace_period: float = Field(
         25.0, description="seconds running requests may take to finish after SIGTERM, before they are failed"
     )
@@ -197,6 +212,12 @@ class _ServiceSettings(BaseModel):
             return None
         gpus = max(self.gpus, self.tensor_parallel_size)
         return {"gpu": gpus} | ({"gpu_type": self.gpu_type} if self.gpu_type else {})
+
+    def concurrency(self) -> tuple[int, int | None]:
+        """max_concurrency and max_concurrency_per_key, their defaults applied."""
+        total = self.max_concurrency or 4 * self.max_num_seqs
+        several_keys = len([k for k in (self.api_key or "").split(",") if k.strip()]) > 1
+        return total, self.max_concurrency_per_key or (max(1, total // 2) if several_keys else None)
 
     def engine_kwargs(self) -> dict:
         return {f.name: getattr(self, f.name) for f in _ENGINE_SETTINGS} | {
@@ -308,7 +329,6 @@ SERVICE: list = []  # this worker's Tiffin instance, whose `failure` the Guard's
     traffic={
         "timeout": settings.timeout,
         "concurrency": settings.max_num_seqs,  # what one replica batches; the autoscaling target
-        "max_concurrency": 4 * settings.max_num_seqs,  # beyond this, 429 instead of an ever longer queue
     },
 )
 class Tiffin:
@@ -533,4 +553,8 @@ Tiffin.add_asgi_middleware(
     max_body=settings.max_request_body,
     draining=DRAINING.is_set,
     failure=lambda: SERVICE[0].failure() if SERVICE else None,
+    # beyond these, 429 instead of an ever longer queue: the guard's, per key, where BentoML's is global
+    max_concurrency=settings.concurrency()[0],
+    max_concurrency_per_key=settings.concurrency()[1],
+    min_user_priority=settings.min_user_priority,
 )

@@ -11,9 +11,10 @@ arrival), lower first. Admission follows the key across both queues (`waiting`, 
 preempted by swap): a swapped sequence whose key is before the next waiting one's resumes before it is admitted,
 and nothing is admitted past a sequence that cannot be, except one whose adapter finds no free LoRA slot or whose
 grammar still compiles: others pass it meanwhile. Swapped sequences hold seats of max_num_seqs, as running ones
-do. With `fair_share`, the next waiting sequence is instead, within the best priority level waiting, the head of
-the client (`Sequence.client`; all anonymous requests are one client) that holds the fewest seats, earliest
-arrival breaking ties: backlogged clients hold about as many seats each, whatever their request rates.
+do. With `fair_share`, the next waiting sequence is instead the head of the client (`Sequence.client`; all
+anonymous requests are one client) that holds the fewest seats, its best priority level, then earliest arrival,
+breaking ties: backlogged clients hold about as many seats each, whatever their request rates and whatever
+priorities they ask for (a priority orders a client's own requests; across clients it only breaks a tie of seats).
 
 When blocks run out, the last running sequence is preempted: `running` is in admission order under `fcfs` (the
 latest admitted goes) and in key order under `priority` (the lowest priority's latest arrival goes). A higher
@@ -144,7 +145,7 @@ class KeyedQueue:
         if len(self.heaps) == 1:
             return next(iter(self.heaps.values()))[0][1]
         heads = (heap[0] for heap in self.heaps.values())  # (key, seq)
-        return min(heads, key=lambda head: (head[0][0], seats[head[1].client], head[0]))[1]  # level, seats, key
+        return min(heads, key=lambda head: (seats[head[1].client], head[0]))[1]  # seats, then (level, arrival)
 
     def pop(self, seq: Sequence) -> None:
         """Remove `seq`, the head `peek` just returned."""

@@ -9,6 +9,7 @@ import hashlib
 from fastapi import Request
 
 CLIENT_STATE = "tiffin_client"  # the key in scope["state"] under which the guard leaves the client's id
+MIN_PRIORITY_STATE = "tiffin_min_priority"  # ... and the lowest `priority` that client may ask for
 
 
 def presented_keys(headers: dict[bytes, bytes]) -> list[bytes]:
@@ -31,3 +32,8 @@ def client_of(raw: Request) -> str | None:
         return state[CLIENT_STATE]
     keys = presented_keys(dict(raw.scope["headers"]))
     return client_id(keys[0]) if keys else None
+
+
+def min_priority(raw: Request) -> int | None:
+    """The lowest `priority` (the most urgent) the client that sent `raw` may ask for; None: any."""
+    return (raw.scope.get("state") or {}).get(MIN_PRIORITY_STATE)

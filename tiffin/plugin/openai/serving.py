@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from tiffin.engine.errors import QueueFull
+from tiffin.engine.errors import ParamError, QueueFull
 from tiffin.engine.outputs import RequestOutput
 from tiffin.engine.sampling_params import SamplingParams
 from tiffin.plugin.openai.answer import AnswerReader
-from tiffin.plugin.openai.clients import client_of
+from tiffin.plugin.openai.clients import client_of, min_priority
 from tiffin.plugin.openai.encoding import built_json_response
 from tiffin.plugin.openai.protocol import (
     APIError,
@@ -156,6 +156,9 @@ class OpenAIServing:
         params: SamplingParams,
         lora: "LoRARequest | None",
     ) -> Answer:
+        if (floor := min_priority(raw)) is not None and params.priority < floor:
+            message = f"priority {params.priority} is more urgent than this API key may ask for (lowest: {floor})"
+            raise bad_request(ParamError("priority", message))
         streams = await self._open(prompts, params, builder.id, lora, _constraining_field(req), client_of(raw))
         if req.stream:
             return StreamingResponse(self._sse(streams, builder), media_type="text/event-stream")
