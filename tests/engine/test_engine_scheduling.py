@@ -95,6 +95,27 @@ def test_fair_share_holds_across_priority_levels(tiny_model):
     assert first_token_step["light"] < max(first_token_step[f"busy{i}"] for i in range(12))
 
 
+def test_a_newcomer_gets_a_seat_at_once_when_one_client_holds_them_all(tiny_model):
+    """Long requests of one client hold every seat: another client's request starts the next step, one of the
+    holder's sequences preempted (recomputed later from the prefix cache), not once a long one ends."""
+    engine = make_engine(tiny_model, max_num_seqs=4, fair_share=True)
+    for i in range(6):
+        engine.add_request(f"long{i}", prompt(i), params(max_tokens=40), client="busy")
+    for _ in range(3):
+        engine.step()
+    engine.add_request("short", prompt(9), params(max_tokens=2), client="light")
+    steps = 0
+    while "short" in engine.requests:
+        steps += 1
+        engine.step()
+    assert steps <= 3 and engine.scheduler.num_preemptions == 1, (steps, engine.scheduler.num_preemptions)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out
+    assert all(len(outputs[f"long{i}"].outputs[0].token_ids) == 40 for i in range(6))
+
+
 def test_each_client_has_a_share_of_the_waiting_queue(tiny_model):
     engine = make_engine(tiny_model, max_num_seqs=2, max_waiting_requests=20, max_waiting_per_client=6)
     many = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, n=3)

@@ -15,6 +15,9 @@ do. With `fair_share`, the next waiting sequence is instead the head of the clie
 anonymous requests are one client) that holds the fewest seats, its best priority level, then earliest arrival,
 breaking ties: backlogged clients hold about as many seats each, whatever their request rates and whatever
 priorities they ask for (a priority orders a client's own requests; across clients it only breaks a tie of seats).
+And a client waiting with no seat while every seat is taken gets one at once: the latest admitted sequence of the
+client holding the most seats (two at least) is preempted by recompute (its blocks stay in the prefix cache), so a
+burst of long requests cannot keep a newcomer waiting until one of them ends.
 
 When blocks run out, the last running sequence is preempted: `running` is in admission order under `fcfs` (the
 latest admitted goes) and in key order under `priority` (the lowest priority's latest arrival goes). A higher
@@ -139,6 +142,10 @@ class KeyedQueue:
 
     requeue = push  # the key alone places it
 
+    def heads(self) -> Iterator[Sequence]:
+        """Each client's next sequence."""
+        return (heap[0][1] for heap in self.heaps.values())
+
     def peek(self, seats: Counter | None) -> Sequence:
         """The next to admit: the best key, or with fair share the policy's pick among the clients' heads, `seats`
         counting each client's running and swapped sequences."""
@@ -214,6 +221,8 @@ class Scheduler:
 
     def _schedule(self, decodes: bool) -> SchedulerOutput:
         out, budget = SchedulerOutput(), self.step_budget or self.max_num_batched_tokens
+        if self.fair_share:
+            self._seat_a_newcomer()
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -397,11 +406,27 @@ class Scheduler:
         adapters.add(seq.lora.identity)
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _seat_a_newcomer(self) -> None:
+        if not self.waiting or len(self.running) + len(self.swapped) < self.max_num_seqs:
+            return
+        seats = Counter(s.client for s in (*self.running, *self.swapped))
+        ready = lambda seq: (
+            (seq.grammar is None or seq.grammar.ready) and self._lora_fits(seq, self._running_adapters())
+        )
+        if not any(seats[seq.client] == 0 and ready(seq) for seq in self.waiting.heads()):
+            return
+        holder = max({s.client for s in self.running}, key=seats.__getitem__, default=None)
+        if holder is None or seats[holder] < 2:
+            return
+        victim = next(s for s in reversed(self.running) if s.client == holder)
+        self.running.remove(victim)
+        self._preempt(victim, swap=False)  # a swapped sequence keeps its seat
+
+    def _preempt(self, seq: Sequence, swap: bool = True) -> None:
         """By swap when that is the mode and the swap region has room (its grammar stays as it is: its tokens do
         not change), else by recompute."""
         self.num_preemptions += 1
-        if self.swap and self.block_manager.swap_out(seq):
+        if swap and self.swap and self.block_manager.swap_out(seq):
             seq.status = SequenceStatus.SWAPPED
             bisect.insort(self.swapped, seq, key=self.key)
             self.num_swapped_out += 1
