@@ -132,14 +132,14 @@ def test_fair_share_splits_the_seats_between_clients_whatever_their_load():
     assert all(seats == {"busy": 4} for seats in seats_while_both_wait(fair_share=False))
 
 
-def test_fair_share_within_the_best_priority_level():
+def test_fair_share_across_priority_levels():
     scheduler = make_scheduler("priority", max_num_seqs=3, fair_share=True)
     idle_client = make_seq(1, client="b")
     busy = [make_seq(0, client="a") for _ in range(2)]
     for seq in [idle_client, *busy, make_seq(1, client="a")]:
         scheduler.add(seq)
-    # a holds more seats, but only its requests are at priority 0; at priority 1, b holds fewer
-    assert step(scheduler) == [*busy, idle_client]
+    # seats first: a's more urgent priority breaks the first tie only, then b holds fewer, then a tie again
+    assert step(scheduler) == [busy[0], idle_client, busy[1]]
     scheduler.finish(idle_client, "abort")
     assert len(scheduler.waiting) == 1
     aborted = next(iter(scheduler.waiting))
