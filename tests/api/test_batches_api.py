@@ -268,3 +268,23 @@ def test_the_batch_api_is_off_without_a_batch_dir(engines):
     with TestClient(create_app(engines[0].serving)) as http:
         with pytest.raises(openai.BadRequestError, match="batch_dir"):
             client(http).batches.list()
+
+
+def test_tiffin_batch_run_answers_offline_as_the_server_does(engines, tiny_model, tmp_path, capsys):
+    from tiffin import cli
+
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(jsonl([*completions(3, tokens=5), b"[1]", line("x", "/v1/embeddings", model="tiny", input="a")]))
+    args = ["batch", "run", str(source), "-o", str(out), "--model", str(tiny_model("llama"))]
+    with pytest.raises(SystemExit, match="2 line"):  # the two bad lines fail alone: exit 1
+        cli.main([*args, "--served-model-name", "tiny"])
+    got = [json.loads(r) for r in out.read_text().splitlines()]
+    assert [r["custom_id"] for r in got] == ["l0", "l1", "l2", None, "x"]  # input order
+    assert got[3]["error"]["code"] == "invalid_request" and got[4]["error"]["code"] == "invalid_model"
+    with TestClient(engines[0].app) as http:
+        for r, request in zip(got, completions(3, tokens=5)):
+            live = http.post("/completions", json=request["body"]).json()
+            assert r["response"]["body"]["choices"] == live["choices"]
+    source.write_bytes(jsonl([*completions(2), completions(1)[0]]))
+    with pytest.raises(SystemExit, match="used twice"):
+        cli.main([*args, "--served-model-name", "tiny"])

@@ -28,7 +28,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, Field, ValidationError
@@ -38,6 +38,9 @@ from tiffin.plugin.openai.clients import CLIENT_STATE, client_of
 from tiffin.plugin.openai.encoding import dumps
 from tiffin.plugin.openai.files import file_object, file_routes, page
 from tiffin.plugin.openai.protocol import APIError
+
+if TYPE_CHECKING:
+    from tiffin.plugin.openai.routing import ModelRouter
 
 logger = logging.getLogger("tiffin.batches")
 ENDPOINTS = {  # a batch line's url -> what its model must do
@@ -79,10 +82,18 @@ class BatchAPI:
 
     def __init__(self, app: FastAPI, settings: BatchSettings) -> None:
         self.app, self.settings = app, settings
-        self.store = BatchStore(settings.batch_dir)
+        self._store: BatchStore | None = None
         self.tasks: dict[str, asyncio.Task] = {}
         self.cancelling: set[str] = set()  # batches whose task is cancelled to cancel the batch, not to stop
         self._slots: asyncio.Semaphore | None = None
+
+    @property
+    def store(self) -> BatchStore:
+        """Opened at first use, not with the app: `bentoml build`, and BentoML's parent process, import the Bento's
+        app too, and must not take the directory's lock."""
+        if self._store is None:
+            self._store = BatchStore(self.settings.batch_dir)
+        return self._store
 
     def start(self, owner: str | None, batch_id: str) -> None:
         if batch_id not in self.tasks:
@@ -100,7 +111,9 @@ class BatchAPI:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self.store.close()
+        if self._store is not None:
+            self._store.close()
+            self._store = None
 
     async def cancel(self, owner: str | None, batch_id: str) -> dict:
         batch = await asyncio.to_thread(self.store.get_batch, owner, batch_id)
@@ -148,7 +161,7 @@ class BatchAPI:
                 if len(lines) == self.settings.batch_max_lines:
                     limit = self.settings.batch_max_lines
                     return self._fail(batch, "too_many_requests", f"a batch holds at most {limit} lines", number)
-                custom_id, url, body, error = self._check_line(text)
+                custom_id, url, body, error = check_line(text, self.app.state.router, self.settings.batch_priority)
                 if custom_id in seen:
                     return self._fail(batch, "duplicate_custom_id", f"custom_id {custom_id!r} is used twice", number)
                 if custom_id is not None:
@@ -163,39 +176,6 @@ class BatchAPI:
     def _fail(self, batch: dict, code: str, message: str, line: int | None = None) -> dict:
         errors = {"object": "list", "data": [{"code": code, "message": message, "param": None, "line": line}]}
         return self.store.update_batch(batch["id"], status="failed", errors=errors, expect=("validating",))
-
-    def _check_line(self, text: bytes) -> tuple[str | None, str | None, str | None, dict | None]:
-        """(custom_id, url, body JSON to run, None), or (custom_id if it has one, None, None, the error that fails
-        it)."""
-        try:
-            line = json.loads(text)
-        except ValueError as e:
-            return None, None, None, {"code": "invalid_json", "message": f"the line is not valid JSON: {e}"}
-        if not isinstance(line, dict):
-            return None, None, None, {"code": "invalid_request", "message": "the line is not a JSON object"}
-        custom_id = line.get("custom_id")
-        if not isinstance(custom_id, str) or not custom_id:
-            return None, None, None, {"code": "missing_custom_id", "message": "custom_id must be a non-empty string"}
-        url, body = line.get("url"), line.get("body")
-        problem = None
-        if line.get("method") != "POST":
-            problem = "invalid_method", f"method must be POST, got {line.get('method')!r}"
-        elif url not in ENDPOINTS:
-            problem = "invalid_url", f"url {url!r} is not one of {', '.join(ENDPOINTS)}"
-        elif not isinstance(body, dict):
-            problem = "invalid_body", "body must be a JSON object"
-        elif body.get("stream"):
-            problem = "invalid_body", "stream is not supported in a batch"
-        else:
-            try:
-                self.app.state.router.route(body.get("model"), ENDPOINTS[url], url)
-            except APIError as e:
-                problem = e.code or "invalid_model", e.message
-        if problem is not None:
-            return custom_id, None, None, {"code": problem[0], "message": problem[1]}
-        if ENDPOINTS[url] == "generate":
-            body["priority"] = self.settings.batch_priority
-        return custom_id, url, dumps(body).decode(), None
 
     async def _run(self, owner: str | None, batch: dict) -> dict:
         """Run the lines without a result, until none is left or the window runs out; the batch finalizing."""
@@ -236,14 +216,7 @@ class BatchAPI:
             self.slots.release()
 
     def _finish(self, batch_id: str, idx: int, custom_id: str, status: int, content: bytes) -> None:
-        try:
-            body = json.loads(content)
-        except ValueError:
-            body = {"error": {"message": content.decode(errors="replace"), "type": "server_error"}}
-        request_id = body.get("id") if status == 200 and isinstance(body, dict) else None
-        response = {"status_code": status, "request_id": request_id or f"req_{uuid.uuid4().hex}", "body": body}
-        record = {"id": new_id("batch_req"), "custom_id": custom_id, "response": response, "error": None}
-        self.store.finish_line(batch_id, idx, record, status == 200)
+        self.store.finish_line(batch_id, idx, output_record(custom_id, status, content), status == 200)
 
     def _finalize(self, owner: str | None, batch_id: str) -> None:
         """Write the output and error files of a batch that ran, and give it its final status (worker thread).
@@ -260,6 +233,54 @@ class BatchAPI:
                 changes[field] = self.store.put_file(owner, obj, self.store.results(batch_id, ok))["id"]
         self.store.update_batch(batch_id, status=final, **changes)
         self.store.drop_lines(batch_id)
+
+
+Checked = tuple[str | None, str | None, str | None, dict | None]
+
+
+def check_line(text: bytes, router: "ModelRouter", priority: int) -> Checked:
+    """(custom_id, url, body JSON to run, None), or (custom_id if it has one, None, None, the error that fails it).
+    `router`: the servings a line's model must be one of; `priority`: what its generation runs at."""
+    try:
+        line = json.loads(text)
+    except ValueError as e:
+        return None, None, None, {"code": "invalid_json", "message": f"the line is not valid JSON: {e}"}
+    if not isinstance(line, dict):
+        return None, None, None, {"code": "invalid_request", "message": "the line is not a JSON object"}
+    custom_id = line.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        return None, None, None, {"code": "missing_custom_id", "message": "custom_id must be a non-empty string"}
+    url, body = line.get("url"), line.get("body")
+    problem = None
+    if line.get("method") != "POST":
+        problem = "invalid_method", f"method must be POST, got {line.get('method')!r}"
+    elif url not in ENDPOINTS:
+        problem = "invalid_url", f"url {url!r} is not one of {', '.join(ENDPOINTS)}"
+    elif not isinstance(body, dict):
+        problem = "invalid_body", "body must be a JSON object"
+    elif body.get("stream"):
+        problem = "invalid_body", "stream is not supported in a batch"
+    else:
+        try:
+            router.route(body.get("model"), ENDPOINTS[url], url)
+        except APIError as e:
+            problem = e.code or "invalid_model", e.message
+    if problem is not None:
+        return custom_id, None, None, {"code": problem[0], "message": problem[1]}
+    if ENDPOINTS[url] == "generate":
+        body["priority"] = priority
+    return custom_id, url, dumps(body).decode(), None
+
+
+def output_record(custom_id: str, status: int, content: bytes) -> dict:
+    """The output (or error) file's line for a request answered `status` with the JSON `content`."""
+    try:
+        body = json.loads(content)
+    except ValueError:
+        body = {"error": {"message": content.decode(errors="replace"), "type": "server_error"}}
+    request_id = body.get("id") if status == 200 and isinstance(body, dict) else None
+    response = {"status_code": status, "request_id": request_id or f"req_{uuid.uuid4().hex}", "body": body}
+    return {"id": new_id("batch_req"), "custom_id": custom_id, "response": response, "error": None}
 
 
 async def call_app(app: FastAPI, path: str, body: bytes, client: str | None) -> tuple[int, bytes]:
