@@ -10,7 +10,7 @@ Invariants:
 import asyncio
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse
@@ -19,9 +19,6 @@ from starlette.datastructures import UploadFile
 from tiffin.plugin.openai.batch_store import new_id
 from tiffin.plugin.openai.clients import client_of
 from tiffin.plugin.openai.protocol import APIError
-
-if TYPE_CHECKING:
-    from tiffin.plugin.openai.batches import BatchAPI
 
 MULTIPART_SLACK = 64 << 10  # bytes of multipart framing and form fields beside the file
 
@@ -54,8 +51,9 @@ def page(items: list[dict], limit: int, after: str | None) -> dict:
     return {"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": len(items) > len(data)}
 
 
-def file_routes(app: FastAPI, api: "Callable[[], BatchAPI]") -> None:
-    """The /files routes on `app`, over the Batch API `api()` gives (a 400 when the Batch API is off)."""
+def file_routes(app: FastAPI, api: Callable[[], Any]) -> None:
+    """The /files routes on `app`, over the Batch API `api()` gives (tiffin.plugin.openai.batches.BatchAPI: its
+    `store` and `settings`; a 400 when the Batch API is off)."""
 
     @app.post("/files")
     async def upload_file(raw: Request):
@@ -102,7 +100,7 @@ def file_routes(app: FastAPI, api: "Callable[[], BatchAPI]") -> None:
         return {"id": file_id, "object": "file", "deleted": True}
 
 
-async def _file(batches: "BatchAPI", raw: Request, file_id: str) -> dict:
+async def _file(batches: Any, raw: Request, file_id: str) -> dict:
     obj = await asyncio.to_thread(batches.store.get_file, client_of(raw), file_id)
     if obj is None:
         raise not_found(file_id)
