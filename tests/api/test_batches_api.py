@@ -225,7 +225,7 @@ def test_cancel_aborts_running_lines_and_the_window_expires_the_rest(engines, tm
 def test_hostile_files_are_refused_or_fail_alone(engines, tmp_path):
     from openai import BadRequestError, NotFoundError
 
-    settings = {"batch_max_file_bytes": 4096, "batch_max_files": 3, "batch_max_lines": 5}
+    settings = {"batch_max_file_bytes": 4096, "batch_max_files": 4, "batch_max_lines": 5}
     with TestClient(make_app(engines, tmp_path, **settings)) as http:
         c, other = client(http), client(http, "key-b")
         for size in (5000, 1 << 20):  # the file part over the limit; the body cut off as it arrives
@@ -242,15 +242,17 @@ def test_hostile_files_are_refused_or_fail_alone(engines, tmp_path):
         assert too_many.status == "failed" and too_many.errors.data[0].code == "too_many_requests"
         empty = finished(c, submit(c, [b""]).id)
         assert empty.status == "failed" and empty.errors.data[0].code == "empty_file"
-        with pytest.raises(BadRequestError, match="holds 3 files"):
+        file = c.files.create(file=("a.jsonl", jsonl(completions(2))), purpose="batch")
+        with pytest.raises(BadRequestError, match="holds 4 files"):
             c.files.create(file=("a.jsonl", jsonl(completions(1))), purpose="batch")
         with pytest.raises(NotFoundError):  # another key's file and batch do not exist for it
             other.files.retrieve(failed.input_file_id)
         with pytest.raises(NotFoundError):
             other.batches.retrieve(failed.id)
         assert other.files.list().data == [] and other.batches.list().data == []
-        assert c.files.delete(failed.input_file_id).deleted
-        file = c.files.create(file=("a.jsonl", jsonl(completions(2))), purpose="batch")
+        with pytest.raises(BadRequestError, match="holds 4 files"):  # a batch would write files too
+            c.batches.create(input_file_id=file.id, endpoint="/v1/completions", completion_window="1h")
+        assert c.files.delete(failed.input_file_id).deleted and c.files.delete(too_many.input_file_id).deleted
         for bad in ({"endpoint": "/v1/nope"}, {"completion_window": "forever"}, {"input_file_id": "file-nope"}):
             args = {"input_file_id": file.id, "endpoint": "/v1/completions", "completion_window": "24h"} | bad
             with pytest.raises(BadRequestError):

@@ -112,8 +112,9 @@ class BatchStore:
         )
         return [json.loads(r[0]) for r in rows]
 
-    def count_uploads(self, owner: str | None) -> int:
-        return self._query("select count(*) from files where purpose = 'batch' and owner is ?", (owner,))[0][0]
+    def count_files(self, owner: str | None) -> int:
+        """Files `owner` holds: uploads and batches' outputs."""
+        return self._query("select count(*) from files where owner is ?", (owner,))[0][0]
 
     def delete_file(self, owner: str | None, file_id: str) -> bool:
         with self._tx() as db:

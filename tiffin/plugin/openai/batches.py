@@ -36,7 +36,7 @@ from pydantic import BaseModel, Field, ValidationError
 from tiffin.plugin.openai.batch_store import BatchStore, error_record, new_id
 from tiffin.plugin.openai.clients import CLIENT_STATE, client_of
 from tiffin.plugin.openai.encoding import dumps
-from tiffin.plugin.openai.files import file_object, file_routes, page
+from tiffin.plugin.openai.files import check_quota, file_object, file_routes, page
 from tiffin.plugin.openai.protocol import APIError
 
 if TYPE_CHECKING:
@@ -121,7 +121,9 @@ class BatchAPI:
             raise _not_found(batch_id)
         if batch["status"] not in ("validating", "in_progress", "cancelling"):
             raise APIError(400, f"batch {batch_id} is {batch['status']}: it cannot be cancelled", code="invalid_state")
-        batch = await asyncio.to_thread(self.store.update_batch, batch_id, status="cancelling")
+        batch = await asyncio.to_thread(
+            self.store.update_batch, batch_id, status="cancelling", expect=("validating", "in_progress")
+        )
         self.cancelling.add(batch_id)
         task = self.tasks.get(batch_id)
         if task is not None:
@@ -367,6 +369,7 @@ def batch_routes(app: FastAPI, settings: BatchSettings | None) -> None:
         file = await asyncio.to_thread(batches.store.get_file, owner, req.input_file_id)
         if file is None or file["purpose"] != "batch":
             raise APIError(400, f"no batch input file {req.input_file_id}", param="input_file_id")
+        await check_quota(batches, owner)  # its output and error files
         now = int(time.time())
         batch = {
             "id": new_id("batch"),

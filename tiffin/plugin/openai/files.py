@@ -3,8 +3,10 @@ sends it), list, retrieve, read and delete; the output and error files of finish
 
 Invariants:
 - An upload is counted as it arrives: past `batch_max_file_bytes` (and a little for the multipart framing) the
-  request is refused with a 400 before more is read; a file part over the limit is a 400 too. Each owner holds at
-  most `batch_max_files` uploads: one more is a 400. Nothing of a refused upload stays on disk.
+  request is refused with a 400 before more is read; a file part over the limit is a 400 too. Nothing of a
+  refused upload stays on disk.
+- Each owner holds at most `batch_max_files` files, its batches' outputs included: an upload (or a batch, which
+  writes up to two) past that is a 400 until it deletes some. Disk use is bounded so.
 - Files are found only by their owner (the client that uploaded them, or whose batch wrote them)."""
 
 import asyncio
@@ -68,9 +70,7 @@ def file_routes(app: FastAPI, api: Callable[[], Any]) -> None:
                 raise APIError(400, "a file is required (multipart field `file`)", param="file")
             if upload.size is None or upload.size > limit:
                 raise APIError(400, f"file is larger than {limit} bytes", param="file", code="file_too_large")
-            if await asyncio.to_thread(batches.store.count_uploads, owner) >= batches.settings.batch_max_files:
-                message = f"this API key holds {batches.settings.batch_max_files} files already: delete some first"
-                raise APIError(400, message, param="file", code="file_limit_reached")
+            await check_quota(batches, owner)
             obj = file_object(new_id("file"), upload.filename or "upload.jsonl", purpose, upload.size)
             upload.file.seek(0)
             chunks = iter(lambda: upload.file.read(1 << 20), b"")
@@ -98,6 +98,13 @@ def file_routes(app: FastAPI, api: Callable[[], Any]) -> None:
         if not await asyncio.to_thread(api().store.delete_file, client_of(raw), file_id):
             raise not_found(file_id)
         return {"id": file_id, "object": "file", "deleted": True}
+
+
+async def check_quota(batches: Any, owner: str | None) -> None:
+    """A 400 when `owner` holds as many files as it may."""
+    if await asyncio.to_thread(batches.store.count_files, owner) >= batches.settings.batch_max_files:
+        message = f"this API key holds {batches.settings.batch_max_files} files already: delete some first"
+        raise APIError(400, message, param="file", code="file_limit_reached")
 
 
 async def _file(batches: Any, raw: Request, file_id: str) -> dict:
