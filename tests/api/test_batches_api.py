@@ -1,8 +1,8 @@
 """The Batch API through the `openai` client, in-process over a tiny llama ("tiny") and a tiny BERT ("tiny-bert"):
-a file of mixed chat, completions and embeddings lines with malformed ones runs to the answers the same requests
-get live, each malformed line failing alone; a batch stopped midway and resumed by a new app on the same
-batch_dir finishes every line once, none recorded before the stop run again; hostile files, other owners,
-cancel and the completion window."""
+a file of mixed chat, completions, embeddings and responses lines with malformed ones runs to the answers the
+same requests get live, each malformed line failing alone; a batch stopped midway and resumed by a new app on the
+same batch_dir finishes every line once, none recorded before the stop run again; hostile files, other owners,
+cancel and the completion window; `tiffin batch run` offline."""
 
 import asyncio
 import json
@@ -67,8 +67,12 @@ def records(c, file_id: str | None) -> dict[str, dict]:
     return {r["custom_id"]: r for r in map(json.loads, c.files.content(file_id).text.splitlines())}
 
 
-def without(body: dict, *keys: str) -> dict:
-    return {k: v for k, v in body.items() if k not in keys}
+def comparable(body: dict) -> dict:
+    """What two answers to one greedy request share: all but ids and times."""
+    body = {k: v for k, v in body.items() if k not in ("id", "created", "created_at", "completed_at")}
+    if "output" in body:  # a Response: its items' ids too
+        body["output"] = [{k: v for k, v in item.items() if k != "id"} for item in body["output"]]
+    return body
 
 
 def submit(c, lines: list, window: str = "24h"):
@@ -91,6 +95,7 @@ def test_a_mixed_file_answers_as_live_and_malformed_lines_fail_alone(engines, tm
         for i, p in enumerate(PROMPTS)
     ]
     lines += [line(f"emb-{i}", "/v1/embeddings", model="tiny-bert", input=t) for i, t in enumerate(TEXTS)]
+    lines += [line("resp-0", "/v1/responses", model="tiny", input="Hi", max_output_tokens=6, temperature=0)]
     bad = {
         "bad-url": line("bad-url", "/v1/nope", model="tiny", prompt="x"),
         "bad-model": line("bad-model", "/v1/completions", model="gpt-4o", prompt="x"),
@@ -102,9 +107,13 @@ def test_a_mixed_file_answers_as_live_and_malformed_lines_fail_alone(engines, tm
         c = client(http)
         batch = finished(c, submit(c, lines).id)
         assert batch.status == "completed", batch
-        assert batch.request_counts.model_dump() == {"total": 13, "completed": 8, "failed": 5}
+        assert batch.request_counts.model_dump() == {"total": 14, "completed": 9, "failed": 5}
         out, err = records(c, batch.output_file_id), records(c, batch.error_file_id)
-        assert set(out) == {f"chat-{i}" for i in range(3)} | {f"cmpl-{i}" for i in range(3)} | {"emb-0", "emb-1"}
+        assert set(out) == {f"chat-{i}" for i in range(3)} | {f"cmpl-{i}" for i in range(3)} | {
+            "emb-0",
+            "emb-1",
+            "resp-0",
+        }
         assert set(err) == {None, *bad}
         assert err[None]["error"]["code"] == "invalid_json" and err[None]["response"] is None
         assert err["bad-url"]["error"]["code"] == "invalid_url"
@@ -113,23 +122,15 @@ def test_a_mixed_file_answers_as_live_and_malformed_lines_fail_alone(engines, tm
         assert err["bad-body"]["error"] is None  # it ran, and the route refused it as it would live
         assert err["bad-body"]["response"]["status_code"] == 400
         assert err["bad-body"]["response"]["body"]["error"]["param"] == "max_tokens"
-        for custom_id, got in out.items():  # the same request sent live, with the batch's priority dropped
-            body = next(x for x in lines if isinstance(x, dict) and x["custom_id"] == custom_id)["body"]
-            live = http.post(
-                next(x["url"] for x in lines if isinstance(x, dict) and x["custom_id"] == custom_id).removeprefix(
-                    "/v1"
-                ),
-                json=body,
-            ).json()
-            assert (
-                got["response"]["status_code"] == 200 and got["response"]["request_id"] == got["response"]["body"]["id"]
-            )
-            got, live = (without(r, "id", "created") for r in (got["response"]["body"], live))
+        sent = {x["custom_id"]: x for x in lines if isinstance(x, dict)}
+        for custom_id, got in out.items():  # the same request sent live (without the batch's priority)
+            live = http.post(sent[custom_id]["url"].removeprefix("/v1"), json=sent[custom_id]["body"]).json()
+            response = got["response"]
+            assert response["status_code"] == 200 and response["request_id"] == response["body"]["id"]
+            got, live = comparable(response["body"]), comparable(live)
             if custom_id.startswith("emb"):  # the engine's bound on an embedding batched with others
-                assert (
-                    max(abs(a - b) for a, b in zip(got.pop("data")[0]["embedding"], live.pop("data")[0]["embedding"]))
-                    <= 1e-6
-                )
+                pairs = zip(got.pop("data")[0]["embedding"], live.pop("data")[0]["embedding"])
+                assert max(abs(a - b) for a, b in pairs) <= 1e-6
             assert got == live
         assert [f.purpose for f in c.files.list()] == ["batch_output", "batch_output", "batch"]
 
