@@ -334,6 +334,7 @@ def batch_routes(app: FastAPI, settings: BatchSettings | None) -> None:
     """/files and /batches on `app` (400s while `settings` has no batch_dir), and the lifespan that resumes
     unfinished batches at start and stops them at shutdown."""
     batches = BatchAPI(app, settings) if settings is not None and settings.batch_dir else None
+    app.state.batch_api = batches
 
     def api() -> BatchAPI:
         if batches is None:
