@@ -223,6 +223,22 @@ def test_cancel_aborts_running_lines_and_the_window_expires_the_rest(engines, tm
     assert not engines[0].engine.engine.has_unfinished_requests()
 
 
+def test_a_full_queue_is_no_result_the_line_is_tried_again(engines, tmp_path, monkeypatch):
+    call_app, calls = batches_module.call_app, []
+
+    async def busy_first(*args):
+        calls.append(1)
+        return (429, b'{"error": {"code": "queue_full"}}') if len(calls) <= 2 else await call_app(*args)
+
+    monkeypatch.setattr(batches_module, "call_app", busy_first)
+    monkeypatch.setattr(batches_module, "RETRY_AFTER", 0.01)
+    with TestClient(make_app(engines, tmp_path, batch_max_concurrency=1)) as http:
+        c = client(http)
+        batch = finished(c, submit(c, completions(2)).id)
+        assert batch.request_counts.model_dump() == {"total": 2, "completed": 2, "failed": 0}
+        assert len(calls) == 4 and batch.error_file_id is None
+
+
 def test_hostile_files_are_refused_or_fail_alone(engines, tmp_path):
     from openai import BadRequestError, NotFoundError
 

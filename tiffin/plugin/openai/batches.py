@@ -111,6 +111,7 @@ class BatchAPI:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self._slots = None  # of this event loop
         if self._store is not None:
             self._store.close()
             self._store = None
@@ -209,9 +210,10 @@ class BatchAPI:
     async def _line(self, owner: str | None, batch: dict, idx: int) -> None:
         try:
             custom_id, url, body = await asyncio.to_thread(self.store.line, batch["id"], idx)
-            while (answer := await call_app(self.app, url.removeprefix("/v1"), body.encode(), owner))[
-                0
-            ] in RETRY_STATUSES:
+            while True:
+                answer = await call_app(self.app, url.removeprefix("/v1"), body.encode(), owner)
+                if answer[0] not in RETRY_STATUSES:
+                    break
                 await asyncio.sleep(RETRY_AFTER)
             await asyncio.to_thread(self._finish, batch["id"], idx, custom_id, *answer)
         finally:
