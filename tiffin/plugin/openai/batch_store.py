@@ -161,18 +161,22 @@ class BatchStore:
 
     # lines
 
-    def put_lines(self, batch_id: str, lines: list[tuple[int, str | None, str | None, str | None, str | None]]) -> None:
-        """The validated lines of a batch, replacing any from an interrupted validation: (index, custom_id, url,
-        body JSON to run, None), or (index, custom_id, None, None, the JSON of the error record that is its result)."""
+    def put_lines(self, batch_id: str, lines: list[tuple[int, str | None, str | None, str | None, str | None]]) -> bool:
+        """The validated lines of a batch still validating, replacing any of an interrupted validation: (index,
+        custom_id, url, body JSON to run, None), or (index, custom_id, None, None, the JSON of the error record that
+        is its result). False, and nothing stored, when the batch left validating meanwhile (cancelled)."""
         rows = [(batch_id, *line, None if line[-1] is None else 0) for line in lines]
         failed = sum(1 for line in lines if line[-1] is not None)
         with self._tx() as db:
+            (obj,) = db.execute("select obj from batches where id = ?", (batch_id,)).fetchone()
+            if json.loads(obj)["status"] != "validating":
+                return False
             db.execute("delete from lines where batch_id = ?", (batch_id,))
             db.executemany("insert into lines values (?, ?, ?, ?, ?, ?, ?)", rows)
             db.execute(
-                "update batches set total = ?, completed = 0, failed = ? where id = ?",
-                (len(lines), failed, batch_id),
+                "update batches set total = ?, completed = 0, failed = ? where id = ?", (len(lines), failed, batch_id)
             )
+        return True
 
     def pending(self, batch_id: str) -> list[int]:
         """Indices of the lines without a result, in order."""

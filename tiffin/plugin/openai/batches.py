@@ -173,7 +173,8 @@ class BatchAPI:
                 lines.append((len(lines), custom_id, url, body, record))
         if not lines:
             return self._fail(batch, "empty_file", "the input file holds no lines")
-        self.store.put_lines(batch["id"], lines)
+        if not self.store.put_lines(batch["id"], lines):  # cancelled meanwhile
+            return self.store.get_batch(owner, batch["id"])
         return self.store.update_batch(batch["id"], status="in_progress", expect=("validating",))
 
     def _fail(self, batch: dict, code: str, message: str, line: int | None = None) -> dict:
