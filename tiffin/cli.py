@@ -1,10 +1,12 @@
-"""`tiffin` command line: offline generation and `quantize` (AutoAWQ / GPTQModel wrappers).
+"""`tiffin` command line: offline generation, offline batch files (`batch run`, vLLM's `run-batch`) and `quantize`
+(AutoAWQ / GPTQModel wrappers).
 
 Errors are one line on stderr: a bad argument exits 2 (argparse's convention). `generate` checks its arguments
 before it loads anything, and a model it cannot fetch, read or serve exits 1, without a traceback."""
 
 import argparse
 import sys
+from pathlib import Path
 from typing import NoReturn
 
 from tiffin.cache import default_cache_dir
@@ -51,6 +53,44 @@ def default_tiny_model() -> str:
     return str(make_tiny_model(default_cache_dir() / "tiny-llama"))
 
 
+def batch_run(args: argparse.Namespace) -> None:
+    """An OpenAI batch file run offline on one model (tiffin.plugin.openai.run_batch); exits 1 if a line failed."""
+    import asyncio
+
+    from tiffin.engine.models.source import resolve_model_path
+
+    try:
+        model = default_tiny_model() if args.model is None else resolve_model_path(args.model)
+    except ValueError as e:
+        args.parser.error(f"argument --model: {e}")
+    except OSError as e:
+        sys.exit(f"{args.parser.prog}: error: {e}")
+    from tiffin import AsyncLLMEngine
+    from tiffin.plugin.openai.app import create_app
+    from tiffin.plugin.openai.pooling import PoolingServing
+    from tiffin.plugin.openai.run_batch import read_lines, run_batch
+    from tiffin.plugin.openai.serving import OpenAIServing
+
+    name = args.served_model_name or args.model or "tiffin-tiny-llama"
+
+    async def run() -> int:
+        engine = AsyncLLMEngine.from_engine_args(model, dtype=args.dtype)
+        try:
+            serving = OpenAIServing(engine, name) if engine.task == "generate" else PoolingServing(engine, name)
+            app = create_app(serving)
+            lines = await asyncio.to_thread(read_lines, app, args.input)
+            return await run_batch(app, lines, args.output, args.max_concurrency)
+        finally:
+            engine.shutdown()
+
+    try:
+        failed = asyncio.run(run())
+    except (OSError, ValueError) as e:  # an unreadable input, a custom_id used twice, a model tiffin cannot serve
+        sys.exit(f"{args.parser.prog}: error: {e}")
+    if failed:
+        sys.exit(f"{args.parser.prog}: {failed} line(s) failed: see their error in {args.output}")
+
+
 def quantize(args: argparse.Namespace) -> None:
     from tiffin.quant.tools import quantize as run_quantize  # needs the tiffin[quantize] extra
 
@@ -85,6 +125,15 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int)
     gen.set_defaults(run=generate, parser=gen)
+    batch = commands.add_parser("batch", help="OpenAI batch files offline").add_subparsers(dest="action", required=True)
+    run = batch.add_parser("run", help="run an OpenAI batch file (JSONL) on one model, as vLLM's run-batch")
+    run.add_argument("input", type=Path, help="the batch file: one {custom_id, method, url, body} per line")
+    run.add_argument("-o", "--output", type=Path, required=True, help="where the results go (JSONL, input order)")
+    run.add_argument("--model", help="Hugging Face directory, .gguf file or hub id; default: the built-in tiny model")
+    run.add_argument("--served-model-name", help="the `model` lines name (default: --model as given)")
+    run.add_argument("--dtype", default="auto", choices=("auto", *DTYPE_NAMES))
+    run.add_argument("--max-concurrency", type=int, default=32, help="lines running at once")
+    run.set_defaults(run=batch_run, parser=run)
     q = commands.add_parser("quantize", help="quantize a local model with AutoAWQ or GPTQModel (tiffin[quantize])")
     q.add_argument("model", help="local Hugging Face model directory")
     q.add_argument("output", help="directory for the quantized checkpoint")

@@ -128,6 +128,13 @@ def test_body_limit():
     assert r.status_code == 413
 
 
+def test_a_path_with_a_body_limit_of_its_own():  # /v1/files: uploads up to batch_max_file_bytes
+    client = guarded(max_body=1000, body_limits={"/v1/completions": 3000})
+    assert client.post("/v1/completions", json={"prompt": "x" * 2000}).status_code == 200
+    assert client.post("/v1/completions", json={"prompt": "x" * 4000}).status_code == 413
+    assert client.post("/v1/load_lora_adapter", content=b"x" * 2000).status_code == 413  # the others keep max_body
+
+
 def test_draining_turns_new_requests_away():
     draining = threading.Event()
     client = guarded(draining=draining.is_set)

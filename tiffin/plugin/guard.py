@@ -11,8 +11,8 @@
 - Concurrency: at most `max_concurrency` requests in the app at once, and `max_concurrency_per_key` of one key's
   (so one key cannot fill the server); beyond, a 429 in OpenAI's error shape with Retry-After. This replaces
   BentoML's own bound, which counts every key alike and answers `{"error": "Too many requests"}`.
-- Body limit: a declared Content-Length beyond `max_body` is answered 413 without buffering the body; a
-  chunked body is counted as it arrives and cut off at the limit.
+- Body limit: a declared Content-Length beyond `max_body` (or the path's own limit in `body_limits`: file uploads)
+  is answered 413 without buffering the body; a chunked body is counted as it arrives and cut off at the limit.
 - Draining: while `draining()` is true (SIGTERM received), new requests get 503 while running ones finish.
 - Liveness: while `failure()` names why the service is dead (an engine failed or stalled), /livez answers 503 with
   that reason in OpenAI's error shape, where BentoML's own answer says only that `__is_alive__` is false.
@@ -49,8 +49,10 @@ class Guard:
         max_concurrency: int | None = None,
         max_concurrency_per_key: int | None = None,
         min_user_priority: int | None = None,
+        body_limits: dict[str, int] | None = None,
     ):
         self.app, self.max_body, self.draining, self.failure = app, max_body, draining, failure
+        self.body_limits = body_limits or {}
         user_keys = [k.strip().encode() for k in (api_key or "").split(",") if k.strip()]
         self.admin_keys = [admin_api_key.encode()] if admin_api_key else user_keys
         self.keys = user_keys + [k for k in self.admin_keys if k not in user_keys] if user_keys else []
@@ -105,18 +107,17 @@ class Guard:
             declared = int(headers.get(b"content-length", b"0"))
         except ValueError:
             return await _error(send, 400, "invalid Content-Length", "invalid_request")
+        limit = self.body_limits.get(scope["path"], self.max_body)
         try:
-            if declared > self.max_body:
+            if declared > limit:
                 await _discard(receive, declared)
-                return await _error(
-                    send, 413, f"request body is larger than {self.max_body} bytes", "request_too_large"
-                )
-            declared = max(declared, await self._limited(scope, receive, send))
+                return await _error(send, 413, f"request body is larger than {limit} bytes", "request_too_large")
+            declared = max(declared, await self._limited(scope, receive, send, limit))
         finally:
             if declared >= RELEASE_AFTER:
                 await asyncio.to_thread(_release_memory)
 
-    async def _limited(self, scope, receive, send) -> int:
+    async def _limited(self, scope, receive, send, limit: int) -> int:
         """Run the app, counting body bytes as it reads them; past the limit, answer 413 and end the request.
         Returns the bytes received."""
         received, refused, started = 0, False, False
@@ -125,10 +126,10 @@ class Guard:
             nonlocal received, refused
             message = await receive()
             received += len(message.get("body", b""))
-            if received > self.max_body and not refused:
+            if received > limit and not refused:
                 refused = True
                 if not started:
-                    await _error(send, 413, f"request body is larger than {self.max_body} bytes", "request_too_large")
+                    await _error(send, 413, f"request body is larger than {limit} bytes", "request_too_large")
                 return {"type": "http.disconnect"}
             return message
 

@@ -62,6 +62,8 @@ from tiffin.plugin.metrics import engine_metrics, own_prometheus_dir
 from tiffin.plugin.model_store import bento_model, is_hub_id, resolve_embedding_model, resolve_model
 from tiffin.plugin.openai import structured
 from tiffin.plugin.openai.app import attach_serving, create_app, create_root_app, create_v2_app
+from tiffin.plugin.openai.batches import BatchSettings
+from tiffin.plugin.openai.files import MULTIPART_SLACK
 from tiffin.plugin.openai.pooling import RERANK_FIELDS, PoolingServing, ranked
 from tiffin.plugin.openai.protocol import MAX_POOLING_INPUTS, APIError, Bool, Float, Int
 from tiffin.plugin.openai.routing import ModelRouter
@@ -81,7 +83,7 @@ _ENGINE_SETTINGS = [f for f in fields(EngineConfig) if f.name not in _SERVICE_SE
 _BENTO_DEFAULTS = {"max_waiting_requests": 1024, "max_waiting_per_client": 256, "fair_share": True}
 
 
-class _ServiceSettings(BaseModel):
+class _ServiceSettings(BatchSettings):  # the Batch API's settings (tiffin.plugin.openai.batches) too
     model_config = ConfigDict(extra="forbid")
     model: str | None = Field(
         None,
@@ -190,6 +192,7 @@ class _ServiceSettings(BaseModel):
         "max_request_body",
         "grammar_cache_bytes",
         "response_store_max_bytes",
+        "batch_max_file_bytes",
         mode="before",
         check_fields=False,
     )
@@ -311,6 +314,7 @@ openai_app = create_app(  # answers 503 until _load attaches the servings
         owners=len({k.strip() for k in f"{settings.api_key or ''},{settings.admin_api_key or ''}".split(",")} - {""}),
     ),
     max_tokenize_ids=settings.max_tokenize_ids,
+    batches=settings,
 )
 DRAINING = threading.Event()  # set by SIGTERM: new requests get 503, running ones finish
 SERVICE: list = []  # this worker's Tiffin instance, whose `failure` the Guard's /livez names
@@ -557,4 +561,5 @@ Tiffin.add_asgi_middleware(
     max_concurrency=settings.concurrency()[0],
     max_concurrency_per_key=settings.concurrency()[1],
     min_user_priority=settings.min_user_priority,
+    body_limits={"/v1/files": settings.batch_max_file_bytes + MULTIPART_SLACK},  # uploads: the file limit
 )

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from tiffin.plugin.openai import responses_api
+from tiffin.plugin.openai.batches import BatchSettings, batch_routes
 from tiffin.plugin.openai.clients import client_of
 from tiffin.plugin.openai.encoding import json_bytes_response
 from tiffin.plugin.openai.messages import (
@@ -64,11 +65,13 @@ def create_app(
     servings: Serving | Sequence[Serving] | None = None,
     response_store: ResponseStore | None = None,
     max_tokenize_ids: int = MAX_TOKENIZE_IDS,
+    batches: BatchSettings | None = None,
 ) -> FastAPI:
     """The app over `servings` (one per engine). Without any its routes answer 503 until `attach_serving` hands
     them over: the Bento's app exists from import on (`@bentoml.asgi_app`), its engines only once loaded.
     `response_store`: where the Responses API keeps responses (default: `ResponseStore()`'s bounds).
-    `max_tokenize_ids`: the most ids one /tokenize answers or /detokenize decodes."""
+    `max_tokenize_ids`: the most ids one /tokenize answers or /detokenize decodes. `batches`: the Batch API's
+    settings (/files and /batches; off without a batch_dir)."""
     app = FastAPI(title="tiffin OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.max_tokenize_ids = max_tokenize_ids
     attach_serving(app, servings)
@@ -159,6 +162,7 @@ def create_app(
         req = await _body(raw, CountTokensRequest)
         return await count_tokens(ready(raw, req.model, "generate"), req)
 
+    batch_routes(app, batches)
     _tokenize_routes(app, app)
     _answer_errors(app)
     return app
