@@ -19,14 +19,15 @@ What it enforces, each raising `EmulatedCudaError`:
   ops whose output shape depends on the data (nonzero, masked_select, unique, boolean indexing, ...);
 - a replay that uses a tensor the capture did not allocate (outside its pool) and whose memory was freed since.
 
-A capture (`torch.cuda.graph`; tiffin.testing.emulated_graphs) records, in its thread, every aten op (a `TorchDispatchMode`) and Triton launch
-issued inside; `replay()` re-runs them on the very tensors captured, copying fresh results into the captured
-outputs, as a CUDA graph replays kernels on fixed addresses. What the capture allocated (its pool) the graph
-keeps; what it used from outside it keeps by address only (a weak reference to the storage). Ops that only make
-views are not recorded (their outputs alias their inputs). Host-side ops captured are replayed too, which a real
-graph would not do: they recompute what they computed, so results do not change. Not modelled: streams (work
-runs when issued), the pool's reuse of memory freed within a capture (a graph here holds every intermediate, so
-graph memory reads higher than on a GPU), bf16 (the interpreter's bf16 dots are wrong: test in fp32/fp16).
+A capture (`torch.cuda.graph`; tiffin.testing.emulated_graphs) records, in its thread, every aten op (a
+`TorchDispatchMode`) and Triton launch issued inside; `replay()` re-runs them on the very tensors captured, copying
+fresh results into the captured outputs, as a CUDA graph replays kernels on fixed addresses. What the capture
+allocated (its pool) the graph keeps; what it used from outside it keeps by address only (a weak reference to the
+storage). Ops that only make views are not recorded (their outputs alias their inputs). Host-side ops captured are
+replayed too, which a real graph would not do: they recompute what they computed, so results do not change. Not
+modelled: streams (work runs when issued), the pool's reuse of memory freed within a capture (a graph here holds
+every intermediate, so graph memory reads higher than on a GPU), bf16 (the interpreter's bf16 dots are wrong: test
+in fp32/fp16).
 
 Tensor parallelism: `init_process_group("nccl")` joins with gloo (the collectives then run on the memory behind
 the devices), and the worker processes a group starts run under an emulation of their own (the same settings),
