@@ -5,14 +5,10 @@ import contextlib
 import time
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map_only
-
-if TYPE_CHECKING:
-    from tiffin.testing.cuda_emulation import CudaEmulation
 
 aten = torch.ops.aten
 
@@ -146,7 +142,7 @@ class OutsideTensor:
 class EmulatedGraph:
     """`torch.cuda.CUDAGraph`: the ops and launches of its capture, replayed on the same tensors."""
 
-    def __init__(self, emu: "CudaEmulation"):
+    def __init__(self, emu):
         self.emu, self.nodes, self.captured = emu, [], False
         self.inside: set = set()  # storages allocated by the capture: its pool, which the graph keeps
 
@@ -189,7 +185,7 @@ class EmulatedGraph:
         self.nodes, self.captured = [], False
 
 
-def make_graph_context(emu: "CudaEmulation"):
+def make_graph_context(emu):
     @contextlib.contextmanager
     def graph(cuda_graph: EmulatedGraph, pool=None, stream=None, capture_error_mode: str = "global"):
         cuda_graph.capture_begin(pool)
