@@ -9,6 +9,7 @@ from torch import nn
 from tiffin.engine.models.bert import BertForSequenceClassification, BertModel
 from tiffin.engine.models.llama import LlamaForCausalLM
 from tiffin.engine.models.moe import MoEForCausalLM
+from tiffin.engine.models.olmo2 import Olmo2ForCausalLM
 
 TASKS = ("generate", "embed", "classify")
 
@@ -33,6 +34,10 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen2ForCausalLM": Architecture(LlamaForCausalLM, qkv_bias=True, gguf_name="qwen2"),
     "Qwen3ForCausalLM": Architecture(LlamaForCausalLM, qk_norm=True, gguf_name="qwen3"),
     "IQuestCoderForCausalLM": Architecture(LlamaForCausalLM),
+    "Phi3ForCausalLM": Architecture(LlamaForCausalLM),  # q/k/v and gate/up fused in its checkpoint; LongRoPE
+    "SmolLM3ForCausalLM": Architecture(LlamaForCausalLM),  # NoPE layers (no_rope_layers)
+    "GraniteForCausalLM": Architecture(LlamaForCausalLM),  # its multipliers (ModelConfig)
+    "Olmo2ForCausalLM": Architecture(Olmo2ForCausalLM),  # post-norms, q/k norms over the whole projection
     # mixtures of experts (models/moe.py)
     "MixtralForCausalLM": Architecture(MoEForCausalLM, renormalize_topk=True),
     "Qwen2MoeForCausalLM": Architecture(MoEForCausalLM, qkv_bias=True),
