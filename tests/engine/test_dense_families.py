@@ -4,7 +4,8 @@ long ones past it), SmolLM3 (every fourth layer without RoPE), Granite (its four
 after the sublayers, q/k norms over the whole projection). Greedy generation of a batch (two prompts sharing a
 prefix, run twice so that the second run hits the first's cached blocks, prompts prefilled in chunks) equals
 transformers' `generate` token for token for 48 tokens, per-step logprobs within 1e-4; the RoPE scalings equal
-transformers' own init functions; Granite's LoRA adapters equal PEFT; TP=2 equals TP=1 on Phi-3 and OLMo 2."""
+transformers' own init functions; Granite's LoRA adapters equal PEFT; TP=2 on Phi-3 and OLMo 2 and the CUDA path
+under the emulation (Triton interpreted, decode graphs replayed) equal transformers too."""
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from tiffin import LLM, SamplingParams
 from tiffin.engine.lora.request import LoRARequest
 from tiffin.engine.models.config import ModelConfig
 from tiffin.engine.models.layers import rope_inv_freq
+from tiffin.engine.worker import model_runner
 from tiffin.tiny import BOS_ID, IM_END_ID, PAD_ID, write_tokenizer
 
 VOCAB, NEW_TOKENS, ORIGINAL = 512, 48, 80
@@ -201,3 +203,35 @@ def test_tensor_parallel_engine_matches_transformers(checkpoints, model_type):
     finally:
         llm.shutdown()
     assert [o.outputs[0].token_ids for o in outs] == [reference_generate(hf, p, NEW_TOKENS)[0] for p in batch]
+
+
+SMALL, SMALL_TOKENS = prompts((3, 9))[:2], 6  # the interpreter costs by the token
+
+
+@pytest.fixture(scope="module")
+def small_references(checkpoints):
+    """model_type -> transformers' greedy tokens and logprobs for SMALL: computed before (module scope) the
+    emulation of CUDA starts, which transformers' generate does not run under."""
+    return {t: [reference_generate(hf, p, SMALL_TOKENS) for p in SMALL] for t, (_, hf) in checkpoints.items()}
+
+
+EMULATED = [t if t == "smollm3" else pytest.param(t, marks=pytest.mark.slow) for t in ARCHS]  # 20 s each
+
+
+@pytest.mark.parametrize("model_type", EMULATED)
+def test_cuda_graphs_under_the_emulation_match_transformers(
+    checkpoints, small_references, model_type, cuda_emulation, monkeypatch
+):
+    """The CUDA path on CPU (Triton under the interpreter): the fused rotary-and-KV-write kernel with LongRoPE's
+    tables, the identity of NoPE layers and the scales of Granite, decode steps replayed from graphs."""
+    monkeypatch.setattr(model_runner, "warm_up_triton", lambda runner: None)
+    path = checkpoints[model_type][0]
+    llm = LLM(str(path), device="cuda", dtype="float32", max_num_seqs=2, max_model_len=ORIGINAL, num_kv_blocks=16)
+    params = SamplingParams(temperature=0, max_tokens=SMALL_TOKENS, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in SMALL], params, use_tqdm=False)
+    assert cuda_emulation.replays > 0
+    for out, (tokens, logprobs) in zip(outs, small_references[model_type]):
+        got = out.outputs[0]
+        assert got.token_ids == tokens
+        got_lp = [step[t].logprob for step, t in zip(got.logprobs, got.token_ids)]
+        assert max(abs(a - b) for a, b in zip(got_lp, logprobs)) < 1e-4
