@@ -9,6 +9,8 @@ under the emulation (Triton interpreted, decode graphs replayed) equal transform
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as QType
+from gguf_files import write_gguf
 from lora_adapters import PeftReference, make_adapter
 from references import reference_generate
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -18,6 +20,7 @@ from tiffin import LLM, SamplingParams
 from tiffin.engine.lora.request import LoRARequest
 from tiffin.engine.models.config import ModelConfig
 from tiffin.engine.models.layers import rope_inv_freq
+from tiffin.engine.models.loader import get_model_config
 from tiffin.engine.worker import model_runner
 from tiffin.tiny import BOS_ID, IM_END_ID, PAD_ID, write_tokenizer
 
@@ -203,6 +206,27 @@ def test_tensor_parallel_engine_matches_transformers(checkpoints, model_type):
     finally:
         llm.shutdown()
     assert [o.outputs[0].token_ids for o in outs] == [reference_generate(hf, p, NEW_TOKENS)[0] for p in batch]
+
+
+@pytest.mark.parametrize("model_type", ["granite", "smollm3"])
+def test_gguf_as_llama_cpp_writes_it_matches_transformers(checkpoints, model_type, tmp_path):
+    """The checkpoint as a GGUF laid out as llama.cpp's converter writes it (q/k rows interleaved, Granite's
+    multipliers as its scale keys, SmolLM3's NoPE layers implied: every 4th): the config read from its metadata
+    equals the Hugging Face one where it matters, and greedy tokens and logprobs (F32 weights) transformers'."""
+    path, hf = checkpoints[model_type]
+    gguf = write_gguf(path, tmp_path / f"{model_type}.gguf", QType.F32)
+    want, got = get_model_config(path), get_model_config(gguf)
+    assert got.nope_layers == want.nope_layers
+    for field in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
+        assert getattr(got, field) == pytest.approx(getattr(want, field)), field  # float32 in the file
+    batch = prompts()[1:3]
+    llm = LLM(str(gguf), dtype="float32")
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY, use_tqdm=False)
+    for prompt, out in zip(batch, outs):
+        tokens, logprobs = reference_generate(hf, prompt, NEW_TOKENS)
+        assert out.outputs[0].token_ids == tokens
+        got_lp = [step[t].logprob for step, t in zip(out.outputs[0].logprobs, tokens)]
+        assert max(abs(a - b) for a, b in zip(got_lp, logprobs)) < 1e-4
 
 
 SMALL, SMALL_TOKENS = prompts((3, 9))[:2], 6  # the interpreter costs by the token

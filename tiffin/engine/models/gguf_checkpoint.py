@@ -7,9 +7,10 @@ Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K tensors stay quantized (tiffin
 hold them: the config names them in its `quantization_config`, and they come out as stored (the raw blocks,
 `uint8 [rows, row_bytes]`). Every other tensor comes out dequantized to float32 by the `gguf` package (vectorized
 numpy).
-llama.cpp's converter interleaves the rows of every llama-family q/k projection (its rotary embedding pairs
-adjacent dims, Hugging Face's pairs halves); the rows are put back here, whatever their type, since a row
-is always whole blocks.
+llama.cpp's converter interleaves the rows of the q/k projections of Llama and the models it converts as Llama
+(`Architecture.gguf_permuted_qk`: its rotary embedding pairs adjacent dims, Hugging Face's pairs halves); the
+rows are put back here, whatever their type, since a row is always whole blocks. Granite's multipliers come from
+llama.cpp's scale keys; SmolLM3's NoPE layers are every 4th, as llama.cpp fixes them (the registry's default).
 
 Model files are untrusted input. Their header is read only as far as it is checked against the file's size
 (`gguf_header`); then every metadata value read is checked for its type and bounds, and every dimension
@@ -33,7 +34,7 @@ from gguf import Keys
 from tqdm.auto import tqdm
 
 from tiffin.engine.models.gguf_header import Array, TensorInfo, check_header
-from tiffin.engine.models.registry import gguf_architecture
+from tiffin.engine.models.registry import get_architecture, gguf_architecture
 from tiffin.quant.gguf import KEPT_TYPES
 
 TYPES = (
@@ -205,6 +206,13 @@ class GGUFCheckpoint:
             "eos_token_id": self.field(Keys.Tokenizer.EOS_ID),
             "quantization_config": {"quant_method": "gguf", "kept": self.kept(stacked_modules)},
         }
+        multipliers = {  # Granite's, spelled as scales by llama.cpp
+            "embedding_multiplier": Keys.LLM.EMBEDDING_SCALE,
+            "residual_multiplier": Keys.LLM.RESIDUAL_SCALE,
+            "attention_multiplier": Keys.Attention.SCALE,
+            "logits_scaling": Keys.LLM.LOGIT_SCALE,
+        }
+        config |= {name: self.positive(key) for name, key in multipliers.items() if self.field(key) is not None}
         scaling = self.text(Keys.Rope.SCALING_TYPE, "none")
         if scaling == "linear":
             config["rope_scaling"] = {"rope_type": "linear", "factor": self.positive(Keys.Rope.SCALING_FACTOR)}
@@ -254,7 +262,8 @@ class GGUFCheckpoint:
             if self.header.byte_order == ">" and t.qtype in BYTE_ORDERED:  # what the `gguf` package's reader swaps
                 rows = rows.view(BYTE_ORDERED[t.qtype]).byteswap().view(np.uint8)
             data = gguf.dequantize(rows, t.qtype).reshape(shape)
-        if self.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+        permuted = get_architecture(self.architecture).gguf_permuted_qk
+        if permuted and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
             heads = self.dims.heads if ".q_proj." in name else self.dims.kv_heads
             data = _undo_rope_permutation(data, heads)
         return name, torch.from_numpy(data)
