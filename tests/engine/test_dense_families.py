@@ -229,6 +229,29 @@ def test_gguf_as_llama_cpp_writes_it_matches_transformers(checkpoints, model_typ
         assert max(abs(a - b) for a, b in zip(got_lp, logprobs)) < 1e-4
 
 
+def test_native_cpu_decode_steps_run_phi3_alone(checkpoints, monkeypatch):
+    """Weights quantized to FP8 at load: Phi-3's block is Llama's (its LongRoPE in the tables and the softmax scale
+    the native step reads), so its decode steps run natively, with the torch steps' tokens and logprobs; the
+    others' blocks differ (NoPE layers, multipliers, post-norms): they keep the torch steps."""
+    for model_type in ("smollm3", "granite", "olmo2"):
+        llm = LLM(str(checkpoints[model_type][0]), dtype="bfloat16", quantization="fp8", num_kv_blocks=16)
+        assert llm.llm_engine.model_runner.cpu_decoder is None, model_type
+    llm = LLM(str(checkpoints["phi3"][0]), dtype="bfloat16", quantization="fp8", enable_prefix_caching=False)
+    runner = llm.llm_engine.model_runner
+    if runner.cpu_decoder is None:
+        pytest.skip("no native FP8 decode step on this CPU (AVX-512 BF16) or no native kernels")
+    batch = [{"prompt_token_ids": p} for p in prompts(LONG)[:2]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    calls, native = [], runner.cpu_decoder.__call__
+    monkeypatch.setattr(runner, "cpu_decoder", lambda *a: calls.append(len(a[0])) or native(*a))
+    got = llm.generate(batch, params, use_tqdm=False)
+    assert calls
+    monkeypatch.setattr(runner, "cpu_decoder", None)
+    want = llm.generate(batch, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert [o.outputs[0].logprobs for o in got] == [o.outputs[0].logprobs for o in want]
+
+
 SMALL, SMALL_TOKENS = prompts((3, 9))[:2], 6  # the interpreter costs by the token
 
 
