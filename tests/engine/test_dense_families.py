@@ -4,8 +4,9 @@ long ones past it), SmolLM3 (every fourth layer without RoPE), Granite (its four
 after the sublayers, q/k norms over the whole projection). Greedy generation of a batch (two prompts sharing a
 prefix, run twice so that the second run hits the first's cached blocks, prompts prefilled in chunks) equals
 transformers' `generate` token for token for 48 tokens, per-step logprobs within 1e-4; the RoPE scalings equal
-transformers' own init functions; Granite's LoRA adapters equal PEFT; TP=2 on Phi-3 and OLMo 2 and the CUDA path
-under the emulation (Triton interpreted, decode graphs replayed) equal transformers too."""
+transformers' own init functions; Granite's and Phi-3's LoRA adapters equal PEFT; TP=2 on Phi-3 and OLMo 2, the
+CUDA path under the emulation (Triton interpreted, decode graphs replayed) and GGUF files of Granite and SmolLM3
+equal transformers too."""
 
 import pytest
 import torch
@@ -176,12 +177,19 @@ def test_unsupported_rope_is_refused_by_name(scaling):
         ModelConfig.from_hf(raw, None)
 
 
-def test_granite_lora_matches_peft(checkpoints, tmp_path):
-    """An adapter on attention and MLP projections: its deltas join the residual stream scaled as the layers'."""
-    path, hf = checkpoints["granite"]
-    targets = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
+LORA = {  # model_type -> (PEFT's targets, a prompt: past Phi-3's pretraining length, as the engine serves it)
+    "granite": (["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"], prompts()[2]),
+    "phi3": (["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], prompts(LONG)[0]),  # its fused layers
+}
+
+
+@pytest.mark.parametrize("model_type", LORA)
+def test_lora_matches_peft(checkpoints, model_type, tmp_path):
+    """Granite's adapter deltas join the residual stream scaled as the layers' outputs; Phi-3's adapters target its
+    fused layers, one A and one B over all of their shards."""
+    path, hf = checkpoints[model_type]
+    targets, prompt = LORA[model_type]
     adapter = make_adapter(path, tmp_path / "a", seed=1, model=hf, r=4, lora_alpha=8, target_modules=targets)
-    prompt = prompts()[2]
     ref = PeftReference(hf, {"a": adapter})
     expected = ref.generate(prompt, "a", NEW_TOKENS)
     ref.model.unload()
