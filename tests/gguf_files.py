@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType as QType
 from safetensors.numpy import load_file
 
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "granite": "granite"}
-GGUF_ARCH |= {"smollm3": "smollm3"}
+GGUF_ARCH |= {"smollm3": "smollm3", "olmo2": "olmo2"}
 PERMUTED = ("llama", "granite", "smollm3")  # the q/k rows llama.cpp's converter interleaves (its LlamaModel's)
 # Granite's config.json multipliers -> the scales llama.cpp's converter writes for them
 GRANITE_SCALES = {

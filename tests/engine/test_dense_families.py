@@ -216,10 +216,11 @@ def test_tensor_parallel_engine_matches_transformers(checkpoints, model_type):
     assert [o.outputs[0].token_ids for o in outs] == [reference_generate(hf, p, NEW_TOKENS)[0] for p in batch]
 
 
-@pytest.mark.parametrize("model_type", ["granite", "smollm3"])
+@pytest.mark.parametrize("model_type", ["granite", "smollm3", "olmo2"])
 def test_gguf_as_llama_cpp_writes_it_matches_transformers(checkpoints, model_type, tmp_path):
-    """The checkpoint as a GGUF laid out as llama.cpp's converter writes it (q/k rows interleaved, Granite's
-    multipliers as its scale keys, SmolLM3's NoPE layers implied: every 4th): the config read from its metadata
+    """The checkpoint as a GGUF laid out as llama.cpp's converter writes it (q/k rows interleaved but OLMo 2's,
+    Granite's multipliers as its scale keys, SmolLM3's NoPE layers implied: every 4th, OLMo 2's post-norms and
+    projection-wide q/k norms): the config read from its metadata
     equals the Hugging Face one where it matters, and greedy tokens and logprobs (F32 weights) transformers'."""
     path, hf = checkpoints[model_type]
     gguf = write_gguf(path, tmp_path / f"{model_type}.gguf", QType.F32)

@@ -1,4 +1,4 @@
-"""Granite and SmolLM3 as llama.cpp's own `convert_hf_to_gguf.py` writes them (F32 and Q8_0), from the tiny
+"""Granite, SmolLM3 and OLMo 2 as llama.cpp's own `convert_hf_to_gguf.py` writes them (F32 and Q8_0), from the tiny
 checkpoints of test_dense_families: tiffin's greedy tokens are llama-server's on the same file. F32: identical
 for every prompt (and transformers' on the checkpoint). Q8_0: identical up to a step where either side's two best
 tokens are within NEAR_TIE nats (llama.cpp quantizes activations to 8 bits against Q8_0 weights, tiffin's exact
@@ -43,7 +43,7 @@ def peer_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in tiffin.ENV_SET_BY_TIFFIN}
 
 
-@pytest.fixture(scope="module", params=["granite", "smollm3"])
+@pytest.fixture(scope="module", params=["granite", "smollm3", "olmo2"])
 def converted(request, tmp_path_factory):
     """(model_type, {outtype: the GGUF llama.cpp's converter wrote}, the transformers model)."""
     if not (SERVER.exists() and (LLAMA_CPP / "convert_hf_to_gguf.py").exists()):

@@ -60,6 +60,7 @@ BYTE_ORDERED = {QType.F32: np.float32, QType.F16: np.float16}
 LAYER_MODULES = (
     "input_layernorm",
     "post_attention_layernorm",
+    "post_feedforward_layernorm",
     "self_attn.q_proj",
     "self_attn.k_proj",
     "self_attn.v_proj",
@@ -71,9 +72,10 @@ LAYER_MODULES = (
     "mlp.down_proj",
 )
 GLOBAL_MODULES = ("model.embed_tokens", "model.norm", "lm_head")
-# the tensors that pin every dimension the metadata declares (q_norm/k_norm and lm_head are optional)
+# the tensors that pin every dimension the metadata declares: of the layers', those the architecture has in
+# llama.cpp's naming (OLMo 2 no input_layernorm; Llama no post_feedforward_layernorm), q/k norms aside
 REQUIRED_MODULES = ("model.embed_tokens", "model.norm")
-REQUIRED_LAYER_MODULES = tuple(m for m in LAYER_MODULES if m not in ("self_attn.q_norm", "self_attn.k_norm"))
+OPTIONAL_LAYER_MODULES = ("self_attn.q_norm", "self_attn.k_norm")
 # The longest context a GGUF file may declare: above any published model's (10M tokens), and far below the
 # 2^32 that would make the per-position tables (rotary cos/sin, block tables) sized from it exhaust memory.
 MAX_CONTEXT = 1 << 24
@@ -284,6 +286,7 @@ class GGUFCheckpoint:
         name_map = gguf.get_tensor_name_map(arch, layers)
         layer_modules = [f"model.layers.{i}.{m}" for i in range(layers) for m in LAYER_MODULES]
         to_hf = {name_map.get_name(name): name for name in (*GLOBAL_MODULES, *layer_modules)}
+        to_hf.pop(None, None)  # modules the architecture lacks
         names = {}
         for name in self.tensor_types:
             base, _, suffix = name.rpartition(".")
@@ -292,8 +295,9 @@ class GGUFCheckpoint:
             names[name] = f"{to_hf[base]}.{suffix}"
         required = [
             *REQUIRED_MODULES,
-            *(f"model.layers.{i}.{m}" for i in range(layers) for m in REQUIRED_LAYER_MODULES),
+            *(f"model.layers.{i}.{m}" for i in range(layers) for m in LAYER_MODULES if m not in OPTIONAL_LAYER_MODULES),
         ]
+        required = [name for name in required if name in to_hf.values()]
         missing = sorted(set(required) - {name.removesuffix(".weight") for name in names.values()})
         if missing:
             gguf_names = {hf: base for base, hf in to_hf.items()}
@@ -345,18 +349,21 @@ class GGUFCheckpoint:
         q_label = f"{self.key(Keys.Attention.HEAD_COUNT)} × {source} = {dims.heads} × {dims.head_dim}"
         kv_label = f"{self.key(Keys.Attention.HEAD_COUNT_KV)} × {source} = {dims.kv_heads} × {dims.head_dim}"
         q, kv = (dims.heads * dims.head_dim, q_label), (dims.kv_heads * dims.head_dim, kv_label)
+        # q/k norms per head (Qwen3), or over the whole projection (OLMo 2): the model's own shapes decide at load
+        whole = self.tensor_shapes.get("blk.0.attn_q_norm.weight") == (q[0],) != (head[0],)
         expected = {
             "embed_tokens": (vocab, hidden),
             "lm_head": (vocab, hidden),
             "norm": (hidden,),
             "input_layernorm": (hidden,),
             "post_attention_layernorm": (hidden,),
+            "post_feedforward_layernorm": (hidden,),
             "q_proj": (q, hidden),
             "k_proj": (kv, hidden),
             "v_proj": (kv, hidden),
             "o_proj": (hidden, q),
-            "q_norm": (head,),
-            "k_norm": (head,),
+            "q_norm": (q,) if whole else (head,),
+            "k_norm": (kv,) if whole else (head,),
             "gate_proj": (ffn, hidden),
             "up_proj": (ffn, hidden),
             "down_proj": (hidden, ffn),

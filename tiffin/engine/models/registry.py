@@ -41,7 +41,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         LlamaForCausalLM, gguf_name="smollm3", gguf_permuted_qk=True, config_defaults={"no_rope_layer_interval": 4}
     ),
     "GraniteForCausalLM": Architecture(LlamaForCausalLM, gguf_name="granite", gguf_permuted_qk=True),  # multipliers
-    "Olmo2ForCausalLM": Architecture(Olmo2ForCausalLM),  # post-norms, q/k norms over the whole projection
+    "Olmo2ForCausalLM": Architecture(Olmo2ForCausalLM, gguf_name="olmo2"),  # post-norms, q/k norms over all heads
     # mixtures of experts (models/moe.py)
     "MixtralForCausalLM": Architecture(MoEForCausalLM, renormalize_topk=True),
     "Qwen2MoeForCausalLM": Architecture(MoEForCausalLM, qkv_bias=True),
