@@ -202,11 +202,19 @@ def test_lora_matches_peft(checkpoints, model_type, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.subprocess
-@pytest.mark.parametrize("model_type", ["phi3", "olmo2"])
-def test_tensor_parallel_engine_matches_transformers(checkpoints, model_type):
+@pytest.mark.parametrize("model_type, kv_heads", [("phi3", 2), ("olmo2", 2), ("olmo2", 1)])
+def test_tensor_parallel_engine_matches_transformers(checkpoints, model_type, kv_heads, tmp_path):
     """TP=2 worker processes (gloo on CPU): Phi-3's fused tensors split per shard and rank, OLMo 2's q/k norms over
-    the ranks' heads together; greedy still equals transformers."""
+    the ranks' heads together (with one KV head, both ranks hold it); greedy still equals transformers."""
     path, hf = checkpoints[model_type]
+    if kv_heads != TINY["num_key_value_heads"]:
+        config = AutoConfig.for_model(model_type, **(TINY | {"num_key_value_heads": kv_heads}), **ARCHS[model_type])
+        hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        randomize(hf.eval())
+        path = tmp_path / "mqa"
+        hf.save_pretrained(path)
+        write_tokenizer(path, VOCAB, False, TINY["max_position_embeddings"])
+        hf.generation_config.eos_token_id = None
     batch = prompts(LONG if model_type == "phi3" else (1, 7, 21, 40))
     llm = LLM(str(path), dtype="float32", tensor_parallel_size=2, distributed_timeout=30)
     try:
