@@ -148,7 +148,7 @@ class Model(nn.Module):
                 backend,
                 tp,
                 make_mlp,
-            )  # fmt: skip
+            )
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
