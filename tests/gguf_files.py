@@ -9,7 +9,16 @@ import numpy as np
 from gguf import GGMLQuantizationType as QType
 from safetensors.numpy import load_file
 
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "granite": "granite"}
+GGUF_ARCH |= {"smollm3": "smollm3", "olmo2": "olmo2"}
+PERMUTED = ("llama", "granite", "smollm3")  # the q/k rows llama.cpp's converter interleaves (its LlamaModel's)
+# Granite's config.json multipliers -> the scales llama.cpp's converter writes for them
+GRANITE_SCALES = {
+    "embedding_multiplier": gguf.Keys.LLM.EMBEDDING_SCALE,
+    "residual_multiplier": gguf.Keys.LLM.RESIDUAL_SCALE,
+    "attention_multiplier": gguf.Keys.Attention.SCALE,
+    "logits_scaling": gguf.Keys.LLM.LOGIT_SCALE,
+}
 
 
 # A Q4_K_M-like file over every kept type, on a model whose inputs are whole K-quant super-blocks (256): stacked
@@ -65,13 +74,16 @@ def write_gguf(
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    w.add_rope_freq_base(config["rope_theta"])
+    w.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
+    for name, key in GRANITE_SCALES.items():
+        if name in config:
+            w.add_float32(key.format(arch=arch), config[name])
     w.add_vocab_size(config["vocab_size"])
     _add_tokenizer(w, hf_dir)
     name_map = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), layers)
     for name, data in load_file(hf_dir / "model.safetensors").items():
         data = data.astype(np.float32)
-        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+        if arch in PERMUTED and (".q_proj." in name or ".k_proj." in name):
             data = _llama_cpp_permute(data, heads if ".q_proj." in name else kv_heads)
         gguf_name = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
         if data.ndim == 2 and qtype != QType.F32:

@@ -110,8 +110,8 @@ def test_a_big_endian_file_reads_as_a_little_endian_one(tmp_path, tiny_model, qt
 
 def test_refusals_name_what_is_unsupported(tmp_path, tiny_model):
     hf = tiny_model("llama")
-    with pytest.raises(ValueError, match="GGUF architecture 'granite' is not supported"):
-        GGUFCheckpoint(write_gguf(hf, tmp_path / "arch.gguf", QType.F32, arch="granite"))
+    with pytest.raises(ValueError, match="GGUF architecture 'minicpm' is not supported"):
+        GGUFCheckpoint(write_gguf(hf, tmp_path / "arch.gguf", QType.F32, arch="minicpm"))
     iq2 = np.zeros((4, 66), dtype=np.uint8)  # one IQ2_XXS block per row
     with pytest.raises(ValueError, match=r"GGUF tensor type\(s\) IQ2_XXS not supported"):
         GGUFCheckpoint(write_gguf(hf, tmp_path / "type.gguf", QType.F32, **{"extra.weight": (iq2, QType.IQ2_XXS)}))

@@ -82,6 +82,13 @@ class ModelConfig:
     sliding_window: int | None
     quant_config: QuantizationConfig | None
     moe: MoEConfig | None = None  # experts in place of the MLP of (some) layers
+    # Granite's multipliers: of the embeddings, of each attention and MLP output before it joins the residual
+    # stream, the attention's softmax scale in place of head_dim**-0.5 (None: that), the logits' divisor
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
+    nope_layers: tuple[int, ...] = ()  # SmolLM3: layers whose attention has no rotary embedding (NoPE)
     # pooling models (task "embed" or "classify"; set by get_model_config) and encoders
     task: str = "generate"
     causal: bool = True
@@ -130,6 +137,11 @@ class ModelConfig:
             sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window", True) else None,
             quant_config=quant_config,
             moe=MoEConfig.from_hf(raw, renormalize_topk),
+            embedding_multiplier=raw.get("embedding_multiplier", 1.0),
+            residual_multiplier=raw.get("residual_multiplier", 1.0),
+            attention_multiplier=raw.get("attention_multiplier"),
+            logits_scaling=raw.get("logits_scaling", 1.0),
+            nope_layers=_nope_layers(raw),
             layer_norm_eps=raw.get("layer_norm_eps", 1e-12),
             type_vocab_size=raw.get("type_vocab_size", 0),
             num_labels=len(raw.get("id2label") or {}) or raw.get("num_labels", 0),
@@ -137,17 +149,44 @@ class ModelConfig:
         )
 
 
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+
+
 def _rope(raw: dict) -> tuple[float, dict | None]:
     """RoPE base and scaling, whether spelled `rope_theta` + `rope_scaling` (hub checkpoints) or
-    `rope_parameters` (transformers 5)."""
+    `rope_parameters` (transformers 5). Scalings that extend the context (llama3, yarn, longrope) carry the
+    pretraining length `original_max_position_embeddings` (a top-level one first, as Phi-3 saves it) and, where
+    the config leaves `factor` out, the extension `max_position_embeddings / original` (as transformers)."""
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     theta = params.pop("rope_theta", None) or raw.get("rope_theta", 10000.0)
+    partial = params.pop("partial_rotary_factor", None) or raw.get("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        raise ValueError(f"partial rotary embeddings (partial_rotary_factor {partial}) are not supported")
     kind = params.get("rope_type") or params.get("type") or "default"
+    if kind == "su" or (kind == "yarn" and "long_factor" in params):  # Phi-3's early names for LongRoPE
+        kind = "longrope"
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"unsupported RoPE scaling {kind!r}; supported: {', '.join(ROPE_TYPES)}")
     if kind == "default":
         return theta, None
-    if kind not in ("llama3", "linear"):
-        raise ValueError(f"unsupported RoPE scaling {kind!r}; supported: default, linear, llama3")
+    if kind != "linear":
+        max_positions = raw.get("max_position_embeddings", 2048)
+        original = raw.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+        params["original_max_position_embeddings"] = original = original or max_positions
+        params["factor"] = params.get("factor") or max_positions / original
     return theta, {**params, "rope_type": kind}
+
+
+def _nope_layers(raw: dict) -> tuple[int, ...]:
+    """SmolLM3's layers without RoPE: where `no_rope_layers` (1: RoPE, 0: none, per layer) says 0, or, without
+    that list, every `no_rope_layer_interval`-th layer."""
+    flags = raw.get("no_rope_layers")
+    if flags is None:
+        interval = raw.get("no_rope_layer_interval")
+        if not interval:
+            return ()
+        flags = [int((i + 1) % interval != 0) for i in range(raw["num_hidden_layers"])]
+    return tuple(i for i, uses_rope in enumerate(flags) if not uses_rope)
 
 
 def _classifier_activation(raw: dict) -> str:

@@ -7,9 +7,10 @@ Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K tensors stay quantized (tiffin
 hold them: the config names them in its `quantization_config`, and they come out as stored (the raw blocks,
 `uint8 [rows, row_bytes]`). Every other tensor comes out dequantized to float32 by the `gguf` package (vectorized
 numpy).
-llama.cpp's converter interleaves the rows of every llama-family q/k projection (its rotary embedding pairs
-adjacent dims, Hugging Face's pairs halves); the rows are put back here, whatever their type, since a row
-is always whole blocks.
+llama.cpp's converter interleaves the rows of the q/k projections of Llama and the models it converts as Llama
+(`Architecture.gguf_permuted_qk`: its rotary embedding pairs adjacent dims, Hugging Face's pairs halves); the
+rows are put back here, whatever their type, since a row is always whole blocks. Granite's multipliers come from
+llama.cpp's scale keys; SmolLM3's NoPE layers are every 4th, as llama.cpp fixes them (the registry's default).
 
 Model files are untrusted input. Their header is read only as far as it is checked against the file's size
 (`gguf_header`); then every metadata value read is checked for its type and bounds, and every dimension
@@ -33,7 +34,7 @@ from gguf import Keys
 from tqdm.auto import tqdm
 
 from tiffin.engine.models.gguf_header import Array, TensorInfo, check_header
-from tiffin.engine.models.registry import gguf_architecture
+from tiffin.engine.models.registry import get_architecture, gguf_architecture
 from tiffin.quant.gguf import KEPT_TYPES
 
 TYPES = (
@@ -59,6 +60,7 @@ BYTE_ORDERED = {QType.F32: np.float32, QType.F16: np.float16}
 LAYER_MODULES = (
     "input_layernorm",
     "post_attention_layernorm",
+    "post_feedforward_layernorm",
     "self_attn.q_proj",
     "self_attn.k_proj",
     "self_attn.v_proj",
@@ -70,9 +72,10 @@ LAYER_MODULES = (
     "mlp.down_proj",
 )
 GLOBAL_MODULES = ("model.embed_tokens", "model.norm", "lm_head")
-# the tensors that pin every dimension the metadata declares (q_norm/k_norm and lm_head are optional)
+# the tensors that pin every dimension the metadata declares: of the layers', those the architecture has in
+# llama.cpp's naming (OLMo 2 no input_layernorm; Llama no post_feedforward_layernorm), q/k norms aside
 REQUIRED_MODULES = ("model.embed_tokens", "model.norm")
-REQUIRED_LAYER_MODULES = tuple(m for m in LAYER_MODULES if m not in ("self_attn.q_norm", "self_attn.k_norm"))
+OPTIONAL_LAYER_MODULES = ("self_attn.q_norm", "self_attn.k_norm")
 # The longest context a GGUF file may declare: above any published model's (10M tokens), and far below the
 # 2^32 that would make the per-position tables (rotary cos/sin, block tables) sized from it exhaust memory.
 MAX_CONTEXT = 1 << 24
@@ -205,6 +208,13 @@ class GGUFCheckpoint:
             "eos_token_id": self.field(Keys.Tokenizer.EOS_ID),
             "quantization_config": {"quant_method": "gguf", "kept": self.kept(stacked_modules)},
         }
+        multipliers = {  # Granite's, spelled as scales by llama.cpp
+            "embedding_multiplier": Keys.LLM.EMBEDDING_SCALE,
+            "residual_multiplier": Keys.LLM.RESIDUAL_SCALE,
+            "attention_multiplier": Keys.Attention.SCALE,
+            "logits_scaling": Keys.LLM.LOGIT_SCALE,
+        }
+        config |= {name: self.positive(key) for name, key in multipliers.items() if self.field(key) is not None}
         scaling = self.text(Keys.Rope.SCALING_TYPE, "none")
         if scaling == "linear":
             config["rope_scaling"] = {"rope_type": "linear", "factor": self.positive(Keys.Rope.SCALING_FACTOR)}
@@ -254,7 +264,8 @@ class GGUFCheckpoint:
             if self.header.byte_order == ">" and t.qtype in BYTE_ORDERED:  # what the `gguf` package's reader swaps
                 rows = rows.view(BYTE_ORDERED[t.qtype]).byteswap().view(np.uint8)
             data = gguf.dequantize(rows, t.qtype).reshape(shape)
-        if self.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+        permuted = get_architecture(self.architecture).gguf_permuted_qk
+        if permuted and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
             heads = self.dims.heads if ".q_proj." in name else self.dims.kv_heads
             data = _undo_rope_permutation(data, heads)
         return name, torch.from_numpy(data)
@@ -275,6 +286,7 @@ class GGUFCheckpoint:
         name_map = gguf.get_tensor_name_map(arch, layers)
         layer_modules = [f"model.layers.{i}.{m}" for i in range(layers) for m in LAYER_MODULES]
         to_hf = {name_map.get_name(name): name for name in (*GLOBAL_MODULES, *layer_modules)}
+        to_hf.pop(None, None)  # modules the architecture lacks
         names = {}
         for name in self.tensor_types:
             base, _, suffix = name.rpartition(".")
@@ -283,8 +295,9 @@ class GGUFCheckpoint:
             names[name] = f"{to_hf[base]}.{suffix}"
         required = [
             *REQUIRED_MODULES,
-            *(f"model.layers.{i}.{m}" for i in range(layers) for m in REQUIRED_LAYER_MODULES),
+            *(f"model.layers.{i}.{m}" for i in range(layers) for m in LAYER_MODULES if m not in OPTIONAL_LAYER_MODULES),
         ]
+        required = [name for name in required if name in to_hf.values()]
         missing = sorted(set(required) - {name.removesuffix(".weight") for name in names.values()})
         if missing:
             gguf_names = {hf: base for base, hf in to_hf.items()}
@@ -336,18 +349,21 @@ class GGUFCheckpoint:
         q_label = f"{self.key(Keys.Attention.HEAD_COUNT)} × {source} = {dims.heads} × {dims.head_dim}"
         kv_label = f"{self.key(Keys.Attention.HEAD_COUNT_KV)} × {source} = {dims.kv_heads} × {dims.head_dim}"
         q, kv = (dims.heads * dims.head_dim, q_label), (dims.kv_heads * dims.head_dim, kv_label)
+        # q/k norms per head (Qwen3), or over the whole projection (OLMo 2): the model's own shapes decide at load
+        whole = self.tensor_shapes.get("blk.0.attn_q_norm.weight") == (q[0],) != (head[0],)
         expected = {
             "embed_tokens": (vocab, hidden),
             "lm_head": (vocab, hidden),
             "norm": (hidden,),
             "input_layernorm": (hidden,),
             "post_attention_layernorm": (hidden,),
+            "post_feedforward_layernorm": (hidden,),
             "q_proj": (q, hidden),
             "k_proj": (kv, hidden),
             "v_proj": (kv, hidden),
             "o_proj": (hidden, q),
-            "q_norm": (head,),
-            "k_norm": (head,),
+            "q_norm": (q,) if whole else (head,),
+            "k_norm": (kv,) if whole else (head,),
             "gate_proj": (ffn, hidden),
             "up_proj": (ffn, hidden),
             "down_proj": (hidden, ffn),

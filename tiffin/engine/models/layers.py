@@ -1,5 +1,5 @@
-"""Layers shared by the model files: RMSNorm, rotary embedding (default, linear and llama3 scaling), the gated
-MLP and the activations it may use (`ACTIVATIONS`, keyed by config.json's `hidden_act`).
+"""Layers shared by the model files: RMSNorm, rotary embedding (default, linear, llama3, yarn and longrope
+scaling), the gated MLP and the activations it may use (`ACTIVATIONS`, keyed by config.json's `hidden_act`).
 
 Projections are built through `linear(name, input_size, output_sizes, bias, split, parts)`, the token embedding
 and output head through `embedding(name, vocab_size, hidden_size)`, both supplied by the loader: how each weight
@@ -44,27 +44,67 @@ class RMSNorm(nn.Module):
         return kernels.add_rms_norm(x, residual, self.weight, self.eps, backend)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-    if scaling is None:
-        return inv_freq
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, max_positions: int) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies `[head_dim / 2]`, attention factor: what cos and sin are scaled by, 1 but for yarn and
+    longrope), as transformers' rope init functions compute them. `max_positions` (the engine's context length)
+    picks LongRoPE's factors once for every sequence: its long ones where the engine serves past the pretraining
+    length, as vLLM does (transformers switches when a sequence crosses it, and re-prefills it then)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / theta**exponents
+    kind = scaling["rope_type"] if scaling else "default"
+    if kind == "default":
+        return inv_freq, 1.0
     factor = scaling["factor"]
-    if scaling["rope_type"] == "linear":
-        return inv_freq / factor
-    # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth blend between the two bands
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    if kind == "linear":
+        return inv_freq / factor, 1.0
     original = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    smooth = ((original / wavelen - low) / (high - low)).clamp(0, 1)
-    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    if kind == "llama3":  # long wavelengths slowed by `factor`, short ones kept, a smooth blend between the two
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        smooth = ((original / (2 * math.pi / inv_freq) - low) / (high - low)).clamp(0, 1)
+        return (1 - smooth) * inv_freq / factor + smooth * inv_freq, 1.0
+    if kind == "longrope":
+        attention = scaling.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+        ext = scaling["long_factor" if max_positions > original else "short_factor"]
+        return 1.0 / (torch.tensor(ext, dtype=torch.float32) * theta**exponents), attention
+    return _yarn(inv_freq, head_dim, theta, factor, original, scaling)
+
+
+def _yarn(inv_freq: torch.Tensor, head_dim: int, theta: float, factor: float, original: int, scaling: dict):
+    """YaRN: dimensions rotating fewer than `beta_slow` times over the pretraining length interpolated by `factor`,
+    those rotating more than `beta_fast` times kept, a linear ramp between; attention scaled by its mscale."""
+
+    def mscale(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    def dim_of(rotations: float) -> float:  # the dimension that rotates `rotations` times over `original`
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(scaling.get("beta_fast") or 32), dim_of(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001)).clamp(0, 1)
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = mscale(m) / mscale(m_all) if m and m_all else mscale(1.0)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp), float(attention)
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotation (halves, not interleaved pairs), cos/sin precomputed in fp32 per position."""
+    """Neox-style rotation (halves, not interleaved pairs), cos/sin precomputed in fp32 per position. The scaling's
+    attention factor scales both q and k in transformers: it is left to the attention's softmax scale
+    (`attention_scaling`, its square), so the tables stay plain rotations. `theta` None: the identity (cos 1, sin
+    0), for the layers of a model without RoPE on them (NoPE), which run through the same fused kernels."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
+    def __init__(self, head_dim: int, max_positions: int, theta: float | None, scaling: dict | None):
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        if theta is None:
+            inv_freq, self.attention_scaling = torch.zeros(head_dim // 2), 1.0
+        else:
+            inv_freq, self.attention_scaling = rope_inv_freq(head_dim, theta, scaling, max_positions)
         freqs = torch.arange(max_positions).float()[:, None] * inv_freq[None, :]  # one half: both halves share it
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)

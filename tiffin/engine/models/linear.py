@@ -18,6 +18,7 @@ from torch import nn
 from tiffin.engine.distributed.tensor_parallel import UNSHARDED, TensorParallel
 from tiffin.kernels.lora import LoRAMetadata
 from tiffin.quant import LinearMethod, load_shard
+from tiffin.quant.base import shape_of
 
 
 class Linear(nn.Module):
@@ -55,9 +56,25 @@ class Linear(nn.Module):
         self.adapters = None  # a LoRALayer (tiffin.engine.lora.slots) adds its adapters' delta to the output
 
     def load(self, name: str, tensor: torch.Tensor, shard: int | None) -> None:
+        """Checkpoint tensor `name` of shard `shard`; of all of them at once where the checkpoint stores the stacked
+        layer fused (`shard` None: Phi-3's qkv_proj and gate_up_proj), split into its shards here so that each rank
+        takes its slice of each."""
+        if shard is None and len(self.output_sizes) > 1:
+            return self._load_fused(name, tensor)
         if name == "bias":
             return load_shard(self, self.bias, tensor, shard, dim=0)
         self.method.load(self, name, tensor, shard)
+
+    def _load_fused(self, name: str, tensor) -> None:
+        if name not in ("weight", "bias") or shape_of(tensor)[0] != sum(self.full_output_sizes):
+            raise ValueError(
+                f"a fused checkpoint tensor {name!r} of shape {shape_of(tensor)} for outputs {self.full_output_sizes}:"
+                f" tiffin splits plain fused weights and biases only"
+            )
+        start = 0
+        for shard, size in enumerate(self.full_output_sizes):
+            self.load(name, tensor[start : start + size], shard)
+            start += size
 
     def forward(self, x: torch.Tensor, lora: LoRAMetadata | None = None) -> torch.Tensor:
         """`lora`: the step's token -> adapter slot map, for a layer that holds adapters."""

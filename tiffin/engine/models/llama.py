@@ -1,5 +1,7 @@
-"""The Llama family in plain torch: Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k RMSNorm). Each layer's MLP
-comes from the model class's `make_mlp` (the gated MLP here; a mixture of experts in `moe.py`).
+"""The Llama family in plain torch: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm), Phi-3 (LongRoPE),
+SmolLM3 (layers without RoPE) and Granite (its multipliers). Each layer's MLP comes from the model class's
+`make_mlp` (the gated MLP here; a mixture of experts in `moe.py`), each layer from its `decoder_layer` (OLMo 2's
+post-norm one in `olmo2.py`).
 
 The model sees one flattened batch (`input_ids[T]`, `positions[T]`), its attention metadata and, when adapters
 are loaded, its LoRA metadata (token -> adapter slot), never requests.
@@ -53,7 +55,8 @@ class Attention(nn.Module):
         self.qk_norm = config.qk_norm  # applied by `Rotation.rotate_and_write_kv`, fused into it on a GPU
         self.rotary = rotary  # applied through the forward's `Rotation`; the native decode step reads its tables
         self.backend = backend
-        self.scale = self.head_dim**-0.5
+        # Granite's multiplier replaces 1/sqrt(head_dim); a scaled RoPE's factor, on q and k both, enters squared
+        self.scale = (config.attention_multiplier or self.head_dim**-0.5) * rotary.attention_scaling**2
         self.k_cache = self.v_cache = torch.empty(0)  # set by the ModelRunner
         self.k_scale = self.v_scale = None  # a quantized cache's scales (`kv_quant`), set by the ModelRunner
 
@@ -64,13 +67,18 @@ class Attention(nn.Module):
         attn_metadata: kernels.AttentionMetadata,
         lora: LoRAMetadata | None,
     ) -> torch.Tensor:
-        qk, v = self.qkv_proj(x, lora).split([self.qkv_proj.offsets[2], self.qkv_proj.output_sizes[2]], dim=-1)
+        qk, v = self.project(x, lora)
         qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, fresh_kv = rotation.rotate_and_write_kv(qk, v, self, attn_metadata.slot_mapping, self.backend)
         kv = (self.k_cache, self.v_cache, attn_metadata, self.scale, self.backend, True, self.k_scale, self.v_scale)
         o = kernels.paged_attention(q, *kv, query_rotated=fresh_kv is None, fresh_kv=fresh_kv)
         return self.o_proj(o.flatten(1), lora)
+
+    def project(self, x: torch.Tensor, lora: LoRAMetadata | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the queries and keys side by side, the values) of `x`, flat: `[T, (heads + kv_heads) * head_dim]`,
+        `[T, kv_heads * head_dim]`."""
+        return self.qkv_proj(x, lora).split([self.qkv_proj.offsets[2], self.qkv_proj.output_sizes[2]], dim=-1)
 
 
 def dense_mlp(config: ModelConfig, layer: int, linear: LinearFactory, backend: str, tp: TensorParallel) -> nn.Module:
@@ -97,7 +105,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, prefixed(linear, "self_attn."), rotary, backend, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
         self.mlp = make_mlp(config, index, prefixed(linear, "mlp."), backend, tp)
-        self.backend = backend
+        self.backend, self.residual_multiplier = backend, config.residual_multiplier
 
     def forward(self, x, residual, rotation, attn_metadata, lora) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream without it): the next layer (or the final norm) adds the
@@ -106,9 +114,13 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x, self.backend), x
         else:
             x, residual = self.input_layernorm.add_and_norm(x, residual, self.backend)
-        x = self.self_attn(x, rotation, attn_metadata, lora)
+        x = self.scaled(self.self_attn(x, rotation, attn_metadata, lora))
         x, residual = self.post_attention_layernorm.add_and_norm(x, residual, self.backend)
-        return self.mlp(x, lora), residual
+        return self.scaled(self.mlp(x, lora)), residual
+
+    def scaled(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` as it joins the residual stream (Granite scales it)."""
+        return x if self.residual_multiplier == 1.0 else x * self.residual_multiplier
 
 
 class Model(nn.Module):
@@ -121,20 +133,35 @@ class Model(nn.Module):
         backend: str,
         tp: TensorParallel,
         make_mlp: MLPFactory = dense_mlp,
+        decoder_layer: type[nn.Module] = DecoderLayer,
     ):
         super().__init__()
         self.embed_tokens = embedding("embed_tokens", config.vocab_size, config.hidden_size)
+        # NoPE layers rotate by the identity: their keys go through the same fused write as the others'
+        nope = RotaryEmbedding(config.head_dim, rotary.cos.shape[0], None, None) if config.nope_layers else None
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, prefixed(linear, f"layers.{i}."), rotary, backend, tp, make_mlp)
+            decoder_layer(
+                config,
+                i,
+                prefixed(linear, f"layers.{i}."),
+                nope if i in config.nope_layers else rotary,
+                backend,
+                tp,
+                make_mlp,
+            )
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
-        self.rotary, self.backend = rotary, backend
+        self.rotary, self.nope, self.backend = rotary, nope, backend
+        self.embedding_multiplier = config.embedding_multiplier
 
     def forward(self, input_ids, positions, attn_metadata, lora):
-        x, residual, rotation = self.embed_tokens(input_ids), None, self.rotary.at(positions)
+        x, residual = self.embed_tokens(input_ids), None
+        if self.embedding_multiplier != 1.0:
+            x = x * self.embedding_multiplier
+        rotations = {r: r.at(positions) for r in (self.rotary, self.nope) if r is not None}
         for layer in self.layers:
-            x, residual = layer(x, residual, rotation, attn_metadata, lora)
+            x, residual = layer(x, residual, rotations[layer.self_attn.rotary], attn_metadata, lora)
         return self.norm.add_and_norm(x, residual, self.backend)[0]
 
 
@@ -149,6 +176,7 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
     make_mlp = staticmethod(dense_mlp)  # (config, layer index, linear, backend, tp) -> that layer's MLP
+    decoder_layer = DecoderLayer
 
     def __init__(
         self,
@@ -162,7 +190,14 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
         inner = prefixed(linear, "model."), prefixed(embedding, "model.")
-        self.model = Model(config, *inner, rotary, backend, tp, self.make_mlp)
+        self.model = Model(config, *inner, rotary, backend, tp, self.make_mlp, self.decoder_layer)
+        self.logits_scaling = config.logits_scaling
+        # the Llama block exactly as the native CPU decode step runs it (`worker/cpu_decode.py`)
+        self.plain_block = (
+            self.decoder_layer is DecoderLayer
+            and not config.nope_layers
+            and (config.embedding_multiplier == config.residual_multiplier == 1.0)
+        )
         generates = config.task == "generate"
         self.lm_head = (
             None
@@ -176,7 +211,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The logits of `hidden`'s rows; with tensor parallelism on rank 0 only (None on the others)."""
-        return (self.model.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)
+        logits = (self.model.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)
+        return logits if logits is None or self.logits_scaling == 1.0 else logits / self.logits_scaling
 
     def pool(self, hidden: torch.Tensor, md: PoolingMetadata) -> torch.Tensor:
         return self.pooler(hidden, md)

@@ -39,6 +39,7 @@ def get_model_config(
         raw = checkpoint.config(get_architecture(checkpoint.architecture).model.stacked_modules)
     name = (raw.get("architectures") or ["?"])[0]
     arch = get_architecture(name)
+    raw = arch.config_defaults | raw
     quant = get_quant_config(path, raw, quantization)
     config = ModelConfig.from_hf(raw, quant, arch.qkv_bias, arch.qk_norm, arch.renormalize_topk)
     if config.moe is not None and quant is not None:

@@ -2,13 +2,14 @@
 implies that its config.json leaves unsaid: the only place that names architectures. A Llama variant is one
 line in `ARCHITECTURES`; a new family is a model file built from `layers.py` plus its line here."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
 from tiffin.engine.models.bert import BertForSequenceClassification, BertModel
 from tiffin.engine.models.llama import LlamaForCausalLM
 from tiffin.engine.models.moe import MoEForCausalLM
+from tiffin.engine.models.olmo2 import Olmo2ForCausalLM
 
 TASKS = ("generate", "embed", "classify")
 
@@ -25,14 +26,22 @@ class Architecture:
     checkpoint_prefix: str = ""  # what its checkpoint's weight names lack against the model's (a bare decoder)
     positions_after_padding: bool = False  # RoBERTa: absolute position rows start at pad_token_id + 1
     renormalize_topk: bool = False  # a mixture of experts' top-k weights always sum to 1, whatever norm_topk_prob
+    gguf_permuted_qk: bool = False  # llama.cpp's converter interleaves its q/k rows (its Llama-derived models)
+    config_defaults: dict = field(default_factory=dict)  # what it implies where config.json (or GGUF) says nothing
 
 
 ARCHITECTURES: dict[str, Architecture] = {
-    "LlamaForCausalLM": Architecture(LlamaForCausalLM, gguf_name="llama"),
+    "LlamaForCausalLM": Architecture(LlamaForCausalLM, gguf_name="llama", gguf_permuted_qk=True),
     "MistralForCausalLM": Architecture(LlamaForCausalLM),  # llama.cpp writes Mistral as llama
     "Qwen2ForCausalLM": Architecture(LlamaForCausalLM, qkv_bias=True, gguf_name="qwen2"),
     "Qwen3ForCausalLM": Architecture(LlamaForCausalLM, qk_norm=True, gguf_name="qwen3"),
     "IQuestCoderForCausalLM": Architecture(LlamaForCausalLM),
+    "Phi3ForCausalLM": Architecture(LlamaForCausalLM),  # q/k/v and gate/up fused in its checkpoint; LongRoPE
+    "SmolLM3ForCausalLM": Architecture(  # NoPE layers: no_rope_layers, else every 4th (llama.cpp's too)
+        LlamaForCausalLM, gguf_name="smollm3", gguf_permuted_qk=True, config_defaults={"no_rope_layer_interval": 4}
+    ),
+    "GraniteForCausalLM": Architecture(LlamaForCausalLM, gguf_name="granite", gguf_permuted_qk=True),  # multipliers
+    "Olmo2ForCausalLM": Architecture(Olmo2ForCausalLM, gguf_name="olmo2"),  # post-norms, q/k norms over all heads
     # mixtures of experts (models/moe.py)
     "MixtralForCausalLM": Architecture(MoEForCausalLM, renormalize_topk=True),
     "Qwen2MoeForCausalLM": Architecture(MoEForCausalLM, qkv_bias=True),

@@ -59,7 +59,7 @@ def load_tokenizer(path: str):
     merges and chat template. The conversion takes seconds for a vocabulary of SmolLM2's 49k tokens, loading
     the saved copy a tenth of that, so the copy is kept under the cache dir, per file and transformers version."""
     # here, not at the top: the Bento's model store imports this module, and `bentoml build` must not load torch
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     from tiffin.engine.models.gguf_checkpoint import find_gguf
 
@@ -73,7 +73,10 @@ def load_tokenizer(path: str):
         except Exception as e:  # whatever a damaged copy raises: it is converted again and replaced
             logger.warning("the cached tokenizer %s failed to load, converting %s again: %r", cached, gguf, e)
             shutil.rmtree(cached, ignore_errors=True)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except ValueError:  # an architecture transformers reads no config of (granite, smollm3): the tokenizer alone
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(gguf.parent, gguf_file=gguf.name)
     _save_atomically(tokenizer, cached)
     return tokenizer
 

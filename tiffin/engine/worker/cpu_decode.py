@@ -119,10 +119,10 @@ class CpuDecoder:
 
     @classmethod
     def build(cls, model: torch.nn.Module, block_size: int) -> "CpuDecoder | None":
-        """A native decoder for `model`, or None where its steps must run in torch: not the Llama family, a
+        """A native decoder for `model`, or None where its steps must run in torch: not the Llama block, a
         projection not on the block kernels (plain, an adapter slot, FP8 without AVX-512 BF16) or whose inputs are
         permuted first, an activation other than SiLU, a dtype other than fp32 / bf16."""
-        if not isinstance(model, LlamaForCausalLM) or cpu_native.library() is None:
+        if not isinstance(model, LlamaForCausalLM) or not model.plain_block or cpu_native.library() is None:
             return None
         inner = model.model
         for layer in inner.layers:

@@ -1,0 +1,100 @@
+"""Granite, SmolLM3 and OLMo 2 as llama.cpp's own `convert_hf_to_gguf.py` writes them (F32 and Q8_0), from the tiny
+checkpoints of test_dense_families: tiffin's greedy tokens are llama-server's on the same file. F32: identical
+for every prompt (and transformers' on the checkpoint). Q8_0: identical up to a step where either side's two best
+tokens are within NEAR_TIE nats (llama.cpp quantizes activations to 8 bits against Q8_0 weights, tiffin's exact
+mode keeps them float; on a random tiny model the two best tokens are often close).
+
+The converter refuses a BPE tokenizer whose pre-tokenizer it does not know by hash, as the tiny checkpoints' made-up
+one: it is told 'gpt-2' (the prompts go in as ids; the tokenizer takes no part). Skipped, saying why, without
+llama.cpp (~/.cache/tiffin-peers/llama.cpp with build/bin/llama-server, or $TIFFIN_LLAMA_CPP_SRC; see
+../shared/bench/setup-llamacpp.sh)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from references import reference_generate
+from test_dense_families import ARCHS, TINY, VOCAB, prompts, randomize
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import tiffin
+from tiffin import LLM, SamplingParams
+from tiffin.testing.servers import Server, free_port
+from tiffin.tiny import write_tokenizer
+
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
+
+LLAMA_CPP = Path(os.environ.get("TIFFIN_LLAMA_CPP_SRC", Path.home() / ".cache/tiffin-peers/llama.cpp"))
+SERVER = LLAMA_CPP / "build" / "bin" / "llama-server"
+CONVERT = """import sys
+sys.path[:0] = [{root!r}, {root!r} + "/gguf-py"]
+import convert_hf_to_gguf
+from conversion.base import TextModel
+TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+sys.argv = ["convert_hf_to_gguf.py", *sys.argv[1:]]
+convert_hf_to_gguf.main()
+"""
+TOKENS, NEAR_TIE = 24, 0.5
+
+
+def peer_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in tiffin.ENV_SET_BY_TIFFIN}
+
+
+@pytest.fixture(scope="module", params=["granite", "smollm3", "olmo2"])
+def converted(request, tmp_path_factory):
+    """(model_type, {outtype: the GGUF llama.cpp's converter wrote}, the transformers model)."""
+    if not (SERVER.exists() and (LLAMA_CPP / "convert_hf_to_gguf.py").exists()):
+        pytest.skip(f"no llama.cpp at {LLAMA_CPP} (convert_hf_to_gguf.py, build/bin/llama-server)")
+    model_type, tmp = request.param, tmp_path_factory.mktemp(request.param)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **TINY, **ARCHS[model_type]))
+    randomize(hf.float().eval())
+    hf.save_pretrained(tmp / "hf")
+    write_tokenizer(tmp / "hf", VOCAB, False, TINY["max_position_embeddings"])
+    hf.generation_config.eos_token_id = None
+    files = {}
+    for outtype in ("f32", "q8_0"):
+        files[outtype] = tmp / f"{outtype}.gguf"
+        command = [sys.executable, "-c", CONVERT.format(root=str(LLAMA_CPP)), str(tmp / "hf"), "--outtype", outtype]
+        subprocess.run([*command, "--outfile", str(files[outtype])], check=True, capture_output=True, env=peer_env())
+    return model_type, files, hf
+
+
+def llama_greedy(server: Server, ids: list[int]) -> tuple[list[int], list[dict[int, float]]]:
+    body = {"prompt": ids, "n_predict": TOKENS, "temperature": 0, "n_probs": 2, "return_tokens": True,
+            "cache_prompt": False, "ignore_eos": True}  # fmt: skip
+    out = server.http.post("/completion", json=body, timeout=120).json()
+    return out["tokens"], [{t["id"]: t["logprob"] for t in p["top_logprobs"]} for p in out["completion_probabilities"]]
+
+
+def gap(top: dict[int, float]) -> float:
+    best, second = sorted(top.values(), reverse=True)[:2]
+    return best - second
+
+
+@pytest.mark.parametrize("outtype", ["f32", "q8_0"])
+def test_llama_cpp_conversion_answers_as_llama_server(converted, outtype, tmp_path):
+    model_type, files, hf = converted
+    batch = prompts()[:4]
+    llm = LLM(str(files[outtype]), dtype="float32", cpu_quant_compute="exact", max_model_len=256)
+    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True, logprobs=2)
+    ours = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)]
+    port = free_port()
+    command = [str(SERVER), "-m", str(files[outtype]), "-t", "2", "-np", "1", "-c", "256", "--port", str(port)]
+    with Server(command, port, tmp_path / "llama-server.log", env=peer_env()) as server:
+        server.wait("/health")
+        theirs = [llama_greedy(server, p) for p in batch]
+    if outtype == "f32":
+        assert [o.token_ids for o in ours] == [t for t, _ in theirs]
+        assert [o.token_ids for o in ours] == [reference_generate(hf, p, TOKENS)[0] for p in batch]
+        return
+    ties = []
+    for o, (tokens, tops) in zip(ours, theirs):
+        split = next((i for i, (a, b) in enumerate(zip(o.token_ids, tokens)) if a != b), None)
+        if split is not None:
+            ties.append((split, gap({t: v.logprob for t, v in o.logprobs[split].items()}), gap(tops[split])))
+    print(f"{model_type} Q8_0: {len(batch) - len(ties)}/{len(batch)} identical; (step, top-2 gaps) {ties}")
+    assert all(min(gaps) < NEAR_TIE for _, *gaps in ties), ties
+    assert len(ties) < len(batch)
