@@ -1,0 +1,188 @@
+"""Sleep, wake and weight reload (tiffin.engine.sleep_mode): greedy outputs identical before and after sleeping at
+level 1 and 2, also at TP=2; update_weights to a second checkpoint gives what a fresh engine on it gives; a checkpoint
+that does not match is refused by name while the old weights serve on; requests while asleep are refused by name;
+the served engine finishes the requests in flight first (or aborts them), and sleeps by itself when idle; on the CPU
+sleep(2) hands the weights' memory back to the OS (RSS of a child process)."""
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tiffin import LLM, SamplingParams
+from tiffin.engine.async_llm_engine import AsyncLLMEngine
+from tiffin.engine.errors import EngineAsleep, EngineBusy
+from tiffin.tiny import make_tiny_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+PROMPTS = ["The quick brown fox", "def main():", "Once upon a time, in a land"]
+ENGINE = {"num_kv_blocks": 64, "max_model_len": 256}
+
+
+def greedy(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_model, tmp_path_factory):
+    """The tiny llama, the same shapes with other random weights, and one with a wider MLP."""
+    root = tmp_path_factory.mktemp("sleep")
+    return (
+        tiny_model("llama"),
+        make_tiny_model(root / "other", seed=7),
+        make_tiny_model(root / "wide", intermediate_size=256),
+    )
+
+
+@pytest.fixture(scope="module")
+def references(checkpoints):
+    """Each checkpoint's greedy outputs from a fresh engine."""
+    outs = []
+    for path in checkpoints[:2]:
+        llm = LLM(str(path), **ENGINE)
+        outs.append(greedy(llm))
+        llm.shutdown()
+    assert outs[0] != outs[1]
+    return outs
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_then_wake_gives_the_same_outputs(checkpoints, references, level):
+    llm = LLM(str(checkpoints[0]), enable_prefix_caching=True, **ENGINE)
+    assert greedy(llm) == references[0]
+    llm.sleep(level)
+    assert llm.is_sleeping()
+    runner = llm.llm_engine.model_runner
+    assert not hasattr(runner, "kv_cache") and runner.model.model.layers[0].self_attn.k_cache.numel() == 0
+    emptied = runner.model.model.embed_tokens.weight.numel() == 0
+    assert emptied == (level == 2)
+    with pytest.raises(EngineAsleep, match=f"asleep \\(sleep level {level}\\)"):
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    assert not llm.llm_engine.requests  # the refused request left nothing behind
+    llm.wake_up()
+    assert not llm.is_sleeping()
+    assert greedy(llm) == references[0]
+    assert greedy(llm) == references[0]  # from the prefix cache filled after the wake
+    llm.shutdown()
+
+
+def test_update_weights(checkpoints, references):
+    tiny, other, wide = checkpoints
+    llm = LLM(str(tiny), enable_prefix_caching=True, **ENGINE)
+    assert greedy(llm) == references[0]
+    llm.update_weights(str(other))
+    assert greedy(llm) == references[1]  # the prefix cache held tiny's KV of these prompts: emptied
+    with pytest.raises(ValueError, match="does not match the served model: intermediate_size: 256, served 128"):
+        llm.update_weights(str(wide))
+    with pytest.raises(ValueError, match="cannot read the checkpoint at /nonexistent"):
+        llm.update_weights("/nonexistent")
+    assert greedy(llm) == references[1]  # refused: the weights serve on
+    llm.sleep(2)
+    llm.wake_up()  # reads the checkpoint it serves now, not the first one
+    assert greedy(llm) == references[1]
+    llm.llm_engine.add_request("busy", PROMPTS[0], GREEDY)
+    with pytest.raises(EngineBusy, match="update_weights needs an idle engine: 1 request is in flight"):
+        llm.update_weights(str(tiny))
+    with pytest.raises(EngineBusy, match="sleep needs an idle engine"):
+        llm.sleep(1)
+    llm.llm_engine.update_weights(str(tiny), abort_in_flight=True)
+    assert greedy(llm) == references[0]
+    llm.shutdown()
+
+
+def test_tensor_parallel(checkpoints, references):
+    llm = LLM(str(checkpoints[0]), tensor_parallel_size=2, **ENGINE)
+    for level in (1, 2):
+        llm.sleep(level)
+        llm.wake_up()
+        assert greedy(llm) == references[0]
+    llm.update_weights(str(checkpoints[1]))
+    assert greedy(llm) == references[1]
+    with pytest.raises(ValueError, match="does not match"):
+        llm.update_weights(str(checkpoints[2]))
+    assert greedy(llm) == references[1]
+    llm.shutdown()
+
+
+async def _collect(engine: AsyncLLMEngine, prompt: str, params: SamplingParams = GREEDY):
+    outs = [out async for out in engine.generate(prompt, params)]
+    return outs[-1].outputs[0]
+
+
+def test_served_engine(checkpoints, references):
+    """Sleep waits for the request in flight; requests while asleep get EngineAsleep, or wait for the wake;
+    update_weights finishes or aborts those in flight; an idle engine sleeps by itself and the next request wakes it."""
+
+    async def main():
+        engine = AsyncLLMEngine.from_engine_args(str(checkpoints[0]), idle_sleep_seconds=0.5, **ENGINE)
+        try:
+            long = asyncio.create_task(_collect(engine, PROMPTS[0], SamplingParams(max_tokens=40, ignore_eos=True)))
+            await asyncio.sleep(0.05)
+            await engine.sleep(1)
+            assert long.done() and len(long.result().token_ids) == 40 and engine.is_sleeping()
+            with pytest.raises(EngineAsleep, match="not woken within asleep_request_wait=0 s"):
+                await _collect(engine, PROMPTS[1])
+            engine.engine.config.asleep_request_wait = 30
+            waiting = asyncio.create_task(_collect(engine, PROMPTS[1]))
+            await asyncio.sleep(0.2)
+            assert not waiting.done()
+            await engine.wake_up()
+            assert (await waiting).token_ids == references[0][1]
+            long = asyncio.create_task(_collect(engine, PROMPTS[0], SamplingParams(max_tokens=200, ignore_eos=True)))
+            await asyncio.sleep(0.05)
+            await engine.update_weights(str(checkpoints[1]), abort_in_flight=True)
+            assert long.done() and long.result().finish_reason == "abort"
+            assert (await _collect(engine, PROMPTS[2])).token_ids == references[1][2]
+            with pytest.raises(ValueError, match="does not match"):
+                await engine.update_weights(str(checkpoints[2]))
+            deadline = time.monotonic() + 10
+            while not engine.is_sleeping():  # idle for idle_sleep_seconds
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            assert engine.engine.sleep_level == 1
+            assert (await _collect(engine, PROMPTS[0])).token_ids == references[1][0]  # woke it
+            assert not engine.is_sleeping()
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
+
+
+RSS_CHILD = """
+import json, sys, time, psutil
+from tiffin import LLM, SamplingParams
+from tiffin.engine.worker.sleep import release_memory
+import torch
+llm = LLM(sys.argv[1], num_kv_blocks=16)
+params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+before = llm.generate(["Hello"], params, use_tqdm=False)[0].outputs[0].token_ids
+release_memory(torch.device("cpu"))  # what loading freed goes back first: only sleep's release is measured
+proc = psutil.Process()
+awake = proc.memory_info().rss
+llm.sleep(2)
+start, freed = time.monotonic(), 0
+while time.monotonic() - start < 5 and freed < int(sys.argv[2]):  # within 5 s, as much as the test needs
+    freed = max(freed, awake - proc.memory_info().rss)
+    time.sleep(0.05)
+start = time.monotonic()
+llm.wake_up()
+wake = time.monotonic() - start
+after = llm.generate(["Hello"], params, use_tqdm=False)[0].outputs[0].token_ids
+print(json.dumps({"freed": freed, "same": before == after, "wake": wake}))
+"""
+
+
+def test_sleep_returns_the_weights_memory(tmp_path):
+    """A ~110 MB fp32 checkpoint: sleep(2) gives at least 80% of its bytes back to the OS within 5 s."""
+    path = make_tiny_model(tmp_path / "big", hidden_size=512, intermediate_size=1536, num_hidden_layers=8)
+    weights = (path / "model.safetensors").stat().st_size
+    needed = int(0.8 * weights)
+    child = [sys.executable, "-c", RSS_CHILD, str(path), str(needed)]
+    out = subprocess.run(child, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["same"]
+    assert result["freed"] >= needed, (result, weights)
