@@ -8,7 +8,8 @@ load in a background thread: /livez answers at once, /readyz is 503 until the en
 prompt has waited over 10 s for an engine's tokenizing threads (AsyncLLMEngine.ready). The
 OpenAI-compatible API (tiffin.plugin.openai) is mounted at /v1 (and its rerank route at /v2/rerank too, as vLLM
 serves Cohere's v2 clients, and /tokenize and /detokenize at the root as well, as vLLM serves them); with
-TIFFIN_LORA_ROOTS set it serves LoRA adapters too (tiffin.plugin.lora). Every route but the probes sits behind
+TIFFIN_LORA_ROOTS set it serves LoRA adapters too (tiffin.plugin.lora); behind the admin key, engines sleep, wake
+and reload weights (tiffin.plugin.sleep). Every route but the probes sits behind
 tiffin.plugin.guard (API keys, body limit, draining); SIGTERM stops admitting requests and lets running ones
 finish for up to `shutdown_grace_period` seconds.
 
@@ -68,6 +69,7 @@ from tiffin.plugin.openai.routing import ModelRouter
 from tiffin.plugin.openai.serving import OpenAIServing
 from tiffin.plugin.openai.store import ResponseStore
 from tiffin.plugin.openai.tokenize import MAX_TOKENIZE_IDS
+from tiffin.plugin.sleep import add_sleep_routes
 
 logger = logging.getLogger("tiffin.service")
 
@@ -294,9 +296,13 @@ DRAINING = threading.Event()  # set by SIGTERM: new requests get 503, running on
 SERVICE: list = []  # this worker's Tiffin instance, whose `failure` the Guard's /livez names
 
 
+root_app = create_root_app(openai_app)
+add_sleep_routes(root_app, openai_app)  # /sleep, /wake_up, /is_sleeping, /update_weights (tiffin.plugin.sleep)
+
+
 # vLLM serves /tokenize and /detokenize at the root too: BentoML mounts apps behind its own routes and goes into a
 # mounted app only for a path one of its routes matches, so this one takes those two paths and shadows nothing
-@bentoml.asgi_app(create_root_app(openai_app), path="/")
+@bentoml.asgi_app(root_app, path="/")
 @bentoml.asgi_app(create_v2_app(openai_app), path="/v2")
 @bentoml.asgi_app(openai_app, path="/v1")
 @bentoml.service(
