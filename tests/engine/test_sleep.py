@@ -9,12 +9,17 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
+import torch
+from lora_adapters import make_adapter
 
 from tiffin import LLM, SamplingParams
 from tiffin.engine.async_llm_engine import AsyncLLMEngine
 from tiffin.engine.errors import EngineAsleep, EngineBusy
+from tiffin.engine.lora.request import LoRARequest
+from tiffin.engine.worker import model_runner
 from tiffin.tiny import make_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -69,6 +74,89 @@ def test_sleep_then_wake_gives_the_same_outputs(checkpoints, references, level):
     llm.shutdown()
 
 
+QUANT = Path(__file__).parents[1] / "fixtures" / "quant"
+LAYOUTS = {  # weights held plain, oneDNN-packed, as quantized blocks under the native int8 decoder, exact AWQ
+    "fp32": ("tiny", {}),
+    "bf16-packed": ("tiny", {"dtype": "bfloat16"}),
+    "awq-int8-native": (QUANT / "awq-g64", {"kernel_backend": "torch", "dtype": "bfloat16"}),
+    "gptq-exact": (QUANT / "gptq-4bit-g64-actorder-sym", {"kernel_backend": "torch", "cpu_quant_compute": "exact"}),
+}
+KV_AND_ADAPTERS = {"k_cache", "v_cache", "k_scale", "v_scale", "adapters"}
+
+
+def held_tensors(value, seen: dict) -> list:
+    """Every tensor reachable from `value` through lists, tuples, dicts and objects' attributes, modules aside: an
+    independent walk, not the one sleep uses."""
+    if id(value) in seen or isinstance(value, (torch.nn.Module, type)) or callable(value):
+        return []
+    seen[id(value)] = value
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in held_tensors(v, seen)]
+    items = value.items() if isinstance(value, dict) else vars(value).items() if hasattr(value, "__dict__") else ()
+    return [t for k, v in items if k not in KV_AND_ADAPTERS for t in held_tensors(v, seen)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_weight_layout_sleeps_and_wakes(checkpoints, layout):
+    path, kwargs = LAYOUTS[layout]
+    llm = LLM(str(checkpoints[0] if path == "tiny" else path), **ENGINE, **kwargs)
+    runner = llm.llm_engine.model_runner
+    native = runner.cpu_decoder is not None
+    assert native == (layout == "awq-int8-native")
+    want = greedy(llm)
+    for level in (2, 1):
+        llm.sleep(level)
+        seen = {}
+        held = [t for m in runner.model.modules() for t in held_tensors(dict(vars(m)), seen) if t.numel()]
+        assert bool(held) == (level == 1)  # level 2 dropped every weight, whatever holds it
+        llm.wake_up()
+        assert (runner.cpu_decoder is not None) == native
+        assert greedy(llm) == want
+    llm.shutdown()
+
+
+def test_lora_adapters_are_kept(checkpoints, tmp_path):
+    """An adapter loaded before a reload (or a level-2 sleep) applies to the new base as to a fresh engine's."""
+    tiny, other, _ = checkpoints
+    adapter = make_adapter(tiny, tmp_path / "qv", seed=3, r=8, target_modules=["q_proj", "v_proj"])
+    lora = LoRARequest("qv", 1, str(adapter))
+
+    def run(llm: LLM) -> list:
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=lora)]
+
+    kwargs = dict(enable_lora=True, max_loras=1, max_lora_rank=8, **ENGINE)
+    fresh = LLM(str(other), **kwargs)
+    want = run(fresh)
+    fresh.shutdown()
+    llm = LLM(str(tiny), **kwargs)
+    run(llm)
+    llm.update_weights(str(other))
+    assert run(llm) == want
+    llm.sleep(2)
+    llm.wake_up()
+    assert run(llm) == want
+    llm.shutdown()
+
+
+def test_a_failed_load_restores_the_old_weights(checkpoints, references, monkeypatch):
+    llm = LLM(str(checkpoints[0]), **ENGINE)
+    runner = llm.llm_engine.model_runner
+    build = runner.build_model
+
+    def unreadable(path):
+        if path == str(checkpoints[1]):
+            raise OSError("disk gone")
+        return build(path)
+
+    monkeypatch.setattr(runner, "build_model", unreadable)
+    with pytest.raises(OSError, match="disk gone"):
+        llm.update_weights(str(checkpoints[1]))
+    assert greedy(llm) == references[0]
+    llm.shutdown()
+
+
 def test_update_weights(checkpoints, references):
     tiny, other, wide = checkpoints
     llm = LLM(str(tiny), enable_prefix_caching=True, **ENGINE)
@@ -93,6 +181,8 @@ def test_update_weights(checkpoints, references):
     llm.shutdown()
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_tensor_parallel(checkpoints, references):
     llm = LLM(str(checkpoints[0]), tensor_parallel_size=2, **ENGINE)
     for level in (1, 2):
@@ -175,6 +265,8 @@ print(json.dumps({"freed": freed, "same": before == after, "wake": wake}))
 """
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_sleep_returns_the_weights_memory(tmp_path):
     """A ~110 MB fp32 checkpoint: sleep(2) gives at least 80% of its bytes back to the OS within 5 s."""
     path = make_tiny_model(tmp_path / "big", hidden_size=512, intermediate_size=1536, num_hidden_layers=8)
@@ -186,3 +278,35 @@ def test_sleep_returns_the_weights_memory(tmp_path):
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["same"]
     assert result["freed"] >= needed, (result, weights)
+
+
+@pytest.mark.slow
+def test_cuda_graphs_and_host_offload(checkpoints, references, cuda_emulation, monkeypatch):
+    """On CUDA (emulated): level 1 moves the weights to pinned host memory and frees the KV cache and the graphs;
+    the wake and a weight reload capture the graphs again, which then replay on the weights now served (a replay
+    reading freed memory raises under the emulation). Greedy tokens as the CPU engine's (`references`)."""
+    monkeypatch.setattr(model_runner, "warm_up_triton", lambda runner: None)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    kwargs = dict(device="cuda", dtype="float32", num_kv_blocks=16, max_num_seqs=1, max_model_len=64)
+
+    def run(llm: LLM) -> list[int]:
+        replays = cuda_emulation.replays
+        out = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert cuda_emulation.replays - replays == 3  # every decode step ran from a graph
+        return out
+
+    llm = LLM(str(checkpoints[0]), **kwargs)
+    assert run(llm) == references[0][0][:4]
+    awake = cuda_emulation.allocated()
+    llm.sleep(1)
+    assert cuda_emulation.allocated() < 0.05 * awake
+    assert llm.llm_engine.model_runner.offloaded  # pinned host copies
+    llm.wake_up()
+    assert cuda_emulation.allocated() == pytest.approx(awake, rel=0.05)
+    assert run(llm) == references[0][0][:4]
+    llm.update_weights(str(checkpoints[1]))
+    assert run(llm) == references[1][0][:4]
+    llm.sleep(2)
+    assert cuda_emulation.allocated() < 0.05 * awake
+    llm.wake_up()
+    assert run(llm) == references[1][0][:4]

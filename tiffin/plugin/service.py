@@ -54,7 +54,7 @@ from bentoml.exceptions import BentoMLException, InvalidArgument, ServiceUnavail
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from tiffin.engine.config import EngineConfig
-from tiffin.engine.errors import QueueFull
+from tiffin.engine.errors import EngineAsleep, QueueFull
 from tiffin.engine.pooling_params import PoolingParams
 from tiffin.engine.sampling_params import SamplingParams
 from tiffin.plugin import http_server
@@ -483,6 +483,8 @@ class Tiffin:
             raise InvalidArgument(str(e)) from None
         except QueueFull as e:
             raise BentoMLException(str(e), error_code=HTTPStatus.TOO_MANY_REQUESTS) from None
+        except EngineAsleep as e:
+            raise ServiceUnavailable(str(e)) from None
         try:
             async for out in stream:
                 if out.finished:
