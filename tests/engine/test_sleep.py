@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as QType
+from gguf_files import write_gguf
 from lora_adapters import make_adapter
 
 from tiffin import LLM, SamplingParams
@@ -178,6 +180,27 @@ def test_update_weights(checkpoints, references):
         llm.sleep(1)
     llm.llm_engine.update_weights(str(tiny), abort_in_flight=True)
     assert greedy(llm) == references[0]
+    llm.shutdown()
+
+
+def test_update_weights_from_gguf(checkpoints, tmp_path):
+    """GGUF files: another of the same tensor types loads as a fresh engine on it; one of other types is refused,
+    naming a tensor and its type. (The tokenizer is the HF checkpoint's: the weights are what is compared.)"""
+    tiny, other, _ = checkpoints
+    served = write_gguf(tiny, tmp_path / "tiny.gguf", QType.Q8_0)
+    same = write_gguf(other, tmp_path / "other.gguf", QType.Q8_0)
+    retyped = write_gguf(other, tmp_path / "q4.gguf", QType.Q4_0)
+    fresh = LLM(str(same), tokenizer=str(tiny), **ENGINE)
+    want = greedy(fresh)
+    fresh.shutdown()
+    llm = LLM(str(served), tokenizer=str(tiny), **ENGINE)
+    first = greedy(llm)
+    named = r"blk\.0\.attn_k\.weight: \(\(32, 64\), 'Q4_0'\), served \(\(32, 64\), 'Q8_0'\)"
+    with pytest.raises(ValueError, match=named):
+        llm.update_weights(str(retyped))
+    assert greedy(llm) == first
+    llm.update_weights(str(same))
+    assert greedy(llm) == want != first
     llm.shutdown()
 
 
