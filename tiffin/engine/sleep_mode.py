@@ -15,6 +15,7 @@
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections import deque
 from pathlib import Path
@@ -24,6 +25,7 @@ from tiffin.engine.models.config import resolve_dtype
 from tiffin.engine.models.loader import checkpoint_signature, get_model_config
 from tiffin.engine.worker.sleep import on_every_rank
 
+logger = logging.getLogger(__name__)
 SLEEP_LEVELS = (1, 2)
 MAX_NAMED = 4  # differences a refused checkpoint's error names
 ASLEEP_POLL = 0.05  # seconds between looks at a sleeping engine by a request waiting for it to wake
@@ -120,7 +122,7 @@ class AsyncSleepMode:
     flight finished (`update_weights` may abort them instead); requests arriving meanwhile are held, then let in.
     A request arriving while the engine sleeps by `sleep` waits up to `asleep_request_wait` seconds for `wake_up`,
     then is refused (EngineAsleep); one arriving while it sleeps for being idle (`idle_sleep_seconds`) wakes it.
-    It holds `engine`, `_inbox`, `_active`, `_lock`, `_post` and `_engine_call`."""
+    It holds `engine`, `_inbox`, `_active`, `_lock`, `_dead`, `_post` and `_engine_call`."""
 
     def _init_sleep_mode(self) -> None:
         self._exclusives: deque[tuple] = deque()  # sleep / wake / reload calls waiting for the engine to idle
@@ -189,15 +191,21 @@ class AsyncSleepMode:
         return None if self.engine.is_sleeping() else self.engine.config.idle_sleep_seconds
 
     def _sleep_when_idle(self) -> None:
+        """Idle for `idle_sleep_seconds`: sleep. One that fails leaves the engine in no known state: dead."""
         with self._lock:
-            if self._inbox or self.engine.has_unfinished_requests():  # work arrived as the wait ended
+            if self._inbox or self.engine.has_unfinished_requests() or self.dead:  # work arrived as the wait ended
                 return
-            self.engine.sleep(self.engine.config.idle_sleep_level)
+            try:
+                self.engine.sleep(self.engine.config.idle_sleep_level)
+            except Exception as e:
+                logger.exception("idle sleep failed")
+                self._dead = f"idle sleep failed: {type(e).__name__}: {e}"
+                return
             self._idle_slept = True
             self._publish_stats()
 
     def _wake_for_request(self) -> None:
-        """Before an add: an engine asleep for being idle wakes."""
+        """Before an add: an engine asleep for being idle wakes (raising, it stays so: the next add tries again)."""
         if self._idle_slept:
-            self._idle_slept = False
             self.engine.wake_up()
+            self._idle_slept = False

@@ -108,9 +108,10 @@ class ModelRunner:
         if draft is not None:
             draft.start(self.num_blocks)
 
-    def build_caches(self) -> None:
+    def build_caches(self, warm_up: bool = True) -> None:
         """What runs on the weights, for `num_blocks` blocks: the KV pool and host blocks, the native decoder,
-        warm-ups, the decode graphs (`start`; `sleep.wake_up` again)."""
+        warm-ups (`warm_up`: what they build, compiled kernels and oneDNN primitives, outlives a sleep), the decode
+        graphs (`start`; `sleep.wake_up` again)."""
         config, model_config = self.config, self.model_config
         self.allocate_kv_cache()
         prefix_caching = config.enable_prefix_caching and model_config.causal
@@ -121,9 +122,9 @@ class ModelRunner:
         self.host_swap = self.kv_spec.allocate_host(self.num_host_blocks[1], pin)
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.cpu_decoder = CpuDecoder.build(self.model, self.block_size) if self.policy.native_decode else None
-        if self.policy.warm_up_triton:
+        if self.policy.warm_up_triton and warm_up:
             warm_up_triton(self)
-        if self.policy.pad_prefills:
+        if self.policy.pad_prefills and warm_up:
             warm_padded_sizes(self.model, model_config.dtype, config.max_num_batched_tokens)
         self.decode_graphs: DecodeGraphs | None = None  # None: decode steps run unpadded
         if self.policy.capture_graphs:

@@ -113,7 +113,7 @@ def wake_up(runner) -> None:
     elif runner.device.type == "cuda":
         _move(runner.offloaded, lambda t: t.to(runner.device))
         del runner.offloaded
-    runner.build_caches()
+    runner.build_caches(warm_up=False)
     runner.sleep_level = 0
 
 
