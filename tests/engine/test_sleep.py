@@ -19,7 +19,7 @@ from lora_adapters import make_adapter
 
 from tiffin import LLM, SamplingParams
 from tiffin.engine.async_llm_engine import AsyncLLMEngine
-from tiffin.engine.errors import EngineAsleep, EngineBusy
+from tiffin.engine.errors import EngineAsleep, EngineBusy, EngineError
 from tiffin.engine.lora.request import LoRARequest
 from tiffin.engine.worker import model_runner
 from tiffin.tiny import make_tiny_model
@@ -244,7 +244,7 @@ def test_served_engine(checkpoints, references):
             assert not waiting.done()
             await engine.wake_up()
             assert (await waiting).token_ids == references[0][1]
-            long = asyncio.create_task(_collect(engine, PROMPTS[0], SamplingParams(max_tokens=200, ignore_eos=True)))
+            long = asyncio.create_task(_collect(engine, PROMPTS[0], SamplingParams(max_tokens=240, ignore_eos=True)))
             await asyncio.sleep(0.05)
             await engine.update_weights(str(checkpoints[1]), abort_in_flight=True)
             assert long.done() and long.result().finish_reason == "abort"
@@ -260,6 +260,24 @@ def test_served_engine(checkpoints, references):
             assert not engine.is_sleeping()
         finally:
             engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_shutdown_fails_what_waits_for_a_sleep(checkpoints):
+    async def main():
+        engine = AsyncLLMEngine.from_engine_args(str(checkpoints[0]), **ENGINE)
+        long = asyncio.create_task(_collect(engine, PROMPTS[0], SamplingParams(max_tokens=240, ignore_eos=True)))
+        await asyncio.sleep(0.05)
+        sleeping = asyncio.create_task(engine.sleep(2))
+        await asyncio.sleep(0.05)
+        held = asyncio.create_task(_collect(engine, PROMPTS[1]))
+        await asyncio.sleep(0.05)
+        assert not sleeping.done() and not held.done()  # the sleep waits for the long request, the new one for it
+        engine.shutdown()
+        for task in (long, sleeping, held):
+            with pytest.raises(EngineError, match="shut down"):
+                await task
 
     asyncio.run(main())
 

@@ -399,8 +399,10 @@ class AsyncLLMEngine(AsyncSleepMode, StallHandling):
             return True
         while self._inbox:
             op = self._inbox.popleft()
-            if op[0] == "add":
-                self._held.append(op) if self._exclusives else self._add(*op[1:])
+            if op[0] == "add" and self._exclusives:  # after a sleep / wake / reload: held until it ran
+                self._held.append(op)
+            elif op[0] == "add":
+                self._add(*op[1:])
             elif op[0] == "abort":
                 self._abort(op[1])
             elif op[0] == "call":
@@ -451,7 +453,8 @@ class AsyncLLMEngine(AsyncSleepMode, StallHandling):
     def _fail_all(self, error: EngineError, pending: list[tuple] = ()) -> None:
         """Fail every request in flight, and the adds and calls `pending` (held back) with them."""
         for op in pending:
-            _call(op[7], _settle, op[8], None, error) if op[0] == "add" else _call(op[3], _settle, op[4], None, error)
+            loop, future = (op[7], op[8]) if op[0] == "add" else (op[3], op[4])
+            _call(loop, _settle, future, None, error)
         for request_id in self._active:
             self.engine.abort_request(request_id)
         items = [(active, error) for active in self._active.values()]

@@ -70,6 +70,7 @@ class ModelRunner:
         )
         self.block_size = config.block_size
         self.tp, self.weights_path = tp, config.model  # where `sleep.wake_up` reloads weights dropped at level 2
+        self.sleep_level = 0  # tiffin.engine.worker.sleep
         self.model = self.build_model(config.model)
         self.lora_slots = (
             LoRASlots(self.model, config.max_loras, config.max_lora_rank, model_config.dtype, self.device, self.backend)

@@ -9,9 +9,10 @@ without ending the process, and weights swapped in place.
   The old ones are dropped before the new ones load, so the peak is one copy of the weights, not two; a load that
   fails midway reloads the old checkpoint before raising.
 
-Weights are swapped slot by slot (`weight_slots`): every tensor a module holds but the attention layers' KV views,
-replaced in the module that holds it, so the model's modules (which LoRA slots and attention layers are bound to)
-stay the same objects. What holds raw pointers into weights or KV (the native decoder, CUDA graphs) is rebuilt.
+Weights are swapped slot by slot (`weight_slots`): every tensor a module holds but the attention layers' KV views
+and the LoRA slots, replaced in the module that holds it, so the model's modules (which LoRA slots and attention
+layers are bound to) stay the same objects. What holds raw pointers into weights or KV (the native decoder, CUDA
+graphs) is rebuilt.
 On CPU memory freed goes back to the OS at once: the runner raises glibc's trim threshold (`model_runner`), so
 the heap is trimmed explicitly."""
 
@@ -108,7 +109,7 @@ def sleep(runner, level: int) -> None:
 
 def wake_up(runner) -> None:
     """Undo `sleep`: the weights back (read again after level 2), then the KV pool and what runs on it."""
-    if getattr(runner, "sleep_level", 0) == 2:
+    if runner.sleep_level == 2:
         _fill(runner.model, runner.build_model(runner.weights_path))
     elif runner.device.type == "cuda":
         _move(runner.offloaded, lambda t: t.to(runner.device))
