@@ -142,6 +142,7 @@ class AsyncSleepMode:
     async def update_weights(self, path: str, abort_in_flight: bool = False) -> None:
         """`LLMEngine.update_weights` once the requests in flight finished (`abort_in_flight`: aborted at once). The
         checkpoint is checked first, off the engine thread: a mismatch raises ValueError holding nothing up."""
+        self.engine.check_awake()
         await asyncio.to_thread(self.engine.check_checkpoint, str(path))
         await self._exclusive("update_weights", (str(path),), abort_in_flight)
 
