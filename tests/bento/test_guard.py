@@ -309,6 +309,35 @@ def test_the_user_key_reaches_no_admin_route_however_spelled(server):
             assert _raw(server, "POST", target, bearer(KEY), load).status_code == 401, (path, target)
 
 
+SLEEP_SPELLINGS = ["/sleep", "/sleep/", "//sleep", "/./sleep", "/x/../sleep", "/%73leep", "/SLEEP", "/v1/sleep"]
+SLEEP_SPELLINGS += ["/wake_up", "/wake_up/", "/update_weights", "/update_weights/", "/v1/../update_weights"]
+
+
+def test_sleep_routes_need_the_admin_key_however_spelled(server):
+    """The user key puts nothing to sleep however the path is spelled; the admin key does, through BentoML's
+    mounts: completions (and the typed API) then 503 naming the state, /readyz stays 200, and the wake serves."""
+    http, body = server.http, b'{"model_path": "/nonexistent"}'
+    for path in SLEEP_SPELLINGS:
+        r = _raw(server, "POST", path + "?level=2", {**bearer(KEY), "content-type": "application/json"}, body)
+        assert r.status_code in (401, 404, 307), (path, r.status_code, r.text[:200])
+        if r.status_code == 307:
+            target = httpx.URL(r.headers["location"]).raw_path.decode()
+            assert _raw(server, "POST", target, bearer(KEY), body).status_code == 401, (path, target)
+    assert http.get("/is_sleeping", headers=bearer(KEY)).json() == {"is_sleeping": False}
+    assert http.post("/sleep?level=1", headers=bearer(ADMIN)).json() == {"is_sleeping": True, "level": 1}
+    completion = {"prompt": "Hello", "max_tokens": 3}
+    refused = http.post("/v1/completions", json=completion, headers=bearer(KEY))
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_asleep"
+    assert http.post("/generate", json=completion, headers=bearer(KEY)).status_code == 503
+    assert http.get("/readyz").status_code == 200
+    reload = http.post("/update_weights", json={"model_path": "/nonexistent"}, headers=bearer(ADMIN))
+    assert reload.status_code == 409 and "asleep" in reload.json()["error"]["message"]
+    assert http.post("/wake_up", headers=bearer(ADMIN)).json()["is_sleeping"] is False
+    assert http.post("/v1/completions", json=completion, headers=bearer(KEY)).status_code == 200
+    reload = http.post("/update_weights", json={"model_path": "/nonexistent"}, headers=bearer(ADMIN))
+    assert reload.status_code == 400 and "cannot read the checkpoint at /nonexistent" in reload.text
+
+
 def test_sigterm_lets_the_running_stream_finish(server):
     body = {"prompt": "The quick brown fox", "max_tokens": 120, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=server.url, headers=bearer(KEY), timeout=60) as http:

@@ -31,13 +31,14 @@ from dataclasses import dataclass
 
 from tiffin.engine import tokenize_pool
 from tiffin.engine.config import EngineConfig
-from tiffin.engine.errors import EngineError, EngineStalled, ParamError
+from tiffin.engine.errors import EngineAsleep, EngineError, EngineStalled, ParamError
 from tiffin.engine.llm_engine import LLMEngine, PromptType, TokenizedPrompt
 from tiffin.engine.lora.request import LoRARequest
 from tiffin.engine.outputs import EngineStats, PoolingRequestOutput, RequestOutput
 from tiffin.engine.pooling_params import PoolingParams
 from tiffin.engine.sampling_params import SamplingParams
 from tiffin.engine.scoring import cosine_scores, score_pairs
+from tiffin.engine.sleep_mode import AsyncSleepMode
 from tiffin.engine.structured.backend import compile_error
 from tiffin.engine.structured.params import StructuredOutputsParams
 from tiffin.engine.tokenize_pool import TokenizePool
@@ -112,7 +113,7 @@ class _Active:
     loop: asyncio.AbstractEventLoop
 
 
-class AsyncLLMEngine(StallHandling):
+class AsyncLLMEngine(AsyncSleepMode, StallHandling):
     """`await add_request(...)` or `async for out in generate(...)`; `stats()` for monitoring. `on_stats`
     is called in the engine thread with `LLMEngine.stats()` after every step and every inbox batch; `on_step_age`
     with the seconds the step in progress has run (0 when idle) about every second, in the watchdog's thread."""
@@ -145,6 +146,7 @@ class AsyncLLMEngine(StallHandling):
         self._templates = ThreadPoolExecutor(CHAT_TEMPLATE_THREADS, thread_name_prefix="tiffin-chat-template")
         self.tokenizing = TokenizePool()
         self._init_watchdog(engine.config.engine_stall_timeout, on_step_age)
+        self._init_sleep_mode()
         self._thread = threading.Thread(target=self._run, name="tiffin-engine", daemon=True)
         self._thread.start()
 
@@ -173,7 +175,8 @@ class AsyncLLMEngine(StallHandling):
         (bad prompt, too long for the context, duplicate id, an adapter that cannot load), QueueFull if too many
         wait already, EngineError if the engine is shut down or dead; raised before any output. The prompt is
         tokenized, a structured-outputs grammar compiled (`compile_grammar`) and an adapter not cached read first,
-        all off the engine thread (steps go on meanwhile). `client`: who sent it, for fair share (None: anonymous)."""
+        all off the engine thread (steps go on meanwhile). `client`: who sent it, for fair share (None: anonymous).
+        While the engine sleeps, EngineAsleep or a wait (`AsyncSleepMode`)."""
         self._check_running()
         params = params or (SamplingParams() if self.task == "generate" else PoolingParams(self.engine.pooling_task))
         pooling = params if isinstance(params, PoolingParams) else None
@@ -184,19 +187,24 @@ class AsyncLLMEngine(StallHandling):
         if lora is not None and not (self.lora_registry and self.lora_registry.is_cached(lora.lora_int_id)):
             lora = await asyncio.to_thread(self.engine.load_lora, lora)
         loop = asyncio.get_running_loop()
-        accepted = loop.create_future()
-        stream = RequestStream(request_id, self.abort)
-        self._check_running()  # again: the engine may have stalled while the prompt was prepared
-        self._post(("add", request_id, prompt, params, lora, client, stream, loop, accepted))
-        try:
-            await accepted
-        except asyncio.CancelledError:
-            stream.close()
-            raise
-        except BaseException:
-            stream.finished = True  # refused: there is nothing to abort
-            raise
-        return stream
+        deadline = time.monotonic() + self.engine.config.asleep_request_wait
+        while True:
+            await self._await_awake(deadline)
+            accepted = loop.create_future()
+            stream = RequestStream(request_id, self.abort)
+            self._check_running()  # again: the engine may have stalled while the prompt was prepared
+            self._post(("add", request_id, prompt, params, lora, client, stream, loop, accepted))
+            try:
+                await accepted
+            except asyncio.CancelledError:
+                stream.close()
+                raise
+            except BaseException as e:
+                stream.finished = True  # refused: there is nothing to abort
+                if isinstance(e, EngineAsleep) and time.monotonic() < deadline:
+                    continue  # it went to sleep as the request arrived: wait for the wake
+                raise
+            return stream
 
     async def compile_grammar(self, structured: StructuredOutputsParams) -> None:
         """Wait until `structured`'s grammar is compiled and cached, where the engine will find it. ParamError if
@@ -295,20 +303,20 @@ class AsyncLLMEngine(StallHandling):
         """Load an adapter (read and checked in a worker thread: steps go on meanwhile), then add it to the
         engine's registry. False if it was cached already; ValueError if it cannot be served."""
         lora = await asyncio.to_thread(self.engine.load_lora, lora_request)
-        return await self._lora_call("add_lora", lora)
+        return await self._call_engine("add_lora", lora)
 
     async def remove_lora(self, lora_int_id: int) -> bool:
         """Drop an adapter; requests already using it finish with it."""
-        return await self._lora_call("remove_lora", lora_int_id)
+        return await self._call_engine("remove_lora", lora_int_id)
 
     async def list_loras(self) -> set[int]:
-        return await self._lora_call("list_loras")
+        return await self._call_engine("list_loras")
 
-    async def _lora_call(self, method: str, *args):
+    async def _call_engine(self, method: str, *args):
         self._check_running()
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        self._post(("lora", method, args, loop, done))
+        self._post(("call", method, args, loop, done))
         return await done
 
     def abort(self, request_id: str, wake: bool = True) -> None:
@@ -362,8 +370,9 @@ class AsyncLLMEngine(StallHandling):
     def _run(self) -> None:
         engine = self.engine
         while True:
-            if not engine.has_unfinished_requests():
-                self._wait_for_work()
+            idle = not engine.has_unfinished_requests()
+            if idle and not self._run_exclusive() and not self._wait_for_work(self._idle_timeout()):
+                self._sleep_when_idle()
             self._wakeup.clear()
             with self._lock:  # everything but the step runs under the lock that the watchdog's trip takes
                 if not self._drain_inbox():
@@ -390,14 +399,18 @@ class AsyncLLMEngine(StallHandling):
             return True
         while self._inbox:
             op = self._inbox.popleft()
-            if op[0] == "add":
+            if op[0] == "add" and self._exclusives:  # after a sleep / wake / reload: held until it ran
+                self._held.append(op)
+            elif op[0] == "add":
                 self._add(*op[1:])
             elif op[0] == "abort":
                 self._abort(op[1])
-            elif op[0] == "lora":
-                self._lora(*op[1:])
+            elif op[0] == "call":
+                self._engine_call(*op[1:])
+            elif op[0] == "exclusive":
+                self._queue_exclusive(op)
             else:
-                self._fail_all(EngineError("the engine is shut down"))
+                self._fail_all(EngineError("the engine is shut down"), [*self._held, *self._exclusives])
                 self.engine.shutdown()
                 return False
         self._publish_stats()
@@ -406,6 +419,7 @@ class AsyncLLMEngine(StallHandling):
     def _add(self, request_id, prompt, params, lora, client, stream, loop, accepted) -> None:
         try:
             self._check_running()
+            self._wake_for_request()
             self.engine.add_request(request_id, prompt, params, lora, client)
         except Exception as e:
             _call(loop, _settle, accepted, None, e)
@@ -413,7 +427,7 @@ class AsyncLLMEngine(StallHandling):
         self._active[request_id] = _Active(stream, loop)
         _call(loop, _settle, accepted, None, None)
 
-    def _lora(self, method: str, args: tuple, loop, done) -> None:
+    def _engine_call(self, method: str, args: tuple, loop, done) -> None:
         try:
             result = getattr(self.engine, method)(*args)
         except Exception as e:
@@ -436,7 +450,11 @@ class AsyncLLMEngine(StallHandling):
             items.append((active, out if out.error is None else EngineError(out.error)))
         self._push(items)
 
-    def _fail_all(self, error: EngineError) -> None:
+    def _fail_all(self, error: EngineError, pending: list[tuple] = ()) -> None:
+        """Fail every request in flight, and the adds and calls `pending` (held back) with them."""
+        for op in pending:
+            loop, future = (op[7], op[8]) if op[0] == "add" else (op[3], op[4])
+            _call(loop, _settle, future, None, error)
         for request_id in self._active:
             self.engine.abort_request(request_id)
         items = [(active, error) for active in self._active.values()]

@@ -236,6 +236,18 @@ class EngineConfig:
         "the offline LLM steps in its caller's thread",
     )
 
+    idle_sleep_seconds: float | None = _setting(
+        None,
+        "seconds without requests after which a served engine goes to sleep by itself (`idle_sleep_level`; "
+        "llama.cpp's --sleep-idle-seconds), woken by the next request, which waits for the wake; None: never",
+    )
+    idle_sleep_level: int = _setting(1, "how deep an idle engine sleeps: 1 frees the KV cache, 2 the weights too")
+    asleep_request_wait: float = _setting(
+        0.0,
+        "seconds a request arriving while the engine sleeps by `sleep` (not idle sleep) waits for `wake_up` before it "
+        "is refused with EngineAsleep (a server's 503 naming the state); 0: refused at once",
+    )
+
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, dict):
             self.speculative_config = SpeculativeConfig(**self.speculative_config)
@@ -294,6 +306,12 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 0, got {value}")
         if self.engine_stall_timeout is not None and self.engine_stall_timeout < 0:
             raise ValueError(f"engine_stall_timeout must be >= 0 (0 or None: off), got {self.engine_stall_timeout}")
+        if self.idle_sleep_seconds is not None and self.idle_sleep_seconds <= 0:
+            raise ValueError(f"idle_sleep_seconds must be > 0 (None: never), got {self.idle_sleep_seconds}")
+        if self.idle_sleep_level not in (1, 2) or self.asleep_request_wait < 0:
+            raise ValueError("idle_sleep_level must be 1 or 2 and asleep_request_wait >= 0")
+        if self.idle_sleep_seconds and self.speculative_config and self.speculative_config.method == "draft_model":
+            raise ValueError("idle_sleep_seconds does not cover a draft model (speculative_config draft_model) yet")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
 

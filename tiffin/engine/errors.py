@@ -27,3 +27,11 @@ class EngineDeadError(RuntimeError):
 class EngineStalled(EngineError):
     """No engine step finished within `engine_stall_timeout` while requests were in flight (the watchdog's
     verdict, tiffin.engine.watchdog): the requests in flight fail with it, and so do new ones until a step ends."""
+
+
+class EngineAsleep(RuntimeError):
+    """The engine sleeps (`sleep`): it takes requests again after `wake_up` (a server's 503)."""
+
+
+class EngineBusy(RuntimeError):
+    """Requests are in flight where an idle engine is needed (sleep, weight reload): finish or abort them first."""

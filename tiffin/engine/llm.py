@@ -38,6 +38,21 @@ class LLM:
         """End the engine's worker processes (tensor parallelism); they also end when this object is collected."""
         self.llm_engine.shutdown()
 
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 1) and the weights too (level 2) until `wake_up` (tiffin.engine.sleep_mode)."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self) -> None:
+        self.llm_engine.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.is_sleeping()
+
+    def update_weights(self, path: str) -> None:
+        """Serve the weights of the checkpoint at `path`, which must match the served one's architecture and shapes
+        (checked first: a mismatch raises ValueError and the old weights stay)."""
+        self.llm_engine.update_weights(path)
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

@@ -35,7 +35,7 @@ from tiffin.engine.lora.request import LoRAModel, LoRARequest
 from tiffin.engine.models.bert import with_token_types
 from tiffin.engine.models.config import resolve_dtype
 from tiffin.engine.models.gguf_checkpoint import find_gguf, open_gguf
-from tiffin.engine.models.loader import get_model_config
+from tiffin.engine.models.loader import checkpoint_signature, get_model_config
 from tiffin.engine.models.source import load_tokenizer, resolve_model_path
 from tiffin.engine.outputs import (
     CompletionOutput,
@@ -47,6 +47,7 @@ from tiffin.engine.outputs import (
 from tiffin.engine.pooling_params import PoolingParams
 from tiffin.engine.reasoning import opens_thinking, resolve_reasoning_parser
 from tiffin.engine.sampling_params import SamplingParams
+from tiffin.engine.sleep_mode import SleepMode
 from tiffin.engine.spec_decode import make_proposer
 from tiffin.engine.spec_decode.draft import load_draft
 from tiffin.engine.structured.backend import GrammarBackend, GrammarState
@@ -91,7 +92,7 @@ class Request:
         return all(s.finished for s in self.seqs)
 
 
-class LLMEngine:
+class LLMEngine(SleepMode):
     def __init__(self, config: EngineConfig):
         """`config.model` may be a hub id; the engine's config holds the local path it resolved to."""
         config = dataclasses.replace(config, model=resolve_model_path(config.model, config.revision))
@@ -134,6 +135,7 @@ class LLMEngine:
             config, self.model_config, self.max_model_len, set(self.eos_token_ids), draft=draft
         )
         self.weight_bytes = sum(p.nbytes for p in self.model_runner.model.parameters())
+        self.weights_signature = checkpoint_signature(config.model)  # what `update_weights` checks against
         slots = self.model_runner.lora_slots
         roots = None if config.lora_roots is None else parse_roots(config.lora_roots)
         self.lora_registry = (
@@ -181,8 +183,10 @@ class LLMEngine:
         `load_lora` result is taken as is). `params`: SamplingParams to generate, PoolingParams to embed or score
         (default: the model's task). Raises ValueError, leaving the engine untouched, if the request is invalid,
         not the model's task, or can never fit in the context or the KV cache; QueueFull if max_waiting_requests
-        sequences wait already, or max_waiting_per_client of `client`'s. A `TokenizedPrompt` (what `tokenize`
-        returns) is not tokenized again. `client`: who sent it, for fair share (None: anonymous)."""
+        sequences wait already, or max_waiting_per_client of `client`'s; EngineAsleep while it sleeps. A
+        `TokenizedPrompt` (what `tokenize` returns) is not tokenized again. `client`: who sent it, for fair share
+        (None: anonymous)."""
+        self.check_awake()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         (text, token_ids, token_types), params, max_tokens = self.check_request(prompt, params)

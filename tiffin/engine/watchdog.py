@@ -131,23 +131,24 @@ class StallHandling:
                 self._lock.release()
 
     def _fail_pending(self, error: EngineStalled) -> None:
-        """Settle the adds and LoRA calls still in the inbox with `error`; keep the rest (aborts, shutdown)."""
+        """Settle the adds and engine calls still in the inbox with `error`; keep the rest (aborts, shutdown)."""
         kept: deque = deque()
         while self._inbox:
             op = self._inbox.popleft()
             if op[0] == "add":
                 _call_soon(op[7], _fail, op[8], error)
-            elif op[0] == "lora":
+            elif op[0] == "call":
                 _call_soon(op[3], _fail, op[4], error)
             else:
                 kept.append(op)
         self._inbox.extendleft(reversed(kept))
 
-    def _wait_for_work(self) -> None:
-        """Engine thread: wait, idle, until there is something to do."""
+    def _wait_for_work(self, timeout: float | None = None) -> bool:
+        """Engine thread: wait, idle, until there is something to do (True) or `timeout` seconds passed (False)."""
         self._watchdog.idle()
-        self._wakeup.wait()
+        woken = self._wakeup.wait(timeout)
         self._watchdog.busy()
+        return woken
 
     @contextmanager
     def _stepped(self) -> Iterator[None]:

@@ -2,8 +2,9 @@
 
 - Keys: with `api_key` set (several, comma-separated), every route but the probes needs one of them, presented as
   `Authorization: Bearer <key>` (OpenAI's) or `x-api-key: <key>` (Anthropic's); with `admin_api_key` set, the LoRA
-  load/unload routes need that key instead (it opens the other routes too). Keys are compared in constant time; a
-  refusal is a 401 in OpenAI's error shape.
+  load/unload routes and sleep / wake / weight reload (tiffin.plugin.sleep) need that key instead (it opens the other
+  routes too); without any key configured those three are refused (403), the LoRA routes open. Keys are compared
+  in constant time; a refusal is a 401 in OpenAI's error shape.
 - Clients: the app learns which key a request presented, as an opaque id in `scope["state"]` (read it with
   tiffin.plugin.openai.clients.client_of): routes keep per-client things by it. None when no keys are configured
   or the request presented none of them (on a route open without a key). A user key (any key but `admin_api_key`)
@@ -33,6 +34,7 @@ from tiffin.plugin.openai.clients import CLIENT_STATE, MIN_PRIORITY_STATE, clien
 PROBES = ("/livez", "/readyz")  # orchestrators probe without credentials, and must see draining
 UNCOUNTED = ("/metrics",)  # scrapes are not bounded by the concurrency limits
 ADMIN_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+KEYED_ADMIN_ROUTES = ("/sleep", "/wake_up", "/update_weights")  # admin routes refused on a server without keys
 DISCARD_LIMIT = 64 << 20  # an oversized body up to this is read and dropped, so the client sees the 413
 RELEASE_AFTER = 1 << 20  # body bytes after which a request's freed buffers are handed back to the OS
 
@@ -68,7 +70,10 @@ class Guard:
         if scope["type"] != "http" or scope["path"] in PROBES:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        keys = self.admin_keys if scope["path"] in ADMIN_ROUTES else self.keys
+        if scope["path"] in KEYED_ADMIN_ROUTES and not self.admin_keys:
+            message = f"{scope['path']} needs admin_api_key (or api_key) to be set on the server"
+            return await _error(send, 403, message, "admin_key_not_configured")
+        keys = self.admin_keys if scope["path"] in ADMIN_ROUTES + KEYED_ADMIN_ROUTES else self.keys
         key = _matching(presented_keys(headers), self.known)
         if keys and key not in keys:
             message = "a valid API key is required: Authorization: Bearer <key>, or x-api-key: <key>"

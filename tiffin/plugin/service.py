@@ -8,7 +8,8 @@ load in a background thread: /livez answers at once, /readyz is 503 until the en
 prompt has waited over 10 s for an engine's tokenizing threads (AsyncLLMEngine.ready). The
 OpenAI-compatible API (tiffin.plugin.openai) is mounted at /v1 (and its rerank route at /v2/rerank too, as vLLM
 serves Cohere's v2 clients, and /tokenize and /detokenize at the root as well, as vLLM serves them); with
-TIFFIN_LORA_ROOTS set it serves LoRA adapters too (tiffin.plugin.lora). Every route but the probes sits behind
+TIFFIN_LORA_ROOTS set it serves LoRA adapters too (tiffin.plugin.lora); behind the admin key, engines sleep, wake
+and reload weights (tiffin.plugin.sleep). Every route but the probes sits behind
 tiffin.plugin.guard (API keys, body limit, draining); SIGTERM stops admitting requests and lets running ones
 finish for up to `shutdown_grace_period` seconds.
 
@@ -53,7 +54,7 @@ from bentoml.exceptions import BentoMLException, InvalidArgument, ServiceUnavail
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from tiffin.engine.config import EngineConfig
-from tiffin.engine.errors import QueueFull
+from tiffin.engine.errors import EngineAsleep, QueueFull
 from tiffin.engine.pooling_params import PoolingParams
 from tiffin.engine.sampling_params import SamplingParams
 from tiffin.plugin import http_server
@@ -70,6 +71,7 @@ from tiffin.plugin.openai.routing import ModelRouter
 from tiffin.plugin.openai.serving import OpenAIServing
 from tiffin.plugin.openai.store import ResponseStore
 from tiffin.plugin.openai.tokenize import MAX_TOKENIZE_IDS
+from tiffin.plugin.sleep import add_sleep_routes
 
 logger = logging.getLogger("tiffin.service")
 own_prometheus_dir()  # before `bentoml serve` empties BentoML's shared directory, which another server may be using
@@ -320,9 +322,13 @@ DRAINING = threading.Event()  # set by SIGTERM: new requests get 503, running on
 SERVICE: list = []  # this worker's Tiffin instance, whose `failure` the Guard's /livez names
 
 
+root_app = create_root_app(openai_app)
+add_sleep_routes(root_app, openai_app)  # /sleep, /wake_up, /is_sleeping, /update_weights (tiffin.plugin.sleep)
+
+
 # vLLM serves /tokenize and /detokenize at the root too: BentoML mounts apps behind its own routes and goes into a
 # mounted app only for a path one of its routes matches, so this one takes those two paths and shadows nothing
-@bentoml.asgi_app(create_root_app(openai_app), path="/")
+@bentoml.asgi_app(root_app, path="/")
 @bentoml.asgi_app(create_v2_app(openai_app), path="/v2")
 @bentoml.asgi_app(openai_app, path="/v1")
 @bentoml.service(
@@ -502,6 +508,8 @@ class Tiffin:
             raise InvalidArgument(str(e)) from None
         except QueueFull as e:
             raise BentoMLException(str(e), error_code=HTTPStatus.TOO_MANY_REQUESTS) from None
+        except EngineAsleep as e:
+            raise ServiceUnavailable(str(e)) from None
         try:
             async for out in stream:
                 if out.finished:

@@ -177,6 +177,19 @@ class BlockManager:
             self._cache_full_blocks(seq, min(num_tokens, seq.num_tokens) // self.block_size)
         return True
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's name): the KV they held is gone or stale (sleep, new weights). False,
+        changing nothing, while a sequence holds blocks."""
+        if self.num_used_blocks or (self.swap is not None and self.swap.num_used_blocks):
+            return False
+        self.block_hash = [None] * self.num_blocks
+        self.cached.clear()
+        self.free = OrderedDict.fromkeys(range(self.num_blocks))
+        if self.tier is not None:  # its counters go on
+            self.tier.blocks.clear()
+            self.tier.free, self.tier.pinned = list(range(self.tier.num_blocks)), set()
+        return True
+
     def take_copies(self) -> KVCopies:
         """The copies pending (the step's, to run before its forward); unpins the host blocks they touch."""
         copies, self.pending = self.pending, KVCopies()

@@ -7,7 +7,8 @@ forward. torch.distributed runs the collectives: NCCL on CUDA, gloo on CPU, ever
 `distributed_timeout`. This module knows nothing of what a step holds (`wire` carries it).
 
 A per-worker pipe carries what must not wait on a collective: the doorbell (so an idle engine never times a
-collective out), the KV block count agreed at start, a worker's start-up error, and the stop; a worker whose
+collective out), the KV block count agreed at start, a worker's start-up error, commands between steps (sleep,
+wake, weight reload) and their answers, and the stop; a worker whose
 engine process dies sees the pipe close and exits.
 
 Invariant: every rank runs the same step in the same order; a collective that fails makes the group broken,
@@ -21,6 +22,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from multiprocessing.connection import wait
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -31,6 +33,14 @@ from tiffin.engine.distributed.tensor_parallel import TensorParallel
 from tiffin.engine.errors import EngineDeadError
 
 START_TIMEOUT = 600.0  # seconds a worker may take to load its shard
+
+
+class Command(NamedTuple):
+    """What every rank runs between steps (sleep, wake, weight reload): `name` of a function of the rank's runner,
+    with `args`."""
+
+    name: str
+    args: tuple
 
 
 class WorkerGroup:
@@ -131,9 +141,55 @@ class WorkerGroup:
             self.broken = self._diagnose(e)
             raise EngineDeadError(self.broken) from e
 
-    def receive(self) -> tuple[list, object] | None:
-        """A worker: the next step's `(values, extra)` as rank 0 sent them, or None when told to stop."""
-        if self.conns[0].recv_bytes() != b"s":
+    def command(self, command: "Command", local: Callable[[], None]) -> None:
+        """Rank 0, between steps: every worker runs `command` (`answer`) while rank 0 runs `local()`; returns once all
+        did. When every rank fails alike (each kept its state, `tiffin.engine.worker.sleep`), rank 0's error is
+        raised; when only some fail, or a worker does not answer within START_TIMEOUT, the group is broken (its
+        ranks may hold different weights)."""
+        if self.broken:
+            raise EngineDeadError(self.broken)
+        for conn in self.conns:
+            conn.send_bytes(b"c")
+            conn.send(command)
+        error = None
+        try:
+            local()
+        except Exception as e:
+            error = e
+        failed = [self._answer(conn, rank) for rank, conn in enumerate(self.conns, 1)]
+        if error is None and not any(failed):
+            return
+        if error is not None and all(failed):
+            raise error
+        named = "; ".join(f"rank {r}: {f}" for r, f in enumerate([error and str(error), *failed]) if f)
+        self.broken = f"tensor-parallel ranks disagree after {command.name}: {named or 'rank 0 failed'}"
+        raise EngineDeadError(self.broken) from error
+
+    def _answer(self, conn, rank: int) -> str | None:
+        """A worker's answer to a command: None if it succeeded, else why it failed."""
+        try:
+            if conn.poll(START_TIMEOUT):
+                return conn.recv()
+        except EOFError:
+            pass
+        return f"no answer: {self._diagnose(None)}"
+
+    def answer(self, run: Callable[[], None]) -> None:
+        """A worker: run a command's `run()`, then tell rank 0 whether it failed (`command`)."""
+        try:
+            run()
+            failure = None
+        except Exception as e:
+            failure = f"{type(e).__name__}: {e}"
+        self.conns[0].send(failure)
+
+    def receive(self) -> "tuple[list, object] | Command | None":
+        """A worker: the next step's `(values, extra)` as rank 0 sent them, a `Command`, or None when told to
+        stop."""
+        bell = self.conns[0].recv_bytes()
+        if bell == b"c":
+            return self.conns[0].recv()
+        if bell != b"s":
             return None
         header = torch.empty(wire.HEADER_FIELDS * 3, dtype=torch.int64, device=self.device)
         dist.broadcast(header, 0)

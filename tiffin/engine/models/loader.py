@@ -147,6 +147,24 @@ def checkpoint_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     raise FileNotFoundError(f"no {' or '.join(WEIGHT_SOURCES)} weights in {path}")
 
 
+def checkpoint_signature(path: str | Path) -> dict[str, tuple]:
+    """Each tensor's (name, shape, dtype or GGUF type) as the checkpoint's headers state them, no weight read: two
+    checkpoints with equal signatures load into the same model."""
+    gguf = find_gguf(path)
+    if gguf is not None:
+        checkpoint = open_gguf(gguf)
+        return {name: (shape, checkpoint.tensor_types[name].name) for name, shape in checkpoint.tensor_shapes.items()}
+    signature = {}
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                tensor = f.get_slice(key)
+                signature[key] = (tuple(tensor.get_shape()), tensor.get_dtype())
+    if not signature:
+        raise FileNotFoundError(f"no {' or '.join(WEIGHT_SOURCES)} weights in {path}")
+    return signature
+
+
 def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], path: str | Path) -> None:
     params = dict(model.named_parameters())
     expected = set(params)

@@ -69,10 +69,9 @@ class ModelRunner:
             ThreadSizer(min(torch.get_num_threads(), usable_cpus())) if self.policy.size_threads else None
         )
         self.block_size = config.block_size
-        quant_backend = config.cpu_quant_compute if self.policy.int8_quantized else self.backend
-        self.model = build_model(
-            model_config, config.model, self.device, max_model_len, self.backend, tp, quant_backend
-        )
+        self.tp, self.weights_path = tp, config.model  # where `sleep.wake_up` reloads weights dropped at level 2
+        self.sleep_level = 0  # tiffin.engine.worker.sleep
+        self.model = self.build_model(config.model)
         self.lora_slots = (
             LoRASlots(self.model, config.max_loras, config.max_lora_rank, model_config.dtype, self.device, self.backend)
             if config.enable_lora
@@ -106,6 +105,15 @@ class ModelRunner:
                 draft_bytes_per_block=0 if draft is None else draft.kv_spec.bytes_per_block,
             )
         self.num_blocks = num_blocks if group is None else group.agree_min(num_blocks)
+        self.build_caches()
+        if draft is not None:
+            draft.start(self.num_blocks)
+
+    def build_caches(self, warm_up: bool = True) -> None:
+        """What runs on the weights, for `num_blocks` blocks: the KV pool and host blocks, the native decoder,
+        warm-ups (`warm_up`: what they build, compiled kernels and oneDNN primitives, outlives a sleep), the decode
+        graphs (`start`; `sleep.wake_up` again)."""
+        config, model_config = self.config, self.model_config
         self.allocate_kv_cache()
         prefix_caching = config.enable_prefix_caching and model_config.causal
         self.tier_spec = self.kv_spec.for_tier(config.kv_offload_dtype)
@@ -115,15 +123,20 @@ class ModelRunner:
         self.host_swap = self.kv_spec.allocate_host(self.num_host_blocks[1], pin)
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.cpu_decoder = CpuDecoder.build(self.model, self.block_size) if self.policy.native_decode else None
-        if self.policy.warm_up_triton:
+        if self.policy.warm_up_triton and warm_up:
             warm_up_triton(self)
-        if self.policy.pad_prefills:
+        if self.policy.pad_prefills and warm_up:
             warm_padded_sizes(self.model, model_config.dtype, config.max_num_batched_tokens)
         self.decode_graphs: DecodeGraphs | None = None  # None: decode steps run unpadded
         if self.policy.capture_graphs:
             self.pad_decodes(self.decode_graph_sizes())
-        if draft is not None:
-            draft.start(self.num_blocks)
+
+    def build_model(self, path: str) -> torch.nn.Module:
+        """The model with the weights of the checkpoint at `path` (this rank's shard)."""
+        quant_backend = self.config.cpu_quant_compute if self.policy.int8_quantized else self.backend
+        return build_model(
+            self.model_config, path, self.device, self.max_model_len, self.backend, self.tp, quant_backend
+        )
 
     def execute(self, scheduler_output: SchedulerOutput) -> SamplerOutput:
         """One step, under the runner's device whichever thread calls it: Triton launches on the calling thread's

@@ -5,18 +5,21 @@ A step crosses as the wire format's values: the block copies each rank runs on i
 lists; `ModelRunner.copy_blocks`, as rank 0 does), the size of the decode graph it replays (0: none), then for an
 eager step input_ids, positions, logits indices, the LoRA slot of each token (a host tensor, so on the host at
 every rank; None without adapters) and every AttentionMetadata field, and for a graphed one the logits indices and
-the graph's padded inputs; the adapters rank 0 installed this step, if any, follow as one pickled object."""
+the graph's padded inputs; the adapters rank 0 installed this step, if any, follow as one pickled object.
+Between steps a `Command` (sleep, wake, weight reload: tiffin.engine.worker.sleep) runs on every rank's runner."""
 
 import dataclasses
+import functools
 
 import torch
 
 from tiffin.engine.config import EngineConfig
 from tiffin.engine.core.kv_offload import KVCopies
-from tiffin.engine.distributed.group import WorkerGroup
+from tiffin.engine.distributed.group import Command, WorkerGroup
 from tiffin.engine.distributed.tensor_parallel import TensorParallel
 from tiffin.engine.lora.slots import LoRASlots
 from tiffin.engine.models.config import ModelConfig
+from tiffin.engine.worker import sleep
 from tiffin.engine.worker.batch import ModelInput
 from tiffin.kernels import AttentionMetadata
 
@@ -61,6 +64,9 @@ def _serve_rank(group: WorkerGroup, runner_cls, config, model_config, max_model_
 
     def serve() -> None:
         while (step := group.receive()) is not None:
+            if isinstance(step, Command):
+                group.answer(functools.partial(getattr(sleep, step.name), runner, *step.args))
+                continue
             (offloads, loads, size, *values), installs = step
             runner.copy_blocks(KVCopies([*zip(offloads[::2], offloads[1::2])], [*zip(loads[::2], loads[1::2])]))
             if installs:

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
+from tiffin.engine.errors import EngineAsleep
 from tiffin.plugin.openai import responses_api
 from tiffin.plugin.openai.batches import BatchSettings, batch_routes
 from tiffin.plugin.openai.clients import client_of
@@ -213,6 +214,10 @@ def _answer_errors(app: FastAPI) -> None:
     async def api_error(raw: Request, e: APIError) -> JSONResponse:
         body = error_body(e) if _is_messages_api(raw) else e.body()
         return JSONResponse(body, status_code=e.status, headers={"Retry-After": "1"} if e.status == 429 else None)
+
+    @app.exception_handler(EngineAsleep)
+    async def asleep(raw: Request, e: EngineAsleep) -> JSONResponse:
+        return await api_error(raw, APIError(503, str(e), type="service_unavailable", code="engine_asleep"))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(raw: Request, e: RequestValidationError) -> JSONResponse:
