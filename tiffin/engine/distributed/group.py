@@ -45,6 +45,7 @@ class WorkerGroup:
         (self.tp, self.pp), self.device, self.timeout = ranks, device, timeout
         self.conns, self.procs = conns, list(procs)  # rank 0: one per worker; a worker: its pipe to rank 0
         self.broken: str | None = None  # rank 0: why the group cannot run another step
+        self.busy_s = 0.0  # seconds this rank spent computing its part of steps (`busy`), as its runner counts
         self.stopping = False
 
     @classmethod
@@ -61,8 +62,8 @@ class WorkerGroup:
         if dist.is_initialized():
             raise RuntimeError("a tensor-parallel engine already runs in this process; shut it down first")
         port, threads = _free_port(), torch.get_num_threads()
-        if device.type == "cpu":  # the ranks share the CPUs: one thread each on as many cores as there are
-            torch.set_num_threads(max(1, threads // size))
+        if device.type == "cpu":  # a stage's ranks share the CPUs; the stages take turns (one batch in flight)
+            torch.set_num_threads(max(1, threads // config.tensor_parallel_size))
         ctx = mp.get_context("spawn")
         conns, procs = [], []
         for rank in range(1, size):
@@ -141,9 +142,17 @@ class WorkerGroup:
             self.broken = self._diagnose(e)
             raise EngineDeadError(self.broken) from e
 
+    def busy(self) -> list[float]:
+        """Rank 0, between steps: every rank's `busy_s`, by rank (a benchmark's measure of each one's idle time)."""
+        for conn in self.conns:
+            conn.send_bytes(b"b")
+        return [self.busy_s] + [conn.recv() for conn in self.conns]
+
     def receive(self) -> tuple[list, object] | None:
         """A worker: the next step's `(values, extra)` as rank 0 sent them, or None when told to stop."""
-        if self.conns[0].recv_bytes() != b"s":
+        while (bell := self.conns[0].recv_bytes()) == b"b":
+            self.conns[0].send(self.busy_s)
+        if bell != b"s":
             return None
         header = torch.empty(wire.HEADER_FIELDS * 3, dtype=torch.int64, device=self.device)
         dist.broadcast(header, 0)

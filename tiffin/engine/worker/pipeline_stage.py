@@ -6,6 +6,8 @@ holds its own layers' blocks; every rank agrees on one block count (`WorkerGroup
 
 What it does not serve yet is refused by name at start (`check_supported`)."""
 
+import time
+
 import torch
 
 from tiffin.engine.config import EngineConfig
@@ -41,14 +43,17 @@ def run_stage(runner, inputs: ModelInput) -> tuple[torch.Tensor | None, None]:
     received = None
     if not pp.first:
         received = pp.recv_prev((2, len(inputs.input_ids), config.hidden_size), config.dtype).unbind(0)
+    start, rows = time.perf_counter(), len(inputs.logits_indices)
     out = model(inputs.input_ids, inputs.positions, inputs.attn, inputs.lora, received)
-    rows = len(inputs.logits_indices)
     if not pp.last:
-        pp.send_next(torch.stack(out).to(config.dtype))
+        out = torch.stack(out).to(config.dtype)
+        group.busy_s += time.perf_counter() - start
+        pp.send_next(out)
         if group.rank == 0 and rows:
             return pp.recv_logits((rows, config.vocab_size), torch.float32), None
         return None, None
     logits = model.compute_logits(out[inputs.logits_indices]) if rows else None
+    group.busy_s += time.perf_counter() - start
     if logits is not None:  # the stage's tensor-parallel rank 0, which gathered them
         pp.send_logits(logits.float())
     return None, None
