@@ -6,6 +6,9 @@ in a mixed batch, prefix-cache hits and preemption on a small KV pool. Each stag
 (the others are not read) and KV; no worker is left after shutdown (counted). One engine per configuration:
 processes are costly on two cores."""
 
+import os
+import signal
+import time
 from pathlib import Path
 
 import psutil
@@ -17,6 +20,7 @@ from lora_adapters import make_adapter
 
 from tiffin import LLM, SamplingParams
 from tiffin.engine.distributed.pipeline import PipelineParallel, layer_partition
+from tiffin.engine.errors import EngineDeadError
 from tiffin.engine.lora.request import LoRARequest
 from tiffin.engine.models.loader import build_model, get_model_config
 from tiffin.tiny import make_tiny_model
@@ -89,20 +93,29 @@ class TestLlamaPP2:
 
     @pytest.fixture(scope="class")
     def llama_pp2(self, tmp_path_factory):
-        """Three layers over two stages (2 + 1), adapters on, a pool of 10 blocks that preempts, chunked prefills."""
+        """Three layers over two stages (2 + 1), adapters on, a pool of 10 blocks that preempts by swap, the prefix
+        cache's host tier, chunked prefills."""
         path = make_tiny_model(tmp_path_factory.mktemp("llama3l"), arch="llama", num_hidden_layers=3)
         args = dict(dtype="float32", enable_lora=True, max_loras=2, num_kv_blocks=10, max_num_batched_tokens=37)
+        args |= dict(preemption_mode="swap", swap_space=0.001, kv_offload_memory=1 << 20)
         pair = Pair(path, get_model_config(path).vocab_size, 2, **args)
         yield pair
         pair.close()
 
-    def test_preempted_and_prefix_hits_match(self, llama_pp2):
-        """The batch twice: the second time its prompts' full blocks come from the prefix cache."""
-        pair = llama_pp2
-        expected, got = pair.both(lambda llm: [run(llm, pair.vocab), run(llm, pair.vocab)])
+    def test_swapped_and_prefix_hits_match(self, llama_pp2):
+        """Each stage copies its layers' KV to and from its host blocks (the stages agree on their counts). The batch
+        runs twice, a prompt filling the pool between: the second time its prefixes come back from the host tier."""
+        pair, filler = llama_pp2, {"prompt_token_ids": list(range(100, 250))}
+
+        def twice(llm: LLM) -> list:
+            first = run(llm, pair.vocab)
+            llm.generate(filler, SamplingParams(max_tokens=1), use_tqdm=False)
+            return [first, run(llm, pair.vocab)]
+
+        expected, got = pair.both(twice)
         assert got == expected
         stats = pair.staged.llm_engine.stats()
-        assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0, stats
+        assert stats.swapped_out_seqs > 0 and stats.host_tier_hits > 0, stats
 
     def test_lora_mixed_batch_matches(self, llama_pp2, tmp_path):
         """Each stage fills its layers' slices of the adapters rank 0 installs."""
@@ -133,6 +146,23 @@ def test_quantized_matches_one_process(name):
     finally:
         pair.close()
     assert got == expected
+
+
+def test_hung_last_stage_fails_within_the_timeout(tiny_model):
+    """Rank 0 waits for the last stage's logits (a point-to-point receive): bounded by distributed_timeout too, the
+    error naming the ranks; shutdown leaves no process."""
+    llm = LLM(tiny_model("llama"), pipeline_parallel_size=2, distributed_timeout=3)
+    worker = llm.llm_engine.model_runner.group.procs[0]
+    try:
+        llm.generate([[5, 6]], GREEDY, use_tqdm=False)
+        os.kill(worker.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match=r"pipeline-parallel rank\(s\) 1 did not answer within"):
+            llm.generate([[5, 6]], GREEDY, use_tqdm=False)
+        assert time.monotonic() - start < 3 + 5 and llm.llm_engine.failure() is not None
+    finally:
+        llm.shutdown()
+    assert not worker.is_alive()
 
 
 def test_last_stage_reads_only_its_weights(tiny_model, monkeypatch):
@@ -200,3 +230,12 @@ def test_refusals_name_the_setting(tiny_model, args, error):
 def test_partition_override_gives_each_stage_its_layers():
     stages = [PipelineParallel(i, 3, partition="1,1,3").layers(5) for i in range(3)]
     assert stages == [range(0, 1), range(1, 2), range(2, 5)]
+
+
+def test_bento_settings_pass_through(monkeypatch):
+    from tiffin.plugin.service import Settings
+
+    monkeypatch.setenv("TIFFIN_PIPELINE_LAYER_PARTITION", "2,1")
+    kwargs = Settings(pipeline_parallel_size=2, tensor_parallel_size=2).engine_kwargs()
+    assert kwargs["pipeline_parallel_size"] == 2 and kwargs["tensor_parallel_size"] == 2
+    assert kwargs["pipeline_layer_partition"] == "2,1"

@@ -60,7 +60,7 @@ class WorkerGroup:
                 f"{' and the GPUs between' if size > 2 else ''}: {torch.cuda.device_count()} are visible"
             )
         if dist.is_initialized():
-            raise RuntimeError("a tensor-parallel engine already runs in this process; shut it down first")
+            raise RuntimeError("a multi-process engine already runs in this process; shut it down first")
         port, threads = _free_port(), torch.get_num_threads()
         if device.type == "cpu":  # a stage's ranks share the CPUs; the stages take turns (one batch in flight)
             torch.set_num_threads(max(1, threads // config.tensor_parallel_size))
@@ -93,6 +93,11 @@ class WorkerGroup:
         return self
 
     @property
+    def kind(self) -> str:
+        """What errors call the group's ranks."""
+        return "tensor-parallel" if self.pp.size == 1 else "pipeline-parallel"
+
+    @property
     def rank(self) -> int:
         """This process's rank in the whole group (0: the engine's)."""
         return self.pp.rank * self.tp.size + self.tp.rank
@@ -112,15 +117,15 @@ class WorkerGroup:
         """A starting worker's next message; its start-up error (or death, or silence) raised, workers ended."""
         if not conn.poll(START_TIMEOUT):
             self.shutdown()
-            raise EngineDeadError(f"tensor-parallel rank {rank} did not start within {START_TIMEOUT:.0f}s")
+            raise EngineDeadError(f"{self.kind} rank {rank} did not start within {START_TIMEOUT:.0f}s")
         try:
             reply = conn.recv()
         except EOFError:
             self.shutdown()
-            raise EngineDeadError(f"tensor-parallel rank {rank} died while starting") from None
+            raise EngineDeadError(f"{self.kind} rank {rank} died while starting") from None
         if reply[0] == "error":
             self.shutdown()
-            raise ValueError(f"tensor-parallel rank {rank}: {reply[1]}")
+            raise ValueError(f"{self.kind} rank {rank}: {reply[1]}")
         return reply
 
     def run(self, values: list, extra: object, forward: Callable[[], object]):
@@ -186,9 +191,9 @@ class WorkerGroup:
         ]
         cause = "" if error is None else f": {type(error).__name__}: {error}"
         if dead:
-            return f"tensor-parallel worker {', '.join(dead)}{cause}"
+            return f"{self.kind} worker {', '.join(dead)}{cause}"
         ranks = ", ".join(str(r) for r in range(1, len(self.procs) + 1))
-        return f"tensor-parallel rank(s) {ranks} did not answer within distributed_timeout={self.timeout:g}s{cause}"
+        return f"{self.kind} rank(s) {ranks} did not answer within distributed_timeout={self.timeout:g}s{cause}"
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
