@@ -1,10 +1,11 @@
 """Pipeline parallelism on CPU with gloo: greedy and seeded-sampling outputs identical to the single-process
 engine's (itself checked against transformers, PEFT, gguf-py and the quantizers' dequantization elsewhere) for PP=2,
-PP=3 over uneven layers (2 + 2 + 1) and TP=2 x PP=2, on the tiny Llama, Qwen2 (as GGUF Q8_0; tied head: the last
-stage holds the embedding too) and Qwen3 checkpoints and on AWQ and act-order GPTQ fixtures; with two LoRA adapters
-in a mixed batch, prefix-cache hits and preemption on a small KV pool. Each stage holds only its layers' weights
-(the others are not read) and KV; no worker is left after shutdown (counted). One engine per configuration:
-processes are costly on two cores."""
+PP=3 over uneven layers (2 + 2 + 1) and TP=2 x PP=2 (with an int8 KV cache), on the tiny Llama, Qwen2 (as GGUF
+Q8_0; tied head: the last stage holds the embedding too) and Qwen3 checkpoints and on AWQ and act-order GPTQ
+fixtures; with two LoRA adapters in a mixed batch, prefix-cache hits, preemption (recompute, and swap with the
+prefix cache's host tier) on a small KV pool. Each stage holds only its layers' weights (the others are not read)
+and KV; no worker is left after shutdown (counted); a hung stage fails the engine within distributed_timeout. One
+engine per configuration: processes are costly on two cores."""
 
 import os
 import signal
@@ -70,15 +71,16 @@ class Pair:
 
 
 @pytest.mark.parametrize(
-    "arch, layers, pp, tp, fmt",
-    [("qwen2", 5, 3, 1, "gguf"), ("qwen3", 3, 2, 2, "hf")],
-    ids=["qwen2-gguf-pp3-uneven-tied", "qwen3-tp2xpp2"],
+    "arch, layers, pp, tp, fmt, kv_cache_dtype",
+    [("qwen2", 5, 3, 1, "gguf", "auto"), ("qwen3", 3, 2, 2, "hf", "int8")],
+    ids=["qwen2-gguf-pp3-uneven-tied", "qwen3-tp2xpp2-int8-kv"],
 )
-def test_outputs_match_one_process(arch, layers, pp, tp, fmt, tmp_path):
+def test_outputs_match_one_process(arch, layers, pp, tp, fmt, kv_cache_dtype, tmp_path):
     path = make_tiny_model(tmp_path / "hf", arch=arch, num_hidden_layers=layers)
     if fmt == "gguf":
         path = write_gguf(path, tmp_path / "m.gguf", QType.Q8_0)
-    pair = Pair(path, get_model_config(path).vocab_size, pp, tp, dtype="float32", num_kv_blocks=12)
+    args = dict(dtype="float32", num_kv_blocks=12, kv_cache_dtype=kv_cache_dtype)
+    pair = Pair(path, get_model_config(path).vocab_size, pp, tp, **args)
     try:
         expected, got = pair.both(lambda llm: run(llm, pair.vocab))
         stats = pair.staged.llm_engine.stats()
