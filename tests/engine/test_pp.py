@@ -23,6 +23,7 @@ from tiffin import LLM, SamplingParams
 from tiffin.engine.distributed.pipeline import PipelineParallel, layer_partition
 from tiffin.engine.errors import EngineDeadError
 from tiffin.engine.lora.request import LoRARequest
+from tiffin.engine.models.gguf_checkpoint import GGUFCheckpoint
 from tiffin.engine.models.loader import build_model, get_model_config
 from tiffin.tiny import make_tiny_model
 
@@ -138,6 +139,9 @@ class TestLlamaPP2:
         assert any(n.startswith("model.layers.1.") for n in names) and not any("layers.2." in n for n in names)
         assert "model.embed_tokens.weight" in names and not {"lm_head.weight", "model.norm.weight"} & names
         assert runner.kv_cache.shape[1] == 2
+        # its adapter slots cover its layers; adapters are checked against every stage's
+        assert {n.split(".")[2] for n in runner.lora_slots.layers if ".layers." in n} == {"0", "1"}
+        assert any(".layers.2." in n for n in runner.lora_slots.check_layers)
 
 
 @pytest.mark.parametrize("name", ["awq-g64", "gptq-4bit-g128-actorder-asym-v2"])
@@ -201,6 +205,22 @@ def test_last_stage_reads_only_its_weights(tiny_model, monkeypatch):
     assert sorted(params) == sorted(n for n in whole if not n.startswith("model.layers.0."))
     assert all(torch.equal(t, whole[n]) for n, t in params.items())
     assert read and not [k for k in read if k.startswith("model.layers.0.")]
+
+
+def test_gguf_stage_reads_only_its_tensors(tiny_model, tmp_path, monkeypatch):
+    """Stage 0 of 2 of a GGUF file: its tensors alone are read (a skipped one is never dequantized)."""
+    path = write_gguf(tiny_model("llama"), tmp_path / "m.gguf", QType.Q8_0)
+    read, tensor = [], GGUFCheckpoint._tensor
+
+    def spy(self, t, kept):
+        read.append(self.hf_names[t.name])
+        return tensor(self, t, kept)
+
+    monkeypatch.setattr(GGUFCheckpoint, "_tensor", spy)
+    stage = build_model(get_model_config(path), path, torch.device("cpu"), 64, "torch", pp=PipelineParallel(0, 2))
+    assert "model.embed_tokens.weight" in read and "model.layers.0.mlp.down_proj.weight" in read
+    assert not [n for n in read if n.startswith(("model.layers.1.", "model.norm.", "lm_head."))]
+    assert not any(n.startswith("model.layers.1.") for n, _ in stage.named_parameters())
 
 
 def test_layer_partition():
