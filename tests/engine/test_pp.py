@@ -1,11 +1,11 @@
 """Pipeline parallelism on CPU with gloo: greedy and seeded-sampling outputs identical to the single-process
 engine's (itself checked against transformers, PEFT, gguf-py and the quantizers' dequantization elsewhere) for PP=2,
-PP=3 over uneven layers (2 + 2 + 1) and TP=2 x PP=2 (with an int8 KV cache), on the tiny Llama, Qwen2 (as GGUF
-Q8_0; tied head: the last stage holds the embedding too) and Qwen3 checkpoints and on AWQ and act-order GPTQ
-fixtures; with two LoRA adapters in a mixed batch, prefix-cache hits, preemption (recompute, and swap with the
-prefix cache's host tier) on a small KV pool. Each stage holds only its layers' weights (the others are not read)
-and KV; no worker is left after shutdown (counted); a hung stage fails the engine within distributed_timeout. One
-engine per configuration: processes are costly on two cores."""
+PP=3 over uneven layers (2 + 2 + 1) and TP=2 x PP=2 (with an int8 KV cache and n-gram speculation), on the tiny
+Llama, Qwen2 (as GGUF Q8_0; tied head: the last stage holds the embedding too) and Qwen3 checkpoints and on AWQ and
+act-order GPTQ fixtures; with two LoRA adapters in a mixed batch, prefix-cache hits, preemption (recompute, and swap
+with the prefix cache's host tier) on a small KV pool. Each stage holds only its layers' weights (the others are not
+read) and KV; no worker is left after shutdown (counted); a hung stage fails the engine within distributed_timeout.
+One engine per configuration: processes are costly on two cores."""
 
 import os
 import signal
@@ -71,24 +71,27 @@ class Pair:
         assert not [p for p in self.workers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
+# verifying n-gram proposals (of one token: the tiny model repeats few longer ones) across the stages
+NGRAM = {"method": "ngram", "prompt_lookup_min": 1, "disable_by_batch_size": None}
+
+
 @pytest.mark.parametrize(
-    "arch, layers, pp, tp, fmt, kv_cache_dtype",
-    [("qwen2", 5, 3, 1, "gguf", "auto"), ("qwen3", 3, 2, 2, "hf", "int8")],
-    ids=["qwen2-gguf-pp3-uneven-tied", "qwen3-tp2xpp2-int8-kv"],
+    "arch, layers, pp, tp, fmt, extra",
+    [("qwen2", 5, 3, 1, "gguf", {}), ("qwen3", 3, 2, 2, "hf", {"kv_cache_dtype": "int8", "speculative_config": NGRAM})],
+    ids=["qwen2-gguf-pp3-uneven-tied", "qwen3-tp2xpp2-int8-kv-speculating"],
 )
-def test_outputs_match_one_process(arch, layers, pp, tp, fmt, kv_cache_dtype, tmp_path):
+def test_outputs_match_one_process(arch, layers, pp, tp, fmt, extra, tmp_path):
     path = make_tiny_model(tmp_path / "hf", arch=arch, num_hidden_layers=layers)
     if fmt == "gguf":
         path = write_gguf(path, tmp_path / "m.gguf", QType.Q8_0)
-    args = dict(dtype="float32", num_kv_blocks=12, kv_cache_dtype=kv_cache_dtype)
-    pair = Pair(path, get_model_config(path).vocab_size, pp, tp, **args)
+    pair = Pair(path, get_model_config(path).vocab_size, pp, tp, dtype="float32", num_kv_blocks=12, **extra)
     try:
         expected, got = pair.both(lambda llm: run(llm, pair.vocab))
         stats = pair.staged.llm_engine.stats()
     finally:
         pair.close()
     assert got == expected
-    assert stats.num_preemptions > 0, stats
+    assert stats.num_preemptions > 0 and (stats.spec_draft_tokens > 0 or not extra), stats
 
 
 class TestLlamaPP2:
@@ -237,12 +240,14 @@ def test_layer_partition():
     [
         (dict(pipeline_parallel_size=3), "leaves a stage without layers"),
         (dict(pipeline_parallel_size=2, pipeline_layer_partition="2,1"), "must give 2 stage"),
-        (dict(pipeline_parallel_size=2, speculative_config={"method": "ngram"}), "speculative decoding"),
+        (dict(pipeline_parallel_size=2, speculative_config="draft"), "speculative decoding with a draft model"),
         (dict(pipeline_parallel_size=2, task="embed"), "not task 'embed'"),
         (dict(pipeline_parallel_size=0), "pipeline_parallel_size must be >= 1"),
     ],
 )
 def test_refusals_name_the_setting(tiny_model, args, error):
+    if args.get("speculative_config") == "draft":
+        args = args | {"speculative_config": {"method": "draft_model", "model": tiny_model("llama")}}
     before = psutil.Process().children(recursive=True)
     with pytest.raises(ValueError, match=error):
         LLM(tiny_model("llama"), **args)

@@ -4,7 +4,8 @@ step: the first embeds the tokens, each stage but the last sends its `(hidden, r
 computes the logits of the sampling rows and sends them, float32, to rank 0, which samples. Each stage's KV pool
 holds its own layers' blocks; every rank agrees on one block count (`WorkerGroup.agree_min`).
 
-What it does not serve yet is refused by name at start (`check_supported`)."""
+What it does not serve yet is refused by name at start (`check_supported`). Speculative proposals that rank 0
+makes itself (n-gram, suffix) are served: their verifying rows are rows of the step like any other."""
 
 import time
 
@@ -30,8 +31,9 @@ def check_supported(config: EngineConfig, model_config: ModelConfig, device: tor
         raise ValueError(f"pipeline_parallel_size {size} serves models that generate, not task {model_config.task!r}")
     if model_config.moe is not None:
         raise ValueError(f"pipeline_parallel_size {size} does not serve a mixture of experts yet")
-    if config.speculative_config is not None:
-        raise ValueError(f"pipeline_parallel_size {size} does not serve speculative decoding yet")
+    spec = config.speculative_config
+    if spec is not None and spec.method == "draft_model":
+        raise ValueError(f"pipeline_parallel_size {size} does not serve speculative decoding with a draft model yet")
     PipelineParallel(size=size, partition=config.pipeline_layer_partition).layers(model_config.num_layers)
 
 
