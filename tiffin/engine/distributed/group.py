@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tiffin.engine.distributed import wire
-from tiffin.engine.distributed.pipeline import PipelineParallel
+from tiffin.engine.distributed.pipeline import UNSTAGED, PipelineParallel
 from tiffin.engine.distributed.tensor_parallel import TensorParallel
 from tiffin.engine.errors import EngineDeadError
 
@@ -40,9 +40,15 @@ class WorkerGroup:
     """The group's collectives and, on rank 0, its worker processes."""
 
     def __init__(
-        self, ranks: tuple[TensorParallel, PipelineParallel], device, timeout: float, conns: list, procs: list = ()
+        self,
+        tp: TensorParallel,
+        device: torch.device,
+        timeout: float,
+        conns: list,
+        procs: list = (),
+        pp: PipelineParallel = UNSTAGED,
     ):
-        (self.tp, self.pp), self.device, self.timeout = ranks, device, timeout
+        self.tp, self.pp, self.device, self.timeout = tp, pp, device, timeout
         self.conns, self.procs = conns, list(procs)  # rank 0: one per worker; a worker: its pipe to rank 0
         self.broken: str | None = None  # rank 0: why the group cannot run another step
         self.busy_s = 0.0  # seconds this rank spent computing its part of steps (`busy`), as its runner counts
@@ -74,7 +80,8 @@ class WorkerGroup:
             child.close()
             conns.append(parent)
             procs.append(proc)
-        self = cls(_ranks(config, 0), device, config.distributed_timeout, conns, procs)
+        tp, pp = _ranks(config, 0)
+        self = cls(tp, device, config.distributed_timeout, conns, procs, pp)
         self.threads = threads  # given back at shutdown
         weakref.finalize(self, _stop, conns, procs)  # no orphan workers, even if the engine is never shut down
         threading.Thread(target=_watch, args=(weakref.ref(self),), name="tiffin-tp-watch", daemon=True).start()
@@ -280,8 +287,8 @@ def _worker(config, rank: int, port: int, conn, threads: int, entry: Callable, a
     torch.set_num_threads(threads)
     try:
         conn.send(("started",))
-        ranks = _init_group(config, rank, port)
-        group = WorkerGroup(ranks, rank_device(config.torch_device, rank), config.distributed_timeout, [conn])
+        tp, pp = _init_group(config, rank, port)
+        group = WorkerGroup(tp, rank_device(config.torch_device, rank), config.distributed_timeout, [conn], pp=pp)
         serve = entry(group, *args)
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))

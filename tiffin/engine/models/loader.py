@@ -86,7 +86,7 @@ def build_model(
     staged = {"pp": pp} if pp.size > 1 else {}  # only decoders that generate are staged
     with torch.device(device):
         model = model_class(config, max_positions, backend, linear, embedding, tp, **staged)
-    if device.type == "meta":
+    if torch.device(device).type == "meta":
         return model
     prefix = get_architecture(config.architecture).checkpoint_prefix
     skips = getattr(model, "skips_weight", lambda name: False)
