@@ -11,6 +11,7 @@ every engine so the token counts compare like with like. Load and warm-up time a
     python benchmarks/throughput.py MODEL_DIR --peers tiffin --loras 8   # base only vs 8 LoRA adapters
     python benchmarks/throughput.py MODEL_DIR --peers tiffin --json-schema benchmarks/schemas/records.json
     python benchmarks/throughput.py MODEL_DIR --peers tiffin --tensor-parallel-size 2   # TP=1, then TP=2
+    python benchmarks/throughput.py MODEL_DIR --peers tiffin --pipeline-parallel-size 2   # TP=1, then PP=2
 """
 
 import argparse  # noqa: I001  (tiffin is imported before torch: it sets torch's OpenMP defaults)
@@ -63,6 +64,7 @@ class Result:
     engine: str
     wall_s: float
     output_tokens: int | None = None  # when not the workload's: a grammar may end a request early
+    idle: list[float] | None = None  # pipeline parallelism: each rank's share of the wall time not computing
 
 
 # A noisy neighbour: a process that keeps a core busy until its parent goes (even a killed one).
@@ -104,6 +106,7 @@ def run_tiffin(
     loras: int = 0,
     json_schema: dict | None = None,
     tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
 ) -> list[Result]:
     """With `loras`, the same engine then runs the workload again with that many distinct adapters (random,
     rank LORA_RANK, on every projection) assigned round-robin, so that each step mixes all of them. With
@@ -119,6 +122,7 @@ def run_tiffin(
         max_num_seqs=256,
         max_num_batched_tokens=max_num_batched_tokens,
         tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size,
         **lora_args,
     )
     tmp = tempfile.TemporaryDirectory(prefix="tiffin-bench-loras-")
@@ -143,9 +147,13 @@ def run_tiffin(
     for lora in [False, True] if loras else [False]:
         name = f"tiffin + {loras} LoRAs" if lora else "tiffin"
         name += f" TP={tensor_parallel_size}" if tensor_parallel_size > 1 else ""
+        name += f" PP={pipeline_parallel_size}" if pipeline_parallel_size > 1 else ""
         check_lengths(f"{name} warm-up", generate(warm, lora), warm.output_lens)
+        group = llm.llm_engine.model_runner.group if pipeline_parallel_size > 1 else None
+        busy = None if group is None else group.busy()
         lens, wall = timed(lambda: generate(wl, lora), noise)  # noqa: B023 (called at once)
-        results.append(Result(name, wall))
+        idle = None if group is None else [1 - (b - a) / wall for a, b in zip(busy, group.busy())]
+        results.append(Result(name, wall, idle=idle))
         check_lengths(name, lens, wl.output_lens)
     if structured is not None:
         generate(warm, constrained=True)  # compiles the grammar, so the timing is of masking alone
@@ -450,6 +458,14 @@ def main(argv: list[str] | None = None) -> None:
         metavar="N",
         help="also run tiffin split across N ranks (N processes on CPU, sharing --threads), after TP=1",
     )
+    ap.add_argument(
+        "--pipeline-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="also run tiffin in N pipeline stages (N processes on CPU taking turns, each with --threads; times "
+        "--tensor-parallel-size with both), after TP=1 and TP=N, and report each rank's idle share",
+    )
     args = ap.parse_args(argv)
 
     if args.make_model:
@@ -486,13 +502,22 @@ def main(argv: list[str] | None = None) -> None:
     if args.json_schema:
         with open(args.json_schema) as f:
             json_schema = json.load(f)
-    tp_sizes = [1] + ([args.tensor_parallel_size] if args.tensor_parallel_size > 1 else [])
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+    splits = list(dict.fromkeys([(1, 1), (tp, 1), (1, pp), (tp, pp)]))  # (TP, PP), each once
     runners = {
         "tiffin": lambda: [
             result
-            for tp in tp_sizes
+            for split in splits
             for result in run_tiffin(
-                args.model, args.dtype, wl, warm, args.max_num_batched_tokens, args.noise, args.loras, json_schema, tp
+                args.model,
+                args.dtype,
+                wl,
+                warm,
+                args.max_num_batched_tokens,
+                args.noise,
+                args.loras,
+                json_schema,
+                *split,
             )
         ],
         "hf-cb": lambda: run_hf_cb(args.model, args.dtype, wl, warm, args.max_num_batched_tokens, args.noise),
@@ -509,6 +534,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{result.engine}: {output_rate(result, wl):.0f} output tok/s", file=sys.stderr)
         gc.collect()
     print(table(results, args.dtype, wl))
+    for r in results:
+        if r.idle is not None:
+            shares = ", ".join(f"rank {i} {share:.0%}" for i, share in enumerate(r.idle))
+            print(f"\n{r.engine}: idle share of the wall time (not computing its stage), by rank: {shares}")
     walls = {r.engine: r.wall_s for r in results}
     if f"tiffin + {args.loras} LoRAs" in walls:
         ratio = walls["tiffin"] / walls[f"tiffin + {args.loras} LoRAs"]

@@ -135,7 +135,7 @@ def test_fused_experts_load_as_per_expert_ones(checkpoints, tmp_path):
 def test_tensor_parallel_shards_sum_to_the_whole_layer(checkpoints, model_type, monkeypatch):
     """Ranks 0 and 1 of 2 built in this process (all-reduce left out): each holds half of every expert's
     intermediate dimension (and of the shared expert's), the router whole; their outputs sum to the whole layer's."""
-    monkeypatch.setattr(torch.distributed, "all_reduce", lambda x: x)
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda x, group=None: x)
     path = checkpoints[model_type][0]
     config = get_model_config(path)
     whole, *ranks = (build_model(config, path, "cpu", 64, "torch", tp) for tp in (TensorParallel(), *TP2))

@@ -177,6 +177,16 @@ class EngineConfig:
     tensor_parallel_size: int = _setting(
         1, "devices (processes) one model is split across: GPUs on CUDA (one per rank), gloo processes on CPU"
     )
+    pipeline_parallel_size: int = _setting(
+        1,
+        "stages the model's decoder layers are split into (contiguous layers each, the embedding on the first, the "
+        "norm and head on the last), each stage tensor_parallel_size processes: gloo processes on CPU (CUDA not yet)",
+    )
+    pipeline_layer_partition: str | None = _setting(
+        None,
+        "layers per pipeline stage, comma-separated (4,5,5; vLLM's VLLM_PP_LAYER_PARTITION); default: an even split, "
+        "the extra layers on the stages before the last",
+    )
     distributed_timeout: float = _setting(
         300.0, "seconds a tensor-parallel collective may wait for a rank before the engine fails, naming it"
     )
@@ -259,6 +269,7 @@ class EngineConfig:
             "max_lora_rank",
             "max_n",
             "tensor_parallel_size",
+            "pipeline_parallel_size",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -1,4 +1,6 @@
-"""A tensor-parallel group: one model split across N ranks, one process per rank (vLLM's and nano-vllm's scheme).
+"""A group of ranks serving one model: split across `tensor_parallel_size` ranks within each of
+`pipeline_parallel_size` stages, one process per rank (vLLM's and nano-vllm's scheme; ranks numbered as
+`distributed.pipeline` says).
 
 Rank 0 is the engine's own process: it schedules, builds each step's flattened batch, broadcasts it, samples
 and detokenizes. Ranks 1..N-1 are worker processes started here (`torch.multiprocessing` spawn); each runs the
@@ -29,6 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tiffin.engine.distributed import wire
+from tiffin.engine.distributed.pipeline import UNSTAGED, PipelineParallel
 from tiffin.engine.distributed.tensor_parallel import TensorParallel
 from tiffin.engine.errors import EngineDeadError
 
@@ -46,17 +49,26 @@ class Command(NamedTuple):
 class WorkerGroup:
     """The group's collectives and, on rank 0, its worker processes."""
 
-    def __init__(self, tp: TensorParallel, device: torch.device, timeout: float, conns: list, procs: list = ()):
-        self.tp, self.device, self.timeout = tp, device, timeout
+    def __init__(
+        self,
+        tp: TensorParallel,
+        device: torch.device,
+        timeout: float,
+        conns: list,
+        procs: list = (),
+        pp: PipelineParallel = UNSTAGED,
+    ):
+        self.tp, self.pp, self.device, self.timeout = tp, pp, device, timeout
         self.conns, self.procs = conns, list(procs)  # rank 0: one per worker; a worker: its pipe to rank 0
         self.broken: str | None = None  # rank 0: why the group cannot run another step
+        self.busy_s = 0.0  # seconds this rank spent computing its part of steps (`busy`), as its runner counts
         self.stopping = False
 
     @classmethod
     def start(cls, config, device: torch.device, entry: Callable, args: tuple) -> "WorkerGroup":
         """Rank 0: spawn ranks 1..N-1, each running `entry(group, *args)` (which loads its shard meanwhile), and
         join the process group."""
-        size = config.tensor_parallel_size
+        size = world_size(config)
         last = rank_device(device, size - 1)
         if device.type == "cuda" and torch.cuda.device_count() <= last.index:
             raise ValueError(
@@ -64,28 +76,29 @@ class WorkerGroup:
                 f"{' and the GPUs between' if size > 2 else ''}: {torch.cuda.device_count()} are visible"
             )
         if dist.is_initialized():
-            raise RuntimeError("a tensor-parallel engine already runs in this process; shut it down first")
+            raise RuntimeError("a multi-process engine already runs in this process; shut it down first")
         port, threads = _free_port(), torch.get_num_threads()
-        if device.type == "cpu":  # the ranks share the CPUs: one thread each on as many cores as there are
-            torch.set_num_threads(max(1, threads // size))
+        if device.type == "cpu":  # a stage's ranks share the CPUs; the stages take turns (one batch in flight)
+            torch.set_num_threads(max(1, threads // config.tensor_parallel_size))
         ctx = mp.get_context("spawn")
         conns, procs = [], []
         for rank in range(1, size):
             parent, child = ctx.Pipe()
             worker_args = (config, rank, port, child, torch.get_num_threads(), entry, args)
-            proc = ctx.Process(target=_worker, args=worker_args, name=f"tiffin-tp{rank}", daemon=True)
+            proc = ctx.Process(target=_worker, args=worker_args, name=f"tiffin-rank{rank}", daemon=True)
             proc.start()
             child.close()
             conns.append(parent)
             procs.append(proc)
-        self = cls(TensorParallel(0, size), device, config.distributed_timeout, conns, procs)
+        tp, pp = _ranks(config, 0)
+        self = cls(tp, device, config.distributed_timeout, conns, procs, pp)
         self.threads = threads  # given back at shutdown
         weakref.finalize(self, _stop, conns, procs)  # no orphan workers, even if the engine is never shut down
         threading.Thread(target=_watch, args=(weakref.ref(self),), name="tiffin-tp-watch", daemon=True).start()
         try:
             for rank, conn in enumerate(conns, 1):  # imports done: the group forms within distributed_timeout
                 self._receive(conn, rank)
-            _init_group(config, 0, port)
+            self.tp, self.pp = _init_group(config, 0, port)
         except Exception as e:
             # torch counts default groups from the start of a join: a failed one would leave this process's
             # count ahead of the next engine's fresh workers, whose joins would then never meet it
@@ -96,10 +109,20 @@ class WorkerGroup:
             raise EngineDeadError(self._diagnose(e)) from e
         return self
 
+    @property
+    def kind(self) -> str:
+        """What errors call the group's ranks."""
+        return "tensor-parallel" if self.pp.size == 1 else "pipeline-parallel"
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the whole group (0: the engine's)."""
+        return self.pp.rank * self.tp.size + self.tp.rank
+
     def agree_min(self, value: int) -> int:
         """The smallest of every rank's `value` (the KV block count all can hold, the SM count all warm up for);
         every rank calls it at the same point of its start. On rank 0, a worker's start-up error raised."""
-        if self.tp.rank:
+        if self.rank:
             self.conns[0].send(("ready", value))
             return self.conns[0].recv()
         values = [value] + [self._receive(conn, rank)[1] for rank, conn in enumerate(self.conns, 1)]
@@ -111,15 +134,15 @@ class WorkerGroup:
         """A starting worker's next message; its start-up error (or death, or silence) raised, workers ended."""
         if not conn.poll(START_TIMEOUT):
             self.shutdown()
-            raise EngineDeadError(f"tensor-parallel rank {rank} did not start within {START_TIMEOUT:.0f}s")
+            raise EngineDeadError(f"{self.kind} rank {rank} did not start within {START_TIMEOUT:.0f}s")
         try:
             reply = conn.recv()
         except EOFError:
             self.shutdown()
-            raise EngineDeadError(f"tensor-parallel rank {rank} died while starting") from None
+            raise EngineDeadError(f"{self.kind} rank {rank} died while starting") from None
         if reply[0] == "error":
             self.shutdown()
-            raise ValueError(f"tensor-parallel rank {rank}: {reply[1]}")
+            raise ValueError(f"{self.kind} rank {rank}: {reply[1]}")
         return reply
 
     def run(self, values: list, extra: object, forward: Callable[[], object]):
@@ -183,10 +206,17 @@ class WorkerGroup:
             failure = f"{type(e).__name__}: {e}"
         self.conns[0].send(failure)
 
+    def busy(self) -> list[float]:
+        """Rank 0, between steps: every rank's `busy_s`, by rank (a benchmark's measure of each one's idle time)."""
+        for conn in self.conns:
+            conn.send_bytes(b"b")
+        return [self.busy_s] + [conn.recv() for conn in self.conns]
+
     def receive(self) -> "tuple[list, object] | Command | None":
         """A worker: the next step's `(values, extra)` as rank 0 sent them, a `Command`, or None when told to
-        stop."""
-        bell = self.conns[0].recv_bytes()
+        stop; asked how busy it was (`busy`), it answers on the way."""
+        while (bell := self.conns[0].recv_bytes()) == b"b":
+            self.conns[0].send(self.busy_s)
         if bell == b"c":
             return self.conns[0].recv()
         if bell != b"s":
@@ -212,7 +242,7 @@ class WorkerGroup:
                 dist.distributed_c10d._abort_process_group()
             else:
                 dist.destroy_process_group()
-        if self.tp.rank == 0:
+        if self.rank == 0:
             torch.set_num_threads(self.threads)
 
     def _diagnose(self, error: BaseException | None) -> str:
@@ -223,9 +253,9 @@ class WorkerGroup:
         ]
         cause = "" if error is None else f": {type(error).__name__}: {error}"
         if dead:
-            return f"tensor-parallel worker {', '.join(dead)}{cause}"
-        ranks = ", ".join(str(r) for r in range(1, self.tp.size))
-        return f"tensor-parallel rank(s) {ranks} did not answer within distributed_timeout={self.timeout:g}s{cause}"
+            return f"{self.kind} worker {', '.join(dead)}{cause}"
+        ranks = ", ".join(str(r) for r in range(1, len(self.procs) + 1))
+        return f"{self.kind} rank(s) {ranks} did not answer within distributed_timeout={self.timeout:g}s{cause}"
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -236,7 +266,12 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + rank)
 
 
-def _init_group(config, rank: int, port: int) -> None:
+def world_size(config) -> int:
+    return config.tensor_parallel_size * config.pipeline_parallel_size
+
+
+def _init_group(config, rank: int, port: int) -> tuple[TensorParallel, PipelineParallel]:
+    """Join the process group as `rank`; this rank's place in it (every rank forms every stage's group)."""
     device = rank_device(config.torch_device, rank)
     nccl = device.type == "cuda"
     if nccl:
@@ -252,10 +287,21 @@ def _init_group(config, rank: int, port: int) -> None:
         "nccl" if nccl else "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
-        world_size=config.tensor_parallel_size,
+        world_size=world_size(config),
         timeout=datetime.timedelta(seconds=config.distributed_timeout),
         device_id=device if nccl else None,  # the communicator bound to the rank's GPU from the start
     )
+    tp = config.tensor_parallel_size
+    if config.pipeline_parallel_size == 1 or tp == 1:
+        return _ranks(config, rank)
+    groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(config.pipeline_parallel_size)]
+    return _ranks(config, rank, groups[rank // tp])
+
+
+def _ranks(config, rank: int, tp_group=None) -> tuple[TensorParallel, PipelineParallel]:
+    tp, tp_rank = config.tensor_parallel_size, rank % config.tensor_parallel_size
+    pp = PipelineParallel(rank // tp, config.pipeline_parallel_size, tp, tp_rank, config.pipeline_layer_partition)
+    return TensorParallel(tp_rank, tp, tp_group), pp
 
 
 def _free_port() -> int:
@@ -296,11 +342,8 @@ def _worker(config, rank: int, port: int, conn, threads: int, entry: Callable, a
     torch.set_num_threads(threads)
     try:
         conn.send(("started",))
-        _init_group(config, rank, port)
-        device = rank_device(config.torch_device, rank)
-        group = WorkerGroup(
-            TensorParallel(rank, config.tensor_parallel_size), device, config.distributed_timeout, [conn]
-        )
+        tp, pp = _init_group(config, rank, port)
+        group = WorkerGroup(tp, rank_device(config.torch_device, rank), config.distributed_timeout, [conn], pp=pp)
         serve = entry(group, *args)
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))

@@ -8,10 +8,12 @@ import torch.distributed as dist
 
 @dataclasses.dataclass(frozen=True)
 class TensorParallel:
-    """Rank `rank` of `size`; the default, rank 0 of 1, is a model served whole."""
+    """Rank `rank` of `size`; the default, rank 0 of 1, is a model served whole. `group`: the ranks' process group
+    under pipeline parallelism (one per stage), None for all ranks."""
 
     rank: int = 0
     size: int = 1
+    group: object = None
 
     def split(self, total: int, what: str) -> int:
         """This rank's share of `total` units of `what` (heads, vocabulary rows, ...); ValueError naming it."""
@@ -30,15 +32,15 @@ class TensorParallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=self.group)
         return x
 
     def gather(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Every rank's `x` concatenated along the last dim, on rank 0; None on the others."""
+        """Every rank's `x` concatenated along the last dim, on the group's rank 0; None on the others."""
         if self.size == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
-        dist.gather(x.contiguous(), parts, dst=0)
+        dist.gather(x.contiguous(), parts, group=self.group, group_dst=0)
         return torch.cat(parts, dim=-1) if self.rank == 0 else None
 
 

@@ -9,6 +9,8 @@ registry keeps its slot until a step needs the slot for another, so requests sti
 Tensor parallelism: a slot holds this rank's part of each adapter, cut as its base layer is (a column-parallel
 layer's B by output rows, a row-parallel layer's A by input columns; the row shard's delta joins its all-reduce).
 Rank 0 decides the slots; the other ranks install what it sends with the step (`pop_installs` / `install`).
+Pipeline parallelism: each stage's slots hold its layers' part of each adapter; rank 0 checks an adapter against
+every stage's layers (`check_layers`) and keeps it whole, so each install it sends reaches every stage.
 """
 
 from collections import OrderedDict
@@ -78,7 +80,11 @@ class LoRASlots:
         dtype: torch.dtype,
         device: torch.device,
         backend: str,
+        sharded: bool = False,
+        check_layers: dict[str, Linear] | None = None,
     ):
+        """`sharded`: other ranks install what this one does (rank 0 of a group); `check_layers`: the layers an
+        adapter is checked against, if not `model`'s (a pipeline stage holds some of them)."""
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         # CPU GEMMs this small run several times faster in fp32 than in bf16/fp16: keep adapters in fp32 there
         self.dtype, self.device = torch.float32 if device.type == "cpu" else dtype, device
@@ -88,13 +94,13 @@ class LoRASlots:
             linear.adapters = LoRALayer(linear, max_loras, max_lora_rank, self.dtype, device, backend)
         self.slots: list[LoRAModel | None] = [None] * max_loras
         self.slot_lru: OrderedDict[int, None] = OrderedDict.fromkeys(range(max_loras))  # least recent first
-        self.sharded = any(linear.tp.size > 1 for linear in self.layers.values())
+        self.sharded, self.check_layers = sharded, check_layers or self.layers
         self.installs: list[tuple[int, dict]] = []  # sharded: (slot, adapter layers) installed since last taken
 
     def load(self, request: LoRARequest, roots: list[Path] | None = None) -> LoRAModel:
         """Parse and check an adapter (inside `roots`, if given) against these layers, in the slots' dtype; reads
         no mutable state, so any thread may call it."""
-        return load_lora_model(request, self.layers, self.stacked_modules, self.max_lora_rank, self.dtype, roots)
+        return load_lora_model(request, self.check_layers, self.stacked_modules, self.max_lora_rank, self.dtype, roots)
 
     def stage(
         self, loras: list[LoRAModel | None], num_tokens: np.ndarray, add: Callable[[np.ndarray], int]

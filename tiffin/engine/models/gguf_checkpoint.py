@@ -242,12 +242,15 @@ class GGUFCheckpoint:
         keys = (Keys.Tokenizer.EOS_ID, Keys.Tokenizer.EOT_ID, Keys.Tokenizer.EOM_ID)
         return {self.field(key) for key in keys} - {None}
 
-    def weights(self, kept: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self, kept: dict[str, str], skip=lambda name: False) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, tensor) for every tensor: the raw blocks of those `kept` (views of the file's map), the
         others float32. Once the consumer asks for the next, a tensor's pages of the map are handed back: a model
         loads holding about its own weights, not those and the file's pages besides (a view kept longer reads its
-        pages from the file again: nothing writes to the map)."""
+        pages from the file again: nothing writes to the map). Those whose name `skip` returns True for are not
+        read."""
         for t in tqdm(self.header.tensors, desc="Loading weights", unit="tensor"):
+            if skip(self.hf_names[t.name]):
+                continue
             yield self._tensor(t, kept)
             self._release(t.start, t.n_bytes)
 

@@ -5,14 +5,21 @@ post-norm one in `olmo2.py`).
 
 The model sees one flattened batch (`input_ids[T]`, `positions[T]`), its attention metadata and, when adapters
 are loaded, its LoRA metadata (token -> adapter slot), never requests.
+
+Pipeline parallelism: a stage holds its contiguous slice of the decoder layers (the others are `MissingLayer`s,
+keeping the checkpoint's layer numbers), the embedding on the first stage (and on the last when the head is tied to
+it), the final norm and head on the last. A stage's forward takes the previous stage's `(hidden, residual)` and,
+but on the last stage, returns its own.
 """
 
+import re
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from tiffin import kernels
+from tiffin.engine.distributed.pipeline import UNSTAGED, PipelineParallel
 from tiffin.engine.distributed.tensor_parallel import UNSHARDED, TensorParallel
 from tiffin.engine.models.config import ModelConfig
 from tiffin.engine.models.layers import (
@@ -123,6 +130,10 @@ class DecoderLayer(nn.Module):
         return x if self.residual_multiplier == 1.0 else x * self.residual_multiplier
 
 
+class MissingLayer(nn.Module):
+    """A decoder layer another pipeline stage holds."""
+
+
 class Model(nn.Module):
     def __init__(
         self,
@@ -134,9 +145,12 @@ class Model(nn.Module):
         tp: TensorParallel,
         make_mlp: MLPFactory = dense_mlp,
         decoder_layer: type[nn.Module] = DecoderLayer,
+        pp: PipelineParallel = UNSTAGED,
     ):
         super().__init__()
-        self.embed_tokens = embedding("embed_tokens", config.vocab_size, config.hidden_size)
+        self.held = pp.layers(config.num_layers)
+        embeds = pp.first or (pp.last and config.tie_word_embeddings and config.task == "generate")
+        self.embed_tokens = embedding("embed_tokens", config.vocab_size, config.hidden_size) if embeds else None
         # NoPE layers rotate by the identity: their keys go through the same fused write as the others'
         nope = RotaryEmbedding(config.head_dim, rotary.cos.shape[0], None, None) if config.nope_layers else None
         self.layers = nn.ModuleList(
@@ -149,19 +163,25 @@ class Model(nn.Module):
                 tp,
                 make_mlp,
             )
+            if i in self.held
+            else MissingLayer()
             for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
-        self.rotary, self.nope, self.backend = rotary, nope, backend
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype) if pp.last else None
+        self.rotary, self.nope, self.backend, self.first = rotary, nope, backend, pp.first
         self.embedding_multiplier = config.embedding_multiplier
 
-    def forward(self, input_ids, positions, attn_metadata, lora):
-        x, residual = self.embed_tokens(input_ids), None
-        if self.embedding_multiplier != 1.0:
+    def forward(self, input_ids, positions, attn_metadata, lora, intermediate=None):
+        """The final hidden states; on a stage before the last, its `(hidden, residual)` for the next, which passes
+        them as `intermediate`."""
+        x, residual = (self.embed_tokens(input_ids), None) if self.first else intermediate
+        if self.first and self.embedding_multiplier != 1.0:
             x = x * self.embedding_multiplier
         rotations = {r: r.at(positions) for r in (self.rotary, self.nope) if r is not None}
-        for layer in self.layers:
+        for layer in self.layers[self.held.start : self.held.stop]:
             x, residual = layer(x, residual, rotations[layer.self_attn.rotary], attn_metadata, lora)
+        if self.norm is None:
+            return x, residual
         return self.norm.add_and_norm(x, residual, self.backend)[0]
 
 
@@ -186,11 +206,12 @@ class LlamaForCausalLM(nn.Module):
         linear: LinearFactory,
         embedding: EmbeddingFactory,
         tp: TensorParallel = UNSHARDED,
+        pp: PipelineParallel = UNSTAGED,
     ):
         super().__init__()
         rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
         inner = prefixed(linear, "model."), prefixed(embedding, "model.")
-        self.model = Model(config, *inner, rotary, backend, tp, self.make_mlp, self.decoder_layer)
+        self.model = Model(config, *inner, rotary, backend, tp, self.make_mlp, self.decoder_layer, pp)
         self.logits_scaling = config.logits_scaling
         # the Llama block exactly as the native CPU decode step runs it (`worker/cpu_decode.py`)
         self.plain_block = (
@@ -201,13 +222,24 @@ class LlamaForCausalLM(nn.Module):
         generates = config.task == "generate"
         self.lm_head = (
             None
-            if config.tie_word_embeddings or not generates
+            if config.tie_word_embeddings or not generates or not pp.last
             else embedding("lm_head", config.vocab_size, config.hidden_size)
         )
+        self.staged = pp.size > 1
         self.pooler = None if config.pooler is None else Pooler(config.pooler.pooling_type)
 
-    def forward(self, input_ids, positions, attn_metadata, lora=None):
-        return self.model(input_ids, positions, attn_metadata, lora)
+    def forward(self, input_ids, positions, attn_metadata, lora=None, intermediate=None):
+        return self.model(input_ids, positions, attn_metadata, lora, intermediate)
+
+    def skips_weight(self, name: str) -> bool:
+        """Whether checkpoint weight `name` belongs to another pipeline stage."""
+        if not self.staged:
+            return False
+        if layer := _LAYER.search(name):
+            return int(layer[1]) not in self.model.held
+        if ".embed_tokens." in name:
+            return self.model.embed_tokens is None
+        return name.startswith(("lm_head.", "model.norm.")) and self.model.norm is None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The logits of `hidden`'s rows; with tensor parallelism on rank 0 only (None on the others)."""
@@ -218,4 +250,8 @@ class LlamaForCausalLM(nn.Module):
         return self.pooler(hidden, md)
 
     def layers_kv(self):
-        return [layer.self_attn for layer in self.model.layers]
+        """The attention modules of this stage's layers: its KV pool's."""
+        return [self.model.layers[i].self_attn for i in self.model.held]
+
+
+_LAYER = re.compile(r"\blayers\.(\d+)\.")

@@ -6,13 +6,14 @@ Weights arrive as (Hugging Face name, tensor) pairs from a weight source picked 
 """
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from tiffin.engine.distributed.pipeline import UNSTAGED, PipelineParallel
 from tiffin.engine.distributed.tensor_parallel import UNSHARDED, TensorParallel
 from tiffin.engine.models.config import ModelConfig
 from tiffin.engine.models.gguf_checkpoint import find_gguf, open_gguf
@@ -60,10 +61,12 @@ def build_model(
     backend: str,
     tp: TensorParallel = UNSHARDED,
     quant_backend: str | None = None,
+    pp: PipelineParallel = UNSTAGED,
 ) -> torch.nn.Module:
     """The model of `config` on `device` with the checkpoint's weights (this rank's shard of them under tensor
-    parallelism `tp`); `backend` is the resolved kernel backend every layer runs on, `quant_backend` (default:
-    `backend`) the one of quantized layers."""
+    parallelism `tp`, of its stage's layers only under pipeline parallelism `pp`: the others are not read);
+    `backend` is the resolved kernel backend every layer runs on, `quant_backend` (default: `backend`) the one of
+    quantized layers. On the meta device, the model without its weights."""
     quant_backend = quant_backend or backend
     model_class = get_architecture(config.architecture).model
     if tp.size > 1 and find_gguf(path) is not None:
@@ -81,10 +84,15 @@ def build_model(
         tp.split(vocab_size, "vocab_size")  # refused by name when the vocabulary does not split
         return Embedding(vocab_size, hidden_size, config.dtype, method, tp)
 
+    staged = {"pp": pp} if pp.size > 1 else {}  # only decoders that generate are staged
     with torch.device(device):
-        model = model_class(config, max_positions, backend, linear, embedding, tp)
+        model = model_class(config, max_positions, backend, linear, embedding, tp, **staged)
+    if torch.device(device).type == "meta":
+        return model
     prefix = get_architecture(config.architecture).checkpoint_prefix
-    load_weights(model, ((prefix + key, tensor) for key, tensor in checkpoint_weights(path)), path)
+    skips = getattr(model, "skips_weight", lambda name: False)
+    weights = checkpoint_weights(path, lambda key: skips(prefix + key))
+    load_weights(model, ((prefix + key, tensor) for key, tensor in weights), path)
     for module in model.modules():
         if isinstance(module, Linear):
             module.method.process_weights_after_loading(module)
@@ -120,30 +128,33 @@ def safetensors_files(path: str | Path) -> list[Path]:
     return sorted(path.glob("*.safetensors"))
 
 
-def safetensors_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+def safetensors_weights(path: str | Path, skip: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
     files = safetensors_files(path)
     with tqdm(desc="Loading weights", unit="tensor", total=_count_tensors(files)) as bar:
         for file in files:
             with safe_open(file, framework="pt") as f:
                 for key in f.keys():  # lazy: a tensor-parallel layer reads only its rank's slice
-                    yield key, f.get_slice(key)
+                    if not skip(key):
+                        yield key, f.get_slice(key)
                     bar.update()
 
 
-def gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_weights(path: str | Path, skip: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
     checkpoint = open_gguf(find_gguf(path))
-    return checkpoint.weights(checkpoint.kept(get_architecture(checkpoint.architecture).model.stacked_modules))
+    return checkpoint.weights(checkpoint.kept(get_architecture(checkpoint.architecture).model.stacked_modules), skip)
 
 
 # weight files a checkpoint (a directory, or the one file) may hold -> reader of its (Hugging Face name, tensor)
-# pairs; first match wins
+# pairs, but those whose name `skip` returns True for (read no further); first match wins
 WEIGHT_SOURCES = {"*.safetensors": safetensors_weights, "*.gguf": gguf_weights}
 
 
-def checkpoint_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+def checkpoint_weights(
+    path: str | Path, skip: Callable[[str], bool] = lambda name: False
+) -> Iterator[tuple[str, torch.Tensor]]:
     for pattern, read in WEIGHT_SOURCES.items():
         if Path(path).match(pattern) or any(Path(path).glob(pattern)):
-            return read(path)
+            return read(path, skip)
     raise FileNotFoundError(f"no {' or '.join(WEIGHT_SOURCES)} weights in {path}")
 
 

@@ -53,6 +53,7 @@ def load_draft(
         max_model_len=max_model_len,
         enable_lora=False,
         tensor_parallel_size=1,
+        pipeline_parallel_size=1,
         speculative_config=None,
         kv_offload_memory=0,  # its shadows' KV is cheap to recompute: no host blocks
         preemption_mode="recompute",

@@ -14,14 +14,15 @@ from tiffin import kernels
 from tiffin.engine.config import EngineConfig
 from tiffin.engine.core.kv_offload import KVCopies
 from tiffin.engine.core.scheduler import SchedulerOutput
-from tiffin.engine.distributed.group import WorkerGroup
+from tiffin.engine.distributed.group import WorkerGroup, world_size
+from tiffin.engine.distributed.pipeline import UNSTAGED
 from tiffin.engine.distributed.tensor_parallel import UNSHARDED
 from tiffin.engine.lora.slots import LoRASlots
 from tiffin.engine.models.config import ModelConfig
 from tiffin.engine.models.loader import build_model
 from tiffin.engine.models.pooler import PoolingMetadata
 from tiffin.engine.structured.backend import fill_bitmask
-from tiffin.engine.worker import kv_cache, tp_worker
+from tiffin.engine.worker import kv_cache, pipeline_stage, tp_worker
 from tiffin.engine.worker.batch import HostBatch, ModelInput, Upload, host_batch
 from tiffin.engine.worker.cpu_decode import CpuDecoder
 from tiffin.engine.worker.cpu_threads import ThreadSizer, usable_cpus
@@ -43,9 +44,9 @@ class ModelRunner:
         draft: "ModelRunner | None" = None,
         start: bool = True,
     ):
-        """With `tensor_parallel_size` > 1 this is rank 0, which starts the other ranks' workers (`group`: a
-        worker's own, given to the runner of its rank). Loads the model, then, if `start`, starts the runner
-        (`start`, with `draft`)."""
+        """With `tensor_parallel_size` or `pipeline_parallel_size` > 1 this is rank 0, which starts the other ranks'
+        workers (`group`: a worker's own, given to the runner of its rank). Loads the model, then, if `start`,
+        starts the runner (`start`, with `draft`)."""
         self.config, self.model_config, self.max_model_len = config, model_config, max_model_len
         self.device = config.torch_device if group is None else group.device
         self.backend = kernels.resolve_backend(config.kernel_backend, self.device)
@@ -55,9 +56,10 @@ class ModelRunner:
         # host each step (`models/moe.py`), which a graph cannot replay
         if model_config.task != "generate" or model_config.moe is not None:
             self.policy = dataclasses.replace(self.policy, capture_graphs=False)
-        if group is None and config.tensor_parallel_size > 1:
+        if group is None and world_size(config) > 1:
             group = tp_worker.start(config, model_config, max_model_len, self.device, ModelRunner)
-        self.group, tp = group, UNSHARDED if group is None else group.tp
+        self.group = group
+        tp, self.pp = (UNSHARDED, UNSTAGED) if group is None else (group.tp, group.pp)
         if self.device.type == "cuda" and self.device.index is not None:
             # Triton launches on the current device: cuda:1's tensors must not meet cuda:0's kernels (for the
             # start-up work here; steps set it themselves, `execute`)
@@ -72,17 +74,18 @@ class ModelRunner:
         self.tp, self.weights_path = tp, config.model  # where `sleep.wake_up` reloads weights dropped at level 2
         self.sleep_level = 0  # tiffin.engine.worker.sleep
         self.model = self.build_model(config.model)
-        self.lora_slots = (
-            LoRASlots(self.model, config.max_loras, config.max_lora_rank, model_config.dtype, self.device, self.backend)
-            if config.enable_lora
-            else None
-        )
+        self.lora_slots = None
+        if config.enable_lora:
+            whole = pipeline_stage.whole_model_layers(self) if self.pp.size > 1 and group.rank == 0 else None
+            lora_args = config.max_loras, config.max_lora_rank, model_config.dtype, self.device, self.backend
+            self.lora_slots = LoRASlots(self.model, *lora_args, group is not None, whole)
         self.sampler = Sampler(eos_token_ids, config.seed)
         self.cpu_decoder: CpuDecoder | None = None  # built after sizing; the profiling step runs without it
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
-        self.kv_spec = kv_cache.KVCacheSpec.of(
+        kv_spec = kv_cache.KVCacheSpec.of(
             model_config, self.block_size, tp.kv_heads(model_config.num_kv_heads), config.kv_cache_dtype
         )
+        self.kv_spec = dataclasses.replace(kv_spec, num_layers=len(self.model.layers_kv()))  # a pipeline stage's
         self.pending_offloads: list = []  # CUDA: (event, staged blocks, host pool, host ids), `finish_offloads`
         if start:
             self.start(draft=draft)
@@ -118,6 +121,8 @@ class ModelRunner:
         prefix_caching = config.enable_prefix_caching and model_config.causal
         self.tier_spec = self.kv_spec.for_tier(config.kv_offload_dtype)
         self.num_host_blocks = kv_cache.num_host_blocks(config, self.kv_spec, self.tier_spec, prefix_caching)
+        if self.pp.size > 1:  # the stages' layer counts differ
+            self.num_host_blocks = tuple(map(self.group.agree_min, self.num_host_blocks))
         pin = self.device.type == "cuda"
         self.host_tier = self.tier_spec.allocate_host(self.num_host_blocks[0], pin)
         self.host_swap = self.kv_spec.allocate_host(self.num_host_blocks[1], pin)
@@ -135,7 +140,7 @@ class ModelRunner:
         """The model with the weights of the checkpoint at `path` (this rank's shard)."""
         quant_backend = self.config.cpu_quant_compute if self.policy.int8_quantized else self.backend
         return build_model(
-            self.model_config, path, self.device, self.max_model_len, self.backend, self.tp, quant_backend
+            self.model_config, path, self.device, self.max_model_len, self.backend, self.tp, quant_backend, self.pp
         )
 
     def execute(self, scheduler_output: SchedulerOutput) -> SamplerOutput:
@@ -269,6 +274,8 @@ class ModelRunner:
     def run_model(self, inputs: ModelInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The logits of the step's sampling tokens (None when none samples) and the pooled rows of its pooling
         sequences (None when none pools); with tensor parallelism on rank 0 only (None elsewhere)."""
+        if self.pp.size > 1:
+            return pipeline_stage.run_stage(self, inputs)
         if self.cpu_decoder is not None and inputs.attn.max_query_len == 1:
             hidden = self.cpu_decoder(inputs.input_ids, inputs.positions, inputs.attn)
         else:

@@ -22,13 +22,13 @@ def choose_policy(
     device: torch.device, dtype: torch.dtype, backend: str, has_amx: bool, config: EngineConfig, native: bool = True
 ) -> RunnerPolicy:
     """`native`: whether the native CPU kernels are built (a machine without a compiler runs the torch ones)."""
-    cpu, single = device.type == "cpu", config.tensor_parallel_size == 1
+    cpu, single = device.type == "cpu", config.tensor_parallel_size == config.pipeline_parallel_size == 1
     int8 = cpu and backend == "torch" and native and config.cpu_quant_compute != "exact"
     return RunnerPolicy(
         int8_quantized=int8,
         # adapters add their deltas between the kernels; a tensor-parallel layer all-reduces between them
         native_decode=int8 and single and not config.enable_lora,
-        # tensor-parallel ranks keep their even split of the CPUs
+        # tensor-parallel and pipeline ranks keep their even split of the CPUs
         size_threads=cpu and single,
         # oneDNN builds an AMX kernel per new row count of a bf16/fp16 linear; LoRA maps adapters per real token
         pad_prefills=cpu and backend == "torch" and dtype != torch.float32 and has_amx and not config.enable_lora,

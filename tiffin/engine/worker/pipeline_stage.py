@@ -1,0 +1,70 @@
+"""The model runner under pipeline parallelism (`distributed.pipeline`): every rank receives the step as under
+tensor parallelism (`tp_worker`), then each stage runs its layers in turn, one batch traversing every stage per
+step: the first embeds the tokens, each stage but the last sends its `(hidden, residual)` to the next, the last
+computes the logits of the sampling rows and sends them, float32, to rank 0, which samples. Each stage's KV pool
+holds its own layers' blocks; every rank agrees on one block count (`WorkerGroup.agree_min`).
+
+What it does not serve yet is refused by name at start (`check_supported`). Speculative proposals that rank 0
+makes itself (n-gram, suffix) are served: their verifying rows are rows of the step like any other."""
+
+import time
+
+import torch
+
+from tiffin.engine.config import EngineConfig
+from tiffin.engine.distributed.pipeline import PipelineParallel
+from tiffin.engine.models.config import ModelConfig
+from tiffin.engine.models.linear import Linear
+from tiffin.engine.models.loader import build_model
+from tiffin.engine.worker.batch import ModelInput
+
+
+def check_supported(config: EngineConfig, model_config: ModelConfig, device: torch.device) -> None:
+    """ValueError naming what `pipeline_parallel_size` > 1 cannot serve with this model and these settings, before
+    any worker starts."""
+    size = config.pipeline_parallel_size
+    if size == 1:
+        return
+    if device.type != "cpu":
+        raise ValueError(f"pipeline_parallel_size {size} runs on CPU (gloo) only so far, not on {device}")
+    if model_config.task != "generate":
+        raise ValueError(f"pipeline_parallel_size {size} serves models that generate, not task {model_config.task!r}")
+    if model_config.moe is not None:
+        raise ValueError(f"pipeline_parallel_size {size} does not serve a mixture of experts yet")
+    spec = config.speculative_config
+    if spec is not None and spec.method == "draft_model":
+        raise ValueError(f"pipeline_parallel_size {size} does not serve speculative decoding with a draft model yet")
+    PipelineParallel(size=size, partition=config.pipeline_layer_partition).layers(model_config.num_layers)
+
+
+def run_stage(runner, inputs: ModelInput) -> tuple[torch.Tensor | None, None]:
+    """This stage's part of the step; `run_model`'s result on rank 0 (the logits, None when no row samples), None
+    elsewhere."""
+    group, model, config = runner.group, runner.model, runner.model_config
+    pp = group.pp
+    received = None
+    if not pp.first:
+        received = pp.recv_prev((2, len(inputs.input_ids), config.hidden_size), config.dtype).unbind(0)
+    start, rows = time.perf_counter(), len(inputs.logits_indices)
+    out = model(inputs.input_ids, inputs.positions, inputs.attn, inputs.lora, received)
+    if not pp.last:
+        out = torch.stack(out).to(config.dtype)
+        group.busy_s += time.perf_counter() - start
+        pp.send_next(out)
+        if group.rank == 0 and rows:
+            return pp.recv_logits((rows, config.vocab_size), torch.float32), None
+        return None, None
+    logits = model.compute_logits(out[inputs.logits_indices]) if rows else None
+    group.busy_s += time.perf_counter() - start
+    if logits is not None:  # the stage's tensor-parallel rank 0, which gathered them
+        pp.send_logits(logits.float())
+    return None, None
+
+
+def whole_model_layers(runner) -> dict[str, Linear]:
+    """Every stage's projections, built on the meta device (their shapes, no memory): what rank 0 checks an
+    adapter against, as it holds the whole adapter and sends each install to every stage, which takes its layers'
+    slices."""
+    config, model_config = runner.config, runner.model_config
+    model = build_model(model_config, config.model, torch.device("meta"), runner.max_model_len, runner.backend)
+    return {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
