@@ -131,8 +131,10 @@ class Model(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
         self.rotary, self.backend = rotary, backend
 
-    def forward(self, input_ids, positions, attn_metadata, lora):
-        x, residual, rotation = self.embed_tokens(input_ids), None, self.rotary.at(positions)
+    def forward(self, input_ids, positions, attn_metadata, lora, inputs_embeds=None):
+        """`inputs_embeds`: the tokens' input embeddings where a caller computed them (images in the prompt)."""
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        residual, rotation = None, self.rotary.at(positions)
         for layer in self.layers:
             x, residual = layer(x, residual, rotation, attn_metadata, lora)
         return self.norm.add_and_norm(x, residual, self.backend)[0]

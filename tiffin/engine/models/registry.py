@@ -8,6 +8,7 @@ from torch import nn
 
 from tiffin.engine.models.bert import BertForSequenceClassification, BertModel
 from tiffin.engine.models.llama import LlamaForCausalLM
+from tiffin.engine.models.llava import LlavaForConditionalGeneration
 from tiffin.engine.models.moe import MoEForCausalLM
 
 TASKS = ("generate", "embed", "classify")
@@ -33,6 +34,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen2ForCausalLM": Architecture(LlamaForCausalLM, qkv_bias=True, gguf_name="qwen2"),
     "Qwen3ForCausalLM": Architecture(LlamaForCausalLM, qk_norm=True, gguf_name="qwen3"),
     "IQuestCoderForCausalLM": Architecture(LlamaForCausalLM),
+    # vision-language models (images in the prompt, models/llava.py)
+    "LlavaForConditionalGeneration": Architecture(LlavaForConditionalGeneration),
     # mixtures of experts (models/moe.py)
     "MixtralForCausalLM": Architecture(MoEForCausalLM, renormalize_topk=True),
     "Qwen2MoeForCausalLM": Architecture(MoEForCausalLM, qkv_bias=True),
