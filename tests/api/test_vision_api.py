@@ -3,11 +3,13 @@ URL (PNG, JPEG, WebP, a GIF's first frame) gives the tokens the engine gives for
 directly; hostile images (truncated, a 30000x30000 declared size, an unsupported format, bad base64, too many
 images, a remote URL) are 400s naming the problem, and the engine serves the next request as before."""
 
+import asyncio
 import base64
 import io
 import struct
 import zlib
 
+import httpx
 import pytest
 
 pytest.importorskip("fastapi")
@@ -49,9 +51,12 @@ def messages(*urls: str) -> list[dict]:
     return [{"role": "user", "content": [*parts, {"type": "text", "text": QUESTION}]}]
 
 
-def chat(client, msgs, max_tokens: int = 16):
-    body = {"model": "tiny", "messages": msgs, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    return client.post("/chat/completions", json=body)
+def body(msgs, max_tokens: int = 16) -> dict:
+    return {"model": "tiny", "messages": msgs, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+
+
+def chat(client, msgs):
+    return client.post("/chat/completions", json=body(msgs))
 
 
 def refused(response, *words):
@@ -70,9 +75,9 @@ def declared_size(png: bytes, width: int, height: int) -> bytes:
 def direct(checkpoint):
     """The engine called directly: greedy text of the LLaVA prompt over each image."""
     llm = LLM(checkpoint, dtype="float32")
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
-    def run(*images) -> str:
+    def run(*images, max_tokens: int = 16) -> str:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         text = "USER: " + "<image>\n" * len(images) + QUESTION + "\nASSISTANT:"
         out = llm.generate({"prompt": text, "multi_modal_data": {"image": list(images)}}, params, use_tqdm=False)
         return out[0].outputs[0].text
@@ -104,26 +109,44 @@ def test_two_images_and_a_text_only_chat(api, direct):
         assert chat(client, [{"role": "user", "content": "hello"}]).status_code == 200
 
 
-def test_hostile_images_are_400s_and_the_engine_serves_on(api, direct):
+def test_hostile_images_are_400s_while_an_image_chat_runs(api, direct):
+    """Every hostile image is refused by name while a well-formed image chat runs beside them, which answers as the
+    engine does alone; nothing is left running or holding KV blocks."""
     png = encoded(random_image(3, (64, 64)), "PNG")
     bmp = encoded(random_image(3, (64, 64)), "BMP")
     cases = [
-        (data_url(png[: len(png) // 2]), "cannot be decoded"),  # truncated
-        (data_url(declared_size(png, 30000, 30000)), "max_image_pixels=16777216"),  # a bomb's header
-        (data_url(declared_size(png, 5000, 5000)), "5000x5000 pixels", "max_image_pixels=16777216"),
-        (data_url(bmp, "image/bmp"), "not an image in a supported format"),
-        (data_url(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4), "not an image"),  # corrupt after the magic
-        ("data:image/png;base64,@@@@", "not valid base64"),
-        ("data:image/png,abc", "data URL must be"),
-        ("https://example.com/cat.png", "allowed_media_domains"),
+        (messages(data_url(png[: len(png) // 2])), "cannot be decoded"),  # truncated
+        (messages(data_url(declared_size(png, 30000, 30000))), "max_image_pixels=16777216"),  # a bomb's header
+        (messages(data_url(declared_size(png, 5000, 5000))), "5000x5000 pixels", "max_image_pixels=16777216"),
+        (messages(data_url(bmp, "image/bmp")), "not an image in a supported format"),
+        (messages(data_url(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4)), "not an image"),  # corrupt after the magic
+        (messages("data:image/png;base64,@@@@"), "not valid base64"),
+        (messages("data:image/png,abc"), "data URL must be"),
+        (messages("https://example.com/cat.png"), "allowed_media_domains"),
+        (messages(*[data_url(png)] * 3), "limit_mm_per_prompt=2"),
     ]
-    with TestClient(api.app) as client:
-        for url, *words in cases:
-            refused(chat(client, messages(url)), "messages[0].content[0]", *words)
-        refused(chat(client, messages(*[data_url(png)] * 3)), "limit_mm_per_prompt=2")
-        response = chat(client, messages(data_url(png)))
-        assert response.status_code == 200
-    assert response.json()["choices"][0]["message"]["content"] == direct(PIL.open(io.BytesIO(png)))
+
+    async def run():
+        transport = httpx.ASGITransport(app=api.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://tiffin", timeout=60) as http:
+
+            def post(msgs, max_tokens=16):
+                body = {
+                    "model": "tiny",
+                    "messages": msgs,
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                }
+                return http.post("/chat/completions", json=body)
+
+            return await asyncio.gather(post(messages(data_url(png)), 64), *(post(m) for m, *_ in cases))
+
+    running, *hostile = asyncio.run(asyncio.wait_for(run(), 60))
+    for response, (msgs, *words) in zip(hostile, cases):
+        refused(response, f"messages[0].content[{len(msgs[0]['content']) - 2}]", *words)
+    assert running.status_code == 200, running.text
+    assert running.json()["choices"][0]["message"]["content"] == direct(PIL.open(io.BytesIO(png)), max_tokens=64)
     stats = api.engine.engine.stats()
     assert stats.kv_blocks_used == 0 and stats.num_running == stats.num_waiting == 0
 
