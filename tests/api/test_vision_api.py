@@ -24,10 +24,8 @@ QUESTION = "What is in the picture?"
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    from tiffin.testing.tiny_llava import make_tiny_llava
-
-    return str(make_tiny_llava(tmp_path_factory.mktemp("llava")))
+def checkpoint(tiny_llava):
+    return tiny_llava
 
 
 @pytest.fixture(scope="module")

@@ -31,10 +31,8 @@ def random_image(seed: int, size: tuple[int, int], mode: str = "RGB"):
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    from tiffin.testing.tiny_llava import make_tiny_llava
-
-    return make_tiny_llava(tmp_path_factory.mktemp("llava"))
+def checkpoint(tiny_llava):
+    return tiny_llava
 
 
 @pytest.fixture(scope="module")
@@ -185,3 +183,34 @@ def test_text_only_model_refuses_images(tiny_model):
     llm = LLM(tiny_model("llama"), dtype="float32")
     with pytest.raises(ParamError, match="text only"):
         llm.llm_engine.add_request("img", prompt("hi", [random_image(0, (8, 8))]), SamplingParams(max_tokens=1))
+
+
+CUDA_PARAMS = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+
+
+@pytest.fixture(scope="module")
+def cuda_cases(llm, images):
+    """The prompts of the CUDA test and the CPU engine's outputs for them, computed before any emulation starts
+    (a CPU engine's packed weights are opaque to it)."""
+    cases = [prompt("<image>", images[:1]), prompt(TEXT, [])]
+    return cases, [llm.generate(case, CUDA_PARAMS, use_tqdm=False)[0].outputs[0] for case in cases]
+
+
+def test_cuda_path_with_graphs_equals_cpu(checkpoint, cuda_cases, cuda_emulation, monkeypatch):
+    """The CUDA path (emulated on the CPU, Triton under the interpreter) with decode graphs captured: a 16-token
+    budget leaves the image prompt's last placeholder alone in a one-token step, which must not replay a decode
+    graph (its input embedding is the image's, not the token's)."""
+    from tiffin.engine.worker import model_runner
+
+    monkeypatch.setattr(model_runner, "warm_up_triton", lambda runner: None)
+    kwargs = dict(dtype="float32", max_num_batched_tokens=16, max_num_seqs=2, max_model_len=96, num_kv_blocks=32)
+    cuda = LLM(str(checkpoint), device="cuda", **kwargs)
+    assert cuda.llm_engine.model_runner.decode_graphs is not None
+    cases, want = cuda_cases
+    replays = cuda_emulation.replays
+    got = [cuda.generate(case, CUDA_PARAMS, use_tqdm=False)[0].outputs[0] for case in cases]  # one at a time
+    assert cuda_emulation.replays > replays  # the decode steps ran from graphs
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(g.logprobs, g.token_ids)],
+                                   [lp[t].logprob for lp, t in zip(w.logprobs, w.token_ids)], atol=1e-3)  # fmt: skip
