@@ -4,6 +4,8 @@ on the same pixel values, with one and two images, mixed with text-only requests
 placeholder run split across prefill chunks; images in the prefix cache's block hashes; the encoder run once per
 image content."""
 
+import gc
+
 import numpy as np
 import pytest
 import torch
@@ -214,3 +216,28 @@ def test_cuda_path_with_graphs_equals_cpu(checkpoint, cuda_cases, cuda_emulation
         assert g.token_ids == w.token_ids
         np.testing.assert_allclose([lp[t].logprob for lp, t in zip(g.logprobs, g.token_ids)],
                                    [lp[t].logprob for lp, t in zip(w.logprobs, w.token_ids)], atol=1e-3)  # fmt: skip
+
+
+def test_gpu_memory_profile_runs_the_tower_and_counts_the_encoder_cache(checkpoint, cuda_emulation, monkeypatch):
+    """On CUDA (emulated) the profiling step also encodes as many images as its tokens hold (32 tokens: 2 images
+    of 16), and the KV pool is sized with the encoder cache's bound counted as in use."""
+    from tiffin.engine.models.llava import LlavaForConditionalGeneration
+    from tiffin.engine.worker import model_runner
+
+    monkeypatch.setattr(model_runner, "warm_up_triton", lambda runner: None)
+    encoded, embed = [], LlavaForConditionalGeneration.embed_images
+    monkeypatch.setattr(
+        LlavaForConditionalGeneration, "embed_images", lambda m, px: encoded.append(len(px)) or embed(m, px)
+    )
+    # a budget of ~130 MiB of the emulated 16 GiB: the pool is what it leaves, below max_num_seqs * max_model_len
+    kwargs = dict(device="cuda", dtype="float32", max_num_batched_tokens=32, max_num_seqs=256, max_model_len=1024,
+                  enforce_eager=True, gpu_memory_utilization=0.008)  # fmt: skip
+    blocks = {}
+    for cache in (0, 64 << 20):
+        engine = LLM(str(checkpoint), encoder_cache_bytes=cache, **kwargs).llm_engine
+        assert encoded.pop() == 2 and not encoded  # the profile's step: one tower forward of two images
+        assert engine.model_runner.encoder.num_encoded == 0 and not engine.model_runner.encoder.cache.entries
+        blocks[cache], per_block = engine.block_manager.num_blocks, engine.model_runner.kv_spec.bytes_per_block
+        del engine
+        gc.collect()  # its pool's emulated device memory freed before the next engine measures what is free
+    assert blocks[0] - blocks[64 << 20] == pytest.approx((64 << 20) / per_block, abs=2)

@@ -45,9 +45,24 @@ class EncoderCache:
 
 class EncoderRunner:
     def __init__(self, model: torch.nn.Module, max_bytes: int, device: torch.device):
-        self.model, self.device = model, device
-        self.cache = EncoderCache(max_bytes)
+        self.model, self.device, self.max_bytes = model, device, max_bytes
+        self.reset()
+
+    def reset(self) -> None:
+        """An empty cache and no image counted (after the memory profile's images)."""
+        self.cache = EncoderCache(self.max_bytes)
         self.num_encoded = 0  # images run through the tower
+
+    def add_profile_images(self, scheduler_output: SchedulerOutput, tokens_per_image: int, pixels: torch.Tensor):
+        """Give the memory profile's synthetic sequences as many distinct images as their scheduled tokens hold
+        placeholders of (at least one), so that its step also runs the tower on the most images a step may
+        encode."""
+        count = 0
+        for seq, n in zip(scheduler_output.seqs, scheduler_output.num_scheduled_tokens):
+            offsets = range(0, max(n - tokens_per_image, 0) + 1, tokens_per_image)
+            length = min(tokens_per_image, n)  # a step shorter than one image still encodes one
+            seq.images = tuple(ImageInput(o, length, (count + i).to_bytes(8), pixels) for i, o in enumerate(offsets))
+            count += len(offsets)
 
     def step_embeddings(self, scheduler_output: SchedulerOutput, starts: np.ndarray) -> MultiModalEmbeddings | None:
         """The step's image rows and the batch rows they replace (None: no scheduled token is a placeholder).
