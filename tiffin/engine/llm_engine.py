@@ -112,9 +112,7 @@ class LLMEngine:
         self._chat_tokenizers = queue.SimpleQueue()
         self._chat_tokenizers.put(deepcopy(self.tokenizer))
         self.max_model_len = self._max_model_len()
-        allowed = tuple(filter(None, (config.allowed_media_domains or "").split(",")))
-        limits = config.limit_mm_per_prompt, config.max_image_pixels, config.max_image_bytes, allowed
-        self.image_limits = ImageLimits(*limits) if self.model_config.multimodal else None  # None: text only
+        self.image_limits = ImageLimits.of(config, self.model_config.multimodal)  # None: a text-only model
         # the most characters one token stands for (its vocabulary's longest string: a byte-level token's characters
         # are its bytes, at least its text's characters), once per tokenizer: it bounds the text a prompt cut to
         # n tokens needs (cut_for_truncation)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tiffin.engine.config import EngineConfig
 from tiffin.engine.errors import ParamError
 from tiffin.engine.multimodal.image import check_pixels
 
@@ -31,6 +32,17 @@ class ImageLimits:
     max_image_pixels: int
     max_image_bytes: int
     allowed_media_domains: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, config: EngineConfig, multimodal) -> "ImageLimits | None":
+        """The limits of an engine serving a model of `multimodal` (its image config; None: text only, no limits);
+        ValueError for what a vision-language model cannot be served with yet."""
+        if multimodal is None:
+            return None
+        if config.enable_lora:
+            raise ValueError("LoRA adapters on a vision-language model are not supported yet")
+        allowed = tuple(filter(None, (config.allowed_media_domains or "").split(",")))
+        return cls(config.limit_mm_per_prompt, config.max_image_pixels, config.max_image_bytes, allowed)
 
 
 def image_hash(pixel_values: torch.Tensor) -> bytes:
