@@ -99,11 +99,15 @@ def test_data_url_image_gives_the_engines_tokens(api, direct, fmt):
 
 
 def test_two_images_and_a_text_only_chat(api, direct):
+    """Two images in one message; /tokenize counts the chat's tokens, image tokens included, as the chat ran them."""
     a, b = random_image(1, (40, 90)), random_image(2, (90, 40))
     with TestClient(api.app) as client:
         response = chat(client, messages(data_url(encoded(a, "PNG")), data_url(encoded(b, "PNG"))))
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["message"]["content"] == direct(a, b)
+        msgs = messages(data_url(encoded(a, "PNG")), data_url(encoded(b, "PNG")))
+        counted = client.post("/tokenize", json={"model": "tiny", "messages": msgs}).json()["count"]
+        assert counted == response.json()["usage"]["prompt_tokens"] > 2 * 16  # the image tokens counted
         assert chat(client, [{"role": "user", "content": "hello"}]).status_code == 200
 
 
