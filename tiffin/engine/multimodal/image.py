@@ -99,6 +99,7 @@ class ImageProcessor:
         size, crop = raw.get("size") or {}, raw.get("crop_size") or {}
         if isinstance(size, int):
             size = {"shortest_edge": size}
+        size = {k: v for k, v in size.items() if v is not None}
         if isinstance(crop, int):
             crop = {"height": crop, "width": crop}
         if set(size) - {"shortest_edge"}:
