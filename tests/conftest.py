@@ -40,6 +40,14 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_llava(tmp_path_factory) -> str:
+    """The tiny LLaVA checkpoint (`tiffin.testing.tiny_llava`: 56 px images, 16 image tokens), written once."""
+    from tiffin.testing.tiny_llava import make_tiny_llava
+
+    return str(make_tiny_llava(tmp_path_factory.mktemp("tiny-llava")))
+
+
+@pytest.fixture(scope="session")
 def thinking_model(tmp_path_factory):
     """`thinking_model(marker_tokens=False)` -> path of a tiny llama checkpoint that thinks as DeepSeek-R1 does: its
     chat template opens `<think>\n` at the generation prompt, or writes an empty block (`<think>\n\n</think>\n\n`)

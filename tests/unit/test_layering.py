@@ -21,7 +21,16 @@ LAYERS = [
         ],
     ),
     ("speculative decoding", ["tiffin.engine.spec_decode"]),
-    ("engine boxes", ["tiffin.engine.core", "tiffin.engine.worker", "tiffin.engine.lora", "tiffin.engine.structured"]),
+    (
+        "engine boxes",
+        [
+            "tiffin.engine.core",
+            "tiffin.engine.worker",
+            "tiffin.engine.lora",
+            "tiffin.engine.structured",
+            "tiffin.engine.multimodal.encoder",
+        ],
+    ),
     ("models", ["tiffin.engine.models"]),
     ("tensor parallelism", ["tiffin.engine.distributed"]),
     (
@@ -36,6 +45,8 @@ LAYERS = [
             "tiffin.engine.structured.params",
             "tiffin.engine.structured.limits",
             "tiffin.engine.structured.formats",
+            "tiffin.engine.multimodal.image",
+            "tiffin.engine.multimodal.inputs",
         ],
     ),
     ("quantization formats", ["tiffin.quant"]),

@@ -9,7 +9,10 @@ Invariants:
   (`chat_sandbox`).
 - Text content parts (OpenAI's `[{"type": "text", "text": ...}]`) reach a template that prints content as one
   string, joined by newlines as vLLM joins them; a template that loops over a message's content gets the parts.
-  Any other part is refused, naming its type.
+  Image parts (`{"type": "image_url", "image_url": {"url": "data:..."}}`) reach a model that reads images as
+  `{"type": "image"}` parts where the template loops over content (it writes the image placeholder there), each
+  decoded within `ImageLimits` (`multimodal.image`); a text-only model refuses them, naming the part. Any other
+  part is refused, naming its type.
 - Every refusal is a ParamError naming `messages`."""
 
 import functools
@@ -20,6 +23,8 @@ from jinja2 import nodes
 
 from tiffin.engine.chat_sandbox import TemplateLimit, bounded, install
 from tiffin.engine.errors import ParamError
+from tiffin.engine.multimodal.image import decode_data_url
+from tiffin.engine.multimodal.inputs import ImageLimits
 
 if TYPE_CHECKING:  # transformers is imported where a tokenizer is loaded
     from transformers import PreTrainedTokenizerBase
@@ -32,6 +37,7 @@ class ChatSettings:
     timeout: float  # seconds
     max_chars: int  # characters the render may write, and build at once (chat_sandbox.BUILT_PER_CHAR times in all)
     control_tokens_in_messages: bool = False  # True: control tokens spelled in messages are encoded as such
+    images: ImageLimits | None = None  # None: a text-only model
 
 
 def render_chat(
@@ -41,10 +47,12 @@ def render_chat(
     settings: ChatSettings,
     **template_kwargs,
 ) -> dict:
-    """The prompt of one conversation, `{"prompt": its text as its tokens spell it, "prompt_token_ids": ...}`."""
+    """The prompt of one conversation, `{"prompt": its text as its tokens spell it, "prompt_token_ids": ...}`, with
+    `"multi_modal_data": {"image": [...]}` where its messages carry images."""
+    images = []
     try:
         template = tokenizer.get_chat_template(None, template_kwargs.get("tools"))
-        messages = _contents(messages, _loops_over_content(template))
+        messages = _contents(messages, _loops_over_content(template), settings.images, images)
         with bounded(settings.timeout, settings.max_chars):
             ids = tokenizer.apply_chat_template(
                 messages,
@@ -60,7 +68,8 @@ def render_chat(
         raise ParamError("messages", str(e)) from None
     except Exception as e:  # a template may raise on roles or content it does not accept
         raise ParamError("messages", f"the chat template failed: {_describe(e)}") from None
-    return {"prompt": tokenizer.decode(ids), "prompt_token_ids": ids}
+    rendered = {"prompt": tokenizer.decode(ids), "prompt_token_ids": ids}
+    return {**rendered, "multi_modal_data": {"image": images}} if images else rendered
 
 
 def _describe(error: Exception) -> str:
@@ -80,22 +89,48 @@ def _loops_over_content(chat_template: str) -> bool:
     return False
 
 
-def _contents(messages: list[dict], as_parts: bool) -> list[dict]:
-    """The messages with list contents checked to be text parts: kept as parts, or joined into one string."""
+def _contents(messages: list[dict], as_parts: bool, limits: ImageLimits | None, images: list) -> list[dict]:
+    """The messages with list contents checked: text parts kept as parts, or joined into one string; image parts
+    decoded into `images` (in order), each left as an `{"type": "image"}` part."""
     shaped = []
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, list):
-            texts = [_text(part, f"messages[{i}].content[{j}]") for j, part in enumerate(content)]
-            message = {**message, "content": content if as_parts else "\n".join(texts)}
+            parts = [_part(part, f"messages[{i}].content[{j}]", limits, images) for j, part in enumerate(content)]
+            if not as_parts and any(p["type"] == "image" for p in parts):
+                raise ParamError("messages", "the chat template prints content as text: it cannot place images")
+            message = {**message, "content": parts if as_parts else "\n".join(p["text"] for p in parts)}
         shaped.append(message)
     return shaped
 
 
-def _text(part, where: str) -> str:
+def _part(part, where: str, limits: ImageLimits | None, images: list) -> dict:
+    """A text part as it is, checked, or an image part decoded."""
     kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "image_url":
+        images.append(_image(part.get("image_url"), where, limits, len(images)))
+        return {"type": "image"}
     if kind != "text":
-        raise ParamError("messages", f"{where}: content part type {kind!r} is not supported; only 'text' parts are")
+        raise ParamError(
+            "messages", f"{where}: content part type {kind!r} is not supported; only 'text' and 'image_url' parts are"
+        )
     if not isinstance(part.get("text"), str):
         raise ParamError("messages", f"{where}: a text part needs 'text', a string")
-    return part["text"]
+    return part
+
+
+def _image(value, where: str, limits: ImageLimits | None, count: int):
+    """The image an `image_url` part names: a `data:` URL decoded; http(s) URLs refused by name."""
+    if limits is None:
+        raise ParamError("messages", f"{where}: content part type 'image_url' needs a model that reads images")
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str):
+        raise ParamError("messages", f"{where}: an image_url part needs 'image_url': {{'url': a string}}")
+    if count >= limits.limit_mm_per_prompt:
+        raise ParamError("messages", f"{where}: more images than limit_mm_per_prompt={limits.limit_mm_per_prompt}")
+    if url.startswith(("http://", "https://")):
+        host = url.split("/")[2].rpartition("@")[2].partition(":")[0].lower()
+        if host not in limits.allowed_media_domains:
+            raise ParamError("messages", f"{where}: image URLs of {host!r} are refused: not in allowed_media_domains")
+        raise ParamError("messages", f"{where}: fetching image URLs is not supported yet; send a data: URL")
+    return decode_data_url(url, limits.max_image_pixels, limits.max_image_bytes, where)

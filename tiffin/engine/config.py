@@ -197,6 +197,15 @@ class EngineConfig:
         "64 on CUDA); None: off",
     )
     max_n: int = _setting(64, "samples one request may ask for")
+    limit_mm_per_prompt: int = _setting(4, "images one request may carry (a vision-language model)")
+    max_image_pixels: int = _setting(
+        16_777_216, "pixels (width x height) an image may declare; larger ones are refused before decoding"
+    )
+    max_image_bytes: int = _setting(20 << 20, "bytes of one encoded image (a data: URL's payload)")
+    allowed_media_domains: str | None = _setting(
+        None, "hosts whose http(s) image URLs a request may name (comma-separated); None: none (data: URLs only)"
+    )
+    encoder_cache_bytes: int = _setting(128 << 20, "image embeddings kept by content hash (LRU) for reuse")
     max_waiting_requests: int | None = _setting(
         None,
         "sequences queued beyond the running batch (a request with n counts n); more are refused (a server's 429; the "

@@ -37,6 +37,7 @@ from tiffin.engine.models.config import resolve_dtype
 from tiffin.engine.models.gguf_checkpoint import find_gguf, open_gguf
 from tiffin.engine.models.loader import checkpoint_signature, get_model_config
 from tiffin.engine.models.source import load_tokenizer, resolve_model_path
+from tiffin.engine.multimodal.inputs import ImageInput, ImageLimits, prompt_images
 from tiffin.engine.outputs import (
     CompletionOutput,
     EngineStats,
@@ -57,12 +58,14 @@ from tiffin.engine.worker.sampler import SamplerOutput
 
 
 class TokenizedPrompt(NamedTuple):
-    """A prompt as the engine runs it: its text (None when it came as token ids), its checked token ids, and
-    their token types where it is a sentence pair for a cross-encoder (`tokenize_pair`)."""
+    """A prompt as the engine runs it: its text (None when it came as token ids), its checked token ids (image
+    placeholders expanded), their token types where it is a sentence pair for a cross-encoder (`tokenize_pair`),
+    and its images (`multimodal.inputs`)."""
 
     text: str | None
     token_ids: list[int]
     token_type_ids: list[int] | None = None
+    images: tuple[ImageInput, ...] = ()
 
 
 PromptType = str | list[int] | dict | TokenizedPrompt
@@ -110,6 +113,7 @@ class LLMEngine(SleepMode):
         self._chat_tokenizers = queue.SimpleQueue()
         self._chat_tokenizers.put(deepcopy(self.tokenizer))
         self.max_model_len = self._max_model_len()
+        self.image_limits = ImageLimits.of(config, self.model_config.multimodal)  # None: a text-only model
         # the most characters one token stands for (its vocabulary's longest string: a byte-level token's characters
         # are its bytes, at least its text's characters), once per tokenizer: it bounds the text a prompt cut to
         # n tokens needs (cut_for_truncation)
@@ -189,11 +193,13 @@ class LLMEngine(SleepMode):
         self.check_awake()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        (text, token_ids, token_types), params, max_tokens = self.check_request(prompt, params)
+        (text, token_ids, token_types, images), params, max_tokens = self.check_request(prompt, params)
         pooling = params if isinstance(params, PoolingParams) else None
         n = 1 if pooling else params.n
         self._check_queue_room(n, client)
         lora = None if lora_request is None else self._loras().resolve(lora_request)
+        if pooling and images:
+            raise ParamError("multi_modal_data", "images are served in generation requests only")
         if pooling:
             seq_ids = token_ids if token_types is None else with_token_types(token_ids, token_types)
             seq = Sequence(
@@ -220,6 +226,7 @@ class LLMEngine(SleepMode):
                 None if grammar is None else GrammarState(grammar, self.config.grammar_compile_timeout),
                 IncrementalDetokenizer(self.tokenizer, token_ids, params),
                 client=client,
+                images=images,
             )
             for i in range(params.n)
         ]
@@ -516,9 +523,9 @@ class LLMEngine(SleepMode):
         prompt may say `add_special_tokens: False` (a rendered chat template). A prompt to pool (`pooling`) may
         fill the context, and is cut to `pooling.truncate_prompt_tokens` when it asks. Without `fit_context` its
         tokens may exceed the context (a prompt only counted, never run): only the text limit bounds them."""
-        token_types, keep = None, self._truncation(pooling)
+        token_types, keep, images = None, self._truncation(pooling), ()
         if isinstance(prompt, TokenizedPrompt):
-            text, token_ids, token_types = prompt
+            text, token_ids, token_types, images = prompt
         elif isinstance(prompt, dict):
             text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
             if token_ids is None and not isinstance(text, str):
@@ -544,6 +551,9 @@ class LLMEngine(SleepMode):
                 raise ParamError("prompt", f"prompt cannot be tokenized: {e}") from None
         if not isinstance(token_ids, (list, tuple)) or not token_ids:
             raise ParamError("prompt", "prompt must be a non-empty string or a non-empty list of token ids")
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if data is not None or (self.image_limits and not isinstance(prompt, TokenizedPrompt)):  # placeholders checked
+            token_ids, images = prompt_images(token_ids, data or {}, self.model_config.multimodal, self.image_limits)
         if keep is not None and len(token_ids) > keep:
             right = self.tokenizer.truncation_side == "right"
             token_ids = token_ids[:keep] if right else token_ids[-keep:]
@@ -563,7 +573,7 @@ class LLMEngine(SleepMode):
                 f"prompt has {len(token_ids)} tokens; a prompt to pool runs in one step of at most "
                 f"max_num_batched_tokens={self.config.max_num_batched_tokens}",
             )
-        return TokenizedPrompt(text, list(token_ids), token_types)
+        return TokenizedPrompt(text, list(token_ids), token_types, images)
 
     def tokenize_pair(self, text_1: str, text_2: str, pooling: PoolingParams | None = None) -> TokenizedPrompt:
         """A sentence pair as a cross-encoder reads it ([CLS] a [SEP] b [SEP] for BERT, with token types), checked as
@@ -601,7 +611,9 @@ class LLMEngine(SleepMode):
             tokenizer = deepcopy(self.tokenizer)
         config = self.config
         max_chars = config.chat_template_max_chars or self.max_prompt_chars
-        settings = ChatSettings(config.chat_template_timeout, max_chars, config.control_tokens_in_messages)
+        settings = ChatSettings(
+            config.chat_template_timeout, max_chars, config.control_tokens_in_messages, self.image_limits
+        )
         try:
             rendered = render_chat(tokenizer, messages, add_generation_prompt, settings, **template_kwargs)
         finally:

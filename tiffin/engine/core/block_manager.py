@@ -8,6 +8,8 @@ Invariants kept here:
   before them. A hash leaves the map only when its block is reallocated.
 - The last token of a sequence is always recomputed: a prefix-cache hit never covers it, since its logits
   are needed.
+- A block's hash covers the hashes of the images whose placeholders it holds (`Sequence.block_key`): blocks of the
+  same tokens over different images never match.
 - Hashes cover a sequence's tokens only, never proposals beyond them (speculative decoding): slots a step
   fills for proposals that are then rejected are written again before a hash can cover them.
 - Host tier (`kv_offload.HostTier`, with prefix caching): a hashed block reallocated has its contents offloaded
@@ -257,5 +259,6 @@ class BlockManager:
         hashes, size = seq.block_hashes, self.block_size
         for i in range(len(hashes), num_blocks):
             parent = hashes[-1] if hashes else b""
-            hashes.append(hash_block(parent, seq.token_ids[i * size : (i + 1) * size], seq.cache_key))
+            tokens = seq.token_ids[i * size : (i + 1) * size]
+            hashes.append(hash_block(parent, tokens, seq.block_key(i * size, (i + 1) * size)))
         return hashes[:num_blocks]

@@ -8,6 +8,7 @@ import torch
 from tiffin.engine.core.detokenizer import IncrementalDetokenizer
 from tiffin.engine.core.thinking import ThinkingState
 from tiffin.engine.lora.request import LoRAModel
+from tiffin.engine.multimodal.inputs import ImageInput, images_key
 from tiffin.engine.outputs import Logprob
 from tiffin.engine.pooling_params import PoolingParams
 from tiffin.engine.sampling_params import SamplingParams
@@ -41,12 +42,13 @@ class Sequence:
         detokenizer: IncrementalDetokenizer | None = None,
         pooling_params: PoolingParams | None = None,
         client: str | None = None,
+        images: tuple[ImageInput, ...] = (),
     ):
         """`max_tokens`: params.max_tokens, or what the context leaves when that is None; `lora`: the adapter it
         runs with (None: the base model); `grammar`: its matcher when params.structured_outputs is set;
         `detokenizer`: None for sequences that need no text (profiling, scheduler tests); `pooling_params`: set for
         a sequence that pools its prompt instead of generating (`params` then goes unread).
-        `client`: who sent it, for fair share (None: anonymous)."""
+        `client`: who sent it, for fair share (None: anonymous). `images`: its prompt's images (`multimodal.inputs`)."""
         self.seq_id = next(Sequence._ids)
         self.request_id = request_id
         self.index = index
@@ -60,6 +62,7 @@ class Sequence:
         self.swap_blocks: list[int] = []  # host blocks holding its KV while swapped out
         self.lora = lora
         self.cache_key = b"" if lora is None else lora.identity  # its blocks' prefix-cache key beside the tokens
+        self.images = images
         self.grammar = grammar
         self.detokenizer = detokenizer
         self.thinking: ThinkingState | None = None  # a reasoning model's, set by the engine; read from `detokenizer`
@@ -97,6 +100,11 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def block_key(self, start: int, end: int) -> bytes:
+        """The prefix-cache key of the block over positions [start, end) beside its tokens: the adapter's identity
+        and the hashes of the images it holds placeholders of."""
+        return self.cache_key + images_key(self.images, start, end) if self.images else self.cache_key
 
     def scheduled_token_ids(self, start: int, n: int) -> list[int]:
         """The `n` tokens from position `start` on, proposals included."""

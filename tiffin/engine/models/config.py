@@ -1,6 +1,7 @@
 """The model's shape and variant facts, read from a Hugging Face `config.json` (what the checkpoint says)."""
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -98,6 +99,7 @@ class ModelConfig:
     position_offset: int = 0
     num_labels: int = 0  # a cross-encoder's classifier outputs
     classifier_activation: str = "sigmoid"  # of its scores: "sigmoid", "softmax" or "identity"
+    multimodal: Any = None  # a vision-language model's image config (`llava.LlavaConfig`); None: text only
 
     @classmethod
     def from_hf(

@@ -171,12 +171,15 @@ class Model(nn.Module):
         self.rotary, self.nope, self.backend, self.first = rotary, nope, backend, pp.first
         self.embedding_multiplier = config.embedding_multiplier
 
-    def forward(self, input_ids, positions, attn_metadata, lora, intermediate=None):
+    def forward(self, input_ids, positions, attn_metadata, lora, intermediate=None, inputs_embeds=None):
         """The final hidden states; on a stage before the last, its `(hidden, residual)` for the next, which passes
-        them as `intermediate`."""
-        x, residual = (self.embed_tokens(input_ids), None) if self.first else intermediate
-        if self.first and self.embedding_multiplier != 1.0:
-            x = x * self.embedding_multiplier
+        them as `intermediate`. `inputs_embeds`: the tokens' input embeddings where a caller computed them (images
+        in the prompt)."""
+        if self.first:
+            x, residual = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds, None
+            x = x if self.embedding_multiplier == 1.0 else x * self.embedding_multiplier
+        else:
+            x, residual = intermediate
         rotations = {r: r.at(positions) for r in (self.rotary, self.nope) if r is not None}
         for layer in self.layers[self.held.start : self.held.stop]:
             x, residual = layer(x, residual, rotations[layer.self_attn.rotary], attn_metadata, lora)

@@ -42,7 +42,10 @@ def get_model_config(
     arch = get_architecture(name)
     raw = arch.config_defaults | raw
     quant = get_quant_config(path, raw, quantization)
-    config = ModelConfig.from_hf(raw, quant, arch.qkv_bias, arch.qk_norm, arch.renormalize_topk)
+    multimodal = arch.model.multimodal_config(raw, path) if hasattr(arch.model, "multimodal_config") else None
+    text = arch.model.text_config(raw) if multimodal else raw
+    config = ModelConfig.from_hf(text, quant, arch.qkv_bias, arch.qk_norm, arch.renormalize_topk)
+    config.multimodal = multimodal
     if config.moe is not None and quant is not None:
         raise ValueError(f"{name} quantized with {quant.name}: quantized experts are not supported yet")
     config.task, config.causal = resolve_task(arch, name, task), arch.causal
@@ -180,9 +183,12 @@ def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tens
     params = dict(model.named_parameters())
     expected = set(params)
     renames = getattr(model, "checkpoint_renames", {})  # checkpoint name part -> the model's
+    prefixes = getattr(model, "checkpoint_prefixes", {})  # checkpoint name prefix -> the model's (the first match)
     for key, tensor in weights:
         for old, new in renames.items():
             key = key.replace(old, new)
+        old = next((p for p in prefixes if key.startswith(p)), None)
+        key = key if old is None else prefixes[old] + key[len(old) :]
         expected.difference_update(_load_tensor(model, params, key, tensor))
     missing = sorted(expected)
     if missing:

@@ -8,6 +8,7 @@ from torch import nn
 
 from tiffin.engine.models.bert import BertForSequenceClassification, BertModel
 from tiffin.engine.models.llama import LlamaForCausalLM
+from tiffin.engine.models.llava import LlavaForConditionalGeneration
 from tiffin.engine.models.moe import MoEForCausalLM
 from tiffin.engine.models.olmo2 import Olmo2ForCausalLM
 
@@ -42,6 +43,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     ),
     "GraniteForCausalLM": Architecture(LlamaForCausalLM, gguf_name="granite", gguf_permuted_qk=True),  # multipliers
     "Olmo2ForCausalLM": Architecture(Olmo2ForCausalLM, gguf_name="olmo2"),  # post-norms, q/k norms over all heads
+    # vision-language models (images in the prompt, models/llava.py)
+    "LlavaForConditionalGeneration": Architecture(LlavaForConditionalGeneration),
     # mixtures of experts (models/moe.py)
     "MixtralForCausalLM": Architecture(MoEForCausalLM, renormalize_topk=True),
     "Qwen2MoeForCausalLM": Architecture(MoEForCausalLM, qkv_bias=True),

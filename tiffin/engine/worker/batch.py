@@ -12,6 +12,7 @@ import torch
 
 from tiffin.engine.core.scheduler import SchedulerOutput
 from tiffin.engine.core.sequence import Sequence
+from tiffin.engine.models.llava import MultiModalEmbeddings
 from tiffin.engine.models.pooler import PoolingMetadata
 from tiffin.engine.sampling_params import SamplingParams
 from tiffin.kernels import AttentionMetadata
@@ -86,6 +87,7 @@ class ModelInput(NamedTuple):
     logits_indices: torch.Tensor
     lora: LoRAMetadata | None = None
     pooling: PoolingMetadata | None = None  # rank 0's only: the other ranks do not pool
+    mm: MultiModalEmbeddings | None = None  # the step's image embeddings (`multimodal.encoder`), if it has any
 
 
 def host_batch(scheduler_output: SchedulerOutput, block_size: int, pad_prefills: bool = False) -> HostBatch:

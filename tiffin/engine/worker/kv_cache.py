@@ -205,12 +205,17 @@ def profile_memory(runner, probe: MemoryProbe, draft=None) -> MemoryProfile:
     proposals and one more) with every filter, penalty, seeded draw and 20 logprobs on (the sampler's worst
     case). When the runner captures CUDA graphs, they are captured on that cache too and what they hold
     measured, then dropped; so are a `draft` runner's (loaded, not started). That cache is released before free
-    memory is read, so the real pool is sized from what stays in use."""
+    memory is read, so the real pool is sized from what stays in use. A vision-language model's step also runs the
+    tower on as many images as its tokens hold placeholders of, and its encoder cache's bound counts as in use."""
     c, max_len, block_size = runner.config, runner.max_model_len, runner.block_size
     tokens = min(c.max_num_batched_tokens, c.max_num_seqs * max_len)
     lengths = [max_len] * (tokens // max_len) + [tokens % max_len] * (tokens % max_len > 0)
     runner.num_blocks = sum(-(-n // block_size) for n in lengths)
     scheduler_output = synthetic_step([(0, n) for n in lengths], block_size, runner.num_blocks)
+    encoder, vision = runner.encoder, runner.model_config.multimodal
+    if encoder is not None:
+        pixels = torch.zeros(3, *vision.processor.crop_size)
+        encoder.add_profile_images(scheduler_output, vision.tokens_per_image, pixels)
     probe.empty_cache()
     runner.allocate_kv_cache()
     reserved = probe.memory_reserved(runner.device)
@@ -238,6 +243,9 @@ def profile_memory(runner, probe: MemoryProbe, draft=None) -> MemoryProfile:
         del inputs, logits, rows, sampled
     probe.synchronize(runner.device)
     peak = probe.max_memory_reserved(runner.device) - reserved
+    if encoder is not None:  # the cache fills up to its bound while serving
+        encoder.reset()
+        peak += runner.config.encoder_cache_bytes
     graphs = _graph_bytes(runner, probe)
     if draft is not None:  # its graphs, on a pool as small
         draft.num_blocks = runner.num_blocks

@@ -21,6 +21,7 @@ from tiffin.engine.lora.slots import LoRASlots
 from tiffin.engine.models.config import ModelConfig
 from tiffin.engine.models.loader import build_model
 from tiffin.engine.models.pooler import PoolingMetadata
+from tiffin.engine.multimodal.encoder import EncoderRunner, prefills_images
 from tiffin.engine.structured.backend import fill_bitmask
 from tiffin.engine.worker import kv_cache, pipeline_stage, tp_worker
 from tiffin.engine.worker.batch import HostBatch, ModelInput, Upload, host_batch
@@ -80,6 +81,8 @@ class ModelRunner:
             lora_args = config.max_loras, config.max_lora_rank, model_config.dtype, self.device, self.backend
             self.lora_slots = LoRASlots(self.model, *lora_args, group is not None, whole)
         self.sampler = Sampler(eos_token_ids, config.seed)
+        multimodal = model_config.multimodal is not None
+        self.encoder = EncoderRunner(self.model, config.encoder_cache_bytes, self.device) if multimodal else None
         self.cpu_decoder: CpuDecoder | None = None  # built after sizing; the profiling step runs without it
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         kv_spec = kv_cache.KVCacheSpec.of(
@@ -163,6 +166,7 @@ class ModelRunner:
         upload = Upload(self.device)
         sampling = self.sampler.stage(rows, upload, self.model_config.vocab_size)
         graphs = self.decode_graphs is not None and not scheduler_output.pooling_seqs
+        graphs = graphs and not (self.encoder is not None and prefills_images(scheduler_output))
         size = self.decode_graphs.size_for(scheduler_output) if graphs else 0
         pooled = None
         if size:
@@ -276,10 +280,11 @@ class ModelRunner:
         sequences (None when none pools); with tensor parallelism on rank 0 only (None elsewhere)."""
         if self.pp.size > 1:
             return pipeline_stage.run_stage(self, inputs)
-        if self.cpu_decoder is not None and inputs.attn.max_query_len == 1:
+        if self.cpu_decoder is not None and inputs.attn.max_query_len == 1 and inputs.mm is None:
             hidden = self.cpu_decoder(inputs.input_ids, inputs.positions, inputs.attn)
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, inputs.lora)
+            images = {} if inputs.mm is None else {"mm": inputs.mm}
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, inputs.lora, **images)
         # the same test on every rank: the logits' gather is a collective
         samples = len(inputs.logits_indices) and self.model_config.task == "generate"
         logits = self.model.compute_logits(hidden[inputs.logits_indices]) if samples else None
@@ -347,10 +352,9 @@ class ModelRunner:
             (b.logits_indices, np.int64),
         )
         parts = [upload.add(a.astype(dtype, copy=False)) for a, dtype in arrays]
-        pooling_parts = None
+        pooling_parts, starts = None, np.cumsum(b.query_lens) - b.query_lens
         if scheduler_output.pooling_seqs:
             pools = np.array([s.pooling_params is not None for s in scheduler_output.seqs])
-            starts = np.cumsum(b.query_lens) - b.query_lens
             host = PoolingMetadata.host_arrays(starts[pools], b.query_lens[pools])
             pooling_parts = [upload.add(a) for a in host]
         loras = [s.lora for s in scheduler_output.seqs]
@@ -368,7 +372,8 @@ class ModelRunner:
             max_seq_len=int(b.seq_lens.max()),
         )
         pooling = None if pooling_parts is None else PoolingMetadata(*map(upload.get, pooling_parts))
-        return ModelInput(input_ids, positions, attn, logits_indices, lora and lora(upload.get), pooling)
+        mm = None if self.encoder is None else self.encoder.step_embeddings(scheduler_output, starts)
+        return ModelInput(input_ids, positions, attn, logits_indices, lora and lora(upload.get), pooling, mm)
 
     def max_decode_rows(self) -> int:
         """The most rows a decode step computes and samples: a row a sequence, or with speculation one per

@@ -31,6 +31,8 @@ def check_supported(config: EngineConfig, model_config: ModelConfig, device: tor
         raise ValueError(f"pipeline_parallel_size {size} serves models that generate, not task {model_config.task!r}")
     if model_config.moe is not None:
         raise ValueError(f"pipeline_parallel_size {size} does not serve a mixture of experts yet")
+    if model_config.multimodal is not None:
+        raise ValueError(f"pipeline_parallel_size {size} does not serve a vision-language model yet")
     spec = config.speculative_config
     if spec is not None and spec.method == "draft_model":
         raise ValueError(f"pipeline_parallel_size {size} does not serve speculative decoding with a draft model yet")

@@ -1,0 +1,103 @@
+"""A prompt's images as the engine carries them: each image's placeholder token expanded to the model's image tokens,
+its pixel values, and a content hash that names it in the encoder cache and the prefix cache's block hashes.
+
+Invariants:
+- An image's placeholders are one run of `tokens_per_image` image tokens at `offset`; the prompt holds exactly as
+  many `<image>` tokens as images were given, in order.
+- Two images hash alike only if their pixel values (as the tower takes them) are equal, byte for byte."""
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from tiffin.engine.config import EngineConfig
+from tiffin.engine.errors import ParamError
+from tiffin.engine.multimodal.image import check_pixels
+
+
+@dataclass(frozen=True, eq=False)
+class ImageInput:
+    offset: int  # the prompt position of its first placeholder
+    length: int  # its placeholders: the embeddings' rows
+    hash: bytes  # of its pixel values (`image_hash`)
+    pixel_values: torch.Tensor  # [3, H, W], float32, on the host
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    """The engine's image settings (EngineConfig's fields of the same names)."""
+
+    limit_mm_per_prompt: int
+    max_image_pixels: int
+    max_image_bytes: int
+    allowed_media_domains: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, config: EngineConfig, multimodal) -> "ImageLimits | None":
+        """The limits of an engine serving a model of `multimodal` (its image config; None: text only, no limits);
+        ValueError for what a vision-language model cannot be served with yet."""
+        if multimodal is None:
+            return None
+        if config.enable_lora:
+            raise ValueError("LoRA adapters on a vision-language model are not supported yet")
+        allowed = tuple(filter(None, (config.allowed_media_domains or "").split(",")))
+        return cls(config.limit_mm_per_prompt, config.max_image_pixels, config.max_image_bytes, allowed)
+
+
+def image_hash(pixel_values: torch.Tensor) -> bytes:
+    pixels = pixel_values.contiguous()
+    return hashlib.sha256(str(tuple(pixels.shape)).encode() + pixels.numpy().tobytes()).digest()
+
+
+def expand_placeholders(
+    token_ids: list[int], pixel_values: list[torch.Tensor], image_token_id: int, tokens_per_image: int
+) -> tuple[list[int], tuple[ImageInput, ...]]:
+    """`token_ids` with each image token expanded to `tokens_per_image` of them, and each image placed there;
+    ParamError unless the prompt holds one image token per image."""
+    places = [i for i, t in enumerate(token_ids) if t == image_token_id]
+    if len(places) != len(pixel_values):
+        raise ParamError(
+            "multi_modal_data",
+            f"the prompt has {len(places)} image placeholder tokens (id {image_token_id}) for {len(pixel_values)} "
+            "images: put one placeholder where each image goes",
+        )
+    expanded, images, last = [], [], 0
+    for place, pixels in zip(places, pixel_values):
+        expanded += token_ids[last:place]
+        images.append(ImageInput(len(expanded), tokens_per_image, image_hash(pixels), pixels))
+        expanded += [image_token_id] * tokens_per_image
+        last = place + 1
+    return expanded + token_ids[last:], tuple(images)
+
+
+def images_key(images: tuple[ImageInput, ...], start: int, end: int) -> bytes:
+    """The hashes of the images whose placeholders overlap prompt positions [start, end): a KV block's key beside
+    its tokens, so that blocks over different images never match (the hash chain carries it to later blocks)."""
+    return b"".join(image.hash for image in images if image.offset < end and start < image.offset + image.length)
+
+
+def prompt_images(token_ids: list[int], data, config, limits: ImageLimits) -> tuple[list[int], tuple[ImageInput, ...]]:
+    """A prompt's `multi_modal_data` (vLLM's `{"image": a PIL image or a list of them}`) preprocessed, the prompt's
+    placeholders expanded (`expand_placeholders`); `config`: the model's `LlavaConfig` (None: a text-only model).
+    ParamError naming the setting or the problem."""
+    from PIL import Image
+
+    if config is None:
+        raise ParamError("multi_modal_data", "this model takes text only; it cannot read images")
+    if not isinstance(data, dict) or set(data) - {"image"}:
+        raise ParamError("multi_modal_data", "multi_modal_data takes 'image': a PIL image or a list of them")
+    images = data.get("image", [])
+    images = list(images) if isinstance(images, (list, tuple)) else [images]
+    if len(images) > limits.limit_mm_per_prompt:
+        raise ParamError(
+            "multi_modal_data", f"{len(images)} images is more than limit_mm_per_prompt={limits.limit_mm_per_prompt}"
+        )
+    for i, image in enumerate(images):
+        where = f"multi_modal_data.image[{i}]"
+        if not isinstance(image, Image.Image):
+            raise ParamError("multi_modal_data", f"{where}: a PIL image is needed, got {type(image).__name__}")
+        check_pixels(image.size, limits.max_image_pixels, where)
+    return expand_placeholders(
+        token_ids, [config.processor(image) for image in images], config.image_token_id, config.tokens_per_image
+    )
