@@ -389,7 +389,7 @@ def test_offloads_overlap_the_forward_on_cuda(path, on_cpu, cuda_emulation, monk
     """Emulated CUDA: in a step that offloads, no host synchronization and no write to the host blocks between its
     copies and its forward (the device -> host copies overlap it); the host blocks hold the evicted bytes by the
     next step's copies, and the outputs are the CPU's."""
-    from tiffin.testing import cuda_emulation as emulation
+    from tiffin.testing.emulated_graphs import EmulatedEvent, EmulatedStream
 
     requests, want = on_cpu
     cuda = engine(path, device="cuda", **CUDA_TIERS, **CUDA_ARGS)
@@ -397,7 +397,7 @@ def test_offloads_overlap_the_forward_on_cuda(path, on_cpu, cuda_emulation, monk
     regions = {"tier": runner.host_tier, "swap": runner.host_swap}
     pools = {t.untyped_storage().data_ptr() for pool in regions.values() for t in pool}
     log, evicted, landed, lost = [], {}, [], []  # lost: asserting in a step would fail the step, not the test
-    for cls in (emulation._Stream, emulation._Event):
+    for cls in (EmulatedStream, EmulatedEvent):
         monkeypatch.setattr(cls, "synchronize", lambda self: log.append("sync"))
     index_copy, writing = torch.Tensor.index_copy_, []
 

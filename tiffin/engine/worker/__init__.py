@@ -7,5 +7,5 @@ Invariants: only the runner builds tensors whose shape changes per step; a CUDA 
 persistent buffers filled in place; the KV pool is sized after a profiling step (graphs captured, the sampler's
 worst case) whose KV and graphs are freed first; a step's host -> device traffic is one pinned copy (`Upload`),
 its device -> host traffic the sampled tokens (and one logprobs table when asked), besides the KV blocks a step
-moves to or from the host tiers (`ModelRunner.copy_blocks`).
+moves to or from the host tiers (`ModelRunner.copy_blocks`, from `kv_copies`).
 """
