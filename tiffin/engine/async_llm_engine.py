@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from tiffin.engine import tokenize_pool
 from tiffin.engine.config import EngineConfig
 from tiffin.engine.errors import EngineAsleep, EngineError, EngineStalled, ParamError
-from tiffin.engine.llm_engine import LLMEngine, PromptType, TokenizedPrompt
+from tiffin.engine.input_processor import PromptType, TokenizedPrompt
+from tiffin.engine.llm_engine import LLMEngine
 from tiffin.engine.lora.request import LoRARequest
 from tiffin.engine.outputs import EngineStats, PoolingRequestOutput, RequestOutput
 from tiffin.engine.pooling_params import PoolingParams

@@ -11,7 +11,8 @@ from tqdm.auto import tqdm
 
 from tiffin.engine.config import EngineConfig
 from tiffin.engine.errors import ParamError, QueueFull
-from tiffin.engine.llm_engine import LLMEngine, PromptType, TokenizedPrompt
+from tiffin.engine.input_processor import PromptType, TokenizedPrompt
+from tiffin.engine.llm_engine import LLMEngine
 from tiffin.engine.lora.request import LoRARequest
 from tiffin.engine.outputs import PoolingRequestOutput, RequestOutput
 from tiffin.engine.pooling_params import PoolingParams

@@ -42,7 +42,7 @@ from tiffin.plugin.openai.tools import ChatTool, ToolParser, make_parser, templa
 
 if TYPE_CHECKING:  # torch, which `bentoml build` need not import
     from tiffin.engine.async_llm_engine import AsyncLLMEngine, RequestStream
-    from tiffin.engine.llm_engine import TokenizedPrompt
+    from tiffin.engine.input_processor import TokenizedPrompt
     from tiffin.engine.lora.request import LoRARequest
     from tiffin.plugin.lora import LoRAServing
 
