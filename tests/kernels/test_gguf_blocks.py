@@ -22,6 +22,10 @@ HALF_FIELDS = {
     QType.Q4_K: (0, 2),
     QType.Q5_K: (0, 2),
     QType.Q6_K: (208,),
+    QType.Q3_K: (108,),
+    QType.Q2_K: (80, 82),
+    QType.IQ4_NL: (0,),
+    QType.IQ4_XS: (0,),
 }
 assert HALF_FIELDS.keys() == gguf_blocks.DECODERS.keys()
 
