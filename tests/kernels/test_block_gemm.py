@@ -224,14 +224,17 @@ def test_awq_and_gptq_blocks_match_their_dequantization():
 
 
 @native
-def test_threads_split_the_output_rows():
-    w, x = random_blocks(4096, 576, 4, seed=11), torch.randn(3, 576)
+@pytest.mark.parametrize("bits, kind", FORMATS, ids=FORMAT_IDS)
+def test_threads_split_the_output_rows(bits, kind):
+    k = 576 if kind in (ig.BLOCKS, ig.CODEBOOK) else 512
+    w, x = random_blocks(1000, k, bits, seed=11, kind=kind), torch.randn(3, k)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         one = ig.block_gemm(x, w)
         torch.set_num_threads(max(2, before))
         assert torch.equal(ig.block_gemm(x, w), one)
+        torch.testing.assert_close(one, ig.block_gemm_reference(x, w), rtol=0, atol=1e-5 * float(one.abs().max()))
     finally:
         torch.set_num_threads(before)
 

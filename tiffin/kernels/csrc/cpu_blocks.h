@@ -103,7 +103,7 @@ inline void store_value(void* y, int dtype, int64_t i, float v) {  // rounding t
 // - FP8 (8 bits only): the 8-bit registers hold float8 e4m3fn codes (raw bytes, no bias), w = e4m3(q) d, m = 0;
 //   `scales` fp32 [groups, blocks, 16] (read through `fp32_scales`), `offsets` empty. Not integers: only the bf16
 //   GEMM (cpu_quant_bf16.cpp) and `tiffin_dequantize_rows` read them, never the integer kernels.
-enum Kind { BLOCKS = 0, SUPER_MINS = 1, SUPER_CENTRED = 2, FP8 = 3, CODEBOOK = 4, SUPER_CODEBOOK = 5, SUPER_MINS16 = 6 };
+enum Kind { BLOCKS, SUPER_MINS, SUPER_CENTRED, FP8, CODEBOOK, SUPER_CODEBOOK, SUPER_MINS16 };
 constexpr int SUPER = 8;  // blocks per super-block
 // IQ4_NL / IQ4_XS's values + 128, by code
 constexpr uint8_t IQ4_UNSIGNED[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
@@ -282,7 +282,8 @@ inline void factors(const Weights& w, int64_t blocks, int64_t g, int64_t b, int 
     d = _mm512_mul_ps(fp16x16(w.scales + super_at), bytes_x16<false>(sub + (b % SUPER) * LANES));
     m = _mm512_mul_ps(fp16x16(w.offsets + super_at), bytes_x16<false>(sub + 128 + (b % SUPER) * LANES));
   } else if constexpr (KIND == SUPER_MINS16) {  // sc | mn << 4
-    const __m512i both = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub + (2 * (b % SUPER) + h) * LANES)));
+    const uint8_t* at = sub + (2 * (b % SUPER) + h) * LANES;
+    const __m512i both = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
     d = _mm512_mul_ps(fp16x16(w.scales + super_at), _mm512_cvtepi32_ps(_mm512_and_si512(both, _mm512_set1_epi32(15))));
     m = _mm512_mul_ps(fp16x16(w.offsets + super_at), _mm512_cvtepi32_ps(_mm512_srli_epi32(both, 4)));
   } else {
