@@ -2,9 +2,10 @@
 --pure: on SmolLM2, whose 576 inputs are no whole super-blocks, the Q2_K mix puts Q3_K in ffn_down and Q2_K
 nowhere, --pure puts it there): tiffin keeps every tensor quantized, within 1.1x the file's tensor bytes, and its
 greedy tokens (the native kernels, the default) are llama-server's, up to a step where either side's two best
-tokens are within NEAR_TIE nats. The margin is wide because llama.cpp quantizes activations to 8 bits (per 32
-inputs, per 256 against K-quants and IQ4_XS), tiffin to 15: on the K-quant files of benchmarks/README.md the two
-engines part at gaps up to 0.44 nats (llama.cpp's) where tiffin and transformers (the file's exact model) agree.
+tokens are within NEAR_TIE nats (how many prompts match throughout is printed: 0-3 of 5 here, at 32 tokens). The
+margin is wide because llama.cpp quantizes activations to 8 bits (per 32 inputs, per 256 against K-quants and
+IQ4_XS), tiffin to 15: on the K-quant files of benchmarks/README.md the two engines part at gaps up to 0.44 nats
+(llama.cpp's) where tiffin and transformers (the file's exact model) agree.
 
 Skipped, saying why, without llama.cpp (~/.cache/tiffin-peers/llama.cpp/build/bin, or $TIFFIN_LLAMA_CPP: see
 ../shared/bench/setup-llamacpp.sh) or a SmolLM2 GGUF to requantize (/work/models/smol-Q6_K.gguf, else the Q4_1 of
@@ -118,4 +119,3 @@ def test_requantized_smollm2_answers_as_llama_cpp(name, tmp_path):
         f"{path.name}: {same}/{len(CHAT) + len(PLAIN)} prompts identical; (token, top-2 gaps tiffin, llama.cpp) {ties}"
     )
     assert all(min(gaps) < NEAR_TIE for _, *gaps in ties), ties
-    assert same >= 1
