@@ -228,9 +228,13 @@ inline void load_quads(const uint8_t* block, int t, __m512i& lo, __m512i& hi) {
   }
   constexpr int L = low_bits(BITS);
   const __m512i v = _mm512_loadu_si512(block + (t % L) * 64), mask = _mm512_set1_epi8((1 << L) - 1);
-  const __m128i shift = _mm_cvtsi32_si128(L * (t / L));  // quad t's field; quad t + 4's is 4 bits above it
-  lo = _mm512_and_si512(_mm512_srl_epi16(v, shift), mask);
-  hi = _mm512_and_si512(_mm512_srl_epi16(v, _mm_add_epi64(shift, _mm_cvtsi32_si128(4))), mask);
+  if constexpr (L == 4) {  // nibbles: quad t low, t + 4 high
+    lo = _mm512_and_si512(v, mask);
+    hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+  } else {  // 2-bit fields: quad t's at 2 (t / 2), quad t + 4's 4 bits above it
+    lo = _mm512_and_si512(_mm512_srl_epi16(v, _mm_cvtsi32_si128(2 * (t / 2))), mask);
+    hi = _mm512_and_si512(_mm512_srl_epi16(v, _mm_cvtsi32_si128(2 * (t / 2) + 4)), mask);
+  }
   for (int p = 0; p < BITS - L; ++p) {  // a set plane bit adds 1 << (L + p) to its code
     const __m512i plane = _mm512_loadu_si512(block + 64 * L + p * 64);
     const __m512i bit = _mm512_set1_epi8(static_cast<char>(1 << (L + p)));
