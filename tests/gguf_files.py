@@ -40,6 +40,24 @@ K_QUANT_MIX = {
     "blk.1.ffn_up.weight": QType.Q4_K,
     "blk.1.ffn_down.weight": QType.Q5_K,
 }
+# The types below 4 bits and IQ4's the same way, on the same model.
+LOW_BIT_MIX = {
+    "token_embd.weight": QType.IQ4_XS,
+    "blk.0.attn_q.weight": QType.Q3_K,
+    "blk.0.attn_k.weight": QType.Q3_K,
+    "blk.0.attn_v.weight": QType.Q2_K,
+    "blk.0.attn_output.weight": QType.IQ4_NL,
+    "blk.0.ffn_gate.weight": QType.IQ4_XS,
+    "blk.0.ffn_up.weight": QType.Q3_K,
+    "blk.0.ffn_down.weight": QType.Q2_K,
+    "blk.1.attn_q.weight": QType.IQ4_NL,
+    "blk.1.attn_k.weight": QType.IQ4_XS,
+    "blk.1.attn_v.weight": QType.Q3_K,
+    "blk.1.attn_output.weight": QType.Q2_K,
+    "blk.1.ffn_gate.weight": QType.IQ4_NL,
+    "blk.1.ffn_up.weight": QType.IQ4_NL,
+    "blk.1.ffn_down.weight": QType.IQ4_XS,
+}
 K_SHAPES = dict(hidden_size=256, intermediate_size=512, tie_word_embeddings=True, rope_scaling=None)
 
 
@@ -121,13 +139,13 @@ def _llama_cpp_permute(rows: np.ndarray, heads: int) -> np.ndarray:
 
 
 def quantize(data: np.ndarray, qtype: QType) -> np.ndarray:
-    """`data` `[N, K]` in `qtype`'s rows: gguf-py's quantizer where it has one; Q4_K, Q5_K and Q6_K by plain
+    """`data` `[N, K]` in `qtype`'s rows: gguf-py's quantizer where it has one; the K-quants and IQ4's by plain
     rounding (scales from each sub-block's range, not llama.cpp's search): valid blocks near the weights."""
     if qtype in (QType.Q4_K, QType.Q5_K):
         return _quantize_k_mins(data, 5 if qtype == QType.Q5_K else 4)
-    if qtype == QType.Q6_K:
-        return _quantize_q6_k(data)
-    return gguf.quantize(data, qtype)
+    quantizers = {QType.Q6_K: _quantize_q6_k, QType.Q3_K: _quantize_q3_k, QType.Q2_K: _quantize_q2_k}
+    quantizers |= {QType.IQ4_NL: lambda x: _quantize_iq4(x, False), QType.IQ4_XS: lambda x: _quantize_iq4(x, True)}
+    return quantizers[qtype](data) if qtype in quantizers else gguf.quantize(data, qtype)
 
 
 def _half(x: np.ndarray) -> np.ndarray:
@@ -170,3 +188,69 @@ def _quantize_q6_k(data: np.ndarray) -> np.ndarray:
     qh = ((q >> 4) << np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]).sum(3, dtype=np.uint8)
     fields = [ql.reshape(n, -1, 128), qh.reshape(n, -1, 64), sc.view(np.uint8).reshape(n, -1, 16)]
     return np.concatenate([*fields, d.view(np.uint8).reshape(n, -1, 2)], axis=-1).reshape(n, -1)
+
+
+def _pairs(q: np.ndarray) -> np.ndarray:
+    """2-bit codes `[..., 256]` as Q2_K / Q3_K's 64 bytes: pair s of byte l of chunk c is input 128c + 32s + l."""
+    q = (q & 3).reshape(*q.shape[:-1], 2, 4, 32)
+    return (q << np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]).sum(-2, dtype=np.uint8).reshape(*q.shape[:-3], 64)
+
+
+def _quantize_q3_k(data: np.ndarray) -> np.ndarray:
+    n = data.shape[0]
+    x = data.reshape(n, -1, 16, 16).astype(np.float32)
+    steps = np.abs(x).max(-1) / 4
+    d = _half(steps.max(-1) / 31)
+    safe = lambda v: np.where(v == 0, 1, v)
+    sc = np.clip(np.rint(steps / safe(d.astype(np.float32))[..., None]), -32, 31).astype(np.int8)
+    step = (d.astype(np.float32)[..., None] * sc)[..., None]
+    q = np.clip(np.rint(x / safe(step)) + 4, 0, 7).astype(np.uint8).reshape(n, -1, 256)
+    hmask = ((q >> 2).reshape(n, -1, 8, 32) << np.arange(8, dtype=np.uint8)[:, None]).sum(-2, dtype=np.uint8)
+    ls = (sc.astype(np.int16) + 32).astype(np.uint8)  # [N, supers, 16]
+    high = ((ls >> 4).reshape(n, -1, 4, 4) << np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]).sum(-2, dtype=np.uint8)
+    scales = np.concatenate([(ls[..., :8] & 15) | ((ls[..., 8:] & 15) << 4), high], axis=-1)
+    fields = [hmask, _pairs(q), scales, d.view(np.uint8).reshape(n, -1, 2)]
+    return np.concatenate(fields, axis=-1).reshape(n, -1)
+
+
+def _quantize_q2_k(data: np.ndarray) -> np.ndarray:
+    n = data.shape[0]
+    x = data.reshape(n, -1, 16, 16).astype(np.float32)
+    mins = np.maximum(0, -x.min(-1))
+    steps = (x.max(-1) + mins) / 3
+    d, dmin = _half(steps.max(-1) / 15), _half(mins.max(-1) / 15)
+    safe = lambda v: np.where(v == 0, 1, v)
+    sc = np.clip(np.rint(steps / safe(d.astype(np.float32))[..., None]), 0, 15).astype(np.uint8)
+    mn = np.clip(np.rint(mins / safe(dmin.astype(np.float32))[..., None]), 0, 15).astype(np.uint8)
+    step = (d.astype(np.float32)[..., None] * sc)[..., None]
+    shift = (dmin.astype(np.float32)[..., None] * mn)[..., None]
+    q = np.clip(np.rint((x + shift) / safe(step)), 0, 3).astype(np.uint8).reshape(n, -1, 256)
+    fields = [sc | (mn << 4), _pairs(q), d.view(np.uint8).reshape(n, -1, 2), dmin.view(np.uint8).reshape(n, -1, 2)]
+    return np.concatenate(fields, axis=-1).reshape(n, -1)
+
+
+def _quantize_iq4(data: np.ndarray, xs: bool) -> np.ndarray:
+    """IQ4_NL (a fp16 scale a block of 32) or IQ4_XS (a super-block's fp16 d times a 6-bit scale a block): each
+    input the nearest of the 16 values times its block's scale."""
+    n, values = data.shape[0], np.array(gguf.quants.IQ4_NL.kvalues, dtype=np.float32)
+    x = data.reshape(n, -1, 8 if xs else 1, 32).astype(np.float32)
+    steps = np.abs(x).max(-1) / 127
+    safe = lambda v: np.where(v == 0, 1, v)
+    if xs:
+        d = _half(steps.max(-1) / 31)
+        sc = np.clip(np.rint(steps / safe(d.astype(np.float32))[..., None]), -32, 31).astype(np.int16)
+        step = d.astype(np.float32)[..., None] * sc
+    else:
+        d = _half(steps[..., 0])
+        step = d.astype(np.float32)[..., None]
+    q = np.abs((x / safe(step)[..., None])[..., None] - values).argmin(-1).astype(np.uint8)
+    qs = (q[..., :16] | (q[..., 16:] << 4)).reshape(n, q.shape[1], -1)
+    fields = [d.view(np.uint8).reshape(n, -1, 2)]
+    if xs:
+        ls = (sc + 32).astype(np.uint16)
+        high = ((ls >> 4) << (2 * np.arange(8, dtype=np.uint16))).sum(-1, dtype=np.uint16)
+        fields += [
+            high.view(np.uint8).reshape(n, -1, 2),
+            ((ls[..., 0::2] & 15) | ((ls[..., 1::2] & 15) << 4)).astype(np.uint8),
+        ]
+    return np.concatenate([*fields, qs], axis=-1).reshape(n, -1)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
-from gguf_files import K_QUANT_MIX, K_SHAPES, write_gguf
+from gguf_files import K_QUANT_MIX, K_SHAPES, LOW_BIT_MIX, write_gguf
 
 from tiffin.engine.models.gguf_checkpoint import GGUFCheckpoint
 from tiffin.engine.models.linear import Linear
@@ -185,24 +185,26 @@ def test_written_gguf_matches_transformers(tmp_path, arch):
     assert [o.outputs[0].token_ids for o in outs] == expected[:, len(PROMPTS[0]) :].tolist()
 
 
-@pytest.fixture(scope="module")
-def mixed_gguf(tmp_path_factory):
+@pytest.fixture(scope="module", params=[K_QUANT_MIX, LOW_BIT_MIX], ids=["k-quant-mix", "low-bit-mix"])
+def mixed_gguf(tmp_path_factory, request):
     from tiffin.tiny import make_tiny_model
 
     tmp = tmp_path_factory.mktemp("mixed")
     hf = make_tiny_model(tmp / "hf", arch="llama", **K_SHAPES)
-    return write_gguf(hf, tmp / "gguf" / "mixed.gguf", QType.Q4_K, types=K_QUANT_MIX)
+    return write_gguf(hf, tmp / "gguf" / "mixed.gguf", QType.Q4_K, types=request.param), request.param
 
 
 def test_k_quant_mix_matches_transformers(mixed_gguf):
-    """Every kept type, mixed types stacked in one layer: the exact path's greedy tokens are transformers' (which
-    dequantizes with gguf-py) at float32; the native kernels' (15-bit activations) the same up to a position where
-    the exact path's two best tokens are within 0.1 nats."""
+    """Every kept type (the K-quants, Q4/Q5/Q8; then Q2_K, Q3_K, IQ4_NL and IQ4_XS), mixed types stacked in one
+    layer: the exact path's greedy tokens are transformers' (which dequantizes with gguf-py) at float32; the native
+    kernels' (15-bit activations) the same up to a position where the exact path's two best tokens are within 0.1
+    nats."""
     from transformers import AutoModelForCausalLM
 
     from tiffin import LLM, SamplingParams
     from tiffin.kernels.block_gemm import StackedBlocks
 
+    mixed_gguf, mix = mixed_gguf
     reference = AutoModelForCausalLM.from_pretrained(mixed_gguf.parent, gguf_file=mixed_gguf.name, dtype=torch.float32)
     reference.generation_config.eos_token_id = None
     ids = torch.tensor(PROMPTS)
@@ -211,7 +213,7 @@ def test_k_quant_mix_matches_transformers(mixed_gguf):
     outs = {}
     for compute in ("exact", "native"):
         llm = LLM(str(mixed_gguf), dtype="float32", cpu_quant_compute=compute)
-        assert set(llm.llm_engine.model_config.quant_config.kept.values()) == {t.name for t in K_QUANT_MIX.values()}
+        assert set(llm.llm_engine.model_config.quant_config.kept.values()) == {t.name for t in mix.values()}
         model = llm.llm_engine.model_runner.model
         assert isinstance(model.model.layers[0].self_attn.qkv_proj.blocks, StackedBlocks)
         outs[compute] = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]

@@ -22,7 +22,8 @@ SHAPES = [(1, 64, 1), (1, 576, 960), (3, 96, 17), (7, 1056, 33), (50, 1088, 100)
 # the super-block kinds' K: whole super-blocks of 256
 SUPER_SHAPES = [(1, 256, 1), (1, 1536, 576), (3, 512, 17), (7, 768, 33), (50, 256, 100), (300, 512, 7)]
 FORMATS = sorted(f for f in ig.FORMATS if f[1] != ig.FP8)  # (bits, kind) of integer codes; FP8: test_fp8_blocks*.py
-FORMAT_IDS = [f"{bits}bit-{['blocks', 'mins', 'centred'][kind]}" for bits, kind in FORMATS]
+KIND_NAMES = ["blocks", "mins", "centred", "fp8", "codebook", "super-codebook", "mins16"]
+FORMAT_IDS = [f"{bits}bit-{KIND_NAMES[kind]}" for bits, kind in FORMATS]
 
 
 def random_blocks(n: int, k: int, bits: int, seed: int, levels: int = 1, kind: int = ig.BLOCKS) -> ig.BlockWeights:
@@ -35,16 +36,24 @@ def random_blocks(n: int, k: int, bits: int, seed: int, levels: int = 1, kind: i
             (torch.rand(n, k // 256, generator=g) * 1e-3).half(),
         )
         return ig.pack_super(codes, sub(), sub(), d, dmin, bits, levels)
-    if kind == ig.SUPER_CENTRED:
-        sub = torch.randint(-128, 128, (n, k // 16), dtype=torch.int8, generator=g)
-        return ig.pack_super(codes, sub, None, (torch.rand(n, k // 256, generator=g) * 1e-3).half(), None, bits, levels)
+    if kind in (ig.SUPER_CENTRED, ig.SUPER_CODEBOOK):
+        per = 16 if kind == ig.SUPER_CENTRED else 32
+        sub = torch.randint(-128, 128, (n, k // per), dtype=torch.int8, generator=g)
+        d = (torch.rand(n, k // 256, generator=g) * 1e-3).half()
+        return ig.pack_super(codes, sub, None, d, None, bits, levels, kind)
+    if kind == ig.SUPER_MINS16:
+        sub = torch.randint(0, 256, (n, k // 16), dtype=torch.uint8, generator=g)
+        d, dmin = (torch.rand(2, n, k // 256, generator=g) * 1e-3).half()
+        return ig.pack_super(codes, sub, None, d, dmin, bits, levels, kind)
+    if kind == ig.CODEBOOK:
+        return ig.pack_codebook(codes, (torch.rand(n, k // 32, generator=g) * 0.02).half(), levels)
     scales = torch.rand(n, k // 32, generator=g) * 0.02
     offsets = -(2 ** (bits - 1)) * scales * torch.rand(n, k // 32, generator=g)
     return ig.pack_codes(codes, scales, offsets, bits, levels)
 
 
 def shapes(kind: int) -> list[tuple[int, int, int]]:
-    return SHAPES if kind == ig.BLOCKS else SUPER_SHAPES
+    return SHAPES if kind in (ig.BLOCKS, ig.CODEBOOK) else SUPER_SHAPES
 
 
 @native
@@ -76,11 +85,22 @@ def test_layout_round_trips_codes_and_factors(bits, kind):
         w = ig.pack_super(codes, sc, mn, d, dmin, bits)
         want_d = d.float().repeat_interleave(8, 1) * sc.float()
         want_m = -dmin.float().repeat_interleave(8, 1) * mn.float()
-    else:
-        sc, d = torch.randint(-128, 128, (n, k // 16), dtype=torch.int8, generator=g), torch.rand(n, k // 256).half()
-        w = ig.pack_super(codes, sc, None, d, None, bits)
-        want_d = d.float().repeat_interleave(16, 1) * sc.float()
-        want_m = -(2 ** (bits - 1)) * want_d
+    elif kind == ig.CODEBOOK:
+        d = torch.rand(n, k // 32, generator=g).half()
+        w = ig.pack_codebook(codes, d)
+        want_d, want_m = d.float(), -128 * d.float()
+    elif kind == ig.SUPER_MINS16:
+        sub = torch.randint(0, 256, (n, k // 16), dtype=torch.uint8, generator=g)
+        d, dmin = torch.rand(2, n, k // 256, generator=g).half()
+        w = ig.pack_super(codes, sub, None, d, dmin, bits, kind=kind)
+        want_d = d.float().repeat_interleave(16, 1) * (sub & 15).float()
+        want_m = -dmin.float().repeat_interleave(16, 1) * (sub >> 4).float()
+    else:  # a signed scale a half-block (SUPER_CENTRED) or block (SUPER_CODEBOOK)
+        sub = 16 if kind == ig.SUPER_CENTRED else 32
+        sc, d = torch.randint(-128, 128, (n, k // sub), dtype=torch.int8, generator=g), torch.rand(n, k // 256).half()
+        w = ig.pack_super(codes, sc, None, d, None, bits, kind=kind)
+        want_d = d.float().repeat_interleave(256 // sub, 1) * sc.float()
+        want_m = (-128 if kind == ig.SUPER_CODEBOOK else -(2 ** (bits - 1))) * want_d
     assert torch.equal(ig.unpack_codes(w), codes)
     rows = torch.tensor([36, 0, 17, 17])
     assert torch.equal(ig.unpack_codes(w, rows), codes[rows])
@@ -204,14 +224,17 @@ def test_awq_and_gptq_blocks_match_their_dequantization():
 
 
 @native
-def test_threads_split_the_output_rows():
-    w, x = random_blocks(4096, 576, 4, seed=11), torch.randn(3, 576)
+@pytest.mark.parametrize("bits, kind", FORMATS, ids=FORMAT_IDS)
+def test_threads_split_the_output_rows(bits, kind):
+    k = 576 if kind in (ig.BLOCKS, ig.CODEBOOK) else 512
+    w, x = random_blocks(1000, k, bits, seed=11, kind=kind), torch.randn(3, k)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         one = ig.block_gemm(x, w)
         torch.set_num_threads(max(2, before))
         assert torch.equal(ig.block_gemm(x, w), one)
+        torch.testing.assert_close(one, ig.block_gemm_reference(x, w), rtol=0, atol=1e-5 * float(one.abs().max()))
     finally:
         torch.set_num_threads(before)
 

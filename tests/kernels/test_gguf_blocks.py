@@ -22,6 +22,10 @@ HALF_FIELDS = {
     QType.Q4_K: (0, 2),
     QType.Q5_K: (0, 2),
     QType.Q6_K: (208,),
+    QType.Q3_K: (108,),
+    QType.Q2_K: (80, 82),
+    QType.IQ4_NL: (0,),
+    QType.IQ4_XS: (0,),
 }
 assert HALF_FIELDS.keys() == gguf_blocks.DECODERS.keys()
 
@@ -39,12 +43,26 @@ def random_rows(qtype: QType, n: int, k: int, seed: int) -> np.ndarray:
 
 @pytest.mark.parametrize("qtype", list(gguf_blocks.DECODERS), ids=lambda t: t.name)
 def test_the_layout_holds_gguf_py_s_dequantized_weight(qtype):
-    rows = random_rows(qtype, 37, 512, seed=int(qtype))
-    want = torch.from_numpy(gguf.dequantize(rows, qtype))
-    blocks = gguf_blocks.to_blocks(torch.from_numpy(rows), qtype)
-    assert torch.equal(ig.dequantize_blocks(blocks), want)
-    ids = torch.tensor([36, 0, 17, 17])
-    assert torch.equal(ig.dequantize_blocks(blocks, ids), want[ids])  # natively where it is built
+    """Odd row counts (partial groups of 16) and inputs of one and of several blocks or super-blocks."""
+    block = GGML_QUANT_SIZES[qtype][0]
+    for n, k in [(37, 512), (5, block), (19, 3 * block)]:
+        rows = random_rows(qtype, n, k, seed=int(qtype) + n)
+        want = torch.from_numpy(gguf.dequantize(rows, qtype))
+        blocks = gguf_blocks.to_blocks(torch.from_numpy(rows), qtype)
+        assert torch.equal(ig.dequantize_blocks(blocks), want)
+        ids = torch.tensor([n - 1, 0, n // 2, n // 2])
+        assert torch.equal(ig.dequantize_blocks(blocks, ids), want[ids])  # natively where it is built
+
+
+# bits a weight the layout holds of the types below 4 bits and IQ4's, against the file's 3.4375, 2.625, 4.5, 4.25
+LAYOUT_BITS = {QType.Q3_K: 3.5625, QType.Q2_K: 2.625, QType.IQ4_NL: 4.5, QType.IQ4_XS: 4.3125}
+
+
+@pytest.mark.parametrize("qtype", list(LAYOUT_BITS), ids=lambda t: t.name)
+def test_the_layout_holds_close_to_the_file_s_bytes(qtype):
+    rows = torch.from_numpy(random_rows(qtype, 64, 768, seed=2))
+    blocks = gguf_blocks.to_blocks(rows, qtype)
+    assert blocks.nbytes * 8 == LAYOUT_BITS[qtype] * 64 * 768 and blocks.nbytes <= 1.04 * rows.nbytes
 
 
 def test_big_tensors_decode_a_chunk_of_rows_at_a_time(monkeypatch):

@@ -1,9 +1,11 @@
-"""Triton GEMM on the block layout of `tiffin.kernels.block_gemm` (the GPU path of `block_gemm`): GGUF's Q5_0, Q5_1,
-Q4_K, Q5_K and Q6_K as the CPU kernels keep them, and FP8 (e4m3 codes, an fp32 scale a row and block), read in place.
+"""Triton GEMM on the block layout of `tiffin.kernels.block_layout` (the GPU path of `block_gemm`): GGUF's Q5_0, Q5_1,
+Q2_K to Q6_K, IQ4_NL and IQ4_XS as the CPU kernels keep them, and FP8 (e4m3 codes, an fp32 scale a row and block),
+read in place.
 
 A program owns a `BLOCK_M x BLOCK_N` output tile and walks K one block of 32 inputs at a time: the tile's weights
-are decoded from the layout (`_weight_tile`: the codes' nibbles and high-bit planes, each block's or half-block's
-`d` and `m` from its fp16 scales or a super-block's integer sub-scales; FP8's bytes by integer arithmetic, as
+are decoded from the layout (`_weight_tile`: the codes' low-bit fields and high-bit planes, IQ4's codebook values
+from constants, each block's or half-block's `d` and `m` from its fp16 scales or a super-block's integer sub-scales;
+FP8's bytes by integer arithmetic, as
 `triton_common.kv_code_values` reads fp8 KV caches, so sm_80 runs them too), `q * d + m` in fp32 exactly as
 `dequantize_blocks` computes it, then rounded to x's dtype for `tl.dot` with an fp32 accumulator (the torch path's
 weight, `dequantize_blocks(w).to(x.dtype)`). Decode-sized M splits K across programs (`triton_common.split_k`,
@@ -17,7 +19,18 @@ import triton
 import triton.language as tl
 
 from tiffin.kernels import triton_common as tc
-from tiffin.kernels.block_gemm import BLOCK, BLOCKS, FORMATS, FP8, SUPER_CENTRED, BlockWeights, code_bytes
+from tiffin.kernels.block_layout import (
+    BLOCK,
+    BLOCKS,
+    FORMATS,
+    FP8,
+    IQ4_VALUES,
+    PLAIN,
+    SUPER_MINS,
+    SUPER_MINS16,
+    BlockWeights,
+    record_bytes,
+)
 from tiffin.kernels.compile_check import CompileCase, register
 from tiffin.kernels.dispatch import implements
 from tiffin.kernels.quant import DENSE_MIN_TOKENS
@@ -27,47 +40,71 @@ from tiffin.kernels.triton_quant import dense_pass_columns
 DEQUANTIZE_COLUMNS = 128  # output columns a program of the dense path's dequantize writes
 # e4m3 codes read as fp16 bits are 2^-8 of their value: the shift for `kv_code_values`, the unit folded into d
 _E4M3_SHIFT, _E4M3_UNIT = (tl.constexpr(v) for v in tc.FP8_UNPACK["fp8_e4m3"])
+# IQ4's values + 128 by code, four bytes a word (little-endian): looked up with shifts, no table in memory
+_iq4_word = lambda i: tl.constexpr(
+    int.from_bytes(bytes(v + 128 for v in IQ4_VALUES[4 * i : 4 * i + 4]), "little", signed=True)
+)
+_IQ4_W0, _IQ4_W1, _IQ4_W2, _IQ4_W3 = (_iq4_word(i) for i in range(4))
 
 
 @triton.jit
 def _weight_tile(codes_ptr, scales_ptr, offsets_ptr, k0, offs_n, mask_n, K, BITS: tl.constexpr, KIND: tl.constexpr):
-    """The weights of inputs k0..k0+31 (one block) at columns `offs_n`, fp32 `[32, BLOCK_N]`."""
-    CB = 512 if BITS == 8 else 256 + 64 * (BITS - 4)  # code bytes of a group's block
+    """The weights of inputs k0..k0+31 (one block) at columns `offs_n`, fp32 `[32, BLOCK_N]`. Kinds: 0 BLOCKS, 1
+    SUPER_MINS, 2 SUPER_CENTRED, 3 FP8, 4 CODEBOOK, 5 SUPER_CODEBOOK, 6 SUPER_MINS16 (block_layout.py)."""
+    CB = 64 * BITS  # code bytes of a group's block
+    LOW: tl.constexpr = 4 if BITS >= 4 else 2  # bits of a code below 8 in the registers' fields
+    SUB = 128 if KIND == 5 else 256  # a record's sub-scale bytes
     j = tl.arange(0, 32)
     quad = j // 4
     group, lane = (offs_n // 16).to(tl.int64), offs_n % 16
     block = k0 // 32
-    if KIND == 0 or KIND == 3:  # BLOCKS, FP8: a group's blocks in turn
+    if KIND == 0 or KIND == 3 or KIND == 4:  # a group's blocks in turn
         base = (group * (K // 32) + block) * CB
     else:
         record = group * (K // 256) + block // 8
-        base = record * (8 * CB + 256) + (block % 8) * CB
+        base = record * (8 * CB + SUB) + (block % 8) * CB
     at = base[None, :] + (4 * lane)[None, :] + (j % 4)[:, None]  # byte 4l + j % 4 of a register
     mask = mask_n[None, :]
     if BITS == 8:
         q = tl.load(codes_ptr + at + (quad * 64)[:, None], mask=mask, other=0).to(tl.int32)
     else:
-        packed = tl.load(codes_ptr + at + (quad % 4 * 64)[:, None], mask=mask, other=0).to(tl.int32)
-        q = (packed >> (quad // 4 * 4)[:, None]) & 15
-        for p in tl.static_range(BITS - 4):
-            plane = tl.load(codes_ptr + at + 256 + p * 64, mask=mask, other=0).to(tl.int32)
-            q |= ((plane >> quad[:, None]) & 1) << (4 + p)
+        packed = tl.load(codes_ptr + at + (quad % LOW * 64)[:, None], mask=mask, other=0).to(tl.int32)
+        q = (packed >> (quad // LOW * LOW)[:, None]) & ((1 << LOW) - 1)
+        for p in tl.static_range(BITS - LOW):
+            plane = tl.load(codes_ptr + at + 64 * LOW + p * 64, mask=mask, other=0).to(tl.int32)
+            q |= ((plane >> quad[:, None]) & 1) << (LOW + p)
+    if KIND == 4 or KIND == 5:  # the codebook's value + 128
+        word = tl.where(q < 8, tl.where(q < 4, _IQ4_W0, _IQ4_W1), tl.where(q < 12, _IQ4_W2, _IQ4_W3))
+        q = (word >> ((q % 4) * 8)) & 255
     if KIND == 3:  # e4m3(q) * d, no m: (q's value / 256) * (d * 256) is the same product, rounded once
         q = tc.kv_code_values(q, _E4M3_SHIFT, "fp8")
         d = tl.load(scales_ptr + (group * (K // 32) + block) * 16 + lane, mask=mask_n, other=0.0)  # fp32
         d = (d * _E4M3_UNIT)[None, :]
-    elif KIND == 0:
+    elif KIND == 0 or KIND == 4:
         factor = (group * (K // 32) + block) * 16 + lane
         d = tl.load(scales_ptr + factor, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        m = tl.load(offsets_ptr + factor, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if KIND == 0:
+            m = tl.load(offsets_ptr + factor, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        else:
+            m = d * -128.0
     else:
         d_super = tl.load(scales_ptr + record * 16 + lane, mask=mask_n, other=0.0).to(tl.float32)
-        sub = codes_ptr + record * (8 * CB + 256) + 8 * CB + lane  # the record's integer scales, a lane each
+        sub = codes_ptr + record * (8 * CB + SUB) + 8 * CB + lane  # the record's integer scales, a lane each
         if KIND == 1:
             sc = tl.load(sub + (block % 8) * 16, mask=mask_n, other=0).to(tl.float32)
             mn = tl.load(sub + 128 + (block % 8) * 16, mask=mask_n, other=0).to(tl.float32)
             dmin = tl.load(offsets_ptr + record * 16 + lane, mask=mask_n, other=0.0).to(tl.float32)
             d, m = (d_super * sc)[None, :], (dmin * mn)[None, :]
+        elif KIND == 6:  # a byte sc | mn << 4 per half-block
+            half = (2 * (block % 8) + j // 16) * 16
+            both = tl.load(sub[None, :] + half[:, None], mask=mask, other=0).to(tl.int32)
+            dmin = tl.load(offsets_ptr + record * 16 + lane, mask=mask_n, other=0.0).to(tl.float32)
+            d, m = d_super[None, :] * (both & 15).to(tl.float32), dmin[None, :] * (both >> 4).to(tl.float32)
+        elif KIND == 5:  # a signed scale a block, codebook values centred on 128
+            sc = tl.load(sub + (block % 8) * 16, mask=mask_n, other=0).to(tl.int32)
+            sc = (sc - (sc >= 128).to(tl.int32) * 256).to(tl.float32)
+            d = (d_super * sc)[None, :]
+            m = d * -128.0
         else:  # a scale per half-block, codes centred on 2^(BITS-1)
             half = (2 * (block % 8) + j // 16) * 16
             sc = tl.load(sub[None, :] + half[:, None], mask=mask, other=0).to(tl.int32)
@@ -225,10 +262,9 @@ def block_gemm_launch(
 
 
 def _check(w: BlockWeights) -> None:
-    groups, flat = -(-w.out_features // 16), w.kind in (BLOCKS, FP8)
-    record = code_bytes(w.bits) * (1 if flat else 8) + (0 if flat else 256)
-    units = w.in_features // BLOCK // (1 if flat else 8)
-    if w.codes.shape != (groups, units * record) or not w.codes.is_contiguous():
+    groups = -(-w.out_features // 16)
+    units = w.in_features // BLOCK // (1 if w.kind in PLAIN else 8)
+    if w.codes.shape != (groups, units * record_bytes(w.bits, w.kind)) or not w.codes.is_contiguous():
         raise ValueError(f"block gemm: codes {tuple(w.codes.shape)} are not the layout of {w.bits}-bit kind {w.kind}")
     if w.kind == FP8 and w.scales.dtype != torch.float32:  # read as fp32: an fp16 scale would be misread
         raise ValueError(f"block gemm: FP8 scales must be float32, got {w.scales.dtype}")
@@ -256,9 +292,9 @@ def _compile_cases(arch: int):
 
 def _example_weights(bits: int, kind: int, k: int = 4096, n: int = 4096) -> BlockWeights:
     meta = dict(device="meta")
-    flat = kind in (BLOCKS, FP8)
-    units, record = (k // 32, code_bytes(bits)) if flat else (k // 256, 8 * code_bytes(bits) + 256)
-    codes = torch.empty(n // 16, units * record, dtype=torch.uint8, **meta)
+    units = k // 32 if kind in PLAIN else k // 256
+    codes = torch.empty(n // 16, units * record_bytes(bits, kind), dtype=torch.uint8, **meta)
     scales = torch.empty(n // 16, units * 16, dtype=torch.float32 if kind == FP8 else torch.float16, **meta)
-    offsets = torch.empty(0 if kind in (SUPER_CENTRED, FP8) else n // 16, units * 16, dtype=torch.float16, **meta)
+    with_offsets = kind in (BLOCKS, SUPER_MINS, SUPER_MINS16)
+    offsets = torch.empty(n // 16 if with_offsets else 0, units * 16, dtype=torch.float16, **meta)
     return BlockWeights(codes, scales, offsets, bits, k, n, kind=kind)

@@ -1,4 +1,4 @@
-"""GGUF's quantized weights kept quantized: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K.
+"""GGUF's quantized weights kept quantized: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q2_K to Q6_K, IQ4_NL and IQ4_XS.
 
 On CPU (the native and int8 backends) every kept tensor is decoded once, as it loads, into the block layout of
 `tiffin.kernels.block_gemm` (`tiffin.quant.gguf_blocks`: each type's arithmetic as llama.cpp lays it out) and
@@ -70,8 +70,7 @@ class GGUFConfig(QuantizationConfig):
 
     name = "gguf"
     description = (
-        f"GGUF ({', '.join(t.name for t in KEPT_TYPES)} kept quantized; F32, F16, BF16, Q2_K, Q3_K, IQ4_NL and "
-        f"IQ4_XS dequantized at load)"
+        f"GGUF ({', '.join(t.name for t in KEPT_TYPES)} kept quantized; F32, F16 and BF16 dequantized at load)"
     )
 
     @classmethod

@@ -8,6 +8,15 @@ torch, exactly as llama.cpp (and gguf-py) lay each type out:
   (`get_scale_min`), Q5_K's 32 bytes of high bits (bit j of byte l: input 32j + l), 128 bytes of nibbles (byte l
   of 32-byte chunk c: inputs 64c + l low, 64c + 32 + l high). `w = q d sc - dmin mn` per 32 inputs.
 - Q6_K: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, fp16 `d`; `w = (q - 32) d sc` per 16.
+- Q3_K: 32 bytes of high bits (bit j of byte l: input 32j + l), 64 of low 2-bit pairs (pair s of byte l of 32-byte
+  chunk c: input 128c + 32s + l), 12 bytes of sixteen 6-bit scales (`scale_k3`), fp16 `d`; `w = (q - 4) d (sc - 32)`
+  per 16.
+- Q2_K: 16 bytes `sc | mn << 4`, 64 of 2-bit codes (as Q3_K's low pairs), fp16 `d` and `dmin`; `w = q d sc - dmin mn`
+  per 16.
+- IQ4_NL: blocks of 32, fp16 `d` and 16 bytes of nibbles (as Q4_0's): `w = IQ4_VALUES[q] d`.
+- IQ4_XS: super-blocks of 256: fp16 `d`, a little-endian word of 2-bit high scale parts (bits 2b, 2b + 1: block
+  b's), 4 bytes of 4-bit low parts (block b: nibble b % 2 of byte b / 2), 128 bytes of nibbles (16 a block, as
+  IQ4_NL's); `w = IQ4_VALUES[q] d (sc - 32)` per 32.
 
 Each decoder returns the codes `[N, K]` and what the layout's packers take; big tensors are decoded `ROW_CHUNK`
 rows at a time, so the transient unpacked codes stay small beside the model.
@@ -19,7 +28,16 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 
-from tiffin.kernels.block_gemm import BlockWeights, from_gguf, pack_codes, pack_super, stack_groups
+from tiffin.kernels.block_layout import (
+    SUPER_CODEBOOK,
+    SUPER_MINS16,
+    BlockWeights,
+    from_gguf,
+    pack_codebook,
+    pack_codes,
+    pack_super,
+    stack_groups,
+)
 
 ROW_CHUNK_BYTES = 1 << 20  # raw rows decoded at a time: their transients stay small, and reused
 
@@ -99,6 +117,57 @@ def _q6_k(raw: torch.Tensor, levels: int) -> BlockWeights:
     return pack_super(codes.view(n, -1), scales, None, d, None, 6, levels)
 
 
+def _pairs_256(qs: torch.Tensor) -> torch.Tensor:
+    """Q2_K / Q3_K's 64 bytes of 2-bit codes `[..., 64]` -> `[..., 256]`: pair s of byte l of chunk c is input 128c +
+    32s + l."""
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
+    return ((qs.reshape(*qs.shape[:-1], 2, 1, 32) >> shifts) & 3).flatten(-3)
+
+
+def scale_k3(packed: torch.Tensor) -> torch.Tensor:
+    """Q3_K's 12 bytes `[..., 12]` -> sixteen signed scales `int8 [..., 16]` (6-bit, less 32): bytes 0-7 hold the low
+    4 bits of scales 0-7 (low nibbles) and 8-15 (high), bytes 8-11 the top 2 bits (bits 2j, 2j + 1 of byte 8 + i:
+    scale 4j + i)."""
+    low = torch.cat([packed[..., :8] & 15, packed[..., :8] >> 4], dim=-1)
+    high = (packed[..., None, 8:] >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3
+    return ((low | (high.flatten(-2) << 4)).to(torch.int16) - 32).to(torch.int8)
+
+
+def _q3_k(raw: torch.Tensor, levels: int) -> BlockWeights:
+    blocks = _fields(raw, QType.Q3_K)
+    n = raw.shape[0]
+    high = (blocks[..., :32].unsqueeze(-2) >> torch.arange(8, dtype=torch.uint8).view(8, 1)) & 1  # input 32j + l
+    codes = _pairs_256(blocks[..., 32:96]) | (high.flatten(-2) << 2)
+    d = _as(blocks[..., 108:110], torch.float16).view(n, -1)
+    return pack_super(codes.view(n, -1), scale_k3(blocks[..., 96:108]).view(n, -1), None, d, None, 3, levels)
+
+
+def _q2_k(raw: torch.Tensor, levels: int) -> BlockWeights:
+    blocks = _fields(raw, QType.Q2_K)
+    n = raw.shape[0]
+    d, dmin = (_as(blocks[..., at : at + 2], torch.float16).view(n, -1) for at in (80, 82))
+    sub = blocks[..., :16].reshape(n, -1)  # sc | mn << 4, as the layout holds them
+    return pack_super(_pairs_256(blocks[..., 16:80]).view(n, -1), sub, None, d, dmin, 2, levels, SUPER_MINS16)
+
+
+def _iq4_nl(raw: torch.Tensor, levels: int) -> BlockWeights:
+    blocks = _fields(raw, QType.IQ4_NL)
+    n = raw.shape[0]
+    d = _as(blocks[..., :2], torch.float16).view(n, -1)
+    return pack_codebook(_nibbles_32(blocks[..., 2:]).view(n, -1), d, levels)
+
+
+def _iq4_xs(raw: torch.Tensor, levels: int) -> BlockWeights:
+    blocks = _fields(raw, QType.IQ4_XS)
+    n = raw.shape[0]
+    d = _as(blocks[..., :2], torch.float16).view(n, -1)
+    high = (_as(blocks[..., 2:4], torch.int16).int() >> (2 * torch.arange(8))) & 3  # [N, supers, 8]
+    low = torch.stack([blocks[..., 4:8] & 15, blocks[..., 4:8] >> 4], dim=-1).flatten(-2)
+    sc = ((low.int() | (high << 4)) - 32).to(torch.int8)
+    codes = _nibbles_32(blocks[..., 8:].reshape(n, -1, 8, 16))
+    return pack_super(codes.view(n, -1), sc.view(n, -1), None, d, None, 4, levels, SUPER_CODEBOOK)
+
+
 # GGUF type -> decoder of its rows `uint8 [N, row_bytes]` into the block layout at `levels` activation levels
 DECODERS: dict[QType, Callable[[torch.Tensor, int], BlockWeights]] = {
     QType.Q4_0: lambda raw, levels: _q4_0_1_8_0(raw, QType.Q4_0, levels),
@@ -109,6 +178,10 @@ DECODERS: dict[QType, Callable[[torch.Tensor, int], BlockWeights]] = {
     QType.Q4_K: lambda raw, levels: _k_mins(raw, 4, levels),
     QType.Q5_K: lambda raw, levels: _k_mins(raw, 5, levels),
     QType.Q6_K: _q6_k,
+    QType.Q3_K: _q3_k,
+    QType.Q2_K: _q2_k,
+    QType.IQ4_NL: _iq4_nl,
+    QType.IQ4_XS: _iq4_xs,
 }
 
 

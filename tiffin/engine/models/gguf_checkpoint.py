@@ -3,10 +3,10 @@ Hugging Face names, the header read by `gguf_header`, the tensors mapped from th
 `gguf` package (the tokenizer and chat template: transformers' GGUF conversion,
 `tiffin.engine.models.source.load_tokenizer`).
 
-Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K tensors stay quantized (tiffin.quant.gguf) where a layer can
-hold them: the config names them in its `quantization_config`, and they come out as stored (the raw blocks,
-`uint8 [rows, row_bytes]`). Every other tensor comes out dequantized to float32 by the `gguf` package (vectorized
-numpy).
+Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q2_K to Q6_K, IQ4_NL and IQ4_XS tensors stay quantized (tiffin.quant.gguf) where a
+layer can hold them: the config names them in its `quantization_config`, and they come out as stored (the raw
+blocks, `uint8 [rows, row_bytes]`). Every other tensor comes out dequantized to float32 by the `gguf` package
+(vectorized numpy).
 llama.cpp's converter interleaves the rows of the q/k projections of Llama and the models it converts as Llama
 (`Architecture.gguf_permuted_qk`: its rotary embedding pairs adjacent dims, Hugging Face's pairs halves); the
 rows are put back here, whatever their type, since a row is always whole blocks. Granite's multipliers come from

@@ -79,31 +79,44 @@ inline void store_value(void* y, int dtype, int64_t i, float v) {  // rounding t
   static_cast<uint16_t*>(y)[i] = h;
 }
 
-// The weight layout (tiffin/kernels/block_gemm.py builds it). Rows are interleaved by 16 (padded with zero rows to
+// The weight layout (tiffin/kernels/block_layout.py builds it). Rows are interleaved by 16 (padded with zero rows to
 // whole groups), so that each 32-bit lane of an AVX-512 register is one output row. A block is 32 inputs; its codes,
-// per group of 16 rows:
+// per group of 16 rows, 64 bytes a bit:
 // - 8 bits: 8 registers of 64 bytes; register t's byte 4l + j is input 4t + j of lane l.
-// - 4 to 6 bits: 4 registers whose byte 4l + j holds the low 4 bits of input 4t + j in its low nibble and of input
-//   4(t + 4) + j in its high one, then a plane of 64 bytes per bit above 4: plane p's byte 4l + j has in bit t
-//   (0..7) bit 4 + p of input 4t + j.
-// Each block (or half-block) of a row has a scale d and an offset m, w = q d + m, found by the layer's `Kind`:
+// - 2 to 6 bits: L = 4 low bits of each code (4 to 6 bits) or 2 (2, 3 bits) in L registers, register r's byte 4l + j
+//   holding in its bits Lf..Lf+L-1 the low bits of input 4(r + Lf) + j (L = 4: input 4t + j in the low nibble,
+//   4(t + 4) + j in the high one), then a plane of 64 bytes per bit above L: plane p's byte 4l + j has in bit t (0..7)
+//   bit L + p of input 4t + j.
+// Each block (or half-block) of a row has a scale d and an offset m, w = v(q) d + m (v(q) = q but for the codebook
+// kinds), found by the layer's `Kind`:
 // - BLOCKS: fp16 `scales` and `offsets` [groups, blocks, 16]; block b's codes at (g * blocks + b) * code_bytes.
 // - SUPER_MINS (GGUF's Q4_K, Q5_K): super-blocks of 8 blocks (K a multiple of 256), a group's each a record of its 8
 //   blocks' codes, then uint8 sub-scales [8][16] and sub-mins [8][16]; `scales` fp16 [groups, supers, 16] holds d
 //   and `offsets` -dmin: a block's d is d * sc, its m -dmin * mn (both exact in fp32).
-// - SUPER_CENTRED (Q6_K): records of the 8 blocks' codes, then int8 sub-scales [16 half-blocks][16]; `scales` fp16
-//   [groups, supers, 16] holds d: half-block h's d is d * sc, its m -2^(bits-1) times that (codes centred).
+// - SUPER_MINS16 (Q2_K): as SUPER_MINS, but a byte sc | mn << 4 a half-block [16][16]: d * sc, -dmin * mn per 16.
+// - SUPER_CENTRED (Q6_K, Q3_K): records of the 8 blocks' codes, then int8 sub-scales [16 half-blocks][16]; `scales`
+//   fp16 [groups, supers, 16] holds d: half-block h's d is d * sc, its m -2^(bits-1) times that (codes centred).
+// - CODEBOOK (IQ4_NL): 4-bit BLOCKS without offsets, each code an index into IQ4's int8 values, taken as v(q) =
+//   value + 128 (unsigned, for u8 x s8 products) with m = -128 d.
+// - SUPER_CODEBOOK (IQ4_XS): records of 8 such blocks, then int8 sub-scales [8][16] (128 bytes); `scales` d: block
+//   b's d is d * sc, its m -128 times that.
 // - FP8 (8 bits only): the 8-bit registers hold float8 e4m3fn codes (raw bytes, no bias), w = e4m3(q) d, m = 0;
 //   `scales` fp32 [groups, blocks, 16] (read through `fp32_scales`), `offsets` empty. Not integers: only the bf16
 //   GEMM (cpu_quant_bf16.cpp) and `tiffin_dequantize_rows` read them, never the integer kernels.
-enum Kind { BLOCKS = 0, SUPER_MINS = 1, SUPER_CENTRED = 2, FP8 = 3 };
-constexpr int SUPER = 8;            // blocks per super-block
-constexpr int64_t SUB_BYTES = 256;  // a record's sub-scales (and sub-mins)
+enum Kind { BLOCKS, SUPER_MINS, SUPER_CENTRED, FP8, CODEBOOK, SUPER_CODEBOOK, SUPER_MINS16 };
+constexpr int SUPER = 8;  // blocks per super-block
+// IQ4_NL / IQ4_XS's values + 128, by code
+constexpr uint8_t IQ4_UNSIGNED[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 
-constexpr int64_t code_bytes(int bits) { return bits == 8 ? 512 : 256 + 64 * (bits - 4); }
-constexpr bool plain_blocks(int kind) { return kind == BLOCKS || kind == FP8; }  // a block's codes, no records
+constexpr int64_t code_bytes(int bits) { return 64 * bits; }
+constexpr int low_bits(int bits) { return bits == 8 ? 8 : bits >= 4 ? 4 : 2; }  // a code's bits held as fields
+constexpr bool plain_blocks(int kind) { return kind == BLOCKS || kind == FP8 || kind == CODEBOOK; }  // no records
+constexpr bool codebook(int kind) { return kind == CODEBOOK || kind == SUPER_CODEBOOK; }
+constexpr int halves(int kind) { return kind == SUPER_CENTRED || kind == SUPER_MINS16 ? 2 : 1; }  // d, m a block
+// a record's sub-scales (and sub-mins): a byte a block or half-block and lane
+constexpr int64_t sub_bytes(int kind) { return plain_blocks(kind) ? 0 : kind == SUPER_CODEBOOK ? 128 : 256; }
 constexpr int64_t record_bytes(int bits, int kind) {
-  return plain_blocks(kind) ? code_bytes(bits) : SUPER * code_bytes(bits) + SUB_BYTES;
+  return plain_blocks(kind) ? code_bytes(bits) : SUPER * code_bytes(bits) + sub_bytes(kind);
 }
 
 struct Weights {  // tiffin.kernels.cpu_native.NativeWeights
@@ -140,14 +153,13 @@ inline const uint8_t* sub_scales(const Weights& w, int bits, int kind, int64_t b
   return w.codes + record * record_bytes(bits, kind) + SUPER * code_bytes(bits);
 }
 
-// Input j (0..31) of lane `lane`'s row in a block of codes.
-inline int block_code(const uint8_t* block, int bits, int lane, int j) {
-  const int quad = j / 4, byte = 4 * lane + j % 4;
+// v(q) of input j (0..31) of lane `lane`'s row in a block of codes: the code, or its codebook value + 128.
+inline int block_code(const uint8_t* block, int bits, int kind, int lane, int j) {
+  const int quad = j / 4, byte = 4 * lane + j % 4, low = low_bits(bits);
   if (bits == 8) return block[quad * 64 + byte];
-  const uint8_t packed = block[(quad % 4) * 64 + byte];
-  int code = quad < 4 ? packed & 0x0F : packed >> 4;
-  for (int p = 0; p < bits - 4; ++p) code |= ((block[256 + p * 64 + byte] >> quad) & 1) << (4 + p);
-  return code;
+  int code = (block[(quad % low) * 64 + byte] >> (low * (quad / low))) & ((1 << low) - 1);
+  for (int p = 0; p < bits - low; ++p) code |= ((block[64 * low + p * 64 + byte] >> quad) & 1) << (low + p);
+  return codebook(kind) ? IQ4_UNSIGNED[code] : code;
 }
 
 // d and m of lane `lane` at input j of block b in group g.
@@ -157,8 +169,9 @@ inline void block_factors(const Weights& w, int64_t blocks, int64_t g, int64_t b
     d = half_to_float(w.scales[at]), m = half_to_float(w.offsets[at]);
     return;
   }
-  if (w.kind == FP8) {
-    d = fp32_scales(w)[(g * blocks + b) * LANES + lane], m = 0.f;
+  if (w.kind == FP8 || w.kind == CODEBOOK) {
+    const int64_t at = (g * blocks + b) * LANES + lane;
+    d = w.kind == FP8 ? fp32_scales(w)[at] : half_to_float(w.scales[at]), m = w.kind == FP8 ? 0.f : -128.f * d;
     return;
   }
   const int64_t super_at = (g * (blocks / SUPER) + b / SUPER) * LANES + lane;
@@ -168,9 +181,15 @@ inline void block_factors(const Weights& w, int64_t blocks, int64_t g, int64_t b
     m = half_to_float(w.offsets[super_at]) * static_cast<float>(sub[128 + (b % SUPER) * LANES + lane]);
     return;
   }
-  const int8_t sc = static_cast<int8_t>(sub[(2 * (b % SUPER) + j / 16) * LANES + lane]);
-  d = half_to_float(w.scales[super_at]) * static_cast<float>(sc);
-  m = -static_cast<float>(1 << (w.bits - 1)) * d;
+  const int entry = halves(w.kind) == 2 ? 2 * (b % SUPER) + j / 16 : b % SUPER;
+  if (w.kind == SUPER_MINS16) {
+    const uint8_t both = sub[entry * LANES + lane];
+    d = half_to_float(w.scales[super_at]) * static_cast<float>(both & 15);
+    m = half_to_float(w.offsets[super_at]) * static_cast<float>(both >> 4);
+    return;
+  }
+  d = half_to_float(w.scales[super_at]) * static_cast<float>(static_cast<int8_t>(sub[entry * LANES + lane]));
+  m = -static_cast<float>(w.kind == SUPER_CODEBOOK ? 128 : 1 << (w.bits - 1)) * d;
 }
 
 // f(bits, kind) with both as compile-time constants, for the formats the kernels are built for; false for another.
@@ -188,34 +207,51 @@ bool by_format(int bits, int kind, F&& f) {
   if (kind == SUPER_MINS && bits == 5) return f(integral_constant<int, 5>{}, integral_constant<int, SUPER_MINS>{}), true;
   if (kind == SUPER_CENTRED && bits == 6)
     return f(integral_constant<int, 6>{}, integral_constant<int, SUPER_CENTRED>{}), true;
+  if (kind == SUPER_CENTRED && bits == 3)
+    return f(integral_constant<int, 3>{}, integral_constant<int, SUPER_CENTRED>{}), true;
+  if (kind == SUPER_MINS16 && bits == 2)
+    return f(integral_constant<int, 2>{}, integral_constant<int, SUPER_MINS16>{}), true;
+  if (kind == CODEBOOK && bits == 4) return f(integral_constant<int, 4>{}, integral_constant<int, CODEBOOK>{}), true;
+  if (kind == SUPER_CODEBOOK && bits == 4)
+    return f(integral_constant<int, 4>{}, integral_constant<int, SUPER_CODEBOOK>{}), true;
   return false;
 }
 
 #if TIFFIN_VNNI
-// Register t of a block's codes as whole codes, one a byte: quads t (lo) and t + 4 (hi); at 8 bits, register t
-// (0..7) in lo.
-template <int BITS>
+// Quads t (lo) and t + 4 (hi) of a block's codes as whole values v(q), one a byte (t = 0..3); at 8 bits, register t
+// (0..7) in lo. The codebook kinds' 4-bit codes are looked up in registers (vpshufb: 16 entries in each 128 bits).
+template <int BITS, int KIND = BLOCKS>
 inline void load_quads(const uint8_t* block, int t, __m512i& lo, __m512i& hi) {
-  const __m512i v = _mm512_loadu_si512(block + t * 64);
   if constexpr (BITS == 8) {
-    lo = v;
+    lo = _mm512_loadu_si512(block + t * 64);
     return;
   }
-  lo = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
-  hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
-  for (int p = 0; p < BITS - 4; ++p) {  // a set plane bit adds 16 << p to its code
-    const __m512i plane = _mm512_loadu_si512(block + 256 + p * 64);
-    const __m512i bit = _mm512_set1_epi8(static_cast<char>(16 << p));
+  constexpr int L = low_bits(BITS);
+  const __m512i v = _mm512_loadu_si512(block + (t % L) * 64), mask = _mm512_set1_epi8((1 << L) - 1);
+  if constexpr (L == 4) {  // nibbles: quad t low, t + 4 high
+    lo = _mm512_and_si512(v, mask);
+    hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+  } else {  // 2-bit fields: quad t's at 2 (t / 2), quad t + 4's 4 bits above it
+    lo = _mm512_and_si512(_mm512_srl_epi16(v, _mm_cvtsi32_si128(2 * (t / 2))), mask);
+    hi = _mm512_and_si512(_mm512_srl_epi16(v, _mm_cvtsi32_si128(2 * (t / 2) + 4)), mask);
+  }
+  for (int p = 0; p < BITS - L; ++p) {  // a set plane bit adds 1 << (L + p) to its code
+    const __m512i plane = _mm512_loadu_si512(block + 64 * L + p * 64);
+    const __m512i bit = _mm512_set1_epi8(static_cast<char>(1 << (L + p)));
     lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(plane, _mm512_set1_epi8(static_cast<char>(1 << t))), lo, bit);
     hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(plane, _mm512_set1_epi8(static_cast<char>(16 << t))), hi, bit);
   }
+  if constexpr (codebook(KIND)) {
+    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(IQ4_UNSIGNED)));
+    lo = _mm512_shuffle_epi8(table, lo), hi = _mm512_shuffle_epi8(table, hi);
+  }
 }
 
-// Quad `quad` (inputs 4 quad .. 4 quad + 3) of every lane's codes, one a byte.
-template <int BITS>
+// Quad `quad` (inputs 4 quad .. 4 quad + 3) of every lane's values v(q), one a byte.
+template <int BITS, int KIND = BLOCKS>
 inline __m512i quad_codes(const uint8_t* block, int quad) {
   __m512i lo, hi;
-  load_quads<BITS>(block, BITS == 8 ? quad : quad % 4, lo, hi);
+  load_quads<BITS, KIND>(block, BITS == 8 ? quad : quad % 4, lo, hi);
   return BITS == 8 || quad < 4 ? lo : hi;
 }
 
@@ -228,7 +264,7 @@ inline __m512 bytes_x16(const uint8_t* p) {
   return _mm512_cvtepi32_ps(SIGNED ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
 }
 
-// The 16 lanes' d and m of block b (half-block h for SUPER_CENTRED) in group g.
+// The 16 lanes' d and m of block b (half-block h for the kinds with two halves) in group g.
 template <int BITS, int KIND>
 inline void factors(const Weights& w, int64_t blocks, int64_t g, int64_t b, int h, __m512& d, __m512& m) {
   if constexpr (KIND == BLOCKS) {
@@ -240,14 +276,24 @@ inline void factors(const Weights& w, int64_t blocks, int64_t g, int64_t b, int 
     d = _mm512_loadu_ps(fp32_scales(w) + (g * blocks + b) * LANES), m = _mm512_setzero_ps();
     return;
   }
+  if constexpr (KIND == CODEBOOK) {
+    d = fp16x16(w.scales + (g * blocks + b) * LANES), m = _mm512_mul_ps(d, _mm512_set1_ps(-128.f));
+    return;
+  }
   const int64_t super_at = (g * (blocks / SUPER) + b / SUPER) * LANES;
   const uint8_t* sub = sub_scales(w, BITS, KIND, blocks, g, b);
   if constexpr (KIND == SUPER_MINS) {
     d = _mm512_mul_ps(fp16x16(w.scales + super_at), bytes_x16<false>(sub + (b % SUPER) * LANES));
     m = _mm512_mul_ps(fp16x16(w.offsets + super_at), bytes_x16<false>(sub + 128 + (b % SUPER) * LANES));
+  } else if constexpr (KIND == SUPER_MINS16) {  // sc | mn << 4
+    const uint8_t* at = sub + (2 * (b % SUPER) + h) * LANES;
+    const __m512i both = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+    d = _mm512_mul_ps(fp16x16(w.scales + super_at), _mm512_cvtepi32_ps(_mm512_and_si512(both, _mm512_set1_epi32(15))));
+    m = _mm512_mul_ps(fp16x16(w.offsets + super_at), _mm512_cvtepi32_ps(_mm512_srli_epi32(both, 4)));
   } else {
-    d = _mm512_mul_ps(fp16x16(w.scales + super_at), bytes_x16<true>(sub + (2 * (b % SUPER) + h) * LANES));
-    m = _mm512_mul_ps(d, _mm512_set1_ps(-static_cast<float>(1 << (BITS - 1))));
+    const int entry = KIND == SUPER_CODEBOOK ? b % SUPER : 2 * (b % SUPER) + h;
+    d = _mm512_mul_ps(fp16x16(w.scales + super_at), bytes_x16<true>(sub + entry * LANES));
+    m = _mm512_mul_ps(d, _mm512_set1_ps(-static_cast<float>(KIND == SUPER_CODEBOOK ? 128 : 1 << (BITS - 1))));
   }
 }
 #endif

@@ -159,13 +159,14 @@ __attribute__((always_inline)) inline void prefetch_block(const Weights& w, int6
   for (int i = 0; i < GR; ++i) {
     const char* codes = reinterpret_cast<const char*>(block_codes(w, BITS, KIND, blocks, g + i, b));
     for (int64_t line = 0; line < code_bytes(BITS); line += 64) _mm_prefetch(codes + line, _MM_HINT_T1);
-    if (KIND != BLOCKS && b % SUPER) continue;  // a record's scales serve its 8 blocks
-    const int64_t at = KIND == BLOCKS ? ((g + i) * blocks + b) * LANES : ((g + i) * (blocks / SUPER) + b / SUPER) * LANES;
+    if (!plain_blocks(KIND) && b % SUPER) continue;  // a record's scales serve its 8 blocks
+    const int64_t at = plain_blocks(KIND) ? ((g + i) * blocks + b) * LANES : ((g + i) * (blocks / SUPER) + b / SUPER) * LANES;
     _mm_prefetch(reinterpret_cast<const char*>(w.scales + at), _MM_HINT_T1);
-    if (KIND != SUPER_CENTRED) _mm_prefetch(reinterpret_cast<const char*>(w.offsets + at), _MM_HINT_T1);
-    if constexpr (KIND != BLOCKS) {
+    if (KIND == BLOCKS || KIND == SUPER_MINS || KIND == SUPER_MINS16)  // the kinds with offsets
+      _mm_prefetch(reinterpret_cast<const char*>(w.offsets + at), _MM_HINT_T1);
+    if constexpr (!plain_blocks(KIND)) {
       const char* sub = reinterpret_cast<const char*>(sub_scales(w, BITS, KIND, blocks, g + i, b));
-      for (int64_t line = 0; line < SUB_BYTES; line += 64) _mm_prefetch(sub + line, _MM_HINT_T1);
+      for (int64_t line = 0; line < sub_bytes(KIND); line += 64) _mm_prefetch(sub + line, _MM_HINT_T1);
     }
   }
 }
@@ -173,7 +174,7 @@ __attribute__((always_inline)) inline void prefetch_block(const Weights& w, int6
 // Activation rows m0..m0+MC against row groups g0..g0+GR.
 template <int BITS, int KIND, int LEVELS, int MC, int GR>
 void tile(const Acts& a, int64_t m0, const Weights& w, int64_t g0, void* y, int out_dtype, int64_t y_stride) {
-  constexpr int H = KIND == SUPER_CENTRED ? 2 : 1;  // integer sums a block: one a half-block where each has its scale
+  constexpr int H = halves(KIND);  // integer sums a block: one a half-block where each has its scale
   static_assert(H == 1 || BITS < 8, "8-bit codes are scaled a block at a time");
   __m512 acc[GR][MC];
   for (int g = 0; g < GR; ++g)
@@ -187,7 +188,7 @@ void tile(const Acts& a, int64_t m0, const Weights& w, int64_t g0, void* y, int 
         for (int i = 0; i < MC; ++i) dots[h][g][i] = rests[h][g][i] = _mm512_setzero_si512();
     for (int t = 0; t < (BITS == 8 ? 8 : 4); ++t) {
       __m512i lo[GR], hi[GR];
-      for (int g = 0; g < GR; ++g) load_quads<BITS>(block_codes(w, BITS, KIND, a.blocks, g0 + g, b), t, lo[g], hi[g]);
+      for (int g = 0; g < GR; ++g) load_quads<BITS, KIND>(block_codes(w, BITS, KIND, a.blocks, g0 + g, b), t, lo[g], hi[g]);
       for (int i = 0; i < MC; ++i) {
         const int64_t at = (m0 + i) * a.k + b * QK;
         accumulate<BITS, H, GR, MC>(dots, i, &a.q[at], t, lo, hi);
@@ -230,7 +231,7 @@ void tile(const Acts& a, int64_t m0, const Weights& w, int64_t g0, void* y, int 
             int32_t dot = 0;
             for (int j = 16 * h; j < 16 * h + 16; ++j) {
               const int32_t act = LEVELS == 1 ? a.q[row + b * QK + j] : 127 * a.q[row + b * QK + j] + a.q2[row + b * QK + j];
-              dot += block_code(block, BITS, l, j) * act;
+              dot += block_code(block, BITS, KIND, l, j) * act;
             }
             float d, m;
             block_factors(w, a.blocks, g, b, 16 * h, l, d, m);
@@ -249,7 +250,7 @@ void tile(const Acts& a, int64_t m0, const Weights& w, int64_t g0, void* y, int 
 template <int BITS, int KIND, int LEVELS, int MC>
 void rows(const Acts& a, int64_t m0, const Weights& w, int64_t g0, int64_t g1, void* y, int out_dtype,
           int64_t y_stride) {
-  constexpr int GR = (MC <= 2 ? 4 : 2) / (KIND == SUPER_CENTRED ? 2 : 1);  // half-blocks' sums take twice the registers
+  constexpr int GR = (MC <= 2 ? 4 : 2) / halves(KIND);  // half-blocks' sums take twice the registers
   int64_t g = g0;
   for (; g + GR <= g1; g += GR) tile<BITS, KIND, LEVELS, MC, GR>(a, m0, w, g, y, out_dtype, y_stride);
   for (; g < g1; ++g) tile<BITS, KIND, LEVELS, MC, 1>(a, m0, w, g, y, out_dtype, y_stride);
@@ -303,7 +304,7 @@ extern "C" void tiffin_dequantize_rows(const Weights* w, int64_t k, const int64_
       float d, m;
       for (int j = 0; j < QK; ++j) {
         if (j % 16 == 0) block_factors(*w, blocks, group, b, j, lane, d, m);
-        const int q = block_code(block, w->bits, lane, j);
+        const int q = block_code(block, w->bits, w->kind, lane, j);
         out[r * k + b * QK + j] = w->kind == FP8 ? e4m3_to_float(static_cast<uint8_t>(q)) * d
                                                  : static_cast<float>(q) * d + m;
       }

@@ -186,7 +186,7 @@ inline void block_to_bf16(const Weights& w, int64_t blocks, int64_t g, int64_t b
     const uint8_t* block = block_codes(w, BITS, KIND, blocks, g, b);
     __m512 d[2], m[2];  // per half-block
     factors<BITS, KIND>(w, blocks, g, b, 0, d[0], m[0]);
-    if constexpr (KIND == SUPER_CENTRED) factors<BITS, KIND>(w, blocks, g, b, 1, d[1], m[1]);
+    if constexpr (halves(KIND) == 2) factors<BITS, KIND>(w, blocks, g, b, 1, d[1], m[1]);
     else d[1] = d[0], m[1] = m[0];
     // Rows 0..7 and 8..15 (`lo`, `hi`) each row's factor twice, in the order of pair_codes' values.
     const __m512i lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
@@ -198,7 +198,7 @@ inline void block_to_bf16(const Weights& w, int64_t blocks, int64_t g, int64_t b
       dh[h] = _mm512_permutexvar_ps(hi, d[h]), mh[h] = _mm512_permutexvar_ps(hi, m[h]);
     }
     for (int quad = 0; quad < 8; ++quad) {  // inputs 4 quad .. 4 quad + 3 of every row
-      const __m512i v = quad_codes<BITS>(block, quad);
+      const __m512i v = quad_codes<BITS, KIND>(block, quad);
       const int h = quad / 4;
       for (int p = 0; p < 2; ++p) {  // inputs 4 quad + 2p, + 1: rows 0..7 as cvtne2ps's low half, 8..15 its high
         const __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pair_codes(v, index[0][p])), dl[h], ml[h]);
