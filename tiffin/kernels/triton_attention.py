@@ -183,6 +183,7 @@ def _write_kv_quantized_kernel(
         "stride_sb",
         "stride_ss",
         "fp8_shift",
+        "window",
     ]
 )
 def _paged_attention_kernel(
@@ -200,6 +201,8 @@ def _paged_attention_kernel(
     qk_scale,
     fp8_shift,
     code_unit,
+    window,
+    softcap,
     num_seqs,
     num_tokens,
     num_heads,
@@ -287,15 +290,20 @@ def _paged_attention_kernel(
         row_pos = tl.full([BLOCK_M], seq_len - 1, tl.int32)
         kv_end = seq_len
         first_row_end = seq_len
+    # A sliding window (`window` > 0, causal only) starts the keys at the first row's window: no row sees those
+    # before; every step then masks (a window layer's keys are few).
+    kv_first = tl.where(window > 0, tl.maximum(q_pos0 - window + 1, 0), 0)
     if SPLIT:
-        per_split = tl.cdiv(tl.cdiv(kv_end, tl.num_programs(2)), BLOCK_N) * BLOCK_N
-        kv_lo = split * per_split
+        per_split = tl.cdiv(tl.cdiv(kv_end - kv_first, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        kv_lo = kv_first + split * per_split
         kv_hi = tl.minimum(kv_lo + per_split, kv_end)
     else:
-        kv_lo = 0
+        kv_lo = kv_first
         kv_hi = kv_end
     # Whole BLOCK_N steps of keys every row sees skip the mask.
     unmasked_end = kv_lo + tl.maximum(tl.minimum(first_row_end, kv_hi) - kv_lo, 0) // BLOCK_N * BLOCK_N
+    unmasked_end = tl.where(window > 0, kv_lo, unmasked_end)
+    row_first = tl.where(window > 0, row_pos - window + 1, 0)  # each row's first key
 
     bt_row = block_tables_ptr + seq * stride_bt
     block_mask = (1 << block_shift) - 1
@@ -329,8 +337,11 @@ def _paged_attention_kernel(
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # log2 domain
+            if softcap > 0:  # softcap * tanh(score / softcap), `softcap` given in the log2 domain
+                s = softcap * (2 * tl.sigmoid(2 * s / softcap) - 1)
             if phase == 1:
-                s = tl.where((n[None, :] <= row_pos[:, None]) & n_ok[None, :], s, float("-inf"))
+                seen = (n[None, :] <= row_pos[:, None]) & (n[None, :] >= row_first[:, None]) & n_ok[None, :]
+                s = tl.where(seen, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row may see no key in this range
             p = tl.math.exp2(s - m_safe[:, None])
@@ -369,7 +380,8 @@ def _merge_splits_kernel(
     part_row = (s * num_tokens + token) * tl.num_programs(1) + head
     m = tl.load(stats_ptr + part_row * 2, mask=s_ok, other=float("-inf"))
     l = tl.load(stats_ptr + part_row * 2 + 1, mask=s_ok, other=0.0)
-    # Split 0 always holds key 0, which every query sees, so the max is finite; empty splits weigh 0.
+    # Split 0 always holds the first key of the window, which the query sees, so the max is finite; empty splits
+    # weigh 0.
     w = tl.math.exp2(m - tl.max(m, 0))
     d = tl.arange(0, HEAD_DIM_PAD)
     part = tl.load(part_ptr + part_row[:, None] * HEAD_DIM_PAD + d[None, :], mask=s_ok[:, None], other=0.0)
@@ -453,13 +465,16 @@ def paged_attention_triton(
     v_scale=None,
     query_rotated=False,
     fresh_kv=None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     out = tc.empty(query.shape, query.dtype, query.device)
     if k_scale is not None and not query_rotated:  # against keys stored rotated (kv_quant)
         query = kv_quant.rotate(query).to(query.dtype)
     if query.shape[0]:
         kv = (k_cache, v_cache, md, scale, out)
-        for launch in paged_attention_launches(query, *kv, causal=causal, k_scale=k_scale, v_scale=v_scale):
+        options = dict(causal=causal, k_scale=k_scale, v_scale=v_scale, window=window, softcap=softcap)
+        for launch in paged_attention_launches(query, *kv, **options):
             launch(query.device)
     return out
 
@@ -476,17 +491,21 @@ def paged_attention_launches(
     causal: bool = True,
     k_scale=None,
     v_scale=None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> list[tc.Launch]:
     """The launches for one call: prefill tiles unless every request decodes, and decode tiles. Decode-only
     batches may split KV `splits` ways (None: the dispatcher's choice), adding the merge. Tiles are `arch`'s
     (None: the device's). `causal` reaches only the prefill tiles (decode tiles see every key anyway). A quantized
-    cache comes with its scales `k_scale`/`v_scale`."""
+    cache comes with its scales `k_scale`/`v_scale`. `window` and `softcap` are runtime arguments of every
+    binary (0: off), so a model with sliding-window or soft-capped layers adds no compile."""
     _check_attention_args(query, k_cache, v_cache, md, k_scale, v_scale)
     arch = tc.arch(query.device) if arch is None else arch
-    kv = (_KVCache(k_cache, v_cache, k_scale, v_scale),)
-    decode = _attention(query, *kv, md, scale, out, arch, decode=True)
+    kv = (_KVCache(k_cache, v_cache, k_scale, v_scale), md, scale, out, arch)
+    bounds = dict(window=window, softcap=softcap)
+    decode = _attention(query, *kv, decode=True, **bounds)
     if md.max_query_len > 1:
-        prefill = _attention(query, *kv, md, scale, out, arch, decode=False, causal=causal)
+        prefill = _attention(query, *kv, decode=False, causal=causal, **bounds)
         return [prefill, decode]
     if splits is None:
         splits = tc.num_splits(math.prod(decode.grid), triton.cdiv(md.max_seq_len, MIN_SPLIT_TOKENS), query.device)
@@ -502,7 +521,7 @@ def paged_attention_launches(
         (out, part, stats, splits, num_tokens, out.stride(0), out.stride(1)),
         dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, MAX_SPLITS=tc.MAX_SPLITS),
     )
-    return [_attention(query, *kv, md, scale, out, arch, True, splits, part, stats), merge]
+    return [_attention(query, *kv, True, splits, part, stats, **bounds), merge]
 
 
 @dataclass(frozen=True)
@@ -530,7 +549,21 @@ class _KVCache:
         return codes, 0, 1.0
 
 
-def _attention(query, kv: _KVCache, md, scale, out, arch, decode, splits=1, part=None, stats=None, causal=True):
+def _attention(
+    query,
+    kv: _KVCache,
+    md,
+    scale,
+    out,
+    arch,
+    decode,
+    splits=1,
+    part=None,
+    stats=None,
+    causal=True,
+    window=0,
+    softcap=0.0,
+):
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv.k.shape[1:3]
     kv_codes, fp8_shift, code_unit = kv.options()
@@ -555,6 +588,8 @@ def _attention(query, kv: _KVCache, md, scale, out, arch, decode, splits=1, part
             scale * math.log2(math.e),
             fp8_shift,
             code_unit,
+            window,
+            softcap * math.log2(math.e),
             num_seqs,
             num_tokens,
             num_heads,

@@ -82,6 +82,9 @@ class ModelConfig:
     sliding_window: int | None
     quant_config: QuantizationConfig | None
     moe: MoEConfig | None = None  # experts in place of the MLP of (some) layers
+    # what a model file reads of config.json beyond these fields (`family_config` of its class: gemma.GemmaConfig)
+    family: object | None = None
+    windowed: bool = False  # its attention applies `sliding_window` itself (the context is not capped at it)
     # pooling models (task "embed" or "classify"; set by get_model_config) and encoders
     task: str = "generate"
     causal: bool = True
@@ -103,11 +106,11 @@ class ModelConfig:
     ) -> "ModelConfig":
         """`raw` is config.json; `qkv_bias`, `qk_norm` and `renormalize_topk` (of a mixture of experts) are what
         the architecture implies beyond it."""
-        hidden_act = raw.get("hidden_act", "silu")
+        hidden_act = raw.get("hidden_act") or raw.get("hidden_activation") or "silu"  # Gemma: hidden_activation
         if hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {hidden_act!r}; tiffin serves {', '.join(ACTIVATIONS)}")
         heads = raw["num_attention_heads"]
-        theta, scaling = _rope(raw)
+        theta, scaling = read_rope(raw)
         return cls(
             architecture=raw["architectures"][0],
             vocab_size=raw["vocab_size"],
@@ -137,7 +140,7 @@ class ModelConfig:
         )
 
 
-def _rope(raw: dict) -> tuple[float, dict | None]:
+def read_rope(raw: dict) -> tuple[float, dict | None]:
     """RoPE base and scaling, whether spelled `rope_theta` + `rope_scaling` (hub checkpoints) or
     `rope_parameters` (transformers 5)."""
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})

@@ -54,6 +54,7 @@ class Attention(nn.Module):
         self.rotary = rotary  # applied through the forward's `Rotation`; the native decode step reads its tables
         self.backend = backend
         self.scale = self.head_dim**-0.5
+        self.window, self.softcap = 0, 0.0  # every key seen, scores uncapped (Gemma's layers set them)
         self.k_cache = self.v_cache = torch.empty(0)  # set by the ModelRunner
         self.k_scale = self.v_scale = None  # a quantized cache's scales (`kv_quant`), set by the ModelRunner
 
@@ -69,7 +70,8 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, fresh_kv = rotation.rotate_and_write_kv(qk, v, self, attn_metadata.slot_mapping, self.backend)
         kv = (self.k_cache, self.v_cache, attn_metadata, self.scale, self.backend, True, self.k_scale, self.v_scale)
-        o = kernels.paged_attention(q, *kv, query_rotated=fresh_kv is None, fresh_kv=fresh_kv)
+        bounds = dict(window=self.window, softcap=self.softcap)
+        o = kernels.paged_attention(q, *kv, query_rotated=fresh_kv is None, fresh_kv=fresh_kv, **bounds)
         return self.o_proj(o.flatten(1), lora)
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from tiffin.engine.models.bert import BertForSequenceClassification, BertModel
+from tiffin.engine.models.gemma import GemmaForCausalLM
 from tiffin.engine.models.llama import LlamaForCausalLM
 from tiffin.engine.models.moe import MoEForCausalLM
 
@@ -33,6 +34,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen2ForCausalLM": Architecture(LlamaForCausalLM, qkv_bias=True, gguf_name="qwen2"),
     "Qwen3ForCausalLM": Architecture(LlamaForCausalLM, qk_norm=True, gguf_name="qwen3"),
     "IQuestCoderForCausalLM": Architecture(LlamaForCausalLM),
+    # GeGLU, (1 + weight) norms, sliding-window layers, soft-capping (models/gemma.py)
+    "Gemma2ForCausalLM": Architecture(GemmaForCausalLM),
+    "Gemma3ForCausalLM": Architecture(GemmaForCausalLM, qk_norm=True),
     # mixtures of experts (models/moe.py)
     "MixtralForCausalLM": Architecture(MoEForCausalLM, renormalize_topk=True),
     "Qwen2MoeForCausalLM": Architecture(MoEForCausalLM, qkv_bias=True),
