@@ -16,6 +16,7 @@ import json
 
 import pytest
 import torch
+from lora_adapters import PeftReference, make_adapter
 from references import reference_generate
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -23,6 +24,7 @@ from tiffin import LLM, SamplingParams
 from tiffin.engine.core.scheduler import SchedulerOutput
 from tiffin.engine.core.sequence import Sequence
 from tiffin.engine.errors import ParamError
+from tiffin.engine.lora.request import LoRARequest
 from tiffin.engine.models.gemma import GemmaConfig
 from tiffin.engine.models.loader import get_model_config
 from tiffin.tiny import write_tokenizer
@@ -215,3 +217,39 @@ def test_architectures_resolve(checkpoints):
         config = get_model_config(path)
         assert config.windowed and config.hidden_act == "gelu_pytorch_tanh" and config.tie_word_embeddings
         assert config.qk_norm == (model_type == "gemma3_text")
+
+
+def test_lora_on_attention_and_mlp_matches_peft(checkpoints, tmp_path):
+    """An adapter on q/k/v/o and the GeGLU's gate/up/down of Gemma 2 (soft-capped, windowed) equals PEFT's greedy
+    output on the same transformers model."""
+    path, hf = checkpoints["gemma2"]
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    adapter = make_adapter(path, tmp_path / "a", seed=1, model=hf, r=4, lora_alpha=8, target_modules=targets)
+    prompt = prompts()[3]
+    ref = PeftReference(hf, {"a": adapter})
+    try:
+        expected = ref.generate(prompt, "a", 16)
+    finally:
+        ref.model.unload()
+    llm = LLM(str(path), dtype="float32", enable_lora=True, max_lora_rank=8)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, lora_request=LoRARequest("a", 1, str(adapter)))
+    assert out[0].outputs[0].token_ids == expected
+    assert expected != reference_generate(hf, prompt, 16)[0], "the adapter does not change the output"
+
+
+@pytest.mark.slow  # a minute under the interpreter
+def test_triton_kernels_match_transformers(checkpoints, monkeypatch):
+    """Gemma 3 (q/k norms fused into the rotary KV write, windows) on the Triton kernels under the interpreter."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    path, hf = checkpoints["gemma3_text"]
+    prompt = prompts()[2]  # 21 tokens: past the window of 12
+    llm = LLM(str(path), dtype="float32", kernel_backend="triton", num_kv_blocks=16, max_num_seqs=2)
+    out = llm.generate(
+        [{"prompt_token_ids": prompt}],
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0),
+        use_tqdm=False,
+    )[0].outputs[0]
+    tokens, logprobs = reference_generate(hf, prompt, 8)
+    assert out.token_ids == tokens
+    assert max(abs(step[t].logprob - lp) for step, t, lp in zip(out.logprobs, tokens, logprobs)) < 1e-4

@@ -99,6 +99,8 @@ def test_bad_bounds_are_refused():
         paged_attention(*batch, 0.125, causal=False, window=8)
     with pytest.raises(ValueError, match="softcap"):
         paged_attention(*batch, 0.125, softcap=-1.0)
+    with pytest.raises(ValueError, match="causal"):
+        paged_attention(*batch, 0.125, causal=False, softcap=2.0)
 
 
 @pytest.mark.parametrize("window,softcap", BOUNDS, ids=IDS)

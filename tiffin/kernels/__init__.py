@@ -52,11 +52,11 @@ def paged_attention(
     to `write_kv` (unrotated queries only); the torch path attends a prompt without a cached prefix over them,
     in the model's dtype, rather than reading them back (dequantized) from the cache, as vLLM's CPU backend does.
     Triton reads every row from the cache in one launch and ignores it. `window` > 0: each query row sees only its
-    last `window` keys (a sliding-window layer; causal calls only); `softcap` > 0: scores become
-    `softcap * tanh(score / softcap)` (Gemma 2's attention logit soft-capping)."""
+    last `window` keys (a sliding-window layer); `softcap` > 0: scores become `softcap * tanh(score / softcap)`
+    (Gemma 2's attention logit soft-capping); both for causal calls only."""
     _check_scales(k_cache, v_cache, k_scale, v_scale)
-    if window < 0 or softcap < 0 or (window and not causal):
-        raise ValueError(f"paged_attention: window {window} / softcap {softcap}: >= 0, and a window only if causal")
+    if window < 0 or softcap < 0 or ((window or softcap) and not causal):
+        raise ValueError(f"paged_attention: window {window} / softcap {softcap}: >= 0, and only for causal calls")
     args = (query, k_cache, v_cache, md, scale, causal, k_scale, v_scale, query_rotated, fresh_kv, window, softcap)
     return kernel("paged_attention", backend)(*args)
 

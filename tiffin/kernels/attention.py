@@ -7,7 +7,7 @@ last `query_len` tokens of its `seq_len` tokens of context (cached prefix + this
 causally; a non-causal call (`causal=False`, encoders) lets every row see all `seq_len` keys of its request.
 A causal call may narrow each row to its last `window` keys (sliding-window layers: key k is seen by the query
 at position p when p - window < k <= p, as transformers masks them) and soft-cap its scores (Gemma 2:
-`softcap * tanh(score / softcap)`, after the scale, before the mask); 0 turns either off.
+`softcap * tanh(score / softcap)`, after the scale, before the mask); 0 turns either off (non-causal calls: off).
 """
 
 import functools
@@ -75,7 +75,7 @@ class _Span:
     blocks: torch.Tensor  # block ids to gather, table after table
     count: int  # how many tables
     length: int
-    last: torch.Tensor | None  # the position of each row's query `[count or rows]`: only where a window needs it
+    last: torch.Tensor  # the position of each row's query `[count or rows]`, which a window's mask starts from
     # None: every row sees all `length` keys (decode) or plain causal (prefill). A prefill span's mask is the
     # causal one, which a non-causal call ignores: the plan is shared by causal and non-causal calls.
     mask: torch.Tensor | None
