@@ -124,6 +124,13 @@ def test_triton_decode_splits_start_at_the_window(interpreter, monkeypatch, wind
     assert rel_error(out, windowed_attention(*batch, 0.125, window, 3.0)) < 1e-5
 
 
+def test_triton_refuses_fp32_bounded_d256():
+    """Its tiles spill there (compile_check): refused by name, pointing at what serves it."""
+    batch = make_batch([3], [5], 2, 1, 256, 16, torch.float32, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="window or soft-cap with float32 queries and head_dim 256"):
+        paged_attention(*batch, 0.1, backend="triton", window=4)
+
+
 def test_attend_is_the_reference_of_sdpa():
     """`_attend` without window or cap equals SDPA's causal attention: the reference path is the plain one's."""
     q, k, v = (torch.randn(1, 4, 9, 32, generator=torch.Generator().manual_seed(i)) for i in range(3))

@@ -45,16 +45,22 @@ HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 # fp32 queries on a quantized cache: d=256 spills on sm_80 and sm_90 at every tile tried (BLOCK_N 16 or 32, one or
 # two stages, 8 or 16 warps: 3xTF32 operand halves beside the scaled codes); refused, the torch backend serves it
 QUANTIZED_FP32_HEAD_DIMS = HEAD_DIMS[:-1]
+# likewise fp32 queries with a window or soft-cap (`BOUNDED`) at d=256, even in 16-key steps
+BOUNDED_FP32_HEAD_DIMS = HEAD_DIMS[:-1]
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it adds
 WRITE_BLOCK = 1024  # elements of one token's [num_kv_heads * head_dim] row copied per program
 
 
-def attention_tile(head_dim: int, dtype: torch.dtype, decode: bool, arch: int = 80, quantized: bool = False):
+def attention_tile(
+    head_dim: int, dtype: torch.dtype, decode: bool, arch: int = 80, quantized: bool = False, bounded: bool = False
+):
     """`block_m` query rows (tokens x query heads of one KV head) per program, `block_n` KV tokens per
     inner-loop step; `block_k` is the QK dot's inner dimension, the padded head dim. `quantized`: the KV cache
-    holds codes (`_quantized_tile`)."""
+    holds codes (`_quantized_tile`). `bounded` (a window or soft-cap): fp32 tiles step 16 keys at a time, the
+    registers the mask's bounds and the cap take."""
     tile = _model_dtype_tile(head_dim, dtype, decode, arch)
-    return _quantized_tile(tile, dtype, decode, arch) if quantized else tile
+    tile = _quantized_tile(tile, dtype, decode, arch) if quantized else tile
+    return dataclasses.replace(tile, block_n=16) if bounded and dtype == torch.float32 else tile
 
 
 def _quantized_tile(tile: tc.Tile, dtype: torch.dtype, decode: bool, arch: int) -> tc.Tile:
@@ -230,6 +236,7 @@ def _paged_attention_kernel(
     DECODE: tl.constexpr,
     SPLIT: tl.constexpr,
     CAUSAL: tl.constexpr,
+    BOUNDED: tl.constexpr,
     KV_CODES: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -290,9 +297,11 @@ def _paged_attention_kernel(
         row_pos = tl.full([BLOCK_M], seq_len - 1, tl.int32)
         kv_end = seq_len
         first_row_end = seq_len
-    # A sliding window (`window` > 0, causal only) starts the keys at the first row's window: no row sees those
-    # before; every step then masks (a window layer's keys are few).
-    kv_first = tl.where(window > 0, tl.maximum(q_pos0 - window + 1, 0), 0)
+    # BOUNDED (a causal call with a window or a soft-cap, either 0 where off): a sliding window (`window` > 0)
+    # starts the keys at the first row's window, no row sees those before, and every step masks.
+    kv_first = 0
+    if BOUNDED:
+        kv_first = tl.where(window > 0, tl.maximum(q_pos0 - window + 1, 0), 0)
     if SPLIT:
         per_split = tl.cdiv(tl.cdiv(kv_end - kv_first, tl.num_programs(2)), BLOCK_N) * BLOCK_N
         kv_lo = kv_first + split * per_split
@@ -302,8 +311,9 @@ def _paged_attention_kernel(
         kv_hi = kv_end
     # Whole BLOCK_N steps of keys every row sees skip the mask.
     unmasked_end = kv_lo + tl.maximum(tl.minimum(first_row_end, kv_hi) - kv_lo, 0) // BLOCK_N * BLOCK_N
-    unmasked_end = tl.where(window > 0, kv_lo, unmasked_end)
-    row_first = tl.where(window > 0, row_pos - window + 1, 0)  # each row's first key
+    if BOUNDED:
+        unmasked_end = tl.where(window > 0, kv_lo, unmasked_end)
+        row_first = tl.where(window > 0, row_pos - window + 1, 0)  # each row's first key
 
     bt_row = block_tables_ptr + seq * stride_bt
     block_mask = (1 << block_shift) - 1
@@ -337,10 +347,13 @@ def _paged_attention_kernel(
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # log2 domain
-            if softcap > 0:  # softcap * tanh(score / softcap), `softcap` given in the log2 domain
-                s = softcap * (2 * tl.sigmoid(2 * s / softcap) - 1)
+            if BOUNDED:
+                if softcap > 0:  # softcap * tanh(score / softcap), `softcap` given in the log2 domain
+                    s = softcap * (2 * tl.sigmoid(2 * s / softcap) - 1)
             if phase == 1:
-                seen = (n[None, :] <= row_pos[:, None]) & (n[None, :] >= row_first[:, None]) & n_ok[None, :]
+                seen = (n[None, :] <= row_pos[:, None]) & n_ok[None, :]
+                if BOUNDED:
+                    seen = seen & (n[None, :] >= row_first[:, None])
                 s = tl.where(seen, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row may see no key in this range
@@ -497,9 +510,16 @@ def paged_attention_launches(
     """The launches for one call: prefill tiles unless every request decodes, and decode tiles. Decode-only
     batches may split KV `splits` ways (None: the dispatcher's choice), adding the merge. Tiles are `arch`'s
     (None: the device's). `causal` reaches only the prefill tiles (decode tiles see every key anyway). A quantized
-    cache comes with its scales `k_scale`/`v_scale`. `window` and `softcap` are runtime arguments of every
-    binary (0: off), so a model with sliding-window or soft-capped layers adds no compile."""
+    cache comes with its scales `k_scale`/`v_scale`. `window` and `softcap` (0: off) are runtime arguments of
+    the binaries built `BOUNDED`, which only calls with either launch (as runtime arguments in every kernel they
+    made the fp32 tiles spill)."""
     _check_attention_args(query, k_cache, v_cache, md, k_scale, v_scale)
+    if (window or softcap) and query.dtype == torch.float32 and query.shape[-1] not in BOUNDED_FP32_HEAD_DIMS:
+        raise ValueError(
+            f"paged_attention: a window or soft-cap with float32 queries and head_dim {query.shape[-1]} is not "
+            f"supported by the Triton kernel (head dims {BOUNDED_FP32_HEAD_DIMS}); use kernel_backend='torch' or a "
+            f"16-bit dtype"
+        )
     arch = tc.arch(query.device) if arch is None else arch
     kv = (_KVCache(k_cache, v_cache, k_scale, v_scale), md, scale, out, arch)
     bounds = dict(window=window, softcap=softcap)
@@ -569,7 +589,8 @@ def _attention(
     kv_codes, fp8_shift, code_unit = kv.options()
     scale_strides = kv.k_scale.stride()[:2] if kv.k_scale is not None else (0, 0)
     num_seqs, group = md.seq_lens.shape[0], num_heads // num_kv_heads
-    tile = attention_tile(head_dim, query.dtype, decode, arch, quantized=kv.k_scale is not None)
+    bounded = bool(window or softcap)
+    tile = attention_tile(head_dim, query.dtype, decode, arch, quantized=kv.k_scale is not None, bounded=bounded)
     heads = min(group, tile.block_m)
     block_q = 1 if decode else tile.block_m // heads
     num_tiles = num_seqs if decode else num_tokens // block_q + num_seqs
@@ -614,6 +635,7 @@ def _attention(
             DECODE=decode,
             SPLIT=splits > 1,
             CAUSAL=causal,
+            BOUNDED=bounded,
             KV_CODES=kv_codes,
             **tc.dot_options(query),
             num_warps=tile.num_warps,
@@ -662,25 +684,24 @@ def _check_attention_args(query, k_cache, v_cache, md: AttentionMetadata, k_scal
 def _compile_cases(arch: int):
     """Every launch the dispatchers can make: each query dtype and head dim, on model-dtype caches and quantized
     ones (int8, fp8: e4m3 and e5m2 share the binary), the prefill tile causal and not, the decode tile with and
-    without KV splits, the merge, and the KV write (per padded head dim where it quantizes). Block size, GQA ratio
-    and batch shape are runtime arguments that do not change the binary."""
+    without KV splits, the causal ones `BOUNDED` too (a window or soft-cap), the merge, and the KV write (per
+    padded head dim where it quantizes). Block size, GQA ratio and batch shape are runtime arguments that do not
+    change the binary."""
     for dtype in tc.DTYPES:
         name = str(dtype).removeprefix("torch.")
         for codes, cache_dtype in (("", dtype), ("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
             label = f" kv={codes}" if codes else ""
             for head_dim in QUANTIZED_FP32_HEAD_DIMS if codes and dtype == torch.float32 else HEAD_DIMS:
                 seen = set()
-                for decode_only, splits, causal in (
-                    (False, None, True),
-                    (False, None, False),
-                    (True, 1, True),
-                    (True, 2, True),
-                ):
+                kinds = [(False, None, True, 0), (False, None, False, 0), (True, 1, True, 0), (True, 2, True, 0)]
+                if dtype != torch.float32 or head_dim in BOUNDED_FP32_HEAD_DIMS:
+                    kinds += [(False, None, True, 8), (True, 1, True, 8), (True, 2, True, 8)]
+                for decode_only, splits, causal, window in kinds:
                     query, cache, _, md, scale, out = _example_inputs(dtype, head_dim, decode_only)
                     cache = cache.to(cache_dtype)
                     scales = tc.example_kv_scales(cache)
                     for launch in paged_attention_launches(
-                        query, cache, cache, md, scale, out, splits, arch, causal, *scales
+                        query, cache, cache, md, scale, out, splits, arch, causal, *scales, window=window
                     ):
                         kind = _launch_kind(launch)
                         if kind not in seen and not (codes and kind == "merge"):  # the merge reads no cache
@@ -708,9 +729,10 @@ def _compile_cases(arch: int):
 def _launch_kind(launch: tc.Launch) -> str:
     if launch.kernel is _merge_splits_kernel:
         return "merge"
+    bounded = " bounded" if launch.kwargs["BOUNDED"] else ""
     if launch.kwargs["DECODE"]:
-        return "decode split" if launch.kwargs["SPLIT"] else "decode"
-    return "prefill" if launch.kwargs["CAUSAL"] else "prefill non-causal"
+        return ("decode split" if launch.kwargs["SPLIT"] else "decode") + bounded
+    return ("prefill" if launch.kwargs["CAUSAL"] else "prefill non-causal") + bounded
 
 
 def _example_inputs(dtype: torch.dtype, head_dim: int, decode: bool):
