@@ -56,11 +56,16 @@ def attention_tile(
 ):
     """`block_m` query rows (tokens x query heads of one KV head) per program, `block_n` KV tokens per
     inner-loop step; `block_k` is the QK dot's inner dimension, the padded head dim. `quantized`: the KV cache
-    holds codes (`_quantized_tile`). `bounded` (a window or soft-cap): fp32 tiles step 16 keys at a time, the
-    registers the mask's bounds and the cap take."""
+    holds codes (`_quantized_tile`). `bounded` (a window or soft-cap) takes registers for the mask's bounds and
+    the cap: fp32 tiles step 16 keys at a time, 16-bit decode tiles at most 64 (d <= 32 spilled at 128 on sm_89),
+    half their keys on a quantized cache (d=256 spilled on sm_90, d=128 fp8 on sm_89)."""
     tile = _model_dtype_tile(head_dim, dtype, decode, arch)
     tile = _quantized_tile(tile, dtype, decode, arch) if quantized else tile
-    return dataclasses.replace(tile, block_n=16) if bounded and dtype == torch.float32 else tile
+    if not bounded:
+        return tile
+    if dtype == torch.float32:
+        return dataclasses.replace(tile, block_n=16)
+    return dataclasses.replace(tile, block_n=min(tile.block_n, 64) // (2 if quantized and decode else 1))
 
 
 def _quantized_tile(tile: tc.Tile, dtype: torch.dtype, decode: bool, arch: int) -> tc.Tile:
