@@ -124,6 +124,17 @@ def test_triton_decode_splits_start_at_the_window(interpreter, monkeypatch, wind
     assert rel_error(out, windowed_attention(*batch, 0.125, window, 3.0)) < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_triton_quantized_cache_window_and_softcap(interpreter, dtype):  # noqa: F811
+    """An int8 cache read in place by the BOUNDED tiles (half the keys a step), prefill and decode rows."""
+    query, k_cache, v_cache, md = mixed_batch(dtype, 64, seed=5)
+    codes, scales = kv_quant.quantize_kv(torch.stack([k_cache, v_cache]).float(), torch.int8)
+    plain = kv_quant.dequantize_kv(codes, scales, dtype)
+    bounds = dict(k_scale=scales[0], v_scale=scales[1], window=24, softcap=2.0)
+    out = paged_attention(query, *codes, md, 0.125, backend="triton", **bounds)
+    assert rel_error(out, windowed_attention(query, *plain, md, 0.125, 24, 2.0)) < max(TOLERANCE[dtype], 1e-3)
+
+
 def test_triton_refuses_fp32_bounded_d256():
     """Its tiles spill there (compile_check): refused by name, pointing at what serves it."""
     batch = make_batch([3], [5], 2, 1, 256, 16, torch.float32, torch.Generator().manual_seed(0))
