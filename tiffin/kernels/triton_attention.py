@@ -65,7 +65,7 @@ def attention_tile(
         return tile
     if dtype == torch.float32:
         return dataclasses.replace(tile, block_n=16)
-    return dataclasses.replace(tile, block_n=min(tile.block_n, 64) // (2 if quantized else 1))
+    return dataclasses.replace(tile, block_n=max(16, min(tile.block_n, 64) // (2 if quantized else 1)))  # dot: 16+
 
 
 def _quantized_tile(tile: tc.Tile, dtype: torch.dtype, decode: bool, arch: int) -> tc.Tile:
