@@ -239,17 +239,19 @@ def test_lora_on_attention_and_mlp_matches_peft(checkpoints, tmp_path):
 
 
 @pytest.mark.slow  # a minute under the interpreter
-def test_triton_kernels_match_transformers(checkpoints, monkeypatch):
-    """Gemma 3 (q/k norms fused into the rotary KV write, windows) on the Triton kernels under the interpreter."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    path, hf = checkpoints["gemma3_text"]
+def test_triton_kernels_match_the_torch_reference(checkpoints, monkeypatch):
+    """Gemma 3 (q/k norms fused into the rotary KV write, windows) on the Triton kernels under the interpreter, in
+    fp16 (Triton applies windows to 16-bit queries), against the torch backend's fp16 engine (its window reference,
+    `_attend`, or the native kernels): the same tokens, logprobs within fp16 rounding."""
+    path = checkpoints["gemma3_text"][0]
     prompt = prompts()[2]  # 21 tokens: past the window of 12
-    llm = LLM(str(path), dtype="float32", kernel_backend="triton", num_kv_blocks=16, max_num_seqs=2)
-    out = llm.generate(
-        [{"prompt_token_ids": prompt}],
-        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0),
-        use_tqdm=False,
-    )[0].outputs[0]
-    tokens, logprobs = reference_generate(hf, prompt, 8)
-    assert out.token_ids == tokens
-    assert max(abs(step[t].logprob - lp) for step, t, lp in zip(out.logprobs, tokens, logprobs)) < 1e-4
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    outs = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        llm = LLM(str(path), dtype="float16", kernel_backend=backend, num_kv_blocks=16, max_num_seqs=2)
+        outs[backend] = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+    torch_out, triton_out = outs["torch"], outs["triton"]
+    assert triton_out.token_ids == torch_out.token_ids
+    pairs = zip(triton_out.logprobs, torch_out.logprobs, torch_out.token_ids)
+    assert max(abs(a[t].logprob - b[t].logprob) for a, b, t in pairs) < 2e-2

@@ -104,12 +104,13 @@ def test_bad_bounds_are_refused():
 
 
 @pytest.mark.parametrize("window,softcap", BOUNDS, ids=IDS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_triton_window_and_softcap(interpreter, window, softcap, dtype):  # noqa: F811
-    batch = mixed_batch(dtype, 64, group=4, block_size=16, seed=3)
+@pytest.mark.parametrize("head_dim", [64, 32])  # 32: the decode tile's 128-key steps cut to 64
+def test_triton_window_and_softcap(interpreter, window, softcap, head_dim):  # noqa: F811
+    """fp16 (the interpreter computes bf16 wrongly; fp32 and quantized caches are refused, below)."""
+    batch = mixed_batch(torch.float16, head_dim, group=4, block_size=16, seed=3)
     out = paged_attention(*batch, 0.125, backend="triton", window=window, softcap=softcap)
     assert not out.isnan().any(), "output not fully written"
-    assert rel_error(out, windowed_attention(*batch, 0.125, window, softcap)) < TOLERANCE[dtype]
+    assert rel_error(out, windowed_attention(*batch, 0.125, window, softcap)) < TOLERANCE[torch.float16]
 
 
 @pytest.mark.parametrize("window", [24, 200])
@@ -118,28 +119,21 @@ def test_triton_decode_splits_start_at_the_window(interpreter, monkeypatch, wind
     from tiffin.kernels import triton_attention as ta
 
     monkeypatch.setattr(ta, "MIN_SPLIT_TOKENS", 16)
-    batch = make_batch([1, 1], [300, 30], 8, 1, 64, 16, torch.float32, torch.Generator().manual_seed(4))
+    batch = make_batch([1, 1], [300, 30], 8, 1, 64, 16, torch.float16, torch.Generator().manual_seed(4))
     assert len(ta.paged_attention_launches(*batch, 0.125, batch[0], window=window)) == 2  # attention + merge
     out = paged_attention(*batch, 0.125, backend="triton", window=window, softcap=3.0)
-    assert rel_error(out, windowed_attention(*batch, 0.125, window, 3.0)) < 1e-5
+    assert rel_error(out, windowed_attention(*batch, 0.125, window, 3.0)) < TOLERANCE[torch.float16]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_triton_quantized_cache_window_and_softcap(interpreter, dtype):  # noqa: F811
-    """An int8 cache read in place by the BOUNDED tiles (half the keys a step), prefill and decode rows."""
-    query, k_cache, v_cache, md = mixed_batch(dtype, 64, seed=5)
-    codes, scales = kv_quant.quantize_kv(torch.stack([k_cache, v_cache]).float(), torch.int8)
-    plain = kv_quant.dequantize_kv(codes, scales, dtype)
-    bounds = dict(k_scale=scales[0], v_scale=scales[1], window=24, softcap=2.0)
-    out = paged_attention(query, *codes, md, 0.125, backend="triton", **bounds)
-    assert rel_error(out, windowed_attention(query, *plain, md, 0.125, 24, 2.0)) < max(TOLERANCE[dtype], 1e-3)
-
-
-def test_triton_refuses_fp32_bounded_d256():
-    """Its tiles spill there (compile_check): refused by name, pointing at what serves it."""
-    batch = make_batch([3], [5], 2, 1, 256, 16, torch.float32, torch.Generator().manual_seed(0))
-    with pytest.raises(ValueError, match="window or soft-cap with float32 queries and head_dim 256"):
-        paged_attention(*batch, 0.1, backend="triton", window=4)
+def test_triton_refuses_what_spills():
+    """fp32 queries and quantized caches with a window or soft-cap spill registers (compile_check): refused by
+    name, pointing at what serves them."""
+    query, k_cache, v_cache, md = mixed_batch(torch.float32, 64)
+    with pytest.raises(ValueError, match="16-bit queries on a model-dtype KV cache only"):
+        paged_attention(query, k_cache, v_cache, md, 0.1, backend="triton", window=4)
+    codes, scales = kv_quant.quantize_kv(torch.stack([k_cache, v_cache]), torch.int8)
+    with pytest.raises(ValueError, match="kernel_backend='torch'"):
+        paged_attention(query.half(), *codes, md, 0.1, "triton", k_scale=scales[0], v_scale=scales[1], softcap=2.0)
 
 
 def test_attend_is_the_reference_of_sdpa():

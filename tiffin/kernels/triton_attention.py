@@ -45,8 +45,6 @@ HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 # fp32 queries on a quantized cache: d=256 spills on sm_80 and sm_90 at every tile tried (BLOCK_N 16 or 32, one or
 # two stages, 8 or 16 warps: 3xTF32 operand halves beside the scaled codes); refused, the torch backend serves it
 QUANTIZED_FP32_HEAD_DIMS = HEAD_DIMS[:-1]
-# likewise fp32 queries with a window or soft-cap (`BOUNDED`) at d=256, even in 16-key steps
-BOUNDED_FP32_HEAD_DIMS = HEAD_DIMS[:-1]
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it adds
 WRITE_BLOCK = 1024  # elements of one token's [num_kv_heads * head_dim] row copied per program
 
@@ -56,16 +54,12 @@ def attention_tile(
 ):
     """`block_m` query rows (tokens x query heads of one KV head) per program, `block_n` KV tokens per
     inner-loop step; `block_k` is the QK dot's inner dimension, the padded head dim. `quantized`: the KV cache
-    holds codes (`_quantized_tile`). `bounded` (a window or soft-cap) takes registers for the mask's bounds and
-    the cap: fp32 tiles step 16 keys at a time, 16-bit decode tiles at most 64 (d <= 32 spilled at 128 on sm_89),
-    half their keys on a quantized cache (d=256 spilled on sm_90, d=128 fp8 on sm_89)."""
+    holds codes (`_quantized_tile`). `bounded` (a window or soft-cap, 16-bit queries on a model-dtype cache only:
+    fp32 tiles and quantized caches' spilled with it) takes registers for the mask's bounds and the cap: decode
+    tiles step at most 64 keys (d <= 32 spilled at 128 on sm_89)."""
     tile = _model_dtype_tile(head_dim, dtype, decode, arch)
     tile = _quantized_tile(tile, dtype, decode, arch) if quantized else tile
-    if not bounded:
-        return tile
-    if dtype == torch.float32:
-        return dataclasses.replace(tile, block_n=16)
-    return dataclasses.replace(tile, block_n=max(16, min(tile.block_n, 64) // (2 if quantized else 1)))  # dot: 16+
+    return dataclasses.replace(tile, block_n=min(tile.block_n, 64)) if bounded else tile
 
 
 def _quantized_tile(tile: tc.Tile, dtype: torch.dtype, decode: bool, arch: int) -> tc.Tile:
@@ -519,11 +513,11 @@ def paged_attention_launches(
     the binaries built `BOUNDED`, which only calls with either launch (as runtime arguments in every kernel they
     made the fp32 tiles spill)."""
     _check_attention_args(query, k_cache, v_cache, md, k_scale, v_scale)
-    if (window or softcap) and query.dtype == torch.float32 and query.shape[-1] not in BOUNDED_FP32_HEAD_DIMS:
+    if (window or softcap) and (query.dtype == torch.float32 or k_scale is not None):
         raise ValueError(
-            f"paged_attention: a window or soft-cap with float32 queries and head_dim {query.shape[-1]} is not "
-            f"supported by the Triton kernel (head dims {BOUNDED_FP32_HEAD_DIMS}); use kernel_backend='torch' or a "
-            f"16-bit dtype"
+            "paged_attention: the Triton kernel applies a window or soft-cap to 16-bit queries on a model-dtype KV "
+            f"cache only, not {query.dtype} queries on a {k_cache.dtype} cache (those tiles spill registers); use "
+            "kernel_backend='torch', or a 16-bit dtype and kv_cache_dtype='auto'"
         )
     arch = tc.arch(query.device) if arch is None else arch
     kv = (_KVCache(k_cache, v_cache, k_scale, v_scale), md, scale, out, arch)
@@ -689,9 +683,9 @@ def _check_attention_args(query, k_cache, v_cache, md: AttentionMetadata, k_scal
 def _compile_cases(arch: int):
     """Every launch the dispatchers can make: each query dtype and head dim, on model-dtype caches and quantized
     ones (int8, fp8: e4m3 and e5m2 share the binary), the prefill tile causal and not, the decode tile with and
-    without KV splits, the causal ones `BOUNDED` too (a window or soft-cap), the merge, and the KV write (per
-    padded head dim where it quantizes). Block size, GQA ratio and batch shape are runtime arguments that do not
-    change the binary."""
+    without KV splits, the causal ones `BOUNDED` too (a window or soft-cap: 16-bit queries, model-dtype caches),
+    the merge, and the KV write (per padded head dim where it quantizes). Block size, GQA ratio and batch shape
+    are runtime arguments that do not change the binary."""
     for dtype in tc.DTYPES:
         name = str(dtype).removeprefix("torch.")
         for codes, cache_dtype in (("", dtype), ("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
@@ -699,7 +693,7 @@ def _compile_cases(arch: int):
             for head_dim in QUANTIZED_FP32_HEAD_DIMS if codes and dtype == torch.float32 else HEAD_DIMS:
                 seen = set()
                 kinds = [(False, None, True, 0), (False, None, False, 0), (True, 1, True, 0), (True, 2, True, 0)]
-                if dtype != torch.float32 or head_dim in BOUNDED_FP32_HEAD_DIMS:
+                if dtype != torch.float32 and not codes:
                     kinds += [(False, None, True, 8), (True, 1, True, 8), (True, 2, True, 8)]
                 for decode_only, splits, causal, window in kinds:
                     query, cache, _, md, scale, out = _example_inputs(dtype, head_dim, decode_only)
