@@ -493,7 +493,8 @@ class LLMEngine(InputProcessor, SleepMode):
         limit = model_config.max_position_embeddings - model_config.position_offset
         if model_config.pooler is not None and model_config.pooler.max_seq_length:  # sentence-transformers' limit
             limit = min(limit, model_config.pooler.max_seq_length)
-        if model_config.sliding_window:  # attention here is full; beyond the window it would differ from the model's
+        if model_config.sliding_window and not model_config.windowed:
+            # this model's attention is full: beyond the window it would differ from the checkpoint's
             limit = min(limit, model_config.sliding_window)
         if self.config.max_model_len is None:
             return limit

@@ -41,6 +41,8 @@ def paged_attention(
     v_scale=None,
     query_rotated: bool = False,
     fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ):
     """`query [T, num_heads, head_dim]` -> `[T, num_heads, head_dim]`, reading K/V through `md.block_tables`.
     `causal=False` (encoders): each query row sees every key of its request's `seq_len`, not only the earlier.
@@ -49,9 +51,13 @@ def paged_attention(
     they come so (`rotary_write_kv(..., rotate_query=True)`). `fresh_kv`: this step's keys and values as given
     to `write_kv` (unrotated queries only); the torch path attends a prompt without a cached prefix over them,
     in the model's dtype, rather than reading them back (dequantized) from the cache, as vLLM's CPU backend does.
-    Triton reads every row from the cache in one launch and ignores it."""
+    Triton reads every row from the cache in one launch and ignores it. `window` > 0: each query row sees only its
+    last `window` keys (a sliding-window layer); `softcap` > 0: scores become `softcap * tanh(score / softcap)`
+    (Gemma 2's attention logit soft-capping); both for causal calls only."""
     _check_scales(k_cache, v_cache, k_scale, v_scale)
-    args = (query, k_cache, v_cache, md, scale, causal, k_scale, v_scale, query_rotated, fresh_kv)
+    if window < 0 or softcap < 0 or ((window or softcap) and not causal):
+        raise ValueError(f"paged_attention: window {window} / softcap {softcap}: >= 0, and only for causal calls")
+    args = (query, k_cache, v_cache, md, scale, causal, k_scale, v_scale, query_rotated, fresh_kv, window, softcap)
     return kernel("paged_attention", backend)(*args)
 
 

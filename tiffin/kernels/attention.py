@@ -5,6 +5,9 @@ lives in slot `block_table[t // block_size] * block_size + t % block_size`; slot
 A batch is flattened: request `i` owns query rows `query_start_loc[i]:query_start_loc[i+1]`, which are the
 last `query_len` tokens of its `seq_len` tokens of context (cached prefix + this step's tokens), attended
 causally; a non-causal call (`causal=False`, encoders) lets every row see all `seq_len` keys of its request.
+A causal call may narrow each row to its last `window` keys (sliding-window layers: key k is seen by the query
+at position p when p - window < k <= p, as transformers masks them) and soft-cap its scores (Gemma 2:
+`softcap * tanh(score / softcap)`, after the scale, before the mask); 0 turns either off (non-causal calls: off).
 """
 
 import functools
@@ -72,6 +75,7 @@ class _Span:
     blocks: torch.Tensor  # block ids to gather, table after table
     count: int  # how many tables
     length: int
+    last: torch.Tensor  # the position of each row's query `[count or rows]`, which a window's mask starts from
     # None: every row sees all `length` keys (decode) or plain causal (prefill). A prefill span's mask is the
     # causal one, which a non-causal call ignores: the plan is shared by causal and non-causal calls.
     mask: torch.Tensor | None
@@ -117,7 +121,7 @@ def _plan(md: AttentionMetadata, block_size: int, device, native: bool) -> tuple
             mask = (torch.arange(length, device=device) < lens[:, None])[:, None, None, :]
         index = torch.tensor(group, device=device)
         rows = torch.tensor([starts[i] for i in group], device=device)
-        groups.append(_Span(rows, blocks(index, length), len(group), length, mask))
+        groups.append(_Span(rows, blocks(index, length), len(group), length, lens - 1, mask))
     md.torch_plan = groups, _prefill_spans(md, blocks, device)
     return md.torch_plan
 
@@ -127,10 +131,11 @@ def _prefill_spans(md: AttentionMetadata, blocks, device) -> list[_Span]:
     for i, (length, n) in enumerate((md.seq_lens_cpu[i], starts[i + 1] - starts[i]) for i in range(len(starts) - 1)):
         if n > 1:
             mask = None  # no cached prefix: plain causal
-            if n != length:  # query j sits at position length - n + j and sees keys up to it
-                pos = torch.arange(length - n, length, device=device)
+            pos = torch.arange(length - n, length, device=device)  # query j sits at position length - n + j
+            if n != length:  # and sees keys up to it
                 mask = torch.arange(length, device=device) <= pos[:, None]
-            spans.append(_Span(slice(starts[i], starts[i + 1]), blocks(slice(i, i + 1), length), 1, length, mask))
+            rows = slice(starts[i], starts[i + 1])
+            spans.append(_Span(rows, blocks(slice(i, i + 1), length), 1, length, pos, mask))
     return spans
 
 
@@ -146,36 +151,44 @@ def paged_attention_torch(
     v_scale=None,
     query_rotated=False,
     fresh_kv=None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """`query` `[T, num_heads, head_dim]` -> `[T, num_heads, head_dim]`. Decode rows (one query token, the last
-    of its context) see every key either way; `causal` only changes the prefill spans."""
+    of its context) see every key (of their window) either way; `causal` only changes the prefill spans. Without
+    the native kernels, a window or a soft-cap runs `_attend`, the reference of both."""
     out = torch.empty_like(query)
     out[md.query_start_loc_cpu[-1] :] = 0  # rows past the batch's tokens (padding) belong to no sequence
     native = cpu_native.supports_cache(query, k_cache) and not query_rotated  # it rotates the queries itself
     decodes, prefills = _plan(md, k_cache.shape[1], query.device, native)
     kv = (k_cache, v_cache, k_scale, v_scale)
     if native and decodes is not None:  # the native kernel rotates the queries of a quantized cache itself
-        cpu_native.paged_decode(query, out, *kv, md.block_tables, md.seq_lens, *decodes, scale)
+        cpu_native.paged_decode(query, out, *kv, md.block_tables, md.seq_lens, *decodes, scale, window, softcap)
     fresh = [fresh_kv is not None and p.mask is None for p in prefills]  # no cached prefix: all in `fresh_kv`
     native_prefill = native and _prefill_native(query)  # reading the cache in place, queries unrotated
     rotated = query  # against keys stored rotated
     if k_scale is not None and not query_rotated and (not native or not (native_prefill or all(fresh))):
         rotated = kv_quant.rotate(query).to(query.dtype)
     if not native:
-        _decode_groups(rotated, out, *kv, decodes, scale)
+        _decode_groups(rotated, out, *kv, decodes, scale, window, softcap)
     for p, from_fresh in zip(prefills, fresh):
         if native_prefill and from_fresh:
             k, v = (x[p.rows] for x in fresh_kv)
-            cpu_native.prefill_attention(query[p.rows], k, v, scale, causal, out=out[p.rows])
+            cpu_native.prefill_attention(query[p.rows], k, v, scale, causal, out[p.rows], window, softcap)
             continue
         if native_prefill:
-            cpu_native.paged_prefill(query[p.rows], out[p.rows], *kv, p.blocks, p.length, scale, causal)
+            args = (p.blocks, p.length, scale, causal, window, softcap)
+            cpu_native.paged_prefill(query[p.rows], out[p.rows], *kv, *args)
             continue
         if from_fresh:
             q, (k, v) = query[p.rows], (x[p.rows].transpose(0, 1).unsqueeze(0) for x in fresh_kv)
         else:
             q = rotated[p.rows]
             k, v = _gather(k_cache, k_scale, p, q.dtype), _gather(v_cache, v_scale, p, q.dtype)
+        if window or softcap:
+            mask = _window_mask(p.last, p.length, window)
+            out[p.rows] = _attend(q.transpose(0, 1).unsqueeze(0), k, v, mask, scale, softcap)[0].transpose(0, 1)
+            continue
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),  # [1, H, n, D]
             k,
@@ -189,12 +202,15 @@ def paged_attention_torch(
     return out
 
 
-def _decode_groups(query, out, k_cache, v_cache, k_scale, v_scale, groups: list[_Span], scale: float) -> None:
+def _decode_groups(query, out, k_cache, v_cache, k_scale, v_scale, groups: list[_Span], scale, window, softcap):
     """The torch decode path: each group's K/V gathered, then SDPA or grouped matmuls (`_decode_by_matmuls`)."""
     for g in groups:
         q = query[g.rows]
         k, v = _gather(k_cache, k_scale, g, q.dtype), _gather(v_cache, v_scale, g, q.dtype)
-        if _decode_by_matmuls(q.device.type, q.dtype):
+        if window or softcap:
+            mask = _window_mask(g.last[:, None], g.length, window)[:, None]  # [b, 1, 1, L]
+            out[g.rows] = _attend(q.unsqueeze(2), k, v, mask, scale, softcap).squeeze(2)
+        elif _decode_by_matmuls(q.device.type, q.dtype):
             out[g.rows] = _decode(q, k.contiguous(), v.contiguous(), g.mask, scale)
         else:
             o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=g.mask, scale=scale, enable_gqa=True)
@@ -236,3 +252,24 @@ def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
         scores.masked_fill_(~mask, float("-inf"))
     probs = torch.softmax(scores, -1, dtype=torch.float32).to(v.dtype)
     return torch.matmul(probs, v).view(b, num_heads, head_dim)
+
+
+def _window_mask(last: torch.Tensor, length: int, window: int) -> torch.Tensor:
+    """`[*last.shape, length]`: whether each key is seen by the query at position `last`, causally, within its
+    last `window` keys (0: all)."""
+    keys = torch.arange(length, device=last.device)
+    seen = keys <= last[..., None]
+    return seen & (keys > last[..., None] - window) if window else seen
+
+
+def _attend(q, k, v, mask: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+    """Attention of `q [b, H, n, D]` over `k`/`v` `[b, Hkv, L, D]` under `mask` (broadcast to `[b, H, n, L]`),
+    the scores soft-capped where `softcap`: scores and softmax in fp32 (as transformers' eager Gemma attention
+    upcasts its softmax), the probabilities rounded to v's dtype for P.V."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1).to(v.dtype)
+    return torch.matmul(probs, v)

@@ -29,7 +29,7 @@ ACT_DTYPE_CODES = {**DTYPE_CODES, torch.float16: 1}  # the quantized GEMMs read 
 CACHE_DTYPE_CODES = {**DTYPE_CODES, torch.int8: 3, torch.float8_e4m3fn: 4, torch.float8_e5m2: 5}
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 _DECODE_ARGS = [_i32, _ptr, _i64, _ptr, _i64, _i32, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64]
-_DECODE_ARGS += [_i32, _i32, _i32, _i32, ctypes.c_float, _i32]
+_DECODE_ARGS += [_i32, _i32, _i32, _i32, ctypes.c_float, _i32, ctypes.c_float, _i32]
 _WRITE_KV_ARGS = [_i32, _ptr, _i64, _ptr, _i64, _i64, _i32, _i32, _ptr, _i32, _ptr, _ptr, _ptr, _ptr, _i32]
 _RMS_NORM_ARGS = [_i32, _ptr, _i64, _ptr, _ptr, _i64, _i32, ctypes.c_float, _i32]
 _ROTARY_ARGS = [_i32, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i32, _i32, _i32]
@@ -39,9 +39,9 @@ _QUANTIZE_ACTS_ARGS = [_i32, _ptr, _i64, _i64, _i64, _i32, _ptr, _ptr, _ptr, _pt
 _DEQUANTIZE_ROWS_ARGS = [_ptr, _i64, _ptr, _i64, _ptr]
 _DECODE_LAYERS_ARGS = [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i32]
 _PREFILL_ARGS = [_i32, _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _i32, ctypes.c_float]
-_PREFILL_ARGS += [_i32, _i32]
+_PREFILL_ARGS += [_i32, _i32, ctypes.c_float, _i32]
 _PAGED_PREFILL_ARGS = [_i32, _ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _i32, _i32, _ptr, _ptr, _ptr, _ptr, _ptr]
-_PAGED_PREFILL_ARGS += [_i32, ctypes.c_float, _i32, _i32]
+_PAGED_PREFILL_ARGS += [_i32, ctypes.c_float, _i32, _i32, ctypes.c_float, _i32]
 
 
 @functools.cache
@@ -200,9 +200,12 @@ def paged_decode(
     rows: torch.Tensor,
     seqs: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """`out[rows[i]]` = attention of the one-token query `query[rows[i]]` `[num_heads, head_dim]` over the first
-    `seq_lens[seqs[i]]` slots of block table `seqs[i]`, K/V read in place from the paged caches."""
+    `seq_lens[seqs[i]]` slots of block table `seqs[i]` (the last `window` of them where > 0), K/V read in place
+    from the paged caches; scores soft-capped (`cap * tanh(s / cap)`) at `softcap` where > 0."""
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     for t in (query, out):
@@ -235,6 +238,8 @@ def paged_decode(
         head_dim,
         block_size,
         scale,
+        window,
+        softcap,
         torch.get_num_threads(),
     )
 
@@ -252,10 +257,13 @@ def prefill_attention(
     scale: float,
     causal: bool = True,
     out: torch.Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """SDPA of `query` `[n_q, num_heads, head_dim]` over `key`/`value` `[n_k, num_kv_heads, head_dim]` (the
-    queries the last n_q positions where `causal`) -> `out` (new if None) `[n_q, num_heads, head_dim]`; bf16 in
-    the CPU's bf16 dot products."""
+    queries the last n_q positions where `causal`, each seeing its last `window` keys where > 0) -> `out` (new if
+    None) `[n_q, num_heads, head_dim]`; scores soft-capped at `softcap` where > 0; bf16 in the CPU's bf16 dot
+    products."""
     out = torch.empty(query.shape, dtype=query.dtype) if out is None else out
     for t in (query, key, value, out):
         if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
@@ -278,6 +286,8 @@ def prefill_attention(
         head_dim,
         scale,
         causal,
+        window,
+        softcap,
         torch.get_num_threads(),
     )
     return out
@@ -294,6 +304,8 @@ def paged_prefill(
     length: int,
     scale: float,
     causal: bool = True,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """`prefill_attention` of `query` `[n_q, num_heads, head_dim]` into `out` over the first `length` slots of
     `block_table` (int32 block ids) in the paged caches, read in place: a quantized cache's codes dequantized and
@@ -327,6 +339,8 @@ def paged_prefill(
         block_size,
         scale,
         causal,
+        window,
+        softcap,
         torch.get_num_threads(),
     )
 

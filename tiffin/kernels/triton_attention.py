@@ -49,12 +49,17 @@ MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallel
 WRITE_BLOCK = 1024  # elements of one token's [num_kv_heads * head_dim] row copied per program
 
 
-def attention_tile(head_dim: int, dtype: torch.dtype, decode: bool, arch: int = 80, quantized: bool = False):
+def attention_tile(
+    head_dim: int, dtype: torch.dtype, decode: bool, arch: int = 80, quantized: bool = False, bounded: bool = False
+):
     """`block_m` query rows (tokens x query heads of one KV head) per program, `block_n` KV tokens per
     inner-loop step; `block_k` is the QK dot's inner dimension, the padded head dim. `quantized`: the KV cache
-    holds codes (`_quantized_tile`)."""
+    holds codes (`_quantized_tile`). `bounded` (a window or soft-cap, 16-bit queries on a model-dtype cache only:
+    fp32 tiles and quantized caches' spilled with it) takes registers for the mask's bounds and the cap: decode
+    tiles step at most 64 keys (d <= 32 spilled at 128 on sm_89)."""
     tile = _model_dtype_tile(head_dim, dtype, decode, arch)
-    return _quantized_tile(tile, dtype, decode, arch) if quantized else tile
+    tile = _quantized_tile(tile, dtype, decode, arch) if quantized else tile
+    return dataclasses.replace(tile, block_n=min(tile.block_n, 64)) if bounded else tile
 
 
 def _quantized_tile(tile: tc.Tile, dtype: torch.dtype, decode: bool, arch: int) -> tc.Tile:
@@ -183,6 +188,7 @@ def _write_kv_quantized_kernel(
         "stride_sb",
         "stride_ss",
         "fp8_shift",
+        "window",
     ]
 )
 def _paged_attention_kernel(
@@ -200,6 +206,8 @@ def _paged_attention_kernel(
     qk_scale,
     fp8_shift,
     code_unit,
+    window,
+    softcap,
     num_seqs,
     num_tokens,
     num_heads,
@@ -227,6 +235,7 @@ def _paged_attention_kernel(
     DECODE: tl.constexpr,
     SPLIT: tl.constexpr,
     CAUSAL: tl.constexpr,
+    BOUNDED: tl.constexpr,
     KV_CODES: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -287,15 +296,23 @@ def _paged_attention_kernel(
         row_pos = tl.full([BLOCK_M], seq_len - 1, tl.int32)
         kv_end = seq_len
         first_row_end = seq_len
+    # BOUNDED (a causal call with a window or a soft-cap, either 0 where off): a sliding window (`window` > 0)
+    # starts the keys at the first row's window, no row sees those before, and every step masks.
+    kv_first = 0
+    if BOUNDED:
+        kv_first = tl.where(window > 0, tl.maximum(q_pos0 - window + 1, 0), 0)
     if SPLIT:
-        per_split = tl.cdiv(tl.cdiv(kv_end, tl.num_programs(2)), BLOCK_N) * BLOCK_N
-        kv_lo = split * per_split
+        per_split = tl.cdiv(tl.cdiv(kv_end - kv_first, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        kv_lo = kv_first + split * per_split
         kv_hi = tl.minimum(kv_lo + per_split, kv_end)
     else:
-        kv_lo = 0
+        kv_lo = kv_first
         kv_hi = kv_end
     # Whole BLOCK_N steps of keys every row sees skip the mask.
     unmasked_end = kv_lo + tl.maximum(tl.minimum(first_row_end, kv_hi) - kv_lo, 0) // BLOCK_N * BLOCK_N
+    if BOUNDED:
+        unmasked_end = tl.where(window > 0, kv_lo, unmasked_end)
+        row_first = tl.where(window > 0, row_pos - window + 1, 0)  # each row's first key
 
     bt_row = block_tables_ptr + seq * stride_bt
     block_mask = (1 << block_shift) - 1
@@ -329,8 +346,14 @@ def _paged_attention_kernel(
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # log2 domain
+            if BOUNDED:
+                if softcap > 0:  # softcap * tanh(score / softcap), `softcap` given in the log2 domain
+                    s = softcap * (2 * tl.sigmoid(2 * s / softcap) - 1)
             if phase == 1:
-                s = tl.where((n[None, :] <= row_pos[:, None]) & n_ok[None, :], s, float("-inf"))
+                seen = (n[None, :] <= row_pos[:, None]) & n_ok[None, :]
+                if BOUNDED:
+                    seen = seen & (n[None, :] >= row_first[:, None])
+                s = tl.where(seen, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row may see no key in this range
             p = tl.math.exp2(s - m_safe[:, None])
@@ -369,7 +392,8 @@ def _merge_splits_kernel(
     part_row = (s * num_tokens + token) * tl.num_programs(1) + head
     m = tl.load(stats_ptr + part_row * 2, mask=s_ok, other=float("-inf"))
     l = tl.load(stats_ptr + part_row * 2 + 1, mask=s_ok, other=0.0)
-    # Split 0 always holds key 0, which every query sees, so the max is finite; empty splits weigh 0.
+    # Split 0 always holds the first key of the window, which the query sees, so the max is finite; empty splits
+    # weigh 0.
     w = tl.math.exp2(m - tl.max(m, 0))
     d = tl.arange(0, HEAD_DIM_PAD)
     part = tl.load(part_ptr + part_row[:, None] * HEAD_DIM_PAD + d[None, :], mask=s_ok[:, None], other=0.0)
@@ -453,13 +477,16 @@ def paged_attention_triton(
     v_scale=None,
     query_rotated=False,
     fresh_kv=None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     out = tc.empty(query.shape, query.dtype, query.device)
     if k_scale is not None and not query_rotated:  # against keys stored rotated (kv_quant)
         query = kv_quant.rotate(query).to(query.dtype)
     if query.shape[0]:
         kv = (k_cache, v_cache, md, scale, out)
-        for launch in paged_attention_launches(query, *kv, causal=causal, k_scale=k_scale, v_scale=v_scale):
+        options = dict(causal=causal, k_scale=k_scale, v_scale=v_scale, window=window, softcap=softcap)
+        for launch in paged_attention_launches(query, *kv, **options):
             launch(query.device)
     return out
 
@@ -476,17 +503,28 @@ def paged_attention_launches(
     causal: bool = True,
     k_scale=None,
     v_scale=None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> list[tc.Launch]:
     """The launches for one call: prefill tiles unless every request decodes, and decode tiles. Decode-only
     batches may split KV `splits` ways (None: the dispatcher's choice), adding the merge. Tiles are `arch`'s
     (None: the device's). `causal` reaches only the prefill tiles (decode tiles see every key anyway). A quantized
-    cache comes with its scales `k_scale`/`v_scale`."""
+    cache comes with its scales `k_scale`/`v_scale`. `window` and `softcap` (0: off) are runtime arguments of
+    the binaries built `BOUNDED`, which only calls with either launch (as runtime arguments in every kernel they
+    made the fp32 tiles spill)."""
     _check_attention_args(query, k_cache, v_cache, md, k_scale, v_scale)
+    if (window or softcap) and (query.dtype == torch.float32 or k_scale is not None):
+        raise ValueError(
+            "paged_attention: the Triton kernel applies a window or soft-cap to 16-bit queries on a model-dtype KV "
+            f"cache only, not {query.dtype} queries on a {k_cache.dtype} cache (those tiles spill registers); use "
+            "kernel_backend='torch', or a 16-bit dtype and kv_cache_dtype='auto'"
+        )
     arch = tc.arch(query.device) if arch is None else arch
-    kv = (_KVCache(k_cache, v_cache, k_scale, v_scale),)
-    decode = _attention(query, *kv, md, scale, out, arch, decode=True)
+    kv = (_KVCache(k_cache, v_cache, k_scale, v_scale), md, scale, out, arch)
+    bounds = dict(window=window, softcap=softcap)
+    decode = _attention(query, *kv, decode=True, **bounds)
     if md.max_query_len > 1:
-        prefill = _attention(query, *kv, md, scale, out, arch, decode=False, causal=causal)
+        prefill = _attention(query, *kv, decode=False, causal=causal, **bounds)
         return [prefill, decode]
     if splits is None:
         splits = tc.num_splits(math.prod(decode.grid), triton.cdiv(md.max_seq_len, MIN_SPLIT_TOKENS), query.device)
@@ -502,7 +540,7 @@ def paged_attention_launches(
         (out, part, stats, splits, num_tokens, out.stride(0), out.stride(1)),
         dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, MAX_SPLITS=tc.MAX_SPLITS),
     )
-    return [_attention(query, *kv, md, scale, out, arch, True, splits, part, stats), merge]
+    return [_attention(query, *kv, True, splits, part, stats, **bounds), merge]
 
 
 @dataclass(frozen=True)
@@ -530,13 +568,28 @@ class _KVCache:
         return codes, 0, 1.0
 
 
-def _attention(query, kv: _KVCache, md, scale, out, arch, decode, splits=1, part=None, stats=None, causal=True):
+def _attention(
+    query,
+    kv: _KVCache,
+    md,
+    scale,
+    out,
+    arch,
+    decode,
+    splits=1,
+    part=None,
+    stats=None,
+    causal=True,
+    window=0,
+    softcap=0.0,
+):
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv.k.shape[1:3]
     kv_codes, fp8_shift, code_unit = kv.options()
     scale_strides = kv.k_scale.stride()[:2] if kv.k_scale is not None else (0, 0)
     num_seqs, group = md.seq_lens.shape[0], num_heads // num_kv_heads
-    tile = attention_tile(head_dim, query.dtype, decode, arch, quantized=kv.k_scale is not None)
+    bounded = bool(window or softcap)
+    tile = attention_tile(head_dim, query.dtype, decode, arch, quantized=kv.k_scale is not None, bounded=bounded)
     heads = min(group, tile.block_m)
     block_q = 1 if decode else tile.block_m // heads
     num_tiles = num_seqs if decode else num_tokens // block_q + num_seqs
@@ -555,6 +608,8 @@ def _attention(query, kv: _KVCache, md, scale, out, arch, decode, splits=1, part
             scale * math.log2(math.e),
             fp8_shift,
             code_unit,
+            window,
+            softcap * math.log2(math.e),
             num_seqs,
             num_tokens,
             num_heads,
@@ -579,6 +634,7 @@ def _attention(query, kv: _KVCache, md, scale, out, arch, decode, splits=1, part
             DECODE=decode,
             SPLIT=splits > 1,
             CAUSAL=causal,
+            BOUNDED=bounded,
             KV_CODES=kv_codes,
             **tc.dot_options(query),
             num_warps=tile.num_warps,
@@ -627,25 +683,24 @@ def _check_attention_args(query, k_cache, v_cache, md: AttentionMetadata, k_scal
 def _compile_cases(arch: int):
     """Every launch the dispatchers can make: each query dtype and head dim, on model-dtype caches and quantized
     ones (int8, fp8: e4m3 and e5m2 share the binary), the prefill tile causal and not, the decode tile with and
-    without KV splits, the merge, and the KV write (per padded head dim where it quantizes). Block size, GQA ratio
-    and batch shape are runtime arguments that do not change the binary."""
+    without KV splits, the causal ones `BOUNDED` too (a window or soft-cap: 16-bit queries, model-dtype caches),
+    the merge, and the KV write (per padded head dim where it quantizes). Block size, GQA ratio and batch shape
+    are runtime arguments that do not change the binary."""
     for dtype in tc.DTYPES:
         name = str(dtype).removeprefix("torch.")
         for codes, cache_dtype in (("", dtype), ("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
             label = f" kv={codes}" if codes else ""
             for head_dim in QUANTIZED_FP32_HEAD_DIMS if codes and dtype == torch.float32 else HEAD_DIMS:
                 seen = set()
-                for decode_only, splits, causal in (
-                    (False, None, True),
-                    (False, None, False),
-                    (True, 1, True),
-                    (True, 2, True),
-                ):
+                kinds = [(False, None, True, 0), (False, None, False, 0), (True, 1, True, 0), (True, 2, True, 0)]
+                if dtype != torch.float32 and not codes:
+                    kinds += [(False, None, True, 8), (True, 1, True, 8), (True, 2, True, 8)]
+                for decode_only, splits, causal, window in kinds:
                     query, cache, _, md, scale, out = _example_inputs(dtype, head_dim, decode_only)
                     cache = cache.to(cache_dtype)
                     scales = tc.example_kv_scales(cache)
                     for launch in paged_attention_launches(
-                        query, cache, cache, md, scale, out, splits, arch, causal, *scales
+                        query, cache, cache, md, scale, out, splits, arch, causal, *scales, window=window
                     ):
                         kind = _launch_kind(launch)
                         if kind not in seen and not (codes and kind == "merge"):  # the merge reads no cache
@@ -673,9 +728,10 @@ def _compile_cases(arch: int):
 def _launch_kind(launch: tc.Launch) -> str:
     if launch.kernel is _merge_splits_kernel:
         return "merge"
+    bounded = " bounded" if launch.kwargs["BOUNDED"] else ""
     if launch.kwargs["DECODE"]:
-        return "decode split" if launch.kwargs["SPLIT"] else "decode"
-    return "prefill" if launch.kwargs["CAUSAL"] else "prefill non-causal"
+        return ("decode split" if launch.kwargs["SPLIT"] else "decode") + bounded
+    return ("prefill" if launch.kwargs["CAUSAL"] else "prefill non-causal") + bounded
 
 
 def _example_inputs(dtype: torch.dtype, head_dim: int, decode: bool):

@@ -90,6 +90,9 @@ class ModelConfig:
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
     nope_layers: tuple[int, ...] = ()  # SmolLM3: layers whose attention has no rotary embedding (NoPE)
+    # what a model file reads of config.json beyond these fields (`family_config` of its class: gemma.GemmaConfig)
+    family: object | None = None
+    windowed: bool = False  # its attention applies `sliding_window` itself (the context is not capped at it)
     # pooling models (task "embed" or "classify"; set by get_model_config) and encoders
     task: str = "generate"
     causal: bool = True
@@ -112,11 +115,11 @@ class ModelConfig:
     ) -> "ModelConfig":
         """`raw` is config.json; `qkv_bias`, `qk_norm` and `renormalize_topk` (of a mixture of experts) are what
         the architecture implies beyond it."""
-        hidden_act = raw.get("hidden_act", "silu")
+        hidden_act = raw.get("hidden_act") or raw.get("hidden_activation") or "silu"  # Gemma: hidden_activation
         if hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {hidden_act!r}; tiffin serves {', '.join(ACTIVATIONS)}")
         heads = raw["num_attention_heads"]
-        theta, scaling = _rope(raw)
+        theta, scaling = read_rope(raw)
         return cls(
             architecture=raw["architectures"][0],
             vocab_size=raw["vocab_size"],
@@ -154,7 +157,7 @@ class ModelConfig:
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
-def _rope(raw: dict) -> tuple[float, dict | None]:
+def read_rope(raw: dict) -> tuple[float, dict | None]:
     """RoPE base and scaling, whether spelled `rope_theta` + `rope_scaling` (hub checkpoints) or
     `rope_parameters` (transformers 5). Scalings that extend the context (llama3, yarn, longrope) carry the
     pretraining length `original_max_position_embeddings` (a top-level one first, as Phi-3 saves it) and, where

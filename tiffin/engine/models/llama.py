@@ -64,6 +64,7 @@ class Attention(nn.Module):
         self.backend = backend
         # Granite's multiplier replaces 1/sqrt(head_dim); a scaled RoPE's factor, on q and k both, enters squared
         self.scale = (config.attention_multiplier or self.head_dim**-0.5) * rotary.attention_scaling**2
+        self.window, self.softcap = 0, 0.0  # every key seen, scores uncapped (Gemma's layers set them)
         self.k_cache = self.v_cache = torch.empty(0)  # set by the ModelRunner
         self.k_scale = self.v_scale = None  # a quantized cache's scales (`kv_quant`), set by the ModelRunner
 
@@ -79,7 +80,8 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, fresh_kv = rotation.rotate_and_write_kv(qk, v, self, attn_metadata.slot_mapping, self.backend)
         kv = (self.k_cache, self.v_cache, attn_metadata, self.scale, self.backend, True, self.k_scale, self.v_scale)
-        o = kernels.paged_attention(q, *kv, query_rotated=fresh_kv is None, fresh_kv=fresh_kv)
+        bounds = dict(window=self.window, softcap=self.softcap)
+        o = kernels.paged_attention(q, *kv, query_rotated=fresh_kv is None, fresh_kv=fresh_kv, **bounds)
         return self.o_proj(o.flatten(1), lora)
 
     def project(self, x: torch.Tensor, lora: LoRAMetadata | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -49,6 +49,8 @@ def get_model_config(
     if config.moe is not None and quant is not None:
         raise ValueError(f"{name} quantized with {quant.name}: quantized experts are not supported yet")
     config.task, config.causal = resolve_task(arch, name, task), arch.causal
+    if hasattr(arch.model, "family_config"):
+        config.family, config.windowed = arch.model.family_config(raw), arch.model.applies_sliding_window
     if arch.positions_after_padding:
         config.position_offset = raw.get("pad_token_id", 1) + 1
     if config.task != "generate" or arch.causal:  # a decoder that generates embeds too
@@ -99,6 +101,8 @@ def build_model(
     for module in model.modules():
         if isinstance(module, Linear):
             module.method.process_weights_after_loading(module)
+        elif hasattr(module, "process_weights_after_loading"):  # a norm storing (1 + weight), say
+            module.process_weights_after_loading()
     return model.eval()
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from tiffin.engine.models.bert import BertForSequenceClassification, BertModel
+from tiffin.engine.models.gemma import GemmaForCausalLM
 from tiffin.engine.models.llama import LlamaForCausalLM
 from tiffin.engine.models.llava import LlavaForConditionalGeneration
 from tiffin.engine.models.moe import MoEForCausalLM
@@ -45,6 +46,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Olmo2ForCausalLM": Architecture(Olmo2ForCausalLM, gguf_name="olmo2"),  # post-norms, q/k norms over all heads
     # vision-language models (images in the prompt, models/llava.py)
     "LlavaForConditionalGeneration": Architecture(LlavaForConditionalGeneration),
+    # GeGLU, (1 + weight) norms, sliding-window layers, soft-capping (models/gemma.py)
+    "Gemma2ForCausalLM": Architecture(GemmaForCausalLM),
+    "Gemma3ForCausalLM": Architecture(GemmaForCausalLM, qk_norm=True),
     # mixtures of experts (models/moe.py)
     "MixtralForCausalLM": Architecture(MoEForCausalLM, renormalize_topk=True),
     "Qwen2MoeForCausalLM": Architecture(MoEForCausalLM, qkv_bias=True),

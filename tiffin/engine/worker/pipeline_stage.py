@@ -15,7 +15,9 @@ from tiffin.engine.config import EngineConfig
 from tiffin.engine.distributed.pipeline import PipelineParallel
 from tiffin.engine.models.config import ModelConfig
 from tiffin.engine.models.linear import Linear
+from tiffin.engine.models.llama import LlamaForCausalLM
 from tiffin.engine.models.loader import build_model
+from tiffin.engine.models.registry import get_architecture
 from tiffin.engine.worker.batch import ModelInput
 
 
@@ -33,6 +35,8 @@ def check_supported(config: EngineConfig, model_config: ModelConfig, device: tor
         raise ValueError(f"pipeline_parallel_size {size} does not serve a mixture of experts yet")
     if model_config.multimodal is not None:
         raise ValueError(f"pipeline_parallel_size {size} does not serve a vision-language model yet")
+    if not issubclass(get_architecture(model_config.architecture).model, LlamaForCausalLM):  # the staged model
+        raise ValueError(f"pipeline_parallel_size {size} does not serve {model_config.architecture} yet")
     spec = config.speculative_config
     if spec is not None and spec.method == "draft_model":
         raise ValueError(f"pipeline_parallel_size {size} does not serve speculative decoding with a draft model yet")

@@ -24,7 +24,8 @@ extern "C" void tiffin_paged_decode(int dtype, const void* query, int64_t query_
                                     const void* k_scale, const void* v_scale, const int32_t* block_tables,
                                     int64_t block_table_stride, const int32_t* seq_lens, const int64_t* rows,
                                     const int64_t* seqs, int64_t num_rows, int num_heads, int num_kv_heads,
-                                    int head_dim, int block_size, float scale, int num_threads);
+                                    int head_dim, int block_size, float scale, int window, float softcap,
+                                    int num_threads);
 extern "C" void tiffin_write_kv(int dtype, const void* key, int64_t key_row_stride, const void* value,
                                 int64_t value_row_stride, int64_t tokens, int heads, int head_dim, const int64_t* slots,
                                 int cache_dtype, void* k_cache, void* v_cache, void* k_scale, void* v_scale,
@@ -152,7 +153,7 @@ struct Step {
                         layer.v_cache, layer.k_scale, layer.v_scale, block_tables, table_stride, seq_lens,
                         rows.data(), rows.data(), tokens, static_cast<int>(d.heads), kv_heads,
                         static_cast<int>(d.head_dim), static_cast<int>(d.block_size), static_cast<float>(d.scale),
-                        threads);
+                        0, 0.f, threads);  // the Llama family: no window, no soft-cap
   }
 
   void mlp(const DecoderLayer& layer) {

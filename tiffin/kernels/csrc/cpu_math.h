@@ -45,4 +45,10 @@ inline __m512 exp_nonpositive16(__m512 x) {
 }
 #endif
 
+// Gemma 2's attention logit soft-capping: each of the n scores s becomes cap * tanh(s / cap); cap <= 0: none.
+inline void soft_cap(float* s, int64_t n, float cap) {
+  if (cap <= 0.f) return;
+  for (int64_t i = 0; i < n; ++i) s[i] = cap * std::tanh(s[i] / cap);
+}
+
 }  // namespace

@@ -50,25 +50,36 @@ inline void softmax_rows(float* scores, float* denom, int rows, int len) {
   }
 }
 
-// The scales of a quantized cache's tokens for the task's KV heads: ks[h * len + t] (vs[...]) is token t's K (V)
-// scale of KV head kv_first + h. A block's scales are `[block_size, num_kv_heads]`, read block by block through the
-// table, a few blocks ahead prefetched (each block lies anywhere: every one a cache miss otherwise).
+// The cache offsets of tokens [lo, lo + len) of a sequence (its window's keys: all from lo = 0), found once per
+// sequence and shared by its heads and by K and V: offsets[t] is token lo + t's slot times `slot_stride`.
+inline void token_offsets(std::vector<int64_t>& offsets, const int32_t* block_table, int block_size, int lo, int len,
+                          int64_t slot_stride) {
+  offsets.resize(len);
+  for (int b = lo / block_size, i = lo % block_size, t = 0; t < len; ++b, i = 0) {
+    const int64_t first = static_cast<int64_t>(block_table[b]) * block_size;
+    for (; i < block_size && t < len; ++i, ++t) offsets[t] = (first + i) * slot_stride;
+  }
+}
+
+// The scales of a quantized cache's tokens [lo, lo + len) for the task's KV heads: ks[h * len + t] (vs[...]) is
+// token lo + t's K (V) scale of KV head kv_first + h. A block's scales are `[block_size, num_kv_heads]`, read block
+// by block through the table, a few blocks ahead prefetched (each block lies anywhere: every one a cache miss
+// otherwise).
 inline void token_scales(float* ks, float* vs, const bf16* k_scale, const bf16* v_scale, const int32_t* block_table,
-                         int block_size, int len, int kv_first, int kv_heads, int num_kv_heads) {
+                         int block_size, int lo, int len, int kv_first, int kv_heads, int num_kv_heads) {
   constexpr int AHEAD = 8;
-  const int blocks = (len + block_size - 1) / block_size;
+  const int end_block = (lo + len + block_size - 1) / block_size;
   const int64_t block_stride = static_cast<int64_t>(block_size) * num_kv_heads;
-  for (int b = 0; b < blocks; ++b) {
-    if (b + AHEAD < blocks) {
+  for (int b = lo / block_size, i = lo % block_size, t = 0; t < len; ++b, i = 0) {
+    if (b + AHEAD < end_block) {
       __builtin_prefetch(k_scale + block_table[b + AHEAD] * block_stride + kv_first);
       __builtin_prefetch(v_scale + block_table[b + AHEAD] * block_stride + kv_first);
     }
     const int64_t first = block_table[b] * block_stride + kv_first;
-    const int t0 = b * block_size, n = len - t0 < block_size ? len - t0 : block_size;
-    for (int i = 0; i < n; ++i)
+    for (; i < block_size && t < len; ++i, ++t)
       for (int h = 0; h < kv_heads; ++h) {
-        ks[h * len + t0 + i] = to_float(k_scale[first + i * num_kv_heads + h]);
-        vs[h * len + t0 + i] = to_float(v_scale[first + i * num_kv_heads + h]);
+        ks[h * len + t] = to_float(k_scale[first + i * num_kv_heads + h]);
+        vs[h * len + t] = to_float(v_scale[first + i * num_kv_heads + h]);
       }
   }
 }
@@ -89,14 +100,13 @@ inline void weigh_by_scales(float* __restrict probs, const float* __restrict sca
 template <typename T, typename C>
 void decode_task(const T* q, T* out, const C* k_cache, const C* v_cache, const bf16* k_scale, const bf16* v_scale,
                  const int32_t* block_table, int len, int kv_first, int kv_end, int group, int num_kv_heads,
-                 int head_dim, int block_size, float scale, std::vector<float>& buf, std::vector<int64_t>& offsets) {
+                 int head_dim, int block_size, float scale, int lo, float softcap, std::vector<float>& buf,
+                 std::vector<int64_t>& offsets) {
   const int heads = (kv_end - kv_first) * group;  // query heads of this task, from query head kv_first * group
   const int64_t slot_stride = static_cast<int64_t>(num_kv_heads) * head_dim;
   q += kv_first * group * head_dim;
   out += kv_first * group * head_dim;
-  offsets.resize(len);
-  for (int t = 0; t < len; ++t)
-    offsets[t] = (static_cast<int64_t>(block_table[t / block_size]) * block_size + t % block_size) * slot_stride;
+  token_offsets(offsets, block_table, block_size, lo, len, slot_stride);
   const int kv_heads = kv_end - kv_first;
   buf.resize(static_cast<size_t>(heads) * (2 * head_dim + len + 1) + 2 * kv_heads * len);
   float* qf = buf.data();
@@ -106,7 +116,7 @@ void decode_task(const T* q, T* out, const C* k_cache, const C* v_cache, const b
   float* ks = denom + heads;
   float* vs = ks + kv_heads * len;
   if constexpr (is_code<C>) {
-    token_scales(ks, vs, k_scale, v_scale, block_table, block_size, len, kv_first, kv_heads, num_kv_heads);
+    token_scales(ks, vs, k_scale, v_scale, block_table, block_size, lo, len, kv_first, kv_heads, num_kv_heads);
   }
   for (int i = 0; i < heads * head_dim; ++i) qf[i] = to_float(q[i]) * scale;
   if constexpr (is_code<C>)  // keys are stored rotated
@@ -122,6 +132,7 @@ void decode_task(const T* q, T* out, const C* k_cache, const C* v_cache, const b
       scores[hq * len + t] = is_code<C> ? dot * ks[(hq / group) * len + t] : dot;
     }
   }
+  soft_cap(scores, static_cast<int64_t>(heads) * len, softcap);
   softmax_rows(scores, denom, heads, len);
   std::memset(acc, 0, sizeof(float) * heads * head_dim);
   for (int t = 0; t < len; ++t) {
@@ -262,17 +273,12 @@ void weigh_values(T* out, const C* v_cache, const int64_t* offsets, const float*
 template <int D, typename T, typename C>
 void decode_task_avx512(const T* q, T* out, const C* k_cache, const C* v_cache, const bf16* k_scale,
                         const bf16* v_scale, const int32_t* block_table, int len, int kv_first, int kv_end, int group,
-                        int num_kv_heads, int block_size, float scale, std::vector<float>& buf,
-                        std::vector<int64_t>& offsets) {
+                        int num_kv_heads, int block_size, float scale, int lo, float softcap,
+                        std::vector<float>& buf, std::vector<int64_t>& offsets) {
   const int heads = (kv_end - kv_first) * group, kv_heads = kv_end - kv_first;  // query heads from kv_first * group
   q += kv_first * group * D;
   out += kv_first * group * D;
-  const int64_t slot_stride = static_cast<int64_t>(num_kv_heads) * D;
-  offsets.resize(len);
-  for (int b = 0, t = 0; t < len; ++b) {  // found once per sequence, shared by its heads and by K and V
-    const int64_t first = static_cast<int64_t>(block_table[b]) * block_size;
-    for (int i = 0; i < block_size && t < len; ++i, ++t) offsets[t] = (first + i) * slot_stride;
-  }
+  token_offsets(offsets, block_table, block_size, lo, len, static_cast<int64_t>(num_kv_heads) * D);
   buf.resize(static_cast<size_t>(heads) * (D + len + 1) + 2 * kv_heads * len + heads * (D / 2 + 1));
   float* qf = buf.data();
   float* scores = qf + heads * D;
@@ -282,7 +288,7 @@ void decode_task_avx512(const T* q, T* out, const C* k_cache, const C* v_cache, 
   float* q_steps = vs + kv_heads * len;  // int8 keys: the query's int16 codes and their steps
   int16_t* q16 = reinterpret_cast<int16_t*>(q_steps + heads);
   if constexpr (is_code<C>) {
-    token_scales(ks, vs, k_scale, v_scale, block_table, block_size, len, kv_first, kv_heads, num_kv_heads);
+    token_scales(ks, vs, k_scale, v_scale, block_table, block_size, lo, len, kv_first, kv_heads, num_kv_heads);
   }
   k_cache += kv_first * D;
   v_cache += kv_first * D;
@@ -325,6 +331,7 @@ void decode_task_avx512(const T* q, T* out, const C* k_cache, const C* v_cache, 
       const float token_scale = is_code<C> ? ks[(hq / group) * len + t] : 1.f;
       scores[hq * len + t] = _mm512_reduce_add_ps(dot(hq, offsets[t])) * head_scale(hq) * token_scale;
     }
+  soft_cap(scores, static_cast<int64_t>(heads) * len, softcap);
   softmax_rows(scores, denom, heads, len);
   if constexpr (is_code<C>) weigh_by_scales(scores, vs, heads, group, len);
   weigh_values<D>(out, v_cache, offsets.data(), scores, denom, len, kv_heads, group);
@@ -336,7 +343,7 @@ void decode(const void* query, int64_t query_row_stride, void* out, int64_t out_
             const void* v_cache, const void* k_scale, const void* v_scale, const int32_t* block_tables,
             int64_t block_table_stride, const int32_t* seq_lens, const int64_t* rows, const int64_t* seqs,
             int64_t num_rows, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-            int num_threads) {
+            int window, float softcap, int num_threads) {
   // Whole sequences per task read the cache contiguously (1.4x faster); with few sequences, one task per KV
   // head instead, so that every thread has work.
   const int kv_per_task = num_rows >= 4 * num_threads ? num_kv_heads : 1;
@@ -354,16 +361,18 @@ void decode(const void* query, int64_t query_row_stride, void* out, int64_t out_
       const T* q = static_cast<const T*>(query) + rows[i] * query_row_stride;
       T* o = static_cast<T*>(out) + rows[i] * out_row_stride;
       const int32_t* table = block_tables + seqs[i] * block_table_stride;
-      const int group = num_heads / num_kv_heads, len = seq_lens[seqs[i]], kv_end = kv_first + kv_per_task;
+      const int group = num_heads / num_kv_heads, seq_len = seq_lens[seqs[i]], kv_end = kv_first + kv_per_task;
+      const int lo = window > 0 && seq_len > window ? seq_len - window : 0, len = seq_len - lo;  // keys it sees
 #if defined(__AVX512F__)
       if (head_dim == 64 || head_dim == 128) {
         auto run = head_dim == 64 ? decode_task_avx512<64, T, C> : decode_task_avx512<128, T, C>;
-        run(q, o, kc, vc, ks, vs, table, len, kv_first, kv_end, group, num_kv_heads, block_size, scale, buf, offsets);
+        run(q, o, kc, vc, ks, vs, table, len, kv_first, kv_end, group, num_kv_heads, block_size, scale, lo, softcap,
+            buf, offsets);
         continue;
       }
 #endif
       decode_task(q, o, kc, vc, ks, vs, table, len, kv_first, kv_end, group, num_kv_heads, head_dim, block_size,
-                  scale, buf, offsets);
+                  scale, lo, softcap, buf, offsets);
     }
   }
 }
@@ -534,20 +543,22 @@ extern "C" void tiffin_rms_norm(int dtype, const void* x, int64_t row_stride, co
 
 // dtype: 0 float32, 2 bfloat16 (fp16 stays on torch: converting it is slow without AVX512-FP16); cache_dtype the
 // same, or 3 int8, 4 fp8 e4m3, 5 fp8 e5m2 codes with bf16 scales [slots, num_kv_heads]. Query row `rows[i]` attends
-// to the first `seq_lens[seqs[i]]` slots of block table `seqs[i]`; heads are contiguous within a row, head_dim
-// within a head.
+// to the first `seq_lens[seqs[i]]` slots of block table `seqs[i]` (the last `window` of them where window > 0),
+// its scores soft-capped at `softcap` where > 0; heads are contiguous within a row, head_dim within a head.
 extern "C" void tiffin_paged_decode(int dtype, const void* query, int64_t query_row_stride, void* out,
                                     int64_t out_row_stride, int cache_dtype, const void* k_cache, const void* v_cache,
                                     const void* k_scale, const void* v_scale, const int32_t* block_tables,
                                     int64_t block_table_stride, const int32_t* seq_lens, const int64_t* rows,
                                     const int64_t* seqs, int64_t num_rows, int num_heads, int num_kv_heads,
-                                    int head_dim, int block_size, float scale, int num_threads) {
+                                    int head_dim, int block_size, float scale, int window, float softcap,
+                                    int num_threads) {
   by_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     by_cache_dtype<T>(cache_dtype, [&](auto cache_tag) {
       decode<T, decltype(cache_tag)>(query, query_row_stride, out, out_row_stride, k_cache, v_cache, k_scale,
                                      v_scale, block_tables, block_table_stride, seq_lens, rows, seqs, num_rows,
-                                     num_heads, num_kv_heads, head_dim, block_size, scale, num_threads);
+                                     num_heads, num_kv_heads, head_dim, block_size, scale, window, softcap,
+                                     num_threads);
     });
   });
 }

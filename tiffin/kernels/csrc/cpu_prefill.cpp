@@ -143,19 +143,20 @@ inline __mmask16 first_lanes(int64_t n) {  // the lanes below n, of 16
   return n >= 16 ? 0xFFFF : (n > 0 ? static_cast<__mmask16>((1u << n) - 1) : 0);
 }
 
-// Row r's scores s[0, width) become probabilities e^(s - m) in p, as T (zero past the `seen` keys it sees), its
-// running max m and sum l updated and its output o rescaled to the new max.
+// Row r's scores s[0, width) become probabilities e^(s - m) in p, as T (zero outside the keys [from, seen) it
+// sees), its running max m and sum l updated and its output o rescaled to the new max.
 template <typename T, int D>
-inline void online_softmax(const float* s, uint32_t* p, float* o, float& m, float& l, int64_t seen, int width) {
+inline void online_softmax(const float* s, uint32_t* p, float* o, float& m, float& l, int64_t from, int64_t seen,
+                           int width) {
+  const auto lanes = [&](int c) { return static_cast<__mmask16>(first_lanes(seen - c) & ~first_lanes(from - c)); };
   __m512 vmax = _mm512_set1_ps(m);
-  for (int c = 0; c < seen; c += 16)
-    vmax = _mm512_mask_max_ps(vmax, first_lanes(seen - c), vmax, _mm512_loadu_ps(s + c));
+  for (int c = 0; c < seen; c += 16) vmax = _mm512_mask_max_ps(vmax, lanes(c), vmax, _mm512_loadu_ps(s + c));
   const float m_new = _mm512_reduce_max_ps(vmax);
   const float correction = m == -INFINITY ? 0.f : exp_nonpositive(m - m_new);
   __m512 sum = _mm512_setzero_ps();
   for (int c = 0; c < width; c += 16) {
     const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(s + c), _mm512_set1_ps(m_new)));
-    const __m512 kept = _mm512_maskz_mov_ps(first_lanes(seen - c), e);
+    const __m512 kept = _mm512_maskz_mov_ps(lanes(c), e);
     sum = _mm512_add_ps(sum, kept);
     if constexpr (std::is_same_v<T, bf16>)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + c / 2), (__m256i)_mm512_cvtneps_pbh(kept));
@@ -170,11 +171,12 @@ inline void online_softmax(const float* s, uint32_t* p, float* o, float& m, floa
 }
 
 // One task: query rows [0, rows) of one head against the keys each may see (row r: the first `visible + r` keys,
-// all `n_k` where not causal), walking the tiles with a running max `m` and sum `l` per row. Rows past `rows` up
-// to a multiple of 4 repeat the last one in the products and are never stored.
+// all `n_k` where not causal; of those only the last `window` where window > 0), walking the tiles with a running
+// max `m` and sum `l` per row, scores soft-capped at `softcap` where > 0. Rows past `rows` up to a multiple of 4
+// repeat the last one in the products and are never stored.
 template <typename T, int D>
 void attend_rows(const T* q, int64_t q_stride, T* out, int64_t out_stride, const Packed& kv, int rows,
-                 int64_t visible, int n_k, bool causal, float scale) {
+                 int64_t visible, int n_k, bool causal, float scale, int window, float softcap) {
   constexpr int tokens = kTokensPerWord<T>, p_row = kTile / tokens, v_row = D;  // words
   alignas(64) float s[kRows * kTile], o[kRows * D], m[kRows], l[kRows];
   alignas(64) uint32_t p[kRows * p_row];
@@ -189,8 +191,9 @@ void attend_rows(const T* q, int64_t q_stride, T* out, int64_t out_stride, const
     std::copy(row, row + D, tail + i * D);
   }
   const auto seen_by = [&](int r) { return causal ? std::min<int64_t>(visible + r, n_k) : n_k; };
+  const auto from_of = [&](int r) { return window > 0 ? std::max<int64_t>(seen_by(r) - window, 0) : 0; };
   const int64_t last = seen_by(rows - 1);
-  for (int64_t t0 = 0; t0 < last; t0 += kTile) {
+  for (int64_t t0 = from_of(0) / kSub * kSub; t0 < last; t0 += kTile) {  // packed keys start on kSub bounds
     const int width = static_cast<int>(std::min<int64_t>(kTile, (last - t0 + kSub - 1) / kSub * kSub));
     for (int r = 0; r < padded; r += 4) {
       const bool whole = rows - r >= 4;
@@ -200,7 +203,9 @@ void attend_rows(const T* q, int64_t q_stride, T* out, int64_t out_stride, const
     }
     for (int r = 0; r < rows; ++r) {
       const int64_t seen = std::clamp<int64_t>(seen_by(r) - t0, 0, kTile);
-      online_softmax<T, D>(s + r * kTile, p + r * p_row, o + r * D, m[r], l[r], seen, width);
+      const int64_t from = std::clamp<int64_t>(from_of(r) - t0, 0, kTile);
+      soft_cap(s + r * kTile, width, softcap);
+      online_softmax<T, D>(s + r * kTile, p + r * p_row, o + r * D, m[r], l[r], from, seen, width);
     }
     for (int r = 0; r < padded; r += 4)
       for (int c = 0; c < width; c += kSub)
@@ -217,7 +222,7 @@ void attend_rows(const T* q, int64_t q_stride, T* out, int64_t out_stride, const
 // rows_of(h): the fetch of KV head h's rows (DenseRows, PagedRows).
 template <typename T, int D, typename RowsOf>
 void prefill(const T* q, int64_t q_stride, T* out, int64_t out_stride, int n_q, int n_k, int heads, int kv_heads,
-             const RowsOf& rows_of, float scale, bool causal, int num_threads) {
+             const RowsOf& rows_of, float scale, bool causal, int window, float softcap, int num_threads) {
   std::vector<Packed> packed(kv_heads);
 #pragma omp parallel for num_threads(num_threads)
   for (int h = 0; h < kv_heads; ++h) pack<T>(packed[h], n_k, D, rows_of(h));
@@ -229,7 +234,7 @@ void prefill(const T* q, int64_t q_stride, T* out, int64_t out_stride, int n_q, 
     const int r0 = block * kRows, rows = std::min(kRows, n_q - r0);
     attend_rows<T, D>(q + r0 * q_stride + h * D, q_stride, out + r0 * out_stride + h * D, out_stride,
                       packed[h / (heads / kv_heads)], rows, static_cast<int64_t>(n_k) - n_q + r0 + 1, n_k, causal,
-                      scale);
+                      scale, window, softcap);
   }
 }
 
@@ -257,11 +262,12 @@ extern "C" int tiffin_prefill_supported(int dtype, int head_dim) {
 
 // out[i] = softmax(q[i] . K^T * scale) V for each query row i and head, rows of `heads` (`kv_heads`) heads of
 // head_dim contiguous values (`dtype` 0 fp32, 2 bf16), rows `*_stride` elements apart. Causal: query i, the last
-// n_q of n_k positions, sees the first n_k - n_q + i + 1 keys; otherwise all n_k.
+// n_q of n_k positions, sees the first n_k - n_q + i + 1 keys (the last `window` of them where window > 0);
+// otherwise all n_k. Scores soft-capped at `softcap` where > 0 (cap * tanh(score / cap)).
 extern "C" void tiffin_prefill_attention(int dtype, const void* q, int64_t q_stride, const void* k, int64_t k_stride,
                                          const void* v, int64_t v_stride, void* out, int64_t out_stride, int n_q,
                                          int n_k, int heads, int kv_heads, int head_dim, float scale, int causal,
-                                         int num_threads) {
+                                         int window, float softcap, int num_threads) {
 #if defined(__AVX512BF16__)
   by_dtype_and_head_dim(dtype, head_dim, [&](auto t, auto d) {
     using T = decltype(t);
@@ -270,12 +276,12 @@ extern "C" void tiffin_prefill_attention(int dtype, const void* q, int64_t q_str
       return DenseRows<T>{static_cast<const T*>(k) + h * D, static_cast<const T*>(v) + h * D, k_stride, v_stride, D};
     };
     prefill<T, D>(static_cast<const T*>(q), q_stride, static_cast<T*>(out), out_stride, n_q, n_k, heads, kv_heads,
-                  rows_of, scale, causal != 0, num_threads);
+                  rows_of, scale, causal != 0, window, softcap, num_threads);
   });
 #else
   (void)dtype, (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride, (void)out;
   (void)out_stride, (void)n_q, (void)n_k, (void)heads, (void)kv_heads, (void)head_dim, (void)scale, (void)causal;
-  (void)num_threads;
+  (void)window, (void)softcap, (void)num_threads;
 #endif
 }
 
@@ -286,7 +292,7 @@ extern "C" void tiffin_prefill_paged(int dtype, const void* q, int64_t q_stride,
                                      int n_q, int n_k, int heads, int kv_heads, int head_dim, int cache_dtype,
                                      const void* k_cache, const void* v_cache, const void* k_scale,
                                      const void* v_scale, const int32_t* block_table, int block_size, float scale,
-                                     int causal, int num_threads) {
+                                     int causal, int window, float softcap, int num_threads) {
 #if defined(__AVX512BF16__)
   by_dtype_and_head_dim(dtype, head_dim, [&](auto t, auto d) {
     using T = decltype(t);
@@ -299,12 +305,12 @@ extern "C" void tiffin_prefill_paged(int dtype, const void* q, int64_t q_stride,
                                block_table, block_size, kv_heads, h, D};
       };
       prefill<T, D>(static_cast<const T*>(q), q_stride, static_cast<T*>(out), out_stride, n_q, n_k, heads, kv_heads,
-                    rows_of, scale, causal != 0, num_threads);
+                    rows_of, scale, causal != 0, window, softcap, num_threads);
     });
   });
 #else
   (void)dtype, (void)q, (void)q_stride, (void)out, (void)out_stride, (void)n_q, (void)n_k, (void)heads;
   (void)kv_heads, (void)head_dim, (void)cache_dtype, (void)k_cache, (void)v_cache, (void)k_scale, (void)v_scale;
-  (void)block_table, (void)block_size, (void)scale, (void)causal, (void)num_threads;
+  (void)block_table, (void)block_size, (void)scale, (void)causal, (void)window, (void)softcap, (void)num_threads;
 #endif
 }
