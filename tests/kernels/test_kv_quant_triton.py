@@ -237,7 +237,9 @@ def test_compile_check_registers_every_quantized_variant():
     """Without compiling: the registered cases include, per query dtype, each head dim's quantized tiles (int8,
     and fp8 whose two formats share a binary; fp32 without d=256, which is refused), the quantized KV writes per
     padded head dim and code format, and the rotary write per code format."""
-    configs = {case.config for _, case in compile_check.collect(80, ["paged_attention", "fused_elementwise"])}
+    configs = {
+        case.config for _, case in compile_check.collect(80, ["paged_attention", "write_kv", "fused_elementwise"])
+    }
     for dtype in ("float16", "bfloat16", "float32"):
         for codes in ("int8", "fp8"):
             for head_dim in ta.QUANTIZED_FP32_HEAD_DIMS if dtype == "float32" else ta.HEAD_DIMS:
@@ -266,4 +268,4 @@ SAMPLE = [
 def test_compile_check_compiles_quantized_sample():
     """A sample of the quantized variants compiles for sm_80 (fp8 codes too: unpacked without Triton's fp8 types)
     and sm_90 without spills (the full table: `python -m tiffin.kernels.compile_check`)."""
-    assert_sample_compiles(["paged_attention", "fused_elementwise"], SAMPLE)
+    assert_sample_compiles(["paged_attention", "write_kv", "fused_elementwise"], SAMPLE)

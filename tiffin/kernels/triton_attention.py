@@ -1,4 +1,4 @@
-"""Triton KV-cache write and paged attention (the GPU path of `write_kv` / `paged_attention`).
+"""Triton paged attention (the GPU path of `paged_attention`; the KV-cache write: triton_write_kv).
 
 One attention kernel, two tile shapes. A program owns `BLOCK_M` query rows: `block_q` consecutive tokens of one
 request times `heads` query heads that share one KV head (GQA without repeating K/V; a group larger than the
@@ -39,14 +39,13 @@ from tiffin.kernels import triton_common as tc
 from tiffin.kernels.attention import AttentionMetadata
 from tiffin.kernels.compile_check import CompileCase, register
 from tiffin.kernels.dispatch import implements
-from tiffin.kernels.triton_common import bf16_bits_to_float, hadamard_halves, kv_code_values, kv_quantize, kv_scale
+from tiffin.kernels.triton_common import bf16_bits_to_float, kv_code_values
 
 HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 # fp32 queries on a quantized cache: d=256 spills on sm_80 and sm_90 at every tile tried (BLOCK_N 16 or 32, one or
 # two stages, 8 or 16 warps: 3xTF32 operand halves beside the scaled codes); refused, the torch backend serves it
 QUANTIZED_FP32_HEAD_DIMS = HEAD_DIMS[:-1]
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it adds
-WRITE_BLOCK = 1024  # elements of one token's [num_kv_heads * head_dim] row copied per program
 
 
 def attention_tile(
@@ -85,7 +84,7 @@ _WIDE_QUANTIZED_DECODE = {80: (128, 256), 86: (256,), 89: (256,), 90: (32,), 120
 
 
 def _model_dtype_tile(head_dim: int, dtype: torch.dtype, decode: bool, arch: int) -> tc.Tile:
-    d = _pad_head_dim(head_dim)
+    d = pad_head_dim(head_dim)
     small_shared = arch in (86, 89, 120)  # 99 KB of shared memory per block (sm_80: 163 KB, sm_90: 227 KB)
     if dtype == torch.float32:  # 3xTF32 keeps hi/lo halves of each operand in registers: small tiles, 8 warps
         # a second stage of d=256 K/V tiles takes 100 KB: one stage there
@@ -101,78 +100,8 @@ def _model_dtype_tile(head_dim: int, dtype: torch.dtype, decode: bool, arch: int
     return tc.Tile(block_m, block_n, d, num_warps=4 if block_m * d < 8192 else 8, num_stages=stages)
 
 
-def _pad_head_dim(head_dim: int) -> int:
+def pad_head_dim(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
-
-
-@triton.jit
-def _write_kv_kernel(
-    key_ptr,
-    value_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    slot_mapping_ptr,
-    stride_key,
-    stride_value,
-    row_size,
-    BLOCK: tl.constexpr,
-):
-    token = tl.program_id(0)
-    slot = tl.load(slot_mapping_ptr + token)
-    if slot < 0:  # padding token
-        return
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < row_size
-    dst = slot * row_size + offs
-    tl.store(k_cache_ptr + dst, tl.load(key_ptr + token * stride_key + offs, mask=mask), mask=mask)
-    tl.store(v_cache_ptr + dst, tl.load(value_ptr + token * stride_value + offs, mask=mask), mask=mask)
-
-
-@triton.jit
-def _write_kv_quantized_kernel(
-    key_ptr,
-    value_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    k_scale_ptr,
-    v_scale_ptr,
-    slot_mapping_ptr,
-    head_dim,
-    stride_key_token,
-    stride_key_head,
-    stride_value_token,
-    stride_value_head,
-    CODES: tl.constexpr,
-    BLOCK: tl.constexpr,
-    ROTATE: tl.constexpr,
-):
-    """Program (token, KV head): the head's key and value quantized (`kv_quant`), codes and scales stored at its
-    slot; `ROTATE` (head_dim a power of two, BLOCK) the key times the Hadamard matrix first, by its halves.
-    Caches and scales contiguous: `[slots, num_kv_heads, head_dim]` and `[slots, num_kv_heads]`."""
-    token, kv_head = tl.program_id(0), tl.program_id(1)
-    slot = tl.load(slot_mapping_ptr + token)
-    if slot < 0:  # padding token
-        return
-    d = tl.arange(0, BLOCK)
-    mask = d < head_dim
-    row = slot * tl.num_programs(1) + kv_head
-    src = key_ptr + token * stride_key_token + kv_head * stride_key_head
-    if ROTATE:
-        h = tl.arange(0, BLOCK // 2)
-        k1, k2 = hadamard_halves(tl.load(src + h), tl.load(src + BLOCK // 2 + h), BLOCK // 2)
-        scale, scale_bits = kv_scale(tl.maximum(tl.max(tl.abs(k1), 0), tl.max(tl.abs(k2), 0)), CODES)
-        tl.store(k_cache_ptr + row * head_dim + h, kv_quantize(k1, scale, CODES))
-        tl.store(k_cache_ptr + row * head_dim + BLOCK // 2 + h, kv_quantize(k2, scale, CODES))
-    else:
-        k = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)
-        scale, scale_bits = kv_scale(tl.max(tl.abs(k), 0), CODES)
-        tl.store(k_cache_ptr + row * head_dim + d, kv_quantize(k, scale, CODES), mask=mask)
-    tl.store(k_scale_ptr + row, scale_bits)
-    v = tl.load(value_ptr + token * stride_value_token + kv_head * stride_value_head + d, mask=mask, other=0.0)
-    v = v.to(tl.float32)
-    scale, scale_bits = kv_scale(tl.max(tl.abs(v), 0), CODES)
-    tl.store(v_cache_ptr + row * head_dim + d, kv_quantize(v, scale, CODES), mask=mask)
-    tl.store(v_scale_ptr + row, scale_bits)
 
 
 @triton.jit(
@@ -401,70 +330,6 @@ def _merge_splits_kernel(
     tl.store(out_ptr + token * stride_ot + head * stride_oh + d, out, mask=d < HEAD_DIM)
 
 
-@implements("write_kv", "triton")
-def write_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
-    if key.shape[0]:
-        write_kv_launch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)(key.device)
-
-
-def write_kv_launch(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> tc.Launch:
-    """A model-dtype cache copies each token's row in `WRITE_BLOCK` chunks; a quantized one (scales given) runs
-    a program per token and KV head, which reduces the head to its scale."""
-    num_tokens = key.shape[0]
-    if key.shape != value.shape or key.shape[1:] != k_cache.shape[2:] or k_cache.shape != v_cache.shape:
-        raise ValueError(
-            f"write_kv: key {tuple(key.shape)} / value {tuple(value.shape)} do not fit caches "
-            f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}"
-        )
-    if slot_mapping.shape != (num_tokens,) or slot_mapping.dtype != torch.int64:
-        raise ValueError(
-            f"write_kv: slot_mapping must be int64 [{num_tokens}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
-        )
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.dtype != v_cache.dtype:
-        raise ValueError("write_kv: k_cache and v_cache must be contiguous and of one dtype")
-    if k_scale is not None:
-        return _write_kv_quantized_launch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-    row_size = key.shape[1] * key.shape[2]
-    # Rows are usually strided views of a fused qkv output; reshape copies only if a row is not contiguous.
-    key = key.to(k_cache.dtype).reshape(num_tokens, row_size)
-    value = value.to(v_cache.dtype).reshape(num_tokens, row_size)
-    return tc.Launch(
-        _write_kv_kernel,
-        (num_tokens, triton.cdiv(row_size, WRITE_BLOCK)),
-        (key, value, k_cache, v_cache, slot_mapping, key.stride(0), value.stride(0), row_size),
-        dict(BLOCK=WRITE_BLOCK),
-    )
-
-
-def _write_kv_quantized_launch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> tc.Launch:
-    tc.check_kv_scales("write_kv", k_cache, k_scale, v_scale)
-    if key.dtype not in tc.DTYPES or value.dtype != key.dtype:
-        raise ValueError(f"write_kv: key/value dtypes must be one of {tc.DTYPES}, got {key.dtype}/{value.dtype}")
-    num_tokens, num_kv_heads, head_dim = key.shape
-    rotate = kv_quant.rotates(head_dim)  # keys stored rotated (kv_quant): by the kernel
-    key, value = key if rotate else key.float(), value.float()  # quantized from fp32
-    # heads of strided views of a fused qkv output are read in place; a copy only where head_dim is strided
-    key = key if key.stride(2) == 1 else key.contiguous()
-    value = value if value.stride(2) == 1 else value.contiguous()
-    return tc.Launch(
-        _write_kv_quantized_kernel,
-        (num_tokens, num_kv_heads),
-        (
-            key,
-            value,
-            tc.kv_code_view(k_cache),
-            tc.kv_code_view(v_cache),
-            k_scale.view(torch.int16),
-            v_scale.view(torch.int16),
-            slot_mapping,
-            head_dim,
-            *key.stride()[:2],
-            *value.stride()[:2],
-        ),
-        dict(CODES=tc.kv_codes(k_cache), BLOCK=_pad_head_dim(head_dim), ROTATE=rotate, num_warps=1),
-    )
-
-
 @implements("paged_attention", "triton")
 def paged_attention_triton(
     query,
@@ -531,7 +396,7 @@ def paged_attention_launches(
     if splits == 1:
         return [decode]
     num_tokens, num_heads, head_dim = query.shape
-    d_pad = _pad_head_dim(head_dim)
+    d_pad = pad_head_dim(head_dim)
     part = tc.empty((splits, num_tokens, num_heads, d_pad), torch.float32, query.device)
     stats = tc.empty((splits, num_tokens, num_heads, 2), torch.float32, query.device)
     merge = tc.Launch(
@@ -684,7 +549,7 @@ def _compile_cases(arch: int):
     """Every launch the dispatchers can make: each query dtype and head dim, on model-dtype caches and quantized
     ones (int8, fp8: e4m3 and e5m2 share the binary), the prefill tile causal and not, the decode tile with and
     without KV splits, the causal ones `BOUNDED` too (a window or soft-cap: 16-bit queries, model-dtype caches),
-    the merge, and the KV write (per padded head dim where it quantizes). Block size, GQA ratio and batch shape
+    and the merge. Block size, GQA ratio and batch shape
     are runtime arguments that do not change the binary."""
     for dtype in tc.DTYPES:
         name = str(dtype).removeprefix("torch.")
@@ -707,22 +572,6 @@ def _compile_cases(arch: int):
                             seen.add(kind)
                             config = f"{name} d={head_dim}{label} {kind}"
                             yield CompileCase(launch.kernel, config, launch.args, launch.kwargs)
-        key = torch.empty(2, 2, 64, dtype=dtype, device="meta")
-        cache = torch.empty(4, 16, 2, 64, dtype=dtype, device="meta")
-        slots = torch.empty(2, dtype=torch.int64, device="meta")
-        launch = write_kv_launch(key, key, cache, cache, slots)
-        yield CompileCase(launch.kernel, f"{name} write_kv", launch.args, launch.kwargs)
-        for codes, cache_dtype in kv_quant.CACHE_DTYPES.items():
-            for head_dim in sorted({_pad_head_dim(d): d for d in HEAD_DIMS}.values()):
-                key = torch.empty(2, 2, head_dim, dtype=dtype, device="meta")
-                cache = torch.empty(4, 16, 2, head_dim, dtype=cache_dtype, device="meta")
-                launch = write_kv_launch(key, key, cache, cache, slots, *tc.example_kv_scales(cache))
-                config = f"{name} write_kv kv={codes} block={_pad_head_dim(head_dim)}"
-                yield CompileCase(launch.kernel, config, launch.args, launch.kwargs)
-            key = torch.empty(2, 2, 80, dtype=dtype, device="meta")  # not a power of two: stored unrotated
-            cache = torch.empty(4, 16, 2, 80, dtype=cache_dtype, device="meta")
-            launch = write_kv_launch(key, key, cache, cache, slots, *tc.example_kv_scales(cache))
-            yield CompileCase(launch.kernel, f"{name} write_kv kv={codes} head_dim=80", launch.args, launch.kwargs)
 
 
 def _launch_kind(launch: tc.Launch) -> str:
