@@ -79,6 +79,9 @@ def runs(env, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
             "quantized.py": ["quantized.py", "--gguf", gguf, "--rounds", "1", "--decode-tokens", "4"]
             + ["--prompt-tokens", "16", "--weight-formats", "--hf-dir", tiny, "--n", "2", "--ppl-tokens", "64"],
             "block_gemm.py": ["block_gemm.py", "--shapes", "48x256", "--rows", "16", "--reps", "2", "--threads", "1"],
+            "batch_ttft.py": ["batch_ttft.py", "--streams", "2", "--requests", "1", "--max-tokens", "4", "--lines", "6"]
+            + ["--batch-tokens", "4", "--concurrency", "2"],
+            "key_fairness.py": ["key_fairness.py", "--streams", "2", "--max-tokens", "4"],
         },
         env,
     )
@@ -98,6 +101,18 @@ def test_block_gemm(runs):
     run = runs["block_gemm.py"]
     assert run.returncode == 0, output(run)
     assert "\n| 48x256 | 16 | " in run.stdout, output(run)
+
+
+def test_batch_ttft(runs):
+    run = runs["batch_ttft.py"]
+    assert run.returncode == 0 and "p50" in run.stdout, output(run)
+
+
+def test_key_fairness(runs):
+    run = runs["key_fairness.py"]
+    assert run.returncode == 0, output(run)
+    refused = "A asking priority -1: 400 param priority"
+    assert "under A's flood: 200" in run.stdout and refused in run.stdout, output(run)
 
 
 def test_throughput(runs):

@@ -184,9 +184,9 @@ def test_renders_at_once_each_hold_a_tokenizer_of_their_own(tiny_model, monkeypa
         at_once.wait()
         return render_chat(tokenizer, *args, **kwargs)
 
-    monkeypatch.setattr("tiffin.engine.llm_engine.render_chat", hold)
+    monkeypatch.setattr("tiffin.engine.input_processor.render_chat", hold)
     copies = []
-    monkeypatch.setattr("tiffin.engine.llm_engine.deepcopy", lambda t: copies.append(t) or deepcopy(t))
+    monkeypatch.setattr("tiffin.engine.input_processor.deepcopy", lambda t: copies.append(t) or deepcopy(t))
     with ThreadPoolExecutor(renders) as pool:
         prompts = list(pool.map(lambda _: engine.render_chat([{"role": "user", "content": FORGED}]), range(renders)))
     assert len({id(t) for t in held}) == renders and engine.tokenizer not in held

@@ -26,6 +26,7 @@ from tiffin.kernels.block_layout import (
     FP8,
     IQ4_VALUES,
     PLAIN,
+    SUPER_CODEBOOK,
     SUPER_MINS,
     SUPER_MINS16,
     BlockWeights,
@@ -187,12 +188,14 @@ def _dequantize_kernel(
     tl.store(out_ptr + offs, w.to(out_ptr.dtype.element_ty), mask=mask_n[None, :])
 
 
-def block_tile(m: int, dtype: torch.dtype) -> tc.Tile:
+def block_tile(m: int, dtype: torch.dtype, kind: int) -> tc.Tile:
     """One block of K a step; decode-sized M the smallest MMA height (the codes are what costs), larger M wider
-    tiles; fp32 operands take twice the registers."""
+    tiles; fp32 operands take twice the registers (with IQ4_XS's codebook and sub-block scales, one stage: two
+    spilled on sm_89)."""
     fp32 = dtype == torch.float32
     if m <= 16:
-        return tc.Tile(16, 32 if fp32 else 64, BLOCK, num_warps=4, num_stages=2)
+        stages = 1 if fp32 and kind == SUPER_CODEBOOK else 2
+        return tc.Tile(16, 32 if fp32 else 64, BLOCK, num_warps=4, num_stages=stages)
     if m <= 32:
         return tc.Tile(32, 32 if fp32 else 64, BLOCK, num_warps=8, num_stages=2)
     return tc.Tile(32 if fp32 else 64, 64, BLOCK, num_warps=8 if fp32 else 4, num_stages=2)
@@ -250,7 +253,7 @@ def block_gemm_launch(
     m, k = x.shape
     if k != w.in_features or x.dtype not in tc.DTYPES:
         raise ValueError(f"block gemm: x must be [M, {w.in_features}] of {tc.DTYPES}, got {x.dtype} {tuple(x.shape)}")
-    tile = block_tile(m, x.dtype)
+    tile = block_tile(m, x.dtype, w.kind)
     grid_mn = (triton.cdiv(m, tile.block_m), triton.cdiv(w.out_features, tile.block_n))
     k_per_split, partial = tc.split_k(out, k, BLOCK, grid_mn[0] * grid_mn[1], splits)
     counters = tc.tile_counters(out.device, grid_mn[0] * grid_mn[1]) if partial is not None else out
