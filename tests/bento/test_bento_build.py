@@ -46,9 +46,10 @@ def test_bentoml_build_offline(tmp_path):
     dockerfile = (bento / "env" / "docker" / "Dockerfile").read_text()
     assert "FROM python:3.11" in dockerfile and "build-essential" in dockerfile
     requirements = (bento / "env" / "python" / "requirements.txt").read_text().split()
-    assert {"torch>=2.6", "transformers>=4.56", "fastapi"} <= set(requirements)
+    assert {"torch>=2.6", "transformers>=5.20", "pillow", "fastapi"} <= set(requirements)
     assert (bento / "src" / "tiffin" / "plugin" / "service.py").is_file()
-    assert (bento / "src" / "tiffin" / "kernels" / "csrc" / "cpu_ops.cpp").is_file()  # compiled at run time
+    csrc = bento / "src" / "tiffin" / "kernels" / "csrc"  # compiled at run time, headers included
+    assert (csrc / "cpu_ops.cpp").is_file() and {h.name for h in csrc.glob("*.h")} >= {"cpu_blocks.h", "cpu_math.h"}
     assert not (bento / "src" / "tests").exists() and not list((bento / "src").rglob("__pycache__"))
     info = yaml.safe_load((bento / "bento.yaml").read_text())
     assert info["labels"] == {"openai_endpoint": "/v1"} and info["args"] == {"model": "my-llm:latest"}
