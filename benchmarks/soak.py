@@ -182,12 +182,17 @@ def main(argv: list[str] | None = None) -> None:
         for name in ADAPTERS:
             r = server.http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(adapters / name)})
             r.raise_for_status()
+        fresh = worker_rss(server)
+        print(f"fresh server, adapters loaded: worker RSS {fresh / 2**20:.0f} MiB")
         failures: list = []
         bystander = Bystander(server.url)  # the warm-up is the same traffic as what it measures
         bystander.start()
         asyncio.run(traffic(server.url, args.warmup, args.concurrency, args.seed + 1, failures, args.kinds))
         warm = worker_rss(server)
-        print(f"after the warm-up ({args.warmup} requests, {len(failures)} failed): worker RSS {warm / 2**20:.0f} MiB")
+        print(
+            f"after the warm-up ({args.warmup} requests, {len(failures)} failed): worker RSS {warm / 2**20:.0f} MiB "
+            f"= {warm / fresh:.3f} x fresh"
+        )
         failures.clear()
         bystander.longest, samples, stop = 0.0, [], threading.Event()
         sampler = threading.Thread(target=sample_rss, args=(server, 5, stop, samples), daemon=True)
