@@ -41,3 +41,20 @@ def max_loop_lag(app, method: str, path: str, **request) -> tuple[float, httpx.R
         return lag, r
 
     return asyncio.run(run())
+
+
+def spread_weights(model: torch.nn.Module, norm_mean: float, embed_power: float, output_gain: float) -> None:
+    """Random weights large enough that greedy decoding wanders (transformers' std 0.02 gives near-uniform
+    logits), seeded: norm weights `norm_mean` + 0.1 N(0, 1); embeddings and lm_head 2 N(0, 1) / dim**`embed_power`;
+    other weights N(0, 1) / sqrt(fan-in), o_proj and down_proj times `output_gain`."""
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            x = torch.randn(p.shape, generator=g)
+            if name.endswith("norm.weight"):
+                p.copy_(norm_mean + 0.1 * x)
+            elif "embed_tokens" in name or "lm_head" in name:
+                p.copy_(x * 2.0 / p.shape[-1] ** embed_power)
+            else:
+                gain = output_gain if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+                p.copy_(x * gain / p.shape[-1] ** 0.5)

@@ -13,7 +13,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from gguf_files import write_gguf
 from lora_adapters import PeftReference, make_adapter
-from references import reference_generate
+from references import reference_generate, spread_weights
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -67,20 +67,6 @@ LONG = (90, 100, 120)  # past Phi-3's pretraining length: its long factors
 SHORT = (1, 7, 30)  # within it, 48 tokens on too: its short factors
 
 
-def randomize(model: torch.nn.Module) -> None:
-    """Weights large enough that greedy decoding wanders (transformers' std 0.02 gives near-uniform logits)."""
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            x = torch.randn(p.shape, generator=g)
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * x)
-            elif "embed_tokens" in name or "lm_head" in name:
-                p.copy_(x * 2.0 / p.shape[-1] ** 0.5)
-            else:
-                p.copy_(x * (2.0 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0) / p.shape[-1] ** 0.5)
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """model_type -> (path of its checkpoint, saved by transformers, with a tokenizer; the transformers model)."""
@@ -88,7 +74,7 @@ def checkpoints(tmp_path_factory):
     for model_type, extra in ARCHS.items():
         path = tmp_path_factory.mktemp(model_type)
         hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **TINY, **extra), dtype=torch.float32)
-        randomize(hf.eval())
+        spread_weights(hf.eval(), 1.0, 0.5, 2.0)
         hf.save_pretrained(path)
         write_tokenizer(path, VOCAB, False, TINY["max_position_embeddings"])
         hf.generation_config.eos_token_id = None
@@ -210,7 +196,7 @@ def test_tensor_parallel_engine_matches_transformers(checkpoints, model_type, kv
     if kv_heads != TINY["num_key_value_heads"]:
         config = AutoConfig.for_model(model_type, **(TINY | {"num_key_value_heads": kv_heads}), **ARCHS[model_type])
         hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        randomize(hf.eval())
+        spread_weights(hf.eval(), 1.0, 0.5, 2.0)
         path = tmp_path / "mqa"
         hf.save_pretrained(path)
         write_tokenizer(path, VOCAB, False, TINY["max_position_embeddings"])

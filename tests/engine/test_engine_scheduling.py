@@ -25,6 +25,17 @@ def prompt(i: int) -> dict:
     return {"prompt_token_ids": [1 + i % 50, 2, 3, 4 + i % 7]}
 
 
+def run_to_the_end(engine: LLMEngine) -> dict[str, int]:
+    """Step until every request finished: the step (from 1) at which each got its first token."""
+    first_token_step, step = {}, 0
+    while engine.has_unfinished_requests():
+        step += 1
+        for out in engine.step():
+            if out.outputs[0].token_ids:
+                first_token_step.setdefault(out.request_id, step)
+    return first_token_step
+
+
 @pytest.mark.parametrize("policy", ["priority", "fcfs"])
 def test_a_priority_request_gets_its_first_token_before_the_queued_ones(tiny_model, policy):
     engine = make_engine(tiny_model, max_num_seqs=2, scheduling_policy=policy)
@@ -36,12 +47,7 @@ def test_a_priority_request_gets_its_first_token_before_the_queued_ones(tiny_mod
     for i, rid in enumerate(queued):
         engine.add_request(rid, prompt(2 + i), params(10))
     engine.add_request("urgent", prompt(9), params(0))
-    first_token_step, step = {}, 0
-    while engine.has_unfinished_requests():
-        step += 1
-        for out in engine.step():
-            if out.outputs[0].token_ids:
-                first_token_step.setdefault(out.request_id, step)
+    first_token_step = run_to_the_end(engine)
     if policy == "priority":
         assert all(first_token_step["urgent"] < first_token_step[rid] for rid in queued), first_token_step
     else:  # arrival order: it waits for all of them
@@ -84,12 +90,7 @@ def test_fair_share_holds_across_priority_levels(tiny_model):
     engine.step()
     engine.add_request("light-late", prompt(20), params(priority=5, max_tokens=8), client="light")
     engine.add_request("light", prompt(21), params(priority=0, max_tokens=8), client="light")
-    first_token_step, step = {}, 0
-    while engine.has_unfinished_requests():
-        step += 1
-        for out in engine.step():
-            if out.outputs[0].token_ids:
-                first_token_step.setdefault(out.request_id, step)
+    first_token_step = run_to_the_end(engine)
     assert first_token_step["light"] <= 6, first_token_step  # the first seat that frees (busy0's 4 tokens)
     assert first_token_step["light"] < first_token_step["light-late"]  # priority orders the client's own
     assert first_token_step["light"] < max(first_token_step[f"busy{i}"] for i in range(12))

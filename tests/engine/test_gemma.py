@@ -17,7 +17,7 @@ import json
 import pytest
 import torch
 from lora_adapters import PeftReference, make_adapter
-from references import reference_generate
+from references import reference_generate, spread_weights
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tiffin import LLM, SamplingParams
@@ -73,21 +73,6 @@ def prompts() -> list[list[int]]:
     return p + [p[3][:32] + p[1]]  # shares two 16-token blocks with the 40-token prompt
 
 
-def randomize(model: torch.nn.Module) -> None:
-    """Weights large enough that greedy decoding wanders (transformers' std 0.02 gives near-uniform logits); norm
-    weights near 0, which Gemma's norms add to 1."""
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            x = torch.randn(p.shape, generator=g)
-            if name.endswith("norm.weight"):
-                p.copy_(0.1 * x)
-            elif "embed_tokens" in name:
-                p.copy_(x * 2.0 / p.shape[-1])  # times sqrt(hidden) in the model
-            else:
-                p.copy_(x * (3.0 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0) / p.shape[-1] ** 0.5)
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """model_type -> (its checkpoint's path, saved by transformers with a tokenizer; the transformers model)."""
@@ -96,7 +81,7 @@ def checkpoints(tmp_path_factory):
         path = tmp_path_factory.mktemp(model_type)
         config = AutoConfig.for_model(model_type, **TINY, **extra)
         hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
-        randomize(hf)
+        spread_weights(hf, 0.0, 1, 3.0)  # norms near 0, which Gemma adds to 1; embeddings times sqrt(hidden) in it
         hf.save_pretrained(path)
         write_tokenizer(path, VOCAB, False, TINY["max_position_embeddings"])
         tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
