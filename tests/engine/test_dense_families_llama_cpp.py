@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from references import reference_generate
-from test_dense_families import ARCHS, TINY, VOCAB, prompts, randomize
+from references import reference_generate, spread_weights
+from test_dense_families import ARCHS, TINY, VOCAB, prompts
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import tiffin
@@ -50,7 +50,7 @@ def converted(request, tmp_path_factory):
         pytest.skip(f"no llama.cpp at {LLAMA_CPP} (convert_hf_to_gguf.py, build/bin/llama-server)")
     model_type, tmp = request.param, tmp_path_factory.mktemp(request.param)
     hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **TINY, **ARCHS[model_type]))
-    randomize(hf.float().eval())
+    spread_weights(hf.float().eval(), 1.0, 0.5, 2.0)
     hf.save_pretrained(tmp / "hf")
     write_tokenizer(tmp / "hf", VOCAB, False, TINY["max_position_embeddings"])
     hf.generation_config.eos_token_id = None
