@@ -48,6 +48,15 @@ def tiny_llava(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_idefics3(tmp_path_factory) -> str:
+    """The tiny Idefics3 / SmolVLM checkpoint (`tiffin.testing.tiny_idefics3`: 32 px tiles, 16 image tokens each),
+    written once."""
+    from tiffin.testing.tiny_idefics3 import make_tiny_idefics3
+
+    return str(make_tiny_idefics3(tmp_path_factory.mktemp("tiny-idefics3")))
+
+
+@pytest.fixture(scope="session")
 def thinking_model(tmp_path_factory):
     """`thinking_model(marker_tokens=False)` -> path of a tiny llama checkpoint that thinks as DeepSeek-R1 does: its
     chat template opens `<think>\n` at the generation prompt, or writes an empty block (`<think>\n\n</think>\n\n`)

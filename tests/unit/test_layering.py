@@ -46,6 +46,7 @@ LAYERS = [
             "tiffin.engine.structured.limits",
             "tiffin.engine.structured.formats",
             "tiffin.engine.multimodal.image",
+            "tiffin.engine.multimodal.tiles",
             "tiffin.engine.multimodal.inputs",
         ],
     ),

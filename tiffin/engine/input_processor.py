@@ -87,7 +87,9 @@ class InputProcessor:
             raise ParamError("prompt", "prompt must be a non-empty string or a non-empty list of token ids")
         data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         if data is not None or (self.image_limits and not isinstance(prompt, TokenizedPrompt)):  # placeholders checked
-            token_ids, images = prompt_images(token_ids, data or {}, self.model_config.multimodal, self.image_limits)
+            token_ids, images = prompt_images(
+                token_ids, data or {}, self.model_config.multimodal, self.image_limits, self.tokenizer
+            )
         if keep is not None and len(token_ids) > keep:
             right = self.tokenizer.truncation_side == "right"
             token_ids = token_ids[:keep] if right else token_ids[-keep:]

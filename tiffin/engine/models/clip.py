@@ -37,10 +37,11 @@ class VisionConfig:
     num_channels: int = 3
 
     @classmethod
-    def from_hf(cls, raw: dict) -> "VisionConfig":
-        model_type = raw.get("model_type", "clip_vision_model")
-        if model_type != "clip_vision_model":
-            raise ValueError(f"vision tower {model_type!r} is not supported; tiffin serves clip_vision_model")
+    def from_hf(cls, raw: dict, kind: str = "clip_vision_model") -> "VisionConfig":
+        """`raw` (complete), a tower of model_type `kind`."""
+        model_type = raw.get("model_type", kind)
+        if model_type != kind:
+            raise ValueError(f"vision tower {model_type!r} is not supported; tiffin serves {kind} here")
         act = raw.get("hidden_act", "quick_gelu")
         if act not in ACTIVATIONS:
             raise ValueError(f"vision tower hidden_act {act!r} is not supported; tiffin serves {list(ACTIVATIONS)}")

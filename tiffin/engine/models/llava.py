@@ -61,6 +61,10 @@ class LlavaConfig:
     def tokens_per_image(self) -> int:
         return self.vision.num_patches + (self.select_strategy == "full")
 
+    def image_prompt(self, image, tokenizer) -> tuple[list[int], torch.Tensor]:
+        """The token ids that replace `image`'s `<image>` token (itself: its run expands after) and its pixel values."""
+        return [self.image_token_id], self.processor(image)[None]
+
 
 def full_config(raw: dict, default_type: str) -> dict:
     """A sub-config with transformers' defaults filled in (the hub's config.json files spell only what differs)."""
@@ -95,7 +99,24 @@ class MultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class LlavaForConditionalGeneration(LlamaForCausalLM):
+class VisionLanguageModel(LlamaForCausalLM):
+    """A Llama language model reading image embeddings (`embed_images`, the subclass's) in place of the image
+    placeholders' token embeddings."""
+
+    def __init__(self, config: ModelConfig, *args, tp: TensorParallel = UNSHARDED):
+        if tp.size > 1:
+            raise ValueError(f"{type(self).__name__}: tensor parallelism is not supported yet")
+        super().__init__(config, *args, tp)
+
+    def forward(self, input_ids, positions, attn_metadata, lora=None, mm: MultiModalEmbeddings | None = None):
+        embeds = None
+        if mm is not None:
+            embeds = self.model.embed_tokens(input_ids)
+            embeds[mm.indices] = mm.embeddings.to(embeds.dtype)
+        return self.model(input_ids, positions, attn_metadata, lora, inputs_embeds=embeds)
+
+
+class LlavaForConditionalGeneration(VisionLanguageModel):
     checkpoint_prefixes = {
         "model.language_model.": "model.",
         "language_model.model.": "model.",
@@ -119,9 +140,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         embedding: EmbeddingFactory,
         tp: TensorParallel = UNSHARDED,
     ):
-        if tp.size > 1:
-            raise ValueError("LlavaForConditionalGeneration: tensor parallelism is not supported yet")
-        super().__init__(config, max_positions, backend, linear, embedding, tp)
+        super().__init__(config, max_positions, backend, linear, embedding, tp=tp)
         mm: LlavaConfig = config.multimodal
         self.vision_tower = CLIPVisionModel(mm.vision, config.dtype, mm.feature_layer)
         self.multi_modal_projector = MultiModalProjector(
@@ -135,10 +154,3 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         """[images, 3, H, W] -> [images, tokens_per_image, hidden]: what replaces each image's placeholders."""
         features = self.vision_tower(pixel_values)
         return self.multi_modal_projector(features[:, 1:] if self.drop_class_token else features)
-
-    def forward(self, input_ids, positions, attn_metadata, lora=None, mm: MultiModalEmbeddings | None = None):
-        embeds = None
-        if mm is not None:
-            embeds = self.model.embed_tokens(input_ids)
-            embeds[mm.indices] = mm.embeddings.to(embeds.dtype)
-        return self.model(input_ids, positions, attn_metadata, lora, inputs_embeds=embeds)

@@ -8,6 +8,7 @@ from torch import nn
 
 from tiffin.engine.models.bert import BertForSequenceClassification, BertModel
 from tiffin.engine.models.gemma import GemmaForCausalLM
+from tiffin.engine.models.idefics3 import Idefics3ForConditionalGeneration
 from tiffin.engine.models.llama import LlamaForCausalLM
 from tiffin.engine.models.llava import LlavaForConditionalGeneration
 from tiffin.engine.models.moe import MoEForCausalLM
@@ -44,8 +45,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     ),
     "GraniteForCausalLM": Architecture(LlamaForCausalLM, gguf_name="granite", gguf_permuted_qk=True),  # multipliers
     "Olmo2ForCausalLM": Architecture(Olmo2ForCausalLM, gguf_name="olmo2"),  # post-norms, q/k norms over all heads
-    # vision-language models (images in the prompt, models/llava.py)
+    # vision-language models (images in the prompt, models/llava.py, models/idefics3.py: SmolVLM too)
     "LlavaForConditionalGeneration": Architecture(LlavaForConditionalGeneration),
+    "Idefics3ForConditionalGeneration": Architecture(Idefics3ForConditionalGeneration),
     # GeGLU, (1 + weight) norms, sliding-window layers, soft-capping (models/gemma.py)
     "Gemma2ForCausalLM": Architecture(GemmaForCausalLM),
     "Gemma3ForCausalLM": Architecture(GemmaForCausalLM, qk_norm=True),

@@ -128,12 +128,20 @@ class ImageProcessor:
         pixels = (pixels[..., None] if pixels.ndim == 2 else pixels).permute(2, 0, 1)
         if self.do_center_crop:
             pixels = center_crop(pixels, *self.crop_size)
-        pixels = pixels.double() * self.rescale_factor if self.do_rescale else pixels.double()
-        pixels = pixels.float()
-        if self.do_normalize:
-            mean, std = (torch.tensor(v, dtype=torch.float32)[:, None, None] for v in (self.image_mean, self.image_std))
-            pixels = (pixels - mean) / std
-        return pixels.contiguous()
+        return rescale_and_normalize(pixels, self)
+
+
+def rescale_and_normalize(pixels: torch.Tensor, settings) -> torch.Tensor:
+    """[..., C, H, W] uint8 `pixels` as float32, as transformers' PIL processors make them: rescaled in float64 then
+    cast, normalized in float32. `settings`: a processor's `do_rescale`, `rescale_factor`, `do_normalize`,
+    `image_mean` and `image_std`."""
+    pixels = pixels.double() * settings.rescale_factor if settings.do_rescale else pixels.double()
+    pixels = pixels.float()
+    if settings.do_normalize:
+        mean = torch.tensor(settings.image_mean, dtype=torch.float32)[:, None, None]
+        std = torch.tensor(settings.image_std, dtype=torch.float32)[:, None, None]
+        pixels = (pixels - mean) / std
+    return pixels.contiguous()
 
 
 def to_rgb(image):

@@ -3,7 +3,8 @@ its pixel values, and a content hash that names it in the encoder cache and the 
 
 Invariants:
 - An image's placeholders are one run of `tokens_per_image` image tokens at `offset`; the prompt holds exactly as
-  many `<image>` tokens as images were given, in order.
+  many `<image>` tokens as images were given, in order. A model that tiles an image (Idefics3) makes each tile an
+  image of its own here, its run between the model's marker tokens.
 - Two images hash alike only if their pixel values (as the tower takes them) are equal, byte for byte."""
 
 import hashlib
@@ -51,22 +52,30 @@ def image_hash(pixel_values: torch.Tensor) -> bytes:
 
 
 def expand_placeholders(
-    token_ids: list[int], pixel_values: list[torch.Tensor], image_token_id: int, tokens_per_image: int
+    token_ids: list[int], prompts: list[tuple[list[int], torch.Tensor]], image_token_id: int, tokens_per_image: int
 ) -> tuple[list[int], tuple[ImageInput, ...]]:
-    """`token_ids` with each image token expanded to `tokens_per_image` of them, and each image placed there;
-    ParamError unless the prompt holds one image token per image."""
+    """`token_ids` with the i-th image token replaced by `prompts[i]`'s ids (an image's prompt: one image token where
+    each of its pixel tensors goes, the model's markers around them), each image token there expanded to
+    `tokens_per_image` of them with its pixel tensor placed there; ParamError unless the prompt holds one image token
+    per image."""
     places = [i for i, t in enumerate(token_ids) if t == image_token_id]
-    if len(places) != len(pixel_values):
+    if len(places) != len(prompts):
         raise ParamError(
             "multi_modal_data",
-            f"the prompt has {len(places)} image placeholder tokens (id {image_token_id}) for {len(pixel_values)} "
+            f"the prompt has {len(places)} image placeholder tokens (id {image_token_id}) for {len(prompts)} "
             "images: put one placeholder where each image goes",
         )
     expanded, images, last = [], [], 0
-    for place, pixels in zip(places, pixel_values):
+    for place, (ids, pixels) in zip(places, prompts):
         expanded += token_ids[last:place]
-        images.append(ImageInput(len(expanded), tokens_per_image, image_hash(pixels), pixels))
-        expanded += [image_token_id] * tokens_per_image
+        runs = iter(pixels)
+        for t in ids:
+            if t != image_token_id:
+                expanded.append(t)
+                continue
+            tile = next(runs)
+            images.append(ImageInput(len(expanded), tokens_per_image, image_hash(tile), tile))
+            expanded += [image_token_id] * tokens_per_image
         last = place + 1
     return expanded + token_ids[last:], tuple(images)
 
@@ -77,9 +86,12 @@ def images_key(images: tuple[ImageInput, ...], start: int, end: int) -> bytes:
     return b"".join(image.hash for image in images if image.offset < end and start < image.offset + image.length)
 
 
-def prompt_images(token_ids: list[int], data, config, limits: ImageLimits) -> tuple[list[int], tuple[ImageInput, ...]]:
+def prompt_images(
+    token_ids: list[int], data, config, limits: ImageLimits, tokenizer
+) -> tuple[list[int], tuple[ImageInput, ...]]:
     """A prompt's `multi_modal_data` (vLLM's `{"image": a PIL image or a list of them}`) preprocessed, the prompt's
-    placeholders expanded (`expand_placeholders`); `config`: the model's `LlavaConfig` (None: a text-only model).
+    placeholders expanded (`expand_placeholders`); `config`: the model's image config (`LlavaConfig`,
+    `Idefics3Config`; None: a text-only model), whose `image_prompt` writes each image's ids with `tokenizer`.
     ParamError naming the setting or the problem."""
     from PIL import Image
 
@@ -98,6 +110,5 @@ def prompt_images(token_ids: list[int], data, config, limits: ImageLimits) -> tu
         if not isinstance(image, Image.Image):
             raise ParamError("multi_modal_data", f"{where}: a PIL image is needed, got {type(image).__name__}")
         check_pixels(image.size, limits.max_image_pixels, where)
-    return expand_placeholders(
-        token_ids, [config.processor(image) for image in images], config.image_token_id, config.tokens_per_image
-    )
+    prompts = [config.image_prompt(image, tokenizer) for image in images]
+    return expand_placeholders(token_ids, prompts, config.image_token_id, config.tokens_per_image)

@@ -1,0 +1,161 @@
+"""Idefics3 / SmolVLM end to end on a tiny random fp32 checkpoint written by transformers
+(`tiffin.testing.tiny_idefics3`): tiles and pixel values equal to transformers' `Idefics3ImageProcessorPil` on varied
+images, the pixel shuffle equal to transformers' connector's, prompt ids equal to `Idefics3Processor`'s (tile markers,
+global image, image-token runs), greedy tokens and their logprobs equal to transformers' `generate` with one and two
+images of different sizes and aspect ratios, mixed with text-only requests in one batch, also with image-token runs
+split across prefill chunks; each distinct tile encoded once."""
+
+import numpy as np
+import pytest
+import torch
+
+from tests.engine.test_llava import assert_matches, generate, prompt, random_image
+from tiffin import LLM
+
+PIL = pytest.importorskip("PIL.Image")
+NEW_TOKENS = 32
+ONE = "<|bos|>User:<image>What is shown here?<end_of_utterance>\nAssistant:"
+TWO = "<|bos|>User:<image>and<image>Compare the two.<end_of_utterance>\nAssistant:"
+TEXT = "<|bos|>User: Say something about the standard library.<end_of_utterance>\nAssistant:"
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_idefics3):
+    from transformers import AutoProcessor, Idefics3ForConditionalGeneration
+
+    model = Idefics3ForConditionalGeneration.from_pretrained(tiny_idefics3, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    processor = AutoProcessor.from_pretrained(tiny_idefics3)
+    assert type(processor.image_processor).__name__ == "Idefics3ImageProcessorPil"
+    return model, processor
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_idefics3):
+    return LLM(tiny_idefics3, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def images():
+    """3 x 3 tiles, 1 x 3 (wide), 3 x 1 (tall), and one small enough for a single tile's grid of 3 x 3."""
+    return [random_image(1, (70, 90)), random_image(2, (120, 30)), random_image(3, (20, 64)), random_image(4, (9, 9))]
+
+
+def processed(hf, text: str, images: list) -> dict:
+    """`Idefics3Processor`'s inputs (the text carries its own bos, as the chat template writes it)."""
+    return hf[1](text=text, images=images or None, return_tensors="pt", add_special_tokens=False)
+
+
+def reference(hf, text: str, images: list) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens and their logprobs over the processor's inputs."""
+    inputs = processed(hf, text, images)
+    with torch.inference_mode():
+        out = hf[0].generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)  # fmt: skip
+    tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+    return tokens, [torch.log_softmax(logits[0], -1)[t].item() for logits, t in zip(out.logits, tokens)]
+
+
+def as_prompt(text: str, images: list) -> dict:
+    return {**prompt(text, images), "add_special_tokens": False}
+
+
+@pytest.mark.parametrize(
+    "mode, size",
+    [("RGB", (1, 1)), ("RGB", (4000, 300)), ("RGB", (300, 4000)), ("RGB", (5, 300)), ("RGB", (57, 91)),
+     ("RGB", (32, 32)), ("RGB", (33, 31)), ("RGB", (96, 64)), ("RGB", (200, 131)), ("RGBA", (77, 60)),
+     ("L", (33, 90)), ("LA", (90, 33)), ("P", (64, 64)), ("RGB", (5000, 4))],
+)  # fmt: skip
+def test_tiles_equal_transformers_pil_processor(llm, hf, mode, size):
+    image = random_image(sum(size), size, mode)
+    expected = hf[1].image_processor(image, return_tensors="pt", return_row_col_info=True)
+    tiles, rows, cols = llm.llm_engine.model_config.multimodal.processor(image)
+    assert (rows, cols) == (expected["rows"][0][0], expected["cols"][0][0])
+    want = expected["pixel_values"][0]
+    assert tiles.dtype == want.dtype and torch.equal(tiles, want)
+
+
+def test_unsplit_images_and_palette_transparency_equal_transformers(llm, hf):
+    """`do_image_splitting` false: the image squeezed into one tile; a palette image with a transparent index."""
+    from dataclasses import replace
+
+    processor = llm.llm_engine.model_config.multimodal.processor
+    unsplit = replace(processor, do_image_splitting=False)
+    image = random_image(5, (70, 40), "P")
+    image.info["transparency"] = 3
+    for ours, kwargs in ((processor, {}), (unsplit, {"do_image_splitting": False})):
+        want = hf[1].image_processor(image, return_tensors="pt", **kwargs)["pixel_values"][0]
+        assert torch.equal(ours(image)[0], want)
+
+
+@pytest.mark.parametrize("scale", [2, 3, 4])
+def test_pixel_shuffle_equals_transformers(scale):
+    from transformers.models.idefics3.modeling_idefics3 import Idefics3Connector
+
+    from tiffin.engine.models.idefics3 import pixel_shuffle
+
+    x = torch.randn(3, (scale * 3) ** 2, 5)
+    assert torch.equal(pixel_shuffle(x, scale), Idefics3Connector.pixel_shuffle(None, x, scale))
+
+
+def test_prompt_ids_equal_the_processors(llm, hf, images):
+    """Tile markers, newlines, the global image and each tile's run of 16 image tokens, as Idefics3Processor writes
+    them; each tile an image of its own, placed on its run."""
+    got = llm.llm_engine.tokenize(as_prompt(TWO, images[:2]))
+    want = processed(hf, TWO, images[:2])
+    assert got.token_ids == want["input_ids"][0].tolist()
+    image_id = hf[0].config.image_token_id
+    assert len(got.images) == 10 + 4 and all(got.token_ids[i.offset - 1] != image_id for i in got.images)
+    assert all(set(got.token_ids[i.offset : i.offset + i.length]) == {image_id} for i in got.images)
+    tiles = want["pixel_values"][0][: len(got.images)]
+    assert all(torch.equal(i.pixel_values, t) for i, t in zip(got.images, tiles))
+
+
+@pytest.mark.parametrize("engine_args", [{}, {"max_num_batched_tokens": 40}], ids=["plain", "chunked"])
+def test_greedy_and_logprobs_match_transformers_mixed_with_text(tiny_idefics3, hf, images, engine_args):
+    """One and two images of different sizes and aspect ratios and a text-only prompt in one continuous batch;
+    `chunked`: a 40-token budget splits the 16-token runs across steps."""
+    cases = [(ONE, images[:1]), (TEXT, []), (TWO, images[1:3]), (ONE, images[3:])]
+    llm = LLM(tiny_idefics3, dtype="float32", **engine_args)
+    got = generate(llm, [as_prompt(text, imgs) for text, imgs in cases])
+    for g, (text, imgs) in zip(got, cases):
+        assert_matches(g, reference(hf, text, imgs))
+    assert llm.llm_engine.stats().kv_blocks_used == 0
+
+
+def test_each_distinct_tile_is_encoded_once(tiny_idefics3, images):
+    """A tile is an image to the encoder cache: the same image twice costs its tiles once; a uniform image's tiles
+    and global image, all alike, cost one."""
+    llm = LLM(tiny_idefics3, dtype="float32", enable_prefix_caching=False)
+    encoder = llm.llm_engine.model_runner.encoder
+    generate(llm, [as_prompt(ONE, images[:1]), as_prompt(TWO, images[:1] * 2)])
+    assert encoder.num_encoded == 10  # 3 x 3 tiles and the global image
+    flat = PIL.new("RGB", (64, 64), (10, 200, 30))
+    generate(llm, [as_prompt(ONE, [flat])])
+    assert encoder.num_encoded == 10 + 1
+
+
+def test_chat_template_places_the_image(llm, hf, images):
+    """A chat with an image part renders as the processor's chat template writes it."""
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+    text = hf[1].apply_chat_template(messages, add_generation_prompt=True)
+    rendered = llm.llm_engine.render_chat(messages_with(messages, images[0]))
+    assert rendered.token_ids == processed(hf, text, images[:1])["input_ids"][0].tolist()
+
+
+def messages_with(messages: list[dict], image) -> list[dict]:
+    """`messages` with each image part an `image_url` part holding `image` as a PNG data URL."""
+    import base64
+    import io
+
+    out = io.BytesIO()
+    image.save(out, "PNG")
+    url = {"url": "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()}
+    return [{**m, "content": [{"type": "image_url", "image_url": url} if p["type"] == "image" else p
+                              for p in m["content"]]} for m in messages]  # fmt: skip
+
+
+def test_logprobs_helper_is_not_vacuous(llm, images):
+    """Different images give different greedy outputs (the images reach the language model)."""
+    a, b = (generate(llm, [as_prompt(ONE, [image])])[0] for image in images[:2])
+    assert a[0] != b[0] and not np.allclose(a[1], b[1])
