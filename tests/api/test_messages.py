@@ -239,10 +239,16 @@ def test_tool_use_round_trip(http, tool_choice):
         ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "x"}}, 400, "invalid_request_error", ["x"]),
         ({"tools": [{"name": "f"}]}, 400, "invalid_request_error", ["tools.0.input_schema"]),
         (
+            {"messages": [{"role": "user", "content": [{"type": "document", "source": {"type": "url", "url": "x"}}]}]},
+            400,
+            "invalid_request_error",
+            ["messages.0.content.0", "document", "not supported"],
+        ),
+        (  # a text-only model: the chat path names the part the image became
             {"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "x"}}]}]},
             400,
             "invalid_request_error",
-            ["messages.0.content.0", "image", "not supported"],
+            ["messages[0].content[0]", "image", "reads images"],
         ),
         (
             {"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]},

@@ -1,7 +1,9 @@
-"""Images through the OpenAI chat API in-process, on the tiny LLaVA checkpoint: an `image_url` part with a `data:`
-URL (PNG, JPEG, WebP, a GIF's first frame) gives the tokens the engine gives for the same decoded image called
-directly; hostile images (truncated, a 30000x30000 declared size, an unsupported format, bad base64, too many
-images, a remote URL) are 400s naming the problem, and the engine serves the next request as before."""
+"""Images through the OpenAI chat, Responses and Anthropic Messages APIs in-process, on the tiny LLaVA checkpoint: an
+`image_url` part with a `data:` URL (PNG, JPEG, WebP, a GIF's first frame), a Response's `input_image` and a Messages
+base64 `image` block give the tokens the engine gives for the same decoded image called directly; hostile images
+(truncated, a 30000x30000 declared size, an unsupported or wrongly declared format, bad base64, too many images, a
+remote URL, malformed parts and blocks) are 400s naming the problem, and the engine serves the next request as
+before."""
 
 import asyncio
 import base64
@@ -74,8 +76,8 @@ def direct(checkpoint):
     """The engine called directly: greedy text of the LLaVA prompt over each image."""
     llm = LLM(checkpoint, dtype="float32")
 
-    def run(*images, max_tokens: int = 16) -> str:
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    def run(*images, max_tokens: int = 16, ignore_eos: bool = True) -> str:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
         text = "USER: " + "<image>\n" * len(images) + QUESTION + "\nASSISTANT:"
         out = llm.generate({"prompt": text, "multi_modal_data": {"image": list(images)}}, params, use_tqdm=False)
         return out[0].outputs[0].text
@@ -157,3 +159,94 @@ def test_an_image_to_a_text_only_model_is_a_400_naming_the_part(openai_app):
     with openai_app(num_kv_blocks=64) as text_api, TestClient(text_api.app) as client:
         url = data_url(encoded(random_image(3, (8, 8)), "PNG"))
         refused(chat(client, messages(url)), "messages[0].content[0]", "'image_url'", "reads images")
+
+
+def image_item(*urls: str, question: str = QUESTION) -> dict:
+    """A Responses input message of `input_image` parts and the question."""
+    parts = [{"type": "input_image", "image_url": url, "detail": "auto"} for url in urls]
+    return {"role": "user", "content": [*parts, {"type": "input_text", "text": question}]}
+
+
+def respond(client, *items, max_tokens: int = 16):
+    body = {"model": "tiny", "input": list(items), "max_output_tokens": max_tokens, "temperature": 0, "store": False}
+    return client.post("/responses", json=body)
+
+
+def test_responses_input_image_gives_the_engines_tokens(api, direct):
+    """Two `input_image` parts (PNG, WebP) in a Response's input read as the engine reads the decoded images."""
+    a, b = random_image(11, (50, 70)), random_image(12, (70, 50))
+    webp = encoded(b, "WEBP")
+    with TestClient(api.app) as client:
+        response = respond(client, image_item(data_url(encoded(a, "PNG")), data_url(webp, "image/webp")))
+    assert response.status_code == 200, response.text
+    message = next(item for item in response.json()["output"] if item["type"] == "message")
+    assert message["content"][0]["text"] == direct(a, PIL.open(io.BytesIO(webp)), ignore_eos=False)
+
+
+def test_anthropic_image_block_gives_the_engines_tokens(api, direct):
+    """The `anthropic` client's base64 `image` block (a JPEG) reads as the engine reads the decoded image."""
+    pytest.importorskip("anthropic")
+    from tests.api.test_messages import claude, served
+
+    jpeg = encoded(random_image(13, (66, 41)), "JPEG")
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/jpeg",
+                                         "data": base64.b64encode(jpeg).decode()}}  # fmt: skip
+    messages = [{"role": "user", "content": [block, {"type": "text", "text": QUESTION}]}]
+    message = claude(
+        served(api.app),
+        lambda c: c.messages.create(model="tiny", max_tokens=16, messages=messages, extra_body={"temperature": 0}),
+    )
+    assert message.content[0].text == direct(PIL.open(io.BytesIO(jpeg)), ignore_eos=False)
+
+
+def anthropic_image(media: str = "image/png", data: bytes | str = b"", kind: str = "base64") -> dict:
+    data = data if isinstance(data, str) else base64.b64encode(data).decode()
+    return {"type": "image", "source": {"type": kind, "media_type": media, "data": data}}
+
+
+def test_hostile_images_in_responses_and_messages_are_400s(api):
+    """Each API's malformed image is a 400 naming the problem, in that API's error shape; the engine is left idle."""
+    png = encoded(random_image(3, (64, 64)), "PNG")
+    jpeg = encoded(random_image(3, (64, 64)), "JPEG")
+    in_responses = [
+        ({"type": "input_image", "file_id": "file-1"}, "file_id"),
+        ({"type": "input_image", "image_url": 3}, "non-empty string"),
+        ({"type": "input_image", "image_url": data_url(png), "detail": "ultra"}, "detail"),
+        ({"type": "input_image", "image_url": data_url(png[:100])}, "cannot be decoded"),
+        ({"type": "input_image", "image_url": data_url(png, "image/jpeg")}, "declares image/jpeg but holds PNG"),
+        ({"type": "input_image", "image_url": "data:image/png;base64,@@"}, "not valid base64"),
+        ({"type": "input_image", "image_url": data_url(declared_size(png, 30000, 30000))}, "max_image_pixels"),
+        ({"type": "input_image", "image_url": "https://example.com/cat.png"}, "allowed_media_domains"),
+        ({"type": "input_file", "file_id": "file-1"}, "only text and input_image parts"),
+    ]
+    in_messages = [
+        (anthropic_image("image/bmp", png), "media_type: must be one of image/jpeg"),
+        (anthropic_image(data=png, kind="file"), ".source: must be"),
+        ({"type": "image", "source": "x"}, ".source: must be"),
+        (anthropic_image(data=""), "source.data"),
+        (anthropic_image(data="@@@@"), "not valid base64"),
+        (anthropic_image("image/png", jpeg), "declares image/png but holds JPEG"),
+        (anthropic_image(data=png[: len(png) // 2]), "cannot be decoded"),
+        (anthropic_image(data=declared_size(png, 5000, 5000)), "5000x5000 pixels", "max_image_pixels"),
+        ({"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}, "allowed_media_domains"),
+        ({"type": "tool_result", "tool_use_id": "t", "content": [anthropic_image(data=png)]}, "tool results"),
+    ]
+    with TestClient(api.app) as client:
+        for part, *words in in_responses:
+            response = respond(client, {"role": "user", "content": [part]})
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["param"] == "input" and all(w in error["message"] for w in words), error
+        for block, *words in in_messages:
+            body = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": [block]}]}
+            response = client.post("/messages", json=body)
+            assert response.status_code == 400, response.text
+            error = response.json()
+            assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error", error
+            assert all(w in error["error"]["message"] for w in words), error
+        many = [anthropic_image(data=png)] * 3
+        response = client.post("/messages", json={"model": "tiny", "max_tokens": 4,
+                                                  "messages": [{"role": "user", "content": many}]})  # fmt: skip
+        assert response.status_code == 400 and "limit_mm_per_prompt=2" in response.text
+    stats = api.engine.engine.stats()
+    assert stats.kv_blocks_used == 0 and stats.num_running == stats.num_waiting == 0

@@ -21,6 +21,7 @@ import torch
 from tiffin.engine.errors import ParamError
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")  # what `decode_image` opens; GIF: its first frame
+MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG", "image/webp": "WEBP", "image/gif": "GIF"}
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
@@ -57,7 +58,8 @@ def check_pixels(size: tuple[int, int], max_pixels: int, where: str) -> None:
 
 
 def decode_data_url(url: str, max_pixels: int, max_bytes: int, where: str):
-    """The image of a `data:image/...;base64,` URL (`decode_image`); ParamError naming `where` otherwise."""
+    """The image of a `data:image/...;base64,` URL (`decode_image`); ParamError naming `where` otherwise, and for
+    data of another format than a media type of `MEDIA_TYPES` declares."""
     head, comma, payload = url.partition(",")
     if not comma or not head.startswith("data:") or not head.endswith(";base64"):
         raise _refusal(where, f"{where}: a data URL must be 'data:<media type>;base64,<data>'")
@@ -67,7 +69,11 @@ def decode_data_url(url: str, max_pixels: int, max_bytes: int, where: str):
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise _refusal(where, f"{where}: the data URL's payload is not valid base64") from None
-    return decode_image(data, max_pixels, where)
+    image = decode_image(data, max_pixels, where)
+    declared = head.removeprefix("data:").removesuffix(";base64").lower()
+    if MEDIA_TYPES.get(declared, image.format) != image.format:
+        raise _refusal(where, f"{where}: the data URL declares {declared} but holds {image.format} data")
+    return image
 
 
 def _refusal(where: str, message: str) -> ParamError:

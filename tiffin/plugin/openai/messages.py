@@ -26,7 +26,17 @@ from pydantic import BaseModel, ConfigDict, Field
 from tiffin.engine.outputs import CompletionOutput, RequestOutput
 from tiffin.engine.sampling_params import SamplingParams
 from tiffin.plugin.openai.answer import Answer, AnswerReader, AnswerStream
-from tiffin.plugin.openai.protocol import APIError, Bool, ChatCompletionRequest, Float, Int, Name, Text, _Body
+from tiffin.plugin.openai.protocol import (
+    APIError,
+    Bool,
+    ChatCompletionRequest,
+    Float,
+    Int,
+    Name,
+    Text,
+    _Body,
+    image_url_part,
+)
 from tiffin.plugin.openai.responses import AnswerBuilder
 from tiffin.plugin.openai.serving import OpenAIServing, render_chat
 from tiffin.plugin.openai.tools import ToolCall
@@ -54,22 +64,37 @@ class ToolUseBlock(_Block):
     input: dict[str, Any]
 
 
-class MediaBlock(_Block):
-    """Images and documents, refused by name: this server reads text."""
+class ImageBlock(_Block):
+    """An image in a user message: `source` {type: base64, media_type, data}, or {type: url, url} (which the chat
+    path refuses unless its host is allowed); checked in `_image`."""
 
-    type: Literal["image", "document"]
+    type: Literal["image"]
+    source: Any = None
+
+
+class MediaBlock(_Block):
+    """Documents, refused by name."""
+
+    type: Literal["document"]
 
 
 class ToolResultBlock(_Block):
     type: Literal["tool_result"]
     tool_use_id: Name
-    content: list[Annotated[TextBlock | MediaBlock, Field(discriminator="type")]] | Text = ""
+    content: list[Annotated[TextBlock | ImageBlock | MediaBlock, Field(discriminator="type")]] | Text = ""
     is_error: Bool | None = None
 
 
-Block = Annotated[TextBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock | MediaBlock, Field(discriminator="type")]
+Block = Annotated[
+    TextBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock | ImageBlock | MediaBlock, Field(discriminator="type")
+]
 # the blocks each role's message may hold
-_ROLE_BLOCKS = {"user": (TextBlock, ToolResultBlock), "assistant": (TextBlock, ThinkingBlock, ToolUseBlock)}
+_ROLE_BLOCKS = {
+    "user": (TextBlock, ImageBlock, ToolResultBlock),
+    "assistant": (TextBlock, ThinkingBlock, ToolUseBlock),
+}
+# the media types Anthropic's API takes for a base64 image
+_IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
 
 
 class Message(BaseModel):
@@ -186,14 +211,16 @@ def _chat_turn(message: Message, where: str) -> list[dict]:
     tool uses its `tool_calls` (arguments as JSON text, as OpenAI sends them)."""
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
-    texts, thoughts, calls, results = [], [], [], []
+    parts, thoughts, calls, results = [], [], [], []  # parts: chat content parts (text, image_url)
     for j, block in enumerate(message.content):
         at = f"{where}.content.{j}"
         _refuse_media(block, at)
         if not isinstance(block, _ROLE_BLOCKS[message.role]):
             raise APIError(400, f"{at}: a {message.role} message cannot hold {block.type} blocks", param="messages")
         if isinstance(block, TextBlock):
-            texts.append(block.text)
+            parts.append({"type": "text", "text": block.text})
+        elif isinstance(block, ImageBlock):
+            parts.append(_image(block, at))
         elif isinstance(block, ThinkingBlock):
             thoughts.append(block.thinking)
         elif isinstance(block, ToolUseBlock):
@@ -201,8 +228,10 @@ def _chat_turn(message: Message, where: str) -> list[dict]:
             calls.append({"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}})
         else:
             results.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _result_text(block, at)})
+    texts = [p["text"] for p in parts if p["type"] == "text"]
     if message.role == "user":
-        return results + ([{"role": "user", "content": "\n".join(texts)}] if texts or not results else [])
+        content = "\n".join(texts) if len(texts) == len(parts) else parts
+        return results + ([{"role": "user", "content": content}] if parts or not results else [])
     turn = {"role": "assistant", "content": "\n".join(texts)}
     if thoughts:
         turn["reasoning_content"] = "\n".join(thoughts)
@@ -217,6 +246,9 @@ def _result_text(block: ToolResultBlock, where: str) -> str:
     else:
         for j, part in enumerate(block.content):
             _refuse_media(part, f"{where}.content.{j}")
+            if isinstance(part, ImageBlock):  # a tool message is text to the chat template
+                raise APIError(400, f"{where}.content.{j}: images in tool results are not supported",
+                               param="messages")  # fmt: skip
         text = _joined(block.content)
     # chat templates know no error flag: the model reads it in the result
     return f"Error: {text}" if block.is_error else text
@@ -224,9 +256,27 @@ def _result_text(block: ToolResultBlock, where: str) -> str:
 
 def _refuse_media(block: BaseModel, where: str) -> None:
     if isinstance(block, MediaBlock):
-        raise APIError(
-            400, f"{where}: {block.type} blocks are not supported (this server reads text)", param="messages"
-        )
+        raise APIError(400, f"{where}: {block.type} blocks are not supported (this server reads text and images)",
+                       param="messages")  # fmt: skip
+
+
+def _image(block: ImageBlock, where: str) -> dict:
+    """An image block as the chat `image_url` part it stands for: base64 data as a data: URL."""
+    source = block.source if isinstance(block.source, dict) else {}
+    kind = source.get("type")
+    if kind == "url":
+        return image_url_part(source.get("url"), f"{where}.source.url", "messages")
+    if kind != "base64":
+        raise APIError(400, f"{where}.source: must be {{type: base64, media_type, data}} or {{type: url, url}}",
+                       param="messages")  # fmt: skip
+    media = source.get("media_type")
+    if media not in _IMAGE_MEDIA_TYPES:
+        raise APIError(400, f"{where}.source.media_type: must be one of {', '.join(_IMAGE_MEDIA_TYPES)}, got "
+                       f"{str(media)[:64]!r}", param="messages")  # fmt: skip
+    data = source.get("data")
+    if not isinstance(data, str) or not data:
+        raise APIError(400, f"{where}.source.data: must be the image's bytes in base64, a string", param="messages")
+    return image_url_part(f"data:{media};base64,{data}", where, "messages")
 
 
 def _joined(blocks: list[TextBlock]) -> str:

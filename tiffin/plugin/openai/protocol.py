@@ -57,6 +57,14 @@ class APIError(Exception):
         return APIError(self.status, message, self.type, name, self.code)
 
 
+def image_url_part(url: Any, where: str, param: str) -> dict:
+    """An image of another API's request (a Response's `input_image`, a Messages `image` block) as the chat
+    `image_url` part it stands for: one path decodes and checks every API's images (`engine.chat`)."""
+    if not isinstance(url, str) or not url:
+        raise APIError(400, f"{where}: an image needs its URL, a non-empty string (a data: URL)", param=param)
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
 def bad_request(e: ValueError) -> APIError:
     """A refused request as a 400, naming the parameter at fault when validation raised a ParamError."""
     return APIError(400, str(e), param=e.param if isinstance(e, ParamError) else None)

@@ -28,7 +28,17 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 from tiffin.engine.outputs import RequestOutput
 from tiffin.engine.sampling_params import SamplingParams
 from tiffin.plugin.openai.answer import AnswerReader, AnswerStream
-from tiffin.plugin.openai.protocol import APIError, Bool, ChatCompletionRequest, Float, Int, Name, Text, _Body
+from tiffin.plugin.openai.protocol import (
+    APIError,
+    Bool,
+    ChatCompletionRequest,
+    Float,
+    Int,
+    Name,
+    Text,
+    _Body,
+    image_url_part,
+)
 from tiffin.plugin.openai.responses import AnswerBuilder
 from tiffin.plugin.openai.store import ResponseStore
 from tiffin.plugin.openai.tools import ToolCall
@@ -209,7 +219,7 @@ def input_messages(items: str | list[dict]) -> list[dict]:
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise APIError(400, f"{where}.role: must be user, assistant, system or developer", param="input")
-            messages.append({"role": "system" if role == "developer" else role, "content": _text(item, where)})
+            messages.append({"role": "system" if role == "developer" else role, "content": _content(item, where)})
         elif kind == "function_call":
             call = {"id": _string(item, "call_id", where), "type": "function"}
             call["function"] = {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}
@@ -220,28 +230,44 @@ def input_messages(items: str | list[dict]) -> list[dict]:
             last.setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
             output = item.get("output")
-            content = output if isinstance(output, str) else _text({"content": output}, where)
+            content = output if isinstance(output, str) else _content({"content": output}, where, images=False)
             messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", where), "content": content})
         elif kind != "reasoning":
             raise APIError(400, f"{where}: input items of type {kind!r} are not supported", param="input")
     return messages
 
 
-def _text(item: dict, where: str) -> str:
-    """A message's content: a string, or its text parts joined."""
+def _content(item: dict, where: str, images: bool = True) -> str | list[dict]:
+    """A message's content: a string, its text parts joined, or, where it holds `input_image` parts (`images`), its
+    parts in order as chat parts (text and `image_url`)."""
     content = item.get("content")
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise APIError(400, f"{where}.content: must be a string or a list of text parts", param="input")
-    texts = []
+        raise APIError(400, f"{where}.content: must be a string or a list of parts", param="input")
+    parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image" and images:
+            parts.append(_image(part, f"{where}.content[{j}]"))
+            continue
         text = part.get("text", part.get("refusal")) if kind in _TEXT_PARTS else None
         if not isinstance(text, str):
-            raise APIError(400, f"{where}.content[{j}]: only text parts are supported, got {kind!r}", param="input")
-        texts.append(text)
-    return "\n".join(texts)
+            allowed = "text and input_image parts are" if images else "text parts are"
+            raise APIError(400, f"{where}.content[{j}]: only {allowed} supported, got {kind!r}", param="input")
+        parts.append({"type": "text", "text": text})
+    if all(p["type"] == "text" for p in parts):
+        return "\n".join(p["text"] for p in parts)
+    return parts
+
+
+def _image(part: dict, where: str) -> dict:
+    """An `input_image` part as the chat `image_url` part it stands for (a data: URL; `detail` changes nothing)."""
+    if part.get("file_id") is not None:
+        raise APIError(400, f"{where}: images by file_id are not supported; send image_url, a data: URL", param="input")
+    if part.get("detail") not in (None, "auto", "low", "high"):
+        raise APIError(400, f"{where}.detail: must be auto, low or high", param="input")
+    return image_url_part(part.get("image_url"), where, "input")
 
 
 def _string(item: dict, key: str, where: str) -> str:
