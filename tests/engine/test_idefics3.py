@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.engine.test_llava import assert_matches, generate, prompt, random_image
-from tiffin import LLM
+from tiffin import LLM, SamplingParams
 
 PIL = pytest.importorskip("PIL.Image")
 NEW_TOKENS = 32
@@ -159,3 +159,33 @@ def test_logprobs_helper_is_not_vacuous(llm, images):
     """Different images give different greedy outputs (the images reach the language model)."""
     a, b = (generate(llm, [as_prompt(ONE, [image])])[0] for image in images[:2])
     assert a[0] != b[0] and not np.allclose(a[1], b[1])
+
+
+CUDA_PARAMS = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+
+
+@pytest.fixture(scope="module")
+def cuda_cases(llm, images):
+    """The prompts of the CUDA test (a wide image of 1 x 3 tiles, a text-only chat) and the CPU engine's outputs for
+    them, computed before any emulation starts."""
+    cases = [as_prompt(ONE, images[1:2]), as_prompt(TEXT, [])]
+    return cases, [llm.generate(case, CUDA_PARAMS, use_tqdm=False)[0].outputs[0] for case in cases]
+
+
+def test_cuda_path_with_graphs_equals_cpu(tiny_idefics3, cuda_cases, cuda_emulation, monkeypatch):
+    """The CUDA path (emulated on the CPU, Triton under the interpreter), its decode steps replaying graphs: the
+    tokens are the CPU engine's."""
+    from tiffin.engine.worker import model_runner
+
+    monkeypatch.setattr(model_runner, "warm_up_triton", lambda runner: None)
+    kwargs = dict(dtype="float32", max_num_batched_tokens=128, max_num_seqs=2, max_model_len=128)
+    cuda = LLM(tiny_idefics3, device="cuda", num_kv_blocks=32, **kwargs)
+    assert cuda.llm_engine.model_runner.decode_graphs is not None
+    cases, want = cuda_cases
+    replays = cuda_emulation.replays
+    got = [cuda.generate(case, CUDA_PARAMS, use_tqdm=False)[0].outputs[0] for case in cases]
+    assert cuda_emulation.replays > replays
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(g.logprobs, g.token_ids)],
+                                   [lp[t].logprob for lp, t in zip(w.logprobs, w.token_ids)], atol=1e-3)  # fmt: skip
