@@ -155,7 +155,7 @@ def messages_with(messages: list[dict], image) -> list[dict]:
                               for p in m["content"]]} for m in messages]  # fmt: skip
 
 
-def test_logprobs_helper_is_not_vacuous(llm, images):
+def test_different_images_give_different_outputs(llm, images):
     """Different images give different greedy outputs (the images reach the language model)."""
     a, b = (generate(llm, [as_prompt(ONE, [image])])[0] for image in images[:2])
     assert a[0] != b[0] and not np.allclose(a[1], b[1])
