@@ -165,10 +165,11 @@ def reference_mla(w: dict, x: torch.Tensor, theta: float = 10000.0) -> torch.Ten
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native-decode", "torch-decode"])
-def test_decode_over_the_latent_cache_equals_the_reference(checkpoints, native, monkeypatch):
-    """Two sequences (11 and 6 tokens of context) prefilled into a 4-token-block latent cache with scrambled block
-    tables, then one decode row each: every row equals `reference_mla` (the torch decode path with the native
-    kernel turned off too)."""
+def test_attention_over_the_latent_cache_equals_the_reference(checkpoints, native, monkeypatch):
+    """Two sequences of 12 and 7 tokens in a 4-token-block latent cache with scrambled block tables, over three
+    steps: both prompts' first 6 tokens (no cached prefix), then a 5-token chunk of the first over its cached
+    prefix beside a decode row of the second, then a decode row of the first. Every row equals `reference_mla`
+    (decode rows with the native kernel, and on the torch path with it turned off)."""
     if not native:
         monkeypatch.setattr(attention.cpu_native, "supports_cache", lambda *a: False)
     path = checkpoints["deepseek_v3"][0]
@@ -196,11 +197,10 @@ def test_decode_over_the_latent_cache_equals_the_reference(checkpoints, native, 
         with torch.inference_mode():
             return attn(x, model.model.rotary.at(positions), md, None)
 
-    prefill = step([(0, 0, lens[0] - 1), (1, 0, lens[1] - 1)])  # all but each sequence's last token
-    decode = step([(0, lens[0] - 1, lens[0]), (1, lens[1] - 1, lens[1])])  # one row each, over the cache alone
     expected = [reference_mla(w, x.double(), get_model_config(path).rope_theta) for x in xs]
-    torch.testing.assert_close(prefill.double(), torch.cat([e[:-1] for e in expected]), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(decode.double(), torch.stack([e[-1] for e in expected]), rtol=1e-5, atol=1e-5)
+    for chunks in ([(0, 0, 6), (1, 0, 6)], [(0, 6, 11), (1, 6, 7)], [(0, 11, 12)]):
+        got = step(chunks).double()
+        torch.testing.assert_close(got, torch.cat([expected[i][a:b] for i, a, b in chunks]), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("router", [DeepseekV2TopkRouter, DeepseekV3TopkRouter])

@@ -4,11 +4,10 @@ latent attention (MLA) and DeepSeek's mixture of experts, as transformers comput
 MLA: a token's keys and values come from one latent vector, `kv_a_proj_with_mqa(x)` = [c (kv_lora_rank), k_pe
 (qk_rope_head_dim)], c RMS-normalized, k_pe rotated (one rotary key shared by every head). Head h's key is
 [W_UK[h] c, k_pe] and its value W_UV[h] c, the two up-projections stacked in `kv_b_proj`. The KV cache keeps only
-[c, k_pe] per token and layer (`ModelConfig.kv_latent_dim`, `KVCacheSpec.parts` 1): the attention absorbs W_UK
-into the queries (q_h . k_h = [W_UK[h]^T q_nope_h, q_pe_h] . [c, k_pe]) and W_UV into the output, so every step
-attends its absorbed queries over the latent cache as one KV head of kv_lora_rank + rope dims whose first
-kv_lora_rank dims are also the value: the paged attention of every other model, block tables, prefix caching,
-chunked prefill and preemption unchanged. Prefills attend absorbed too (no per-head K/V is ever expanded).
+[c, k_pe] per token and layer (`ModelConfig.kv_latent_dim`, `KVCacheSpec.parts` 1), paged as every other cache
+(block tables, prefix caching, chunked prefill, preemption unchanged); `kernels.mla_attention` attends decode rows
+absorbed (W_UK into the queries, W_UV into the output: q_h . k_h = [W_UK[h]^T q_nope_h, q_pe_h] . [c, k_pe]) and
+prefill spans over their context's latent expanded into per-head keys and values.
 
 Rotary: DeepSeek rotates interleaved pairs (x0, x1), (x2, x3)...; de-interleaving the rotary dims first makes it
 the Neox rotation of `layers.RotaryEmbedding` (the dot products are the same, the rounding is not bit-equal to
@@ -22,7 +21,7 @@ first `first_k_dense_replace` layers keep a dense MLP. The router runs in fp32, 
 
 Not served (refused by name): tensor parallelism, a quantized KV cache (int8/fp8) or int8 host tier, LoRA,
 quantized checkpoints (`loader`: quantized experts), `moe_layer_freq` other than 1. CUDA graphs stay off (as for
-every mixture of experts) and the attention runs the torch ops on every backend.
+every mixture of experts) and the attention runs its torch implementation on every backend.
 """
 
 import math
@@ -135,19 +134,15 @@ class LatentAttention(nn.Module):
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
         pe = torch.cat([q[..., self.nope :], k_pe[:, None]], dim=1)  # the query heads' rotary dims and the key's
         if self.deinterleave is not None:
-            pe = pe[..., self.deinterleave.to(pe.device)]
+            pe = pe[..., self.deinterleave]
         pe = rotation(pe.contiguous())
         q_pe = pe[:, : self.num_heads] * self.q_pe_scale if self.q_pe_scale != 1.0 else pe[:, : self.num_heads]
         latent = torch.cat([self.kv_a_layernorm(c, self.backend), pe[:, self.num_heads]], dim=-1)[:, None]
         kernels.write_kv(latent, latent, self.k_cache, self.v_cache, attn_metadata.slot_mapping)
-        w_uk, w_uv = self.up_projections()
-        q_latent = torch.bmm(q[..., : self.nope].transpose(0, 1), w_uk).transpose(0, 1)  # [T, heads, rank]
-        query = torch.cat([q_latent, q_pe], dim=-1)
-        # the torch ops on every backend: one "KV head" whose key is the whole latent, whose value its first `rank`
-        cache = (self.k_cache, self.v_cache, attn_metadata, self.scale)
-        o = kernels.paged_attention(query, *cache, fresh_kv=(latent, latent))
-        o = torch.bmm(o[..., : self.rank].transpose(0, 1), w_uv.transpose(1, 2))  # [heads, T, v_head_dim]
-        return self.o_proj(o.transpose(0, 1).flatten(1), lora)
+        o = kernels.mla_attention(
+            q[..., : self.nope], q_pe, self.k_cache, attn_metadata, self.scale, *self.up_projections(), latent
+        )
+        return self.o_proj(o.flatten(1), lora)
 
     def up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK `[heads, nope, rank]`, W_UV `[heads, v_head_dim, rank]`): views of `kv_b_proj`'s weight."""
