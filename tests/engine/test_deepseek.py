@@ -25,6 +25,7 @@ from tiffin.engine.distributed.tensor_parallel import TensorParallel
 from tiffin.engine.models.deepseek import DeepseekConfig, DeepseekMoE
 from tiffin.engine.models.loader import build_model, get_model_config
 from tiffin.engine.models.moe import grouped_topk
+from tiffin.engine.worker import model_runner
 from tiffin.engine.worker.kv_cache import KVCacheSpec
 from tiffin.kernels import attention
 from tiffin.kernels.attention import AttentionMetadata
@@ -119,6 +120,22 @@ def test_preempted_sequences_resume_equal(checkpoints):
     llm = LLM(str(path), dtype="float32", num_kv_blocks=9, max_model_len=128, enable_prefix_caching=False)
     assert_matches(llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY, use_tqdm=False), expected)
     assert llm.llm_engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("model_type", list(ARCHS))
+def test_cuda_path_under_the_emulation_matches_transformers(checkpoints, model_type, cuda_emulation, monkeypatch):
+    """The CUDA path on CPU (`cuda_emulation`: the norms and activations of the Triton backend interpreted, the
+    latent attention's torch ops on device tensors); no graphs, as for every mixture of experts."""
+    monkeypatch.setattr(model_runner, "warm_up_triton", lambda runner: None)
+    path, _, expected = checkpoints[model_type]
+    llm = LLM(str(path), device="cuda", dtype="float32", max_num_seqs=2, max_model_len=64, num_kv_blocks=8)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()[1:3]], params, use_tqdm=False)
+    for out, (tokens, logprobs) in zip(outs, expected[1:3]):
+        got = out.outputs[0]
+        assert got.token_ids == tokens[:4]
+        got_lp = [step[t].logprob for step, t in zip(got.logprobs, got.token_ids)]
+        assert max(abs(a - b) for a, b in zip(got_lp, logprobs)) < 1e-4
 
 
 def test_kv_bytes_per_token_of_a_v2_lite_shape(tmp_path):
