@@ -15,9 +15,11 @@ V2's complex product). YaRN's `mscale_all_dim` scales the softmax scale (squared
 rotary part of queries and keys (squared, on the queries).
 
 Experts (`moe.Experts`), routed by `moe.grouped_topk`: softmax over the router (V2, `greedy` or
-`group_limited_greedy`), or sigmoid with `e_score_correction_bias` for the choice (V3, `noaux_tc`), weights times
-`routed_scaling_factor`; the `n_shared_experts` shared experts form one ungated MLP every token goes through; the
-first `first_k_dense_replace` layers keep a dense MLP. The router runs in fp32, as transformers keeps it.
+`group_limited_greedy`), or sigmoid with `e_score_correction_bias` for the choice (V3, `noaux_tc`); the weights
+renormalized where `norm_topk_prob` says (for V2 too, as DeepSeek's code and vLLM do: transformers 5 ignores it
+there), then times `routed_scaling_factor`. The `n_shared_experts` shared experts form one ungated MLP every token
+goes through; the first `first_k_dense_replace` layers keep a dense MLP. The router runs in fp32, as transformers
+keeps it.
 
 Not served (refused by name): tensor parallelism, a quantized KV cache (int8/fp8) or int8 host tier, LoRA,
 quantized checkpoints (`loader`: quantized experts), `moe_layer_freq` other than 1. CUDA graphs stay off (as for
