@@ -5,9 +5,10 @@ shared experts, routed_scaling_factor, YaRN rope scaling with mscale_all_dim (th
 attention factor both differ from 1). V3: q_a/q_b projections, sigmoid routing with a random
 e_score_correction_bias over 2 of 4 groups (`noaux_tc`), norm_topk_prob, one shared expert. Both: the first layer
 dense (first_k_dense_replace). Greedy 48 tokens and their logprobs equal transformers' (1e-4), with prefix-cache
-hits, chunked prefill and, on a pool too small for the batch, preemption; decode over the latent cache equals a
-float64 MLA written here from the checkpoint's tensors; the KV cache holds (kv_lora_rank + qk_rope_head_dim) x
-layers x dtype bytes per token; what is not served is refused by name."""
+hits, chunked prefill and, on a pool too small for the batch, preemption (recompute, or swap with the host tier),
+and on the CUDA path under the emulation; attention over the latent cache (fresh prefill, a chunk over a cached
+prefix, decode rows) equals a float64 MLA written here from the checkpoint's tensors; the KV cache holds
+(kv_lora_rank + qk_rope_head_dim) x layers x dtype bytes per token; what is not served is refused by name."""
 
 import json
 
@@ -115,11 +116,23 @@ def test_greedy_batch_matches_transformers(checkpoints, model_type):
     assert runner.kv_cache.shape == (1, layers, blocks, 16, 1, latent)  # one latent vector per token and layer
 
 
-def test_preempted_sequences_resume_equal(checkpoints):
+TIERS = dict(preemption_mode="swap", swap_space=0.01, kv_offload_memory=1 << 20)
+
+
+@pytest.mark.parametrize("tiers", [{}, TIERS], ids=["recompute", "swap-and-host-tier"])
+def test_preempted_sequences_resume_equal(checkpoints, tiers):
+    """A 9-block pool for 5 sequences of up to 88 tokens: preempted sequences are recomputed, or swapped out to
+    host blocks of the latent cache and back; with the prefix cache's host tier the second run's prompts come back
+    from host memory."""
     path, _, expected = checkpoints["deepseek_v3"]
-    llm = LLM(str(path), dtype="float32", num_kv_blocks=9, max_model_len=128, enable_prefix_caching=False)
-    assert_matches(llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY, use_tqdm=False), expected)
+    llm = LLM(
+        str(path), dtype="float32", num_kv_blocks=9, max_model_len=128, enable_prefix_caching=bool(tiers), **tiers
+    )
+    for _ in range(2 if tiers else 1):
+        assert_matches(llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY, use_tqdm=False), expected)
     assert llm.llm_engine.scheduler.num_preemptions > 0
+    stats = llm.llm_engine.stats()
+    assert not tiers or (stats.swapped_out_seqs > 0 and stats.swapped_in_seqs > 0 and stats.host_tier_hits > 0)
 
 
 @pytest.mark.parametrize("model_type", list(ARCHS))
