@@ -6,9 +6,10 @@ attention factor both differ from 1). V3: q_a/q_b projections, sigmoid routing w
 e_score_correction_bias over 2 of 4 groups (`noaux_tc`), norm_topk_prob, one shared expert. Both: the first layer
 dense (first_k_dense_replace). Greedy 48 tokens and their logprobs equal transformers' (1e-4), with prefix-cache
 hits, chunked prefill and, on a pool too small for the batch, preemption (recompute, or swap with the host tier),
-and on the CUDA path under the emulation; attention over the latent cache (fresh prefill, a chunk over a cached
-prefix, decode rows) equals a float64 MLA written here from the checkpoint's tensors; the KV cache holds
-(kv_lora_rank + qk_rope_head_dim) x layers x dtype bytes per token; what is not served is refused by name."""
+with speculative proposals verified, and on the CUDA path under the emulation; attention over the latent cache
+(fresh prefill, a chunk over a cached prefix, decode rows) equals a float64 MLA written here from the checkpoint's
+tensors; the KV cache holds (kv_lora_rank + qk_rope_head_dim) x layers x dtype bytes per token; what is not served
+is refused by name."""
 
 import json
 
@@ -133,6 +134,29 @@ def test_preempted_sequences_resume_equal(checkpoints, tiers):
     assert llm.llm_engine.scheduler.num_preemptions > 0
     stats = llm.llm_engine.stats()
     assert not tiers or (stats.swapped_out_seqs > 0 and stats.swapped_in_seqs > 0 and stats.host_tier_hits > 0)
+
+
+class KnownContinuation:
+    """Proposes up to 5 tokens of each sequence's greedy continuation (from transformers), every third one wrong:
+    verifying rows, several query tokens over a cached prefix, accepted in part."""
+
+    def __init__(self, expected: dict[tuple[int, ...], list[int]]):
+        self.expected, self.calls = expected, 0
+
+    def propose(self, seqs) -> None:
+        for seq in seqs:
+            self.calls += 1
+            ahead = self.expected[tuple(seq.prompt_token_ids)][seq.num_output_tokens :][:5]
+            seq.spec_token_ids = [t if (i + self.calls) % 3 else (t + 1) % VOCAB for i, t in enumerate(ahead)]
+
+
+def test_speculative_verification_matches_transformers(checkpoints):
+    path, _, expected = checkpoints["deepseek_v2"]
+    llm = LLM(str(path), dtype="float32", speculative_config={"method": "ngram", "disable_by_batch_size": None})
+    llm.llm_engine.proposer = KnownContinuation({tuple(p): e[0] for p, e in zip(prompts(), expected)})
+    assert_matches(llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY, use_tqdm=False), expected)
+    stats = llm.llm_engine.stats()
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
 
 
 @pytest.mark.parametrize("model_type", list(ARCHS))
