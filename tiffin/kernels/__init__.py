@@ -13,6 +13,7 @@ __all__ = [
     "add_rms_norm",
     "argmax",
     "gelu_and_mul",
+    "mla_attention",
     "paged_attention",
     "write_kv",
     "resolve_backend",
@@ -61,6 +62,15 @@ def paged_attention(
     return kernel("paged_attention", backend)(*args)
 
 
+def mla_attention(
+    q_nope, q_pe, cache, md: AttentionMetadata, scale: float, w_uk, w_uv, fresh_latent=None, backend: str = "torch"
+) -> torch.Tensor:
+    """DeepSeek's multi-head latent attention over a latent cache `[num_blocks, block_size, 1, rank + rope]`:
+    `q_nope [T, H, nope]`, `q_pe [T, H, rope]` -> `[T, H, v_dim]` (kernels/mla.py: layout, and which rows attend
+    absorbed); `w_uk [H, nope, rank]`, `w_uv [H, v_dim, rank]` the up-projections. Torch on every backend so far."""
+    return kernel("mla_attention", backend)(q_nope, q_pe, cache, md, scale, w_uk, w_uv, fresh_latent)
+
+
 def _check_scales(k_cache, v_cache, k_scale, v_scale) -> None:
     """A quantized cache comes with scales of its blocks' shape, a model-dtype one without."""
     if kv_quant.is_quantized(k_cache) != (k_scale is not None) or (k_scale is None) != (v_scale is None):
@@ -104,4 +114,5 @@ def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+from tiffin.kernels import mla  # noqa: E402, F401  (registers mla_attention's torch implementation)
 from tiffin.kernels.fused import add_rms_norm, gelu_and_mul, rotary_write_kv  # noqa: E402  (its references import the above)

@@ -39,7 +39,8 @@ class AttentionMetadata:
 @implements("write_kv", "torch")
 def write_kv_torch(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     """Scatter this step's `key`/`value` `[T, num_kv_heads, head_dim]` into the paged caches (quantized first
-    where the caches are, `kv_quant`)."""
+    where the caches are, `kv_quant`). A latent (MLA) cache is its own V cache (`v_cache is k_cache`): the key
+    alone is written."""
     if k_scale is not None and cpu_native.supports_cache(key, k_cache):  # one pass, not a dozen ops a layer
         return cpu_native.write_kv(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping)
     keep = slot_mapping >= 0
@@ -49,7 +50,7 @@ def write_kv_torch(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_s
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     if k_scale is not None:
         key = kv_quant.rotate(key, exact=True)
-    for x, cache, scales in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+    for x, cache, scales in ((key, k_cache, k_scale), (value, v_cache, v_scale))[: 1 if v_cache is k_cache else 2]:
         if scales is None:
             cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, x.to(cache.dtype))
         else:

@@ -29,7 +29,8 @@ class MoEConfig:
     """A mixture of experts in place of the MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): `top_k` of `num_experts` SwiGLU
     experts of `intermediate_size` each, chosen per token by a softmax router; with a Qwen2-MoE shared expert of
     `shared_expert_size` (0: none) beside them. Dense layers keep the model's MLP: those in `dense_layers`
-    (`mlp_only_layers`), and all but every `sparse_step`-th (`decoder_sparse_step`)."""
+    (`mlp_only_layers`; DeepSeek's first `first_k_dense_replace`), and all but every `sparse_step`-th
+    (`decoder_sparse_step`). DeepSeek's routing and shared experts: `deepseek.DeepseekConfig`."""
 
     num_experts: int
     top_k: int
@@ -46,7 +47,7 @@ class MoEConfig:
     @classmethod
     def from_hf(cls, raw: dict, always_renormalize: bool) -> "MoEConfig | None":
         """None for a dense model (no experts in config.json)."""
-        experts = raw.get("num_experts") or raw.get("num_local_experts") or 0
+        experts = raw.get("num_experts") or raw.get("num_local_experts") or raw.get("n_routed_experts") or 0
         if not experts:
             return None
         return cls(
@@ -56,7 +57,7 @@ class MoEConfig:
             renormalize=always_renormalize or bool(raw.get("norm_topk_prob", False)),
             shared_expert_size=raw.get("shared_expert_intermediate_size") or 0,
             sparse_step=raw.get("decoder_sparse_step") or 1,
-            dense_layers=tuple(raw.get("mlp_only_layers") or ()),
+            dense_layers=tuple(raw.get("mlp_only_layers") or range(raw.get("first_k_dense_replace") or 0)),
         )
 
 
@@ -90,6 +91,9 @@ class ModelConfig:
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
     nope_layers: tuple[int, ...] = ()  # SmolLM3: layers whose attention has no rotary embedding (NoPE)
+    # multi-head latent attention (DeepSeek): the size of the one vector a token keeps per layer in the KV cache
+    # (kv_lora_rank + qk_rope_head_dim), read as keys and values by every head; 0: per-head K and V
+    kv_latent_dim: int = 0
     # what a model file reads of config.json beyond these fields (`family_config` of its class: gemma.GemmaConfig)
     family: object | None = None
     windowed: bool = False  # its attention applies `sliding_window` itself (the context is not capped at it)
@@ -128,7 +132,8 @@ class ModelConfig:
             num_layers=raw["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            # MLA: the rotary part of a head (transformers' head_dim there too); hub DeepSeek configs lack head_dim
+            head_dim=raw.get("qk_rope_head_dim") or raw.get("head_dim") or raw["hidden_size"] // heads,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
@@ -147,6 +152,7 @@ class ModelConfig:
             attention_multiplier=raw.get("attention_multiplier"),
             logits_scaling=raw.get("logits_scaling", 1.0),
             nope_layers=_nope_layers(raw),
+            kv_latent_dim=raw["kv_lora_rank"] + raw["qk_rope_head_dim"] if raw.get("kv_lora_rank") else 0,
             layer_norm_eps=raw.get("layer_norm_eps", 1e-12),
             type_vocab_size=raw.get("type_vocab_size", 0),
             num_labels=len(raw.get("id2label") or {}) or raw.get("num_labels", 0),

@@ -10,7 +10,8 @@ those experts' outputs, plus, in Qwen2-MoE, a shared expert (a dense MLP every t
 Experts are stacked per layer, `gate_up_proj [E, 2I, H]` (each expert's gate rows, then its up rows) and
 `down_proj [E, H, I]`. A forward sorts its (token, choice) pairs by expert and runs one GEMM pair per expert that
 has tokens: a decode step reads its chosen experts' weights and no others'. The outputs go back to (token,
-choice) order and are summed over the choices with their routing weights.
+choice) order and are summed over the choices with their routing weights. DeepSeek's routing (grouped top-k,
+sigmoid scores with a correction bias, a scaling factor) is `grouped_topk`, which `deepseek.py`'s layer uses.
 
 Tensor parallelism splits each expert's intermediate dimension, as the dense MLP's column (gate/up) and row
 (down) split does; the router is replicated; the experts' partial outputs are all-reduced.
@@ -116,6 +117,37 @@ class Experts(nn.Module):
         if target.shape != tensor.shape:
             raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(target.shape)}")
         target.copy_(tensor)
+
+
+def grouped_topk(
+    logits: torch.Tensor,
+    top_k: int,
+    scoring: str = "softmax",
+    num_groups: int = 1,
+    topk_groups: int = 1,
+    bias: torch.Tensor | None = None,
+    renormalize: bool = False,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's routing of router `logits [T, E]` (fp32) -> each token's weights `[T, k]` (fp32) and experts
+    `[T, k]`, as transformers and DeepSeek's code compute it. Scores are the logits' softmax (V2) or sigmoid (V3);
+    with `num_groups` > 1 the experts form equal groups and a token picks among the experts of its `topk_groups`
+    best groups only (V2 `group_limited_greedy`: a group ranks by its best score; V3 `noaux_tc`: by its two best).
+    V3 chooses by the scores plus `bias` (`e_score_correction_bias`) but weights by the unbiased scores. The
+    weights are renormalized to sum to 1 where `renormalize`, then multiplied by `scale` (routed_scaling_factor)."""
+    scores = logits.softmax(-1) if scoring == "softmax" else logits.sigmoid()
+    choice = scores if bias is None else scores + bias
+    if num_groups > 1:
+        grouped = choice.view(len(choice), num_groups, -1)
+        group_scores = grouped.topk(1 if bias is None else 2, dim=-1).values.sum(-1)
+        kept = torch.zeros_like(group_scores, dtype=torch.bool)
+        kept.scatter_(1, group_scores.topk(topk_groups, dim=-1).indices, True)
+        choice = choice.masked_fill(~kept.repeat_interleave(grouped.shape[2], dim=1), float("-inf"))
+    experts = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, experts)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, experts
 
 
 class SparseMoE(nn.Module):

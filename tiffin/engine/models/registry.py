@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from tiffin.engine.models.bert import BertForSequenceClassification, BertModel
+from tiffin.engine.models.deepseek import DeepseekForCausalLM
 from tiffin.engine.models.gemma import GemmaForCausalLM
 from tiffin.engine.models.idefics3 import Idefics3ForConditionalGeneration
 from tiffin.engine.models.llama import LlamaForCausalLM
@@ -55,6 +56,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "MixtralForCausalLM": Architecture(MoEForCausalLM, renormalize_topk=True),
     "Qwen2MoeForCausalLM": Architecture(MoEForCausalLM, qkv_bias=True),
     "Qwen3MoeForCausalLM": Architecture(MoEForCausalLM, qk_norm=True),
+    # multi-head latent attention over a latent KV cache, grouped top-k routing (models/deepseek.py)
+    "DeepseekV2ForCausalLM": Architecture(DeepseekForCausalLM),
+    "DeepseekV3ForCausalLM": Architecture(DeepseekForCausalLM),
     # decoders without their head, as Qwen3-Embedding / gte-Qwen2 ship: last-token embeddings
     "LlamaModel": Architecture(LlamaForCausalLM, task="embed", checkpoint_prefix="model."),
     "MistralModel": Architecture(LlamaForCausalLM, task="embed", checkpoint_prefix="model."),

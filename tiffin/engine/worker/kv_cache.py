@@ -86,22 +86,34 @@ class MemoryProfile:
 @dataclass(frozen=True)
 class KVCacheSpec:
     """One block's shape across every layer. A quantized cache (`kv_cache_dtype` int8 / fp8) stores codes of
-    `dtype` and a scale per token and KV head (`tiffin.kernels.kv_quant`)."""
+    `dtype` and a scale per token and KV head (`tiffin.kernels.kv_quant`). Multi-head latent attention (DeepSeek,
+    `ModelConfig.kv_latent_dim`) keeps one part, not K and V: a token's latent vector, one "KV head" of
+    kv_lora_rank + qk_rope_head_dim that every query head reads as its key and (the first kv_lora_rank) value."""
 
     num_layers: int
     block_size: int
     num_kv_heads: int  # this rank's
     head_dim: int
     dtype: torch.dtype
+    parts: int = 2  # K and V; 1: a latent cache (MLA)
 
     @classmethod
     def of(cls, model_config: ModelConfig, block_size: int, num_kv_heads: int, kv_cache_dtype: str = "auto"):
         dtype = kv_quant.CACHE_DTYPES.get(kv_cache_dtype, model_config.dtype)
-        return cls(model_config.num_layers, block_size, num_kv_heads, model_config.head_dim, dtype)
+        if not model_config.kv_latent_dim:
+            return cls(model_config.num_layers, block_size, num_kv_heads, model_config.head_dim, dtype)
+        if dtype != model_config.dtype:
+            raise ValueError(
+                f"kv_cache_dtype {kv_cache_dtype!r}: {model_config.architecture}'s latent (MLA) KV cache is stored in "
+                f"the model's dtype only; use kv_cache_dtype 'auto'"
+            )
+        return cls(model_config.num_layers, block_size, 1, model_config.kv_latent_dim, dtype, parts=1)
 
     def for_tier(self, kv_offload_dtype: str) -> "KVCacheSpec":
         """The host tier's blocks: int8 ones for `kv_offload_dtype` int8 where the pool stores wider values; else
         the pool's (a quantized pool's blocks go as they are: fp8 codes to int8 ones would lose bits, save none)."""
+        if kv_offload_dtype == "int8" and self.parts == 1:
+            raise ValueError("kv_offload_dtype 'int8' does not store a latent (MLA) KV cache; use 'auto'")
         return replace(self, dtype=torch.int8) if kv_offload_dtype == "int8" and not self.quantized else self
 
     @property
@@ -110,9 +122,9 @@ class KVCacheSpec:
 
     @property
     def bytes_per_token(self) -> int:
-        """K and V of one token in every layer, scales included."""
+        """K and V (or the latent) of one token in every layer, scales included."""
         head = self.head_dim * self.dtype.itemsize + (kv_quant.SCALE_DTYPE.itemsize if self.quantized else 0)
-        return 2 * self.num_layers * self.num_kv_heads * head
+        return self.parts * self.num_layers * self.num_kv_heads * head
 
     @property
     def bytes_per_block(self) -> int:
@@ -121,7 +133,8 @@ class KVCacheSpec:
     def allocate(self, num_blocks: int, device: torch.device, layers_kv: list) -> list[torch.Tensor]:
         """`num_blocks` blocks and the dummy one, zeroed so that slots never written hold finite values (masked-out
         attention weights multiply them); each attention layer gets its K and V views (and its scales' views, or
-        None). Returns the pool's tensors, each `[2, num_layers, num_blocks + 1, block_size, ...]`: the cache, then
+        None; a latent cache's K and V views are one tensor). Returns the pool's tensors, each `[parts, num_layers,
+        num_blocks + 1, block_size, ...]`: the cache, then
         the scales of a quantized one. On CPU the zeros are the operating system's (calloc): pages take memory once
         written, so the pool costs what requests use, FIRST_BLOCKS_WRITTEN of it from the start."""
         tensors = [_zeros(shape, dtype, device) for shape, dtype in self._shapes(num_blocks + 1)]
@@ -129,7 +142,8 @@ class KVCacheSpec:
             for tensor in tensors:
                 tensor[:, :, :FIRST_BLOCKS_WRITTEN].zero_()
         for i, attn in enumerate(layers_kv):
-            attn.k_cache, attn.v_cache = tensors[0][0, i], tensors[0][1, i]
+            attn.k_cache = tensors[0][0, i]
+            attn.v_cache = tensors[0][1, i] if self.parts == 2 else attn.k_cache
             attn.k_scale, attn.v_scale = (tensors[1][0, i], tensors[1][1, i]) if self.quantized else (None, None)
         return tensors
 
@@ -145,7 +159,7 @@ class KVCacheSpec:
 
     def _shapes(self, num_blocks: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """The pool's tensors for `num_blocks` blocks: the cache, then a quantized one's scales."""
-        shape = (2, self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        shape = (self.parts, self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         return [(shape, self.dtype)] + [(shape[:-1], kv_quant.SCALE_DTYPE)] * self.quantized
 
 

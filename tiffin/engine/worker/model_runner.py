@@ -75,6 +75,8 @@ class ModelRunner(KVBlockCopies):
         self.sleep_level = 0  # tiffin.engine.worker.sleep
         self.model = self.build_model(config.model)
         self.lora_slots = None
+        if config.enable_lora and not getattr(self.model, "supports_lora", True):
+            raise ValueError(f"{model_config.architecture}: LoRA adapters are not supported yet (enable_lora)")
         if config.enable_lora:
             whole = pipeline_stage.whole_model_layers(self) if self.pp.size > 1 and group.rank == 0 else None
             lora_args = config.max_loras, config.max_lora_rank, model_config.dtype, self.device, self.backend
