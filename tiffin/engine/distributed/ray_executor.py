@@ -10,7 +10,9 @@ TCP with a random auth key), joins the process group at rank 0's node's address 
 
 A rank's liveness is its long-running `serve` call: an actor that dies (killed, its node removed) fails that
 call, which the group's watcher and its diagnosis read, naming the rank and node. Stopping kills every actor and
-removes the placement group."""
+removes the placement group.
+
+Ray starts its workers at niceness 15; a rank takes the engine's back where the node permits it (`serve`)."""
 
 import os
 import secrets
@@ -35,8 +37,16 @@ class RankActor:
         self.listener = Listener((address, 0), authkey=authkey)
         return ray.get_runtime_context().get_node_id(), address, os.getpid(), self.listener.address
 
-    def serve(self, config, rank: int, rendezvous: group.Rendezvous, threads: int, entry, args: tuple) -> None:
-        """Accept rank 0's connection, then run as this rank until told to stop (`group._worker`)."""
+    def serve(
+        self, config, rank: int, rendezvous: group.Rendezvous, niceness: int, threads: int, entry, args: tuple
+    ) -> None:
+        """Accept rank 0's connection, then run as this rank until told to stop (`group._worker`), at the engine's
+        `niceness`: Ray starts its workers at 15, which on a busy node starves the rank every step waits for (where
+        lowering it is not permitted, the rank stays at Ray's)."""
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, niceness)  # this thread's, inherited by the threads it starts
+        except PermissionError:
+            pass
         conn = self.listener.accept()
         self.listener.close()
         group._worker(config, rank, rendezvous, conn, threads, entry, args)
@@ -107,9 +117,10 @@ def start_workers(config, threads: int, entry, args: tuple) -> tuple[list, list[
     conns, workers = [], []
     try:
         where = ray.get([a.listen.remote(authkey) for a in actors], timeout=group.START_TIMEOUT)
+        niceness = os.getpriority(os.PRIO_PROCESS, 0)
         for rank, (actor, (node_id, node_address, pid, listening)) in enumerate(zip(actors, where), 1):
             at = rendezvous._replace(node_address=node_address)
-            done = actor.serve.remote(config, rank, at, threads, entry, args)
+            done = actor.serve.remote(config, rank, at, niceness, threads, entry, args)
             workers.append(RayWorker(actor, done, node_id, node_address, pid, placement))
             conns.append(Client(listening, authkey=authkey))
     except (RayError, GetTimeoutError, OSError, EOFError) as e:
