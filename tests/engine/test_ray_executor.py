@@ -168,6 +168,37 @@ def test_killed_actor_fails_requests_in_flight(cluster, tiny_model):
     assert not alive_actors() and not placed_groups()
 
 
+def test_removed_node_fails_requests_in_flight(cluster, tiny_model):
+    """The node of rank 1 removed mid-stream (its raylet and workers end): the requests in flight get the error
+    naming the rank and node within distributed_timeout. The node is added back for the module's other tests."""
+    path = tiny_model("llama")
+
+    async def main() -> None:
+        engine = AsyncLLMEngine.from_engine_args(
+            path, tensor_parallel_size=2, distributed_executor_backend="ray", distributed_timeout=5
+        )
+        worker = engine.engine.model_runner.group.procs[0]
+        node = next(n for n in cluster.list_all_nodes() if n.node_ip_address == worker.address)
+        try:
+            params = SamplingParams(max_tokens=900, ignore_eos=True)
+            streams = [await engine.add_request(f"r{i}", [5, 6, 7 + i], params) for i in range(2)]
+            for stream in streams:
+                await stream.__anext__()
+            start = time.monotonic()
+            cluster.remove_node(node)
+            for stream in streams:
+                with pytest.raises(EngineError, match=rf"rank 1 on node {worker.address} .* died"):
+                    async for _ in stream:
+                        pass
+            assert time.monotonic() - start < 5 and not engine.healthy
+        finally:
+            engine.shutdown()
+            cluster.add_node(node_ip_address=worker.address, num_cpus=NODES[worker.address])
+
+    asyncio.run(main())
+    assert not alive_actors() and not placed_groups()
+
+
 def test_unknown_executor_is_refused_by_name(tiny_model):
     with pytest.raises(ValueError, match="distributed_executor_backend must be 'mp' or 'ray', got 'slurm'"):
         LLM(tiny_model("llama"), tensor_parallel_size=2, distributed_executor_backend="slurm")

@@ -4,7 +4,7 @@
 
 Rank 0 is the engine's own process: it schedules, builds each step's flattened batch, broadcasts it, samples
 and detokenizes. Ranks 1..N-1 are worker processes started here (`torch.multiprocessing` spawn; the `mp`
-executor) or actors of a Ray cluster (`ray_executor`, the `ray` one); either way each runs `_worker`, then the
+executor, `spawn`) or actors of a Ray cluster (the `ray` one, `ray_executor`); either way each runs `_worker`, then the
 entry point it is given, which loads its shard and loops: wait for the doorbell, receive the step, run the
 forward. torch.distributed runs the collectives: NCCL on CUDA, gloo on CPU, every one bounded by
 `distributed_timeout`. This module knows nothing of what a step holds (`wire` carries it).
@@ -89,9 +89,11 @@ class WorkerGroup:
         self.stopping = False
 
     @classmethod
-    def start(cls, config, device: torch.device, entry: Callable, args: tuple) -> "WorkerGroup":
-        """Rank 0: start ranks 1..N-1 (processes, or Ray actors), each running `entry(group, *args)` (which loads its
-        shard meanwhile), and join the process group."""
+    def start(
+        cls, config, device: torch.device, entry: Callable, args: tuple, launch: Callable | None = None
+    ) -> "WorkerGroup":
+        """Rank 0: start ranks 1..N-1 with `launch` (`spawn`, the default: processes; `ray_executor.start_workers`:
+        Ray actors), each running `entry(group, *args)` (which loads its shard meanwhile); join the process group."""
         size = world_size(config)
         last = rank_device(device, size - 1)
         if device.type == "cuda" and torch.cuda.device_count() <= last.index:
@@ -106,12 +108,7 @@ class WorkerGroup:
         threads = torch.get_num_threads()
         if device.type == "cpu":  # a stage's ranks share the CPUs; the stages take turns (one batch in flight)
             torch.set_num_threads(max(1, threads // config.tensor_parallel_size))
-        if config.distributed_executor_backend == "ray":
-            from tiffin.engine.distributed import ray_executor  # ray: imported only when chosen
-
-            conns, procs, rendezvous = ray_executor.start_workers(config, torch.get_num_threads(), entry, args)
-        else:
-            conns, procs, rendezvous = _spawn(config, torch.get_num_threads(), entry, args)
+        conns, procs, rendezvous = (launch or spawn)(config, torch.get_num_threads(), entry, args)
         tp, pp = _ranks(config, 0)
         self = cls(tp, device, config.distributed_timeout, conns, procs, pp)
         self.rendezvous = rendezvous
@@ -354,7 +351,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _spawn(config, threads: int, entry: Callable, args: tuple) -> tuple[list, list, Rendezvous]:
+def spawn(config, threads: int, entry: Callable, args: tuple) -> tuple[list, list, Rendezvous]:
     """The `mp` executor: ranks 1..N-1 as spawned processes of this host, each with a pipe to rank 0."""
     ctx, rendezvous = mp.get_context("spawn"), Rendezvous("127.0.0.1", free_port())
     conns, procs = [], []
