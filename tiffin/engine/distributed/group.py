@@ -3,10 +3,10 @@
 `distributed.pipeline` says).
 
 Rank 0 is the engine's own process: it schedules, builds each step's flattened batch, broadcasts it, samples
-and detokenizes. Ranks 1..N-1 are worker processes started here (`torch.multiprocessing` spawn; the `mp`
-executor, `spawn`) or actors of a Ray cluster (the `ray` one, `ray_executor`); either way each runs `_worker`, then the
-entry point it is given, which loads its shard and loops: wait for the doorbell, receive the step, run the
-forward. torch.distributed runs the collectives: NCCL on CUDA, gloo on CPU, every one bounded by
+and detokenizes. Ranks 1..N-1 are worker processes started here (`torch.multiprocessing` spawn: the `mp`
+executor, `spawn`) or actors of a Ray cluster (the `ray` one, `ray_executor`); either way each runs `_worker`,
+then the entry point it is given, which loads its shard and loops: wait for the doorbell, receive the step, run
+the forward. torch.distributed runs the collectives: NCCL on CUDA, gloo on CPU, every one bounded by
 `distributed_timeout`. This module knows nothing of what a step holds (`wire` carries it).
 
 A per-worker connection (a pipe; over TCP with an auth key under Ray) carries what must not wait on a
