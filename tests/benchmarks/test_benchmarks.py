@@ -82,6 +82,7 @@ def runs(env, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
             "batch_ttft.py": ["batch_ttft.py", "--streams", "2", "--requests", "1", "--max-tokens", "4", "--lines", "6"]
             + ["--batch-tokens", "4", "--concurrency", "2"],
             "key_fairness.py": ["key_fairness.py", "--streams", "2", "--max-tokens", "4"],
+            "executor_overhead.py": ["executor_overhead.py", "--steps", "4", "--rounds", "1", "--batch", "2"],
         },
         env,
     )
@@ -113,6 +114,11 @@ def test_key_fairness(runs):
     assert run.returncode == 0, output(run)
     refused = "A asking priority -1: 400 param priority"
     assert "under A's flood: 200" in run.stdout and refused in run.stdout, output(run)
+
+
+def test_executor_overhead(runs):
+    run = runs["executor_overhead.py"]
+    assert run.returncode == 0 and "ray / mp:" in run.stdout, output(run)
 
 
 def test_throughput(runs):

@@ -33,15 +33,20 @@ def test_ranks_join_on_consecutive_gpus_from_the_configured_one(four_gpus, monke
     monkeypatch.setattr(
         dist, "init_process_group", lambda backend, **kw: joined.append((backend, torch.cuda.current_device(), kw))
     )
-    config = EngineConfig("m", device="cuda:1", tensor_parallel_size=2)
+    config, rendezvous = (
+        EngineConfig("m", device="cuda:1", tensor_parallel_size=2),
+        group_module.Rendezvous("127.0.0.1", 29500),
+    )
     for rank in (0, 1):
-        group_module._init_group(config, rank, 29500)
+        group_module._init_group(config, rank, rendezvous)
     assert [(backend, current) for backend, current, _ in joined] == [("nccl", 1), ("nccl", 2)]
     assert [kw["device_id"] for *_, kw in joined] == [torch.device("cuda", 1), torch.device("cuda", 2)]
     assert [kw["rank"] for *_, kw in joined] == [0, 1]
     # CUDA graphs (the default) capture collectives, which cannot block the host: the watchdog's abort only
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2" and "TORCH_NCCL_BLOCKING_WAIT" not in os.environ
-    group_module._init_group(EngineConfig("m", device="cuda:1", tensor_parallel_size=2, enforce_eager=True), 0, 29500)
+    group_module._init_group(
+        EngineConfig("m", device="cuda:1", tensor_parallel_size=2, enforce_eager=True), 0, rendezvous
+    )
     assert os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "1"
     assert [group_module.rank_device(config.torch_device, r) for r in (0, 1)] == [
         torch.device("cuda", 1),

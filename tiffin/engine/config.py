@@ -187,6 +187,16 @@ class EngineConfig:
         "layers per pipeline stage, comma-separated (4,5,5; vLLM's VLLM_PP_LAYER_PARTITION); default: an even split, "
         "the extra layers on the stages before the last",
     )
+    distributed_executor_backend: str = _setting(
+        "mp",
+        "how the ranks beyond the engine's run: mp, processes of this host; ray, actors of a Ray cluster placed by a "
+        "placement group (one bundle per rank; the group may span nodes; CPU ranks only so far)",
+    )
+    ray_address: str | None = _setting(
+        None,
+        "the Ray cluster the ray executor joins when this process has not joined one (ray.init's address: auto, "
+        "host:port; None: RAY_ADDRESS, else a new local cluster)",
+    )
     distributed_timeout: float = _setting(
         300.0, "seconds a tensor-parallel collective may wait for a rank before the engine fails, naming it"
     )
@@ -311,6 +321,10 @@ class EngineConfig:
             raise ValueError("kv_offload_memory and swap_space must be >= 0")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:<index>', got {self.device!r}")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(
+                f"distributed_executor_backend must be 'mp' or 'ray', got {self.distributed_executor_backend!r}"
+            )
         if self.distributed_timeout <= 0:
             raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
         if self.grammar_compile_timeout <= 0:

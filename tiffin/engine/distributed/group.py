@@ -3,15 +3,16 @@
 `distributed.pipeline` says).
 
 Rank 0 is the engine's own process: it schedules, builds each step's flattened batch, broadcasts it, samples
-and detokenizes. Ranks 1..N-1 are worker processes started here (`torch.multiprocessing` spawn); each runs the
-entry point it is given, which loads its shard and loops: wait for the doorbell, receive the step, run the
-forward. torch.distributed runs the collectives: NCCL on CUDA, gloo on CPU, every one bounded by
+and detokenizes. Ranks 1..N-1 are worker processes started here (`torch.multiprocessing` spawn: the `mp`
+executor, `spawn`) or actors of a Ray cluster (the `ray` one, `ray_executor`); either way each runs `_worker`,
+then the entry point it is given, which loads its shard and loops: wait for the doorbell, receive the step, run
+the forward. torch.distributed runs the collectives: NCCL on CUDA, gloo on CPU, every one bounded by
 `distributed_timeout`. This module knows nothing of what a step holds (`wire` carries it).
 
-A per-worker pipe carries what must not wait on a collective: the doorbell (so an idle engine never times a
-collective out), the KV block count agreed at start, a worker's start-up error, commands between steps (sleep,
-wake, weight reload) and their answers, and the stop; a worker whose
-engine process dies sees the pipe close and exits.
+A per-worker connection (a pipe; over TCP with an auth key under Ray) carries what must not wait on a
+collective: the doorbell (so an idle engine never times a collective out), the KV block count agreed at start, a
+worker's start-up error, commands between steps (sleep, wake, weight reload) and their answers, and the stop; a
+worker whose engine process dies sees the connection close and exits.
 
 Invariant: every rank runs the same step in the same order; a collective that fails makes the group broken,
 naming the rank; shutdown (or the engine process's death, closing the pipe) ends every worker.
@@ -24,6 +25,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from multiprocessing.connection import wait
+from multiprocessing.context import SpawnProcess
 from typing import NamedTuple
 
 import torch
@@ -46,6 +48,28 @@ class Command(NamedTuple):
     args: tuple
 
 
+class Rendezvous(NamedTuple):
+    """Where the ranks meet: rank 0's `address` and a free `port` there; `node_address`, this rank's node's, which
+    its gloo connections bind (None: gloo's default, the address the hostname resolves to)."""
+
+    address: str
+    port: int
+    node_address: str | None = None
+
+
+class WorkerProcess(SpawnProcess):
+    """A worker of the `mp` executor, as the group watches its workers (`ray_executor.RayWorker` the same)."""
+
+    def death(self) -> str | None:
+        """How it died; None while it runs."""
+        return None if self.exitcode is None else f"died (exit code {self.exitcode})"
+
+    @staticmethod
+    def wait_any(workers: list) -> None:
+        """Block until one of `workers` exits."""
+        wait([w.sentinel for w in workers])
+
+
 class WorkerGroup:
     """The group's collectives and, on rank 0, its worker processes."""
 
@@ -65,9 +89,11 @@ class WorkerGroup:
         self.stopping = False
 
     @classmethod
-    def start(cls, config, device: torch.device, entry: Callable, args: tuple) -> "WorkerGroup":
-        """Rank 0: spawn ranks 1..N-1, each running `entry(group, *args)` (which loads its shard meanwhile), and
-        join the process group."""
+    def start(
+        cls, config, device: torch.device, entry: Callable, args: tuple, launch: Callable | None = None
+    ) -> "WorkerGroup":
+        """Rank 0: start ranks 1..N-1 with `launch` (`spawn`, the default: processes; `ray_executor.start_workers`:
+        Ray actors), each running `entry(group, *args)` (which loads its shard meanwhile); join the process group."""
         size = world_size(config)
         last = rank_device(device, size - 1)
         if device.type == "cuda" and torch.cuda.device_count() <= last.index:
@@ -77,28 +103,22 @@ class WorkerGroup:
             )
         if dist.is_initialized():
             raise RuntimeError("a multi-process engine already runs in this process; shut it down first")
-        port, threads = _free_port(), torch.get_num_threads()
+        if config.distributed_executor_backend == "ray" and device.type != "cpu":
+            raise ValueError(f"distributed_executor_backend 'ray' runs CPU (gloo) ranks only so far, not on {device}")
+        threads = torch.get_num_threads()
         if device.type == "cpu":  # a stage's ranks share the CPUs; the stages take turns (one batch in flight)
             torch.set_num_threads(max(1, threads // config.tensor_parallel_size))
-        ctx = mp.get_context("spawn")
-        conns, procs = [], []
-        for rank in range(1, size):
-            parent, child = ctx.Pipe()
-            worker_args = (config, rank, port, child, torch.get_num_threads(), entry, args)
-            proc = ctx.Process(target=_worker, args=worker_args, name=f"tiffin-rank{rank}", daemon=True)
-            proc.start()
-            child.close()
-            conns.append(parent)
-            procs.append(proc)
+        conns, procs, rendezvous = (launch or spawn)(config, torch.get_num_threads(), entry, args)
         tp, pp = _ranks(config, 0)
         self = cls(tp, device, config.distributed_timeout, conns, procs, pp)
+        self.rendezvous = rendezvous
         self.threads = threads  # given back at shutdown
         weakref.finalize(self, _stop, conns, procs)  # no orphan workers, even if the engine is never shut down
         threading.Thread(target=_watch, args=(weakref.ref(self),), name="tiffin-tp-watch", daemon=True).start()
         try:
             for rank, conn in enumerate(conns, 1):  # imports done: the group forms within distributed_timeout
                 self._receive(conn, rank)
-            self.tp, self.pp = _init_group(config, 0, port)
+            self.tp, self.pp = _init_group(config, 0, rendezvous)
         except Exception as e:
             # torch counts default groups from the start of a join: a failed one would leave this process's
             # count ahead of the next engine's fresh workers, whose joins would then never meet it
@@ -248,9 +268,7 @@ class WorkerGroup:
     def _diagnose(self, error: BaseException | None) -> str:
         for proc in self.procs:  # a peer that closed the connection may still be exiting
             proc.join(1)
-        dead = [
-            f"rank {r} died (exit code {p.exitcode})" for r, p in enumerate(self.procs, 1) if p.exitcode is not None
-        ]
+        dead = [f"rank {r} {death}" for r, p in enumerate(self.procs, 1) if (death := p.death())]
         cause = "" if error is None else f": {type(error).__name__}: {error}"
         if dead:
             return f"{self.kind} worker {', '.join(dead)}{cause}"
@@ -270,7 +288,7 @@ def world_size(config) -> int:
     return config.tensor_parallel_size * config.pipeline_parallel_size
 
 
-def _init_group(config, rank: int, port: int) -> tuple[TensorParallel, PipelineParallel]:
+def _init_group(config, rank: int, rendezvous: Rendezvous) -> tuple[TensorParallel, PipelineParallel]:
     """Join the process group as `rank`; this rank's place in it (every rank forms every stage's group)."""
     device = rank_device(config.torch_device, rank)
     nccl = device.type == "cuda"
@@ -284,8 +302,8 @@ def _init_group(config, rank: int, port: int) -> tuple[TensorParallel, PipelineP
             # cannot block the host (the wait would query an event of the capture)
             os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
     dist.init_process_group(
-        "nccl" if nccl else "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        "nccl" if nccl else _gloo(rendezvous.node_address),
+        init_method=f"tcp://{rendezvous.address}:{rendezvous.port}",
         rank=rank,
         world_size=world_size(config),
         timeout=datetime.timedelta(seconds=config.distributed_timeout),
@@ -304,19 +322,58 @@ def _ranks(config, rank: int, tp_group=None) -> tuple[TensorParallel, PipelinePa
     return TensorParallel(tp_rank, tp, tp_group), pp
 
 
-def _free_port() -> int:
+_GLOO_BOUND = "tiffin_gloo"  # gloo bound to one address (`_gloo`), registered once per process
+_bound_address: list[str] = []
+
+
+def _gloo(node_address: str | None) -> str:
+    """The backend that runs gloo with its connections bound to `node_address`, the rank's node's: gloo's default
+    binds the address the hostname resolves to, and GLOO_SOCKET_IFNAME (obeyed when set) names only an interface,
+    not one of its addresses."""
+    if node_address is None or os.environ.get("GLOO_SOCKET_IFNAME"):
+        return "gloo"
+    if not _bound_address:
+        dist.Backend.register_backend(_GLOO_BOUND, _bound_gloo, devices=["cpu"])
+    _bound_address[:] = [node_address]
+    return _GLOO_BOUND
+
+
+def _bound_gloo(store, rank: int, size: int, timeout: datetime.timedelta) -> dist.ProcessGroupGloo:
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=_bound_address[0])]
+    options._timeout = timeout
+    return dist.ProcessGroupGloo(store, rank, size, options)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def spawn(config, threads: int, entry: Callable, args: tuple) -> tuple[list, list, Rendezvous]:
+    """The `mp` executor: ranks 1..N-1 as spawned processes of this host, each with a pipe to rank 0."""
+    ctx, rendezvous = mp.get_context("spawn"), Rendezvous("127.0.0.1", free_port())
+    conns, procs = [], []
+    for rank in range(1, world_size(config)):
+        parent, child = ctx.Pipe()
+        worker_args = (config, rank, rendezvous, child, threads, entry, args)
+        proc = WorkerProcess(target=_worker, args=worker_args, name=f"tiffin-rank{rank}", daemon=True)
+        proc.start()
+        child.close()
+        conns.append(parent)
+        procs.append(proc)
+    return conns, procs, rendezvous
 
 
 def _watch(ref: weakref.ref) -> None:
     """Rank 0: a worker that exits while the engine idles marks the group broken at once, so that health checks
     report it before a request finds it."""
     group = ref()
-    sentinels = [proc.sentinel for proc in group.procs]
+    procs = group.procs
     del group  # the engine may be collected meanwhile; its finalizer ends the workers and so this wait
-    wait(sentinels)
+    type(procs[0]).wait_any(procs)
+    del procs
     group = ref()
     if group is not None and not group.stopping and group.broken is None:
         group.broken = group._diagnose(None)
@@ -337,12 +394,12 @@ def _stop(conns: list, procs: list, grace: float = 5) -> None:
         conn.close()
 
 
-def _worker(config, rank: int, port: int, conn, threads: int, entry: Callable, args: tuple) -> None:
-    """Rank `rank`'s process: join the group, then hand it to `entry`, which runs until told to stop."""
+def _worker(config, rank: int, rendezvous: Rendezvous, conn, threads: int, entry: Callable, args: tuple) -> None:
+    """Rank `rank`'s process (or actor): join the group, then hand it to `entry`, which runs until told to stop."""
     torch.set_num_threads(threads)
     try:
         conn.send(("started",))
-        tp, pp = _init_group(config, rank, port)
+        tp, pp = _init_group(config, rank, rendezvous)
         group = WorkerGroup(tp, rank_device(config.torch_device, rank), config.distributed_timeout, [conn], pp=pp)
         serve = entry(group, *args)
     except Exception as e:

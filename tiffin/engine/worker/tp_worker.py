@@ -15,6 +15,7 @@ import torch
 
 from tiffin.engine.config import EngineConfig
 from tiffin.engine.core.kv_offload import KVCopies
+from tiffin.engine.distributed import group
 from tiffin.engine.distributed.group import Command, WorkerGroup
 from tiffin.engine.distributed.tensor_parallel import TensorParallel
 from tiffin.engine.lora.slots import LoRASlots
@@ -33,7 +34,17 @@ def start(config: EngineConfig, model_config: ModelConfig, max_model_len: int, d
     tp.kv_heads(model_config.num_kv_heads)
     tp.split(model_config.intermediate_size, "intermediate_size")
     tp.split(model_config.vocab_size, "vocab_size")
-    return WorkerGroup.start(config, device, _serve_rank, (runner_cls, config, model_config, max_model_len))
+    args = (runner_cls, config, model_config, max_model_len)
+    return WorkerGroup.start(config, device, _serve_rank, args, _launcher(config))
+
+
+def _launcher(config: EngineConfig):
+    """How ranks 1..N-1 start: `distributed_executor_backend`'s executor."""
+    if config.distributed_executor_backend == "ray":
+        from tiffin.engine.distributed import ray_executor  # ray: imported only when chosen
+
+        return ray_executor.start_workers
+    return group.spawn
 
 
 def run(group: WorkerGroup, inputs: ModelInput, lora_slots: LoRASlots | None, copies: KVCopies, forward):
