@@ -110,6 +110,21 @@ def test_preemption_and_n(case):
         assert_prompt_logprobs(out.prompt_logprobs, prompt, w, 2)
 
 
+def test_speculative_decoding(case):
+    """A draft model proposing (the target's own checkpoint): prompt logprobs are the target's, and the draft computes
+    none (its forwards' logits rows: its sequences' proposals only)."""
+    path, prompts, want = case
+    spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 2}
+    llm = LLM(str(path), dtype="float32", speculative_config=spec)
+    draft, rows = llm.llm_engine.proposer.runner.model, []
+    compute_logits = draft.compute_logits
+    draft.compute_logits = lambda hidden: rows.append(len(hidden)) or compute_logits(hidden)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=1)
+    for out, prompt, w in zip(run(llm, prompts[2:4], [params] * 2), prompts[2:4], want[2:4]):
+        assert_prompt_logprobs(out, prompt, w, 1)
+    assert llm.llm_engine.stats().spec_draft_tokens > 0 and 0 < max(rows) <= 2
+
+
 @pytest.mark.parametrize("k", [-1, 21, 1.5, True])
 def test_bad_prompt_logprobs_refused(k):
     with pytest.raises(ParamError, match=r"prompt_logprobs must be an integer in \[0, 20\] \(max_logprobs\)"):
