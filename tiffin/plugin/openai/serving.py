@@ -94,8 +94,8 @@ class OpenAIServing:
             raise APIError(400, "best_of is not supported", param="best_of")
         prompts = req.prompts()
         params = await self._sampling_params(req, req.max_tokens, req.logprobs)
-        if req.echo and req.logprobs is not None:  # the echoed prompt's tokens carry logprobs too, as OpenAI's
-            params = dataclasses.replace(params, prompt_logprobs=max(params.prompt_logprobs or 0, req.logprobs))
+        if req.echo and req.logprobs is not None and params.prompt_logprobs is None:  # echoed tokens have them too
+            params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
         echo = self.engine.tokenizer.decode if req.echo else None
         builder = CompletionResponses(req.model or self.model_name, params.n, req.logprobs, req.include_usage, echo)
         return await self._serve(req, raw, builder, prompts, params, lora)
