@@ -243,7 +243,12 @@ class LLMEngine(InputProcessor, SleepMode):
         if not scheduler_output.seqs:
             self._probe()
         seqs = self.scheduler.update(
-            scheduler_output, sampled.token_ids, sampled.pooled, sampled.accepted, sampled.logprobs
+            scheduler_output,
+            sampled.token_ids,
+            sampled.pooled,
+            sampled.accepted,
+            sampled.logprobs,
+            sampled.prompt_logprobs,
         )
         for seq in seqs:
             self._decode_logprobs(seq)
@@ -308,6 +313,7 @@ class LLMEngine(InputProcessor, SleepMode):
                 sampled.token_ids += part_sampled.token_ids
                 sampled.accepted += part_sampled.accepted
                 sampled.logprobs += part_sampled.logprobs
+                sampled.prompt_logprobs += part_sampled.prompt_logprobs
                 sampled.pooled += part_sampled.pooled
         return ran, sampled
 
@@ -445,12 +451,13 @@ class LLMEngine(InputProcessor, SleepMode):
         )
 
     def _decode_logprobs(self, seq: Sequence) -> None:
-        """The text of each token in the logprobs of the step's new tokens."""
-        for logprobs in reversed(seq.logprobs or ()):
-            if next(iter(logprobs.values())).decoded_token is not None:
-                break
-            for token_id, lp in logprobs.items():
-                lp.decoded_token = self.tokenizer.decode([token_id])
+        """The text of each token in the logprobs of the step's new tokens (the prompt's, at the first token)."""
+        for entries in (seq.logprobs, seq.prompt_logprobs):
+            for logprobs in reversed(entries or ()):
+                if logprobs is None or next(iter(logprobs.values())).decoded_token is not None:
+                    break
+                for token_id, lp in logprobs.items():
+                    lp.decoded_token = self.tokenizer.decode([token_id])
 
     def _output(self, request: Request) -> RequestOutput | PoolingRequestOutput:
         """A snapshot, safe to hand to another thread. While a sequence runs, its text holds back a tail that
@@ -486,6 +493,8 @@ class LLMEngine(InputProcessor, SleepMode):
             finished,
             request.seqs[0].num_cached_tokens,
             request.error,
+            # the list is complete, and never changes again, once a sequence has a token
+            seq.prompt_logprobs if seq.prompt_logprobs is None or seq.num_output_tokens else list(seq.prompt_logprobs),
         )
 
     def _max_model_len(self) -> int:

@@ -34,6 +34,8 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     error: str | None = None  # set when the engine failed this request (finished, others unaffected)
+    # SamplingParams.prompt_logprobs: per prompt token, None for the first (no position before it)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass(frozen=True)

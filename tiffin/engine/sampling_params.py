@@ -9,6 +9,7 @@ from tiffin.engine.structured.params import StructuredOutputsParams
 INT64 = (-(2**63), 2**63 - 1)  # what torch takes for seeds and token ids
 MAX_STOP = 64  # stop strings, and stop token ids: checked against every generated token
 MAX_STOP_LENGTH = 1024  # characters of one stop string
+MAX_LOGPROBS = 20  # top alternatives one position may list (vLLM's max_logprobs default)
 
 
 @dataclass
@@ -28,6 +29,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs per generated token (plus the sampled one)
+    prompt_logprobs: int | None = None  # top-k logprobs per prompt token (plus the prompt's own), the first None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # what the output must match
@@ -108,12 +110,14 @@ class SamplingParams:
             self.stop_token_ids,
         )
         self.stop_token_set = frozenset(self.stop_token_ids)
-        _check(
-            self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
-            "logprobs",
-            "must be an integer in [0, 20]",
-            self.logprobs,
-        )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(
+                value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
+                name,
+                f"must be an integer in [0, {MAX_LOGPROBS}] (max_logprobs)",
+                value,
+            )
         _check(
             self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
             "structured_outputs",

@@ -32,6 +32,11 @@ in it: its hidden states all come from that step's forward, and an encoder's att
 step held below a waiting prompt to pool (`step_budget`: an engine yielding to another, tiffin.engine.turns)
 schedules none of it: the turns save the budget up until it fits.
 
+Prompt logprobs (`SamplingParams.prompt_logprobs`) come from the logits of every prompt position, which only a
+forward over it computes: a sequence that still needs some skips the prefix cache on admission (as vLLM's does), so
+its prompt runs whole, in chunks, each contributing its positions (`SchedulerOutput.prompt_rows`). Once they are
+all in (preempted by recompute after its prompt ran) it reads the cache as any other.
+
 Speculative decoding: a decode may carry its sequence's proposals (`spec_token_ids`, set between `schedule` and
 the step's forward, then `schedule_proposals`), computed as more query tokens of the same step and verified by
 its logits rows, one per proposal plus one: at most `num_speculative_tokens` proposals. Proposals only use what
@@ -61,6 +66,9 @@ class SchedulerOutput:
     sampling: list[bool] = field(default_factory=list)  # whether each sequence samples a token this step
     sampling_seqs: list[Sequence] = field(default_factory=list)  # those that do, in order: one logits row each
     pooling_seqs: list[Sequence] = field(default_factory=list)  # pooling sequences, in order: one pooled row each
+    # (index in seqs, first position, rows): the prompt positions whose logits give prompt logprobs, those of
+    # prompt tokens first + 1 ... first + rows, for the sequences that ask
+    prompt_rows: list[tuple[int, int, int]] = field(default_factory=list)
     copies: KVCopies = field(default_factory=KVCopies)  # their order: core/kv_offload (`LLMEngine.step` sets them)
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
@@ -74,6 +82,11 @@ class SchedulerOutput:
             self.sampling_seqs.append(seq)
         if pools:
             self.pooling_seqs.append(seq)
+        if seq.needs_prompt_logprobs:  # from the first position lacking them to the prompt's last but one
+            first = max(seq.num_computed_tokens, len(seq.prompt_logprobs) - 1)
+            rows = min(seq.num_computed_tokens + num_new_tokens, seq.num_prompt_tokens - 1) - first
+            if rows > 0:
+                self.prompt_rows.append((len(self.seqs) - 1, first, rows))
 
     def decodes(self) -> list[Sequence]:
         """The sequences that decode one token this step (those that may speculate)."""
@@ -266,7 +279,8 @@ class Scheduler:
                 skipped.append(seq)
                 continue
             pools = seq.pooling_params is not None
-            cached = [] if pools else self.block_manager.get_computed_blocks(seq)  # None: in the host tier
+            skip_cache = pools or seq.needs_prompt_logprobs
+            cached = [] if skip_cache else self.block_manager.get_computed_blocks(seq)  # None: in the host tier
             num_cached = len(cached) * self.block_manager.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
             if (pools and num_new < seq.num_tokens) or not self.block_manager.allocate_slots(seq, num_new, cached):
@@ -315,14 +329,17 @@ class Scheduler:
         pooled: list[list[float]] = (),
         accepted: list[bool] | None = None,
         logprobs: list | None = None,
+        prompt_logprobs: list[list] = (),
     ) -> list[Sequence]:
-        """Advance the scheduled sequences past this step and finish the pooling sequences with their result (one
-        per pooling sequence, in order). `sampled`, `accepted` and `logprobs` have one entry per logits row (a
-        sampling sequence has one, or one per proposal plus one): a sequence takes its accepted proposals, then the
-        token of its first row that rejects (or of its last row), each checked for a stop. Returns the sequences
-        that got a token or a result."""
+        """Advance the scheduled sequences past this step, add their prompt logprobs (one list per `out.prompt_rows`
+        entry) and finish the pooling sequences with their result (one per pooling sequence, in order). `sampled`,
+        `accepted` and `logprobs` have one entry per logits row (a sampling sequence has one, or one per proposal
+        plus one): a sequence takes its accepted proposals, then the token of its first row that rejects (or of its
+        last row), each checked for a stop. Returns the sequences that got a token or a result."""
         for seq, num_new in zip(out.seqs, out.num_scheduled_tokens):
             seq.num_computed_tokens += num_new
+        for (i, _, _), entries in zip(out.prompt_rows, prompt_logprobs):
+            out.seqs[i].prompt_logprobs += entries
         got_token = []
         for seq, result in zip(out.pooling_seqs, pooled):
             if not seq.finished:

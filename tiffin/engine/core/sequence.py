@@ -67,6 +67,10 @@ class Sequence:
         self.detokenizer = detokenizer
         self.thinking: ThinkingState | None = None  # a reasoning model's, set by the engine; read from `detokenizer`
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None  # per output token
+        # per prompt token, None first (no position before it), filled as prefill chunks run; the request's first
+        # sample computes them for all (`RequestOutput.prompt_logprobs`)
+        asks = params.prompt_logprobs is not None and index == 0 and pooling_params is None
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = [None] if asks else None
         self.params = params
         self.priority = params.priority
         self.client = client
@@ -100,6 +104,11 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether some prompt token still lacks its prompt logprobs (it then skips the prefix cache, `Scheduler`)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     def block_key(self, start: int, end: int) -> bytes:
         """The prefix-cache key of the block over positions [start, end) beside its tokens: the adapter's identity

@@ -129,6 +129,7 @@ class DraftProposer:
         shadow = self.shadows.get(seq.seq_id)
         if shadow is None:
             shadow = Sequence(seq.request_id, seq.index, seq.token_ids, seq.params, seq.max_tokens)
+            shadow.prompt_logprobs = None  # the target's logits give them; the draft's prompt rows are not computed
             self.shadows[seq.seq_id] = shadow
             return shadow
         tokens, same = seq.token_ids, max(shadow.num_tokens - self.k, 0)  # only its last k tokens may be drafts

@@ -1,7 +1,8 @@
 """A step's batch at the worker: a `SchedulerOutput` flattened into host arrays (`HostBatch`), then those
 arrays on the device as the model takes them (`ModelInput`). The data flow of one step, in the design's terms:
 `input_ids[T]`, `positions[T]`, `slot_mapping[T]`, `query_start_loc[B+1]`, `seq_lens[B]`,
-`block_tables[B, max_blocks]`, `logits_indices[S]` (the last token of each sampling sequence)."""
+`block_tables[B, max_blocks]`, `logits_indices[S]` (the last token of each sampling sequence, then the prompt rows
+of the sequences that ask for prompt logprobs)."""
 
 from dataclasses import dataclass
 from itertools import chain
@@ -106,7 +107,7 @@ def host_batch(scheduler_output: SchedulerOutput, block_size: int, pad_prefills:
     for i, seq in enumerate(seqs):
         block_tables[i, : len(seq.block_table)] = seq.block_table
     slots = block_tables[req, positions // block_size].astype(np.int64) * block_size + positions % block_size
-    logits_indices = _logits_indices(scheduler_output, query_start_loc)
+    logits_indices = _logits_indices(scheduler_output, query_start_loc, starts)
     if any(s.spec_token_ids for s in seqs):  # one entry per query token of a verifying sequence
         verifying = np.array([bool(s.spec_token_ids) for s in seqs])
         entries = np.where(verifying, query_lens, 1)
@@ -122,14 +123,21 @@ def host_batch(scheduler_output: SchedulerOutput, block_size: int, pad_prefills:
     return HostBatch(input_ids, positions, slots, query_start_loc, seq_lens, block_tables, query_lens, logits_indices)
 
 
-def _logits_indices(scheduler_output: SchedulerOutput, query_start_loc: np.ndarray) -> np.ndarray:
-    """The rows whose logits are sampled: each sampling sequence's last token, and before it one per proposal."""
+def _logits_indices(scheduler_output: SchedulerOutput, query_start_loc: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """The rows whose logits are sampled: each sampling sequence's last token, and before it one per proposal;
+    then `prompt_rows`' (`starts`: each sequence's first position this step)."""
     sampling = np.array(scheduler_output.sampling)
     ends = query_start_loc[1:][sampling]
     counts = np.array([len(s.spec_token_ids) + 1 for s in scheduler_output.sampling_seqs], dtype=np.int64)
     if len(counts) == 0 or counts.max() == 1:
-        return ends - 1
-    return np.repeat(ends - counts, counts) + _ranks(counts)
+        indices = ends - 1
+    else:
+        indices = np.repeat(ends - counts, counts) + _ranks(counts)
+    if not scheduler_output.prompt_rows:
+        return indices
+    seq, first, rows = np.array(scheduler_output.prompt_rows, dtype=np.int64).T
+    prompt = np.repeat(query_start_loc[seq] + first - starts[seq], rows) + _ranks(rows)
+    return np.concatenate([indices, prompt])
 
 
 def _ranks(counts: np.ndarray) -> np.ndarray:

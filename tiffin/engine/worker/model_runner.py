@@ -29,6 +29,7 @@ from tiffin.engine.worker.cpu_threads import ThreadSizer, usable_cpus
 from tiffin.engine.worker.cuda_graphs import DecodeGraphs, decode_batch_sizes
 from tiffin.engine.worker.kv_copies import KVBlockCopies
 from tiffin.engine.worker.policy import choose_policy
+from tiffin.engine.worker.prompt_logprobs import prompt_logprobs
 from tiffin.engine.worker.sampler import Sampler, SamplerOutput
 from tiffin.engine.worker.warm_up import warm_padded_sizes, warm_up_triton
 
@@ -179,7 +180,10 @@ class ModelRunner(KVBlockCopies):
             logits, pooled = tp_worker.run(
                 self.group, inputs, self.lora_slots, scheduler_output.copies, lambda: self.run_model(inputs)
             )
-        out = self.sampler(logits, rows, bitmask, sampling) if rows else SamplerOutput([], [])
+        # logits rows: the sampling rows, then the prompt rows (`worker.prompt_logprobs`)
+        prompt = prompt_logprobs(logits[len(rows) :], scheduler_output) if scheduler_output.prompt_rows else []
+        out = self.sampler(logits[: len(rows)], rows, bitmask, sampling) if rows else SamplerOutput([], [])
+        out.prompt_logprobs = prompt
         out.pooled = [] if pooled is None else self.finish_pooling(pooled, scheduler_output.pooling_seqs)
         return out
 

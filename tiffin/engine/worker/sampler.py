@@ -56,6 +56,8 @@ class SamplerOutput:
     logprobs: list[dict[int, Logprob] | None]  # per row; None where params.logprobs is None
     accepted: list[bool] = field(default_factory=list)  # per row: whether it accepts its proposal
     pooled: list[list[float]] = field(default_factory=list)  # the runner's: one result per pooling sequence
+    # the runner's: one list per `SchedulerOutput.prompt_rows` entry (`worker.prompt_logprobs`)
+    prompt_logprobs: list[list[dict[int, Logprob]]] = field(default_factory=list)
 
 
 class SamplingInputs:
@@ -350,27 +352,35 @@ def _gather_logprobs(
     params: list[SamplingParams],
     rows: torch.Tensor,
 ) -> list[dict[int, Logprob] | None]:
-    """Top-`logprobs` entries plus the sampled token per row of `rows` (the rows that asked); rank = 1 + number of
-    strictly more likely tokens (tied tokens share a rank). One read back: every number in one float64 table
-    (token ids and ranks are exact there)."""
-    lp, tokens = raw_logprobs[rows], sampled[rows]
-    token_lp = lp.gather(1, tokens[:, None])
-    token_rank = (lp > token_lp).sum(-1) + 1
+    """Top-`logprobs` entries plus the sampled token per row of `rows` (the rows that asked)."""
+    lp = raw_logprobs[rows]
     asked = [i for i, p in enumerate(params) if p.logprobs is not None]
     k = min(max(params[i].logprobs for i in asked), lp.shape[1])
-    top_lp, top_ids = lp.topk(k, -1)
+    out: list[dict[int, Logprob] | None] = [None] * len(params)
+    for i, row in zip(asked, logprob_table(lp, sampled[rows], k)):
+        out[i] = logprob_entry(row, k, params[i].logprobs)
+    return out
+
+
+def logprob_table(logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> list[list[float]]:
+    """Per row of `logprobs`: its token (of `tokens`), that token's logprob and rank, then the top `k` ids, logprobs
+    and ranks; rank = 1 + number of strictly more likely tokens (tied tokens share a rank). One read back: every
+    number in one float64 table (token ids and ranks are exact there)."""
+    token_lp = logprobs.gather(1, tokens[:, None])
+    token_rank = (logprobs > token_lp).sum(-1) + 1
+    top_lp, top_ids = logprobs.topk(k, -1)
     # Anything strictly more likely than one of the top k is itself among the top k.
     top_rank = (top_lp[:, None, :] > top_lp[:, :, None]).sum(-1) + 1
     columns = (tokens[:, None], token_lp, token_rank[:, None], top_ids, top_lp, top_rank)
-    table = torch.cat([c.double() for c in columns], dim=1).tolist()
-    out: list[dict[int, Logprob] | None] = [None] * len(params)
-    for i, row in zip(asked, table):
-        n = params[i].logprobs
-        ids, lps, ranks = row[3 : 3 + k], row[3 + k : 3 + 2 * k], row[3 + 2 * k :]
-        entry = {int(row[0]): Logprob(row[1], int(row[2]))}
-        entry.update((int(t), Logprob(v, int(rk))) for t, v, rk in zip(ids[:n], lps[:n], ranks[:n]))
-        out[i] = entry
-    return out
+    return torch.cat([c.double() for c in columns], dim=1).tolist()
+
+
+def logprob_entry(row: list[float], k: int, n: int) -> dict[int, Logprob]:
+    """vLLM's entry for one position from a `logprob_table` row (of top `k`): its token, and the top `n` <= `k`."""
+    ids, lps, ranks = row[3 : 3 + k], row[3 + k : 3 + 2 * k], row[3 + 2 * k :]
+    entry = {int(row[0]): Logprob(row[1], int(row[2]))}
+    entry.update((int(t), Logprob(v, int(rk))) for t, v, rk in zip(ids[:n], lps[:n], ranks[:n]))
+    return entry
 
 
 def _flat_indices(token_ids: list[list[int]], vocab: int) -> np.ndarray:

@@ -116,6 +116,7 @@ class SamplingRequest(_Body):
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's: json | regex | choice | grammar | json_object
     priority: Int | None = None  # scheduling_policy priority: lower first
+    prompt_logprobs: Int | None = None  # the prompt tokens' logprobs and top k (not streamed, as vLLM's)
     thinking_token_budget: Int | None = Field(  # the issue tracker's and Dynamo's name too
         None, validation_alias=AliasChoices("thinking_token_budget", "max_thinking_tokens")
     )
@@ -127,6 +128,8 @@ class SamplingRequest(_Body):
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError(400, "prompt_logprobs is not available with stream: true", param="prompt_logprobs")
         given = {k: v for k, v in self.model_dump(include=_SAMPLING_FIELDS).items() if v is not None}
         try:
             structured = request_structured_outputs(
@@ -162,6 +165,7 @@ _SAMPLING_FIELDS = {
     "include_stop_str_in_output",
     "skip_special_tokens",
     "priority",
+    "prompt_logprobs",
     "thinking_token_budget",
 }
 # apply_chat_template's own arguments, which chat_template_kwargs (variables for the template) may not set

@@ -9,11 +9,13 @@ Invariants:
   so its streamed reasoning, content and calls add up to the non-streamed message.
 - No NaN or infinity reaches the JSON: a non-finite logprob is sent as vLLM's floor, -9999.0."""
 
+import dataclasses
 import json
 import math
 import time
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -33,8 +35,9 @@ class _Sent:
     closed: bool = False
 
 
-# a sampled token's logprob and the top alternatives at its position, best first
-_TokenLogprobs = tuple[Logprob, list[Logprob]]
+# a sampled token's logprob and the top alternatives at its position, best first (None: an echoed prompt's first
+# token, which has no position before it)
+_TokenLogprobs = tuple[Logprob, list[Logprob] | None]
 
 
 class AnswerBuilder(ABC):
@@ -77,6 +80,7 @@ class ResponseBuilder(AnswerBuilder):
     object_type: ClassVar[str]
     chunk_object_type: ClassVar[str]
     stream_end = "data: [DONE]\n\n"
+    decode: Callable[[list[int]], str] | None = None  # the tokenizer's, where prompts are echoed
 
     def __init__(self, model: str, n: int, logprobs: int | None, include_usage: bool = False) -> None:
         """`n`: choices per prompt; `logprobs`: how many top alternatives each token lists, None for no logprobs;
@@ -90,10 +94,11 @@ class ResponseBuilder(AnswerBuilder):
         """The non-streamed response to the finished outputs of each prompt, in prompt order."""
         choices = []
         for i, final in enumerate(finals):
-            for o in final.outputs:
+            for o in self._outputs(i, final):
                 body, finish_reason = self._choice(o, self._logprobs(o, _Sent()))
                 index = i * self.n + o.index
-                choices.append({"index": index, **body, "finish_reason": finish_reason, "stop_reason": o.stop_reason})
+                choice = {"index": index, **body, "finish_reason": finish_reason, "stop_reason": o.stop_reason}
+                choices.append(choice | self._choice_prompt_logprobs(final))
         return {
             "id": self.id,
             "object": self.object_type,
@@ -101,7 +106,19 @@ class ResponseBuilder(AnswerBuilder):
             "model": self.model,
             "choices": choices,
             "usage": _usage(finals),
-        }
+        } | self._response_prompt_logprobs(finals)
+
+    def _outputs(self, prompt_index: int, out: RequestOutput) -> list[CompletionOutput]:
+        """The choices of `out` as the endpoint sends them."""
+        return out.outputs
+
+    def _choice_prompt_logprobs(self, final: RequestOutput) -> dict:
+        """vLLM's `prompt_logprobs` of a choice, where the endpoint puts them there and the request asked."""
+        return {}
+
+    def _response_prompt_logprobs(self, finals: list[RequestOutput]) -> dict:
+        """vLLM's `prompt_logprobs` of a response, where the endpoint puts them there and the request asked."""
+        return {}
 
     def chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
         return {
@@ -118,7 +135,7 @@ class ResponseBuilder(AnswerBuilder):
 
     def delta_events(self, prompt_index: int, out: RequestOutput) -> list[dict]:
         chunks = []
-        for o in out.outputs:
+        for o in self._outputs(prompt_index, out):
             index = prompt_index * self.n + o.index
             sent = self._sent.setdefault(index, _Sent())
             text = o.text[sent.chars :]
@@ -146,6 +163,9 @@ class ResponseBuilder(AnswerBuilder):
             return None
         entries = []
         for token_id, alternatives in zip(o.token_ids[sent.tokens :], o.logprobs[sent.tokens :]):
+            if alternatives is None:  # only an echoed prompt's first token (`CompletionResponses`)
+                entries.append((Logprob(math.nan, 0, self.decode([token_id])), None))
+                continue
             top = sorted(alternatives.values(), key=lambda lp: lp.rank)[: self.logprobs]
             entries.append((alternatives[token_id], top))
         return self._format_logprobs(entries, sent)
@@ -169,11 +189,44 @@ class ResponseBuilder(AnswerBuilder):
 
 class CompletionResponses(ResponseBuilder):
     """/completions: choices carry `text`, logprobs are `tokens` / `token_logprobs` / `top_logprobs` /
-    `text_offset` lists."""
+    `text_offset` lists; with `echo`, each choice starts with its prompt, text and tokens, as OpenAI's (the first
+    token's logprob and top_logprobs null: no position before it). vLLM's `prompt_logprobs` per choice."""
 
     id_prefix = "cmpl"
     object_type = "text_completion"
     chunk_object_type = "text_completion"
+
+    def __init__(
+        self,
+        model: str,
+        n: int,
+        logprobs: int | None,
+        include_usage: bool = False,
+        echo: Callable[[list[int]], str] | None = None,
+    ) -> None:
+        """`echo`: the tokenizer's decode, to echo the prompts (None: no echo)."""
+        super().__init__(model, n, logprobs, include_usage)
+        self.decode = echo
+        self._prompts: dict[int, str] = {}  # each prompt's text, decoded once
+
+    def _outputs(self, prompt_index: int, out: RequestOutput) -> list[CompletionOutput]:
+        if self.decode is None:
+            return out.outputs
+        if prompt_index not in self._prompts:
+            self._prompts[prompt_index] = out.prompt if out.prompt is not None else self.decode(out.prompt_token_ids)
+        text, ids, prompt_lps = self._prompts[prompt_index], out.prompt_token_ids, out.prompt_logprobs
+        return [
+            dataclasses.replace(
+                o,
+                text=text + o.text,
+                token_ids=ids + o.token_ids,
+                logprobs=None if o.logprobs is None or prompt_lps is None else prompt_lps + o.logprobs,
+            )
+            for o in out.outputs
+        ]
+
+    def _choice_prompt_logprobs(self, final: RequestOutput) -> dict:
+        return {} if final.prompt_logprobs is None else {"prompt_logprobs": prompt_logprobs_json(final)}
 
     def _choice(self, o: CompletionOutput, logprobs: dict | None) -> tuple[dict, str | None]:
         return {"text": o.text, "logprobs": logprobs}, o.finish_reason
@@ -188,8 +241,10 @@ class CompletionResponses(ResponseBuilder):
             sent.text_offset += len(s.decoded_token)
         return {
             "tokens": [s.decoded_token for s, _ in entries],
-            "token_logprobs": [_finite(s.logprob) for s, _ in entries],
-            "top_logprobs": [{t.decoded_token: _finite(t.logprob) for t in top} for _, top in entries],
+            "token_logprobs": [None if top is None else _finite(s.logprob) for s, top in entries],
+            "top_logprobs": [
+                None if top is None else {t.decoded_token: _finite(t.logprob) for t in top} for _, top in entries
+            ],
             "text_offset": offsets,
         }
 
@@ -252,6 +307,10 @@ class ChatResponses(ResponseBuilder):
             ]
         return parts
 
+    def _response_prompt_logprobs(self, finals: list[RequestOutput]) -> dict:
+        asked = finals and finals[0].prompt_logprobs is not None
+        return {"prompt_logprobs": prompt_logprobs_json(finals[0])} if asked else {}
+
     def _holds_back(self, body: dict) -> bool:
         readers = self.reader.tool_parser is not None or self.reader.markers is not None
         return readers and not any(body["delta"].values())
@@ -261,6 +320,12 @@ class ChatResponses(ResponseBuilder):
             return {"token": lp.decoded_token, "logprob": _finite(lp.logprob), "bytes": list(lp.decoded_token.encode())}
 
         return {"content": [{**item(s), "top_logprobs": [item(t) for t in top]} for s, top in entries]}
+
+
+def prompt_logprobs_json(final: RequestOutput) -> list[dict | None]:
+    """vLLM's JSON of `final.prompt_logprobs`: per prompt token null (the first) or {token id: its Logprob}."""
+    as_json = lambda lp: {"logprob": _finite(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+    return [None if entry is None else {t: as_json(lp) for t, lp in entry.items()} for entry in final.prompt_logprobs]
 
 
 def _finish_reason(calls: list, finish_reason: str | None) -> str | None:

@@ -15,6 +15,7 @@ Invariants:
   stream are encoded on the event loop."""
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -87,15 +88,16 @@ class OpenAIServing:
 
     async def completions(self, req: CompletionRequest, raw: Request) -> Answer:
         lora = self._check_model(req.model)
-        if req.echo:
-            raise APIError(400, "echo is not supported", param="echo")
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         if req.best_of not in (None, 1):
             raise APIError(400, "best_of is not supported", param="best_of")
         prompts = req.prompts()
         params = await self._sampling_params(req, req.max_tokens, req.logprobs)
-        builder = CompletionResponses(req.model or self.model_name, params.n, req.logprobs, req.include_usage)
+        if req.echo and req.logprobs is not None and params.prompt_logprobs is None:  # echoed tokens have them too
+            params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
+        echo = self.engine.tokenizer.decode if req.echo else None
+        builder = CompletionResponses(req.model or self.model_name, params.n, req.logprobs, req.include_usage, echo)
         return await self._serve(req, raw, builder, prompts, params, lora)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Answer:
