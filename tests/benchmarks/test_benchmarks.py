@@ -82,6 +82,8 @@ def runs(env, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
             "batch_ttft.py": ["batch_ttft.py", "--streams", "2", "--requests", "1", "--max-tokens", "4", "--lines", "6"]
             + ["--batch-tokens", "4", "--concurrency", "2"],
             "key_fairness.py": ["key_fairness.py", "--streams", "2", "--max-tokens", "4"],
+            # a real `bentoml serve` killed once, then restarted: its checks exit 1 when one fails
+            "batch_served.py": ["batch_served.py", "--quick"],
         },
         env,
     )
@@ -106,6 +108,11 @@ def test_block_gemm(runs):
 def test_batch_ttft(runs):
     run = runs["batch_ttft.py"]
     assert run.returncode == 0 and "p50" in run.stdout, output(run)
+
+
+def test_batch_served(runs):
+    run = runs["batch_served.py"]
+    assert run.returncode == 0 and "all checks passed" in run.stdout, output(run)
 
 
 def test_key_fairness(runs):
