@@ -97,7 +97,7 @@ def jsonl(lines: list) -> bytes:
 # ---- interactive streams ----
 
 
-async def stream_chat(session, url: str, model: str, prompt: str, max_tokens: int) -> tuple[float, list[float]]:
+async def stream_chat(session, url: str, model: str, prompt: str, max_tokens: int) -> tuple[float, list[tuple]]:
     """(TTFT, (start, end) of each gap between two chunks: time.monotonic) of one streamed greedy chat."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}
     body |= {"temperature": 0, "ignore_eos": True, "stream": True}
@@ -197,6 +197,9 @@ def kill_and_restart(server, c, tmp: Path, settings: dict, batch_id: str, args, 
         target = gen_now + int(point * max(total - gen_now - args.concurrency, 0))
         while recorded(batch_dir, batch_id)[1] < target and c.batches.retrieve(batch_id).status == "in_progress":
             time.sleep(0.05)
+        if c.batches.retrieve(batch_id).status != "in_progress":  # its lines have left SQLite
+            failures.append(f"the batch ended before kill {n}: give it more lines or a lower --concurrency")
+            break
         server.kill()
         ok, gen = recorded(batch_dir, batch_id)
         lost = server.stored_metrics()[FINISHED] - chats - (gen - gen_before)
