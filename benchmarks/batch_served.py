@@ -15,7 +15,8 @@ scheduling, `batch_dir` in a scratch folder:
   4. once completed: every custom_id once in the output and error files, errors exactly for the malformed lines,
      request_counts right, the last Bento computed exactly the generation lines not recorded before it started;
      every line that succeeded sent again live and compared (greedy: equal but for ids and times; embeddings within
-     1e-5);
+     1e-5); a line answered otherwise is sent live once more: a failure where its two live answers agree, else
+     counted apart (a greedy tie that turns with how requests share a step, live as well);
   5. hostile files while chats stream back to back: a 100 MB upload past `batch_max_file_bytes` (64 MiB here), a
      file of 1e6 lines (past batch_max_lines), duplicate custom_ids; each refused (4xx) or failed with its code;
      the streams' longest gap between two chunks against the same streams alone; the batch_dir's and the server's
@@ -166,23 +167,34 @@ def comparable(body: dict) -> dict:
     return {k: v for k, v in body.items() if k not in ("id", "created", "data")}
 
 
-async def differences(url: str, lines: list[dict], answers: dict[str, dict], concurrency: int) -> list[str]:
-    """Each line sent again live, `concurrency` at once: the custom_ids whose answer differs from the batch's."""
-    slots, differ = asyncio.Semaphore(concurrency), []
+def same(got: dict, live: dict) -> bool:
+    """Two answers to one greedy request alike: all but ids and times equal, embeddings within VECTOR_TOLERANCE."""
+    vectors = zip(got.get("data", []), live.get("data", []))
+    close = all(max(abs(a - b) for a, b in zip(g["embedding"], v["embedding"])) <= VECTOR_TOLERANCE for g, v in vectors)
+    return close and comparable(got) == comparable(live)
+
+
+async def live_answers(url: str, lines: list[dict], concurrency: int) -> dict[str, dict]:
+    """Each line sent live, `concurrency` at once: custom_id -> its answer (an error's body too)."""
+    slots, answers = asyncio.Semaphore(concurrency), {}
 
     async def one(line: dict) -> None:
         async with slots, session.post(url + line["url"], json=line["body"]) as resp:
-            live, got = await resp.json(), answers[line["custom_id"]]
-        vectors = zip(got.get("data", []), live.get("data", []))
-        close = all(
-            max(abs(a - b) for a, b in zip(g["embedding"], v["embedding"])) <= VECTOR_TOLERANCE for g, v in vectors
-        )
-        if resp.status != 200 or comparable(got) != comparable(live) or not close:
-            differ.append(line["custom_id"])
+            answers[line["custom_id"]] = await resp.json()
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         await asyncio.gather(*(one(line) for line in lines))
-    return differ
+    return answers
+
+
+def differences(url: str, lines: list[dict], answers: dict[str, dict], concurrency: int) -> tuple[list, list]:
+    """Each line sent again live: (custom_ids answered otherwise than in the batch, those of them whose two live
+    answers, sent again, differ too: greedy ties that turn with how requests share a step)."""
+    live = asyncio.run(live_answers(url, lines, concurrency))
+    differ = [x for x in lines if not same(answers[x["custom_id"]], live[x["custom_id"]])]
+    again = asyncio.run(live_answers(url, differ, concurrency))
+    unstable = [x["custom_id"] for x in differ if not same(live[x["custom_id"]], again[x["custom_id"]])]
+    return [x["custom_id"] for x in differ], unstable
 
 
 def kill_and_restart(server, c, tmp: Path, settings: dict, batch_id: str, args, chats: int) -> tuple:
@@ -359,10 +371,13 @@ def main(argv: list[str] | None = None) -> None:
         failures += wrong
         print(f"batch {done.status} in {took:.0f} s with {args.kills} kills: {done.request_counts}")
         ok = [x for x in lines if isinstance(x, dict) and x.get("custom_id") in answers]
-        differ = asyncio.run(differences(server.url, ok, answers, args.concurrency))
-        print(f"{len(ok)} lines sent again live: {len(differ)} answers differ {differ[:5]}")
-        if differ:
-            failures.append(f"{len(differ)} lines answered differently live, e.g. {differ[:5]}")
+        differ, unstable = differences(server.url, ok, answers, args.concurrency)
+        print(
+            f"{len(ok)} lines sent again live: {len(differ)} answered otherwise {differ[:5]}; {len(unstable)} of "
+            f"those answered otherwise again when sent live once more (live too depends on the batching)"
+        )
+        if set(differ) - set(unstable):
+            failures.append(f"lines answered otherwise live, twice alike: {sorted(set(differ) - set(unstable))[:5]}")
         said, wrong = hostile(server, chat, args, tmp, Path(settings["batch_dir"]))
         print("\n".join(said))
         failures += wrong
