@@ -83,6 +83,8 @@ def runs(env, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
             + ["--batch-tokens", "4", "--concurrency", "2"],
             "key_fairness.py": ["key_fairness.py", "--streams", "2", "--max-tokens", "4"],
             "executor_overhead.py": ["executor_overhead.py", "--steps", "4", "--rounds", "1", "--batch", "2"],
+            # a real `bentoml serve` killed once, then restarted: its checks exit 1 when one fails
+            "batch_served.py": ["batch_served.py", "--quick"],
         },
         env,
     )
@@ -107,6 +109,11 @@ def test_block_gemm(runs):
 def test_batch_ttft(runs):
     run = runs["batch_ttft.py"]
     assert run.returncode == 0 and "p50" in run.stdout, output(run)
+
+
+def test_batch_served(runs):
+    run = runs["batch_served.py"]
+    assert run.returncode == 0 and "all checks passed" in run.stdout, output(run)
 
 
 def test_key_fairness(runs):

@@ -6,6 +6,7 @@ on until a URL answers, then stopped with every process it started.
         server.http.post("/v1/completions", json=...)
 """
 
+import contextlib
 import os
 import signal
 import socket
@@ -152,11 +153,38 @@ class BentoServer(Server):
             **(env or {}),
         )
         port = free_port()
+        self.home = tmp / "bentoml"
         super().__init__(bento_command(port, target, args, working_dir), port, tmp / "serve.log", full_env, working_dir)
+
+    def kill(self) -> None:
+        """SIGKILL to the server and every process it started, at once: a crash, not a stop. Returns once all are
+        gone (a process in a system call, an fsync, ends it first: until then it may still write)."""
+        main = psutil.Process(self.proc.pid)
+        family = [main, *main.children(recursive=True)]  # a Bento's workers run in process groups of their own
+        for p in family:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        self.proc.wait(10)
+        psutil.wait_procs(family, timeout=10)
 
     def metrics(self) -> dict[str, float]:
         """Unlabelled samples, plus each histogram's +Inf bucket."""
         from prometheus_client.parser import text_string_to_metric_families
 
         families = text_string_to_metric_families(self.http.get("/metrics").text)
-        return {s.name: s.value for f in families for s in f.samples if not s.labels or s.labels == {"le": "+Inf"}}
+        return _unlabelled(s for f in families for s in f.samples)
+
+    def stored_metrics(self) -> dict[str, float]:
+        """What `metrics()` gives, read from the server's Prometheus multiprocess files (tiffin_prometheus/<pid>
+        under its BentoML home, tiffin.plugin.metrics.own_prometheus_dir): every increment up to the last, even
+        once the server is killed and /metrics answers no more."""
+        from prometheus_client import CollectorRegistry
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=str(self.home / "tiffin_prometheus" / str(self.proc.pid)))
+        return _unlabelled(s for f in registry.collect() for s in f.samples)
+
+
+def _unlabelled(samples) -> dict[str, float]:
+    return {s.name: s.value for s in samples if not s.labels or s.labels == {"le": "+Inf"}}
