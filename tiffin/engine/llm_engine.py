@@ -8,17 +8,13 @@ proposals."""
 
 import dataclasses
 import functools
-import json
 import logging
 import os
 import queue
 import threading
-import time
 import traceback
 from concurrent.futures import FIRST_COMPLETED, wait
 from copy import deepcopy
-from dataclasses import dataclass, field
-from pathlib import Path
 
 from tiffin.engine.config import EngineConfig
 from tiffin.engine.core.block_manager import BlockManager
@@ -33,19 +29,13 @@ from tiffin.engine.lora.registry import LoRARegistry
 from tiffin.engine.lora.request import LoRAModel, LoRARequest
 from tiffin.engine.models.bert import with_token_types
 from tiffin.engine.models.config import resolve_dtype
-from tiffin.engine.models.gguf_checkpoint import find_gguf, open_gguf
 from tiffin.engine.models.loader import checkpoint_signature, get_model_config
-from tiffin.engine.models.source import load_tokenizer, resolve_model_path
+from tiffin.engine.models.source import eos_token_ids, load_tokenizer, resolve_model_path
 from tiffin.engine.multimodal.inputs import ImageLimits
-from tiffin.engine.outputs import (
-    CompletionOutput,
-    EngineStats,
-    PoolingOutput,
-    PoolingRequestOutput,
-    RequestOutput,
-)
+from tiffin.engine.outputs import EngineStats, PoolingRequestOutput, RequestOutput
 from tiffin.engine.pooling_params import PoolingParams
 from tiffin.engine.reasoning import opens_thinking, resolve_reasoning_parser
+from tiffin.engine.request_state import Request, decode_logprobs
 from tiffin.engine.sampling_params import SamplingParams
 from tiffin.engine.sleep_mode import SleepMode
 from tiffin.engine.spec_decode import make_proposer
@@ -66,20 +56,6 @@ THINKING_PROMPT_TAIL = 32
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    seqs: list[Sequence]
-    arrival_time: float = field(default_factory=time.monotonic)
-    error: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return all(s.finished for s in self.seqs)
-
-
 class LLMEngine(InputProcessor, SleepMode):
     def __init__(self, config: EngineConfig):
         """`config.model` may be a hub id; the engine's config holds the local path it resolved to."""
@@ -97,14 +73,14 @@ class LLMEngine(InputProcessor, SleepMode):
         # render_chat's copies, one per render at once: a copy takes ~0.2 s, so the first is made here, not in a chat
         self._chat_tokenizers = queue.SimpleQueue()
         self._chat_tokenizers.put(deepcopy(self.tokenizer))
-        self.max_model_len = self._max_model_len()
+        self.max_model_len = self.model_config.max_model_len(config.max_model_len)
         self.image_limits = ImageLimits.of(config, self.model_config.multimodal)  # None: a text-only model
         # the most characters one token stands for (its vocabulary's longest string: a byte-level token's characters
         # are its bytes, at least its text's characters), once per tokenizer: it bounds the text a prompt cut to
         # n tokens needs (cut_for_truncation)
         self.max_token_chars = max(map(len, self.tokenizer.get_vocab()))
         self.max_prompt_chars = PROMPT_CHARS_SLACK * self.max_model_len * self.max_token_chars
-        self.eos_token_ids = frozenset(self._eos_token_ids())
+        self.eos_token_ids = frozenset(eos_token_ids(config.model, self.tokenizer))
         # the think markers of a reasoning model (None: it does not think)
         self.reasoning = resolve_reasoning_parser(
             config.reasoning_parser, getattr(self.tokenizer, "chat_template", None)
@@ -251,7 +227,7 @@ class LLMEngine(InputProcessor, SleepMode):
             sampled.prompt_logprobs,
         )
         for seq in seqs:
-            self._decode_logprobs(seq)
+            decode_logprobs(seq, self.tokenizer)
         changed, self._failed = [*self._failed, *(s.request_id for s in seqs)], []
         if self.check_invariants:
             sched = self.scheduler
@@ -450,76 +426,8 @@ class LLMEngine(InputProcessor, SleepMode):
             weight_bytes=self.weight_bytes,
         )
 
-    def _decode_logprobs(self, seq: Sequence) -> None:
-        """The text of each token in the logprobs of the step's new tokens (the prompt's, at the first token)."""
-        for entries in (seq.logprobs, seq.prompt_logprobs):
-            for logprobs in reversed(entries or ()):
-                if logprobs is None or next(iter(logprobs.values())).decoded_token is not None:
-                    break
-                for token_id, lp in logprobs.items():
-                    lp.decoded_token = self.tokenizer.decode([token_id])
-
     def _output(self, request: Request) -> RequestOutput | PoolingRequestOutput:
-        """A snapshot, safe to hand to another thread. While a sequence runs, its text holds back a tail that
-        may still become a stop string, so text streamed from successive outputs is never taken back."""
-        seq = request.seqs[0]
-        if seq.pooling_params is not None:
-            if seq.finished:
-                del self.requests[request.request_id]
-            pooled = None if seq.pooled is None else PoolingOutput(seq.pooled)
-            return PoolingRequestOutput(
-                request.request_id, request.prompt_token_ids, pooled, seq.finished, request.error
-            )
-        outputs = [
-            CompletionOutput(
-                s.index,
-                s.detokenizer.stream_text(s.finished),
-                s.output_token_ids,
-                s.finish_reason,
-                s.stop_reason,
-                None if s.logprobs is None else list(s.logprobs),
-                0 if s.thinking is None else s.thinking.num_reasoning_tokens(s.num_output_tokens),
-            )
-            for s in request.seqs
-        ]
-        finished = request.finished
-        if finished:
+        output = request.snapshot()
+        if output.finished:
             del self.requests[request.request_id]
-        return RequestOutput(
-            request.request_id,
-            request.prompt,
-            request.prompt_token_ids,
-            outputs,
-            finished,
-            request.seqs[0].num_cached_tokens,
-            request.error,
-            # the list is complete, and never changes again, once a sequence has a token
-            seq.prompt_logprobs if seq.prompt_logprobs is None or seq.num_output_tokens else list(seq.prompt_logprobs),
-        )
-
-    def _max_model_len(self) -> int:
-        model_config = self.model_config
-        limit = model_config.max_position_embeddings - model_config.position_offset
-        if model_config.pooler is not None and model_config.pooler.max_seq_length:  # sentence-transformers' limit
-            limit = min(limit, model_config.pooler.max_seq_length)
-        if model_config.sliding_window and not model_config.windowed:
-            # this model's attention is full: beyond the window it would differ from the checkpoint's
-            limit = min(limit, model_config.sliding_window)
-        if self.config.max_model_len is None:
-            return limit
-        if self.config.max_model_len > limit:
-            raise ValueError(f"max_model_len {self.config.max_model_len} exceeds the model's limit of {limit}")
-        return self.config.max_model_len
-
-    def _eos_token_ids(self) -> set[int]:
-        ids = set()
-        gguf = find_gguf(self.config.model)
-        gen_config = Path(self.config.model) / "generation_config.json"
-        if gguf is not None:
-            ids.update(open_gguf(gguf).eos_token_ids())
-        elif gen_config.exists():
-            eos = json.loads(gen_config.read_text()).get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return ids
+        return output

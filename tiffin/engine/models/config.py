@@ -108,6 +108,18 @@ class ModelConfig:
     classifier_activation: str = "sigmoid"  # of its scores: "sigmoid", "softmax" or "identity"
     multimodal: Any = None  # a vision-language model's image config (`llava.LlavaConfig`); None: text only
 
+    def max_model_len(self, requested: int | None) -> int:
+        """The context an engine serves: `requested`, or the model's limit when None (beyond it: a ValueError)."""
+        limit = self.max_position_embeddings - self.position_offset
+        if self.pooler is not None and self.pooler.max_seq_length:  # sentence-transformers' limit
+            limit = min(limit, self.pooler.max_seq_length)
+        if self.sliding_window and not self.windowed:
+            # this model's attention is full: beyond the window it would differ from the checkpoint's
+            limit = min(limit, self.sliding_window)
+        if requested is not None and requested > limit:
+            raise ValueError(f"max_model_len {requested} exceeds the model's limit of {limit}")
+        return limit if requested is None else requested
+
     @classmethod
     def from_hf(
         cls,

@@ -4,6 +4,7 @@ HF_HUB_OFFLINE is set. The token comes from HF_TOKEN (or `huggingface-cli login`
 
 import functools
 import hashlib
+import json
 import logging
 import os
 import re
@@ -112,3 +113,19 @@ def _warn_uncached(cache_dir: Path, cause: str) -> None:
     logger.warning(
         "tokenizers converted from GGUF are not cached in %s (%s): each load converts again", cache_dir, cause
     )
+
+
+def eos_token_ids(model: str, tokenizer) -> set[int]:
+    """The ids that end a generation: the GGUF file's, or generation_config.json's, and the tokenizer's."""
+    from tiffin.engine.models.gguf_checkpoint import find_gguf, open_gguf
+
+    ids = set()
+    gguf, gen_config = find_gguf(model), Path(model) / "generation_config.json"
+    if gguf is not None:
+        ids.update(open_gguf(gguf).eos_token_ids())
+    elif gen_config.exists():
+        eos = json.loads(gen_config.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
