@@ -16,6 +16,7 @@ go on. Not here: restarting a replica, replicas across hosts (Ray), /metrics per
 
 import dataclasses
 import functools
+import operator
 import queue
 import threading
 from copy import deepcopy
@@ -226,8 +227,8 @@ class DataParallelEngine(InputProcessor):
         return None if not all(self.dead) else "; ".join(self.dead)
 
     def stats(self) -> EngineStats:
-        """The replicas' stats summed (as of their last reports); kv_bytes_per_token is one replica's."""
-        stats = self.replica_stats
+        """The live replicas' stats summed (as of their last reports); kv_bytes_per_token is one replica's."""
+        stats = [s for s, dead in zip(self.replica_stats, self.dead) if dead is None] or self.replica_stats
         per_pos = tuple(map(sum, zip(*(s.spec_accepted_per_pos for s in stats))))
         fields = [f.name for f in dataclasses.fields(EngineStats) if f.name != "spec_accepted_per_pos"]
         summed = {name: sum(getattr(s, name) for s in stats) for name in fields} | {"spec_accepted_per_pos": per_pos}
@@ -388,8 +389,9 @@ def _handle(engine: LLMEngine, message: tuple, loras: dict[int, bytes]) -> list[
 
 
 def _answer(engine: LLMEngine, method: str, args: tuple) -> tuple:
+    """`method`: a method of the engine or of one of its parts ("block_manager.cached.copy")."""
     try:
-        return True, getattr(engine, method)(*args)
+        return True, operator.attrgetter(method)(engine)(*args)
     except Exception as e:
         return False, _error(e)
 
