@@ -82,6 +82,7 @@ def runs(env, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
             "batch_ttft.py": ["batch_ttft.py", "--streams", "2", "--requests", "1", "--max-tokens", "4", "--lines", "6"]
             + ["--batch-tokens", "4", "--concurrency", "2"],
             "key_fairness.py": ["key_fairness.py", "--streams", "2", "--max-tokens", "4"],
+            "dp_router.py": ["dp_router.py", "--model", tiny, "--quick"],
         },
         env,
     )
@@ -95,6 +96,13 @@ def test_help(env):
 
 def test_every_benchmark_has_a_cheapest_run(runs):
     assert sorted({name.split()[0] for name in runs}) == SCRIPTS
+
+
+def test_dp_router(runs):
+    run = runs["dp_router.py"]
+    assert run.returncode == 0, output(run)
+    for engine in ("1 engine, 64 blocks", "cache_aware, 2 x 32 blocks", "round_robin, 2 x 32 blocks"):
+        assert f"\n| 2 | {engine} | " in run.stdout, output(run)
 
 
 def test_block_gemm(runs):

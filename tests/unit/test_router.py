@@ -31,6 +31,13 @@ def stored(hashes: list[bytes]) -> list[BlockStored]:
     return [BlockStored([h], None, [], BLOCK, None, None) for h in hashes]
 
 
+def route_alone(router: Router, hashes: list[bytes], loads: list[int], lora_id: int | None = None) -> int:
+    """Route a request that then finishes at once: only the events' map decides the next."""
+    replica = router.route(hashes, loads, lora_id)
+    router.finished(replica, hashes)
+    return replica
+
+
 def test_prompt_hashes_are_the_prefix_caches():
     bm = BlockManager(16, BLOCK)
     bm.events = []
@@ -54,26 +61,38 @@ def test_cache_aware_picks_the_longest_prefix_within_the_bound():
     hashes = router.prompt_hashes(list(range(1, 18)))  # 4 blocks
     router.apply_events(1, stored(hashes[:2]))
     router.apply_events(2, stored(hashes[:3]))
-    assert router.route(hashes, [0, 50, 60]) == 2
-    assert router.route(hashes, [0, 50, 101]) == 0  # replica 2 past the bound: the least loaded
-    assert router.route(hashes, [0, 50, 100]) == 2
+    assert route_alone(router, hashes, [0, 50, 60]) == 2
+    assert route_alone(router, hashes, [0, 50, 101]) == 0  # replica 2 past the bound: the least loaded
+    assert route_alone(router, hashes, [0, 50, 100]) == 2
     other = router.prompt_hashes(list(range(2, 19)))  # its first block differs: its chain shares no hash
-    assert router.route(other, [0, 0, 0]) == 0  # no leading block held: the least loaded, lowest index
+    assert route_alone(router, other, [0, 0, 0]) == 0  # no leading block held: the least loaded, lowest index
     router.apply_events(2, [BlockRemoved([hashes[1]], None)])  # its run now ends at block 0
-    assert router.route(hashes, [0, 50, 60]) == 1
+    assert route_alone(router, hashes, [0, 50, 60]) == 1
     router.apply_events(1, [AllBlocksCleared()])
-    assert router.route(hashes, [30, 50, 60]) == 2
+    assert route_alone(router, hashes, [30, 50, 60]) == 2
     assert router.expected_hits == [0, 2 * BLOCK, (3 + 3 + 1) * BLOCK]
+
+
+def test_a_burst_sharing_a_prefix_follows_the_first_until_it_finishes():
+    """Prompts routed and still in flight count as held: a burst over one system prompt stays together."""
+    router = Router(2, BLOCK, "cache_aware", balance_threshold=100)
+    system = list(range(1, 13))
+    first, second = (router.prompt_hashes(system + [i] * 5) for i in (20, 30))
+    assert router.route(first, [0, 0]) == 0
+    assert router.route(second, [20, 0]) == 0  # 3 system blocks expected on replica 0
+    router.finished(0, first)
+    router.finished(0, second)
+    assert not router.inflight[0] and router.route(second, [20, 0]) == 1  # never stored: nothing held
 
 
 def test_lora_affinity_without_a_prefix_hit():
     router = Router(4, BLOCK, "cache_aware", balance_threshold=10)
     hashes = router.prompt_hashes(list(range(9)))
-    assert router.route(hashes, [5, 0, 5, 5], lora_id=7) == 1
-    assert router.route(hashes, [5, 3, 0, 5], lora_id=7) == 1  # it served adapter 7
-    assert router.route(hashes, [5, 11, 0, 5], lora_id=7) == 2  # unless that breaks the bound
+    assert route_alone(router, hashes, [5, 0, 5, 5], lora_id=7) == 1
+    assert route_alone(router, hashes, [5, 3, 0, 5], lora_id=7) == 1  # it served adapter 7
+    assert route_alone(router, hashes, [5, 11, 0, 5], lora_id=7) == 2  # unless that breaks the bound
     assert router.lora_replicas[7] == {1, 2}
-    assert router.route(hashes, [5, 3, 1, 0], lora_id=7) == 2  # the least loaded of those that served it
+    assert route_alone(router, hashes, [5, 3, 1, 0], lora_id=7) == 2  # the least loaded of those that served it
 
 
 def test_other_policies_ignore_the_cache():

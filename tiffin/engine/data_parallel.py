@@ -69,6 +69,7 @@ class _Capacity:
 class _Routed:
     replica: int
     tokens: int  # its load on the replica
+    hashes: list[bytes]  # its prompt's blocks, as the router hashed them
 
 
 def make_engine(config: EngineConfig) -> "LLMEngine | DataParallelEngine":
@@ -150,7 +151,7 @@ class DataParallelEngine(InputProcessor):
             raise EngineDeadError(f"every data-parallel replica is dead: {'; '.join(self.dead)}")
         tokens = len(prompt.token_ids) * getattr(params, "n", 1)
         self.conns[replica].send(("add", request_id, prompt, params, lora_request, client))
-        self.requests[request_id] = _Routed(replica, tokens)
+        self.requests[request_id] = _Routed(replica, tokens, hashes)
         self.loads[replica] += tokens
 
     def _loads(self) -> list[float]:
@@ -195,6 +196,7 @@ class DataParallelEngine(InputProcessor):
             return
         if out.finished:
             self.loads[routed.replica] -= routed.tokens
+            self.router.finished(routed.replica, routed.hashes)
             del self.requests[out.request_id]
             return
         tokens = sum(len(out.prompt_token_ids) + len(o.token_ids) for o in out.outputs)
@@ -208,6 +210,7 @@ class DataParallelEngine(InputProcessor):
         for rid in lost:
             del self.requests[rid]
         self.loads[rank] = 0
+        self.router.inflight[rank].clear()
         return [RequestOutput(rid, None, [], finished=True, error=why) for rid in lost]
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:

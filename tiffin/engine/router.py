@@ -2,16 +2,19 @@
 
 `cache_aware` (SGLang's model gateway's idea, fed by the engines' own KV events as Dynamo's router is): a request's
 prompt blocks are hashed as the replicas' prefix caches hash them (`block_manager.block_hashes`: the same block
-size and chain, the adapter's identity and the images' hashes included), each replica's held hashes are known from
-its KV events (tiffin.engine.kv_events), and the request goes to the replica holding its longest leading run of
-blocks, unless that replica's load (tokens of its requests in flight: waiting and running) exceeds the least loaded
-one's by more than `balance_threshold` tokens; without any hit, to the least loaded replica among those that served
-its adapter before (LoRA affinity), unless that breaks the same bound; else to the least loaded one. `least_loaded`
-and `round_robin` ignore the cache. Ties go to the lowest replica index.
+size and chain, the adapter's identity and the images' hashes included). A replica holds a block if its KV events
+(tiffin.engine.kv_events) say so, or if a prompt routed to it and still in flight has it (a burst of requests
+sharing a system prompt arrives before any of them is computed). The request goes to the replica holding its
+longest leading run of blocks, unless that replica's load (tokens of its requests in flight: waiting and running)
+exceeds the least loaded one's by more than `balance_threshold` tokens; without any hit, to the least loaded
+replica among those that served its adapter before (LoRA affinity), within the same bound; else to the least loaded
+one. `least_loaded` and `round_robin` ignore the cache. Ties go to the lowest replica index.
 
-The map is approximate only in time: it is as of each replica's last reported step, so a block stored or evicted
-meanwhile is seen one step late."""
+`blocks` is exactly what the events said, as of each replica's last report (a block stored or evicted meanwhile is
+seen one step late); `inflight` is the router's own record of what it sent, each prompt's hashes until the front
+calls `finished` for it."""
 
+from collections import Counter
 from collections.abc import Sequence as Seq
 
 from tiffin.engine.config import ROUTER_POLICIES
@@ -29,6 +32,7 @@ class Router:
             raise ValueError(f"router_policy must be one of {list(ROUTER_POLICIES)}, got {policy!r}")
         self.block_size, self.policy, self.balance_threshold = block_size, policy, balance_threshold
         self.blocks: list[set[bytes]] = [set() for _ in range(num_replicas)]  # the hashes each replica holds
+        self.inflight: list[Counter] = [Counter() for _ in range(num_replicas)]  # those of its prompts in flight
         self.lora_replicas: dict[int, set[int]] = {}  # lora_int_id -> replicas that served it
         self._next = 0  # round_robin's
         self.routed_tokens = [0] * num_replicas  # prompt tokens routed to each replica, and those it held
@@ -60,12 +64,21 @@ class Router:
             self.lora_replicas.setdefault(lora_id, set()).add(replica)
         self.routed_tokens[replica] += len(hashes) * self.block_size
         self.expected_hits[replica] += self.hit_blocks(replica, hashes) * self.block_size
+        self.inflight[replica].update(hashes)
         return replica
 
+    def finished(self, replica: int, hashes: list[bytes]) -> None:
+        """A request routed to `replica` with prompt block `hashes` is no longer in flight."""
+        inflight = self.inflight[replica]
+        for h in hashes:
+            inflight[h] -= 1
+            if not inflight[h]:
+                del inflight[h]
+
     def hit_blocks(self, replica: int, hashes: list[bytes]) -> int:
-        """How many leading blocks of `hashes` `replica` holds."""
-        held, n = self.blocks[replica], 0
-        while n < len(hashes) and hashes[n] in held:
+        """How many leading blocks of `hashes` `replica` holds or is computing."""
+        held, inflight, n = self.blocks[replica], self.inflight[replica], 0
+        while n < len(hashes) and (hashes[n] in held or hashes[n] in inflight):
             n += 1
         return n
 
