@@ -6,8 +6,8 @@ prompts; a turn's prompt is the chat so far (system prompt, earlier user turns a
 sent as soon as the chat's previous reply finished (every chat in flight at once). Each replica has
 `--blocks-per-replica` KV blocks; the single engine has data_parallel_size times that. Reports per run: the prefix
 cache's hit rate (prompt tokens found cached / looked up, over every replica), the prompt tokens the router expected
-to be found (its map of the replicas' blocks and of the prompts in flight) over those found, mean and p90 time to first token, wall time, and the busiest replica's
-tokens (prompt + generated) over the idlest's.
+to be found (its map of the replicas' blocks and of the prompts in flight) over those found, mean and p90 time to
+first token, wall time, and the busiest replica's tokens (prompt + generated) over the idlest's.
 
 Replicas are processes sharing this machine's cores: hit rates are what routing decides; TTFT and wall time also
 measure the cores being shared (on a 2-core machine DP=4 runs four engines on two cores), so compare them only
