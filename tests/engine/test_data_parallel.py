@@ -14,16 +14,18 @@ import msgpack
 import pytest
 import torch
 import zmq
+from lora_adapters import make_adapter
 
 from tiffin import LLM, SamplingParams
 from tiffin.engine.async_llm_engine import AsyncLLMEngine
 from tiffin.engine.errors import EngineError
+from tiffin.engine.lora.request import LoRARequest
 
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
 BLOCK = 4
 BLOCKS = 48  # per replica; the single engine gets both replicas' pools
-ENGINE = dict(block_size=BLOCK, dtype="float32", max_num_seqs=8)
+ENGINE = dict(block_size=BLOCK, dtype="float32", max_num_seqs=8, enable_lora=True)
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
@@ -105,6 +107,24 @@ def test_a_shared_prefix_goes_where_its_blocks_are(dp_llm, dp):
     assert sorted(hits) == [0, 4 * 40], hits  # every request found its 10 blocks of the system prompt
 
 
+def test_adapters_match_and_stay_with_their_blocks(single, dp_llm, dp, model, tmp_path):
+    """Requests with adapters give one engine's outputs; an adapter's prompt that shares a prefix follows its blocks,
+    hashed with the adapter's identity (which the router learns from the replica that loaded it)."""
+    loras = [LoRARequest(f"a{i}", i, str(make_adapter(model, tmp_path / f"a{i}", seed=i, r=4))) for i in (1, 2)]
+    ps = prompts(6, seed=5, lens=(21, 30))
+    per_prompt = [loras[0], loras[1], None] * 2
+    got = [o.outputs[0].token_ids for o in dp_llm.generate(ps, GREEDY, use_tqdm=False, lora_request=per_prompt)]
+    assert got == [o.outputs[0].token_ids for o in single.generate(ps, GREEDY, use_tqdm=False, lora_request=per_prompt)]
+    assert got[0] != tokens(single, ps[:1])[0], "the adapter changes nothing"
+    assert set(dp._lora_keys) == {1, 2}
+    system = prompts(1, seed=6, lens=(40,))[0]["prompt_token_ids"]
+    dp_llm.generate({"prompt_token_ids": system + [3]}, GREEDY, use_tqdm=False, lora_request=loras[0])
+    before = [s.prefix_cache_hits for s in dp.replica_stats]
+    for i in range(3):
+        dp_llm.generate({"prompt_token_ids": system + [4 + i] * 5}, GREEDY, use_tqdm=False, lora_request=loras[0])
+    assert sorted(s.prefix_cache_hits - b for s, b in zip(dp.replica_stats, before)) == [0, 3 * 40]
+
+
 def batches(sub) -> list[tuple[bytes, int, list]]:
     """Every message queued on the SUB socket, decoded with msgpack alone: (topic, sequence number, batch)."""
     out = []
@@ -129,10 +149,11 @@ def test_kv_events_rebuild_each_replicas_cache(dp_llm, dp, subscriber):
         for tag, *fields in events:
             if tag == "BlockStored":
                 hashes, parent, token_ids, block_size, lora_id, medium = fields
-                assert block_size == BLOCK and lora_id is None and medium is None
+                assert block_size == BLOCK and lora_id in (None, 1, 2) and medium is None
                 for i, h in enumerate(hashes):
                     block = token_ids[i * BLOCK : (i + 1) * BLOCK]
-                    assert h == hashlib.sha256((parent or b"") + struct.pack(f"<{BLOCK}q", *block)).digest()
+                    if lora_id is None:  # an adapter's identity is hashed in after the tokens
+                        assert h == hashlib.sha256((parent or b"") + struct.pack(f"<{BLOCK}q", *block)).digest()
                     parent = h
                 held[rank].update(hashes)
             elif tag == "BlockRemoved":
