@@ -197,6 +197,25 @@ def test_streaming_and_abort(served, dp, single):
     asyncio.run(go())
 
 
+def test_the_openai_app_serves_over_the_replicas(served, dp, single):
+    from fastapi.testclient import TestClient
+
+    from tiffin.plugin.openai.app import create_app
+    from tiffin.plugin.openai.serving import OpenAIServing
+
+    client = TestClient(create_app(OpenAIServing(served, "tiny")))
+    messages = [{"role": "user", "content": "hello there"}]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 6, "temperature": 0}
+    reply = client.post("/chat/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    expected = single.chat(messages, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0].outputs[0].text
+    assert reply.json()["choices"][0]["message"]["content"] == expected
+    with client.stream("POST", "/chat/completions", json=body | {"stream": True}) as stream:
+        lines = [line for line in stream.iter_lines() if line.startswith("data: {")]
+    assert len(lines) > 1 and stream.status_code == 200
+    assert client.get("/models").json()["data"][0]["id"] == "tiny"
+
+
 def test_a_killed_replica_fails_only_its_requests(served, dp):
     long = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
     ps = prompts(2, seed=4, lens=(4,))

@@ -54,6 +54,8 @@ _FRONT_ATTRS = (
     "pooling_task",
     "supported_tasks",
     "eos_token_ids",
+    "reasoning",
+    "think_end_ids",
 )
 
 
