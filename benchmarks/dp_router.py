@@ -78,6 +78,7 @@ def run(args, dp: int, policy: str | None, opening, users) -> dict:
         num_kv_blocks=blocks,
         data_parallel_size=1 if policy is None else dp,
         router_policy=policy or "cache_aware",
+        router_balance_threshold=args.balance_threshold,
         max_model_len=args.system_len + args.turns * (args.user_len + args.output_len) + 1,
     )
     engine = make_engine(config)
@@ -122,6 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--blocks-per-replica", type=int, default=256)
+    parser.add_argument("--balance-threshold", type=int, default=8192, help="router_balance_threshold, tokens")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="8 chats x 2 turns over 2 system prompts, DP=2")
     args = parser.parse_args(argv)

@@ -202,7 +202,7 @@ class EngineConfig:
         "flight) or round_robin",
     )
     router_balance_threshold: int = _setting(
-        2048,
+        8192,
         "tokens (prompts and outputs of its requests in flight) by which cache_aware's choice may be loaded beyond the "
         "least loaded replica before the request goes to the least loaded one instead (SGLang's balance threshold)",
     )
