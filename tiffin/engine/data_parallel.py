@@ -19,6 +19,7 @@ import functools
 import operator
 import queue
 import threading
+import weakref
 from copy import deepcopy
 from dataclasses import dataclass
 from multiprocessing.connection import wait
@@ -90,16 +91,19 @@ class DataParallelEngine(InputProcessor):
         n = config.data_parallel_size
         ctx = mp.get_context("spawn")
         threads = max(1, torch.get_num_threads() // n) if config.torch_device.type == "cpu" else 1
+        daemon = world_size(config) == 1  # a replica with tensor/pipeline ranks starts processes of its own
         self.conns, self.procs = [], []
         for rank in range(n):
             parent, child = ctx.Pipe()
             events = config.kv_events_endpoint, config.kv_events_topic
             args = (_replica_config(config, rank), rank, child, threads, *events)
-            proc = ctx.Process(target=_replica_main, args=args, name=f"tiffin-dp{rank}", daemon=True)
+            proc = ctx.Process(target=_replica_main, args=args, name=f"tiffin-dp{rank}", daemon=daemon)
             proc.start()
             child.close()
             self.conns.append(parent)
             self.procs.append(proc)
+        # stops the replicas when this object is collected or the interpreter exits (before it joins non-daemons)
+        self._stop = weakref.finalize(self, _stop, self.conns, self.procs)
         self.dead: list[str | None] = [None] * n  # why each replica stopped
         infos = [self._started(rank) for rank in range(n)]
         for name in _FRONT_ATTRS:
@@ -295,19 +299,23 @@ class DataParallelEngine(InputProcessor):
         self._call_all("update_weights", path, abort_in_flight)
 
     def shutdown(self) -> None:
-        """Stop every replica (they also stop when this process exits: their pipes close)."""
-        for conn in self.conns:
-            try:
-                conn.send(("stop",))
-            except (OSError, ValueError):  # gone already
-                pass
-        for proc in self.procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-        for conn in self.conns:
-            conn.close()
+        """Stop every replica (also done when this object is collected, or at exit)."""
+        self._stop()
+
+
+def _stop(conns: list, procs: list) -> None:
+    for conn in conns:
+        try:
+            conn.send(("stop",))
+        except (OSError, ValueError):  # gone already
+            pass
+    for proc in procs:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+    for conn in conns:
+        conn.close()
 
 
 def _replica_config(config: EngineConfig, rank: int) -> EngineConfig:
