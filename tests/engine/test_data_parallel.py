@@ -9,12 +9,14 @@ import hashlib
 import os
 import signal
 import struct
+import time
 
 import msgpack
 import pytest
 import torch
 import zmq
 from lora_adapters import make_adapter
+from zmq.utils.monitor import recv_monitor_message
 
 from tiffin import LLM, SamplingParams
 from tiffin.engine.async_llm_engine import AsyncLLMEngine
@@ -52,11 +54,12 @@ def single(model):
 
 @pytest.fixture(scope="module")
 def subscriber(tmp_path_factory):
-    """A SUB socket on both replicas' endpoints, connected before they bind (ZMQ connects once they do), so that it
-    sees every batch from the first."""
+    """A SUB socket on both replicas' endpoints, connecting before they bind (ZMQ connects once they do); `dp_llm`
+    waits for both connections, so that it sees every batch from the first."""
     endpoint = f"ipc://{tmp_path_factory.mktemp('kv')}/events"
     context = zmq.Context()
     sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.RCVHWM, 0)  # read only at the end: keep every batch (past the high-water mark ZMQ drops)
     sub.setsockopt(zmq.SUBSCRIBE, b"kv")
     for replica_endpoint in (endpoint, f"{endpoint}_1"):  # replica r's: the endpoint with _r appended (r > 0)
         sub.connect(replica_endpoint)
@@ -67,8 +70,15 @@ def subscriber(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def dp_llm(model, subscriber):
-    events = dict(kv_events_endpoint=subscriber[0], kv_events_topic="kv")
-    llm = LLM(model, num_kv_blocks=BLOCKS, data_parallel_size=2, **events, **ENGINE)
+    endpoint, sub = subscriber
+    monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED)
+    llm = LLM(
+        model, num_kv_blocks=BLOCKS, data_parallel_size=2, kv_events_endpoint=endpoint, kv_events_topic="kv", **ENGINE
+    )
+    for _ in range(2):  # both replicas bound and the subscriber connected to each, before the first request
+        assert recv_monitor_message(monitor)["event"] == zmq.EVENT_CONNECTED
+    sub.disable_monitor()
+    time.sleep(0.5)  # the subscription, sent on connecting, reaches each PUB socket (ZMQ's "slow joiner")
     yield llm
     llm.shutdown()
 

@@ -18,6 +18,8 @@ from typing import Any
 
 import msgspec
 
+SEND_HWM = 100_000  # batches queued for a slow subscriber before PUB drops them (vLLM's default `hwm`)
+
 
 class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
     """One change to the set of blocks an engine's prefix cache holds."""
@@ -67,6 +69,7 @@ class KVEventPublisher:
         self.endpoint = endpoint_for(endpoint, data_parallel_rank)
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.PUB)
+        self._socket.setsockopt(zmq.SNDHWM, SEND_HWM)
         self._socket.bind(self.endpoint)
         self._topic, self._rank, self._seq = topic.encode(), data_parallel_rank, 0
         self._encoder = msgspec.msgpack.Encoder()
