@@ -20,7 +20,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from tiffin import LLM, SamplingParams
 from tiffin.engine.async_llm_engine import AsyncLLMEngine
-from tiffin.engine.errors import EngineError
+from tiffin.engine.errors import EngineAsleep, EngineError
 from tiffin.engine.lora.request import LoRARequest
 
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
@@ -176,6 +176,18 @@ def test_kv_events_rebuild_each_replicas_cache(dp_llm, dp, subscriber):
     assert all(removed), f"no evictions: {removed}"
     assert held == [set(c) for c in cached]
     assert dp.router.blocks == held  # the router follows the same events
+
+
+def test_sleep_wake_and_reload_reach_every_replica(single, dp_llm, dp, model):
+    ps = prompts(4, seed=7)
+    dp_llm.sleep(1)
+    assert dp.router.blocks == [set(), set()]  # the cleared caches' events came back with the call
+    assert dp_llm.is_sleeping() and all(dp._call(rank, "is_sleeping") for rank in range(2))
+    with pytest.raises(EngineAsleep):
+        dp_llm.generate(ps, GREEDY, use_tqdm=False)
+    dp_llm.wake_up()
+    dp_llm.update_weights(model)
+    assert tokens(dp_llm, ps) == tokens(single, ps)
 
 
 @pytest.fixture(scope="module")

@@ -102,6 +102,11 @@ def test_other_policies_ignore_the_cache():
     assert least.route(hashes, [10, 3, 5]) == 1
     rr = Router(3, BLOCK, "round_robin")
     assert [rr.route(hashes, [0, 9, 9]) for _ in range(4)] == [0, 1, 2, 0]
+    dead = float("inf")
+    assert [rr.route(hashes, [0, dead, 9]) for _ in range(3)] == [2, 0, 2]  # a dead replica is skipped
+    cache = Router(2, BLOCK, "cache_aware")
+    cache.apply_events(1, stored(hashes))
+    assert cache.route(hashes, [5, dead]) == 0
     with pytest.raises(ValueError, match="router_policy"):
         Router(2, BLOCK, "random")
 

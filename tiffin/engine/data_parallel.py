@@ -197,6 +197,7 @@ class DataParallelEngine(InputProcessor):
         return outputs
 
     def _account(self, out: RequestOutput | PoolingRequestOutput) -> None:
+        """Follow a request's load on its replica (a pooling request's one output is its finished one)."""
         routed = self.requests.get(out.request_id)
         if routed is None:
             return
@@ -296,6 +297,8 @@ class DataParallelEngine(InputProcessor):
         return self._call(0, "check_checkpoint", path)
 
     def update_weights(self, path: str, abort_in_flight: bool = False) -> None:
+        if abort_in_flight:  # through the front, so that their final outputs come back (before the call's answer)
+            self.abort_request(list(self.requests))
         self._call_all("update_weights", path, abort_in_flight)
 
     def shutdown(self) -> None:
@@ -367,10 +370,11 @@ def _replica_main(config: EngineConfig, rank: int, conn, threads: int, endpoint:
                 message = conn.recv()
                 if message[0] == "stop":
                     return
-                if message[0] == "call":
+                if message[0] == "call":  # the outputs before it and the events of it reach the front first
+                    answer = _answer(engine, *message[1:])
                     report(outputs)
                     outputs = []
-                    conn.send(("result", _answer(engine, *message[1:])))
+                    conn.send(("result", answer))
                     continue
                 outputs += _handle(engine, message, loras)
                 busy = engine.has_unfinished_requests()

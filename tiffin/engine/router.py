@@ -8,7 +8,8 @@ sharing a system prompt arrives before any of them is computed). The request goe
 longest leading run of blocks, unless that replica's load (tokens of its requests in flight: waiting and running)
 exceeds the least loaded one's by more than `balance_threshold` tokens; without any hit, to the least loaded
 replica among those that served its adapter before (LoRA affinity), within the same bound; else to the least loaded
-one. `least_loaded` and `round_robin` ignore the cache. Ties go to the lowest replica index.
+one. `least_loaded` and `round_robin` ignore the cache. Ties go to the lowest replica index; a replica whose load is
+infinite (a dead one) is chosen only when every replica is.
 
 `blocks` is exactly what the events said, as of each replica's last report (a block stored or evicted meanwhile is
 seen one step late); `inflight` is the router's own record of what it sent, each prompt's hashes until the front
@@ -86,8 +87,11 @@ class Router:
         replicas = range(len(self.blocks))
         least = min(replicas, key=lambda r: loads[r])
         if self.policy == "round_robin":
-            self._next = (self._next + 1) % len(self.blocks)
-            return (self._next - 1) % len(self.blocks)
+            for _ in replicas:
+                replica, self._next = self._next, (self._next + 1) % len(self.blocks)
+                if loads[replica] != float("inf"):
+                    return replica
+            return least
         if self.policy == "least_loaded":
             return least
         hits = [self.hit_blocks(r, hashes) for r in replicas]
