@@ -85,6 +85,7 @@ def runs(env, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
             "executor_overhead.py": ["executor_overhead.py", "--steps", "4", "--rounds", "1", "--batch", "2"],
             # a real `bentoml serve` killed once, then restarted: its checks exit 1 when one fails
             "batch_served.py": ["batch_served.py", "--quick"],
+            "dp_router.py": ["dp_router.py", "--model", tiny, "--quick"],
         },
         env,
     )
@@ -98,6 +99,13 @@ def test_help(env):
 
 def test_every_benchmark_has_a_cheapest_run(runs):
     assert sorted({name.split()[0] for name in runs}) == SCRIPTS
+
+
+def test_dp_router(runs):
+    run = runs["dp_router.py"]
+    assert run.returncode == 0, output(run)
+    for engine in ("1 engine, 64 blocks", "cache_aware, 2 x 32 blocks", "round_robin, 2 x 32 blocks"):
+        assert f"\n| 2 | {engine} | " in run.stdout, output(run)
 
 
 def test_block_gemm(runs):

@@ -53,3 +53,6 @@ def test_bento_declares_gpus_when_serving_on_cuda():
         "gpu": 2,
         "gpu_type": "nvidia-l4",
     }
+    # one GPU per tensor-parallel rank of each replica
+    assert _service_config(TIFFIN_TENSOR_PARALLEL_SIZE="2", TIFFIN_DATA_PARALLEL_SIZE="3") == {"gpu": 6}
+    assert _service_config(TIFFIN_DEVICE="cpu", TIFFIN_DATA_PARALLEL_SIZE="2") is None

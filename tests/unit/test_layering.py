@@ -17,6 +17,7 @@ LAYERS = [
             "tiffin.engine.llm",
             "tiffin.engine.llm_engine",
             "tiffin.engine.async_llm_engine",
+            "tiffin.engine.data_parallel",
             "tiffin.engine.chat",
         ],
     ),
@@ -25,6 +26,7 @@ LAYERS = [
         "engine boxes",
         [
             "tiffin.engine.core",
+            "tiffin.engine.router",
             "tiffin.engine.worker",
             "tiffin.engine.lora",
             "tiffin.engine.structured",
@@ -38,6 +40,7 @@ LAYERS = [
         [
             "tiffin.engine.config",
             "tiffin.engine.errors",
+            "tiffin.engine.kv_events",
             "tiffin.engine.sampling_params",
             "tiffin.engine.pooling_params",
             "tiffin.engine.outputs",

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from tiffin.engine import tokenize_pool
 from tiffin.engine.config import EngineConfig
+from tiffin.engine.data_parallel import make_engine
 from tiffin.engine.errors import EngineAsleep, EngineError, EngineStalled, ParamError
 from tiffin.engine.input_processor import PromptType, TokenizedPrompt
 from tiffin.engine.llm_engine import LLMEngine
@@ -107,8 +108,9 @@ class AsyncLLMEngine(AsyncSleepMode, StallHandling):
         on_step_age: Callable[[float], None] | None = None,
         **kwargs,
     ) -> "AsyncLLMEngine":
-        """Build the LLMEngine from `EngineConfig` fields (the same keywords as `LLM`)."""
-        return cls(LLMEngine(EngineConfig(model=str(model), **kwargs)), on_stats, turns, yields, on_step_age)
+        """Build the LLMEngine (or the front of data_parallel_size of them) from `EngineConfig` fields (the same
+        keywords as `LLM`)."""
+        return cls(make_engine(EngineConfig(model=str(model), **kwargs)), on_stats, turns, yields, on_step_age)
 
     async def add_request(
         self,

@@ -12,6 +12,7 @@ KV_OFFLOAD_DTYPES = ("auto", "int8")
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 SPEC_METHODS = ("ngram", "suffix", "draft_model")
+ROUTER_POLICIES = ("cache_aware", "least_loaded", "round_robin")
 
 
 def _setting(default, doc: str):
@@ -197,6 +198,31 @@ class EngineConfig:
         "the Ray cluster the ray executor joins when this process has not joined one (ray.init's address: auto, "
         "host:port; None: RAY_ADDRESS, else a new local cluster)",
     )
+    data_parallel_size: int = _setting(
+        1,
+        "engine replicas, each a process of its own (with its own tensor/pipeline-parallel group, devices and KV "
+        "pool: on CUDA replica r starts at GPU r x tensor_parallel_size x pipeline_parallel_size), behind one "
+        "router (router_policy); on CPU the replicas share the cores, each taking an equal part of the threads",
+    )
+    router_policy: str = _setting(
+        "cache_aware",
+        "which replica serves a request (data_parallel_size > 1): cache_aware (the one holding the longest prefix of "
+        "its prompt's blocks, as its KV events report, unless it is loaded router_balance_threshold tokens beyond the "
+        "least loaded; with no hit, a replica that served its adapter before), least_loaded (fewest tokens in "
+        "flight) or round_robin",
+    )
+    router_balance_threshold: int = _setting(
+        8192,
+        "tokens (prompts and outputs of its requests in flight) by which cache_aware's choice may be loaded beyond the "
+        "least loaded replica before the request goes to the least loaded one instead (SGLang's balance threshold)",
+    )
+    kv_events_endpoint: str | None = _setting(
+        None,
+        "ZMQ endpoint to publish KV-cache events on in vLLM's format (block stored / removed / all cleared, msgpack, "
+        "tiffin.engine.kv_events), e.g. tcp://*:5557; replica r of a data-parallel engine binds the port + r. "
+        "None: off",
+    )
+    kv_events_topic: str = _setting("", "the ZMQ topic of the KV-event messages (kv_events_endpoint)")
     distributed_timeout: float = _setting(
         300.0, "seconds a tensor-parallel collective may wait for a rank before the engine fails, naming it"
     )
@@ -289,6 +315,7 @@ class EngineConfig:
             "max_n",
             "tensor_parallel_size",
             "pipeline_parallel_size",
+            "data_parallel_size",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -325,6 +352,10 @@ class EngineConfig:
             raise ValueError(
                 f"distributed_executor_backend must be 'mp' or 'ray', got {self.distributed_executor_backend!r}"
             )
+        if self.router_policy not in ROUTER_POLICIES:
+            raise ValueError(f"router_policy must be one of {list(ROUTER_POLICIES)}, got {self.router_policy!r}")
+        if self.router_balance_threshold < 0:
+            raise ValueError(f"router_balance_threshold must be >= 0, got {self.router_balance_threshold}")
         if self.distributed_timeout <= 0:
             raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
         if self.grammar_compile_timeout <= 0:

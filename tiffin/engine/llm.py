@@ -10,9 +10,9 @@ from typing import NamedTuple
 from tqdm.auto import tqdm
 
 from tiffin.engine.config import EngineConfig
+from tiffin.engine.data_parallel import make_engine
 from tiffin.engine.errors import ParamError, QueueFull
 from tiffin.engine.input_processor import PromptType, TokenizedPrompt
-from tiffin.engine.llm_engine import LLMEngine
 from tiffin.engine.lora.request import LoRARequest
 from tiffin.engine.outputs import PoolingRequestOutput, RequestOutput
 from tiffin.engine.pooling_params import PoolingParams
@@ -32,7 +32,7 @@ class _Queued(NamedTuple):
 
 class LLM:
     def __init__(self, model: str, **kwargs):
-        self.llm_engine = LLMEngine(EngineConfig(model=str(model), **kwargs))
+        self.llm_engine = make_engine(EngineConfig(model=str(model), **kwargs))
         self._counter = 0
 
     def shutdown(self) -> None:

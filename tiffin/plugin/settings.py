@@ -147,13 +147,15 @@ class _ServiceSettings(BatchSettings):  # the Batch API's settings (tiffin.plugi
         return int(float(m[1]) * (1024 if m[3] else 1000) ** " kmgt".index(m[2] or " "))
 
     def resources(self) -> dict | None:
-        """What a deployment must provide: GPUs when the engine runs on CUDA, at least one per tensor-parallel rank.
-        `device` auto decides only at start, on whatever machine the Bento lands, so a GPU Bento says
-        `device=cuda`, names its `gpu_type`, or splits the model (`tensor_parallel_size` > 1, not on `device=cpu`)."""
-        split = self.tensor_parallel_size > 1 and self.device != "cpu"
+        """What a deployment must provide: GPUs when the engine runs on CUDA, at least one per tensor-parallel rank of
+        each data-parallel replica. `device` auto decides only at start, on whatever machine the Bento lands, so a GPU
+        Bento says `device=cuda`, names its `gpu_type`, or splits the model or replicates it (`tensor_parallel_size`
+        or `data_parallel_size` > 1, not on `device=cpu`)."""
+        ranks = self.tensor_parallel_size * self.data_parallel_size
+        split = ranks > 1 and self.device != "cpu"
         if not (self.device.startswith("cuda") or self.gpu_type or split):
             return None
-        gpus = max(self.gpus, self.tensor_parallel_size)
+        gpus = max(self.gpus, ranks)
         return {"gpu": gpus} | ({"gpu_type": self.gpu_type} if self.gpu_type else {})
 
     def concurrency(self) -> tuple[int, int | None]:

@@ -22,6 +22,8 @@ Invariants kept here:
   freed). Swapped in, its full blocks still in the prefix cache are shared; only the others are loaded.
 - Every copy between device and host goes through `pending`, taken once per step (`take_copies`), in the order
   and with the pinning `kv_offload` states.
+- KV events (`events` a list, tiffin.engine.kv_events): a hash entering `cached` is a BlockStored, one leaving it a
+  BlockRemoved, a reset AllBlocksCleared, in the order they happen; replayed, they give `cached`'s keys exactly.
 """
 
 import hashlib
@@ -31,12 +33,24 @@ from collections.abc import Iterable
 
 from tiffin.engine.core.kv_offload import HostTier, KVCopies, SwapSpace
 from tiffin.engine.core.sequence import Sequence
+from tiffin.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 
 def hash_block(parent: bytes, token_ids: list[int], extra_key: bytes = b"") -> bytes:
     """Identity of a full block: its tokens, everything before it (the parent's hash), and extra keys such
     as the LoRA adapter it was computed with."""
     return hashlib.sha256(parent + array("q", token_ids).tobytes() + extra_key).digest()
+
+
+def block_hashes(seq: Sequence, block_size: int, num_blocks: int) -> list[bytes]:
+    """Hash chain of `seq`'s first `num_blocks` full blocks, memoised on the sequence: what the prefix cache looks
+    up (a router hashes a prompt with it too)."""
+    hashes = seq.block_hashes
+    for i in range(len(hashes), num_blocks):
+        parent = hashes[-1] if hashes else b""
+        tokens = seq.token_ids[i * block_size : (i + 1) * block_size]
+        hashes.append(hash_block(parent, tokens, seq.block_key(i * block_size, (i + 1) * block_size)))
+    return hashes[:num_blocks]
 
 
 class BlockManager:
@@ -63,6 +77,7 @@ class BlockManager:
         self.tier = HostTier(host_tier_blocks) if host_tier_blocks and enable_prefix_caching else None
         self.swap = SwapSpace(host_tier_blocks, swap_blocks) if swap_blocks else None
         self.pending = KVCopies()  # the copies of the step being scheduled
+        self.events: list | None = None  # KV events since `take_events` (None: not recorded)
 
     @property
     def num_free_blocks(self) -> int:
@@ -187,6 +202,8 @@ class BlockManager:
         self.block_hash = [None] * self.num_blocks
         self.cached.clear()
         self.free = OrderedDict.fromkeys(range(self.num_blocks))
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
         if self.tier is not None:  # its counters go on
             self.tier.blocks.clear()
             self.tier.free, self.tier.pinned = list(range(self.tier.num_blocks)), set()
@@ -206,9 +223,7 @@ class BlockManager:
         """Unhash `seq`'s blocks that a step was to fill but did not (it failed): their KV is not what the
         hash says, so no later request may find them."""
         for block in seq.block_table[seq.num_computed_tokens // self.block_size :]:
-            old, self.block_hash[block] = self.block_hash[block], None
-            if old is not None and self.cached.get(old) == block:
-                del self.cached[old]
+            self._uncache(block)
 
     def check_invariants(self, seqs: Iterable[Sequence]) -> None:
         """AssertionError unless the invariants above hold, `seqs` being every sequence that holds blocks (device
@@ -232,9 +247,7 @@ class BlockManager:
         block, _ = self.free.popitem(last=False)
         old = self.block_hash[block]
         if old is not None:
-            self.block_hash[block] = None
-            if self.cached.get(old) == block:
-                del self.cached[old]
+            self._uncache(block)
             host_block = None if self.tier is None else self.tier.store(old)
             if host_block is not None:
                 self._offload(block, host_block)
@@ -252,13 +265,28 @@ class BlockManager:
             if self.block_hash[block] is None and hashes[i] not in self.cached:
                 self.block_hash[block] = hashes[i]
                 self.cached[hashes[i]] = block
+                if self.events is not None:
+                    self._stored(seq, hashes, i)
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full_blocks)
 
+    def _stored(self, seq: Sequence, hashes: list[bytes], i: int) -> None:
+        tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
+        lora_id = None if seq.lora is None else seq.lora.int_id
+        parent = hashes[i - 1] if i else None
+        self.events.append(BlockStored([hashes[i]], parent, tokens, self.block_size, lora_id, None))
+
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
-        """Hash chain of `seq`'s first `num_blocks` full blocks, memoised on the sequence."""
-        hashes, size = seq.block_hashes, self.block_size
-        for i in range(len(hashes), num_blocks):
-            parent = hashes[-1] if hashes else b""
-            tokens = seq.token_ids[i * size : (i + 1) * size]
-            hashes.append(hash_block(parent, tokens, seq.block_key(i * size, (i + 1) * size)))
-        return hashes[:num_blocks]
+        return block_hashes(seq, self.block_size, num_blocks)
+
+    def take_events(self) -> list:
+        """The KV events recorded since the last call (recording goes on)."""
+        events, self.events = self.events, []
+        return events
+
+    def _uncache(self, block: int) -> None:
+        """Take `block`'s hash out of the prefix cache."""
+        old, self.block_hash[block] = self.block_hash[block], None
+        if old is not None and self.cached.get(old) == block:
+            del self.cached[old]
+            if self.events is not None:
+                self.events.append(BlockRemoved([old], None))

@@ -1,0 +1,422 @@
+"""Data parallelism on one host: `data_parallel_size` engine replicas, each an `LLMEngine` in a process of its own
+(with its own tensor/pipeline-parallel group, KV pool and threads), behind one front object that takes the place of
+an `LLMEngine` for `LLM` and `AsyncLLMEngine`.
+
+The front tokenizes and checks each request (`InputProcessor`, the replicas' limits), lets the `Router` pick a
+replica, sends the request there and streams that replica's outputs back; `step()` returns whatever outputs the
+replicas reported since the last call (each replica steps on its own, continuously). An abort goes to the replica
+holding the request; its final output comes back with a later `step()`. Each replica reports, with its outputs, the
+KV events of its block pool (tiffin.engine.kv_events), which keep the router's map of its blocks, and publishes them
+on its own ZMQ socket when `kv_events_endpoint` is set (the port moved up by its rank).
+
+Invariants: a request lives in exactly one replica from `add_request` until its finished output has come back;
+a replica's load is the tokens (prompt and outputs so far, each of its n samples) of its requests in flight, as the
+front last saw them. A replica that dies fails its requests in flight (naming it) and receives no more; the others
+go on. Not here: restarting a replica, replicas across hosts (Ray), /metrics per replica."""
+
+import dataclasses
+import functools
+import operator
+import queue
+import threading
+import weakref
+from copy import deepcopy
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+
+import torch
+import torch.multiprocessing as mp
+
+from tiffin.engine import errors
+from tiffin.engine.config import EngineConfig
+from tiffin.engine.distributed.group import world_size
+from tiffin.engine.errors import EngineAsleep, EngineDeadError
+from tiffin.engine.input_processor import InputProcessor, PromptType
+from tiffin.engine.kv_events import KVEventPublisher
+from tiffin.engine.llm_engine import LLMEngine
+from tiffin.engine.lora.request import LoRARequest
+from tiffin.engine.models.source import load_tokenizer
+from tiffin.engine.outputs import EngineStats, PoolingRequestOutput, RequestOutput
+from tiffin.engine.pooling_params import PoolingParams
+from tiffin.engine.router import Router
+from tiffin.engine.sampling_params import SamplingParams
+
+STEP_WAIT = 0.01  # seconds `step()` waits for a replica's report: adds and aborts between are seen this late
+START_TIMEOUT = 600.0
+# what the front takes from replica 0 to check requests as the replicas will (InputProcessor's attributes)
+_FRONT_ATTRS = (
+    "config",
+    "model_config",
+    "max_model_len",
+    "max_prompt_chars",
+    "max_token_chars",
+    "image_limits",
+    "task",
+    "pooling_task",
+    "supported_tasks",
+    "eos_token_ids",
+    "reasoning",
+    "think_end_ids",
+)
+
+
+@dataclass
+class _Capacity:
+    """The KV pool size of one replica, which `InputProcessor` checks a request against."""
+
+    num_blocks: int
+    block_size: int
+
+
+@dataclass
+class _Routed:
+    replica: int
+    tokens: int  # its load on the replica
+    hashes: list[bytes]  # its prompt's blocks, as the router hashed them
+
+
+def make_engine(config: EngineConfig) -> "LLMEngine | DataParallelEngine":
+    """An `LLMEngine`, or the front of `data_parallel_size` of them; of one when it publishes KV events (only a
+    replica's process publishes them)."""
+    if config.data_parallel_size == 1 and config.kv_events_endpoint is None:
+        return LLMEngine(config)
+    return DataParallelEngine(config)
+
+
+class DataParallelEngine(InputProcessor):
+    lora_registry = None  # adapters are read by the replicas (`load_lora` hands the request on)
+    grammars = LLMEngine.grammars  # AsyncLLMEngine compiles a grammar before it sends its request: then cached
+
+    def __init__(self, config: EngineConfig):
+        n = config.data_parallel_size
+        ctx = mp.get_context("spawn")
+        threads = max(1, torch.get_num_threads() // n) if config.torch_device.type == "cpu" else 1
+        daemon = world_size(config) == 1  # a replica with tensor/pipeline ranks starts processes of its own
+        self.conns, self.procs = [], []
+        for rank in range(n):
+            parent, child = ctx.Pipe()
+            events = config.kv_events_endpoint, config.kv_events_topic
+            args = (_replica_config(config, rank), rank, child, threads, *events)
+            proc = ctx.Process(target=_replica_main, args=args, name=f"tiffin-dp{rank}", daemon=daemon)
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        # stops the replicas when this object is collected or the interpreter exits (before it joins non-daemons)
+        self._stop = weakref.finalize(self, _stop, self.conns, self.procs)
+        self.dead: list[str | None] = [None] * n  # why each replica stopped
+        infos = [self._started(rank) for rank in range(n)]
+        for name in _FRONT_ATTRS:
+            setattr(self, name, infos[0][name])
+        self.config = dataclasses.replace(self.config, data_parallel_size=n, kv_events_endpoint=events[0])
+        self.block_manager = _Capacity(infos[0]["num_blocks"], config.block_size)
+        self.tokenizer = load_tokenizer(self.config.tokenizer or self.config.model)
+        self._chat_tokenizers = queue.SimpleQueue()
+        self._chat_tokenizers.put(deepcopy(self.tokenizer))
+        self._grammar_backend, self._grammar_backend_lock = None, threading.Lock()
+        self.router = Router(n, config.block_size, config.router_policy, config.router_balance_threshold)
+        self.requests: dict[str, _Routed] = {}
+        self.loads = [0] * n
+        self.replica_stats = [info["stats"] for info in infos]
+        self.sleep_level = 0
+        self._lora_keys: dict[int, bytes] = {}  # lora_int_id -> identity, as the replicas resolved it
+        self._pending: list[RequestOutput] = []  # outputs received while waiting for a call's answer
+
+    def _started(self, rank: int) -> dict:
+        if not self.conns[rank].poll(START_TIMEOUT):
+            self.shutdown()
+            raise RuntimeError(f"data-parallel replica {rank} did not start within {START_TIMEOUT:g} s")
+        kind, value = self.conns[rank].recv()
+        if kind == "error":
+            self.shutdown()
+            raise RuntimeError(f"data-parallel replica {rank} failed to start: {value}")
+        return value
+
+    # --- requests ---
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
+        client: str | None = None,
+    ) -> None:
+        """Check the request as a replica would (raising as `LLMEngine.add_request` does), route it and send it.
+        A refusal only the replica can make (its queue full, an adapter that cannot load) comes back as the
+        request's failed output."""
+        self.check_awake()
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        prompt, params, _ = self.check_request(prompt, params)
+        lora_id = None if lora_request is None else lora_request.lora_int_id
+        key = b"" if lora_id is None else self._lora_keys.get(lora_id)
+        hashes = [] if key is None else self.router.prompt_hashes(prompt.token_ids, key, prompt.images)
+        replica = self.router.route(hashes, self._loads(), lora_id)
+        if self.dead[replica] is not None:
+            raise EngineDeadError(f"every data-parallel replica is dead: {'; '.join(self.dead)}")
+        tokens = len(prompt.token_ids) * getattr(params, "n", 1)
+        self.conns[replica].send(("add", request_id, prompt, params, lora_request, client))
+        self.requests[request_id] = _Routed(replica, tokens, hashes)
+        self.loads[replica] += tokens
+
+    def _loads(self) -> list[float]:
+        """The router's view: a dead replica infinitely loaded."""
+        return [float("inf") if dead else load for load, dead in zip(self.loads, self.dead)]
+
+    def step(self) -> list[RequestOutput]:
+        """The outputs the replicas reported since the last call, waiting up to STEP_WAIT for one."""
+        outputs, self._pending = self._pending, []
+        live = [conn for conn, dead in zip(self.conns, self.dead) if dead is None]
+        for conn in wait(live, 0 if outputs else STEP_WAIT):
+            rank = self.conns.index(conn)
+            while self.dead[rank] is None and conn.poll():
+                outputs += self._apply(rank, self._receive(rank))
+        return outputs
+
+    def _receive(self, rank: int) -> tuple:
+        """Replica `rank`'s next message; ("dead", why) when it is gone."""
+        try:
+            return self.conns[rank].recv()
+        except (EOFError, OSError):
+            self.procs[rank].join(1)
+            return "dead", f"data-parallel replica {rank} died (exit code {self.procs[rank].exitcode})"
+
+    def _apply(self, rank: int, message: tuple) -> list[RequestOutput]:
+        """Take in a replica's report: its KV events into the router, its outputs into the loads."""
+        if message[0] == "dead":
+            return self._replica_died(rank, message[1])
+        if message[0] == "result":
+            raise RuntimeError(f"data-parallel replica {rank} answered a call nobody made")
+        _, outputs, events, loras, stats = message
+        self.router.apply_events(rank, events)
+        self._lora_keys.update(loras)
+        self.replica_stats[rank] = stats
+        for out in outputs:
+            self._account(out)
+        return outputs
+
+    def _account(self, out: RequestOutput | PoolingRequestOutput) -> None:
+        """Follow a request's load on its replica (a pooling request's one output is its finished one)."""
+        routed = self.requests.get(out.request_id)
+        if routed is None:
+            return
+        if out.finished:
+            self.loads[routed.replica] -= routed.tokens
+            self.router.finished(routed.replica, routed.hashes)
+            del self.requests[out.request_id]
+            return
+        tokens = sum(len(out.prompt_token_ids) + len(o.token_ids) for o in out.outputs)
+        self.loads[routed.replica] += tokens - routed.tokens
+        routed.tokens = tokens
+
+    def _replica_died(self, rank: int, why: str) -> list[RequestOutput]:
+        """Fail `rank`'s requests in flight, naming it; the router sends it nothing more."""
+        self.dead[rank] = why
+        lost = [rid for rid, routed in self.requests.items() if routed.replica == rank]
+        for rid in lost:
+            del self.requests[rid]
+        self.loads[rank] = 0
+        self.router.inflight[rank].clear()
+        return [RequestOutput(rid, None, [], finished=True, error=why) for rid in lost]
+
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        """Send each abort to the request's replica (unknown ids are ignored); the final outputs come with a later
+        `step()`, once the replica freed the blocks."""
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            routed = self.requests.get(rid)
+            if routed is not None and self.dead[routed.replica] is None:
+                self.conns[routed.replica].send(("abort", rid))
+        return []
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests or self._pending)
+
+    def failure(self) -> str | None:
+        """Why the engine cannot serve: every replica is dead."""
+        return None if not all(self.dead) else "; ".join(self.dead)
+
+    def stats(self) -> EngineStats:
+        """The live replicas' stats summed (as of their last reports); kv_bytes_per_token is one replica's."""
+        stats = [s for s, dead in zip(self.replica_stats, self.dead) if dead is None] or self.replica_stats
+        per_pos = tuple(map(sum, zip(*(s.spec_accepted_per_pos for s in stats))))
+        fields = [f.name for f in dataclasses.fields(EngineStats) if f.name != "spec_accepted_per_pos"]
+        summed = {name: sum(getattr(s, name) for s in stats) for name in fields} | {"spec_accepted_per_pos": per_pos}
+        summed["kv_bytes_per_token"] = stats[0].kv_bytes_per_token
+        return EngineStats(**summed)
+
+    # --- calls on every replica ---
+
+    def _call(self, rank: int, method: str, *args):
+        """`method(*args)` on replica `rank`'s engine, between its steps; what it raises is raised here. Reports
+        that arrive first are taken in, their outputs kept for the next `step()`."""
+        if self.dead[rank] is not None:
+            raise EngineDeadError(self.dead[rank])
+        self.conns[rank].send(("call", method, args))
+        while (message := self._receive(rank))[0] != "result":
+            self._pending += self._apply(rank, message)
+            if message[0] == "dead":
+                raise EngineDeadError(message[1])
+        return _unwrap(message[1])
+
+    def _call_all(self, method: str, *args) -> list:
+        return [self._call(rank, method, *args) for rank in range(len(self.conns)) if self.dead[rank] is None]
+
+    def load_lora(self, lora_request: LoRARequest) -> LoRARequest:
+        return lora_request  # each replica reads it where it is served
+
+    def add_lora(self, lora: LoRARequest) -> bool:
+        return any(self._call_all("add_lora", lora))
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        self.router.lora_replicas.pop(lora_int_id, None)
+        return any(self._call_all("remove_lora", lora_int_id))
+
+    def list_loras(self) -> set[int]:
+        return set().union(*self._call_all("list_loras"))
+
+    def reset_prefix_cache(self) -> bool:
+        return all(self._call_all("reset_prefix_cache"))
+
+    def sleep(self, level: int = 1) -> None:
+        self._call_all("sleep", level)
+        self.sleep_level = max(self.sleep_level, level)
+
+    def wake_up(self) -> None:
+        self._call_all("wake_up")
+        self.sleep_level = 0
+
+    def is_sleeping(self) -> bool:
+        return self.sleep_level > 0
+
+    def check_awake(self) -> None:
+        if self.sleep_level:
+            raise EngineAsleep(f"the engine is asleep (sleep level {self.sleep_level}): wake_up first")
+
+    def check_checkpoint(self, path: str) -> dict:
+        return self._call(0, "check_checkpoint", path)
+
+    def update_weights(self, path: str, abort_in_flight: bool = False) -> None:
+        if abort_in_flight:  # through the front, so that their final outputs come back (before the call's answer)
+            self.abort_request(list(self.requests))
+        self._call_all("update_weights", path, abort_in_flight)
+
+    def shutdown(self) -> None:
+        """Stop every replica (also done when this object is collected, or at exit)."""
+        self._stop()
+
+
+def _stop(conns: list, procs: list) -> None:
+    for conn in conns:
+        try:
+            conn.send(("stop",))
+        except (OSError, ValueError):  # gone already
+            pass
+    for proc in procs:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+    for conn in conns:
+        conn.close()
+
+
+def _replica_config(config: EngineConfig, rank: int) -> EngineConfig:
+    """Replica `rank`'s engine settings: one replica, publishing no events itself (its process does), and on CUDA
+    the GPUs after those of the replicas before it."""
+    replica = dataclasses.replace(config, data_parallel_size=1, kv_events_endpoint=None)
+    device = config.torch_device
+    if device.type == "cuda":
+        replica.device = f"cuda:{(device.index or 0) + rank * world_size(config)}"
+    return replica
+
+
+def _unwrap(result: tuple):
+    """A call's answer: its value, or its exception raised again as its class (ValueError where not one of ours)."""
+    ok, value = result
+    if ok:
+        return value
+    name, message, param = value
+    cls = getattr(errors, name, None)
+    if cls is errors.ParamError:
+        raise cls(param, message)
+    raise (cls if isinstance(cls, type) and issubclass(cls, Exception) else ValueError)(message)
+
+
+def _error(e: Exception) -> tuple:
+    return type(e).__name__, str(e), getattr(e, "param", None)
+
+
+def _replica_main(config: EngineConfig, rank: int, conn, threads: int, endpoint: str | None, topic: str) -> None:
+    """Replica `rank`'s process: build its engine, then serve the front's messages and step while it has work,
+    reporting each step's outputs, KV events, newly seen adapters and stats."""
+    torch.set_num_threads(threads)
+    try:
+        engine = LLMEngine(config)
+        engine.block_manager.events = []
+        publisher = None if endpoint is None else KVEventPublisher(endpoint, topic, rank)
+    except Exception as e:
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    info = {name: getattr(engine, name) for name in _FRONT_ATTRS}
+    conn.send(("ready", info | {"num_blocks": engine.block_manager.num_blocks, "stats": engine.stats()}))
+    loras: dict[int, bytes] = {}
+    report = functools.partial(_report, engine, conn, publisher, loras)
+    try:
+        while True:
+            outputs = []
+            busy = engine.has_unfinished_requests()
+            while (not busy and not outputs) or conn.poll():
+                message = conn.recv()
+                if message[0] == "stop":
+                    return
+                if message[0] == "call":  # the outputs before it and the events of it reach the front first
+                    answer = _answer(engine, *message[1:])
+                    report(outputs)
+                    outputs = []
+                    conn.send(("result", answer))
+                    continue
+                outputs += _handle(engine, message, loras)
+                busy = engine.has_unfinished_requests()
+            if engine.has_unfinished_requests():
+                outputs += engine.step()
+            report(outputs)
+    except EOFError:  # the front is gone
+        return
+    except Exception as e:  # the engine cannot step
+        conn.send(("dead", f"data-parallel replica {rank} failed: {type(e).__name__}: {e}"))
+    finally:
+        engine.shutdown()
+        if publisher is not None:
+            publisher.close()
+
+
+def _handle(engine: LLMEngine, message: tuple, loras: dict[int, bytes]) -> list[RequestOutput]:
+    if message[0] == "abort":
+        return engine.abort_request(message[1])
+    _, request_id, prompt, params, lora, client = message
+    try:
+        engine.add_request(request_id, prompt, params, lora, client)
+    except Exception as e:
+        return [RequestOutput(request_id, prompt.text, prompt.token_ids, finished=True, error=": ".join(_error(e)[:2]))]
+    adapter = engine.requests[request_id].seqs[0].lora
+    if adapter is not None:
+        loras[adapter.int_id] = adapter.identity
+    return []
+
+
+def _answer(engine: LLMEngine, method: str, args: tuple) -> tuple:
+    """`method`: a method of the engine or of one of its parts ("block_manager.cached.copy")."""
+    try:
+        return True, operator.attrgetter(method)(engine)(*args)
+    except Exception as e:
+        return False, _error(e)
+
+
+def _report(engine: LLMEngine, conn, publisher, loras: dict, outputs: list) -> None:
+    events = engine.block_manager.take_events()
+    if publisher is not None:
+        publisher.publish(events)
+    if outputs or events or loras:
+        conn.send(("step", outputs, events, dict(loras), engine.stats()))
+        loras.clear()
