@@ -41,13 +41,11 @@ QUANTIZE = LLAMA_CPP / "build" / "bin" / "llama-quantize"
 FILES = ("f32", "q8_0", "q4_0")
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
-def converted(request, tmp_path_factory):
-    """(model_type, {file type: the GGUF llama.cpp wrote}, the transformers model, its checkpoint's path)."""
+def convert(model_type: str, extra: dict, tmp, outtypes=("f32", "q8_0")) -> tuple[dict, torch.nn.Module]:
+    """({file type: the GGUF llama.cpp's converter wrote}, the transformers model) of a tiny random checkpoint."""
     if not (SERVER.exists() and QUANTIZE.exists() and (LLAMA_CPP / "convert_hf_to_gguf.py").exists()):
         pytest.skip(f"no llama.cpp at {LLAMA_CPP} (convert_hf_to_gguf.py, build/bin/llama-server, llama-quantize)")
-    model_type, tmp = request.param, tmp_path_factory.mktemp(request.param)
-    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **TINY, **ARCHS[model_type]))
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **TINY, **extra))
     randomize(hf.float().eval())
     with torch.no_grad():  # logits 3x as far apart: fewer near ties for Q8_0's rounding to flip
         hf.lm_head.weight.mul_(3.0)
@@ -55,9 +53,17 @@ def converted(request, tmp_path_factory):
     write_tokenizer(tmp / "hf", VOCAB, model_type.startswith("qwen"), TINY["max_position_embeddings"])
     hf.generation_config.eos_token_id = None
     files = {outtype: tmp / f"{outtype}.gguf" for outtype in FILES}
-    for outtype in ("f32", "q8_0"):
+    for outtype in outtypes:
         command = [sys.executable, "-c", CONVERT.format(root=str(LLAMA_CPP)), str(tmp / "hf"), "--outtype", outtype]
         subprocess.run([*command, "--outfile", str(files[outtype])], check=True, capture_output=True, env=peer_env())
+    return files, hf
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def converted(request, tmp_path_factory):
+    """(model_type, {file type: the GGUF llama.cpp wrote}, the transformers model, its checkpoint's path)."""
+    model_type, tmp = request.param, tmp_path_factory.mktemp(request.param)
+    files, hf = convert(model_type, ARCHS[model_type], tmp)
     quantize = [str(QUANTIZE), str(files["f32"]), str(files["q4_0"]), "Q4_0"]
     subprocess.run(quantize, check=True, capture_output=True, env=peer_env())
     return model_type, files, hf, tmp / "hf"
@@ -106,6 +112,20 @@ def dequantized_model(hf: torch.nn.Module, path) -> torch.nn.Module:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     model.load_state_dict(weights, strict=True)
     return model
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_qwen2_moe_shared_expert_from_gguf_matches_transformers(tmp_path):
+    """qwen2moe: the shared expert and its gate (`ffn_*_shexp`, `ffn_gate_inp_shexp`), top-k weights not
+    renormalized; every layer sparse (llama.cpp's converter writes no dense layers)."""
+    extra = {k: v for k, v in ARCHS["qwen2_moe"].items() if k != "mlp_only_layers"}
+    files, hf = convert("qwen2_moe", extra, tmp_path, ("f32",))
+    llm = LLM(str(files["f32"]), dtype="float32", max_model_len=256)
+    assert llm.llm_engine.model_config.moe.shared_expert_size == extra["shared_expert_intermediate_size"]
+    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()[:3]], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [reference_generate(hf, p, TOKENS)[0] for p in prompts()[:3]]
 
 
 def dequantized_experts(path, layer: int) -> dict[str, torch.Tensor]:
