@@ -9,7 +9,12 @@ blocks, `uint8 [rows, row_bytes]`). Every other tensor comes out dequantized to 
 (vectorized numpy).
 llama.cpp's converter interleaves the rows of the q/k projections of Llama and the models it converts as Llama
 (`Architecture.gguf_permuted_qk`: its rotary embedding pairs adjacent dims, Hugging Face's pairs halves); the
-rows are put back here, whatever their type, since a row is always whole blocks. Granite's multipliers come from
+rows are put back here, whatever their type, since a row is always whole blocks. Mixtures of experts (qwen2moe,
+qwen3moe, and llama with an expert count: Mixtral) hold each layer's experts stacked, `ffn_{gate,up,down}_exps`
+`[experts, rows, inputs]`, read as `mlp.experts.{gate,up,down}_proj.weight` (kept ones as `[experts * rows,
+row_bytes]`), their router `ffn_gate_inp` and Qwen2-MoE's shared expert (`ffn_*_shexp`, `ffn_gate_inp_shexp`);
+the routing llama.cpp applies per architecture (its top-k weights renormalized but for qwen2moe's) goes into the
+config. Granite's multipliers come from
 llama.cpp's scale keys; SmolLM3's NoPE layers are every 4th, as llama.cpp fixes them (the registry's default).
 
 Model files are untrusted input. Their header is read only as far as it is checked against the file's size
@@ -56,6 +61,10 @@ TYPES = (
 )
 # the types whose values a big-endian file stores byte-swapped, as numpy reads them
 BYTE_ORDERED = {QType.F32: np.float32, QType.F16: np.float16}
+# a layer's MLP: dense, or a mixture of experts (the router and the stacked experts; Qwen2-MoE's shared expert)
+DENSE_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+MOE_MODULES = ("mlp.gate", "mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj")
+SHARED_EXPERT = (*(f"mlp.shared_expert.{m}" for m in ("gate_proj", "up_proj", "down_proj")), "mlp.shared_expert_gate")
 # Hugging Face module names, per layer and global, that a supported GGUF may hold
 LAYER_MODULES = (
     "input_layernorm",
@@ -67,15 +76,18 @@ LAYER_MODULES = (
     "self_attn.o_proj",
     "self_attn.q_norm",
     "self_attn.k_norm",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
+    *DENSE_MLP,
+    *MOE_MODULES,
+    *SHARED_EXPERT,
 )
 GLOBAL_MODULES = ("model.embed_tokens", "model.norm", "lm_head")
 # the tensors that pin every dimension the metadata declares: of the layers', those the architecture has in
 # llama.cpp's naming (OLMo 2 no input_layernorm; Llama no post_feedforward_layernorm), q/k norms aside
 REQUIRED_MODULES = ("model.embed_tokens", "model.norm")
-OPTIONAL_LAYER_MODULES = ("self_attn.q_norm", "self_attn.k_norm")
+OPTIONAL_LAYER_MODULES = ("self_attn.q_norm", "self_attn.k_norm", *SHARED_EXPERT)
+# a GGUF dense architecture -> the Hugging Face one its files with experts are (llama.cpp writes Mixtral as llama)
+WITH_EXPERTS = {"LlamaForCausalLM": "MixtralForCausalLM"}
+UNNORMALIZED_TOPK = ("qwen2moe",)  # llama.cpp renormalizes the top-k routing weights of every other MoE
 # The longest context a GGUF file may declare: above any published model's (10M tokens), and far below the
 # 2^32 that would make the per-position tables (rotary cos/sin, block tables) sized from it exhaust memory.
 MAX_CONTEXT = 1 << 24
@@ -94,6 +106,10 @@ class Dims(NamedTuple):
     kv_heads: int
     head_dim: int
     context: int
+    experts: int = 0  # a mixture of experts: experts a layer, of `expert_ffn` each, `experts_used` a token
+    experts_used: int = 0
+    expert_ffn: int = 0
+    shared_ffn: int = 0  # Qwen2-MoE's shared expert (0: none)
 
 
 def find_gguf(path: str | Path) -> Path | None:
@@ -126,6 +142,8 @@ class GGUFCheckpoint:
         self.arch = ""  # llama.cpp's name, which keys are spelled with: general.architecture's own is not
         self.arch = self.text(Keys.General.ARCHITECTURE)
         self.architecture = gguf_architecture(self.arch, self.path.name)
+        if self.field(Keys.LLM.EXPERT_COUNT):
+            self.architecture = WITH_EXPERTS.get(self.architecture, self.architecture)
         self.tensor_types = {t.name: t.qtype for t in self.header.tensors}
         # ggml lists dims innermost first
         self.tensor_shapes = {t.name: tuple(reversed(t.dims)) for t in self.header.tensors}
@@ -215,6 +233,14 @@ class GGUFCheckpoint:
             "logits_scaling": Keys.LLM.LOGIT_SCALE,
         }
         config |= {name: self.positive(key) for name, key in multipliers.items() if self.field(key) is not None}
+        if dims.experts:
+            config |= {
+                "num_experts": dims.experts,
+                "num_experts_per_tok": dims.experts_used,
+                "moe_intermediate_size": dims.expert_ffn,
+                "shared_expert_intermediate_size": dims.shared_ffn,
+                "norm_topk_prob": self.arch not in UNNORMALIZED_TOPK,
+            }
         scaling = self.text(Keys.Rope.SCALING_TYPE, "none")
         if scaling == "linear":
             config["rope_scaling"] = {"rope_type": "linear", "factor": self.positive(Keys.Rope.SCALING_FACTOR)}
@@ -296,9 +322,12 @@ class GGUFCheckpoint:
             if base not in to_hf:
                 raise self.fail(f"tensor {name!r} has no place in a {self.arch} model")
             names[name] = f"{to_hf[base]}.{suffix}"
+        # a layer's MLP is the dense one or the experts, as the metadata says
+        other_mlp = DENSE_MLP if self.field(Keys.LLM.EXPERT_COUNT) else MOE_MODULES
+        optional = (*OPTIONAL_LAYER_MODULES, *other_mlp)
         required = [
             *REQUIRED_MODULES,
-            *(f"model.layers.{i}.{m}" for i in range(layers) for m in LAYER_MODULES if m not in OPTIONAL_LAYER_MODULES),
+            *(f"model.layers.{i}.{m}" for i in range(layers) for m in LAYER_MODULES if m not in optional),
         ]
         required = [name for name in required if name in to_hf.values()]
         missing = sorted(set(required) - {name.removesuffix(".weight") for name in names.values()})
@@ -331,9 +360,20 @@ class GGUFCheckpoint:
             self.integer(key, low=0, high=vocab - 1)
         ffn = self.required(Keys.LLM.FEED_FORWARD_LENGTH)
         context = self.integer(Keys.LLM.CONTEXT_LENGTH, 2048, high=MAX_CONTEXT)
-        dims = Dims(vocab, hidden, ffn, layers, heads, kv_heads, head_dim, context)
+        dims = Dims(vocab, hidden, ffn, layers, heads, kv_heads, head_dim, context, *self._expert_dims(ffn))
         self._check_shapes(dims)
         return dims
+
+    def _expert_dims(self, ffn: int) -> tuple[int, int, int, int]:
+        """(experts, experts_used, expert_ffn, shared_ffn); zeros for a dense model."""
+        experts = self.integer(Keys.LLM.EXPERT_COUNT, 0, low=0)
+        if not experts:
+            return 0, 0, 0, 0
+        used = self.integer(Keys.LLM.EXPERT_USED_COUNT, high=experts)
+        if used is None:
+            raise self.fail(f"metadata lacks {self.key(Keys.LLM.EXPERT_USED_COUNT)}")
+        expert_ffn = self.integer(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, ffn)
+        return experts, used, expert_ffn, self.integer(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, 0, low=0)
 
     def head_dim_source(self) -> str:
         """The metadata the head dimension comes from: key_length, else embedding_length / head_count."""
@@ -354,6 +394,9 @@ class GGUFCheckpoint:
         q, kv = (dims.heads * dims.head_dim, q_label), (dims.kv_heads * dims.head_dim, kv_label)
         # q/k norms per head (Qwen3), or over the whole projection (OLMo 2): the model's own shapes decide at load
         whole = self.tensor_shapes.get("blk.0.attn_q_norm.weight") == (q[0],) != (head[0],)
+        experts = (dims.experts, f"{self.key(Keys.LLM.EXPERT_COUNT)} = {dims.experts}")
+        expert_ffn = (dims.expert_ffn, f"{self.key(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)} = {dims.expert_ffn}")
+        shared_ffn = (dims.shared_ffn, f"{self.key(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH)} = {dims.shared_ffn}")
         expected = {
             "embed_tokens": (vocab, hidden),
             "lm_head": (vocab, hidden),
@@ -370,10 +413,19 @@ class GGUFCheckpoint:
             "gate_proj": (ffn, hidden),
             "up_proj": (ffn, hidden),
             "down_proj": (hidden, ffn),
+            "mlp.gate": (experts, hidden),  # the router
+            "experts.gate_proj": (experts, expert_ffn, hidden),
+            "experts.up_proj": (experts, expert_ffn, hidden),
+            "experts.down_proj": (experts, hidden, expert_ffn),
+            "shared_expert.gate_proj": (shared_ffn, hidden),
+            "shared_expert.up_proj": (shared_ffn, hidden),
+            "shared_expert.down_proj": (hidden, shared_ffn),
+            "shared_expert_gate": ((1, "one output"), hidden),
         }
         for name, hf in self.hf_names.items():
             module, _, suffix = hf.rpartition(".")
-            want = expected[module.rpartition(".")[2]][: 1 if suffix == "bias" else None]
+            parent_leaf = ".".join(module.split(".")[-2:])
+            want = expected.get(parent_leaf, expected.get(module.rpartition(".")[2]))[: 1 if suffix == "bias" else None]
             shape, sizes = self.tensor_shapes[name], tuple(size for size, _ in want)
             if shape != sizes:
                 wrong = [label for (size, label), got in zip(want, shape) if size != got] or [l for _, l in want]

@@ -46,8 +46,8 @@ def get_model_config(
     text = arch.model.text_config(raw) if multimodal else raw
     config = ModelConfig.from_hf(text, quant, arch.qkv_bias, arch.qk_norm, arch.renormalize_topk)
     config.multimodal = multimodal
-    if config.moe is not None and quant is not None:
-        raise ValueError(f"{name} quantized with {quant.name}: quantized experts are not supported yet")
+    if config.moe is not None and quant is not None and quant.name != "gguf":
+        raise ValueError(f"{name} quantized with {quant.name}: quantized experts are not supported yet (GGUF's are)")
     config.task, config.causal = resolve_task(arch, name, task), arch.causal
     if hasattr(arch.model, "family_config"):
         config.family, config.windowed = arch.model.family_config(raw), arch.model.applies_sliding_window

@@ -7,15 +7,20 @@ sum to 1 where the config says (`norm_topk_prob`; Mixtral always). The layer's o
 those experts' outputs, plus, in Qwen2-MoE, a shared expert (a dense MLP every token goes through) scaled by
 `sigmoid(shared_expert_gate(x))`.
 
-Experts are stacked per layer, `gate_up_proj [E, 2I, H]` (each expert's gate rows, then its up rows) and
-`down_proj [E, H, I]`. A forward sorts its (token, choice) pairs by expert and runs one GEMM pair per expert that
-has tokens: a decode step reads its chosen experts' weights and no others'. The outputs go back to (token,
-choice) order and are summed over the choices with their routing weights. DeepSeek's routing (grouped top-k,
+Experts from a Hugging Face checkpoint are stacked per layer, `gate_up_proj [E, 2I, H]` (each expert's gate rows,
+then its up rows) and `down_proj [E, H, I]` (`Experts`). Those of a GGUF file are each expert's pair of `Linear`s
+(`LinearExperts`), stored as their `LinearMethod` stores a GGUF tensor: quantized ones kept in their blocks (on
+CPU the native block GEMMs), each expert's rows a slice of the file's stacked tensor. Either way a forward sorts
+its (token, choice) pairs by expert and runs one GEMM pair per expert that has tokens (`run_experts`): a decode
+step reads its chosen experts' weights and no others'. The outputs go back to (token, choice) order and are
+summed over the choices with their routing weights. DeepSeek's routing (grouped top-k,
 sigmoid scores with a correction bias, a scaling factor) is `grouped_topk`, which `deepseek.py`'s layer uses.
 
 Tensor parallelism splits each expert's intermediate dimension, as the dense MLP's column (gate/up) and row
 (down) split does; the router is replicated; the experts' partial outputs are all-reduced.
 """
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -37,6 +42,31 @@ EXPERT_SHARDS = {
     "w3": ("gate_up_proj", 1),
     "w2": ("down_proj", None),
 }
+
+
+def run_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    num_experts: int,
+    expert: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """`x [T, H]`, each token's `experts [T, k]` and their routing `weights [T, k]` -> `sum_k weights[t, k] *
+    expert(experts[t, k], x[t])` `[T, H]`, calling `expert(e, rows)` once per expert chosen, on all its rows."""
+    top_k = experts.shape[1]
+    flat = experts.flatten()
+    order = flat.argsort(stable=True)  # the (token, choice) pairs grouped by expert
+    counts = torch.bincount(flat, minlength=num_experts).tolist()  # the layer's one host sync
+    xs = x[order // top_k]
+    ys = torch.empty_like(xs)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            ys[start : start + n] = expert(e, xs[start : start + n])
+            start += n
+    # back to (token, choice) order: a scatter of distinct rows, deterministic where index_add_'s atomics are not
+    ys = torch.empty_like(ys).index_copy_(0, order, ys).view(-1, top_k, ys.shape[-1])
+    return (ys * weights[..., None]).sum(1)
 
 
 class Experts(nn.Module):
@@ -63,23 +93,11 @@ class Experts(nn.Module):
         self.unloaded |= {("down_proj", e, None) for e in range(num_experts)}
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """`x [T, H]`, each token's `experts [T, k]` and their routing `weights [T, k]` -> this rank's part of
-        `sum_k weights[t, k] * expert_{experts[t, k]}(x[t])` `[T, H]`."""
-        top_k = experts.shape[1]
-        flat = experts.flatten()
-        order = flat.argsort(stable=True)  # the (token, choice) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()  # the layer's one host sync
-        xs = x[order // top_k]
-        ys = torch.empty_like(xs)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                h = self.act_and_mul(F.linear(xs[start : start + n], self.gate_up_proj[e]), self.backend)
-                torch.mm(h, self.down_proj[e].t(), out=ys[start : start + n])
-                start += n
-        # back to (token, choice) order: a scatter of distinct rows, deterministic where index_add_'s atomics are not
-        ys = torch.empty_like(ys).index_copy_(0, order, ys).view(-1, top_k, ys.shape[-1])
-        return (ys * weights[..., None]).sum(1)
+        """This rank's part of the experts' weighted sum (`run_experts`)."""
+        return run_experts(x, weights, experts, self.gate_up_proj.shape[0], self.expert)
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.act_and_mul(F.linear(x, self.gate_up_proj[e]), self.backend), self.down_proj[e])
 
     def load(self, name: str, tensor) -> list[str]:
         """Place checkpoint tensor `experts.{name}`: one expert's (`{e}.gate_proj.weight`, ...) or, fused as
@@ -150,6 +168,51 @@ def grouped_topk(
     return weights * scale, experts
 
 
+class LinearExperts(nn.Module):
+    """`num_experts` SwiGLU MLPs of a GGUF file, each its own `gate_up_proj` and `down_proj` `Linear`, stored as the
+    file's type says (`linear`: the model's factory, whose method for `experts.gate_up_proj` is that of the stacked
+    `experts.gate_proj` / `experts.up_proj` tensors)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        hidden_act: str,
+        backend: str,
+        linear: LinearFactory,
+    ):
+        super().__init__()
+        sizes = [intermediate_size] * 2
+        self.gate_up_proj = nn.ModuleList(
+            linear("experts.gate_up_proj", hidden_size, sizes, False) for _ in range(num_experts)
+        )
+        self.down_proj = nn.ModuleList(
+            linear("experts.down_proj", intermediate_size, [hidden_size], False) for _ in range(num_experts)
+        )
+        self.act_and_mul, self.backend = ACTIVATIONS[hidden_act], backend
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        return run_experts(x, weights, experts, len(self.down_proj), self.expert)
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj[e](self.act_and_mul(self.gate_up_proj[e](x), self.backend)).to(x.dtype)
+
+    def load(self, name: str, tensor: torch.Tensor) -> list[str]:
+        """Place a GGUF stacked tensor `experts.{gate,up,down}_proj.weight`: `[E, rows, inputs]`, or kept quantized
+        `[E * rows, row_bytes]`, each expert's rows to its layer -> the parameters filled."""
+        leaf, _, suffix = name.partition(".")
+        if leaf not in ("gate_proj", "up_proj", "down_proj") or suffix != "weight":
+            raise ValueError(f"experts.{name}: not a stacked GGUF expert weight (gate/up/down_proj.weight)")
+        stacked, shard = EXPERT_SHARDS[leaf]
+        layers = getattr(self, stacked)
+        if tensor.shape[0] % len(layers):
+            raise ValueError(f"experts.{name}: {tensor.shape[0]} rows do not split into {len(layers)} experts")
+        for layer, rows in zip(layers, tensor.reshape(len(layers), -1, tensor.shape[-1])):
+            layer.load("weight", rows, shard)
+        return [f"{stacked}.{e}.{n}" for e, layer in enumerate(layers) for n, _ in layer.named_parameters()]
+
+
 class SparseMoE(nn.Module):
     """Router, experts and (Qwen2-MoE) the gated shared expert of one layer."""
 
@@ -158,9 +221,14 @@ class SparseMoE(nn.Module):
         moe, hidden = config.moe, config.hidden_size
         self.top_k, self.renormalize, self.tp = moe.top_k, moe.renormalize, tp
         self.gate = linear("gate", hidden, [moe.num_experts], False)  # replicated on every rank
-        self.experts = Experts(
-            moe.num_experts, hidden, moe.intermediate_size, config.hidden_act, config.dtype, backend, tp
-        )
+        if config.quant_config is not None and config.quant_config.name == "gguf":
+            self.experts = LinearExperts(
+                moe.num_experts, hidden, moe.intermediate_size, config.hidden_act, backend, linear
+            )
+        else:
+            self.experts = Experts(
+                moe.num_experts, hidden, moe.intermediate_size, config.hidden_act, config.dtype, backend, tp
+            )
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_size:
             shared = prefixed(linear, "shared_expert.")

@@ -53,9 +53,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Gemma2ForCausalLM": Architecture(GemmaForCausalLM),
     "Gemma3ForCausalLM": Architecture(GemmaForCausalLM, qk_norm=True),
     # mixtures of experts (models/moe.py)
-    "MixtralForCausalLM": Architecture(MoEForCausalLM, renormalize_topk=True),
-    "Qwen2MoeForCausalLM": Architecture(MoEForCausalLM, qkv_bias=True),
-    "Qwen3MoeForCausalLM": Architecture(MoEForCausalLM, qk_norm=True),
+    "MixtralForCausalLM": Architecture(MoEForCausalLM, renormalize_topk=True, gguf_permuted_qk=True),  # GGUF: llama
+    "Qwen2MoeForCausalLM": Architecture(MoEForCausalLM, qkv_bias=True, gguf_name="qwen2moe"),
+    "Qwen3MoeForCausalLM": Architecture(MoEForCausalLM, qk_norm=True, gguf_name="qwen3moe"),
     # multi-head latent attention over a latent KV cache, grouped top-k routing (models/deepseek.py)
     "DeepseekV2ForCausalLM": Architecture(DeepseekForCausalLM),
     "DeepseekV3ForCausalLM": Architecture(DeepseekForCausalLM),
