@@ -164,7 +164,8 @@ def test_kept_experts_compute_their_dequantized_weights(converted, outtype, quan
 
 
 class BytesRead(TorchDispatchMode):
-    """The (storage pointer, start byte, end byte) of every tensor an op reads (a view reads none)."""
+    """The (storage pointer, start byte, end byte) of every strided tensor an op reads (a view reads none; a weight
+    prepacked for oneDNN, as the router's may be where fp32 linears run on it, has no storage to point at)."""
 
     def __init__(self):
         super().__init__()
@@ -172,7 +173,7 @@ class BytesRead(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         for a in torch.utils._pytree.tree_leaves((args, kwargs)):
-            if isinstance(a, torch.Tensor) and a.numel() and not func.is_view:
+            if isinstance(a, torch.Tensor) and a.layout == torch.strided and a.numel() and not func.is_view:
                 start = a.storage_offset() * a.element_size()
                 end = start + (1 + sum((n - 1) * s for n, s in zip(a.shape, a.stride()))) * a.element_size()
                 self.read.append((a.untyped_storage().data_ptr(), start, end))
