@@ -203,8 +203,7 @@ class BatchStore:
             if json.loads(obj)["status"] != "validating":
                 return False
             db.execute("delete from lines where batch_id = ?", (batch_id,))
-            for start in paced(range(0, len(rows), ROWS), 1):
-                db.executemany("insert into lines values (?, ?, ?, ?, ?, ?, ?)", rows[start : start + ROWS])
+            _executemany(db, "insert into lines values (?, ?, ?, ?, ?, ?, ?)", rows)
             db.execute(
                 "update batches set total = ?, completed = 0, failed = ? where id = ?", (len(lines), failed, batch_id)
             )
@@ -236,8 +235,8 @@ class BatchStore:
             rows = db.execute(
                 "select idx, custom_id from lines where batch_id = ? and result is null", (batch_id,)
             ).fetchall()
-            records = [(dumps(error_record(cid, error)).decode(), batch_id, idx) for idx, cid in rows]
-            db.executemany("update lines set result = ?, ok = 0, body = null where batch_id = ? and idx = ?", records)
+            records = [(dumps(error_record(cid, error)).decode(), batch_id, idx) for idx, cid in paced(rows)]
+            _executemany(db, "update lines set result = ?, ok = 0, body = null where batch_id = ? and idx = ?", records)
             db.execute("update batches set failed = failed + ? where id = ?", (len(rows), batch_id))
 
     def results(self, batch_id: str, ok: bool) -> Iterator[bytes]:
@@ -268,6 +267,12 @@ def error_record(custom_id: str | None, error: dict) -> dict:
 def _batch(row: tuple) -> dict:
     obj, total, completed, failed = row
     return json.loads(obj) | {"request_counts": {"total": total, "completed": completed, "failed": failed}}
+
+
+def _executemany(db: sqlite3.Connection, sql: str, rows: list[tuple]) -> None:
+    """`db.executemany(sql, rows)`, `ROWS` rows at a time, paced."""
+    for start in paced(range(0, len(rows), ROWS), 1):
+        db.executemany(sql, rows[start : start + ROWS])
 
 
 def _fsync_dir(path: Path) -> None:
