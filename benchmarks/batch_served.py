@@ -27,6 +27,7 @@ compare figures of one run only.
     python benchmarks/batch_served.py
     python benchmarks/batch_served.py --model /work/models/smol-Q4_K_M.gguf --embedding-model tiffin-tiny-bert
     python benchmarks/batch_served.py --quick
+    python benchmarks/batch_served.py --hostile-only   # step 5 alone
 """
 
 import argparse
@@ -323,6 +324,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hostile-lines", type=int, default=1_000_000, help="lines of the too-long hostile file")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help=f"a short run: {QUICK}")
+    ap.add_argument("--hostile-only", action="store_true", help="step 5 alone (after a warm-up of the streams)")
     if ap.parse_args(argv).quick:
         ap.set_defaults(**QUICK)
     args = ap.parse_args(argv)
@@ -343,6 +345,14 @@ def main(argv: list[str] | None = None) -> None:
         cards = server.http.get("/v1/models").json()["data"]
         chat = next(x["id"] for x in cards if "generate" in x["tasks"])
         embed = next(x["id"] for x in cards if "generate" not in x["tasks"] and "embed" in x["tasks"])
+        if args.hostile_only:
+            asyncio.run(streams(server.url, chat, args))  # warm-up
+            said, failures = hostile(server, chat, args, tmp, Path(settings["batch_dir"]))
+            print("\n".join(said))
+            if failures:
+                sys.exit("FAILED:\n" + "\n".join(failures))
+            print("all checks passed")
+            return
         lines, malformed = batch_lines(args.lines, (chat, embed), args.max_tokens, args.seed)
         args.generation_lines = sum(
             isinstance(x, dict) and x.get("custom_id", "")[:4] in ("chat", "cmpl") for x in lines

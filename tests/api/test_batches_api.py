@@ -239,8 +239,12 @@ def test_a_full_queue_is_no_result_the_line_is_tried_again(engines, tmp_path, mo
         assert len(calls) == 4 and batch.error_file_id is None
 
 
-def test_hostile_files_are_refused_or_fail_alone(engines, tmp_path):
+def test_hostile_files_are_refused_or_fail_alone(engines, tmp_path, monkeypatch):
     from openai import BadRequestError, NotFoundError
+
+    checked = []  # lines parsed and checked: none of a file with too many lines
+    check_line = batches_module.check_line
+    monkeypatch.setattr(batches_module, "check_line", lambda *args: checked.append(1) or check_line(*args))
 
     settings = {"batch_max_file_bytes": 4096, "batch_max_files": 4, "batch_max_lines": 5}
     with TestClient(make_app(engines, tmp_path, **settings)) as http:
@@ -255,8 +259,11 @@ def test_hostile_files_are_refused_or_fail_alone(engines, tmp_path):
         failed = finished(c, submit(c, duplicate).id)
         assert failed.status == "failed" and failed.errors.data[0].code == "duplicate_custom_id"
         assert failed.errors.data[0].line == 3
-        too_many = finished(c, submit(c, completions(6)).id)
+        checked.clear()
+        six = completions(6)
+        too_many = finished(c, submit(c, [*six[:3], b"", *six[3:]]).id)  # a blank line does not count
         assert too_many.status == "failed" and too_many.errors.data[0].code == "too_many_requests"
+        assert too_many.errors.data[0].line == 7 and checked == []
         empty = finished(c, submit(c, [b""]).id)
         assert empty.status == "failed" and empty.errors.data[0].code == "empty_file"
         file = c.files.create(file=("a.jsonl", jsonl(completions(2))), purpose="batch")

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, Field, ValidationError
 
-from tiffin.plugin.openai.batch_store import BatchStore, error_record, new_id
+from tiffin.plugin.openai.batch_store import BatchStore, error_record, new_id, nth_line, paced
 from tiffin.plugin.openai.clients import CLIENT_STATE, client_of
 from tiffin.plugin.openai.encoding import dumps
 from tiffin.plugin.openai.files import check_quota, file_object, file_routes, page
@@ -152,18 +152,19 @@ class BatchAPI:
             logger.exception("tiffin: batch %s stopped; a restart resumes it", batch_id)
 
     def _validate(self, owner: str | None, batch: dict) -> dict:
-        """Read and check every line (on a worker thread); the batch in_progress, or failed with the reason."""
+        """Count the lines, then read and check each (on a worker thread, paced); the batch in_progress, or failed
+        with the reason."""
         file = self.store.get_file(owner, batch["input_file_id"])
         if file is None:
             return self._fail(batch, "invalid_file", f"the input file {batch['input_file_id']} was deleted")
+        path, limit = self.store.path(file["id"]), self.settings.batch_max_lines
+        if (number := nth_line(path, limit + 1)) is not None:
+            return self._fail(batch, "too_many_requests", f"a batch holds at most {limit} lines", number)
         lines, seen = [], set()
-        with open(self.store.path(file["id"]), "rb") as f:
-            for number, text in enumerate(f, 1):
+        with open(path, "rb") as f:
+            for number, text in paced(enumerate(f, 1)):
                 if not text.strip():
                     continue
-                if len(lines) == self.settings.batch_max_lines:
-                    limit = self.settings.batch_max_lines
-                    return self._fail(batch, "too_many_requests", f"a batch holds at most {limit} lines", number)
                 custom_id, url, body, error = check_line(text, self.app.state.router, self.settings.batch_priority)
                 if custom_id in seen:
                     return self._fail(batch, "duplicate_custom_id", f"custom_id {custom_id!r} is used twice", number)
