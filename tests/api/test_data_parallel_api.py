@@ -93,6 +93,24 @@ def test_full_queues_are_refused_at_the_front_as_one_engine_refuses(front):
     assert front.stats().kv_blocks_used == 0
 
 
+def test_an_adapter_a_replica_cannot_read_is_refused_by_add_request(front, adapters):
+    """As one engine refuses it: raised from add_request (the OpenAI layer's 400), no request or load left."""
+    for name, lora_id, why in (("wrong-shape", 7, "do not fit the base layer"), ("missing", 8, "missing")):
+        with pytest.raises(ValueError, match=why):
+            front.add_request(name, PROMPT, GREEDY, LoRARequest(name, lora_id, str(adapters / name)))
+    assert not front.requests and sum(front.loads) == 0 and not any(map(sum, front.router.inflight))
+    lora = LoRARequest("qv", 9, str(adapters / "qv"))
+    front.add_request("cold", PROMPT, GREEDY, lora)  # read on the replica, waited for
+    while front.has_unfinished_requests():
+        front.step()
+    replica = next(r for r, held in enumerate(front.replica_loras) if 9 in held)
+    assert front.router.lora_replicas[9] == {replica}
+    front.add_request("warm", PROMPT, GREEDY, lora)  # cached there now: sent without waiting
+    while front.has_unfinished_requests():
+        front.step()
+    assert front.remove_lora(9) and 9 not in front.replica_loras[replica]
+
+
 @pytest.fixture(scope="module")
 def served(front):
     engine = AsyncLLMEngine(front)

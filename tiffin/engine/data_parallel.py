@@ -18,12 +18,9 @@ as one engine refuses it. Not here: restarting a replica, replicas across hosts 
 
 import contextlib
 import dataclasses
-import functools
-import operator
 import queue
 import threading
 import weakref
-from collections import Counter
 from copy import deepcopy
 from dataclasses import dataclass
 from multiprocessing.connection import wait
@@ -33,10 +30,10 @@ import torch.multiprocessing as mp
 
 from tiffin.engine import errors
 from tiffin.engine.config import EngineConfig
+from tiffin.engine.data_parallel_replica import FRONT_ATTRS, replica_main
 from tiffin.engine.distributed.group import world_size
 from tiffin.engine.errors import EngineAsleep, EngineDeadError
 from tiffin.engine.input_processor import InputProcessor, PromptType
-from tiffin.engine.kv_events import KVEventPublisher
 from tiffin.engine.llm_engine import LLMEngine
 from tiffin.engine.lora.request import LoRARequest
 from tiffin.engine.models.source import load_tokenizer
@@ -48,21 +45,6 @@ from tiffin.engine.sampling_params import SamplingParams
 
 STEP_WAIT = 0.01  # seconds `step()` waits for a replica's report: adds and aborts between are seen this late
 START_TIMEOUT = 600.0
-# what the front takes from replica 0 to check requests as the replicas will (InputProcessor's attributes)
-_FRONT_ATTRS = (
-    "config",
-    "model_config",
-    "max_model_len",
-    "max_prompt_chars",
-    "max_token_chars",
-    "image_limits",
-    "task",
-    "pooling_task",
-    "supported_tasks",
-    "eos_token_ids",
-    "reasoning",
-    "think_end_ids",
-)
 
 
 @dataclass
@@ -101,7 +83,7 @@ class DataParallelEngine(InputProcessor):
             parent, child = ctx.Pipe()
             events = config.kv_events_endpoint, config.kv_events_topic
             args = (_replica_config(config, rank), rank, child, threads, *events)
-            proc = ctx.Process(target=_replica_main, args=args, name=f"tiffin-dp{rank}", daemon=daemon)
+            proc = ctx.Process(target=replica_main, args=args, name=f"tiffin-dp{rank}", daemon=daemon)
             proc.start()
             child.close()
             self.conns.append(parent)
@@ -110,12 +92,13 @@ class DataParallelEngine(InputProcessor):
         self._stop = weakref.finalize(self, _stop, self.conns, self.procs)
         self.dead: list[str | None] = [None] * n  # why each replica stopped
         infos = [self._started(rank) for rank in range(n)]
-        for name in _FRONT_ATTRS:
+        for name in FRONT_ATTRS:
             setattr(self, name, infos[0][name])
         self.config = dataclasses.replace(self.config, data_parallel_size=n, kv_events_endpoint=events[0])
         self.block_manager = _Capacity(infos[0]["num_blocks"], config.block_size)
         # adapters are read by the replicas (`load_lora` hands the request on); this table names those added to all
         self.lora_registry = AdapterTable() if infos[0]["lora"] else None
+        self.replica_loras = [frozenset()] * n  # the adapters in each replica's host cache, as last reported
         self.queue = QueueRoom.of(n, config.max_waiting_requests, config.max_waiting_per_client)
         self.tokenizer = load_tokenizer(self.config.tokenizer or self.config.model)
         self._chat_tokenizers = queue.SimpleQueue()
@@ -150,8 +133,10 @@ class DataParallelEngine(InputProcessor):
         client: str | None = None,
     ) -> None:
         """Check the request as a replica would (raising as `LLMEngine.add_request` does), route it to a replica
-        with room in its queue (QueueFull when none has) and send it. An adapter that the replica cannot load
-        comes back as the request's failed output (a server adds its adapters first: `add_lora`)."""
+        with room in its queue (QueueFull when none has) and send it. With an adapter that replica had not cached
+        (as it last reported), wait for it to take the request: a refusal (the adapter cannot be read) is raised
+        here as the replica raised it. Only an adapter evicted from its cache since its report, and unreadable
+        by then, still fails as the request's output."""
         self.check_awake()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -168,9 +153,20 @@ class DataParallelEngine(InputProcessor):
         replica = self.router.route(hashes, self._loads(full), lora_id)
         if self.dead[replica] is not None:
             raise EngineDeadError(f"every data-parallel replica is dead: {'; '.join(self.dead)}")
-        tokens = len(prompt.token_ids) * n
-        self.conns[replica].send(("add", request_id, prompt, params, lora_request, client))
+        # an adapter the replica does not hold is read there now: wait for its answer, to raise a refusal here
+        cold = lora_id is not None and lora_id not in self.replica_loras[replica]
+        message = ("add", request_id, prompt, params, lora_request, client, cold)
         self.queue.sent[replica] += n
+        if not cold:
+            self.conns[replica].send(message)
+        else:
+            try:
+                self._ask(replica, message)
+            except Exception:
+                if self.dead[replica] is None:
+                    self.router.finished(replica, hashes)
+                raise
+        tokens = len(prompt.token_ids) * n
         self.requests[request_id] = _Routed(replica, tokens, hashes)
         self.loads[replica] += tokens
 
@@ -209,7 +205,7 @@ class DataParallelEngine(InputProcessor):
             return self._replica_died(rank, message[1])
         if message[0] == "result":
             raise RuntimeError(f"data-parallel replica {rank} answered a call nobody made")
-        _, outputs, events, loras, stats, queue = message
+        _, outputs, events, loras, stats, queue, self.replica_loras[rank] = message
         self.router.apply_events(rank, events)
         self.queue.reported(rank, queue)
         self._lora_keys.update(loras)
@@ -282,11 +278,15 @@ class DataParallelEngine(InputProcessor):
     # --- calls on every replica ---
 
     def _call(self, rank: int, method: str, *args):
-        """`method(*args)` on replica `rank`'s engine, between its steps; what it raises is raised here. Reports
+        """`method(*args)` on replica `rank`'s engine, between its steps; what it raises is raised here."""
+        return self._ask(rank, ("call", method, args))
+
+    def _ask(self, rank: int, message: tuple):
+        """Send replica `rank` a message it answers (a call, an add waited for) and return the answer. Reports
         that arrive first are taken in, their outputs kept for the next `step()`."""
         if self.dead[rank] is not None:
             raise EngineDeadError(self.dead[rank])
-        self.conns[rank].send(("call", method, args))
+        self.conns[rank].send(message)
         while (message := self._receive(rank))[0] != "result":
             self._pending += self._apply(rank, message)
             if message[0] == "dead":
@@ -395,90 +395,3 @@ def _unwrap(result: tuple):
     if cls is errors.ParamError:
         raise cls(param, message)
     raise (cls if isinstance(cls, type) and issubclass(cls, Exception) else ValueError)(message)
-
-
-def _error(e: Exception) -> tuple:
-    return type(e).__name__, str(e), getattr(e, "param", None)
-
-
-def _replica_main(config: EngineConfig, rank: int, conn, threads: int, endpoint: str | None, topic: str) -> None:
-    """Replica `rank`'s process: build its engine, then serve the front's messages and step while it has work,
-    reporting each step's outputs, KV events, newly seen adapters and stats."""
-    torch.set_num_threads(threads)
-    try:
-        engine = LLMEngine(config)
-        engine.block_manager.events = []
-        publisher = None if endpoint is None else KVEventPublisher(endpoint, topic, rank)
-    except Exception as e:
-        conn.send(("error", f"{type(e).__name__}: {e}"))
-        return
-    info = {name: getattr(engine, name) for name in _FRONT_ATTRS}
-    ready = {"num_blocks": engine.block_manager.num_blocks, "stats": engine.stats()}
-    conn.send(("ready", info | ready | {"lora": engine.lora_registry is not None}))
-    loras: dict[int, bytes] = {}
-    taken = [0, -1]  # sequences added (or refused) in all; the count last reported
-    report = functools.partial(_report, engine, conn, publisher, loras, taken)
-    try:
-        while True:
-            outputs = []
-            busy = engine.has_unfinished_requests()
-            while (not busy and not outputs) or conn.poll():
-                message = conn.recv()
-                if message[0] == "stop":
-                    return
-                if message[0] == "call":  # the outputs before it and the events of it reach the front first
-                    answer = _answer(engine, *message[1:])
-                    report(outputs)
-                    outputs = []
-                    conn.send(("result", answer))
-                    continue
-                outputs += _handle(engine, message, loras)
-                if message[0] == "add":
-                    taken[0] += getattr(message[3], "n", 1)
-                busy = engine.has_unfinished_requests()
-            if engine.has_unfinished_requests():
-                outputs += engine.step()
-            report(outputs)
-    except EOFError:  # the front is gone
-        return
-    except Exception as e:  # the engine cannot step
-        conn.send(("dead", f"data-parallel replica {rank} failed: {type(e).__name__}: {e}"))
-    finally:
-        engine.shutdown()
-        if publisher is not None:
-            publisher.close()
-
-
-def _handle(engine: LLMEngine, message: tuple, loras: dict[int, bytes]) -> list[RequestOutput]:
-    if message[0] == "abort":
-        return engine.abort_request(message[1])
-    _, request_id, prompt, params, lora, client = message
-    try:
-        engine.add_request(request_id, prompt, params, lora, client)
-    except Exception as e:
-        return [RequestOutput(request_id, prompt.text, prompt.token_ids, finished=True, error=": ".join(_error(e)[:2]))]
-    adapter = engine.requests[request_id].seqs[0].lora
-    if adapter is not None:
-        loras[adapter.int_id] = adapter.identity
-    return []
-
-
-def _answer(engine: LLMEngine, method: str, args: tuple) -> tuple:
-    """`method`: a method of the engine or of one of its parts ("block_manager.cached.copy")."""
-    try:
-        return True, operator.attrgetter(method)(engine)(*args)
-    except Exception as e:
-        return False, _error(e)
-
-
-def _report(engine: LLMEngine, conn, publisher, loras: dict, taken: list, outputs: list) -> None:
-    """Send what changed: outputs, KV events, adapters newly seen, and with them the stats and the queue (the
-    sequences taken in all, those waiting by client)."""
-    events = engine.block_manager.take_events()
-    if publisher is not None:
-        publisher.publish(events)
-    if outputs or events or loras or taken[0] != taken[1]:
-        queue = taken[0], Counter(seq.client for seq in engine.scheduler.waiting)
-        conn.send(("step", outputs, events, dict(loras), engine.stats(), queue))
-        loras.clear()
-        taken[1] = taken[0]
