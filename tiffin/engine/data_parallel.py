@@ -14,7 +14,9 @@ a replica's load is the tokens (prompt and outputs so far, each of its n samples
 front last saw them. A replica that dies fails its requests in flight (naming it) and receives no more; the others
 go on. The front keeps the replicas' waiting queues (max_waiting_requests and max_waiting_per_client per replica,
 tiffin.engine.replica_admin): a request goes to a replica with room, QueueFull when none has, so that it is refused
-as one engine refuses it. Not here: restarting a replica, replicas across hosts (Ray)."""
+as one engine refuses it. Adapters a server adds go to every replica (`add_lora`, all or none), named in the
+front's `lora_registry`. Each replica's process: tiffin.engine.data_parallel_replica. Not here: restarting a
+replica, replicas across hosts (Ray)."""
 
 import contextlib
 import dataclasses
