@@ -1,7 +1,8 @@
 """The OpenAI app over a data-parallel engine (two replicas of the tiny llama): the waiting queues refused at the
-front as one engine refuses them (QueueFull, ParamError), LoRA adapters loaded and unloaded on every replica
-through vLLM's admin routes and listed by /models (served as one engine serves them), and each replica's health in
-/health and in the per-replica metrics, with /health and readiness holding while one replica lives.
+front as one engine refuses them (QueueFull, ParamError; a 429 over HTTP), LoRA adapters loaded and unloaded on
+every replica through vLLM's admin routes and listed by /models (served as one engine serves them), and each
+replica's health in /health and in the per-replica metrics, with /health and readiness holding while one replica
+lives.
 
 Order matters: the queue test drives the front directly before `served` wraps it; the last test kills the
 replicas."""
@@ -173,6 +174,17 @@ def test_adapters_load_and_unload_on_every_replica(client, served, model, adapte
     body = {"model": "qv", "prompt": PROMPT, "max_tokens": 2}
     assert client.post("/v1/completions", json=body).status_code == 404
     assert client.post("/v1/unload_lora_adapter", json={"lora_name": "qv"}).status_code == 404
+
+
+def test_full_queues_are_a_429_as_with_one_engine(client, front):
+    limit, front.queue.limit = front.queue.limit, 0  # every replica's queue full
+    try:
+        reply = client.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2})
+    finally:
+        front.queue.limit = limit
+    assert reply.status_code == 429 and reply.headers["retry-after"] == "1"
+    assert "max_waiting_requests=0 per replica" in reply.json()["error"]["message"]
+    complete(client, "tiny")  # room again: a 200
 
 
 def metric(name: str, replica: int | None = None) -> float:
