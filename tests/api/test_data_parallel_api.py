@@ -69,6 +69,7 @@ def test_full_queues_are_refused_at_the_front_as_one_engine_refuses(front):
     def add(rid: str, client: str | None = None, n: int = 1):
         front.add_request(rid, PROMPT, SamplingParams(max_tokens=2, n=n), client=client)
 
+    assert (front.config.max_waiting_requests, front.config.max_waiting_per_client) == (2, 1)  # the front's, kept
     with pytest.raises(ParamError, match="max_waiting_per_client=1") as refused:
         add("two-seqs", client="a", n=2)
     assert refused.value.param == "n"

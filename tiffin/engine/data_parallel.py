@@ -96,12 +96,14 @@ class DataParallelEngine(InputProcessor):
         infos = [self._started(rank) for rank in range(n)]
         for name in FRONT_ATTRS:
             setattr(self, name, infos[0][name])
-        self.config = dataclasses.replace(self.config, data_parallel_size=n, kv_events_endpoint=events[0])
+        queue_limits = {name: getattr(config, name) for name in ("max_waiting_requests", "max_waiting_per_client")}
+        front = dict(data_parallel_size=n, kv_events_endpoint=events[0], **queue_limits)  # not the replicas' own
+        self.config = dataclasses.replace(self.config, **front)
         self.block_manager = _Capacity(infos[0]["num_blocks"], config.block_size)
         # adapters are read by the replicas (`load_lora` hands the request on); this table names those added to all
         self.lora_registry = AdapterTable() if infos[0]["lora"] else None
         self.replica_loras = [frozenset()] * n  # the adapters in each replica's host cache, as last reported
-        self.queue = QueueRoom.of(n, config.max_waiting_requests, config.max_waiting_per_client)
+        self.queue = QueueRoom.of(n, *queue_limits.values())
         self.tokenizer = load_tokenizer(self.config.tokenizer or self.config.model)
         self._chat_tokenizers = queue.SimpleQueue()
         self._chat_tokenizers.put(deepcopy(self.tokenizer))
