@@ -263,3 +263,17 @@ def test_a_killed_replica_fails_only_its_requests(served, dp):
 
     asyncio.run(go())
     assert served.healthy and dp.failure() is None and sum(why is not None for why in dp.dead) == 1
+
+
+def test_offline_generate_waits_for_room_in_the_replicas_queues(model, single):
+    """`LLM` holds back what the front refuses with QueueFull (max_waiting_requests=1 per replica), as it does with
+    one engine, and an adapter no replica can read is refused naming its prompt."""
+    ps = prompts(6, seed=7)
+    llm = LLM(model, num_kv_blocks=BLOCKS, data_parallel_size=2, max_waiting_requests=1, **ENGINE)
+    try:
+        assert tokens(llm, ps) == tokens(single, ps)
+        with pytest.raises(ValueError, match="prompt 0: .*not a directory"):
+            llm.generate(ps[:2], GREEDY, lora_request=LoRARequest("gone", 5, "/nonexistent-adapter"), use_tqdm=False)
+        assert not llm.llm_engine.requests
+    finally:
+        llm.shutdown()

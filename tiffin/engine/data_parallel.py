@@ -12,11 +12,14 @@ on its own ZMQ socket when `kv_events_endpoint` is set (the port moved up by its
 Invariants: a request lives in exactly one replica from `add_request` until its finished output has come back;
 a replica's load is the tokens (prompt and outputs so far, each of its n samples) of its requests in flight, as the
 front last saw them. A replica that dies fails its requests in flight (naming it) and receives no more; the others
-go on. Not here: restarting a replica, replicas across hosts (Ray), /metrics per replica."""
+go on. The front keeps the replicas' waiting queues (max_waiting_requests and max_waiting_per_client per replica,
+tiffin.engine.replica_admin): a request goes to a replica with room, QueueFull when none has, so that it is refused
+as one engine refuses it. Adapters a server adds go to every replica (`add_lora`, all or none), named in the
+front's `lora_registry`. Each replica's process: tiffin.engine.data_parallel_replica. Not here: restarting a
+replica, replicas across hosts (Ray)."""
 
+import contextlib
 import dataclasses
-import functools
-import operator
 import queue
 import threading
 import weakref
@@ -29,35 +32,21 @@ import torch.multiprocessing as mp
 
 from tiffin.engine import errors
 from tiffin.engine.config import EngineConfig
+from tiffin.engine.data_parallel_replica import FRONT_ATTRS, replica_main
 from tiffin.engine.distributed.group import world_size
 from tiffin.engine.errors import EngineAsleep, EngineDeadError
 from tiffin.engine.input_processor import InputProcessor, PromptType
-from tiffin.engine.kv_events import KVEventPublisher
 from tiffin.engine.llm_engine import LLMEngine
 from tiffin.engine.lora.request import LoRARequest
 from tiffin.engine.models.source import load_tokenizer
 from tiffin.engine.outputs import EngineStats, PoolingRequestOutput, RequestOutput
 from tiffin.engine.pooling_params import PoolingParams
+from tiffin.engine.replica_admin import AdapterTable, QueueRoom, health
 from tiffin.engine.router import Router
 from tiffin.engine.sampling_params import SamplingParams
 
 STEP_WAIT = 0.01  # seconds `step()` waits for a replica's report: adds and aborts between are seen this late
 START_TIMEOUT = 600.0
-# what the front takes from replica 0 to check requests as the replicas will (InputProcessor's attributes)
-_FRONT_ATTRS = (
-    "config",
-    "model_config",
-    "max_model_len",
-    "max_prompt_chars",
-    "max_token_chars",
-    "image_limits",
-    "task",
-    "pooling_task",
-    "supported_tasks",
-    "eos_token_ids",
-    "reasoning",
-    "think_end_ids",
-)
 
 
 @dataclass
@@ -84,7 +73,6 @@ def make_engine(config: EngineConfig) -> "LLMEngine | DataParallelEngine":
 
 
 class DataParallelEngine(InputProcessor):
-    lora_registry = None  # adapters are read by the replicas (`load_lora` hands the request on)
     grammars = LLMEngine.grammars  # AsyncLLMEngine compiles a grammar before it sends its request: then cached
 
     def __init__(self, config: EngineConfig):
@@ -97,7 +85,7 @@ class DataParallelEngine(InputProcessor):
             parent, child = ctx.Pipe()
             events = config.kv_events_endpoint, config.kv_events_topic
             args = (_replica_config(config, rank), rank, child, threads, *events)
-            proc = ctx.Process(target=_replica_main, args=args, name=f"tiffin-dp{rank}", daemon=daemon)
+            proc = ctx.Process(target=replica_main, args=args, name=f"tiffin-dp{rank}", daemon=daemon)
             proc.start()
             child.close()
             self.conns.append(parent)
@@ -106,10 +94,16 @@ class DataParallelEngine(InputProcessor):
         self._stop = weakref.finalize(self, _stop, self.conns, self.procs)
         self.dead: list[str | None] = [None] * n  # why each replica stopped
         infos = [self._started(rank) for rank in range(n)]
-        for name in _FRONT_ATTRS:
+        for name in FRONT_ATTRS:
             setattr(self, name, infos[0][name])
-        self.config = dataclasses.replace(self.config, data_parallel_size=n, kv_events_endpoint=events[0])
+        queue_limits = {name: getattr(config, name) for name in ("max_waiting_requests", "max_waiting_per_client")}
+        front = dict(data_parallel_size=n, kv_events_endpoint=events[0], **queue_limits)  # not the replicas' own
+        self.config = dataclasses.replace(self.config, **front)
         self.block_manager = _Capacity(infos[0]["num_blocks"], config.block_size)
+        # adapters are read by the replicas (`load_lora` hands the request on); this table names those added to all
+        self.lora_registry = AdapterTable() if infos[0]["lora"] else None
+        self.replica_loras = [frozenset()] * n  # the adapters in each replica's host cache, as last reported
+        self.queue = QueueRoom.of(n, *queue_limits.values())
         self.tokenizer = load_tokenizer(self.config.tokenizer or self.config.model)
         self._chat_tokenizers = queue.SimpleQueue()
         self._chat_tokenizers.put(deepcopy(self.tokenizer))
@@ -142,27 +136,54 @@ class DataParallelEngine(InputProcessor):
         lora_request: LoRARequest | None = None,
         client: str | None = None,
     ) -> None:
-        """Check the request as a replica would (raising as `LLMEngine.add_request` does), route it and send it.
-        A refusal only the replica can make (its queue full, an adapter that cannot load) comes back as the
-        request's failed output."""
+        """Check the request as a replica would (raising as `LLMEngine.add_request` does), route it to a replica
+        with room in its queue (QueueFull when none has) and send it. With an adapter that replica had not cached
+        (as it last reported), wait for it to take the request: a refusal (the adapter cannot be read) is raised
+        here as the replica raised it. Only an adapter evicted from its cache since its report, and unreadable
+        by then, still fails as the request's output."""
         self.check_awake()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt, params, _ = self.check_request(prompt, params)
+        n = getattr(params, "n", 1)
+        self.queue.check(n, client)
+        self._reap()
+        full = [self.dead[r] is None and self.queue.full(r, n, client) for r in range(len(self.conns))]
+        if any(full) and all(why is not None or full[r] for r, why in enumerate(self.dead)):
+            self.queue.refuse([why for why in full if why])
         lora_id = None if lora_request is None else lora_request.lora_int_id
         key = b"" if lora_id is None else self._lora_keys.get(lora_id)
         hashes = [] if key is None else self.router.prompt_hashes(prompt.token_ids, key, prompt.images)
-        replica = self.router.route(hashes, self._loads(), lora_id)
+        replica = self.router.route(hashes, self._loads(full), lora_id)
         if self.dead[replica] is not None:
             raise EngineDeadError(f"every data-parallel replica is dead: {'; '.join(self.dead)}")
-        tokens = len(prompt.token_ids) * getattr(params, "n", 1)
-        self.conns[replica].send(("add", request_id, prompt, params, lora_request, client))
+        # an adapter the replica does not hold is read there now: wait for its answer, to raise a refusal here
+        cold = lora_id is not None and lora_id not in self.replica_loras[replica]
+        message = ("add", request_id, prompt, params, lora_request, client, cold)
+        self.queue.sent[replica] += n
+        if not cold:
+            self.conns[replica].send(message)
+        else:
+            try:
+                self._ask(replica, message)
+            except Exception:
+                if self.dead[replica] is None:
+                    self.router.finished(replica, hashes)
+                raise
+        tokens = len(prompt.token_ids) * n
         self.requests[request_id] = _Routed(replica, tokens, hashes)
         self.loads[replica] += tokens
 
-    def _loads(self) -> list[float]:
-        """The router's view: a dead replica infinitely loaded."""
-        return [float("inf") if dead else load for load, dead in zip(self.loads, self.dead)]
+    def _loads(self, full: list) -> list[float]:
+        """The router's view: a dead replica, or one whose queue is `full`, infinitely loaded."""
+        return [float("inf") if dead or no_room else load for load, dead, no_room in zip(self.loads, self.dead, full)]
+
+    def _reap(self) -> None:
+        """Take in what each replica whose process exited (its pipe not yet read to the end) left, failing its
+        requests in flight: the router sends it nothing more."""
+        for rank, proc in enumerate(self.procs):
+            while self.dead[rank] is None and not proc.is_alive():
+                self._pending += self._apply(rank, self._receive(rank))
 
     def step(self) -> list[RequestOutput]:
         """The outputs the replicas reported since the last call, waiting up to STEP_WAIT for one."""
@@ -188,8 +209,9 @@ class DataParallelEngine(InputProcessor):
             return self._replica_died(rank, message[1])
         if message[0] == "result":
             raise RuntimeError(f"data-parallel replica {rank} answered a call nobody made")
-        _, outputs, events, loras, stats = message
+        _, outputs, events, loras, stats, queue, self.replica_loras[rank] = message
         self.router.apply_events(rank, events)
+        self.queue.reported(rank, queue)
         self._lora_keys.update(loras)
         self.replica_stats[rank] = stats
         for out in outputs:
@@ -233,8 +255,20 @@ class DataParallelEngine(InputProcessor):
         return bool(self.requests or self._pending)
 
     def failure(self) -> str | None:
-        """Why the engine cannot serve: every replica is dead."""
-        return None if not all(self.dead) else "; ".join(self.dead)
+        """Why the engine cannot serve: every replica is dead (any thread)."""
+        why = self._why_dead()
+        return None if not all(why) else "; ".join(why)
+
+    def _why_dead(self) -> list[str | None]:
+        """Why each replica stopped (None: it serves), its process seen exited before its pipe says so."""
+        return [
+            why if why is not None or proc.is_alive() else f"data-parallel replica {r} exited (code {proc.exitcode})"
+            for r, (why, proc) in enumerate(zip(self.dead, self.procs))
+        ]
+
+    def replica_health(self) -> list[dict]:
+        """Each replica's `replica_admin.health` (any thread)."""
+        return list(map(health, range(len(self.procs)), self._why_dead(), self.replica_stats, self.loads))
 
     def stats(self) -> EngineStats:
         """The live replicas' stats summed (as of their last reports); kv_bytes_per_token is one replica's."""
@@ -248,11 +282,15 @@ class DataParallelEngine(InputProcessor):
     # --- calls on every replica ---
 
     def _call(self, rank: int, method: str, *args):
-        """`method(*args)` on replica `rank`'s engine, between its steps; what it raises is raised here. Reports
+        """`method(*args)` on replica `rank`'s engine, between its steps; what it raises is raised here."""
+        return self._ask(rank, ("call", method, args))
+
+    def _ask(self, rank: int, message: tuple):
+        """Send replica `rank` a message it answers (a call, an add waited for) and return the answer. Reports
         that arrive first are taken in, their outputs kept for the next `step()`."""
         if self.dead[rank] is not None:
             raise EngineDeadError(self.dead[rank])
-        self.conns[rank].send(("call", method, args))
+        self.conns[rank].send(message)
         while (message := self._receive(rank))[0] != "result":
             self._pending += self._apply(rank, message)
             if message[0] == "dead":
@@ -266,10 +304,27 @@ class DataParallelEngine(InputProcessor):
         return lora_request  # each replica reads it where it is served
 
     def add_lora(self, lora: LoRARequest) -> bool:
-        return any(self._call_all("add_lora", lora))
+        """Add the adapter to every live replica (each reads it), all or none: a replica's refusal is raised as it
+        raised it, after the replicas before it dropped the adapter again. False if every one had it cached."""
+        live = [r for r, why in enumerate(self.dead) if why is None]
+        cached = []
+        try:
+            for rank in live:
+                cached.append(self._call(rank, "add_lora", lora))
+        except Exception:
+            for rank in live[: len(cached)]:
+                with contextlib.suppress(EngineDeadError):
+                    self._call(rank, "remove_lora", lora.lora_int_id)
+            raise
+        if self.lora_registry is not None:
+            self.lora_registry.add(lora)
+        return any(cached)
 
     def remove_lora(self, lora_int_id: int) -> bool:
         self.router.lora_replicas.pop(lora_int_id, None)
+        self._lora_keys.pop(lora_int_id, None)
+        if self.lora_registry is not None:
+            self.lora_registry.remove(lora_int_id)
         return any(self._call_all("remove_lora", lora_int_id))
 
     def list_loras(self) -> set[int]:
@@ -322,9 +377,12 @@ def _stop(conns: list, procs: list) -> None:
 
 
 def _replica_config(config: EngineConfig, rank: int) -> EngineConfig:
-    """Replica `rank`'s engine settings: one replica, publishing no events itself (its process does), and on CUDA
+    """Replica `rank`'s engine settings: one replica, publishing no events itself (its process does), refusing
+    no request for its queue (the front does, `QueueRoom`), and on CUDA
     the GPUs after those of the replicas before it."""
-    replica = dataclasses.replace(config, data_parallel_size=1, kv_events_endpoint=None)
+    replica = dataclasses.replace(
+        config, data_parallel_size=1, kv_events_endpoint=None, max_waiting_requests=None, max_waiting_per_client=None
+    )
     device = config.torch_device
     if device.type == "cuda":
         replica.device = f"cuda:{(device.index or 0) + rank * world_size(config)}"
@@ -341,82 +399,3 @@ def _unwrap(result: tuple):
     if cls is errors.ParamError:
         raise cls(param, message)
     raise (cls if isinstance(cls, type) and issubclass(cls, Exception) else ValueError)(message)
-
-
-def _error(e: Exception) -> tuple:
-    return type(e).__name__, str(e), getattr(e, "param", None)
-
-
-def _replica_main(config: EngineConfig, rank: int, conn, threads: int, endpoint: str | None, topic: str) -> None:
-    """Replica `rank`'s process: build its engine, then serve the front's messages and step while it has work,
-    reporting each step's outputs, KV events, newly seen adapters and stats."""
-    torch.set_num_threads(threads)
-    try:
-        engine = LLMEngine(config)
-        engine.block_manager.events = []
-        publisher = None if endpoint is None else KVEventPublisher(endpoint, topic, rank)
-    except Exception as e:
-        conn.send(("error", f"{type(e).__name__}: {e}"))
-        return
-    info = {name: getattr(engine, name) for name in _FRONT_ATTRS}
-    conn.send(("ready", info | {"num_blocks": engine.block_manager.num_blocks, "stats": engine.stats()}))
-    loras: dict[int, bytes] = {}
-    report = functools.partial(_report, engine, conn, publisher, loras)
-    try:
-        while True:
-            outputs = []
-            busy = engine.has_unfinished_requests()
-            while (not busy and not outputs) or conn.poll():
-                message = conn.recv()
-                if message[0] == "stop":
-                    return
-                if message[0] == "call":  # the outputs before it and the events of it reach the front first
-                    answer = _answer(engine, *message[1:])
-                    report(outputs)
-                    outputs = []
-                    conn.send(("result", answer))
-                    continue
-                outputs += _handle(engine, message, loras)
-                busy = engine.has_unfinished_requests()
-            if engine.has_unfinished_requests():
-                outputs += engine.step()
-            report(outputs)
-    except EOFError:  # the front is gone
-        return
-    except Exception as e:  # the engine cannot step
-        conn.send(("dead", f"data-parallel replica {rank} failed: {type(e).__name__}: {e}"))
-    finally:
-        engine.shutdown()
-        if publisher is not None:
-            publisher.close()
-
-
-def _handle(engine: LLMEngine, message: tuple, loras: dict[int, bytes]) -> list[RequestOutput]:
-    if message[0] == "abort":
-        return engine.abort_request(message[1])
-    _, request_id, prompt, params, lora, client = message
-    try:
-        engine.add_request(request_id, prompt, params, lora, client)
-    except Exception as e:
-        return [RequestOutput(request_id, prompt.text, prompt.token_ids, finished=True, error=": ".join(_error(e)[:2]))]
-    adapter = engine.requests[request_id].seqs[0].lora
-    if adapter is not None:
-        loras[adapter.int_id] = adapter.identity
-    return []
-
-
-def _answer(engine: LLMEngine, method: str, args: tuple) -> tuple:
-    """`method`: a method of the engine or of one of its parts ("block_manager.cached.copy")."""
-    try:
-        return True, operator.attrgetter(method)(engine)(*args)
-    except Exception as e:
-        return False, _error(e)
-
-
-def _report(engine: LLMEngine, conn, publisher, loras: dict, outputs: list) -> None:
-    events = engine.block_manager.take_events()
-    if publisher is not None:
-        publisher.publish(events)
-    if outputs or events or loras:
-        conn.send(("step", outputs, events, dict(loras), engine.stats()))
-        loras.clear()

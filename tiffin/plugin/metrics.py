@@ -67,6 +67,17 @@ class EngineMetrics:
         self.host_kv_bytes_used = gauge(
             "tiffin_host_kv_cache_bytes_used", "Host memory holding KV blocks: the prefix cache's host tier, swap."
         )
+        # data parallelism: each replica's share of the sums above (which cover the live replicas), by `replica`
+        replica = lambda name, doc: Gauge(name, doc, ["replica"], multiprocess_mode="livesum")
+        self.replica_up = replica("tiffin_replica_up", "1 while the data-parallel replica serves, 0 once it died.")
+        self.replica_running = replica("tiffin_replica_requests_running", "The replica's sequences in its batch.")
+        self.replica_waiting = replica("tiffin_replica_requests_waiting", "The replica's sequences waiting.")
+        self.replica_kv_blocks_used = replica(
+            "tiffin_replica_kv_cache_blocks_used", "KV cache blocks held by the replica's sequences."
+        )
+        self.replica_load = replica(
+            "tiffin_replica_load_tokens", "Tokens of the replica's requests in flight, as the router weighs them."
+        )
         self.kv_bytes_per_token = Gauge(  # a property of the model: the same in every worker
             "tiffin_kv_cache_bytes_per_token",
             "KV cache bytes of one token, every layer (a rank's share under tensor parallelism).",
@@ -154,6 +165,16 @@ class EngineMetrics:
         self._advance("model", self.spec_accepted_tokens, stats.spec_accepted_tokens)
         for position, total in enumerate(stats.spec_accepted_per_pos):
             self._advance("model", self.spec_accepted_per_pos.labels(position=str(position)), total)
+
+    def on_replicas(self, health: list[dict]) -> None:
+        """Each data-parallel replica's gauges, from the front's `replica_health()`."""
+        for h in health:
+            r = str(h["replica"])
+            self.replica_up.labels(replica=r).set(int(h["alive"]))
+            self.replica_running.labels(replica=r).set(h["num_running"])
+            self.replica_waiting.labels(replica=r).set(h["num_waiting"])
+            self.replica_kv_blocks_used.labels(replica=r).set(h["kv_blocks_used"])
+            self.replica_load.labels(replica=r).set(h["load_tokens"])
 
     def on_embedding_stats(self, stats: EngineStats) -> None:
         """The hook of the embedding engine beside the model: its pooling counters and KV gauges of its own (the

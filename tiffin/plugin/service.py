@@ -160,6 +160,7 @@ class Tiffin:
         self.engines: list = []  # AsyncLLMEngines, as they are made (the embedding one first)
         self.router: ModelRouter | None = None  # set once every engine is up
         self.load_error: str | None = None
+        self._replicas = None  # the data-parallel front's `replica_health`, once the model is loaded with one
         self.metrics = engine_metrics()
         SERVICE[:] = [self]
         threading.Thread(target=self._load, name="tiffin-loader", daemon=True).start()
@@ -229,12 +230,13 @@ class Tiffin:
                 path, name = resolve_model(settings.model)
             engine = AsyncLLMEngine.from_engine_args(
                 path,
-                on_stats=self.metrics.on_stats,
+                on_stats=self._on_stats,
                 turns=turns,
                 on_step_age=functools.partial(self.metrics.on_step_age, "model"),
                 **settings.engine_kwargs(),
             )
             self.engines.append(engine)
+            self._replicas = getattr(engine.engine, "replica_health", None)
             served, beside = settings.served_model_name or name, [s.model_name for s in servings]
             if served in beside:
                 raise ValueError(f"the model and the embedding model are both named {served!r}: rename one")
@@ -251,6 +253,12 @@ class Tiffin:
         except Exception as e:  # /livez turns 503 so that an orchestrator restarts the replica
             logger.exception("tiffin: loading the model failed")
             self.load_error = f"{type(e).__name__}: {e}"
+
+    def _on_stats(self, stats) -> None:
+        """The model's stats hook (engine thread): the sums, and each replica's share under data parallelism."""
+        self.metrics.on_stats(stats)
+        if self._replicas is not None:
+            self.metrics.on_replicas(self._replicas())
 
     def _serving(self, engine, name: str, beside: Sequence[str] = ()) -> OpenAIServing | PoolingServing:
         """The OpenAI serving of `engine`: the generation endpoints for a generation model, the pooling ones else.

@@ -184,9 +184,21 @@ def create_v2_app(v1: FastAPI) -> FastAPI:
 
 
 def create_root_app(v1: FastAPI) -> FastAPI:
-    """/tokenize and /detokenize at the root, where vLLM serves them, over the servings of the /v1 app `v1`."""
+    """/tokenize and /detokenize at the root, where vLLM serves them, over the servings of the /v1 app `v1`; and
+    /health, vLLM's path, with a JSON detail of each engine's health."""
     app = FastAPI(title="tiffin tokenizer API", docs_url=None, redoc_url=None, openapi_url=None)
     _tokenize_routes(app, v1)
+
+    @app.get("/health")
+    async def health():
+        """Each model's engine and, under data parallelism, each of its replicas (`replica_health`): 200 while every
+        model serves (one live replica is enough), else 503."""
+        router = v1.state.router
+        models = [] if router is None else [_health(serving) for serving in router.servings]
+        ok = router is not None and all(m["healthy"] for m in models)
+        status = "ok" if ok else "loading" if router is None else "unavailable"
+        return JSONResponse({"status": status, "models": models}, status_code=200 if ok else 503)
+
     _answer_errors(app)
     return app
 
@@ -291,6 +303,13 @@ def _ready(app: FastAPI, raw: Request, model: str | None, task: str) -> Serving:
     serving = _router(app).route(model, task, raw.url.path)
     _check_healthy(serving)
     return serving
+
+
+def _health(serving: Serving) -> dict:
+    engine = serving.engine
+    replicas = getattr(engine.engine, "replica_health", None)
+    detail = {"model": serving.model_name, "healthy": engine.healthy, "error": engine.dead}
+    return detail | {"replicas": None if replicas is None else replicas()}
 
 
 def _check_healthy(serving: Serving) -> None:
