@@ -2,10 +2,12 @@
 is the engine here at 127.0.0.1 (ranks 0..k-1), node 1 a headless `python -m tiffin.cli worker` process at
 127.0.0.2 (ranks k..2k-1, its children). TP=2 and TP=2 x PP=2 spanning the nodes give the single-process engine's
 greedy and seeded outputs (itself checked against transformers elsewhere). Every rank but the engine's listens at
-its node's address only, the engine's rendezvous store at 127.0.0.1 only (not every address), and node 1's ranks
-dial only the two nodes' addresses, binding 127.0.0.2 on every connection but the store's (whose source address the
-kernel picks). A node-1 rank killed mid-stream fails every request in flight with an error naming the rank and node
-within distributed_timeout; the headless process then exits and an engine starts again in the same process.
+its node's address only, the engine's rendezvous store at 127.0.0.1 only (not every address), every connection a
+rank dialed reaches a socket that a rank of the group listens at, and node 1's side channels leave from 127.0.0.2
+(gloo's and the store's dialing sockets are not bound: the kernel picks their source address). A node-1 rank
+killed mid-stream fails every request in flight with an error naming the rank and node within distributed_timeout;
+the headless process then exits and an engine starts again in the same process; a rank killed while the engine
+idles is reported without a step.
 
 What this cannot show: a second host (one kernel routes every loopback address; no firewall, no latency), GPUs
 (nnodes > 1 refuses CUDA by name)."""
@@ -131,7 +133,8 @@ def test_outputs_match_one_process_across_nodes(tiny_model, expected, tp, pp):
 
 def test_killed_rank_fails_requests_in_flight(tiny_model):
     """Every request in flight ends with an error naming the rank and its node within distributed_timeout; the
-    headless process exits; a new multi-node engine starts in the same process and serves."""
+    headless process exits; a new multi-node engine starts in the same process and serves; a rank of it killed
+    while it idles is reported without a step."""
     path, port = tiny_model("llama"), ports()
     node = headless(port)
 
@@ -164,9 +167,16 @@ def test_killed_rank_fails_requests_in_flight(tiny_model):
         llm = LLM(path, **multinode(port, tensor_parallel_size=2))
         try:
             assert len(run(llm, get_model_config(path).vocab_size)) == len(PARAMS)
+            # killed while idle: the group's watcher reports it without a step
+            (rank,) = llm.llm_engine.model_runner.group.procs
+            os.kill(rank.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while llm.llm_engine.failure() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert f"rank 1 on node {NODE} (pid {rank.pid}) died" in (llm.llm_engine.failure() or "")
         finally:
             llm.shutdown()
-        assert node.wait(30) == 0
+        assert node.wait(30) != 0
     finally:
         node.kill()
 
