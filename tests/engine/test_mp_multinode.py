@@ -56,10 +56,13 @@ def ports() -> int:
             continue
 
 
-def headless(port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "tiffin.cli", "worker", "--nnodes", "2", "--node-rank", "1"]
+def headless(port: int, nnodes: int = 2, **env) -> subprocess.Popen:
+    """Node 1's `tiffin worker`; its errors piped when `nnodes` or `env` make it one the engine refuses."""
+    piped = nnodes != 2 or bool(env)
+    cmd = [sys.executable, "-m", "tiffin.cli", "worker", "--nnodes", str(nnodes), "--node-rank", "1"]
     cmd += ["--master-addr", HEAD, "--master-port", str(port), "--node-ip-address", NODE]
-    return subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **env}
+    return subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE if piped else None, text=True)
 
 
 def multinode(port: int, **kwargs) -> dict:
@@ -189,3 +192,25 @@ def test_bad_node_settings_are_refused_by_name(tiny_model):
         LLM(path, tensor_parallel_size=2, nnodes=2, node_rank=1)
     with pytest.raises(ValueError, match="the ray executor places ranks itself"):
         LLM(path, tensor_parallel_size=2, nnodes=2, distributed_executor_backend="ray")
+
+
+def test_mismatched_nodes_are_refused_by_name(tiny_model):
+    """A headless node started with another nnodes, or another TIFFIN_NODE_KEY, is refused and exits with the
+    reason; the engine takes the right node meanwhile."""
+    path, port = tiny_model("llama"), ports()
+    wrong = headless(port, nnodes=3), headless(port, TIFFIN_NODE_KEY="another")
+    node = headless(port)
+    try:
+        llm = LLM(path, **multinode(port, tensor_parallel_size=2))
+        try:
+            assert len(run(llm, get_model_config(path).vocab_size)) == len(PARAMS)
+        finally:
+            llm.shutdown()
+        assert node.wait(30) == 0
+        errors = [p.communicate(timeout=30)[1] for p in wrong]
+        assert [p.returncode for p in wrong] == [1, 1]
+        assert "node 1 was started with nnodes 3; the engine runs nnodes 2" in errors[0]
+        assert "refused this node (TIFFIN_NODE_KEY differs?)" in errors[1]
+    finally:
+        for p in (node, *wrong):
+            p.kill()

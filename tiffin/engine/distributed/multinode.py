@@ -97,8 +97,8 @@ def _accept(server: socket.socket, config, work: tuple) -> list[RemoteRank]:
             continue
         conn, (kind, index, *rest) = shaken
         if kind == "node":
-            error = _node_error(config, index, rest[0], nodes)
-            nodes.add(index)
+            if not (error := _node_error(config, index, rest[0], nodes)):
+                nodes.add(index)
             conn.send(
                 ("error", error) if error else ("run", work, list(range(index * per_node, (index + 1) * per_node)))
             )
