@@ -4,15 +4,16 @@
 
 Rank 0 is the engine's own process: it schedules, builds each step's flattened batch, broadcasts it, samples
 and detokenizes. Ranks 1..N-1 are worker processes started here (`torch.multiprocessing` spawn: the `mp`
-executor, `spawn`) or actors of a Ray cluster (the `ray` one, `ray_executor`); either way each runs `_worker`,
-then the entry point it is given, which loads its shard and loops: wait for the doorbell, receive the step, run
-the forward. torch.distributed runs the collectives: NCCL on CUDA, gloo on CPU, every one bounded by
-`distributed_timeout`. This module knows nothing of what a step holds (`wire` carries it).
+executor, `spawn`; on other nodes, `multinode`'s headless processes) or actors of a Ray cluster (the `ray` one,
+`ray_executor`); either way each runs `_worker`, then the entry point it is given, which loads its shard and
+loops: wait for the doorbell, receive the step, run the forward. torch.distributed runs the collectives: NCCL on
+CUDA, gloo on CPU, every one bounded by `distributed_timeout`. This module knows nothing of what a step holds
+(`wire` carries it).
 
-A per-worker connection (a pipe; over TCP with an auth key under Ray) carries what must not wait on a
-collective: the doorbell (so an idle engine never times a collective out), the KV block count agreed at start, a
-worker's start-up error, commands between steps (sleep, wake, weight reload) and their answers, and the stop; a
-worker whose engine process dies sees the connection close and exits.
+A per-worker connection (a pipe; over TCP with an auth key under Ray or from another node) carries what must
+not wait on a collective: the doorbell (so an idle engine never times a collective out), the KV block count agreed
+at start, a worker's start-up error, commands between steps (sleep, wake, weight reload) and their answers, and the
+stop; a worker whose engine process dies sees the connection close and exits.
 
 Invariant: every rank runs the same step in the same order; a collective that fails makes the group broken,
 naming the rank; shutdown (or the engine process's death, closing the pipe) ends every worker.

@@ -87,6 +87,8 @@ def _accept(server: socket.socket, config, work: tuple) -> list[RemoteRank]:
         try:
             sock, _ = server.accept()
         except TimeoutError:
+            for conn in [c for c, *_ in channels.values()] + list(alive.values()):
+                conn.close()  # the ranks that joined see their channel close and exit
             missing = sorted({r // per_node for r in ranks if r not in channels or r not in alive})
             raise EngineDeadError(
                 f"node(s) {missing} did not join at {config.master_addr}:{config.master_port + 1} within "
