@@ -1,5 +1,5 @@
-"""`tiffin` command line: offline generation, offline batch files (`batch run`, vLLM's `run-batch`) and `quantize`
-(AutoAWQ / GPTQModel wrappers).
+"""`tiffin` command line: offline generation, offline batch files (`batch run`, vLLM's `run-batch`), `quantize`
+(AutoAWQ / GPTQModel wrappers) and `worker` (a headless node of a multi-node engine).
 
 Errors are one line on stderr: a bad argument exits 2 (argparse's convention). `generate` checks its arguments
 before it loads anything, and a model it cannot fetch, read or serve exits 1, without a traceback."""
@@ -112,6 +112,17 @@ def quantize(args: argparse.Namespace) -> None:
     print(f"wrote {out}")
 
 
+def worker(args: argparse.Namespace) -> None:
+    """A headless node of the mp executor's multi-node mode: its ranks, as the engine on node 0 tells them."""
+    from tiffin.engine.distributed.multinode import serve_node
+
+    try:
+        code = serve_node(args.node_rank, args.nnodes, args.master_addr, args.master_port, args.node_ip_address)
+    except (OSError, ValueError) as e:  # rank 0 unreachable, or it refused this node
+        sys.exit(f"{args.parser.prog}: error: {e}")
+    sys.exit(code)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(prog="tiffin")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -134,6 +145,17 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--dtype", default="auto", choices=("auto", *DTYPE_NAMES))
     run.add_argument("--max-concurrency", type=int, default=32, help="lines running at once")
     run.set_defaults(run=batch_run, parser=run)
+    w = commands.add_parser(
+        "worker", help="a headless node's tensor/pipeline-parallel ranks (vLLM's --headless), joining the engine's"
+    )
+    w.add_argument("--nnodes", type=int, required=True, help="nodes in all, as the engine's nnodes")
+    w.add_argument("--node-rank", type=int, required=True, help="this node's index, 1..nnodes-1")
+    w.add_argument("--master-addr", required=True, help="the engine's node's address (its master_addr)")
+    w.add_argument("--master-port", type=int, default=29501, help="the engine's master_port")
+    w.add_argument(
+        "--node-ip-address", help="this node's address, which its ranks bind (default: its route to --master-addr)"
+    )
+    w.set_defaults(run=worker, parser=w)
     q = commands.add_parser("quantize", help="quantize a local model with AutoAWQ or GPTQModel (tiffin[quantize])")
     q.add_argument("model", help="local Hugging Face model directory")
     q.add_argument("output", help="directory for the quantized checkpoint")

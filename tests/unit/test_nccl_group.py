@@ -33,6 +33,7 @@ def test_ranks_join_on_consecutive_gpus_from_the_configured_one(four_gpus, monke
     monkeypatch.setattr(
         dist, "init_process_group", lambda backend, **kw: joined.append((backend, torch.cuda.current_device(), kw))
     )
+    monkeypatch.setattr(group_module, "_store", lambda *args: None)  # no rendezvous: the group's join is mocked
     config, rendezvous = (
         EngineConfig("m", device="cuda:1", tensor_parallel_size=2),
         group_module.Rendezvous("127.0.0.1", 29500),

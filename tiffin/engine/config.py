@@ -198,6 +198,22 @@ class EngineConfig:
         "the Ray cluster the ray executor joins when this process has not joined one (ray.init's address: auto, "
         "host:port; None: RAY_ADDRESS, else a new local cluster)",
     )
+    nnodes: int = _setting(
+        1,
+        "nodes the mp executor's ranks span (vLLM's --nnodes): each node runs world size / nnodes consecutive ranks, "
+        "node 0 the engine's (ranks 0..), the others each a headless `tiffin worker` process; CPU ranks only so far",
+    )
+    node_rank: int = _setting(0, "this node's index among nnodes (vLLM's --node-rank); the engine runs on node 0")
+    master_addr: str = _setting(
+        "127.0.0.1",
+        "rank 0's node's address (vLLM's --master-addr), where every rank joins the group; with nnodes > 1 node 0's "
+        "ranks bind it, so it must be an address of the engine's node that the other nodes reach",
+    )
+    master_port: int = _setting(
+        29501,
+        "the port of the group's rendezvous at master_addr (vLLM's --master-port; nnodes > 1); the next port is the "
+        "side channel the headless nodes' ranks dial",
+    )
     data_parallel_size: int = _setting(
         1,
         "engine replicas, each a process of its own (with its own tensor/pipeline-parallel group, devices and KV "
@@ -352,6 +368,10 @@ class EngineConfig:
             raise ValueError(
                 f"distributed_executor_backend must be 'mp' or 'ray', got {self.distributed_executor_backend!r}"
             )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1:
+            self._check_nodes()
         if self.router_policy not in ROUTER_POLICIES:
             raise ValueError(f"router_policy must be one of {list(ROUTER_POLICIES)}, got {self.router_policy!r}")
         if self.router_balance_threshold < 0:
@@ -379,6 +399,25 @@ class EngineConfig:
             raise ValueError("idle_sleep_seconds does not cover a draft model (speculative_config draft_model) yet")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+
+    def _check_nodes(self) -> None:
+        size = self.tensor_parallel_size * self.pipeline_parallel_size
+        if self.distributed_executor_backend != "mp":
+            raise ValueError("nnodes > 1 is the mp executor's multi-node mode: the ray executor places ranks itself")
+        if size % self.nnodes:
+            raise ValueError(
+                f"nnodes {self.nnodes} must divide tensor_parallel_size x pipeline_parallel_size ({size}): each node "
+                "runs as many ranks"
+            )
+        if self.node_rank:
+            raise ValueError(
+                f"node_rank {self.node_rank}: the engine runs on node 0; start the other nodes' ranks with "
+                "`tiffin worker --node-rank N --master-addr ... --master-port ...`"
+            )
+        if self.data_parallel_size > 1:
+            raise ValueError("nnodes > 1 with data_parallel_size > 1 is not supported")
+        if not 1 <= self.master_port < 65535:
+            raise ValueError(f"master_port must be in [1, 65535), got {self.master_port}")
 
     def spec_batch_limit(self) -> int | None:
         """The running sequences from which no proposals are made (None: any number)."""

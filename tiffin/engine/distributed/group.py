@@ -4,15 +4,16 @@
 
 Rank 0 is the engine's own process: it schedules, builds each step's flattened batch, broadcasts it, samples
 and detokenizes. Ranks 1..N-1 are worker processes started here (`torch.multiprocessing` spawn: the `mp`
-executor, `spawn`) or actors of a Ray cluster (the `ray` one, `ray_executor`); either way each runs `_worker`,
-then the entry point it is given, which loads its shard and loops: wait for the doorbell, receive the step, run
-the forward. torch.distributed runs the collectives: NCCL on CUDA, gloo on CPU, every one bounded by
-`distributed_timeout`. This module knows nothing of what a step holds (`wire` carries it).
+executor, `spawn`; on other nodes, `multinode`'s headless processes) or actors of a Ray cluster (the `ray` one,
+`ray_executor`); either way each runs `_worker`, then the entry point it is given, which loads its shard and
+loops: wait for the doorbell, receive the step, run the forward. torch.distributed runs the collectives: NCCL on
+CUDA, gloo on CPU, every one bounded by `distributed_timeout`. This module knows nothing of what a step holds
+(`wire` carries it).
 
-A per-worker connection (a pipe; over TCP with an auth key under Ray) carries what must not wait on a
-collective: the doorbell (so an idle engine never times a collective out), the KV block count agreed at start, a
-worker's start-up error, commands between steps (sleep, wake, weight reload) and their answers, and the stop; a
-worker whose engine process dies sees the connection close and exits.
+A per-worker connection (a pipe; over TCP with an auth key under Ray or from another node) carries what must
+not wait on a collective: the doorbell (so an idle engine never times a collective out), the KV block count agreed
+at start, a worker's start-up error, commands between steps (sleep, wake, weight reload) and their answers, and the
+stop; a worker whose engine process dies sees the connection close and exits.
 
 Invariant: every rank runs the same step in the same order; a collective that fails makes the group broken,
 naming the rank; shutdown (or the engine process's death, closing the pipe) ends every worker.
@@ -105,6 +106,8 @@ class WorkerGroup:
             raise RuntimeError("a multi-process engine already runs in this process; shut it down first")
         if config.distributed_executor_backend == "ray" and device.type != "cpu":
             raise ValueError(f"distributed_executor_backend 'ray' runs CPU (gloo) ranks only so far, not on {device}")
+        if config.nnodes > 1 and device.type != "cpu":
+            raise ValueError(f"nnodes > 1 runs CPU (gloo) ranks only so far, not on {device}")
         threads = torch.get_num_threads()
         if device.type == "cpu":  # a stage's ranks share the CPUs; the stages take turns (one batch in flight)
             torch.set_num_threads(max(1, threads // config.tensor_parallel_size))
@@ -301,12 +304,13 @@ def _init_group(config, rank: int, rendezvous: Rendezvous) -> tuple[TensorParall
             # and the collective itself raises where it waits. Not with CUDA graphs: a captured collective
             # cannot block the host (the wait would query an event of the capture)
             os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+    timeout = datetime.timedelta(seconds=config.distributed_timeout)
     dist.init_process_group(
         "nccl" if nccl else _gloo(rendezvous.node_address),
-        init_method=f"tcp://{rendezvous.address}:{rendezvous.port}",
+        store=_store(rendezvous, rank, world_size(config), timeout),
         rank=rank,
         world_size=world_size(config),
-        timeout=datetime.timedelta(seconds=config.distributed_timeout),
+        timeout=timeout,
         device_id=device if nccl else None,  # the communicator bound to the rank's GPU from the start
     )
     tp = config.tensor_parallel_size
@@ -314,6 +318,13 @@ def _init_group(config, rank: int, rendezvous: Rendezvous) -> tuple[TensorParall
         return _ranks(config, rank)
     groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(config.pipeline_parallel_size)]
     return _ranks(config, rank, groups[rank // tp])
+
+
+def _store(rendezvous: Rendezvous, rank: int, size: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The group's rendezvous store at rank 0's address, served by rank 0 on a socket bound to that address only
+    (torch's own listens on every address of the host)."""
+    fd = socket.create_server((rendezvous.address, rendezvous.port)).detach() if rank == 0 else None
+    return dist.TCPStore(rendezvous.address, rendezvous.port, size, rank == 0, timeout, master_listen_fd=fd)
 
 
 def _ranks(config, rank: int, tp_group=None) -> tuple[TensorParallel, PipelineParallel]:
@@ -351,11 +362,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def spawn(config, threads: int, entry: Callable, args: tuple) -> tuple[list, list, Rendezvous]:
-    """The `mp` executor: ranks 1..N-1 as spawned processes of this host, each with a pipe to rank 0."""
-    ctx, rendezvous = mp.get_context("spawn"), Rendezvous("127.0.0.1", free_port())
+def spawn(
+    config, threads: int, entry: Callable, args: tuple, rendezvous: Rendezvous | None = None
+) -> tuple[list, list, Rendezvous]:
+    """The `mp` executor: this node's ranks 1..N/nnodes-1 as spawned processes, each with a pipe to rank 0, meeting
+    at `rendezvous` (default: a free port of 127.0.0.1; `multinode` for the other nodes' ranks)."""
+    ctx, rendezvous = mp.get_context("spawn"), rendezvous or Rendezvous("127.0.0.1", free_port())
     conns, procs = [], []
-    for rank in range(1, world_size(config)):
+    for rank in range(1, world_size(config) // config.nnodes):
         parent, child = ctx.Pipe()
         worker_args = (config, rank, rendezvous, child, threads, entry, args)
         proc = WorkerProcess(target=_worker, args=worker_args, name=f"tiffin-rank{rank}", daemon=True)

@@ -15,7 +15,7 @@ import torch
 
 from tiffin.engine.config import EngineConfig
 from tiffin.engine.core.kv_offload import KVCopies
-from tiffin.engine.distributed import group
+from tiffin.engine.distributed import group, multinode
 from tiffin.engine.distributed.group import Command, WorkerGroup
 from tiffin.engine.distributed.tensor_parallel import TensorParallel
 from tiffin.engine.lora.slots import LoRASlots
@@ -44,6 +44,8 @@ def _launcher(config: EngineConfig):
         from tiffin.engine.distributed import ray_executor  # ray: imported only when chosen
 
         return ray_executor.start_workers
+    if config.nnodes > 1:
+        return multinode.start_workers
     return group.spawn
 
 
