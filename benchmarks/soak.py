@@ -44,9 +44,22 @@ TOOLS = [
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge its boxing form".split()
 
 
-def worker_rss(server: BentoServer) -> int:
+def _workers(server: BentoServer) -> list[psutil.Process]:
     procs = psutil.Process(server.proc.pid).children(recursive=True)
-    return sum(p.memory_info().rss for p in procs if any("worker" in part for part in p.cmdline()))
+    return [p for p in procs if any("worker" in part for part in p.cmdline())]
+
+
+def worker_rss(server: BentoServer) -> int:
+    return sum(p.memory_info().rss for p in _workers(server))
+
+
+def worker_anonymous(server: BentoServer) -> int:
+    """The workers' anonymous resident bytes (heap, arenas, the KV pool): RSS less the mapped files (libraries)."""
+    total = 0
+    for p in _workers(server):
+        rollup = Path(f"/proc/{p.pid}/smaps_rollup").read_text()
+        total += sum(int(line.split()[1]) << 10 for line in rollup.splitlines() if line.startswith("Anonymous:"))
+    return total
 
 
 def write_adapters(base: Path, root: Path) -> None:
@@ -183,7 +196,10 @@ def main(argv: list[str] | None = None) -> None:
             r = server.http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(adapters / name)})
             r.raise_for_status()
         fresh = worker_rss(server)
-        print(f"fresh server, adapters loaded: worker RSS {fresh / 2**20:.0f} MiB")
+        print(
+            f"fresh server, adapters loaded: worker RSS {fresh / 2**20:.0f} MiB "
+            f"(anonymous {worker_anonymous(server) / 2**20:.0f} MiB)"
+        )
         failures: list = []
         bystander = Bystander(server.url)  # the warm-up is the same traffic as what it measures
         bystander.start()
@@ -191,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
         warm = worker_rss(server)
         print(
             f"after the warm-up ({args.warmup} requests, {len(failures)} failed): worker RSS {warm / 2**20:.0f} MiB "
-            f"= {warm / fresh:.3f} x fresh"
+            f"= {warm / fresh:.3f} x fresh (anonymous {worker_anonymous(server) / 2**20:.0f} MiB)"
         )
         failures.clear()
         bystander.longest, samples, stop = 0.0, [], threading.Event()
@@ -212,7 +228,11 @@ def main(argv: list[str] | None = None) -> None:
         for kind, error in itertools.islice(failures, 10):
             print(f"  {kind}: {error}")
         ratio = after / warm
-        print(f"worker RSS after {after / 2**20:.0f} MiB = {ratio:.3f} x after the warm-up; KV blocks used {blocks:g}")
+        anonymous = worker_anonymous(server) / 2**20
+        print(
+            f"worker RSS after {after / 2**20:.0f} MiB = {ratio:.3f} x after the warm-up (anonymous {anonymous:.0f} "
+            f"MiB); KV blocks used {blocks:g}"
+        )
 
 
 if __name__ == "__main__":

@@ -182,6 +182,7 @@ def test_soak(runs):
     run = runs["soak.py"]
     assert run.returncode == 0, output(run)
     assert "failures 0 (connection resets 0)" in run.stdout and "KV blocks used 0" in run.stdout, output(run)
+    assert run.stdout.count("(anonymous ") == 3, output(run)  # fresh, after the warm-up, after the run
     for kind in ("chat", "leave", "lora", "structured", "tools"):
         assert f"{kind} " in run.stdout.split("requests at concurrency")[1], output(run)
 
