@@ -53,7 +53,7 @@ READY_TIMEOUT_S = 900
 FINISHED = "tiffin_e2e_request_latency_seconds_count"
 VECTOR_TOLERANCE = 1e-5
 QUICK = dict(
-    lines=80, streams=2, requests=1, max_tokens=8, stream_tokens=4, concurrency=2, kills=1, hostile_lines=60_000
+    lines=80, streams=2, requests=1, max_tokens=32, stream_tokens=4, concurrency=1, kills=1, hostile_lines=60_000
 )
 TOPICS = ["the moon", "rivers", "coffee", "prime numbers", "bridges", "green tea", "old maps", "bread", "mountains"]
 TASKS = ["Explain {}.", "Write a short poem about {}.", "List three facts about {}.", "What is the history of {}?"]

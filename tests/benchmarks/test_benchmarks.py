@@ -87,6 +87,7 @@ def runs(env, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
             "executor_overhead.py": ["executor_overhead.py", "--steps", "4", "--rounds", "1", "--batch", "2"],
             # a real `bentoml serve` killed once, then restarted: its checks exit 1 when one fails
             "batch_served.py": ["batch_served.py", "--quick"],
+            "batch_loop_lag.py": ["batch_loop_lag.py", "--hostile-lines", "60000"],
             "dp_router.py": ["dp_router.py", "--model", tiny, "--quick"],
         },
         env,
