@@ -74,27 +74,38 @@ def gap(top: dict[int, float]) -> float:
     return best - second
 
 
+def greedy_both(path: Path, batch: list[list[int]], tmp_path: Path) -> tuple[list, list]:
+    """tiffin's greedy outputs (exact mode, top-2 logprobs) and llama-server's (tokens, top-2 logprobs) on `path`."""
+    llm = LLM(str(path), dtype="float32", cpu_quant_compute="exact", max_model_len=256)
+    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True, logprobs=2)
+    ours = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)]
+    port = free_port()
+    command = [str(SERVER), "-m", str(path), "-t", "2", "-np", "1", "-c", "256", "--port", str(port)]
+    with Server(command, port, tmp_path / "llama-server.log", env=peer_env()) as server:
+        server.wait("/health")
+        return ours, [llama_greedy(server, p) for p in batch]
+
+
+def divergences(ours: list, theirs: list) -> list[tuple[int, float, float]]:
+    """(first differing step, tiffin's top-2 gap there, llama.cpp's) of each prompt whose tokens differ."""
+    found = []
+    for o, (tokens, tops) in zip(ours, theirs):
+        split = next((i for i, (a, b) in enumerate(zip(o.token_ids, tokens)) if a != b), None)
+        if split is not None:
+            found.append((split, gap({t: v.logprob for t, v in o.logprobs[split].items()}), gap(tops[split])))
+    return found
+
+
 @pytest.mark.parametrize("outtype", ["f32", "q8_0"])
 def test_llama_cpp_conversion_answers_as_llama_server(converted, outtype, tmp_path):
     model_type, files, hf = converted
     batch = prompts()[:4]
-    llm = LLM(str(files[outtype]), dtype="float32", cpu_quant_compute="exact", max_model_len=256)
-    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True, logprobs=2)
-    ours = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)]
-    port = free_port()
-    command = [str(SERVER), "-m", str(files[outtype]), "-t", "2", "-np", "1", "-c", "256", "--port", str(port)]
-    with Server(command, port, tmp_path / "llama-server.log", env=peer_env()) as server:
-        server.wait("/health")
-        theirs = [llama_greedy(server, p) for p in batch]
+    ours, theirs = greedy_both(files[outtype], batch, tmp_path)
     if outtype == "f32":
         assert [o.token_ids for o in ours] == [t for t, _ in theirs]
         assert [o.token_ids for o in ours] == [reference_generate(hf, p, TOKENS)[0] for p in batch]
         return
-    ties = []
-    for o, (tokens, tops) in zip(ours, theirs):
-        split = next((i for i, (a, b) in enumerate(zip(o.token_ids, tokens)) if a != b), None)
-        if split is not None:
-            ties.append((split, gap({t: v.logprob for t, v in o.logprobs[split].items()}), gap(tops[split])))
+    ties = divergences(ours, theirs)
     print(f"{model_type} Q8_0: {len(batch) - len(ties)}/{len(batch)} identical; (step, top-2 gaps) {ties}")
     assert all(min(gaps) < NEAR_TIE for _, *gaps in ties), ties
     assert len(ties) < len(batch)

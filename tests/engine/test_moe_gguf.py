@@ -25,7 +25,16 @@ import numpy as np
 import pytest
 import torch
 from references import reference_generate
-from test_dense_families_llama_cpp import CONVERT, LLAMA_CPP, NEAR_TIE, SERVER, TOKENS, gap, llama_greedy, peer_env
+from test_dense_families_llama_cpp import (
+    CONVERT,
+    LLAMA_CPP,
+    NEAR_TIE,
+    SERVER,
+    TOKENS,
+    divergences,
+    greedy_both,
+    peer_env,
+)
 from test_moe import ARCHS, TINY, VOCAB, prompts, randomize
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -34,7 +43,6 @@ from tiffin import LLM, SamplingParams
 from tiffin.engine.models.gguf_checkpoint import GGUFCheckpoint
 from tiffin.engine.models.loader import build_model, get_model_config
 from tiffin.engine.models.moe import Experts, LinearExperts
-from tiffin.testing.servers import Server, free_port
 from tiffin.tiny import write_tokenizer
 
 QUANTIZE = LLAMA_CPP / "build" / "bin" / "llama-quantize"
@@ -75,25 +83,14 @@ def converted(request, tmp_path_factory):
 def test_llama_cpp_conversion_answers_as_llama_server(converted, outtype, tmp_path):
     model_type, files, hf, _ = converted
     batch = prompts()[:4]
-    llm = LLM(str(files[outtype]), dtype="float32", cpu_quant_compute="exact", max_model_len=256)
-    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True, logprobs=2)
-    ours = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)]
-    port = free_port()
-    command = [str(SERVER), "-m", str(files[outtype]), "-t", "2", "-np", "1", "-c", "256", "--port", str(port)]
-    with Server(command, port, tmp_path / "llama-server.log", env=peer_env()) as server:
-        server.wait("/health")
-        theirs = [llama_greedy(server, p) for p in batch]
+    ours, theirs = greedy_both(files[outtype], batch, tmp_path)
     if outtype == "f32":
         assert [o.token_ids for o in ours] == [t for t, _ in theirs]
         assert [o.token_ids for o in ours] == [reference_generate(hf, p, TOKENS)[0] for p in batch]
         return
     dequantized = dequantized_model(hf, files[outtype])
     assert [o.token_ids for o in ours] == [reference_generate(dequantized, p, TOKENS)[0] for p in batch]
-    ties = []
-    for o, (tokens, tops) in zip(ours, theirs):
-        split = next((i for i, (a, b) in enumerate(zip(o.token_ids, tokens)) if a != b), None)
-        if split is not None:
-            ties.append((split, gap({t: v.logprob for t, v in o.logprobs[split].items()}), gap(tops[split])))
+    ties = divergences(ours, theirs)
     print(f"{model_type} Q8_0: {len(batch) - len(ties)}/{len(batch)} identical; (step, top-2 gaps) {ties}")
     assert all(min(gaps) < NEAR_TIE for _, *gaps in ties), ties
 

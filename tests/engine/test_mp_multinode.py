@@ -23,7 +23,7 @@ import time
 
 import psutil
 import pytest
-import torch
+from distributed_runs import PARAMS, run
 
 from tiffin import LLM, SamplingParams
 from tiffin.engine.async_llm_engine import AsyncLLMEngine
@@ -35,9 +35,6 @@ from tiffin.engine.models.loader import get_model_config
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
 HEAD, NODE = "127.0.0.1", "127.0.0.2"
-NEW_TOKENS = 12
-PARAMS = [SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)] * 3
-PARAMS += [SamplingParams(temperature=1.0, top_p=0.9, seed=s, max_tokens=NEW_TOKENS, ignore_eos=True) for s in (1, 2)]
 
 
 @pytest.fixture(autouse=True)
@@ -67,16 +64,6 @@ def headless(port: int, nnodes: int = 2, **env) -> subprocess.Popen:
 
 def multinode(port: int, **kwargs) -> dict:
     return dict(nnodes=2, master_addr=HEAD, master_port=port, **kwargs)
-
-
-def prompts(vocab: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(4, vocab, (n,), generator=g).tolist() for n in (1, 9, 30, 5, 17)]
-
-
-def run(llm: LLM, vocab: int) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts(vocab)], PARAMS, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
 
 
 @pytest.fixture(scope="module")

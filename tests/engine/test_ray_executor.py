@@ -19,7 +19,7 @@ import psutil
 import pytest
 import ray
 import ray._private.ray_constants as ray_constants
-import torch
+from distributed_runs import PARAMS, run
 from ray.cluster_utils import Cluster
 
 from tiffin import LLM, SamplingParams
@@ -30,9 +30,6 @@ from tiffin.engine.models.loader import get_model_config
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
 NODES = {"127.0.0.1": 1, "127.0.0.2": 1, "127.0.0.3": 2}  # address: CPUs
-NEW_TOKENS = 12
-PARAMS = [SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)] * 3
-PARAMS += [SamplingParams(temperature=1.0, top_p=0.9, seed=s, max_tokens=NEW_TOKENS, ignore_eos=True) for s in (1, 2)]
 
 
 @pytest.fixture(scope="module")
@@ -52,16 +49,6 @@ def cluster():
     ray.shutdown()
     nodes.shutdown()
     ray_constants.ENABLE_RAY_CLUSTER = True
-
-
-def prompts(vocab: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(4, vocab, (n,), generator=g).tolist() for n in (1, 9, 30, 5, 17)]
-
-
-def run(llm: LLM, vocab: int) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts(vocab)], PARAMS, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def alive_actors() -> list:
