@@ -17,6 +17,7 @@ import torch
 
 import tiffin  # noqa: F401, I001  (before torch: it sets torch's OpenMP defaults)
 from tiffin.testing.checkpoints import write_gguf_model  # noqa: F401 (the scripts' import)
+from tiffin.testing.llama_cpp import peer_env  # noqa: F401 (the scripts' import)
 
 # ---- the command line ----
 
@@ -270,12 +271,6 @@ def vllm_flags(engine_args: dict[str, object]) -> list[str]:
         flag = "--" + key.replace("_", "-")
         flags += [flag] if value is True else [flag, str(value)]
     return flags
-
-
-def peer_env() -> dict[str, str]:
-    """A peer's environment: none of the OpenMP defaults that importing tiffin set in this process."""
-
-    return {k: v for k, v in os.environ.items() if k not in tiffin.ENV_SET_BY_TIFFIN}
 
 
 def vllm_env() -> dict[str, str]:

@@ -13,17 +13,16 @@ thread count, rounds alternating between the two, medians reported.
 import argparse
 import gc
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
-from common import markdown_table, peer_env
+from common import markdown_table
 from quantized import decode_rate, llama_bench, median
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tiffin import LLM
 from tiffin.cache import default_cache_dir
+from tiffin.testing.llama_cpp import convert_hf_to_gguf, run_peer
 from tiffin.tiny import write_tokenizer
 
 # shape -> Qwen3-MoE config; the dense model of its active size has intermediate_size = top_k * moe_intermediate_size
@@ -34,14 +33,6 @@ SHAPES = {
     "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                  num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, vocab_size=512),
 }  # fmt: skip
-CONVERT = """import sys
-sys.path[:0] = [{root!r}, {root!r} + "/gguf-py"]
-import convert_hf_to_gguf
-from conversion.base import TextModel
-TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
-sys.argv = ["convert_hf_to_gguf.py", *sys.argv[1:]]
-convert_hf_to_gguf.main()
-"""  # the tokenizer made up here is no BPE the converter knows by hash: it is told 'gpt-2' (decode uses no text)
 
 
 def hf_checkpoint(path: Path, shape: dict, moe: bool) -> Path:
@@ -69,12 +60,10 @@ def gguf_files(args: argparse.Namespace, name: str, moe: bool) -> dict[str, Path
     hf = hf_checkpoint(root / "hf", SHAPES[args.shape], moe)
     bf16 = root / "bf16.gguf"
     if not bf16.exists():
-        convert = [sys.executable, "-c", CONVERT.format(root=str(args.llama_cpp)), str(hf), "--outtype", "bf16"]
-        subprocess.run([*convert, "--outfile", str(bf16)], check=True, capture_output=True, env=peer_env())
+        convert_hf_to_gguf(args.llama_cpp, hf, "bf16", bf16)
     for qtype, file in files.items():
         if not file.exists():
-            quantize = [str(args.llama_cpp / "build/bin/llama-quantize"), str(bf16), str(file), qtype]
-            subprocess.run(quantize, check=True, capture_output=True, env=peer_env())
+            run_peer([args.llama_cpp / "build/bin/llama-quantize", bf16, file, qtype])
     return files
 
 

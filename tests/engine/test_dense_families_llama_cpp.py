@@ -10,8 +10,6 @@ llama.cpp (~/.cache/tiffin-peers/llama.cpp with build/bin/llama-server, or $TIFF
 ../shared/bench/setup-llamacpp.sh)."""
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,8 +17,8 @@ from references import reference_generate, spread_weights
 from test_dense_families import ARCHS, TINY, VOCAB, prompts
 from transformers import AutoConfig, AutoModelForCausalLM
 
-import tiffin
 from tiffin import LLM, SamplingParams
+from tiffin.testing.llama_cpp import convert_hf_to_gguf, peer_env
 from tiffin.testing.servers import Server, free_port
 from tiffin.tiny import write_tokenizer
 
@@ -28,19 +26,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
 LLAMA_CPP = Path(os.environ.get("TIFFIN_LLAMA_CPP_SRC", Path.home() / ".cache/tiffin-peers/llama.cpp"))
 SERVER = LLAMA_CPP / "build" / "bin" / "llama-server"
-CONVERT = """import sys
-sys.path[:0] = [{root!r}, {root!r} + "/gguf-py"]
-import convert_hf_to_gguf
-from conversion.base import TextModel
-TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
-sys.argv = ["convert_hf_to_gguf.py", *sys.argv[1:]]
-convert_hf_to_gguf.main()
-"""
 TOKENS, NEAR_TIE = 24, 0.5
-
-
-def peer_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in tiffin.ENV_SET_BY_TIFFIN}
 
 
 @pytest.fixture(scope="module", params=["granite", "smollm3", "olmo2"])
@@ -57,8 +43,7 @@ def converted(request, tmp_path_factory):
     files = {}
     for outtype in ("f32", "q8_0"):
         files[outtype] = tmp / f"{outtype}.gguf"
-        command = [sys.executable, "-c", CONVERT.format(root=str(LLAMA_CPP)), str(tmp / "hf"), "--outtype", outtype]
-        subprocess.run([*command, "--outfile", str(files[outtype])], check=True, capture_output=True, env=peer_env())
+        convert_hf_to_gguf(LLAMA_CPP, tmp / "hf", outtype, files[outtype])
     return model_type, files, hf
 
 

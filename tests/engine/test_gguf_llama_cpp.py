@@ -14,16 +14,15 @@ tests/engine/test_gguf.py's low-bit mix checks the same types against transforme
 
 import collections
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
-import tiffin
 from tiffin import LLM, SamplingParams
 from tiffin.cache import default_cache_dir
 from tiffin.engine.models.gguf_checkpoint import open_gguf
 from tiffin.smollm2 import MEMBER
+from tiffin.testing.llama_cpp import peer_env, run_peer
 from tiffin.testing.servers import Server, free_port
 
 pytestmark = pytest.mark.slow
@@ -56,14 +55,9 @@ def requantized(name: str) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         *flags, qtype = FILES[name][0]
         tmp = path.with_suffix(".part")
-        command = [str(binary), "--allow-requantize", *flags, str(source), str(tmp), qtype, "2"]
-        subprocess.run(command, check=True, capture_output=True, env=peer_env())
+        run_peer([binary, "--allow-requantize", *flags, source, tmp, qtype, "2"])
         tmp.rename(path)
     return path
-
-
-def peer_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in tiffin.ENV_SET_BY_TIFFIN}
 
 
 def prompt_ids(llm: LLM) -> list[list[int]]:

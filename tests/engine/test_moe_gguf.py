@@ -17,8 +17,6 @@ stacked experts (`ffn_{gate,up,down}_exps`) kept quantized in their blocks, a `L
 Skipped, saying why, without llama.cpp (see test_dense_families_llama_cpp)."""
 
 import copy
-import subprocess
-import sys
 
 import gguf
 import numpy as np
@@ -26,14 +24,12 @@ import pytest
 import torch
 from references import reference_generate
 from test_dense_families_llama_cpp import (
-    CONVERT,
     LLAMA_CPP,
     NEAR_TIE,
     SERVER,
     TOKENS,
     divergences,
     greedy_both,
-    peer_env,
 )
 from test_moe import ARCHS, TINY, VOCAB, prompts, randomize
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -43,6 +39,7 @@ from tiffin import LLM, SamplingParams
 from tiffin.engine.models.gguf_checkpoint import GGUFCheckpoint
 from tiffin.engine.models.loader import build_model, get_model_config
 from tiffin.engine.models.moe import Experts, LinearExperts
+from tiffin.testing.llama_cpp import convert_hf_to_gguf, run_peer
 from tiffin.tiny import write_tokenizer
 
 QUANTIZE = LLAMA_CPP / "build" / "bin" / "llama-quantize"
@@ -62,8 +59,7 @@ def convert(model_type: str, extra: dict, tmp, outtypes=("f32", "q8_0")) -> tupl
     hf.generation_config.eos_token_id = None
     files = {outtype: tmp / f"{outtype}.gguf" for outtype in FILES}
     for outtype in outtypes:
-        command = [sys.executable, "-c", CONVERT.format(root=str(LLAMA_CPP)), str(tmp / "hf"), "--outtype", outtype]
-        subprocess.run([*command, "--outfile", str(files[outtype])], check=True, capture_output=True, env=peer_env())
+        convert_hf_to_gguf(LLAMA_CPP, tmp / "hf", outtype, files[outtype])
     return files, hf
 
 
@@ -72,8 +68,7 @@ def converted(request, tmp_path_factory):
     """(model_type, {file type: the GGUF llama.cpp wrote}, the transformers model, its checkpoint's path)."""
     model_type, tmp = request.param, tmp_path_factory.mktemp(request.param)
     files, hf = convert(model_type, ARCHS[model_type], tmp)
-    quantize = [str(QUANTIZE), str(files["f32"]), str(files["q4_0"]), "Q4_0"]
-    subprocess.run(quantize, check=True, capture_output=True, env=peer_env())
+    run_peer([QUANTIZE, files["f32"], files["q4_0"], "Q4_0"])
     return model_type, files, hf, tmp / "hf"
 
 
