@@ -266,8 +266,15 @@ def _format_size(fmt: str, values: list) -> int:
 
 
 def _join_size(items: Any, separator: Any = "", *_: Any, **__: Any) -> int:
-    count = len(items) if isinstance(items, (str, list, tuple, dict)) else 0
-    return len(str(separator)) * count + sum(_text_size(x, sys.maxsize) for x in items)
+    """The joined text's length, counted only until it passes the render's `max_chars`."""
+    budget = _BUDGET.get()
+    cap = budget.max_chars if budget is not None else sys.maxsize
+    size = len(str(separator)) * (len(items) if isinstance(items, (str, list, tuple, dict)) else 0)
+    for item in items:
+        if size > cap:
+            break
+        size += _text_size(item, cap)
+    return size
 
 
 def _replace_size(s: str, old: str, new: str, count: int | None = -1, *_: Any) -> int:
