@@ -22,7 +22,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from tiffin.plugin.openai.messages import CountTokensRequest, MessagesRequest  # noqa: E402
 from tiffin.plugin.openai.protocol import ChatCompletionRequest, CompletionRequest, LoadLoRAAdapterRequest  # noqa: E402
-from tiffin.plugin.openai.responses_api import ResponsesRequest  # noqa: E402
+from tiffin.plugin.openai.responses_request import ResponsesRequest  # noqa: E402
 from tiffin.plugin.openai.tokenize import DetokenizeRequest, TokenizeRequest  # noqa: E402
 
 pytestmark = [pytest.mark.slow]

@@ -15,7 +15,7 @@ openai = pytest.importorskip("openai")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from tiffin.plugin.openai import responses_api  # noqa: E402
+from tiffin.plugin.openai import responses_request  # noqa: E402
 from tiffin.plugin.openai.store import ResponseStore  # noqa: E402
 
 WEATHER = {
@@ -283,7 +283,7 @@ def thinking_http(request, openai_app, thinking_model):
 
 
 def test_reasoning_items(thinking_http, monkeypatch):
-    monkeypatch.setitem(responses_api.EFFORT_BUDGETS, "low", 3)  # a budget the tiny model's output shows
+    monkeypatch.setitem(responses_request.EFFORT_BUDGETS, "low", 3)  # a budget the tiny model's output shows
     c = client(thinking_http)
     body = {"input": "think first", "max_output_tokens": 16, "reasoning": {"effort": "low"}, **GREEDY}
     whole = c.responses.create(**body).model_dump()

@@ -24,6 +24,7 @@ from test_kernels_attention import make_batch, naive_attention, naive_bidirectio
 from tiffin import kernels
 from tiffin.kernels import compile_check, kv_quant
 from tiffin.kernels import triton_attention as ta
+from tiffin.kernels import triton_attention_kernels as tak
 
 CODES = list(kv_quant.CACHE_DTYPES)
 
@@ -170,7 +171,7 @@ def test_paged_attention_matches_torch(codes, dtype, name, monkeypatch):
     batch = quantized_batch(*BATCHES[name], dtype, codes, seed=len(name))
     if name == "decode-split":
         launches = ta.paged_attention_launches(*batch[:4], 0.1, batch[0], k_scale=batch[4], v_scale=batch[5])
-        assert [launch.kernel for launch in launches] == [ta._paged_attention_kernel, ta._merge_splits_kernel]
+        assert [launch.kernel for launch in launches] == [tak._paged_attention_kernel, tak._merge_splits_kernel]
     check_attention(batch, dtype)
 
 

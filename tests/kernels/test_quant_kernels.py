@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from tiffin.engine.models.linear import Linear
 from tiffin.engine.models.loader import build_model, get_model_config
 from tiffin.kernels import triton_common as tc
-from tiffin.kernels import triton_quant
+from tiffin.kernels import triton_dequantize
 from tiffin.kernels.quant import (
     DENSE_MIN_TOKENS,
     awq_dequantize,
@@ -33,17 +33,8 @@ from tiffin.kernels.quant import (
     unpack_cols,
     unpack_rows,
 )
-from tiffin.kernels.triton_quant import (
-    _compile_awq,
-    _compile_dequantize,
-    _compile_gguf,
-    _compile_gptq,
-    dense_pass_columns,
-    dequantize,
-    group_step,
-    quant_gemm_launch,
-    quant_tile,
-)
+from tiffin.kernels.triton_dequantize import _compile_dequantize, dense_pass_columns, dequantize, group_step
+from tiffin.kernels.triton_quant import _compile_awq, _compile_gguf, _compile_gptq, quant_gemm_launch, quant_tile
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "quant"
 
@@ -355,7 +346,7 @@ def test_a_large_vocabulary_lm_head_dequantizes_in_bounded_passes(
         x = torch.randn(m, k).half()
 
     def peak_and_logits(pass_bytes: int) -> tuple[int, torch.Tensor]:
-        monkeypatch.setattr(triton_quant, "DENSE_PASS_BYTES", pass_bytes)
+        monkeypatch.setattr(triton_dequantize, "DENSE_PASS_BYTES", pass_bytes)
         gc.collect()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
@@ -375,7 +366,7 @@ def test_the_dense_pass_bounds_a_real_lm_head():
     time; an MLP's weight fits one pass."""
     for dtype in (torch.float16, torch.float32):
         columns = dense_pass_columns(4096, 151_936, dtype)
-        assert columns < 151_936 and 4096 * columns * dtype.itemsize <= triton_quant.DENSE_PASS_BYTES
+        assert columns < 151_936 and 4096 * columns * dtype.itemsize <= triton_dequantize.DENSE_PASS_BYTES
     assert dense_pass_columns(4096, 2 * 11008, torch.float16) == 2 * 11008
 
 

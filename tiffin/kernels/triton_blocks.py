@@ -36,7 +36,7 @@ from tiffin.kernels.compile_check import CompileCase, register
 from tiffin.kernels.dispatch import implements
 from tiffin.kernels.quant import DENSE_MIN_TOKENS
 from tiffin.kernels.triton_common import reduce_split_k
-from tiffin.kernels.triton_quant import dense_pass_columns
+from tiffin.kernels.triton_dequantize import dense_pass_columns
 
 DEQUANTIZE_COLUMNS = 128  # output columns a program of the dense path's dequantize writes
 # e4m3 codes read as fp16 bits are 2^-8 of their value: the shift for `kv_code_values`, the unit folded into d

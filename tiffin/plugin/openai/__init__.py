@@ -13,7 +13,8 @@
 - `pooling`: `PoolingServing`, embeddings, scores and reranking on an engine whose model embeds or scores pairs;
 - `routing`: `ModelRouter`, which serving (one per engine) a request goes to, by its `model` and its endpoint's task;
 - `tokenize`: /tokenize and /detokenize on any serving;
-- `store`, `responses_api`: OpenAI's Responses API over the chat path, and its store of responses;
+- `store`, `responses_request`, `responses_api`: OpenAI's Responses API over the chat path: its store of responses,
+  its request and the chat request it translates into, and the endpoints with the Response and its events;
 - `batch_store`, `files`, `batches`: OpenAI's Batch API (/files, /batches), durable under `batch_dir`, its lines
   run through `app`'s own routes in-process; `run_batch`: the same, offline (`tiffin batch run`);
 - `app`: `create_app`, the FastAPI routes and the mapping of every failure onto OpenAI's error shape

@@ -48,7 +48,7 @@ from tiffin.plugin.openai.protocol import (
     ScoreRequest,
     UnloadLoRAAdapterRequest,
 )
-from tiffin.plugin.openai.responses_api import ResponsesRequest
+from tiffin.plugin.openai.responses_request import ResponsesRequest
 from tiffin.plugin.openai.routing import ModelRouter, Serving
 from tiffin.plugin.openai.store import ResponseStore
 from tiffin.plugin.openai.tokenize import (
