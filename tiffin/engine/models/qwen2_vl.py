@@ -1,0 +1,228 @@
+"""Qwen2-VL (transformers' `Qwen2VLForConditionalGeneration`): images at their own resolution (`multimodal.patches`:
+resized to whole tokens of 2 x 2 patches within a pixel budget), a vision tower over each image's patches (a linear
+patch embedding of temporal_patch x patch x patch pixels, 2-D rotary positions in the attention, which sees the whole
+image, pre-LN blocks), a merger that folds each 2 x 2 square of patches into one token, and the Qwen2 language model
+reading those embeddings in place of the image's `<|image_pad|>` run, rotated by M-RoPE (`layers.MRotaryEmbedding`,
+positions from `multimodal.mrope`).
+
+Images of one size run through the tower as one batch (attention never crosses images). Checkpoint names: the hub's
+(`model.`, `visual.`, `lm_head.`), which transformers 5 also saves, and its module names (`model.language_model.`,
+`model.visual.`) map onto this module's (`checkpoint_prefixes`)."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tiffin.engine.distributed.tensor_parallel import UNSHARDED, TensorParallel
+from tiffin.engine.errors import ParamError
+from tiffin.engine.models.clip import ACTIVATIONS
+from tiffin.engine.models.config import ModelConfig
+from tiffin.engine.models.layers import EmbeddingFactory, LinearFactory, MRotaryEmbedding
+from tiffin.engine.models.llava import VisionLanguageModel
+from tiffin.engine.multimodal.patches import PatchProcessor
+
+
+def complete_config(raw: dict) -> dict:
+    """config.json with transformers' defaults filled in, its sub-configs' too (the hub's flat configs included)."""
+    from transformers import CONFIG_MAPPING
+
+    return CONFIG_MAPPING["qwen2_vl"].from_dict({k: v for k, v in raw.items() if k != "model_type"}).to_dict()
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """config.json's `vision_config` (Qwen2VLVisionConfig's fields)."""
+
+    depth: int
+    embed_dim: int
+    out_dim: int  # `hidden_size`: the language model's
+    mlp_dim: int
+    num_heads: int
+    in_channels: int
+    patch_size: int
+    merge_size: int
+    temporal_patch_size: int
+    hidden_act: str
+    rope_theta: float
+
+    @classmethod
+    def from_hf(cls, raw: dict) -> "VisionConfig":
+        if raw["hidden_act"] not in ACTIVATIONS:
+            raise ValueError(f"vision tower hidden_act {raw['hidden_act']!r} is not supported; tiffin serves "
+                             f"{list(ACTIVATIONS)}")  # fmt: skip
+        return cls(
+            raw["depth"],
+            raw["embed_dim"],
+            raw["hidden_size"],
+            int(raw["embed_dim"] * raw["mlp_ratio"]),
+            raw["num_heads"],
+            raw["in_channels"],
+            raw["patch_size"],
+            raw["spatial_merge_size"],
+            raw["temporal_patch_size"],
+            raw["hidden_act"],
+            (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0),
+        )
+
+
+@dataclass(frozen=True)
+class Qwen2VLConfig:
+    """What config.json says of the images beside its `text_config`, and how its images are preprocessed."""
+
+    vision: VisionConfig
+    image_token_id: int
+    mrope_section: tuple[int, ...]
+    processor: PatchProcessor
+
+    @classmethod
+    def from_hf(cls, raw: dict, path: str | Path) -> "Qwen2VLConfig":
+        full = complete_config(raw)
+        vision, processor = VisionConfig.from_hf(full["vision_config"]), PatchProcessor.read(path)
+        tower = (vision.patch_size, vision.merge_size, vision.temporal_patch_size)
+        if (processor.patch_size, processor.merge_size, processor.temporal_patch_size) != tower:
+            raise ValueError(f"{path}: the image processor's patch, merge and temporal patch sizes differ from the "
+                             f"vision tower's {tower}")  # fmt: skip
+        rope = full["text_config"].get("rope_parameters") or {}
+        return cls(vision, full["image_token_id"], tuple(rope.get("mrope_section", (16, 24, 24))), processor)
+
+    @property
+    def tokens_per_image(self) -> int:
+        """The most image tokens an image can take (the memory profile's)."""
+        return self.image_tokens(self.profile_pixels())
+
+    def profile_pixels(self) -> torch.Tensor:
+        return self.processor.largest()
+
+    @staticmethod
+    def image_tokens(pixels: torch.Tensor) -> int:
+        return pixels.shape[0] * pixels.shape[1]
+
+    def image_prompt(self, image, tokenizer) -> tuple[list[int], torch.Tensor]:
+        """The token ids that replace `image`'s `<|image_pad|>` token (itself: its run expands after) and its patches;
+        ParamError for an image of an aspect ratio the processor refuses."""
+        try:
+            return [self.image_token_id], self.processor(image)[None]
+        except ValueError as e:
+            raise ParamError("multi_modal_data", str(e)) from None
+
+
+def text_config(raw: dict) -> dict:
+    """config.json's `text_config`, complete, as a decoder's config.json (the model's architecture, dtype and
+    embedding tying: transformers ties by the top-level flag)."""
+    full = complete_config(raw)
+    dtype = raw.get("dtype") or raw.get("torch_dtype")
+    return {**full["text_config"], "architectures": raw["architectures"],
+            "tie_word_embeddings": full["tie_word_embeddings"], **({"dtype": dtype} if dtype else {})}  # fmt: skip
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, config: VisionConfig, dtype: torch.dtype):
+        super().__init__()
+        d, self.num_heads = config.embed_dim, config.num_heads
+        self.qkv = nn.Linear(d, 3 * d, dtype=dtype)
+        self.proj = nn.Linear(d, d, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        q, k = ((t.float() * cos + rotate_half(t.float()) * sin).to(v.dtype) for t in (q, k))  # in fp32, as HF
+        o = nn.functional.scaled_dot_product_attention(q, k, v)  # non-causal, within each image
+        return self.proj(o.transpose(1, 2).reshape(b, n, d))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, config: VisionConfig, dtype: torch.dtype):
+        super().__init__()
+        d = config.embed_dim
+        self.norm1 = nn.LayerNorm(d, 1e-6, dtype=dtype)
+        self.attn = VisionAttention(config, dtype)
+        self.norm2 = nn.LayerNorm(d, 1e-6, dtype=dtype)
+        self.mlp = nn.Module()
+        self.mlp.fc1 = nn.Linear(d, config.mlp_dim, dtype=dtype)
+        self.mlp.fc2 = nn.Linear(config.mlp_dim, d, dtype=dtype)
+        self.act = ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin)
+        return x + self.mlp.fc2(self.act(self.mlp.fc1(self.norm2(x))))
+
+
+class PatchMerger(nn.Module):
+    def __init__(self, config: VisionConfig, dtype: torch.dtype):
+        super().__init__()
+        d = config.embed_dim * config.merge_size**2
+        self.ln_q = nn.LayerNorm(config.embed_dim, 1e-6, dtype=dtype)
+        self.mlp = nn.Sequential(nn.Linear(d, d, dtype=dtype), nn.GELU(), nn.Linear(d, config.out_dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, tokens: int) -> torch.Tensor:
+        """[images, patches, embed_dim], each token's merge x merge patches consecutive -> [images, tokens, out]."""
+        return self.mlp(self.ln_q(x).reshape(len(x), tokens, -1))
+
+
+class VisionTransformer(nn.Module):
+    def __init__(self, config: VisionConfig, dtype: torch.dtype):
+        super().__init__()
+        self.config = config
+        self.patch_embed = nn.Module()
+        p, t = config.patch_size, config.temporal_patch_size
+        self.patch_embed.proj = nn.Conv3d(config.in_channels, config.embed_dim, (t, p, p), (t, p, p), bias=False,
+                                          dtype=dtype)  # fmt: skip
+        self.blocks = nn.ModuleList(VisionBlock(config, dtype) for _ in range(config.depth))
+        self.merger = PatchMerger(config, dtype)
+        spatial = config.embed_dim // config.num_heads // 2  # half a head rotates by rows, half by columns
+        inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[images, rows, cols, merge, merge, patch pixels] (`multimodal.patches`) -> [images, rows * cols, out]."""
+        n, rows, cols, m = pixel_values.shape[:4]
+        weight = self.patch_embed.proj.weight
+        x = nn.functional.linear(pixel_values.reshape(n, rows * cols * m * m, -1).to(weight.dtype), weight.flatten(1))
+        cos, sin = self.rotary(rows, cols, m)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        return self.merger(x, rows * cols)
+
+    def rotary(self, rows: int, cols: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [patches, head_dim] of the patches in their order: each head's first and third quarters
+        rotate by the patch's row, its second and fourth by its column."""
+        r = torch.arange(rows * m, device=self.inv_freq.device).view(rows, 1, m, 1).expand(rows, cols, m, m)
+        c = torch.arange(cols * m, device=self.inv_freq.device).view(1, cols, 1, m).expand(rows, cols, m, m)
+        freqs = torch.cat([r.reshape(-1, 1) * self.inv_freq, c.reshape(-1, 1) * self.inv_freq], dim=-1)
+        angles = torch.cat([freqs, freqs], dim=-1)
+        return angles.cos(), angles.sin()
+
+
+class Qwen2VLForConditionalGeneration(VisionLanguageModel):
+    checkpoint_prefixes = {"model.language_model.": "model.", "model.visual.": "visual."}
+    multimodal_config = staticmethod(Qwen2VLConfig.from_hf)
+    text_config = staticmethod(text_config)
+    uses_mrope = True  # the model runner's positions: `multimodal.mrope`
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_positions: int,
+        backend: str,
+        linear: LinearFactory,
+        embedding: EmbeddingFactory,
+        tp: TensorParallel = UNSHARDED,
+    ):
+        super().__init__(config, max_positions, backend, linear, embedding, tp=tp)
+        self.visual = VisionTransformer(config.multimodal.vision, config.dtype)
+
+    @staticmethod
+    def make_rotary(config: ModelConfig, max_positions: int) -> MRotaryEmbedding:
+        section = config.multimodal.mrope_section
+        return MRotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling, section)
+
+    def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[images, rows, cols, merge, merge, patch pixels] -> [images, rows * cols, hidden]."""
+        return self.visual(pixel_values)
