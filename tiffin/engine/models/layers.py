@@ -135,7 +135,7 @@ class MRotaryEmbedding(RotaryEmbedding):
             return Rotation(self, positions)
         rows = positions[self.axis].T  # [T, head_dim / 2]: each dimension's position
         dims = torch.arange(len(self.axis), device=positions.device)
-        tables = RotationTables(self.cos[rows, dims], self.sin[rows, dims])
+        tables = RotationTables(self.cos[rows, dims].contiguous(), self.sin[rows, dims].contiguous())
         return Rotation(tables, torch.arange(positions.shape[1], device=positions.device))
 
 
