@@ -169,6 +169,26 @@ def test_mrope_rotation_equals_transformers():
     assert torch.equal(ours.at(positions[0])(q.clone()), plain.at(positions[0])(q.clone()))
 
 
+def test_qwen2_5_vl_greedy_and_logprobs_match_transformers(tiny_qwen2_5_vl, images):
+    """Qwen2.5-VL (RMSNorms, gated MLP, attention within windows of 2 x 2 tokens in block 0, ragged at the edges of
+    9 x 7, 4 x 15 and 8 x 2 grids; the whole image in block 1): one and two images and a text-only prompt in one
+    batch, image runs split across 40-token chunks."""
+    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_qwen2_5_vl, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    hf = (
+        model,
+        AutoTokenizer.from_pretrained(tiny_qwen2_5_vl),
+        Qwen2VLImageProcessorPil.from_pretrained(tiny_qwen2_5_vl),
+    )
+    cases = [(ONE, images[:1]), (TEXT, []), (TWO, images[1:3])]
+    llm = LLM(tiny_qwen2_5_vl, dtype="float32", max_num_batched_tokens=40)
+    got = generate(llm, [as_prompt(text, imgs) for text, imgs in cases])
+    for g, (text, imgs) in zip(got, cases):
+        assert_matches(g, reference(hf, text, imgs))
+
+
 @pytest.mark.parametrize("engine_args", [{}, {"max_num_batched_tokens": 40}], ids=["plain", "chunked"])
 def test_greedy_and_logprobs_match_transformers_mixed_with_text(tiny_qwen2_vl, hf, images, engine_args):
     """One and two images of different sizes and aspect ratios and a text-only prompt in one continuous batch;

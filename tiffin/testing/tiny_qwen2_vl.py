@@ -28,13 +28,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_tiny_qwen2_vl(path: str | pathlib.Path, seed: int = 0) -> pathlib.Path:
-    from transformers import (
-        PreTrainedTokenizerFast,
-        Qwen2VLConfig,
-        Qwen2VLForConditionalGeneration,
-        Qwen2VLImageProcessorPil,
-    )
+def make_tiny_qwen2_vl(path: str | pathlib.Path, seed: int = 0, v2_5: bool = False) -> pathlib.Path:
+    """With `v2_5`, Qwen2.5-VL: its tower's RMSNorms and gated MLP, windows of 2 x 2 image tokens in block 0 and
+    full attention in block 1."""
+    import transformers
+    from transformers import PreTrainedTokenizerFast, Qwen2VLImageProcessorPil
 
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -47,9 +45,14 @@ def make_tiny_qwen2_vl(path: str | pathlib.Path, seed: int = 0) -> pathlib.Path:
     ids = dict(zip(("vision_start", "vision_end", "image", "video"), tokenizer.convert_tokens_to_ids(ADDED_TOKENS)))
     text_config = {k: v for k, v in text.items() if k not in ("architectures", "model_type", "rope_theta")}
     text_config["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": MROPE_SECTION}
-    vision = dict(depth=2, embed_dim=32, hidden_size=text["hidden_size"], mlp_ratio=2, num_heads=2, patch_size=PATCH,
-                  spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL)  # fmt: skip
-    config = Qwen2VLConfig(
+    vision = dict(depth=2, num_heads=2, patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL)
+    if v2_5:
+        vision |= dict(hidden_size=32, intermediate_size=48, out_hidden_size=text["hidden_size"], hidden_act="silu",
+                       window_size=2 * MERGE * PATCH, fullatt_block_indexes=[1])  # fmt: skip
+    else:
+        vision |= dict(embed_dim=32, hidden_size=text["hidden_size"], mlp_ratio=2)
+    name = "Qwen2_5_VL" if v2_5 else "Qwen2VL"
+    config = getattr(transformers, f"{name}Config")(
         text_config=text_config,
         vision_config=vision,
         image_token_id=ids["image"],
@@ -58,7 +61,7 @@ def make_tiny_qwen2_vl(path: str | pathlib.Path, seed: int = 0) -> pathlib.Path:
         vision_end_token_id=ids["vision_end"],
         dtype="float32",
     )
-    model = Qwen2VLForConditionalGeneration(config).eval()
+    model = getattr(transformers, f"{name}ForConditionalGeneration")(config).eval()
     state = {}
     for name, tensor in tiny.make_weights(text, seed).items():
         state[name if name == "lm_head.weight" else "model.language_model." + name.removeprefix("model.")] = tensor

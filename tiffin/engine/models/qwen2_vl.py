@@ -19,25 +19,30 @@ from tiffin.engine.distributed.tensor_parallel import UNSHARDED, TensorParallel
 from tiffin.engine.errors import ParamError
 from tiffin.engine.models.clip import ACTIVATIONS
 from tiffin.engine.models.config import ModelConfig
-from tiffin.engine.models.layers import EmbeddingFactory, LinearFactory, MRotaryEmbedding
+from tiffin.engine.models.layers import EmbeddingFactory, LinearFactory, MRotaryEmbedding, RMSNorm
+from tiffin.engine.models.linear import Linear
 from tiffin.engine.models.llava import VisionLanguageModel
 from tiffin.engine.multimodal.patches import PatchProcessor
+from tiffin.quant import UnquantizedLinearMethod
+
+ACTIVATIONS = {**ACTIVATIONS, "silu": nn.functional.silu}  # CLIP's and Qwen2.5-VL's
 
 
 def complete_config(raw: dict) -> dict:
     """config.json with transformers' defaults filled in, its sub-configs' too (the hub's flat configs included)."""
     from transformers import CONFIG_MAPPING
 
-    return CONFIG_MAPPING["qwen2_vl"].from_dict({k: v for k, v in raw.items() if k != "model_type"}).to_dict()
+    kind = raw.get("model_type", "qwen2_vl")
+    return CONFIG_MAPPING[kind].from_dict({k: v for k, v in raw.items() if k != "model_type"}).to_dict()
 
 
 @dataclass(frozen=True)
 class VisionConfig:
-    """config.json's `vision_config` (Qwen2VLVisionConfig's fields)."""
+    """config.json's `vision_config` (Qwen2VLVisionConfig's or Qwen2_5_VLVisionConfig's fields)."""
 
     depth: int
     embed_dim: int
-    out_dim: int  # `hidden_size`: the language model's
+    out_dim: int  # the language model's hidden size
     mlp_dim: int
     num_heads: int
     in_channels: int
@@ -46,24 +51,35 @@ class VisionConfig:
     temporal_patch_size: int
     hidden_act: str
     rope_theta: float
+    v2_5: bool = False  # Qwen2.5-VL: RMSNorms, a gated MLP, windowed attention but in `full_blocks`
+    window: int = 0  # image tokens per side of an attention window (0: every block sees the whole image)
+    full_blocks: tuple[int, ...] = ()
 
     @classmethod
     def from_hf(cls, raw: dict) -> "VisionConfig":
-        if raw["hidden_act"] not in ACTIVATIONS:
-            raise ValueError(f"vision tower hidden_act {raw['hidden_act']!r} is not supported; tiffin serves "
-                             f"{list(ACTIVATIONS)}")  # fmt: skip
+        act = raw["hidden_act"]
+        if act not in ACTIVATIONS:
+            raise ValueError(f"vision tower hidden_act {act!r} is not supported; tiffin serves {list(ACTIVATIONS)}")
+        v2_5 = raw["model_type"] == "qwen2_5_vl_vision"
+        sizes = (
+            (raw["hidden_size"], raw["out_hidden_size"], raw["intermediate_size"])
+            if v2_5
+            else (raw["embed_dim"], raw["hidden_size"], int(raw["embed_dim"] * raw["mlp_ratio"]))
+        )
+        m, p = raw["spatial_merge_size"], raw["patch_size"]
         return cls(
             raw["depth"],
-            raw["embed_dim"],
-            raw["hidden_size"],
-            int(raw["embed_dim"] * raw["mlp_ratio"]),
+            *sizes,
             raw["num_heads"],
             raw["in_channels"],
-            raw["patch_size"],
-            raw["spatial_merge_size"],
+            p,
+            m,
             raw["temporal_patch_size"],
-            raw["hidden_act"],
+            act,
             (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0),
+            v2_5,
+            raw["window_size"] // m // p if v2_5 else 0,
+            tuple(raw["fullatt_block_indexes"]) if v2_5 else (),
         )
 
 
@@ -129,36 +145,86 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(d, 3 * d, dtype=dtype)
         self.proj = nn.Linear(d, d, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, windows: "Windows | None"):
         b, n, d = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
         q, k = ((t.float() * cos + rotate_half(t.float()) * sin).to(v.dtype) for t in (q, k))  # in fp32, as HF
-        o = nn.functional.scaled_dot_product_attention(q, k, v)  # non-causal, within each image
+        if windows is None:
+            o = nn.functional.scaled_dot_product_attention(q, k, v)  # non-causal, within each image
+        else:
+            o = windows.attend(q, k, v)
         return self.proj(o.transpose(1, 2).reshape(b, n, d))
+
+
+class Windows:
+    """Qwen2.5-VL's attention windows over an image of `rows` x `cols` tokens: squares of `side` tokens (smaller at
+    the bottom and right edges), each token's merge x merge patches with it. Each window runs as one padded batch
+    row of SDPA, its padding masked out of the keys (transformers packs them unpadded: the same keys per query)."""
+
+    def __init__(self, rows: int, cols: int, merge: int, side: int, device: torch.device):
+        n_r, n_c, unit = -(-rows // side), -(-cols // side), merge * merge
+        step = torch.arange(side, device=device)
+        r = torch.arange(n_r, device=device).view(n_r, 1, 1, 1) * side + step.view(side, 1)  # [n_r, 1, side, 1]
+        c = torch.arange(n_c, device=device).view(1, n_c, 1, 1) * side + step  # [1, n_c, 1, side]
+        keep = ((r < rows) & (c < cols))[..., None].expand(-1, -1, -1, -1, unit)  # [n_r, n_c, side, side, unit]
+        patch = (r * cols + c)[..., None] * unit + torch.arange(unit, device=device)
+        self.keep = keep.reshape(n_r * n_c, -1)
+        self.index = torch.where(self.keep, patch.reshape(n_r * n_c, -1), 0)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """SDPA of [images, heads, patches, head_dim] q, k, v within each window."""
+        q, k, v = (t[:, :, self.index].transpose(1, 2) for t in (q, k, v))  # [images, windows, heads, size, d]
+        o = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.keep[:, None, None, :])
+        o = o.transpose(1, 2).flatten(2, 3)[:, :, self.keep.flatten()]  # [images, heads, patches], window order
+        out = torch.empty_like(o)
+        out[:, :, self.index[self.keep]] = o
+        return out
+
+
+class VisionMLP(nn.Module):
+    """fc2(act(fc1(x))), or Qwen2.5-VL's gated down(act(gate(x)) * up(x)) (gate and up stacked, as the loader stacks
+    every `gate_proj` / `up_proj`), with biases."""
+
+    def __init__(self, config: VisionConfig, dtype: torch.dtype):
+        super().__init__()
+        d, hidden = config.embed_dim, config.mlp_dim
+        self.gated, self.act = config.v2_5, ACTIVATIONS[config.hidden_act]
+        if self.gated:
+            self.gate_up_proj = Linear(d, [hidden, hidden], True, dtype, UnquantizedLinearMethod(), UNSHARDED)
+            self.down_proj = nn.Linear(hidden, d, dtype=dtype)
+        else:
+            self.fc1, self.fc2 = nn.Linear(d, hidden, dtype=dtype), nn.Linear(hidden, d, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.gated:
+            return self.fc2(self.act(self.fc1(x)))
+        gate, up = self.gate_up_proj(x.flatten(0, -2)).view(*x.shape[:-1], -1).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+def vision_norm(config: VisionConfig, dtype: torch.dtype) -> nn.Module:
+    """LayerNorm, or Qwen2.5-VL's RMSNorm."""
+    d = config.embed_dim
+    return RMSNorm(d, 1e-6, dtype) if config.v2_5 else nn.LayerNorm(d, 1e-6, dtype=dtype)
 
 
 class VisionBlock(nn.Module):
     def __init__(self, config: VisionConfig, dtype: torch.dtype):
         super().__init__()
-        d = config.embed_dim
-        self.norm1 = nn.LayerNorm(d, 1e-6, dtype=dtype)
+        self.norm1, self.norm2 = vision_norm(config, dtype), vision_norm(config, dtype)
         self.attn = VisionAttention(config, dtype)
-        self.norm2 = nn.LayerNorm(d, 1e-6, dtype=dtype)
-        self.mlp = nn.Module()
-        self.mlp.fc1 = nn.Linear(d, config.mlp_dim, dtype=dtype)
-        self.mlp.fc2 = nn.Linear(config.mlp_dim, d, dtype=dtype)
-        self.act = ACTIVATIONS[config.hidden_act]
+        self.mlp = VisionMLP(config, dtype)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin)
-        return x + self.mlp.fc2(self.act(self.mlp.fc1(self.norm2(x))))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, windows: Windows | None):
+        x = x + self.attn(self.norm1(x), cos, sin, windows)
+        return x + self.mlp(self.norm2(x))
 
 
 class PatchMerger(nn.Module):
     def __init__(self, config: VisionConfig, dtype: torch.dtype):
         super().__init__()
         d = config.embed_dim * config.merge_size**2
-        self.ln_q = nn.LayerNorm(config.embed_dim, 1e-6, dtype=dtype)
+        self.ln_q = vision_norm(config, dtype)
         self.mlp = nn.Sequential(nn.Linear(d, d, dtype=dtype), nn.GELU(), nn.Linear(d, config.out_dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -186,8 +252,10 @@ class VisionTransformer(nn.Module):
         weight = self.patch_embed.proj.weight
         x = nn.functional.linear(pixel_values.reshape(n, rows * cols * m * m, -1).to(weight.dtype), weight.flatten(1))
         cos, sin = self.rotary(rows, cols, m)
-        for block in self.blocks:
-            x = block(x, cos, sin)
+        c = self.config
+        windows = Windows(rows, cols, m, c.window, x.device) if c.window else None
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, None if i in c.full_blocks else windows)
         return self.merger(x, rows * cols)
 
     def rotary(self, rows: int, cols: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:

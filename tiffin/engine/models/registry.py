@@ -51,6 +51,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "LlavaForConditionalGeneration": Architecture(LlavaForConditionalGeneration),
     "Idefics3ForConditionalGeneration": Architecture(Idefics3ForConditionalGeneration),
     "Qwen2VLForConditionalGeneration": Architecture(Qwen2VLForConditionalGeneration, qkv_bias=True),
+    "Qwen2_5_VLForConditionalGeneration": Architecture(Qwen2VLForConditionalGeneration, qkv_bias=True),
     # GeGLU, (1 + weight) norms, sliding-window layers, soft-capping (models/gemma.py)
     "Gemma2ForCausalLM": Architecture(GemmaForCausalLM),
     "Gemma3ForCausalLM": Architecture(GemmaForCausalLM, qk_norm=True),
