@@ -307,3 +307,19 @@ def test_hub_config_and_preprocessor_are_read(tmp_path):
     text = ModelConfig.from_hf(text_config(HUB_CONFIG), None, True, False)
     assert (text.num_layers, text.head_dim, text.rope_theta, text.rope_scaling) == (28, 128, 1e6, None)
     assert text.tie_word_embeddings and text.dtype == torch.bfloat16
+
+
+def test_qwen2_5_vl_hub_config_is_read(tmp_path):
+    """Qwen/Qwen2.5-VL-3B-Instruct's config.json (flat, its tower's sizes under Qwen2.5-VL's names): windows of
+    112 px = 4 x 4 tokens, full attention in every eighth block."""
+    from tiffin.engine.models.qwen2_vl import Qwen2VLConfig
+
+    vision = {"depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+              "in_chans": 3, "out_hidden_size": 2048, "patch_size": 14, "spatial_merge_size": 2,
+              "spatial_patch_size": 14, "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31],
+              "tokens_per_second": 2, "temporal_patch_size": 2}  # fmt: skip
+    raw = {**HUB_CONFIG, "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+           "hidden_size": 2048, "vision_config": vision}  # fmt: skip
+    v = Qwen2VLConfig.from_hf(raw, tmp_path).vision
+    assert (v.v2_5, v.embed_dim, v.out_dim, v.mlp_dim, v.window, v.full_blocks) == (
+        True, 1280, 2048, 3420, 4, (7, 15, 23, 31))  # fmt: skip

@@ -5,6 +5,9 @@ image, pre-LN blocks), a merger that folds each 2 x 2 square of patches into one
 reading those embeddings in place of the image's `<|image_pad|>` run, rotated by M-RoPE (`layers.MRotaryEmbedding`,
 positions from `multimodal.mrope`).
 
+Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`) is the same model but for its tower: RMSNorms, a gated MLP, and
+attention within windows of `window_size` pixels except in `fullatt_block_indexes`.
+
 Images of one size run through the tower as one batch (attention never crosses images). Checkpoint names: the hub's
 (`model.`, `visual.`, `lm_head.`), which transformers 5 also saves, and its module names (`model.language_model.`,
 `model.visual.`) map onto this module's (`checkpoint_prefixes`)."""
