@@ -3,9 +3,9 @@ its pixel values, and a content hash that names it in the encoder cache and the 
 
 Invariants:
 - An image's placeholders are one run of image tokens at `offset` (`tokens_per_image` of them, or as many as its
-  pixels make where the model's images vary in size); the prompt holds exactly as
-  many `<image>` tokens as images were given, in order. A model that tiles an image (Idefics3) makes each tile an
-  image of its own here, its run between the model's marker tokens.
+  pixels make where the model's images vary in size); the prompt holds exactly as many `<image>` tokens as images
+  were given, in order. A model that tiles an image (Idefics3) makes each tile an image of its own here, its run
+  between the model's marker tokens.
 - Two images hash alike only if their pixel values (as the tower takes them) are equal, byte for byte."""
 
 import hashlib
