@@ -57,6 +57,23 @@ def tiny_idefics3(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen2_vl(tmp_path_factory) -> str:
+    """The tiny Qwen2-VL checkpoint (`tiffin.testing.tiny_qwen2_vl`: one image token per 8 x 8 pixels, 4 to 64 per
+    image, M-RoPE), written once."""
+    from tiffin.testing.tiny_qwen2_vl import make_tiny_qwen2_vl
+
+    return str(make_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny-qwen2-vl")))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_5_vl(tmp_path_factory) -> str:
+    """The tiny Qwen2.5-VL checkpoint (`tiffin.testing.tiny_qwen2_vl` with `v2_5`: windows of 2 x 2 image tokens)."""
+    from tiffin.testing.tiny_qwen2_vl import make_tiny_qwen2_vl
+
+    return str(make_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny-qwen2-5-vl"), v2_5=True))
+
+
+@pytest.fixture(scope="session")
 def thinking_model(tmp_path_factory):
     """`thinking_model(marker_tokens=False)` -> path of a tiny llama checkpoint that thinks as DeepSeek-R1 does: its
     chat template opens `<think>\n` at the generation prompt, or writes an empty block (`<think>\n\n</think>\n\n`)

@@ -10,6 +10,7 @@ is stored (plain, AWQ, GPTQ, GGUF) is not the model's business. Sizes are the ch
 import functools
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -115,6 +116,34 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return self.at(positions)(x)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """M-RoPE (Qwen2-VL): the rotary dimensions split into `section` runs (of the half table; each half alike) that
+    rotate by a token's temporal, height and width positions in turn. Positions [T]: three equal ids, the plain
+    rotation. Positions [3, T] (`multimodal.mrope`): each token's rows gathered into tables of its own, read at
+    positions 0..T-1, so the native, Triton and torch rotations all apply them unchanged."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None, section: tuple[int, ...]):
+        super().__init__(head_dim, max_positions, theta, scaling)
+        if len(section) != 3 or sum(section) != head_dim // 2:
+            raise ValueError(f"mrope_section {list(section)} must be 3 runs summing to head_dim / 2 = {head_dim // 2}")
+        self.register_buffer("axis", torch.repeat_interleave(torch.arange(3), torch.tensor(section)), persistent=False)
+
+    def at(self, positions: torch.Tensor) -> "Rotation":
+        if positions.ndim == 1:
+            return Rotation(self, positions)
+        rows = positions[self.axis].T  # [T, head_dim / 2]: each dimension's position
+        dims = torch.arange(len(self.axis), device=positions.device)
+        tables = RotationTables(self.cos[rows, dims].contiguous(), self.sin[rows, dims].contiguous())
+        return Rotation(tables, torch.arange(positions.shape[1], device=positions.device))
+
+
+class RotationTables(NamedTuple):
+    """cos / sin rows a `Rotation` reads at its positions."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
 
 
 class Rotation:

@@ -214,7 +214,7 @@ class LlamaForCausalLM(nn.Module):
         pp: PipelineParallel = UNSTAGED,
     ):
         super().__init__()
-        rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
+        rotary = self.make_rotary(config, max_positions)
         inner = prefixed(linear, "model."), prefixed(embedding, "model.")
         self.model = Model(config, *inner, rotary, backend, tp, self.make_mlp, self.decoder_layer, pp)
         self.logits_scaling = config.logits_scaling
@@ -232,6 +232,11 @@ class LlamaForCausalLM(nn.Module):
         )
         self.staged = pp.size > 1
         self.pooler = None if config.pooler is None else Pooler(config.pooler.pooling_type)
+
+    @staticmethod
+    def make_rotary(config: ModelConfig, max_positions: int) -> RotaryEmbedding:
+        """The rotary embedding every layer applies (M-RoPE's in `qwen2_vl.py`)."""
+        return RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
 
     def forward(self, input_ids, positions, attn_metadata, lora=None, intermediate=None):
         return self.model(input_ids, positions, attn_metadata, lora, intermediate)

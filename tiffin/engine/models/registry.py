@@ -14,6 +14,7 @@ from tiffin.engine.models.llama import LlamaForCausalLM
 from tiffin.engine.models.llava import LlavaForConditionalGeneration
 from tiffin.engine.models.moe import MoEForCausalLM
 from tiffin.engine.models.olmo2 import Olmo2ForCausalLM
+from tiffin.engine.models.qwen2_vl import Qwen2VLForConditionalGeneration
 
 TASKS = ("generate", "embed", "classify")
 
@@ -46,9 +47,11 @@ ARCHITECTURES: dict[str, Architecture] = {
     ),
     "GraniteForCausalLM": Architecture(LlamaForCausalLM, gguf_name="granite", gguf_permuted_qk=True),  # multipliers
     "Olmo2ForCausalLM": Architecture(Olmo2ForCausalLM, gguf_name="olmo2"),  # post-norms, q/k norms over all heads
-    # vision-language models (images in the prompt, models/llava.py, models/idefics3.py: SmolVLM too)
+    # vision-language models (images in the prompt, models/llava.py, models/idefics3.py: SmolVLM too, qwen2_vl.py)
     "LlavaForConditionalGeneration": Architecture(LlavaForConditionalGeneration),
     "Idefics3ForConditionalGeneration": Architecture(Idefics3ForConditionalGeneration),
+    "Qwen2VLForConditionalGeneration": Architecture(Qwen2VLForConditionalGeneration, qkv_bias=True),
+    "Qwen2_5_VLForConditionalGeneration": Architecture(Qwen2VLForConditionalGeneration, qkv_bias=True),
     # GeGLU, (1 + weight) norms, sliding-window layers, soft-capping (models/gemma.py)
     "Gemma2ForCausalLM": Architecture(GemmaForCausalLM),
     "Gemma3ForCausalLM": Architecture(GemmaForCausalLM, qk_norm=True),

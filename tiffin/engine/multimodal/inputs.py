@@ -2,12 +2,14 @@
 its pixel values, and a content hash that names it in the encoder cache and the prefix cache's block hashes.
 
 Invariants:
-- An image's placeholders are one run of `tokens_per_image` image tokens at `offset`; the prompt holds exactly as
-  many `<image>` tokens as images were given, in order. A model that tiles an image (Idefics3) makes each tile an
-  image of its own here, its run between the model's marker tokens.
+- An image's placeholders are one run of image tokens at `offset` (`tokens_per_image` of them, or as many as its
+  pixels make where the model's images vary in size); the prompt holds exactly as many `<image>` tokens as images
+  were given, in order. A model that tiles an image (Idefics3) makes each tile an image of its own here, its run
+  between the model's marker tokens.
 - Two images hash alike only if their pixel values (as the tower takes them) are equal, byte for byte."""
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +24,7 @@ class ImageInput:
     offset: int  # the prompt position of its first placeholder
     length: int  # its placeholders: the embeddings' rows
     hash: bytes  # of its pixel values (`image_hash`)
-    pixel_values: torch.Tensor  # [3, H, W], float32, on the host
+    pixel_values: torch.Tensor  # [3, H, W] (Qwen2-VL: `multimodal.patches`' layout), float32, on the host
 
 
 @dataclass(frozen=True)
@@ -52,12 +54,15 @@ def image_hash(pixel_values: torch.Tensor) -> bytes:
 
 
 def expand_placeholders(
-    token_ids: list[int], prompts: list[tuple[list[int], torch.Tensor]], image_token_id: int, tokens_per_image: int
+    token_ids: list[int],
+    prompts: list[tuple[list[int], torch.Tensor]],
+    image_token_id: int,
+    image_tokens: Callable[[torch.Tensor], int],
 ) -> tuple[list[int], tuple[ImageInput, ...]]:
     """`token_ids` with the i-th image token replaced by `prompts[i]`'s ids (an image's prompt: one image token where
     each of its pixel tensors goes, the model's markers around them), each image token there expanded to
-    `tokens_per_image` of them with its pixel tensor placed there; ParamError unless the prompt holds one image token
-    per image."""
+    `image_tokens(its pixel tensor)` of them with its pixel tensor placed there; ParamError unless the prompt holds
+    one image token per image."""
     places = [i for i, t in enumerate(token_ids) if t == image_token_id]
     if len(places) != len(prompts):
         raise ParamError(
@@ -74,8 +79,9 @@ def expand_placeholders(
                 expanded.append(t)
                 continue
             tile = next(runs)
-            images.append(ImageInput(len(expanded), tokens_per_image, image_hash(tile), tile))
-            expanded += [image_token_id] * tokens_per_image
+            length = image_tokens(tile)
+            images.append(ImageInput(len(expanded), length, image_hash(tile), tile))
+            expanded += [image_token_id] * length
         last = place + 1
     return expanded + token_ids[last:], tuple(images)
 
@@ -111,4 +117,6 @@ def prompt_images(
             raise ParamError("multi_modal_data", f"{where}: a PIL image is needed, got {type(image).__name__}")
         check_pixels(image.size, limits.max_image_pixels, where)
     prompts = [config.image_prompt(image, tokenizer) for image in images]
-    return expand_placeholders(token_ids, prompts, config.image_token_id, config.tokens_per_image)
+    # a model whose images vary in size (Qwen2-VL) counts each one's tokens; the others take `tokens_per_image`
+    image_tokens = getattr(config, "image_tokens", lambda pixels: config.tokens_per_image)
+    return expand_placeholders(token_ids, prompts, config.image_token_id, image_tokens)

@@ -28,7 +28,7 @@ class HostBatch:
     plain decode's numerics."""
 
     input_ids: np.ndarray
-    positions: np.ndarray
+    positions: np.ndarray  # [T]; M-RoPE's [3, T] in a step that schedules image tokens (`multimodal.mrope`)
     slots: np.ndarray  # the KV cache slot of each token; -1: a padding row, written nowhere
     query_start_loc: np.ndarray  # per attention entry
     seq_lens: np.ndarray  # per attention entry

@@ -228,7 +228,8 @@ def profile_memory(runner, probe: MemoryProbe, draft=None) -> MemoryProfile:
     scheduler_output = synthetic_step([(0, n) for n in lengths], block_size, runner.num_blocks)
     encoder, vision = runner.encoder, runner.model_config.multimodal
     if encoder is not None:
-        pixels = torch.zeros(3, *vision.processor.crop_size)
+        profile = getattr(vision, "profile_pixels", None)  # the largest image, where images vary in size
+        pixels = torch.zeros(3, *vision.processor.crop_size) if profile is None else profile()
         encoder.add_profile_images(scheduler_output, vision.tokens_per_image, pixels)
     probe.empty_cache()
     runner.allocate_kv_cache()

@@ -21,6 +21,7 @@ from tiffin.engine.models.config import ModelConfig
 from tiffin.engine.models.loader import build_model
 from tiffin.engine.models.pooler import PoolingMetadata
 from tiffin.engine.multimodal.encoder import EncoderRunner, prefills_images
+from tiffin.engine.multimodal.mrope import mrope_positions
 from tiffin.engine.structured.backend import fill_bitmask
 from tiffin.engine.worker import kv_cache, pipeline_stage, tp_worker
 from tiffin.engine.worker.batch import HostBatch, ModelInput, Upload, host_batch
@@ -248,7 +249,11 @@ class ModelRunner(KVBlockCopies):
             self.group.shutdown()
 
     def host_batch(self, scheduler_output: SchedulerOutput) -> HostBatch:
-        return host_batch(scheduler_output, self.block_size, self.policy.pad_prefills)
+        """The step's host arrays; M-RoPE's positions for a model that takes them (`multimodal.mrope`)."""
+        b = host_batch(scheduler_output, self.block_size, self.policy.pad_prefills)
+        if getattr(self.model, "uses_mrope", False):
+            b.positions = mrope_positions(b.positions, scheduler_output, b.query_lens)
+        return b
 
     def prepare(self, scheduler_output: SchedulerOutput, upload: Upload | None = None) -> ModelInput:
         """`scheduler_output` as the model takes it on the device, sent with what `upload` holds already;
