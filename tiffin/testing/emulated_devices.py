@@ -4,17 +4,11 @@
 `.cpu` / `copy_`, counts uploads and host reads, and raises `EmulatedCudaError` on what a GPU would refuse (two
 devices in one op, a host array beside device tensors, a host read or pageable upload inside a capture)."""
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from tiffin.testing.emulated_graphs import EmulatedCudaError, no_modes
-
-if TYPE_CHECKING:
-    from tiffin.testing.cuda_emulation import CudaEmulation
-
 
 _HOST_READS = {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__", "__array__"}
 _DATA_FACTORIES = {"tensor", "as_tensor", "asarray"}
@@ -23,9 +17,10 @@ _HOST_INDEX_OK = {"__getitem__", "__setitem__", "index_put", "index_put_"}
 
 
 class DeviceMode(TorchFunctionMode):
-    """Tags, answers and checks devices at the torch API (see the module docstring)."""
+    """Tags, answers and checks devices at the torch API (see the module docstring) for `emu`, the CudaEmulation
+    that installs it (not imported here: cuda_emulation imports this module)."""
 
-    def __init__(self, emu: "CudaEmulation"):
+    def __init__(self, emu) -> None:
         super().__init__()
         self.emu = emu
 
