@@ -1,7 +1,8 @@
 """Gemma 2, Gemma 3 and Phi-3 as llama.cpp's own `convert_hf_to_gguf.py` writes them (F32) and `llama-quantize`
 quantizes them (Q8_0), from tiny random checkpoints written by transformers: tiffin's greedy tokens are
 llama-server's on the same file (F32 identical, and transformers' on the checkpoint; Q8_0 identical up to near ties,
-as test_dense_families_llama_cpp).
+as test_dense_families_llama_cpp), and transformers' on the file's weights as gguf-py dequantizes them (tiffin's
+exact mode).
 
 What the files exercise: Gemma's norms stored as 1 + weight, tied embeddings scaled by sqrt(hidden), GeGLU; Gemma 2's
 soft-caps and a window of 8 on every other layer; Gemma 3's q/k norms, five local layers (window 12, RoPE base 100)
@@ -14,6 +15,8 @@ to the long ones.
 
 Skipped, saying why, without llama.cpp (see test_dense_families_llama_cpp)."""
 
+import copy
+
 import pytest
 import torch
 from references import reference_generate, spread_weights
@@ -21,6 +24,7 @@ from test_dense_families import TINY, VOCAB, longrope, prompts
 from test_dense_families_llama_cpp import LLAMA_CPP, NEAR_TIE, SERVER, TOKENS, divergences, greedy_both
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from tiffin.engine.models.gguf_checkpoint import GGUFCheckpoint
 from tiffin.engine.models.loader import get_model_config
 from tiffin.testing.llama_cpp import convert_hf_to_gguf, run_peer
 from tiffin.tiny import write_tokenizer
@@ -85,10 +89,21 @@ def test_llama_cpp_conversion_answers_as_llama_server(converted, outtype, tmp_pa
         assert [o.token_ids for o in ours] == [t for t, _ in theirs]
         assert [o.token_ids for o in ours] == [reference_generate(hf, p, TOKENS)[0] for p in batch]
         return
+    dequantized = dequantized_model(hf, files[outtype])
+    assert [o.token_ids for o in ours] == [reference_generate(dequantized, p, TOKENS)[0] for p in batch]
     ties = divergences(ours, theirs)
     print(f"{model_type} Q8_0: {len(batch) - len(ties)}/{len(batch)} identical; (step, top-2 gaps) {ties}")
     assert all(min(gaps) < NEAR_TIE for _, *gaps in ties), ties
     assert len(ties) < len(batch)
+
+
+def dequantized_model(hf: torch.nn.Module, path) -> torch.nn.Module:
+    """`hf` with the weights of GGUF file `path` as gguf-py dequantizes them, under Hugging Face's names (Gemma's
+    norms without the converter's + 1, Phi-3's fused layers as its checkpoint fuses them)."""
+    model, weights = copy.deepcopy(hf), dict(GGUFCheckpoint(path).weights({}))
+    weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])  # tied
+    model.load_state_dict(weights, strict=True)
+    return model
 
 
 def test_config_from_gguf_is_the_checkpoints(converted):
