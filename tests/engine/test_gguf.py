@@ -113,8 +113,6 @@ def test_refusals_name_what_is_unsupported(tmp_path, tiny_model):
     hf = tiny_model("llama")
     with pytest.raises(ValueError, match="GGUF architecture 'minicpm' is not supported"):
         GGUFCheckpoint(write_gguf(hf, tmp_path / "arch.gguf", QType.F32, arch="minicpm"))
-    with pytest.raises(ValueError, match="'deepseek2': DeepSeek-V2/V3's latent attention .* not read from GGUF yet"):
-        GGUFCheckpoint(write_gguf(hf, tmp_path / "deepseek.gguf", QType.F32, arch="deepseek2"))
     iq2 = np.zeros((4, 66), dtype=np.uint8)  # one IQ2_XXS block per row
     with pytest.raises(ValueError, match=r"GGUF tensor type\(s\) IQ2_XXS not supported"):
         GGUFCheckpoint(write_gguf(hf, tmp_path / "type.gguf", QType.F32, **{"extra.weight": (iq2, QType.IQ2_XXS)}))

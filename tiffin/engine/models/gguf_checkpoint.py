@@ -15,8 +15,8 @@ qwen3moe, and llama with an expert count: Mixtral) hold each layer's experts sta
 row_bytes]`), their router `ffn_gate_inp` and Qwen2-MoE's shared expert (`ffn_*_shexp`, `ffn_gate_inp_shexp`);
 the routing llama.cpp applies per architecture (its top-k weights renormalized but for qwen2moe's) goes into the
 config. SmolLM3's NoPE layers are every 4th, as llama.cpp fixes them (the registry's default). What the converter
-writes differently for Granite, Gemma 2/3 and Phi-3 (their config keys, shifted norms, fused layers):
-`gguf_families`.
+writes differently for Granite, Gemma 2/3, Phi-3 and DeepSeek (their config keys, shifted norms, fused or split
+layers): `gguf_families`.
 
 Model files are untrusted input. Their header is read only as far as it is checked against the file's size
 (`gguf_header`); then every metadata value read is checked for its type and bounds, and every dimension
@@ -258,6 +258,7 @@ class GGUFCheckpoint:
         its own type); a group with any other type is dequantized whole. A layer the file stores fused (Phi-3's
         qkv_proj) is kept under its own name and its shards' (which the layer's method is chosen by)."""
         types = {self.hf_names[name]: qtype for name, qtype in self.tensor_types.items() if name in self.hf_names}
+        types = {name: t for name, t in types.items() if not any(part in name for part in self.family.dequantized)}
         kept = {}
         for name, qtype in types.items():
             module, _, _ = name.rpartition(".")
@@ -279,7 +280,10 @@ class GGUFCheckpoint:
         others float32. Once the consumer asks for the next, a tensor's pages of the map are handed back: a model
         loads holding about its own weights, not those and the file's pages besides (a view kept longer reads its
         pages from the file again: nothing writes to the map). Those whose name `skip` returns True for are not
-        read."""
+        read. A family may regroup them as its model takes them (`GGUFFamily.regroup`)."""
+        return self.family.regroup(self._weights(kept, skip))
+
+    def _weights(self, kept: dict[str, str], skip) -> Iterator[tuple[str, torch.Tensor]]:
         for t in tqdm(self.header.tensors, desc="Loading weights", unit="tensor"):
             if t.name not in self.hf_names or skip(self.hf_names[t.name]):  # a config's tensor (Phi-3's RoPE factors)
                 continue
@@ -322,7 +326,7 @@ class GGUFCheckpoint:
         arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == self.arch)
         name_map = gguf.get_tensor_name_map(arch, layers)
         apart = {shard for fused in self.family.fused for shard in FUSED[fused]}
-        modules = [*(m for m in LAYER_MODULES if m not in apart), *self.family.fused]
+        modules = [*(m for m in LAYER_MODULES if m not in apart), *self.family.fused, *self.family.modules]
         layer_modules = [f"model.layers.{i}.{m}" for i in range(layers) for m in modules]
         to_hf = {name_map.get_name(name): name for name in (*GLOBAL_MODULES, *layer_modules)}
         to_hf.pop(None, None)  # modules the architecture lacks
@@ -336,7 +340,7 @@ class GGUFCheckpoint:
             names[name] = f"{to_hf[base]}.{suffix}"
         # a layer's MLP is the dense one or the experts, as the metadata says
         other_mlp = DENSE_MLP if self.field(Keys.LLM.EXPERT_COUNT) else MOE_MODULES
-        optional = (*OPTIONAL_LAYER_MODULES, *other_mlp)
+        optional = (*OPTIONAL_LAYER_MODULES, *other_mlp, *self.family.optional)
         required = [
             *REQUIRED_MODULES,
             *(f"model.layers.{i}.{m}" for i in range(layers) for m in modules if m not in optional),
@@ -436,7 +440,7 @@ class GGUFCheckpoint:
             "shared_expert.up_proj": (shared_ffn, hidden),
             "shared_expert.down_proj": (hidden, shared_ffn),
             "shared_expert_gate": ((1, "one output"), hidden),
-        }
+        } | self.family.shapes(self, dims, hidden)
         for name, hf in self.hf_names.items():
             module, _, suffix = hf.rpartition(".")
             parent_leaf = ".".join(module.split(".")[-2:])

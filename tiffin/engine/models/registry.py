@@ -57,7 +57,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen2MoeForCausalLM": Architecture(MoEForCausalLM, qkv_bias=True, gguf_name="qwen2moe"),
     "Qwen3MoeForCausalLM": Architecture(MoEForCausalLM, qk_norm=True, gguf_name="qwen3moe"),
     # multi-head latent attention over a latent KV cache, grouped top-k routing (models/deepseek.py)
-    "DeepseekV2ForCausalLM": Architecture(DeepseekForCausalLM),
+    "DeepseekV2ForCausalLM": Architecture(DeepseekForCausalLM, gguf_name="deepseek2"),  # GGUF: V3 too
     "DeepseekV3ForCausalLM": Architecture(DeepseekForCausalLM),
     # decoders without their head, as Qwen3-Embedding / gte-Qwen2 ship: last-token embeddings
     "LlamaModel": Architecture(LlamaForCausalLM, task="embed", checkpoint_prefix="model."),
@@ -95,18 +95,9 @@ def resolve_task(arch: Architecture, name: str, task: str) -> str:
     return task
 
 
-# GGUF architectures of families tiffin serves from Hugging Face checkpoints only, and why
-GGUF_NOT_YET = {
-    "deepseek2": "DeepSeek-V2/V3's latent attention as llama.cpp writes it (kv_b_proj split into attn_k_b and "
-    "attn_v_b, the router's bias as exp_probs_b) is not read from GGUF yet: serve its Hugging Face checkpoint",
-}
-
-
 def gguf_architecture(gguf_name: str, file: str) -> str:
     """The architecture a GGUF file's `general.architecture` names; ValueError naming those tiffin reads."""
     names = {a.gguf_name: name for name, a in ARCHITECTURES.items() if a.gguf_name}
-    if gguf_name in GGUF_NOT_YET:
-        raise ValueError(f"{file}: GGUF architecture {gguf_name!r}: {GGUF_NOT_YET[gguf_name]}")
     if gguf_name not in names:
         raise ValueError(
             f"{file}: GGUF architecture {gguf_name!r} is not supported; tiffin reads {', '.join(names)} (llama.cpp "
