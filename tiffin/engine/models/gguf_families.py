@@ -75,13 +75,14 @@ def gemma(version: int) -> Callable[[Any], dict]:
         softcaps = (50.0, 30.0) if version == 2 else (None, None)
         theta = c.positive(Keys.Rope.FREQ_BASE, 10000.0)
         big = dims.layers == big_model_layers
+        cap = lambda key, default: default if c.field(key) is None else c.positive(key)  # noqa: E731
         return {
             "hidden_activation": "gelu_pytorch_tanh",
             "query_pre_attn_scalar": dims.hidden // dims.heads if big else dims.head_dim,
             "sliding_window": window,
             "layer_types": [LOCAL if is_local else GLOBAL for is_local in local],
-            "attn_logit_softcapping": c.field(Keys.LLM.ATTN_LOGIT_SOFTCAPPING, softcaps[0]),
-            "final_logit_softcapping": c.field(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, softcaps[1]),
+            "attn_logit_softcapping": cap(Keys.LLM.ATTN_LOGIT_SOFTCAPPING, softcaps[0]),
+            "final_logit_softcapping": cap(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, softcaps[1]),
             "rope_local_base_freq": c.positive(Keys.Rope.FREQ_BASE_SWA, theta if version == 2 else 10000.0),
         }
 
@@ -195,7 +196,7 @@ FAMILIES: dict[str, GGUFFamily] = {
         deepseek2,
         modules=MLA_MODULES,
         optional=(*MLA_MODULES, *(f"self_attn.{m}_proj" for m in "qkv"), "mlp.gate", *EXPERTS),
-        dequantized=(".experts.", "_b_proj."),
+        dequantized=(".experts.", ".k_b_proj.", ".v_b_proj."),
         shapes=mla_shapes,
         regroup=deepseek2_weights,
     ),
