@@ -9,6 +9,7 @@ one: it is told 'gpt-2' (the prompts go in as ids; the tokenizer takes no part).
 llama.cpp (~/.cache/tiffin-peers/llama.cpp with build/bin/llama-server, or $TIFFIN_LLAMA_CPP_SRC; see
 ../shared/bench/setup-llamacpp.sh)."""
 
+import math
 import os
 from pathlib import Path
 
@@ -47,14 +48,27 @@ def converted(request, tmp_path_factory):
     return model_type, files, hf
 
 
-def llama_greedy(server: Server, ids: list[int]) -> tuple[list[int], list[dict[int, float]]]:
+def llama_greedy(server: Server, ids: list[int]) -> tuple[list[int], list[dict[int, float] | None]]:
+    """llama-server's greedy tokens and each one's top-2 logprobs: None where it reports none (it leaves out the
+    tokens that end inside a UTF-8 character, as byte tokens of a random model often do)."""
     body = {"prompt": ids, "n_predict": TOKENS, "temperature": 0, "n_probs": 2, "return_tokens": True,
             "cache_prompt": False, "ignore_eos": True}  # fmt: skip
     out = server.http.post("/completion", json=body, timeout=120).json()
-    return out["tokens"], [{t["id"]: t["logprob"] for t in p["top_logprobs"]} for p in out["completion_probabilities"]]
+    reported, tops = iter(out["completion_probabilities"]), []
+    pending = next(reported, None)
+    for token in out["tokens"]:
+        if pending is not None and pending["id"] == token:
+            tops.append({t["id"]: t["logprob"] for t in pending["top_logprobs"]})
+            pending = next(reported, None)
+        else:
+            tops.append(None)
+    return out["tokens"], tops
 
 
-def gap(top: dict[int, float]) -> float:
+def gap(top: dict[int, float] | None) -> float:
+    """The top-2 gap; infinite where unreported (the other side's gap decides)."""
+    if top is None:
+        return math.inf
     best, second = sorted(top.values(), reverse=True)[:2]
     return best - second
 

@@ -2,6 +2,7 @@
 under the interpreter), files written by the `gguf` package's writer for each architecture against
 transformers' own GGUF load, and refusals."""
 
+import json
 from pathlib import Path
 
 import gguf
@@ -118,6 +119,28 @@ def test_refusals_name_what_is_unsupported(tmp_path, tiny_model):
     freqs = np.ones(8, dtype=np.float32)
     with pytest.raises(ValueError, match="rope_freqs"):
         GGUFCheckpoint(write_gguf(hf, tmp_path / "freqs.gguf", QType.F32, **{"rope_freqs.weight": (freqs, QType.F32)}))
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_without_its_keys_takes_llama_cpps_defaults(tmp_path, tiny_model, arch):
+    """What llama.cpp assumes where a Gemma file lacks a key (gguf_families): Gemma 2 a window of 4096 on every
+    other layer, soft-caps 50 and 30, its local RoPE base the global one; Gemma 3 no window, so every layer global,
+    a local base of 10000; both queries scaled by head_dim. The norms read back without the converter's + 1."""
+    hf = tiny_model("qwen2")  # tied: llama.cpp's Gemma 2 has no output tensor
+    config = json.loads((hf / "config.json").read_text())
+    layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    norms = {f"blk.{i}.{n}.weight": (np.full(hidden, 1.25, np.float32), QType.F32) for i in range(layers)
+             for n in ("ffn_norm", "post_ffw_norm")}  # fmt: skip
+    checkpoint = GGUFCheckpoint(write_gguf(hf, tmp_path / f"{arch}.gguf", QType.F32, arch=arch, **norms))
+    raw = checkpoint.config({})
+    local = ["sliding_attention" if arch == "gemma2" and i % 2 == 0 else "full_attention" for i in range(layers)]
+    head_dim = hidden // config["num_attention_heads"]
+    assert (raw["layer_types"], raw["query_pre_attn_scalar"]) == (local, head_dim)
+    softcaps = (50.0, 30.0) if arch == "gemma2" else (None, None)
+    assert (raw["attn_logit_softcapping"], raw["final_logit_softcapping"]) == softcaps
+    assert raw["rope_local_base_freq"] == (raw["rope_theta"] if arch == "gemma2" else 10000.0)
+    weights = dict(checkpoint.weights({}))
+    assert torch.equal(weights["model.layers.0.pre_feedforward_layernorm.weight"], torch.full((hidden,), 0.25))
 
 
 def mapped_rss(path) -> int:

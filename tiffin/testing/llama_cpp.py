@@ -9,12 +9,15 @@ from pathlib import Path
 
 import tiffin
 
-# The tokenizers made up by the tests are no BPE the converter knows by hash: it is told 'gpt-2' (decode uses no text).
-CONVERT = """import sys
+# The tokenizers made up by the tests are no BPE the converter knows by hash: it is told 'gpt-2' (decode uses no text);
+# nor a sentencepiece model, which Gemma 2's and Phi-3's converters read: they write them as the BPE they are.
+CONVERT = """import importlib, sys
 sys.path[:0] = [{root!r}, {root!r} + "/gguf-py"]
 import convert_hf_to_gguf
 from conversion.base import TextModel
 TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+for module, name in (("conversion.gemma", "Gemma2Model"), ("conversion.phi", "Phi3MiniModel")):
+    getattr(importlib.import_module(module), name).set_vocab = TextModel._set_vocab_gpt2
 sys.argv = ["convert_hf_to_gguf.py", *sys.argv[1:]]
 convert_hf_to_gguf.main()
 """

@@ -14,8 +14,9 @@ qwen3moe, and llama with an expert count: Mixtral) hold each layer's experts sta
 `[experts, rows, inputs]`, read as `mlp.experts.{gate,up,down}_proj.weight` (kept ones as `[experts * rows,
 row_bytes]`), their router `ffn_gate_inp` and Qwen2-MoE's shared expert (`ffn_*_shexp`, `ffn_gate_inp_shexp`);
 the routing llama.cpp applies per architecture (its top-k weights renormalized but for qwen2moe's) goes into the
-config. Granite's multipliers come from
-llama.cpp's scale keys; SmolLM3's NoPE layers are every 4th, as llama.cpp fixes them (the registry's default).
+config. SmolLM3's NoPE layers are every 4th, as llama.cpp fixes them (the registry's default). What the converter
+writes differently for Granite, Gemma 2/3, Phi-3 and DeepSeek (their config keys, shifted norms, fused or split
+layers): `gguf_families`.
 
 Model files are untrusted input. Their header is read only as far as it is checked against the file's size
 (`gguf_header`); then every metadata value read is checked for its type and bounds, and every dimension
@@ -38,6 +39,7 @@ from gguf import GGMLQuantizationType as QType
 from gguf import Keys
 from tqdm.auto import tqdm
 
+from tiffin.engine.models.gguf_families import FAMILIES, FUSED, PLAIN
 from tiffin.engine.models.gguf_header import Array, TensorInfo, check_header
 from tiffin.engine.models.registry import get_architecture, gguf_architecture
 from tiffin.quant.gguf import KEPT_TYPES
@@ -69,6 +71,7 @@ SHARED_EXPERT = (*(f"mlp.shared_expert.{m}" for m in ("gate_proj", "up_proj", "d
 LAYER_MODULES = (
     "input_layernorm",
     "post_attention_layernorm",
+    "pre_feedforward_layernorm",
     "post_feedforward_layernorm",
     "self_attn.q_proj",
     "self_attn.k_proj",
@@ -142,6 +145,7 @@ class GGUFCheckpoint:
         self.arch = ""  # llama.cpp's name, which keys are spelled with: general.architecture's own is not
         self.arch = self.text(Keys.General.ARCHITECTURE)
         self.architecture = gguf_architecture(self.arch, self.path.name)
+        self.family = FAMILIES.get(self.arch, PLAIN)
         if self.field(Keys.LLM.EXPERT_COUNT):
             self.architecture = WITH_EXPERTS.get(self.architecture, self.architecture)
         self.tensor_types = {t.name: t.qtype for t in self.header.tensors}
@@ -226,13 +230,6 @@ class GGUFCheckpoint:
             "eos_token_id": self.field(Keys.Tokenizer.EOS_ID),
             "quantization_config": {"quant_method": "gguf", "kept": self.kept(stacked_modules)},
         }
-        multipliers = {  # Granite's, spelled as scales by llama.cpp
-            "embedding_multiplier": Keys.LLM.EMBEDDING_SCALE,
-            "residual_multiplier": Keys.LLM.RESIDUAL_SCALE,
-            "attention_multiplier": Keys.Attention.SCALE,
-            "logits_scaling": Keys.LLM.LOGIT_SCALE,
-        }
-        config |= {name: self.positive(key) for name, key in multipliers.items() if self.field(key) is not None}
         if dims.experts:
             config |= {
                 "num_experts": dims.experts,
@@ -246,21 +243,31 @@ class GGUFCheckpoint:
             config["rope_scaling"] = {"rope_type": "linear", "factor": self.positive(Keys.Rope.SCALING_FACTOR)}
         elif scaling != "none":
             raise self.fail(f"RoPE scaling {scaling!r} is not supported (none, linear)")
-        return config
+        return config | self.family.config(self)
+
+    def small_tensor(self, name: str, size: int) -> list[float]:
+        """The `size` values of 1-D tensor `name` (a config's, as Phi-3's RoPE factors), as floats."""
+        if self.tensor_shapes[name] != (size,):
+            raise self.fail(f"tensor {name!r} has shape {list(self.tensor_shapes[name])}, not [{size}]")
+        t = next(t for t in self.header.tensors if t.name == name)
+        return self._tensor(t, {})[1].tolist()
 
     def kept(self, stacked_modules: dict[str, tuple[str, int]]) -> dict[str, str]:
         """Hugging Face name -> type of the 2-D tensors that stay quantized: those of a type `KEPT_TYPES` holds, where
         every tensor stacked with it into one layer (`stacked_modules`: q/k/v, gate/up) is too (each shard keeps
-        its own type); a group with any other type is dequantized whole."""
-        types = {self.hf_names[name]: qtype for name, qtype in self.tensor_types.items()}
+        its own type); a group with any other type is dequantized whole. A layer the file stores fused (Phi-3's
+        qkv_proj) is kept under its own name and its shards' (which the layer's method is chosen by)."""
+        types = {self.hf_names[name]: qtype for name, qtype in self.tensor_types.items() if name in self.hf_names}
+        types = {name: t for name, t in types.items() if not any(part in name for part in self.family.dequantized)}
         kept = {}
         for name, qtype in types.items():
             module, _, _ = name.rpartition(".")
             parent, _, leaf = module.rpartition(".")
             stacked = stacked_modules.get(leaf, (leaf, 0))[0]
-            group = [f"{parent}.{n}.weight" for n, (s, _) in stacked_modules.items() if s == stacked] or [name]
-            if qtype in KEPT_TYPES and all(types.get(g) in KEPT_TYPES for g in group):
-                kept[name] = qtype.name
+            shards = [f"{parent}.{n}.weight" for n, (s, _) in stacked_modules.items() if s == stacked]
+            fused = leaf == stacked and bool(shards)
+            if qtype in KEPT_TYPES and all(types.get(g) in KEPT_TYPES for g in ([name] if fused else shards or [name])):
+                kept |= dict.fromkeys([name, *shards] if fused else [name], qtype.name)
         return kept
 
     def eos_token_ids(self) -> set[int]:
@@ -273,9 +280,12 @@ class GGUFCheckpoint:
         others float32. Once the consumer asks for the next, a tensor's pages of the map are handed back: a model
         loads holding about its own weights, not those and the file's pages besides (a view kept longer reads its
         pages from the file again: nothing writes to the map). Those whose name `skip` returns True for are not
-        read."""
+        read. A family may regroup them as its model takes them (`GGUFFamily.regroup`)."""
+        return self.family.regroup(self._weights(kept, skip))
+
+    def _weights(self, kept: dict[str, str], skip) -> Iterator[tuple[str, torch.Tensor]]:
         for t in tqdm(self.header.tensors, desc="Loading weights", unit="tensor"):
-            if skip(self.hf_names[t.name]):
+            if t.name not in self.hf_names or skip(self.hf_names[t.name]):  # a config's tensor (Phi-3's RoPE factors)
                 continue
             yield self._tensor(t, kept)
             self._release(t.start, t.n_bytes)
@@ -285,7 +295,7 @@ class GGUFCheckpoint:
         self.map.madvise(mmap.MADV_DONTNEED, first, min(len(self.map), start + length) - first)
 
     def _tensor(self, t: TensorInfo, kept: dict[str, str]) -> tuple[str, torch.Tensor]:
-        name, shape = self.hf_names[t.name], self.tensor_shapes[t.name]
+        name, shape = self.hf_names.get(t.name, t.name), self.tensor_shapes[t.name]
         rows = self.mapped[t.start : t.start + t.n_bytes].reshape(math.prod(shape[:-1]), -1)
         if name in kept:
             data = rows
@@ -293,6 +303,8 @@ class GGUFCheckpoint:
             if self.header.byte_order == ">" and t.qtype in BYTE_ORDERED:  # what the `gguf` package's reader swaps
                 rows = rows.view(BYTE_ORDERED[t.qtype]).byteswap().view(np.uint8)
             data = gguf.dequantize(rows, t.qtype).reshape(shape)
+            if self.family.norm_offset and name.endswith("norm.weight"):
+                data = data - self.family.norm_offset
         permuted = get_architecture(self.architecture).gguf_permuted_qk
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
             heads = self.dims.heads if ".q_proj." in name else self.dims.kv_heads
@@ -313,21 +325,25 @@ class GGUFCheckpoint:
         """GGUF tensor name -> Hugging Face name, once every tensor that pins a dimension is present."""
         arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == self.arch)
         name_map = gguf.get_tensor_name_map(arch, layers)
-        layer_modules = [f"model.layers.{i}.{m}" for i in range(layers) for m in LAYER_MODULES]
+        apart = {shard for fused in self.family.fused for shard in FUSED[fused]}
+        modules = [*(m for m in LAYER_MODULES if m not in apart), *self.family.fused, *self.family.modules]
+        layer_modules = [f"model.layers.{i}.{m}" for i in range(layers) for m in modules]
         to_hf = {name_map.get_name(name): name for name in (*GLOBAL_MODULES, *layer_modules)}
         to_hf.pop(None, None)  # modules the architecture lacks
         names = {}
         for name in self.tensor_types:
             base, _, suffix = name.rpartition(".")
+            if base in self.family.config_tensors:
+                continue
             if base not in to_hf:
                 raise self.fail(f"tensor {name!r} has no place in a {self.arch} model")
             names[name] = f"{to_hf[base]}.{suffix}"
         # a layer's MLP is the dense one or the experts, as the metadata says
         other_mlp = DENSE_MLP if self.field(Keys.LLM.EXPERT_COUNT) else MOE_MODULES
-        optional = (*OPTIONAL_LAYER_MODULES, *other_mlp)
+        optional = (*OPTIONAL_LAYER_MODULES, *other_mlp, *self.family.optional)
         required = [
             *REQUIRED_MODULES,
-            *(f"model.layers.{i}.{m}" for i in range(layers) for m in LAYER_MODULES if m not in optional),
+            *(f"model.layers.{i}.{m}" for i in range(layers) for m in modules if m not in optional),
         ]
         required = [name for name in required if name in to_hf.values()]
         missing = sorted(set(required) - {name.removesuffix(".weight") for name in names.values()})
@@ -403,6 +419,7 @@ class GGUFCheckpoint:
             "norm": (hidden,),
             "input_layernorm": (hidden,),
             "post_attention_layernorm": (hidden,),
+            "pre_feedforward_layernorm": (hidden,),
             "post_feedforward_layernorm": (hidden,),
             "q_proj": (q, hidden),
             "k_proj": (kv, hidden),
@@ -413,6 +430,8 @@ class GGUFCheckpoint:
             "gate_proj": (ffn, hidden),
             "up_proj": (ffn, hidden),
             "down_proj": (hidden, ffn),
+            "qkv_proj": ((q[0] + 2 * kv[0], f"{q[1]}, plus 2 × {kv[1]}"), hidden),  # fused (Phi-3)
+            "gate_up_proj": ((2 * ffn[0], f"2 × {ffn[1]}"), hidden),
             "mlp.gate": (experts, hidden),  # the router
             "experts.gate_proj": (experts, expert_ffn, hidden),
             "experts.up_proj": (experts, expert_ffn, hidden),
@@ -421,7 +440,7 @@ class GGUFCheckpoint:
             "shared_expert.up_proj": (shared_ffn, hidden),
             "shared_expert.down_proj": (hidden, shared_ffn),
             "shared_expert_gate": ((1, "one output"), hidden),
-        }
+        } | self.family.shapes(self, dims, hidden)
         for name, hf in self.hf_names.items():
             module, _, suffix = hf.rpartition(".")
             parent_leaf = ".".join(module.split(".")[-2:])

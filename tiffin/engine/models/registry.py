@@ -41,7 +41,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen2ForCausalLM": Architecture(LlamaForCausalLM, qkv_bias=True, gguf_name="qwen2"),
     "Qwen3ForCausalLM": Architecture(LlamaForCausalLM, qk_norm=True, gguf_name="qwen3"),
     "IQuestCoderForCausalLM": Architecture(LlamaForCausalLM),
-    "Phi3ForCausalLM": Architecture(LlamaForCausalLM),  # q/k/v and gate/up fused in its checkpoint; LongRoPE
+    "Phi3ForCausalLM": Architecture(LlamaForCausalLM, gguf_name="phi3"),  # q/k/v and gate/up fused; LongRoPE
     "SmolLM3ForCausalLM": Architecture(  # NoPE layers: no_rope_layers, else every 4th (llama.cpp's too)
         LlamaForCausalLM, gguf_name="smollm3", gguf_permuted_qk=True, config_defaults={"no_rope_layer_interval": 4}
     ),
@@ -53,14 +53,14 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen2VLForConditionalGeneration": Architecture(Qwen2VLForConditionalGeneration, qkv_bias=True),
     "Qwen2_5_VLForConditionalGeneration": Architecture(Qwen2VLForConditionalGeneration, qkv_bias=True),
     # GeGLU, (1 + weight) norms, sliding-window layers, soft-capping (models/gemma.py)
-    "Gemma2ForCausalLM": Architecture(GemmaForCausalLM),
-    "Gemma3ForCausalLM": Architecture(GemmaForCausalLM, qk_norm=True),
+    "Gemma2ForCausalLM": Architecture(GemmaForCausalLM, gguf_name="gemma2"),
+    "Gemma3ForCausalLM": Architecture(GemmaForCausalLM, qk_norm=True, gguf_name="gemma3"),
     # mixtures of experts (models/moe.py)
     "MixtralForCausalLM": Architecture(MoEForCausalLM, renormalize_topk=True, gguf_permuted_qk=True),  # GGUF: llama
     "Qwen2MoeForCausalLM": Architecture(MoEForCausalLM, qkv_bias=True, gguf_name="qwen2moe"),
     "Qwen3MoeForCausalLM": Architecture(MoEForCausalLM, qk_norm=True, gguf_name="qwen3moe"),
     # multi-head latent attention over a latent KV cache, grouped top-k routing (models/deepseek.py)
-    "DeepseekV2ForCausalLM": Architecture(DeepseekForCausalLM),
+    "DeepseekV2ForCausalLM": Architecture(DeepseekForCausalLM, gguf_name="deepseek2"),  # GGUF: V3 too
     "DeepseekV3ForCausalLM": Architecture(DeepseekForCausalLM),
     # decoders without their head, as Qwen3-Embedding / gte-Qwen2 ship: last-token embeddings
     "LlamaModel": Architecture(LlamaForCausalLM, task="embed", checkpoint_prefix="model."),
