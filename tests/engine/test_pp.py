@@ -9,6 +9,7 @@ One engine per configuration: processes are costly on two cores."""
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -38,8 +39,8 @@ SAMPLED.append(SamplingParams(temperature=0.8, max_tokens=NEW_TOKENS, ignore_eos
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def prompts(vocab: int, lens=(1, 7, 23, 41)) -> list[dict]:
-    g = torch.Generator().manual_seed(0)
+def prompts(vocab: int, lens=(1, 7, 23, 41), seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
     return [{"prompt_token_ids": torch.randint(4, vocab, (n,), generator=g).tolist()} for n in lens]
 
 
@@ -94,6 +95,14 @@ def test_outputs_match_one_process(arch, layers, pp, tp, fmt, extra, tmp_path):
     assert stats.num_preemptions > 0 and (stats.spec_draft_tokens > 0 or not extra), stats
 
 
+def count_overlapping_starts(engine, monkeypatch) -> list[int]:
+    """Each batch the staged engine starts from now on appends how many others were in flight then."""
+    counts, runner = [], engine.model_runner
+    start = runner.start_step
+    monkeypatch.setattr(runner, "start_step", lambda out: counts.append(len(engine.batches.batches)) or start(out))
+    return counts
+
+
 class TestLlamaPP2:
     """One engine for these (its process group must end before another engine's starts)."""
 
@@ -108,10 +117,12 @@ class TestLlamaPP2:
         yield pair
         pair.close()
 
-    def test_swapped_and_prefix_hits_match(self, llama_pp2):
+    def test_swapped_and_prefix_hits_match(self, llama_pp2, monkeypatch):
         """Each stage copies its layers' KV to and from its host blocks (the stages agree on their counts). The batch
-        runs twice, a prompt filling the pool between: the second time its prefixes come back from the host tier."""
+        runs twice, a prompt filling the pool between: the second time its prefixes come back from the host tier.
+        Two batches in flight meanwhile: counted, each start of a batch while another has not returned."""
         pair, filler = llama_pp2, {"prompt_token_ids": list(range(100, 250))}
+        overlapping = count_overlapping_starts(pair.staged.llm_engine, monkeypatch)
 
         def twice(llm: LLM) -> list:
             first = run(llm, pair.vocab)
@@ -122,6 +133,40 @@ class TestLlamaPP2:
         assert got == expected
         stats = pair.staged.llm_engine.stats()
         assert stats.swapped_out_seqs > 0 and stats.host_tier_hits > 0, stats
+        assert overlapping and max(overlapping) == 1  # never more than pipeline_parallel_size in flight
+
+    def test_stage_0_starts_the_next_batch_while_stage_1_holds_one(self, llama_pp2, monkeypatch):
+        """The worker (stage 1) stopped: rank 0 still runs its stage on a second batch, of other requests, then
+        waits for the first's logits; resumed, every request's tokens are the one-process engine's."""
+        pair = llama_pp2
+        engine, worker = pair.staged.llm_engine, psutil.Process(pair.workers[0].pid)
+        # prompts no earlier test cached: more tokens than a step takes (max_num_batched_tokens 37)
+        ps, params = prompts(pair.vocab, (7, 23, 41, 30, 9, 13), seed=1), [GREEDY] * 4 + SAMPLED[:2]
+        started, start = [], engine.model_runner.start_step  # each batch once stage 0 ran it
+        monkeypatch.setattr(engine.model_runner, "start_step", lambda out: (start(out), started.append(out.seqs))[0])
+        for i, (prompt, p) in enumerate(zip(ps, params)):
+            engine.add_request(str(i), prompt, p)
+        final = {}
+
+        def serve():
+            while engine.has_unfinished_requests():
+                final.update((o.request_id, o.outputs[0].token_ids) for o in engine.step())
+
+        worker.suspend()
+        try:
+            thread = threading.Thread(target=serve)
+            thread.start()
+            deadline = time.monotonic() + 30
+            while len(started) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.5)  # room for a wrong third start
+            assert len(started) == 2 and not set(started[0]) & set(started[1])
+        finally:
+            worker.resume()
+        thread.join(60)
+        expected = [o.outputs[0].token_ids for o in pair.whole.generate(ps, params, use_tqdm=False)]
+        assert [final[str(i)] for i in range(len(ps))] == expected
+        assert not engine.scheduler.in_flight and not engine.batches.batches
 
     def test_lora_mixed_batch_matches(self, llama_pp2, tmp_path):
         """Each stage fills its layers' slices of the adapters rank 0 installs."""
