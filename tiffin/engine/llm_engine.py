@@ -219,9 +219,10 @@ class LLMEngine(InputProcessor, SleepMode):
             return failed
         return failed + self.finish_step(*self._execute(scheduler_output))
 
-    def schedule_step(self) -> SchedulerOutput:
-        """The next step's sequences, with their proposals and the block copies due before it."""
-        scheduler_output = self.scheduler.schedule()
+    def schedule_step(self, budget: int | None = None) -> SchedulerOutput:
+        """The next step's sequences (`budget`: `Scheduler.schedule`'s), with their proposals and the block copies
+        due before it."""
+        scheduler_output = self.scheduler.schedule(budget)
         self.last_step_tokens = sum(scheduler_output.num_scheduled_tokens)
         if scheduler_output.seqs:  # else the copies wait for a step that runs
             if self.proposer is not None:

@@ -8,6 +8,7 @@ advanced them. Every stage runs the batches in the order they were started, so a
 reads what that one wrote to the KV cache at every stage, whichever blocks the scheduler handed on meanwhile
 (a finished sequence's, a prefix hit on blocks still being filled)."""
 
+import itertools
 from collections import deque
 
 from tiffin.engine.errors import EngineDeadError
@@ -27,7 +28,7 @@ class BatchQueue:
         another, finish the oldest and return its outputs."""
         engine = self.engine
         if len(self.batches) < self.depth:
-            scheduler_output = engine.schedule_step()
+            scheduler_output = engine.schedule_step(self._share())
             if scheduler_output.seqs:
                 try:
                     self.batches.append(engine.model_runner.start_step(scheduler_output))
@@ -42,6 +43,21 @@ class BatchQueue:
             engine._wait_for_grammars()
             return []
         return self._finish_oldest()
+
+    def _share(self) -> int:
+        """The token budget of the batch about to start: what can be scheduled split evenly over the batches that
+        can start before the oldest returns, so that consecutive batches, each stage's consecutive work, are alike
+        (a step that took every waiting prompt would leave the next batch a remainder, and each decode step after
+        it that imbalance)."""
+        scheduler, slots = self.engine.scheduler, self.depth - len(self.batches)
+        budget = scheduler.step_budget or scheduler.max_num_batched_tokens
+        ready = (s for s in scheduler.running if s not in scheduler.in_flight)
+        pending = 0
+        for seq in itertools.chain(ready, scheduler.swapped, scheduler.waiting):
+            pending += seq.num_tokens - seq.num_computed_tokens
+            if pending >= budget * slots:
+                return budget
+        return max(1, -(-pending // slots))
 
     def _finish_oldest(self) -> list[RequestOutput]:
         engine, step = self.engine, self.batches.popleft()

@@ -222,11 +222,12 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, budget: int | None = None) -> SchedulerOutput:
+        """`budget`: this step's tokens when fewer than the usual (a batch's share, tiffin.engine.pipelined)."""
         prefill_only = self.prefill_first and bool(self.waiting) and not self.last_step_skipped_decodes
-        out = self._schedule(decodes=not prefill_only)
+        out = self._schedule(not prefill_only, budget)
         if prefill_only and not out.seqs:  # no waiting sequence could be admitted
-            prefill_only, out = False, self._schedule(decodes=True)
+            prefill_only, out = False, self._schedule(True, budget)
         # scheduled ones all run; those in flight were not skipped
         self.last_step_skipped_decodes = prefill_only and len(out.seqs) < len(self.running) - len(self.in_flight)
         for seq, n in zip(out.seqs, out.num_scheduled_tokens):
@@ -234,8 +235,8 @@ class Scheduler:
             self.num_prefill_tokens += max(min(seq.num_computed_tokens + n, prefill_end) - seq.num_computed_tokens, 0)
         return out
 
-    def _schedule(self, decodes: bool) -> SchedulerOutput:
-        out, budget = SchedulerOutput(), self.step_budget or self.max_num_batched_tokens
+    def _schedule(self, decodes: bool, budget: int | None) -> SchedulerOutput:
+        out, budget = SchedulerOutput(), budget or self.step_budget or self.max_num_batched_tokens
         if self.fair_share:
             self._seat_a_newcomer()
         preempted = False

@@ -28,6 +28,7 @@ import pickle
 import socket
 import threading
 import weakref
+from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import wait
 from multiprocessing.context import SpawnProcess
@@ -93,7 +94,7 @@ class WorkerGroup:
         self.broken: str | None = None  # rank 0: why the group cannot run another step
         self.busy_s = 0.0  # seconds this rank spent computing its part of steps (`busy`), as its runner counts
         self.wait_s = 0.0  # rank 0 under pipeline parallelism: seconds spent waiting for the last stage's logits
-        self.sends: list = []  # (work, tensor) of sends not waited on (`isend`), the tensor kept until they end
+        self.sends: deque = deque()  # (work, tensor) of sends not waited on (`isend`), the tensor kept meanwhile
         self.stopping = False
 
     @classmethod
@@ -208,8 +209,11 @@ class WorkerGroup:
             raise EngineDeadError(self.broken) from e
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
-        """Send `tensor` to rank `dst` without waiting for it to be received."""
-        self.sends = [(work, t) for work, t in self.sends if not work.is_completed()]
+        """Send `tensor` to rank `dst` without waiting for it to be received. Each batch's sends were received once
+        it returned, before a batch `batches_in_flight` later could start: waiting on those older than that many
+        batches' sends (at most 3 a rank per batch) costs nothing, and drops what they kept."""
+        while len(self.sends) >= 3 * self.size * self.pp.batches_in_flight:
+            self.sends.popleft()[0].wait()
         self.sends.append((dist.isend(tensor, dst, tag=tag), tensor))
 
     @property
@@ -366,7 +370,8 @@ def _store(rendezvous: Rendezvous, rank: int, size: int, timeout: datetime.timed
 
 def _ranks(config, rank: int, tp_group=None) -> tuple[TensorParallel, PipelineParallel]:
     tp, tp_rank = config.tensor_parallel_size, rank % config.tensor_parallel_size
-    pp = PipelineParallel(rank // tp, config.pipeline_parallel_size, tp, tp_rank, config.pipeline_layer_partition)
+    partition, batches = config.pipeline_layer_partition, batches_in_flight(config)
+    pp = PipelineParallel(rank // tp, config.pipeline_parallel_size, tp, tp_rank, partition, batches)
     return TensorParallel(tp_rank, tp, tp_group), pp
 
 

@@ -40,6 +40,7 @@ class PipelineParallel:
     tp_size: int = 1
     tp_rank: int = 0
     partition: str | None = None  # the `pipeline_layer_partition` override
+    batches_in_flight: int = 1  # `distributed.group.batches_in_flight`
 
     @property
     def first(self) -> bool:
