@@ -12,6 +12,8 @@ every engine so the token counts compare like with like. Load and warm-up time a
     python benchmarks/throughput.py MODEL_DIR --peers tiffin --json-schema benchmarks/schemas/records.json
     python benchmarks/throughput.py MODEL_DIR --peers tiffin --tensor-parallel-size 2   # TP=1, then TP=2
     python benchmarks/throughput.py MODEL_DIR --peers tiffin --pipeline-parallel-size 2   # TP=1, then PP=2
+    python benchmarks/throughput.py MODEL_DIR --peers tiffin --tensor-parallel-size 2 --pipeline-parallel-size 2 \
+        --pp-batches-in-flight 1,2   # TP=1, TP=2, PP=2 with one batch in flight, then with two, TP=2 x PP=2 alike
 """
 
 import argparse  # noqa: I001  (tiffin is imported before torch: it sets torch's OpenMP defaults)
@@ -65,6 +67,7 @@ class Result:
     wall_s: float
     output_tokens: int | None = None  # when not the workload's: a grammar may end a request early
     idle: list[float] | None = None  # pipeline parallelism: each rank's share of the wall time not computing
+    logits_wait: float | None = None  # pipeline parallelism: rank 0's share of the wall time waiting for logits
 
 
 # A noisy neighbour: a process that keeps a core busy until its parent goes (even a killed one).
@@ -107,6 +110,7 @@ def run_tiffin(
     json_schema: dict | None = None,
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
+    batches_in_flight: int | None = None,
 ) -> list[Result]:
     """With `loras`, the same engine then runs the workload again with that many distinct adapters (random,
     rank LORA_RANK, on every projection) assigned round-robin, so that each step mixes all of them. With
@@ -123,6 +127,7 @@ def run_tiffin(
         max_num_batched_tokens=max_num_batched_tokens,
         tensor_parallel_size=tensor_parallel_size,
         pipeline_parallel_size=pipeline_parallel_size,
+        pipeline_batches_in_flight=batches_in_flight,
         **lora_args,
     )
     tmp = tempfile.TemporaryDirectory(prefix="tiffin-bench-loras-")
@@ -148,12 +153,14 @@ def run_tiffin(
         name = f"tiffin + {loras} LoRAs" if lora else "tiffin"
         name += f" TP={tensor_parallel_size}" if tensor_parallel_size > 1 else ""
         name += f" PP={pipeline_parallel_size}" if pipeline_parallel_size > 1 else ""
+        name += f" ({batches_in_flight} in flight)" if pipeline_parallel_size > 1 and batches_in_flight else ""
         check_lengths(f"{name} warm-up", generate(warm, lora), warm.output_lens)
         group = llm.llm_engine.model_runner.group if pipeline_parallel_size > 1 else None
-        busy = None if group is None else group.busy()
+        busy, waited = (None, 0.0) if group is None else (group.busy(), group.wait_s)
         lens, wall = timed(lambda: generate(wl, lora), noise)  # noqa: B023 (called at once)
         idle = None if group is None else [1 - (b - a) / wall for a, b in zip(busy, group.busy())]
-        results.append(Result(name, wall, idle=idle))
+        logits_wait = None if group is None else (group.wait_s - waited) / wall
+        results.append(Result(name, wall, idle=idle, logits_wait=logits_wait))
         check_lengths(name, lens, wl.output_lens)
     if structured is not None:
         generate(warm, constrained=True)  # compiles the grammar, so the timing is of masking alone
@@ -459,12 +466,19 @@ def main(argv: list[str] | None = None) -> None:
         help="also run tiffin split across N ranks (N processes on CPU, sharing --threads), after TP=1",
     )
     ap.add_argument(
+        "--pp-batches-in-flight",
+        type=lambda v: [int(n) for n in v.split(",")],
+        default=[],
+        metavar="N,M",
+        help="run each pipeline-parallel split once per value of pipeline_batches_in_flight (default: the engine's)",
+    )
+    ap.add_argument(
         "--pipeline-parallel-size",
         type=int,
         default=1,
         metavar="N",
-        help="also run tiffin in N pipeline stages (N processes on CPU taking turns, each with --threads; times "
-        "--tensor-parallel-size with both), after TP=1 and TP=N, and report each rank's idle share",
+        help="also run tiffin in N pipeline stages (N processes on CPU; times --tensor-parallel-size with both), "
+        "after TP=1 and TP=N, and report each rank's idle share and rank 0's wait for logits",
     )
     args = ap.parse_args(argv)
 
@@ -503,7 +517,9 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.json_schema) as f:
             json_schema = json.load(f)
     tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
-    splits = list(dict.fromkeys([(1, 1), (tp, 1), (1, pp), (tp, pp)]))  # (TP, PP), each once
+    depths = args.pp_batches_in_flight or [None]
+    # (TP, PP, batches in flight), each once
+    splits = list(dict.fromkeys([(1, 1, None), (tp, 1, None), *[(t, pp, d) for t in (1, tp) for d in depths]]))
     runners = {
         "tiffin": lambda: [
             result
@@ -538,7 +554,12 @@ def main(argv: list[str] | None = None) -> None:
         if r.idle is not None:
             shares = ", ".join(f"rank {i} {share:.0%}" for i, share in enumerate(r.idle))
             print(f"\n{r.engine}: idle share of the wall time (not computing its stage), by rank: {shares}")
+            print(f"{r.engine}: rank 0 waiting for the last stage's logits: {r.logits_wait:.0%} of the wall time")
     walls = {r.engine: r.wall_s for r in results}
+    tp_wall = walls.get(f"tiffin TP={args.tensor_parallel_size}")
+    for engine, wall in walls.items():
+        if tp_wall and engine.startswith(f"tiffin PP={args.pipeline_parallel_size}"):
+            print(f"\n{engine} / TP={args.tensor_parallel_size}: {tp_wall / wall:.2f}x output tok/s")
     if f"tiffin + {args.loras} LoRAs" in walls:
         ratio = walls["tiffin"] / walls[f"tiffin + {args.loras} LoRAs"]
         print(f"\ntiffin with {args.loras} LoRA adapters / base model only: {ratio:.2f}x output tok/s")

@@ -9,6 +9,7 @@ One engine per configuration: processes are costly on two cores."""
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -38,8 +39,8 @@ SAMPLED.append(SamplingParams(temperature=0.8, max_tokens=NEW_TOKENS, ignore_eos
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def prompts(vocab: int, lens=(1, 7, 23, 41)) -> list[dict]:
-    g = torch.Generator().manual_seed(0)
+def prompts(vocab: int, lens=(1, 7, 23, 41), seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
     return [{"prompt_token_ids": torch.randint(4, vocab, (n,), generator=g).tolist()} for n in lens]
 
 
@@ -53,11 +54,12 @@ def run(llm: LLM, vocab: int, **kwargs) -> list[list[int]]:
 class Pair:
     """The single-process engine and the staged one on the same checkpoint and settings."""
 
-    def __init__(self, path, vocab: int, pp: int, tp: int = 1, **args):
+    def __init__(self, path, vocab: int, pp: int, tp: int = 1, staged: dict | None = None, **args):
         self.path, self.vocab = str(path), vocab
         self.whole = LLM(self.path, **args)
         before = {p.pid for p in psutil.Process().children(recursive=True)}
-        self.staged = LLM(self.path, pipeline_parallel_size=pp, tensor_parallel_size=tp, distributed_timeout=60, **args)
+        staged = dict(pipeline_parallel_size=pp, tensor_parallel_size=tp, distributed_timeout=60) | (staged or {})
+        self.staged = LLM(self.path, **staged, **args)
         new = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
         self.workers = [p for p in new if "spawn_main" in " ".join(p.cmdline())]  # not multiprocessing's tracker
         assert len(self.workers) == pp * tp - 1
@@ -73,25 +75,51 @@ class Pair:
 
 # verifying n-gram proposals (of one token: the tiny model repeats few longer ones) across the stages
 NGRAM = {"method": "ngram", "prompt_lookup_min": 1, "disable_by_batch_size": None}
+# With batches in flight the batches differ from the one-process engine's: the quantized layers' int8 activations
+# (from a number of rows on), half-precision GEMMs and an int8 KV cache verifying proposals make a row's numerics
+# depend on its batch, enough to change the one-process engine's own tokens with max_num_batched_tokens. Those run
+# float32 on the exact kernels, or one batch in flight (the one-process schedule).
+EXACT = {"cpu_quant_compute": "exact", "dtype": "float32"}
 
 
 @pytest.mark.parametrize(
     "arch, layers, pp, tp, fmt, extra",
-    [("qwen2", 5, 3, 1, "gguf", {}), ("qwen3", 3, 2, 2, "hf", {"kv_cache_dtype": "int8", "speculative_config": NGRAM})],
+    [
+        ("qwen2", 5, 3, 1, "gguf", {"cpu_quant_compute": "exact"}),
+        ("qwen3", 3, 2, 2, "hf", {"kv_cache_dtype": "int8", "speculative_config": NGRAM, "one_batch": True}),
+    ],
     ids=["qwen2-gguf-pp3-uneven-tied", "qwen3-tp2xpp2-int8-kv-speculating"],
 )
 def test_outputs_match_one_process(arch, layers, pp, tp, fmt, extra, tmp_path):
     path = make_tiny_model(tmp_path / "hf", arch=arch, num_hidden_layers=layers)
     if fmt == "gguf":
         path = write_gguf(path, tmp_path / "m.gguf", QType.Q8_0)
-    pair = Pair(path, get_model_config(path).vocab_size, pp, tp, dtype="float32", num_kv_blocks=12, **extra)
+    extra = dict(extra)
+    staged = {"pipeline_batches_in_flight": 1} if extra.pop("one_batch", False) else {}
+    pair = Pair(path, get_model_config(path).vocab_size, pp, tp, staged, dtype="float32", num_kv_blocks=12, **extra)
     try:
         expected, got = pair.both(lambda llm: run(llm, pair.vocab))
         stats = pair.staged.llm_engine.stats()
     finally:
         pair.close()
     assert got == expected
-    assert stats.num_preemptions > 0 and (stats.spec_draft_tokens > 0 or not extra), stats
+    assert stats.num_preemptions > 0 and (stats.spec_draft_tokens > 0 or "speculative_config" not in extra), stats
+
+
+def serve(engine) -> dict:
+    """Step `engine` until its requests finish; each one's last output."""
+    final = {}
+    while engine.has_unfinished_requests():
+        final.update((o.request_id, o) for o in engine.step())
+    return final
+
+
+def count_overlapping_starts(engine, monkeypatch) -> list[int]:
+    """Each batch the staged engine starts from now on appends how many others were in flight then."""
+    counts, runner = [], engine.model_runner
+    start = runner.start_step
+    monkeypatch.setattr(runner, "start_step", lambda out: counts.append(len(engine.batches.batches)) or start(out))
+    return counts
 
 
 class TestLlamaPP2:
@@ -108,10 +136,12 @@ class TestLlamaPP2:
         yield pair
         pair.close()
 
-    def test_swapped_and_prefix_hits_match(self, llama_pp2):
+    def test_swapped_and_prefix_hits_match(self, llama_pp2, monkeypatch):
         """Each stage copies its layers' KV to and from its host blocks (the stages agree on their counts). The batch
-        runs twice, a prompt filling the pool between: the second time its prefixes come back from the host tier."""
+        runs twice, a prompt filling the pool between: the second time its prefixes come back from the host tier.
+        Two batches in flight meanwhile: counted, each start of a batch while another has not returned."""
         pair, filler = llama_pp2, {"prompt_token_ids": list(range(100, 250))}
+        overlapping = count_overlapping_starts(pair.staged.llm_engine, monkeypatch)
 
         def twice(llm: LLM) -> list:
             first = run(llm, pair.vocab)
@@ -122,6 +152,66 @@ class TestLlamaPP2:
         assert got == expected
         stats = pair.staged.llm_engine.stats()
         assert stats.swapped_out_seqs > 0 and stats.host_tier_hits > 0, stats
+        assert overlapping and max(overlapping) == 1  # never more than pipeline_parallel_size in flight
+
+    def test_stage_0_starts_the_next_batch_while_stage_1_holds_one(self, llama_pp2, monkeypatch):
+        """The worker (stage 1) stopped: rank 0 still runs its stage on a second batch, of other requests, then
+        waits for the first's logits; resumed, every request's tokens are the one-process engine's."""
+        pair = llama_pp2
+        engine, worker = pair.staged.llm_engine, psutil.Process(pair.workers[0].pid)
+        # prompts no earlier test cached: more tokens than a step takes (max_num_batched_tokens 37)
+        ps, params = prompts(pair.vocab, (7, 23, 41, 30, 9, 13), seed=1), [GREEDY] * 4 + SAMPLED[:2]
+        started, start = [], engine.model_runner.start_step  # each batch once stage 0 ran it
+        monkeypatch.setattr(engine.model_runner, "start_step", lambda out: (start(out), started.append(out.seqs))[0])
+        for i, (prompt, p) in enumerate(zip(ps, params)):
+            engine.add_request(str(i), prompt, p)
+        final = {}
+        worker.suspend()
+        try:
+            thread = threading.Thread(target=lambda: final.update(serve(engine)))
+            thread.start()
+            deadline = time.monotonic() + 30
+            while len(started) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.5)  # room for a wrong third start
+            assert len(started) == 2 and not set(started[0]) & set(started[1])
+        finally:
+            worker.resume()
+        thread.join(60)
+        expected = [o.outputs[0].token_ids for o in pair.whole.generate(ps, params, use_tqdm=False)]
+        assert [final[str(i)].outputs[0].token_ids for i in range(len(ps))] == expected
+        assert not engine.scheduler.in_flight and not engine.batches.batches
+
+    def test_a_failing_request_and_an_abort_in_flight_touch_no_other(self, llama_pp2, monkeypatch):
+        """Sampling raises for one request: the batches in flight finish, then its batch runs again by halves
+        until it fails alone; another request is aborted while its batch is in flight. The rest are the
+        one-process engine's tokens, and every block comes back."""
+        pair = llama_pp2
+        engine = pair.staged.llm_engine
+        ps, params = prompts(pair.vocab, (19, 33, 8, 27, 14, 21), seed=2), [GREEDY] * 6
+        sampler = engine.model_runner.sampler
+        sample = type(sampler).__call__
+
+        def failing(self, logits, rows, *args):
+            bad = self is sampler and any(r.request_id == "bad" for r in rows)
+            if bad and engine.scheduler.num_generated_tokens > 20:  # some steps in
+                raise RuntimeError("sampler failed")
+            return sample(self, logits, rows, *args)
+
+        monkeypatch.setattr(type(sampler), "__call__", failing)
+        ids = ["0", "bad", "2", "3", "4", "5"]
+        for rid, prompt, p in zip(ids, ps, params):
+            engine.add_request(rid, prompt, p)
+        engine.step()  # the first batch in flight
+        aborted = next(s.request_id for s in engine.scheduler.in_flight if s.request_id != "bad")
+        (abort,) = engine.abort_request(aborted)
+        final = serve(engine)
+        expected = [o.outputs[0].token_ids for o in pair.whole.generate(ps, params, use_tqdm=False)]
+        assert final["bad"].error == "RuntimeError: sampler failed"
+        assert abort.finished and abort.outputs[0].finish_reason == "abort" and aborted not in final
+        rest = [i for i, rid in enumerate(ids) if rid not in ("bad", aborted)]
+        assert [final[ids[i]].outputs[0].token_ids for i in rest] == [expected[i] for i in rest]
+        assert engine.stats().kv_blocks_used == 0 and not engine.scheduler.in_flight
 
     def test_lora_mixed_batch_matches(self, llama_pp2, tmp_path):
         """Each stage fills its layers' slices of the adapters rank 0 installs."""
@@ -149,7 +239,7 @@ class TestLlamaPP2:
 
 @pytest.mark.parametrize("name", ["awq-g64", "gptq-4bit-g128-actorder-asym-v2"])
 def test_quantized_matches_one_process(name):
-    pair = Pair(QUANT / name, 512, 2, kernel_backend="torch")
+    pair = Pair(QUANT / name, 512, 2, kernel_backend="torch", **EXACT)
     try:
         expected, got = pair.both(lambda llm: run(llm, 512))
     finally:

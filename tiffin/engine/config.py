@@ -188,6 +188,11 @@ class EngineConfig:
         "layers per pipeline stage, comma-separated (4,5,5; vLLM's VLLM_PP_LAYER_PARTITION); default: an even split, "
         "the extra layers on the stages before the last",
     )
+    pipeline_batches_in_flight: int | None = _setting(
+        None,
+        "batches the pipeline's stages work on at once (each stage on another, the CPUs split between the stages); "
+        "default pipeline_parallel_size; 1: one batch traverses the stages per step, the stages taking turns",
+    )
     distributed_executor_backend: str = _setting(
         "mp",
         "how the ranks beyond the engine's run: mp, processes of this host; ray, actors of a Ray cluster placed by a "
@@ -335,6 +340,8 @@ class EngineConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.pipeline_batches_in_flight is not None and self.pipeline_batches_in_flight < 1:
+            raise ValueError(f"pipeline_batches_in_flight must be >= 1, got {self.pipeline_batches_in_flight}")
         if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be 'auto' or one of {list(DTYPE_NAMES)}, got {self.dtype!r}")
         if self.cpu_quant_compute not in ("native", "int8", "exact"):

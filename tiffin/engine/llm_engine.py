@@ -22,6 +22,7 @@ from tiffin.engine.core.detokenizer import IncrementalDetokenizer
 from tiffin.engine.core.scheduler import Scheduler, SchedulerOutput
 from tiffin.engine.core.sequence import Sequence
 from tiffin.engine.core.thinking import ThinkingState
+from tiffin.engine.distributed.group import batches_in_flight
 from tiffin.engine.errors import EngineDeadError, ParamError, QueueFull
 from tiffin.engine.input_processor import InputProcessor, PromptType
 from tiffin.engine.lora.peft import parse_roots
@@ -33,6 +34,7 @@ from tiffin.engine.models.loader import checkpoint_signature, get_model_config
 from tiffin.engine.models.source import eos_token_ids, load_tokenizer, resolve_model_path
 from tiffin.engine.multimodal.inputs import ImageLimits
 from tiffin.engine.outputs import EngineStats, PoolingRequestOutput, RequestOutput
+from tiffin.engine.pipelined import BatchQueue
 from tiffin.engine.pooling_params import PoolingParams
 from tiffin.engine.reasoning import opens_thinking, resolve_reasoning_parser
 from tiffin.engine.request_state import Request, decode_logprobs
@@ -116,6 +118,7 @@ class LLMEngine(InputProcessor, SleepMode):
         )
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.proposer = None if spec is None else make_proposer(spec, config, self.model_runner, draft)
+        self.batches = BatchQueue(self, batches_in_flight(config)) if config.pipeline_parallel_size > 1 else None
         self.requests: dict[str, Request] = {}
         self.num_prompt_tokens = 0
         self.num_pooling_requests = self.num_pooling_tokens = 0
@@ -205,17 +208,30 @@ class LLMEngine(InputProcessor, SleepMode):
         return ThinkingState(self.reasoning, self.think_end_ids, opened, params.thinking_token_budget, grammar)
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled forward; return the outputs of requests that changed (failed ones included)."""
+        """Run one scheduled forward; return the outputs of requests that changed (failed ones included). Under
+        pipeline parallelism, start a batch or finish the oldest in flight (`pipelined`)."""
         failed = self._fail_broken_grammars()
-        scheduler_output = self.scheduler.schedule()
-        self.last_step_tokens = sum(scheduler_output.num_scheduled_tokens)
+        if self.batches is not None:
+            return failed + self.batches.step()
+        scheduler_output = self.schedule_step()
         if not scheduler_output.seqs:
             self._wait_for_grammars()
             return failed
-        if self.proposer is not None:
-            self._speculate(scheduler_output)
-        scheduler_output.copies = self.block_manager.take_copies()
-        scheduler_output, sampled = self._execute(scheduler_output)
+        return failed + self.finish_step(*self._execute(scheduler_output))
+
+    def schedule_step(self, budget: int | None = None) -> SchedulerOutput:
+        """The next step's sequences (`budget`: `Scheduler.schedule`'s), with their proposals and the block copies
+        due before it."""
+        scheduler_output = self.scheduler.schedule(budget)
+        self.last_step_tokens = sum(scheduler_output.num_scheduled_tokens)
+        if scheduler_output.seqs:  # else the copies wait for a step that runs
+            if self.proposer is not None:
+                self._speculate(scheduler_output)
+            scheduler_output.copies = self.block_manager.take_copies()
+        return scheduler_output
+
+    def finish_step(self, scheduler_output: SchedulerOutput, sampled: SamplerOutput) -> list[RequestOutput]:
+        """Advance what ran (`scheduler_output`) by what it sampled; the outputs of the requests that changed."""
         if not scheduler_output.seqs:
             self._probe()
         seqs = self.scheduler.update(
@@ -232,7 +248,7 @@ class LLMEngine(InputProcessor, SleepMode):
         if self.check_invariants:
             sched = self.scheduler
             self.block_manager.check_invariants([*sched.running, *sched.waiting, *sched.swapped])
-        return failed + [self._output(self.requests[rid]) for rid in dict.fromkeys(changed) if rid in self.requests]
+        return [self._output(self.requests[rid]) for rid in dict.fromkeys(changed) if rid in self.requests]
 
     def _speculate(self, scheduler_output: SchedulerOutput) -> None:
         """Proposals for the step's decodes, unless too many sequences run; with structured outputs, only as many

@@ -201,6 +201,7 @@ class Scheduler:
         self.step_budget: int | None = None  # tokens of the next steps, when held below max_num_batched_tokens
         self.waiting = KeyedQueue(self.key, self.fair_share) if self.by_priority or self.fair_share else FCFSQueue()
         self.running: list[Sequence] = []
+        self.in_flight: set[Sequence] = set()  # running, in a batch not returned yet (tiffin.engine.pipelined)
         self.swapped: list[Sequence] = []  # preempted by swap, in key order
         self.num_preemptions = 0  # by recompute or swap
         self.num_swapped_out = self.num_swapped_in = 0  # sequences
@@ -221,19 +222,21 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, budget: int | None = None) -> SchedulerOutput:
+        """`budget`: this step's tokens when fewer than the usual (a batch's share, tiffin.engine.pipelined)."""
         prefill_only = self.prefill_first and bool(self.waiting) and not self.last_step_skipped_decodes
-        out = self._schedule(decodes=not prefill_only)
+        out = self._schedule(not prefill_only, budget)
         if prefill_only and not out.seqs:  # no waiting sequence could be admitted
-            prefill_only, out = False, self._schedule(decodes=True)
-        self.last_step_skipped_decodes = prefill_only and len(out.seqs) < len(self.running)  # scheduled ones all run
+            prefill_only, out = False, self._schedule(True, budget)
+        # scheduled ones all run; those in flight were not skipped
+        self.last_step_skipped_decodes = prefill_only and len(out.seqs) < len(self.running) - len(self.in_flight)
         for seq, n in zip(out.seqs, out.num_scheduled_tokens):
             prefill_end = max(seq.num_prompt_tokens, seq.num_tokens - 1)
             self.num_prefill_tokens += max(min(seq.num_computed_tokens + n, prefill_end) - seq.num_computed_tokens, 0)
         return out
 
-    def _schedule(self, decodes: bool) -> SchedulerOutput:
-        out, budget = SchedulerOutput(), self.step_budget or self.max_num_batched_tokens
+    def _schedule(self, decodes: bool, budget: int | None) -> SchedulerOutput:
+        out, budget = SchedulerOutput(), budget or self.step_budget or self.max_num_batched_tokens
         if self.fair_share:
             self._seat_a_newcomer()
         preempted = False
@@ -241,13 +244,15 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             remaining = seq.num_tokens - seq.num_computed_tokens
-            if remaining == 1 and not decodes:  # a prefill chunk cut to one token by the budget is not a decode
+            # a prefill chunk cut to one token by the budget is not a decode
+            if (remaining == 1 and not decodes) or seq in self.in_flight:
                 i += 1
                 continue
             num_new = min(remaining, budget)
             while not self.block_manager.allocate_slots(seq, num_new):
                 preempted = True
-                victim = self.running.pop()
+                victim = next(s for s in reversed(self.running) if s not in self.in_flight)
+                self.running.remove(victim)
                 self._preempt(victim)
                 if victim is seq:
                     break
@@ -435,7 +440,9 @@ class Scheduler:
         holder = max({s.client for s in self.running}, key=seats.__getitem__, default=None)
         if holder is None or seats[holder] < 2:
             return
-        victim = next(s for s in reversed(self.running) if s.client == holder)
+        victim = next((s for s in reversed(self.running) if s.client == holder and s not in self.in_flight), None)
+        if victim is None:
+            return
         self.running.remove(victim)
         self._preempt(victim, swap=False)  # a swapped sequence keeps its seat
 

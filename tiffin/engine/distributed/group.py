@@ -15,15 +15,20 @@ not wait on a collective: the doorbell (so an idle engine never times a collecti
 at start, a worker's start-up error, commands between steps (sleep, wake, weight reload) and their answers, and the
 stop; a worker whose engine process dies sees the connection close and exits.
 
+Under pipeline parallelism the step goes to each worker point to point, not waited on (`isend`): gloo's sends wait
+for their receiver, and a stage still computing an earlier batch (`pipelined`) receives it when it gets there.
+
 Invariant: every rank runs the same step in the same order; a collective that fails makes the group broken,
 naming the rank; shutdown (or the engine process's death, closing the pipe) ends every worker.
 """
 
 import datetime
 import os
+import pickle
 import socket
 import threading
 import weakref
+from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import wait
 from multiprocessing.context import SpawnProcess
@@ -39,6 +44,7 @@ from tiffin.engine.distributed.tensor_parallel import TensorParallel
 from tiffin.engine.errors import EngineDeadError
 
 START_TIMEOUT = 600.0  # seconds a worker may take to load its shard
+STEP_TAG = 1  # point-to-point messages of a step's values (hidden states and logits: tag 0)
 
 
 class Command(NamedTuple):
@@ -87,6 +93,8 @@ class WorkerGroup:
         self.conns, self.procs = conns, list(procs)  # rank 0: one per worker; a worker: its pipe to rank 0
         self.broken: str | None = None  # rank 0: why the group cannot run another step
         self.busy_s = 0.0  # seconds this rank spent computing its part of steps (`busy`), as its runner counts
+        self.wait_s = 0.0  # rank 0 under pipeline parallelism: seconds spent waiting for the last stage's logits
+        self.sends: deque = deque()  # (work, tensor) of sends not waited on (`isend`), the tensor kept meanwhile
         self.stopping = False
 
     @classmethod
@@ -109,8 +117,9 @@ class WorkerGroup:
         if config.nnodes > 1 and device.type != "cpu":
             raise ValueError(f"nnodes > 1 runs CPU (gloo) ranks only so far, not on {device}")
         threads = torch.get_num_threads()
-        if device.type == "cpu":  # a stage's ranks share the CPUs; the stages take turns (one batch in flight)
-            torch.set_num_threads(max(1, threads // config.tensor_parallel_size))
+        if device.type == "cpu":  # a stage's ranks share the CPUs; so do the stages, unless they take turns
+            sharing = world_size(config) if batches_in_flight(config) > 1 else config.tensor_parallel_size
+            torch.set_num_threads(max(1, threads // sharing))
         conns, procs, rendezvous = (launch or spawn)(config, torch.get_num_threads(), entry, args)
         tp, pp = _ranks(config, 0)
         self = cls(tp, device, config.distributed_timeout, conns, procs, pp)
@@ -172,20 +181,44 @@ class WorkerGroup:
         """Rank 0: send a step (`values` in the wire format, `extra` any picklable object or None) and run
         `forward()`. A failure from here on leaves the group unusable (a rank may be waiting in a collective):
         it fails the engine, naming the rank at fault."""
+
+        def send() -> object:
+            for conn in self.conns:
+                conn.send_bytes(b"s")
+            blob = b"" if extra is None else pickle.dumps(extra)
+            header, payload = wire.pack([len(blob), *values], self.device)
+            extra_part = [torch.frombuffer(bytearray(blob), dtype=torch.uint8)] if blob else []
+            for part in [header, payload, *extra_part]:
+                if self.pp.size == 1:
+                    dist.broadcast(part.to(self.device), 0)
+                else:
+                    for rank in range(1, self.size):
+                        self.isend(part, rank, STEP_TAG)
+            return forward()
+
+        return self.call(send)
+
+    def call(self, fn: Callable[[], object]):
+        """Rank 0: `fn()`, a part of a step; its failure breaks the group, naming the rank at fault (`run`)."""
         if self.broken:
             raise EngineDeadError(self.broken)
         try:
-            for conn in self.conns:
-                conn.send_bytes(b"s")
-            header, payload = wire.pack([extra is not None, *values], self.device)
-            dist.broadcast(header, 0)
-            dist.broadcast(payload, 0)
-            if extra is not None:
-                dist.broadcast_object_list([extra], 0, device=self.device)
-            return forward()
+            return fn()
         except Exception as e:
             self.broken = self._diagnose(e)
             raise EngineDeadError(self.broken) from e
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        """Send `tensor` to rank `dst` without waiting for it to be received. Each batch's sends were received once
+        it returned, before a batch `batches_in_flight` later could start: waiting on those older than that many
+        batches' sends (at most 3 a rank per batch) costs nothing, and drops what they kept."""
+        while len(self.sends) >= 3 * self.size * self.pp.batches_in_flight:
+            self.sends.popleft()[0].wait()
+        self.sends.append((dist.isend(tensor, dst, tag=tag), tensor))
+
+    @property
+    def size(self) -> int:
+        return self.pp.size * self.tp.size
 
     def command(self, command: "Command", local: Callable[[], None]) -> None:
         """Rank 0, between steps: every worker runs `command` (`answer`) while rank 0 runs `local()`; returns once all
@@ -244,16 +277,19 @@ class WorkerGroup:
             return self.conns[0].recv()
         if bell != b"s":
             return None
-        header = torch.empty(wire.HEADER_FIELDS * 3, dtype=torch.int64, device=self.device)
-        dist.broadcast(header, 0)
-        layout = header.view(-1, 3).tolist()
-        payload = torch.empty(wire.payload_size(layout), dtype=torch.int64, device=self.device)
-        dist.broadcast(payload, 0)
-        has_extra, *values = wire.unpack(layout, payload)
-        extra = [None]
-        if has_extra:
-            dist.broadcast_object_list(extra, 0, device=self.device)
-        return values, extra[0]
+        layout = self._take(wire.HEADER_FIELDS * 3, torch.int64).view(-1, 3).tolist()
+        extra_bytes, *values = wire.unpack(layout, self._take(wire.payload_size(layout), torch.int64))
+        extra = pickle.loads(self._take(extra_bytes, torch.uint8).cpu().numpy().tobytes()) if extra_bytes else None
+        return values, extra
+
+    def _take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A worker: the next part of a step from rank 0 (`run`)."""
+        part = torch.empty(numel, dtype=dtype, device=self.device)
+        if self.pp.size > 1:
+            dist.recv(part, 0, tag=STEP_TAG)
+        else:
+            dist.broadcast(part, 0)
+        return part
 
     def shutdown(self) -> None:
         """End every worker (asked first, then terminated) and leave the process group: destroyed, or aborted when
@@ -289,6 +325,11 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 def world_size(config) -> int:
     return config.tensor_parallel_size * config.pipeline_parallel_size
+
+
+def batches_in_flight(config) -> int:
+    """Batches the engine keeps in its pipeline at once (`pipelined`): one per stage unless set."""
+    return config.pipeline_batches_in_flight or config.pipeline_parallel_size
 
 
 def _init_group(config, rank: int, rendezvous: Rendezvous) -> tuple[TensorParallel, PipelineParallel]:
@@ -329,7 +370,8 @@ def _store(rendezvous: Rendezvous, rank: int, size: int, timeout: datetime.timed
 
 def _ranks(config, rank: int, tp_group=None) -> tuple[TensorParallel, PipelineParallel]:
     tp, tp_rank = config.tensor_parallel_size, rank % config.tensor_parallel_size
-    pp = PipelineParallel(rank // tp, config.pipeline_parallel_size, tp, tp_rank, config.pipeline_layer_partition)
+    partition, batches = config.pipeline_layer_partition, batches_in_flight(config)
+    pp = PipelineParallel(rank // tp, config.pipeline_parallel_size, tp, tp_rank, partition, batches)
     return TensorParallel(tp_rank, tp, tp_group), pp
 
 

@@ -40,6 +40,7 @@ class PipelineParallel:
     tp_size: int = 1
     tp_rank: int = 0
     partition: str | None = None  # the `pipeline_layer_partition` override
+    batches_in_flight: int = 1  # `distributed.group.batches_in_flight`
 
     @property
     def first(self) -> bool:
@@ -55,9 +56,10 @@ class PipelineParallel:
         start = sum(counts[: self.rank])
         return range(start, start + counts[self.rank])
 
-    def send_next(self, hidden: torch.Tensor) -> None:
-        """To this rank's peer in the next stage."""
-        dist.send(hidden.contiguous(), self._peer(self.rank + 1))
+    @property
+    def next_peer(self) -> int:
+        """This rank's peer in the next stage, which its hidden states go to."""
+        return self._peer(self.rank + 1)
 
     def recv_prev(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """From this rank's peer in the previous stage."""
@@ -65,11 +67,8 @@ class PipelineParallel:
         dist.recv(out, self._peer(self.rank - 1))
         return out
 
-    def send_logits(self, logits: torch.Tensor) -> None:
-        """The last stage's rank 0: the step's logits to rank 0, which samples."""
-        dist.send(logits.contiguous(), 0)
-
     def recv_logits(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Rank 0: a step's logits, from the last stage's rank 0."""
         out = torch.empty(shape, dtype=dtype)
         dist.recv(out, self._peer(self.size - 1))
         return out

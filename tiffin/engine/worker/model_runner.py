@@ -6,6 +6,7 @@ batch and its metadata, never requests."""
 import ctypes
 import dataclasses
 import sys
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -33,6 +34,19 @@ from tiffin.engine.worker.policy import choose_policy
 from tiffin.engine.worker.prompt_logprobs import prompt_logprobs
 from tiffin.engine.worker.sampler import Sampler, SamplerOutput
 from tiffin.engine.worker.warm_up import warm_padded_sizes, warm_up_triton
+
+
+class StepInFlight(NamedTuple):
+    """A step `start_step` began: what `finish_step` samples it with. `logits` None under pipeline parallelism
+    (the last stage sends `num_logits` rows when asked) or when no row samples."""
+
+    scheduler_output: SchedulerOutput
+    rows: list
+    bitmask: object
+    sampling: object
+    logits: torch.Tensor | None
+    pooled: torch.Tensor | None
+    num_logits: int
 
 
 class ModelRunner(KVBlockCopies):
@@ -154,12 +168,14 @@ class ModelRunner(KVBlockCopies):
         current device, not on its tensors' (the engine thread of `AsyncLLMEngine` is not the one that built
         the runner, and its current device is cuda:0 whatever `device` says)."""
         if self.device.type != "cuda":
-            return self._execute(scheduler_output)
+            return self.finish_step(self.start_step(scheduler_output))
         with torch.cuda.device(self.device):
-            return self._execute(scheduler_output)
+            return self.finish_step(self.start_step(scheduler_output))
 
     @torch.inference_mode()
-    def _execute(self, scheduler_output: SchedulerOutput) -> SamplerOutput:
+    def start_step(self, scheduler_output: SchedulerOutput) -> "StepInFlight":
+        """A step up to its logits: the forward, or under pipeline parallelism the first stage's part of it (the
+        other stages compute theirs meanwhile; `finish_step` receives the logits)."""
         if self.thread_sizer is not None:
             self.thread_sizer.update()
         self.copy_blocks(scheduler_output.copies)
@@ -171,7 +187,7 @@ class ModelRunner(KVBlockCopies):
         graphs = self.decode_graphs is not None and not scheduler_output.pooling_seqs
         graphs = graphs and not (self.encoder is not None and prefills_images(scheduler_output))
         size = self.decode_graphs.size_for(scheduler_output) if graphs else 0
-        pooled = None
+        pooled, num_logits = None, len(rows) + sum(n for _, _, n in scheduler_output.prompt_rows)
         if size:
             logits = self.graphed_step(scheduler_output, upload, size)
         elif self.group is None:
@@ -181,11 +197,18 @@ class ModelRunner(KVBlockCopies):
             logits, pooled = tp_worker.run(
                 self.group, inputs, self.lora_slots, scheduler_output.copies, lambda: self.run_model(inputs)
             )
+        return StepInFlight(scheduler_output, rows, bitmask, sampling, logits, pooled, num_logits)
+
+    @torch.inference_mode()
+    def finish_step(self, step: "StepInFlight") -> SamplerOutput:
+        """Sample a step `start_step` began (under pipeline parallelism, the steps in the order they began)."""
+        scheduler_output, rows = step.scheduler_output, step.rows
+        logits = pipeline_stage.receive_logits(self, step.num_logits) if self.pp.size > 1 else step.logits
         # logits rows: the sampling rows, then the prompt rows (`worker.prompt_logprobs`)
         prompt = prompt_logprobs(logits[len(rows) :], scheduler_output) if scheduler_output.prompt_rows else []
-        out = self.sampler(logits[: len(rows)], rows, bitmask, sampling) if rows else SamplerOutput([], [])
+        out = self.sampler(logits[: len(rows)], rows, step.bitmask, step.sampling) if rows else SamplerOutput([], [])
         out.prompt_logprobs = prompt
-        out.pooled = [] if pooled is None else self.finish_pooling(pooled, scheduler_output.pooling_seqs)
+        out.pooled = [] if step.pooled is None else self.finish_pooling(step.pooled, scheduler_output.pooling_seqs)
         return out
 
     @torch.inference_mode()

@@ -1,8 +1,9 @@
 """The model runner under pipeline parallelism (`distributed.pipeline`): every rank receives the step as under
-tensor parallelism (`tp_worker`), then each stage runs its layers in turn, one batch traversing every stage per
-step: the first embeds the tokens, each stage but the last sends its `(hidden, residual)` to the next, the last
-computes the logits of the sampling rows and sends them, float32, to rank 0, which samples. Each stage's KV pool
-holds its own layers' blocks; every rank agrees on one block count (`WorkerGroup.agree_min`).
+tensor parallelism (`tp_worker`), then each stage runs its layers in turn: the first embeds the tokens, each stage
+but the last sends its `(hidden, residual)` to the next, the last computes the logits of the sampling rows and
+sends them, float32, to rank 0, which samples. No stage waits for its sends to be received, so with several
+batches in flight (`tiffin.engine.pipelined`) stage 0 runs batch k+1 while the next stage runs batch k. Each
+stage's KV pool holds its own layers' blocks; every rank agrees on one block count (`WorkerGroup.agree_min`).
 
 What it does not serve yet is refused by name at start (`check_supported`). Speculative proposals that rank 0
 makes itself (n-gram, suffix) are served: their verifying rows are rows of the step like any other."""
@@ -43,9 +44,10 @@ def check_supported(config: EngineConfig, model_config: ModelConfig, device: tor
     PipelineParallel(size=size, partition=config.pipeline_layer_partition).layers(model_config.num_layers)
 
 
-def run_stage(runner, inputs: ModelInput) -> tuple[torch.Tensor | None, None]:
-    """This stage's part of the step; `run_model`'s result on rank 0 (the logits, None when no row samples), None
-    elsewhere."""
+def run_stage(runner, inputs: ModelInput) -> tuple[None, None]:
+    """This stage's part of the step: its layers on what the previous stage sent, the result sent on, not waited
+    for (`WorkerGroup.isend`); rank 0 takes the logits later (`receive_logits`), so that it can start the next
+    batch meanwhile."""
     group, model, config = runner.group, runner.model, runner.model_config
     pp = group.pp
     received = None
@@ -56,15 +58,23 @@ def run_stage(runner, inputs: ModelInput) -> tuple[torch.Tensor | None, None]:
     if not pp.last:
         out = torch.stack(out).to(config.dtype)
         group.busy_s += time.perf_counter() - start
-        pp.send_next(out)
-        if group.rank == 0 and rows:
-            return pp.recv_logits((rows, config.vocab_size), torch.float32), None
+        group.isend(out, pp.next_peer)
         return None, None
     logits = model.compute_logits(out[inputs.logits_indices]) if rows else None
     group.busy_s += time.perf_counter() - start
     if logits is not None:  # the stage's tensor-parallel rank 0, which gathered them
-        pp.send_logits(logits.float())
+        group.isend(logits.float(), 0)
     return None, None
+
+
+def receive_logits(runner, rows: int) -> torch.Tensor | None:
+    """Rank 0: the logits of a step's `rows` logits rows, from the last stage, in the order the steps were sent."""
+    if not rows:
+        return None
+    group, start = runner.group, time.perf_counter()
+    logits = group.call(lambda: group.pp.recv_logits((rows, runner.model_config.vocab_size), torch.float32))
+    group.wait_s += time.perf_counter() - start
+    return logits
 
 
 def whole_model_layers(runner) -> dict[str, Linear]:
