@@ -58,6 +58,7 @@ def front(model, adapters):
         lora_roots=str(adapters),
         max_waiting_requests=2,
         max_waiting_per_client=1,
+        data_parallel_max_restarts=0,  # the last test kills the replicas for good (restarts: tests/engine)
         **ENGINE,
     )
     engine = DataParallelEngine(config)
@@ -218,12 +219,13 @@ def test_health_and_metrics_per_replica_while_one_lives(client, served, front):
     os.kill(front.procs[1].pid, signal.SIGKILL)
     front.procs[1].join(10)
     check([True, False])
-    assert "replica 1" in client.get("/health").json()["models"][0]["replicas"][1]["error"]
+    error = client.get("/health").json()["models"][0]["replicas"][1]["error"]
+    assert "replica 1 died (killed by SIGKILL); not restarted (data_parallel_max_restarts=0)" in error
     for _ in range(3):  # the survivor serves every request
         complete(client, "tiny")
     os.kill(front.procs[0].pid, signal.SIGKILL)
     front.procs[0].join(10)
     deadline = time.monotonic() + 10
-    while served.ready and time.monotonic() < deadline:
+    while served.healthy and time.monotonic() < deadline:
         time.sleep(0.05)
     check([False, False])

@@ -232,6 +232,11 @@ class EngineConfig:
         "tokens (prompts and outputs of its requests in flight) by which cache_aware's choice may be loaded beyond the "
         "least loaded replica before the request goes to the least loaded one instead (SGLang's balance threshold)",
     )
+    data_parallel_max_restarts: int = _setting(
+        3,
+        "times a data-parallel replica that died is started again within 10 minutes (its requests in flight fail; it "
+        "rejoins with an empty prefix cache); 0: never",
+    )
     kv_events_endpoint: str | None = _setting(
         None,
         "ZMQ endpoint to publish KV-cache events on in vLLM's format (block stored / removed / all cleared, msgpack, "
@@ -374,6 +379,8 @@ class EngineConfig:
             self._check_nodes()
         if self.router_policy not in ROUTER_POLICIES:
             raise ValueError(f"router_policy must be one of {list(ROUTER_POLICIES)}, got {self.router_policy!r}")
+        if self.data_parallel_max_restarts < 0:
+            raise ValueError(f"data_parallel_max_restarts must be >= 0, got {self.data_parallel_max_restarts}")
         if self.router_balance_threshold < 0:
             raise ValueError(f"router_balance_threshold must be >= 0, got {self.router_balance_threshold}")
         if self.distributed_timeout <= 0:

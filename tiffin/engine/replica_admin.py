@@ -78,14 +78,20 @@ class QueueRoom:
         joined = reasons[0] if len(set(reasons)) == 1 else "every replica's queue is full: " + "; ".join(reasons)
         raise QueueFull(joined)
 
+    def forget(self, replica: int) -> None:
+        """`replica` was started again: nothing sent to it, nothing waiting."""
+        self.sent[replica] = self.taken[replica] = 0
+        self.waiting[replica] = Counter()
+
     def reported(self, replica: int, queue: tuple[int, Counter]) -> None:
         """`replica`'s report: the sequences it had taken in all, and those of them waiting by client."""
         self.taken[replica], self.waiting[replica] = queue
 
 
-def health(replica: int, why: str | None, stats: EngineStats, load: int) -> dict:
+def health(replica: int, why: str | None, stats: EngineStats, load: int, restarts: int) -> dict:
     """A replica's state for a server's health detail and metrics: whether it serves (else why not), its batch,
-    queue and KV pool as it last reported them, and its load as the router sees it (a dead one holds nothing)."""
+    queue and KV pool as it last reported them, its load as the router sees it (a dead one holds nothing), and how
+    many times it was started again."""
     alive = why is None
     return {
         "replica": replica,
@@ -96,4 +102,5 @@ def health(replica: int, why: str | None, stats: EngineStats, load: int) -> dict
         "kv_blocks_used": stats.kv_blocks_used if alive else 0,
         "kv_blocks_total": stats.kv_blocks_total,
         "load_tokens": load if alive else 0,
+        "restarts": restarts,
     }

@@ -50,6 +50,13 @@ class Router:
             elif isinstance(event, AllBlocksCleared):
                 held.clear()
 
+    def forget(self, replica: int) -> None:
+        """`replica` died: it holds nothing, serves no adapter and computes nothing (its replacement starts empty)."""
+        self.blocks[replica].clear()
+        self.inflight[replica].clear()
+        for replicas in self.lora_replicas.values():
+            replicas.discard(replica)
+
     def prompt_hashes(self, token_ids: list[int], cache_key: bytes = b"", images: tuple = ()) -> list[bytes]:
         """The hashes a replica's prefix cache would look up for this prompt (stopping short of its last token, which
         is always computed); `cache_key`: its adapter's identity (b"": the base model)."""
