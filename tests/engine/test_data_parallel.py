@@ -241,7 +241,8 @@ def test_the_openai_app_serves_over_the_replicas(served, dp, single):
 def test_a_killed_replica_fails_only_its_requests_and_rejoins(served, dp, single, model, tmp_path):
     """kill -9 of a replica mid-run: exactly its requests in flight fail, each naming it and the signal; the router
     sends it nothing more at once; the others complete with one engine's tokens. It is started again and taken in
-    empty (no block in the router's map; the added adapter added again), counted in the metrics, and serves."""
+    empty (no block in the router's map, no adapter), counted in the metrics, and serves; the adapter that was added
+    on it is read where its next request goes."""
     from tiffin.plugin.metrics import engine_metrics
 
     long = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
@@ -250,14 +251,16 @@ def test_a_killed_replica_fails_only_its_requests_and_rejoins(served, dp, single
     lora = LoRARequest("kept", 3, str(make_adapter(model, tmp_path / "kept", seed=3, r=4)))
     call = lambda method, *args: served._call_engine(method, *args)
 
-    async def run(prompt, params, request_id=None):
+    async def run(prompt, params, request_id=None, lora_request=None):
         try:
-            return [out async for out in served.generate(prompt, params, request_id=request_id)][-1]
+            return [
+                out async for out in served.generate(prompt, params, request_id=request_id, lora_request=lora_request)
+            ][-1]
         except EngineError as e:
             return e
 
     async def go():
-        await call("add_lora", lora)
+        await call("add_lora", lora)  # on one replica: the victim
         tasks = [asyncio.create_task(run(p, long, f"kill-{i}")) for i, p in enumerate(ps)]
         generating = lambda routed: all(  # past its prompt: a routed request's load counts its outputs
             routed[f"kill-{i}"].tokens > len(p["prompt_token_ids"]) if f"kill-{i}" in routed else False
@@ -266,11 +269,12 @@ def test_a_killed_replica_fails_only_its_requests_and_rejoins(served, dp, single
         while not generating(routed := dict(dp.requests)):
             assert not any(task.done() for task in tasks), "a request ended before every one was generating"
             await asyncio.sleep(0.001)
-        victim = routed["kill-1"].replica
+        victim = next(r for r, held in enumerate(dp.replica_loras) if 3 in held)
         os.kill(dp.procs[victim].pid, signal.SIGKILL)
         killed = time.monotonic()
         while dp.dead[victim] is None:  # the engine thread saw it die: from now on nothing goes there
             await asyncio.sleep(0.01)
+        assert victim not in dp.router.lora_replicas[3]
         assert served.ready and "restarting it" in dp.replica_health()[victim]["error"]  # the other serves
         during = asyncio.create_task(run(fresh[0], GREEDY, "during"))
         while "during" not in dp.requests and not during.done():
@@ -284,10 +288,11 @@ def test_a_killed_replica_fails_only_its_requests_and_rejoins(served, dp, single
         held = await call("_call", victim, "block_manager.cached.copy")  # an engine call takes the replica in first
         loras = await call("_call", victim, "list_loras")
         after = await asyncio.gather(*(run(p, GREEDY) for p in fresh))
+        adapter = await run(fresh[1], GREEDY, lora_request=lora)
         cached = await call("_call", victim, "block_manager.cached.copy")  # the reports before it came with it
-        return victim, routed, sent_to, results, (held, cached), after, loras, rejoined
+        return victim, routed, sent_to, results, (held, cached), after, loras, rejoined, adapter
 
-    victim, routed, sent_to, results, (held, cached), after, loras, rejoined = asyncio.run(go())
+    victim, routed, sent_to, results, (held, cached), after, loras, rejoined, adapter = asyncio.run(go())
     *results, during = results
     failed = {f"kill-{i}" for i, r in enumerate(results) if isinstance(r, EngineError)}
     assert failed == {rid for rid, r in routed.items() if r.replica == victim} and 0 < len(failed) < len(ps)
@@ -299,7 +304,9 @@ def test_a_killed_replica_fails_only_its_requests_and_rejoins(served, dp, single
     assert [o.outputs[0].token_ids for o in after] == tokens(single, fresh)
     assert dp.replica_stats[victim].prompt_tokens > 0, "the restarted replica served nothing"
     assert dp.router.blocks[victim] == set(cached) != set()  # its map follows the new replica's events alone
-    assert loras == {3} and dp.replica_health()[victim]["restarts"] == 1
+    assert loras == set() and dp.replica_health()[victim]["restarts"] == 1
+    with_lora = single.generate(fresh[1], GREEDY, lora_request=lora, use_tqdm=False)[0].outputs[0].token_ids
+    assert adapter.outputs[0].token_ids == with_lora != after[1].outputs[0].token_ids
     metrics = engine_metrics()
     metrics.on_replicas(dp.replica_health())
     from prometheus_client import REGISTRY

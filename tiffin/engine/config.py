@@ -224,7 +224,7 @@ class EngineConfig:
         "cache_aware",
         "which replica serves a request (data_parallel_size > 1): cache_aware (the one holding the longest prefix of "
         "its prompt's blocks, as its KV events report, unless it is loaded router_balance_threshold tokens beyond the "
-        "least loaded; with no hit, a replica that served its adapter before), least_loaded (fewest tokens in "
+        "least loaded; with no hit, the least loaded replica holding its adapter), least_loaded (fewest tokens in "
         "flight) or round_robin",
     )
     router_balance_threshold: int = _setting(

@@ -14,15 +14,15 @@ a replica's load is the tokens (prompt and outputs so far, each of its n samples
 front last saw them. A replica that dies fails its requests in flight (naming it) and receives no more; the others
 go on. The front keeps the replicas' waiting queues (max_waiting_requests and max_waiting_per_client per replica,
 tiffin.engine.replica_admin): a request goes to a replica with room, QueueFull when none has, so that it is refused
-as one engine refuses it. Adapters a server adds go to every replica (`add_lora`, all or none), named in the
-front's `lora_registry`. Each replica's process: tiffin.engine.data_parallel_replica; a replica that dies is
-started again (tiffin.engine.replica_supervisor) and taken in empty: no blocks in the router's map, nothing in flight,
-the added adapters added again. Not here: replicas across hosts (Ray)."""
+as one engine refuses it. An adapter a server adds is read by one replica (`add_lora`) and named in the front's
+`lora_registry`; any other replica reads it when the router first sends it one of its requests (LoRA affinity keeps
+them on the replicas holding it, within the balance threshold). Each replica's process:
+tiffin.engine.data_parallel_replica; a replica that dies is started again (tiffin.engine.replica_supervisor) and
+taken in empty: no blocks in the router's map, no adapter, nothing in flight. Not here: replicas across hosts
+(Ray)."""
 
-import contextlib
 import dataclasses
 import functools
-import logging
 import queue
 import threading
 import weakref
@@ -49,7 +49,6 @@ from tiffin.engine.replica_supervisor import Supervisor, exit_cause
 from tiffin.engine.router import Router
 from tiffin.engine.sampling_params import SamplingParams
 
-logger = logging.getLogger(__name__)
 STEP_WAIT = 0.01  # seconds `step()` waits for a replica's report: adds and aborts between are seen this late
 
 
@@ -95,7 +94,7 @@ class DataParallelEngine(InputProcessor):
         front = dict(data_parallel_size=n, kv_events_endpoint=config.kv_events_endpoint, **queue_limits)
         self.config = dataclasses.replace(self.config, **front)
         self.block_manager = _Capacity(infos[0]["num_blocks"], config.block_size)
-        # adapters are read by the replicas (`load_lora` hands the request on); this table names those added to all
+        # adapters are read by the replicas (`load_lora` hands the request on); this table names those added
         self.lora_registry = AdapterTable() if infos[0]["lora"] else None
         self.replica_loras = [frozenset()] * n  # the adapters in each replica's host cache, as last reported
         self.queue = QueueRoom.of(n, *queue_limits.values())
@@ -173,7 +172,8 @@ class DataParallelEngine(InputProcessor):
 
     def _adopt(self) -> None:
         """Take in each replica started again since (tiffin.engine.replica_supervisor), after what its dead process
-        left: it starts empty (no blocks, no load, no queue, no adapter) and gets the added adapters again."""
+        left: it starts empty (no blocks, no load, no queue, no adapter: the router sends an adapter's requests to
+        the replicas holding it, and this one reads it when one comes)."""
         for rank in list(self.replicas.ready):
             while self.dead[rank] is None:  # its death not yet read from the pipe: fail its requests first
                 self._pending += self._apply(rank, self._receive(rank))
@@ -182,11 +182,6 @@ class DataParallelEngine(InputProcessor):
             self.queue.forget(rank)
             self.dead[rank] = None  # before the swap: other threads see it ready (in `ready`) or serving
             self.replicas.adopt(rank)
-            for lora in [] if self.lora_registry is None else self.lora_registry.added():
-                try:
-                    self._ask(rank, ("call", "add_lora", (lora,)))
-                except Exception as e:  # a request for it reads it there again, or is refused naming why
-                    logger.warning("data-parallel replica %d did not add adapter %s again: %s", rank, lora.lora_name, e)
 
     def step(self) -> list[RequestOutput]:
         """The outputs the replicas reported since the last call, waiting up to STEP_WAIT for one."""
@@ -320,22 +315,20 @@ class DataParallelEngine(InputProcessor):
         return lora_request  # each replica reads it where it is served
 
     def add_lora(self, lora: LoRARequest) -> bool:
-        """Add the adapter to every live replica (each reads it), all or none: a replica's refusal is raised as it
-        raised it, after the replicas before it dropped the adapter again. False if every one had it cached."""
+        """Add the adapter on one live replica (which reads it: its refusal is raised as it raised it), and name
+        it in `lora_registry`; the router sends its requests there, and to another replica (which reads it then)
+        only past the balance threshold. The replica: one that holds it already, else the one holding the fewest
+        adapters, then the least loaded. False if that replica had it cached."""
         self._adopt()
-        live = [r for r, why in enumerate(self.dead) if why is None]
-        cached = []
-        try:
-            for rank in live:
-                cached.append(self._call(rank, "add_lora", lora))
-        except Exception:
-            for rank in live[: len(cached)]:
-                with contextlib.suppress(EngineDeadError):
-                    self._call(rank, "remove_lora", lora.lora_int_id)
-            raise
+        held = lambda r: (lora.lora_int_id not in self.replica_loras[r], len(self.replica_loras[r]), self.loads[r], r)
+        rank = min((r for r, why in enumerate(self.dead) if why is None), key=held, default=None)
+        if rank is None:
+            raise EngineDeadError(f"no data-parallel replica serves: {'; '.join(self._why_dead())}")
+        cached = self._call(rank, "add_lora", lora)
+        self.router.lora_replicas.setdefault(lora.lora_int_id, set()).add(rank)
         if self.lora_registry is not None:
             self.lora_registry.add(lora)
-        return any(cached)
+        return cached
 
     def remove_lora(self, lora_int_id: int) -> bool:
         self.router.lora_replicas.pop(lora_int_id, None)

@@ -1,9 +1,10 @@
-"""What the data-parallel front (tiffin.engine.data_parallel) keeps of its replicas for a server: the adapters added
-to every replica (the table a server's LoRA routes read, as they read one engine's `LoRARegistry`) and the
+"""What the data-parallel front (tiffin.engine.data_parallel) keeps of its replicas for a server: the adapters a
+server added (the table its LoRA routes read, as they read one engine's `LoRARegistry`) and the
 waiting queue of each replica (so that a full one is refused at the front, as one engine refuses it, with
 QueueFull raised from `add_request` rather than a failed output).
 
-Invariants: an adapter is in `AdapterTable` only once every live replica added it; `QueueRoom`'s count of a
+Invariants: an adapter is in `AdapterTable` only once a replica read it (others read it when its requests come);
+`QueueRoom`'s count of a
 replica's waiting sequences is never below the truth: the count its last report gave plus the sequences sent
 since that the replica had not yet taken (a sequence scheduled meanwhile is counted until the next report)."""
 
@@ -16,7 +17,7 @@ from tiffin.engine.outputs import EngineStats
 
 
 class AdapterTable:
-    """The adapters added to every replica by name, with `LoRARegistry`'s lookups (`get`, `added`, `is_cached`,
+    """The adapters a server added, by name, with `LoRARegistry`'s lookups (`get`, `added`, `is_cached`,
     `next_int_id`); read from any thread, replaced on change, never mutated."""
 
     def __init__(self) -> None:
@@ -37,7 +38,7 @@ class AdapterTable:
         return list(self._added.values())
 
     def is_cached(self, lora_int_id: int) -> bool:
-        """An added adapter needs no `load_lora` before its requests: every replica holds it (or reads it again)."""
+        """An added adapter needs no `load_lora` before its requests: a replica holds it, any other reads it."""
         return lora_int_id in self._added
 
 
