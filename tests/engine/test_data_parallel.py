@@ -2,7 +2,7 @@
 one engine's with the summed pool; a prompt sharing a prefix goes where its blocks are; KV events read from ZMQ with
 plain msgpack, as vLLM's format documents them (not tiffin's classes), rebuild each replica's prefix cache exactly
 after evictions; streaming and abort through AsyncLLMEngine; a killed replica fails only its own requests, naming
-it; no block held after any of it."""
+it, and is started again, rejoining empty; no block held after any of it."""
 
 import asyncio
 import hashlib
@@ -238,31 +238,82 @@ def test_the_openai_app_serves_over_the_replicas(served, dp, single):
     assert client.get("/models").json()["data"][0]["id"] == "tiny"
 
 
-def test_a_killed_replica_fails_only_its_requests(served, dp):
-    long = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
-    ps = prompts(2, seed=4, lens=(4,))
+def test_a_killed_replica_fails_only_its_requests_and_rejoins(served, dp, single, model, tmp_path):
+    """kill -9 of a replica mid-run: exactly its requests in flight fail, each naming it and the signal; the router
+    sends it nothing more at once; the others complete with one engine's tokens. It is started again and taken in
+    empty (no block in the router's map, no adapter), counted in the metrics, and serves; the adapter that was added
+    on it is read where its next request goes."""
+    from tiffin.plugin.metrics import engine_metrics
 
-    async def run(i: int):
+    long = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    ps = prompts(4, seed=4, lens=(4, 9, 6, 11))  # two on each replica, running together in its 192-token pool
+    expected, fresh = tokens(single, ps, long), prompts(4, seed=8, lens=(5, 10))
+    lora = LoRARequest("kept", 3, str(make_adapter(model, tmp_path / "kept", seed=3, r=4)))
+    call = lambda method, *args: served._call_engine(method, *args)
+
+    async def run(prompt, params, request_id=None, lora_request=None):
         try:
-            return [out async for out in served.generate(ps[i], long, request_id=f"kill-{i}")][-1]
+            return [
+                out async for out in served.generate(prompt, params, request_id=request_id, lora_request=lora_request)
+            ][-1]
         except EngineError as e:
             return e
 
     async def go():
-        tasks = [asyncio.create_task(run(i)) for i in range(2)]
-        while len(routed := dict(dp.requests)) < 2 or not all(r.tokens > 4 for r in routed.values()):  # generating
-            await asyncio.sleep(0.01)
-        assert {r.replica for r in routed.values()} == {0, 1}
-        victim = routed["kill-1"].replica
+        await call("add_lora", lora)  # on one replica: the victim
+        tasks = [asyncio.create_task(run(p, long, f"kill-{i}")) for i, p in enumerate(ps)]
+        generating = lambda routed: all(  # past its prompt: a routed request's load counts its outputs
+            routed[f"kill-{i}"].tokens > len(p["prompt_token_ids"]) if f"kill-{i}" in routed else False
+            for i, p in enumerate(ps)
+        )
+        while not generating(routed := dict(dp.requests)):
+            assert not any(task.done() for task in tasks), "a request ended before every one was generating"
+            await asyncio.sleep(0.001)
+        victim = next(r for r, held in enumerate(dp.replica_loras) if 3 in held)
         os.kill(dp.procs[victim].pid, signal.SIGKILL)
-        results = await asyncio.gather(*tasks)
-        assert isinstance(results[1], EngineError) and f"replica {victim} died" in str(results[1])
-        assert len(results[0].outputs[0].token_ids) == 150
-        after = [out async for out in served.generate(ps[0], GREEDY)][-1]  # the survivor serves on
-        assert after.outputs[0].token_ids == results[0].outputs[0].token_ids[:8]
+        killed = time.monotonic()
+        while dp.dead[victim] is None:  # the engine thread saw it die: from now on nothing goes there
+            await asyncio.sleep(0.01)
+        assert victim not in dp.router.lora_replicas[3]
+        assert served.ready and "restarting it" in dp.replica_health()[victim]["error"]  # the other serves
+        during = asyncio.create_task(run(fresh[0], GREEDY, "during"))
+        while "during" not in dp.requests and not during.done():
+            await asyncio.sleep(0.001)
+        sent_to = dp.requests["during"].replica if "during" in dp.requests else None
+        results = await asyncio.gather(*tasks, during)
+        while not dp.replica_health()[victim]["alive"]:
+            assert time.monotonic() - killed < 300, "the replica never rejoined"  # a hang guard, not a timing bar
+            await asyncio.sleep(0.05)
+        rejoined = time.monotonic() - killed
+        held = await call("_call", victim, "block_manager.cached.copy")  # an engine call takes the replica in first
+        loras = await call("_call", victim, "list_loras")
+        after = await asyncio.gather(*(run(p, GREEDY) for p in fresh))
+        adapter = await run(fresh[1], GREEDY, lora_request=lora)
+        cached = await call("_call", victim, "block_manager.cached.copy")  # the reports before it came with it
+        return victim, routed, sent_to, results, (held, cached), after, loras, rejoined, adapter
 
-    asyncio.run(go())
-    assert served.healthy and dp.failure() is None and sum(why is not None for why in dp.dead) == 1
+    victim, routed, sent_to, results, (held, cached), after, loras, rejoined, adapter = asyncio.run(go())
+    *results, during = results
+    failed = {f"kill-{i}" for i, r in enumerate(results) if isinstance(r, EngineError)}
+    assert failed == {rid for rid, r in routed.items() if r.replica == victim} and 0 < len(failed) < len(ps)
+    assert all(f"replica {victim} died (killed by SIGKILL)" in str(r) for r in results if isinstance(r, EngineError))
+    assert all(r.outputs[0].token_ids == expected[i] for i, r in enumerate(results) if f"kill-{i}" not in failed)
+    assert sent_to == 1 - victim and during.outputs[0].token_ids == tokens(single, fresh[:1])[0]
+    print(f"replica {victim} rejoined {rejoined:.1f} s after it was killed")
+    assert held == {}  # its prefix cache starts empty
+    assert [o.outputs[0].token_ids for o in after] == tokens(single, fresh)
+    assert dp.replica_stats[victim].prompt_tokens > 0, "the restarted replica served nothing"
+    assert dp.router.blocks[victim] == set(cached) != set()  # its map follows the new replica's events alone
+    assert loras == set() and dp.replica_health()[victim]["restarts"] == 1
+    with_lora = single.generate(fresh[1], GREEDY, lora_request=lora, use_tqdm=False)[0].outputs[0].token_ids
+    assert adapter.outputs[0].token_ids == with_lora != after[1].outputs[0].token_ids
+    metrics = engine_metrics()
+    metrics.on_replicas(dp.replica_health())
+    from prometheus_client import REGISTRY
+
+    assert REGISTRY.get_sample_value("tiffin_replica_restarts_total", {"replica": str(victim)}) == 1
+    assert served.healthy and served.ready and dp.failure() is None and dp.dead == [None, None]
+    assert asyncio.run(call("remove_lora", 3))
 
 
 def test_offline_generate_waits_for_room_in_the_replicas_queues(model, single):

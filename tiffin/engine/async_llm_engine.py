@@ -288,8 +288,10 @@ class AsyncLLMEngine(AsyncSleepMode, StallHandling):
     @property
     def ready(self) -> bool:
         """Healthy, and no tokenization has waited over `tokenize_pool.READY_WAIT` for a thread: a replica whose
-        tokenizing threads are all held by long texts is not ready for more (the Bento's /readyz)."""
-        return self.healthy and self.tokenizing.waited() <= tokenize_pool.READY_WAIT
+        tokenizing threads are all held by long texts is not ready for more (the Bento's /readyz); nor is a
+        data-parallel engine whose replicas are all being restarted."""
+        serving = getattr(self.engine, "serving", None)
+        return self.healthy and self.tokenizing.waited() <= tokenize_pool.READY_WAIT and (serving is None or serving())
 
     def _check_running(self) -> None:
         if self.dead is not None:

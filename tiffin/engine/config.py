@@ -229,13 +229,18 @@ class EngineConfig:
         "cache_aware",
         "which replica serves a request (data_parallel_size > 1): cache_aware (the one holding the longest prefix of "
         "its prompt's blocks, as its KV events report, unless it is loaded router_balance_threshold tokens beyond the "
-        "least loaded; with no hit, a replica that served its adapter before), least_loaded (fewest tokens in "
+        "least loaded; with no hit, the least loaded replica holding its adapter), least_loaded (fewest tokens in "
         "flight) or round_robin",
     )
     router_balance_threshold: int = _setting(
         8192,
         "tokens (prompts and outputs of its requests in flight) by which cache_aware's choice may be loaded beyond the "
         "least loaded replica before the request goes to the least loaded one instead (SGLang's balance threshold)",
+    )
+    data_parallel_max_restarts: int = _setting(
+        3,
+        "times a data-parallel replica that died is started again within 10 minutes (its requests in flight fail; it "
+        "rejoins with an empty prefix cache); 0: never",
     )
     kv_events_endpoint: str | None = _setting(
         None,
@@ -381,6 +386,8 @@ class EngineConfig:
             self._check_nodes()
         if self.router_policy not in ROUTER_POLICIES:
             raise ValueError(f"router_policy must be one of {list(ROUTER_POLICIES)}, got {self.router_policy!r}")
+        if self.data_parallel_max_restarts < 0:
+            raise ValueError(f"data_parallel_max_restarts must be >= 0, got {self.data_parallel_max_restarts}")
         if self.router_balance_threshold < 0:
             raise ValueError(f"router_balance_threshold must be >= 0, got {self.router_balance_threshold}")
         if self.distributed_timeout <= 0:

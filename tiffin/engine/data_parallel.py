@@ -14,12 +14,15 @@ a replica's load is the tokens (prompt and outputs so far, each of its n samples
 front last saw them. A replica that dies fails its requests in flight (naming it) and receives no more; the others
 go on. The front keeps the replicas' waiting queues (max_waiting_requests and max_waiting_per_client per replica,
 tiffin.engine.replica_admin): a request goes to a replica with room, QueueFull when none has, so that it is refused
-as one engine refuses it. Adapters a server adds go to every replica (`add_lora`, all or none), named in the
-front's `lora_registry`. Each replica's process: tiffin.engine.data_parallel_replica. Not here: restarting a
-replica, replicas across hosts (Ray)."""
+as one engine refuses it. An adapter a server adds is read by one replica (`add_lora`) and named in the front's
+`lora_registry`; any other replica reads it when the router first sends it one of its requests (LoRA affinity keeps
+them on the replicas holding it, within the balance threshold). Each replica's process:
+tiffin.engine.data_parallel_replica; a replica that dies is started again (tiffin.engine.replica_supervisor) and
+taken in empty: no blocks in the router's map, no adapter, nothing in flight. Not here: replicas across hosts
+(Ray)."""
 
-import contextlib
 import dataclasses
+import functools
 import queue
 import threading
 import weakref
@@ -42,11 +45,11 @@ from tiffin.engine.models.source import load_tokenizer
 from tiffin.engine.outputs import EngineStats, PoolingRequestOutput, RequestOutput
 from tiffin.engine.pooling_params import PoolingParams
 from tiffin.engine.replica_admin import AdapterTable, QueueRoom, health
+from tiffin.engine.replica_supervisor import Supervisor, exit_cause
 from tiffin.engine.router import Router
 from tiffin.engine.sampling_params import SamplingParams
 
 STEP_WAIT = 0.01  # seconds `step()` waits for a replica's report: adds and aborts between are seen this late
-START_TIMEOUT = 600.0
 
 
 @dataclass
@@ -77,30 +80,21 @@ class DataParallelEngine(InputProcessor):
 
     def __init__(self, config: EngineConfig):
         n = config.data_parallel_size
-        ctx = mp.get_context("spawn")
         threads = max(1, torch.get_num_threads() // n) if config.torch_device.type == "cpu" else 1
-        daemon = world_size(config) == 1  # a replica with tensor/pipeline ranks starts processes of its own
-        self.conns, self.procs = [], []
-        for rank in range(n):
-            parent, child = ctx.Pipe()
-            events = config.kv_events_endpoint, config.kv_events_topic
-            args = (_replica_config(config, rank), rank, child, threads, *events)
-            proc = ctx.Process(target=replica_main, args=args, name=f"tiffin-dp{rank}", daemon=daemon)
-            proc.start()
-            child.close()
-            self.conns.append(parent)
-            self.procs.append(proc)
+        self.replicas = Supervisor(functools.partial(_start, config, threads), n, config.data_parallel_max_restarts)
+        self.conns, self.procs = self.replicas.conns, self.replicas.procs  # replica r's current pipe and process
         # stops the replicas when this object is collected or the interpreter exits (before it joins non-daemons)
-        self._stop = weakref.finalize(self, _stop, self.conns, self.procs)
-        self.dead: list[str | None] = [None] * n  # why each replica stopped
-        infos = [self._started(rank) for rank in range(n)]
+        self._stop = weakref.finalize(self, self.replicas.close)
+        self.dead: list[str | None] = [None] * n  # why each replica stopped (until a replacement is taken in)
+        infos = self.replicas.started()
         for name in FRONT_ATTRS:
             setattr(self, name, infos[0][name])
         queue_limits = {name: getattr(config, name) for name in ("max_waiting_requests", "max_waiting_per_client")}
-        front = dict(data_parallel_size=n, kv_events_endpoint=events[0], **queue_limits)  # not the replicas' own
+        # the front's own settings, not the replicas'
+        front = dict(data_parallel_size=n, kv_events_endpoint=config.kv_events_endpoint, **queue_limits)
         self.config = dataclasses.replace(self.config, **front)
         self.block_manager = _Capacity(infos[0]["num_blocks"], config.block_size)
-        # adapters are read by the replicas (`load_lora` hands the request on); this table names those added to all
+        # adapters are read by the replicas (`load_lora` hands the request on); this table names those added
         self.lora_registry = AdapterTable() if infos[0]["lora"] else None
         self.replica_loras = [frozenset()] * n  # the adapters in each replica's host cache, as last reported
         self.queue = QueueRoom.of(n, *queue_limits.values())
@@ -115,16 +109,6 @@ class DataParallelEngine(InputProcessor):
         self.sleep_level = 0
         self._lora_keys: dict[int, bytes] = {}  # lora_int_id -> identity, as the replicas resolved it
         self._pending: list[RequestOutput] = []  # outputs received while waiting for a call's answer
-
-    def _started(self, rank: int) -> dict:
-        if not self.conns[rank].poll(START_TIMEOUT):
-            self.shutdown()
-            raise RuntimeError(f"data-parallel replica {rank} did not start within {START_TIMEOUT:g} s")
-        kind, value = self.conns[rank].recv()
-        if kind == "error":
-            self.shutdown()
-            raise RuntimeError(f"data-parallel replica {rank} failed to start: {value}")
-        return value
 
     # --- requests ---
 
@@ -148,6 +132,7 @@ class DataParallelEngine(InputProcessor):
         n = getattr(params, "n", 1)
         self.queue.check(n, client)
         self._reap()
+        self._adopt()
         full = [self.dead[r] is None and self.queue.full(r, n, client) for r in range(len(self.conns))]
         if any(full) and all(why is not None or full[r] for r, why in enumerate(self.dead)):
             self.queue.refuse([why for why in full if why])
@@ -156,7 +141,7 @@ class DataParallelEngine(InputProcessor):
         hashes = [] if key is None else self.router.prompt_hashes(prompt.token_ids, key, prompt.images)
         replica = self.router.route(hashes, self._loads(full), lora_id)
         if self.dead[replica] is not None:
-            raise EngineDeadError(f"every data-parallel replica is dead: {'; '.join(self.dead)}")
+            raise EngineDeadError(f"no data-parallel replica serves: {'; '.join(self._why_dead())}")
         # an adapter the replica does not hold is read there now: wait for its answer, to raise a refusal here
         cold = lora_id is not None and lora_id not in self.replica_loras[replica]
         message = ("add", request_id, prompt, params, lora_request, client, cold)
@@ -185,8 +170,22 @@ class DataParallelEngine(InputProcessor):
             while self.dead[rank] is None and not proc.is_alive():
                 self._pending += self._apply(rank, self._receive(rank))
 
+    def _adopt(self) -> None:
+        """Take in each replica started again since (tiffin.engine.replica_supervisor), after what its dead process
+        left: it starts empty (no blocks, no load, no queue, no adapter: the router sends an adapter's requests to
+        the replicas holding it, and this one reads it when one comes)."""
+        for rank in list(self.replicas.ready):
+            while self.dead[rank] is None:  # its death not yet read from the pipe: fail its requests first
+                self._pending += self._apply(rank, self._receive(rank))
+            self.replica_stats[rank] = self.replicas.ready[rank].info["stats"]
+            self.replica_loras[rank] = frozenset()
+            self.queue.forget(rank)
+            self.dead[rank] = None  # before the swap: other threads see it ready (in `ready`) or serving
+            self.replicas.adopt(rank)
+
     def step(self) -> list[RequestOutput]:
         """The outputs the replicas reported since the last call, waiting up to STEP_WAIT for one."""
+        self._adopt()
         outputs, self._pending = self._pending, []
         live = [conn for conn, dead in zip(self.conns, self.dead) if dead is None]
         for conn in wait(live, 0 if outputs else STEP_WAIT):
@@ -201,7 +200,7 @@ class DataParallelEngine(InputProcessor):
             return self.conns[rank].recv()
         except (EOFError, OSError):
             self.procs[rank].join(1)
-            return "dead", f"data-parallel replica {rank} died (exit code {self.procs[rank].exitcode})"
+            return "dead", f"data-parallel replica {rank} died ({exit_cause(self.procs[rank])})"
 
     def _apply(self, rank: int, message: tuple) -> list[RequestOutput]:
         """Take in a replica's report: its KV events into the router, its outputs into the loads."""
@@ -233,13 +232,13 @@ class DataParallelEngine(InputProcessor):
         routed.tokens = tokens
 
     def _replica_died(self, rank: int, why: str) -> list[RequestOutput]:
-        """Fail `rank`'s requests in flight, naming it; the router sends it nothing more."""
+        """Fail `rank`'s requests in flight, naming it; the router sends it nothing more and forgets its blocks."""
         self.dead[rank] = why
         lost = [rid for rid, routed in self.requests.items() if routed.replica == rank]
         for rid in lost:
             del self.requests[rid]
         self.loads[rank] = 0
-        self.router.inflight[rank].clear()
+        self.router.forget(rank)
         return [RequestOutput(rid, None, [], finished=True, error=why) for rid in lost]
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
@@ -255,20 +254,30 @@ class DataParallelEngine(InputProcessor):
         return bool(self.requests or self._pending)
 
     def failure(self) -> str | None:
-        """Why the engine cannot serve: every replica is dead (any thread)."""
+        """Why the engine cannot serve: every replica is dead and none will be started again (any thread)."""
         why = self._why_dead()
-        return None if not all(why) else "; ".join(why)
+        return None if not all(why) or any(map(self.replicas.will_serve, range(len(why)))) else "; ".join(why)
+
+    def serving(self) -> bool:
+        """Whether some replica serves now (any thread): while every one is being restarted, not (not ready)."""
+        return not all(self._why_dead())
 
     def _why_dead(self) -> list[str | None]:
-        """Why each replica stopped (None: it serves), its process seen exited before its pipe says so."""
-        return [
-            why if why is not None or proc.is_alive() else f"data-parallel replica {r} exited (code {proc.exitcode})"
-            for r, (why, proc) in enumerate(zip(self.dead, self.procs))
-        ]
+        """Why each replica stopped (None: it serves, or its replacement is ready), its process seen exited before
+        its pipe says so, with what becomes of it."""
+        whys = []
+        for r, (why, proc) in enumerate(zip(self.dead, self.procs)):
+            if r in self.replicas.ready:
+                why = None
+            elif why is None and not proc.is_alive():
+                why = f"data-parallel replica {r} died ({exit_cause(proc)})"
+            whys.append(None if why is None else why + self.replicas.note(r))
+        return whys
 
     def replica_health(self) -> list[dict]:
         """Each replica's `replica_admin.health` (any thread)."""
-        return list(map(health, range(len(self.procs)), self._why_dead(), self.replica_stats, self.loads))
+        ranks = range(len(self.procs))
+        return list(map(health, ranks, self._why_dead(), self.replica_stats, self.loads, self.replicas.restarts))
 
     def stats(self) -> EngineStats:
         """The live replicas' stats summed (as of their last reports); kv_bytes_per_token is one replica's."""
@@ -283,6 +292,7 @@ class DataParallelEngine(InputProcessor):
 
     def _call(self, rank: int, method: str, *args):
         """`method(*args)` on replica `rank`'s engine, between its steps; what it raises is raised here."""
+        self._adopt()
         return self._ask(rank, ("call", method, args))
 
     def _ask(self, rank: int, message: tuple):
@@ -298,27 +308,27 @@ class DataParallelEngine(InputProcessor):
         return _unwrap(message[1])
 
     def _call_all(self, method: str, *args) -> list:
+        self._adopt()  # a replica started again gets the call too
         return [self._call(rank, method, *args) for rank in range(len(self.conns)) if self.dead[rank] is None]
 
     def load_lora(self, lora_request: LoRARequest) -> LoRARequest:
         return lora_request  # each replica reads it where it is served
 
     def add_lora(self, lora: LoRARequest) -> bool:
-        """Add the adapter to every live replica (each reads it), all or none: a replica's refusal is raised as it
-        raised it, after the replicas before it dropped the adapter again. False if every one had it cached."""
-        live = [r for r, why in enumerate(self.dead) if why is None]
-        cached = []
-        try:
-            for rank in live:
-                cached.append(self._call(rank, "add_lora", lora))
-        except Exception:
-            for rank in live[: len(cached)]:
-                with contextlib.suppress(EngineDeadError):
-                    self._call(rank, "remove_lora", lora.lora_int_id)
-            raise
+        """Add the adapter on one live replica (which reads it: its refusal is raised as it raised it), and name
+        it in `lora_registry`; the router sends its requests there, and to another replica (which reads it then)
+        only past the balance threshold. The replica: one that holds it already, else the one holding the fewest
+        adapters, then the least loaded. False if that replica had it cached."""
+        self._adopt()
+        held = lambda r: (lora.lora_int_id not in self.replica_loras[r], len(self.replica_loras[r]), self.loads[r], r)
+        rank = min((r for r, why in enumerate(self.dead) if why is None), key=held, default=None)
+        if rank is None:
+            raise EngineDeadError(f"no data-parallel replica serves: {'; '.join(self._why_dead())}")
+        cached = self._call(rank, "add_lora", lora)
+        self.router.lora_replicas.setdefault(lora.lora_int_id, set()).add(rank)
         if self.lora_registry is not None:
             self.lora_registry.add(lora)
-        return any(cached)
+        return cached
 
     def remove_lora(self, lora_int_id: int) -> bool:
         self.router.lora_replicas.pop(lora_int_id, None)
@@ -361,19 +371,16 @@ class DataParallelEngine(InputProcessor):
         self._stop()
 
 
-def _stop(conns: list, procs: list) -> None:
-    for conn in conns:
-        try:
-            conn.send(("stop",))
-        except (OSError, ValueError):  # gone already
-            pass
-    for proc in procs:
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5)
-    for conn in conns:
-        conn.close()
+def _start(config: EngineConfig, threads: int, rank: int) -> tuple:
+    """Start replica `rank`'s process (`threads` torch threads): the front's end of its pipe, and the process."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    args = (_replica_config(config, rank), rank, child, threads, config.kv_events_endpoint, config.kv_events_topic)
+    daemon = world_size(config) == 1  # a replica with tensor/pipeline ranks starts processes of its own
+    proc = ctx.Process(target=replica_main, args=args, name=f"tiffin-dp{rank}", daemon=daemon)
+    proc.start()
+    child.close()
+    return parent, proc
 
 
 def _replica_config(config: EngineConfig, rank: int) -> EngineConfig:

@@ -1,9 +1,10 @@
-"""What the data-parallel front (tiffin.engine.data_parallel) keeps of its replicas for a server: the adapters added
-to every replica (the table a server's LoRA routes read, as they read one engine's `LoRARegistry`) and the
+"""What the data-parallel front (tiffin.engine.data_parallel) keeps of its replicas for a server: the adapters a
+server added (the table its LoRA routes read, as they read one engine's `LoRARegistry`) and the
 waiting queue of each replica (so that a full one is refused at the front, as one engine refuses it, with
 QueueFull raised from `add_request` rather than a failed output).
 
-Invariants: an adapter is in `AdapterTable` only once every live replica added it; `QueueRoom`'s count of a
+Invariants: an adapter is in `AdapterTable` only once a replica read it (others read it when its requests come);
+`QueueRoom`'s count of a
 replica's waiting sequences is never below the truth: the count its last report gave plus the sequences sent
 since that the replica had not yet taken (a sequence scheduled meanwhile is counted until the next report)."""
 
@@ -16,7 +17,7 @@ from tiffin.engine.outputs import EngineStats
 
 
 class AdapterTable:
-    """The adapters added to every replica by name, with `LoRARegistry`'s lookups (`get`, `added`, `is_cached`,
+    """The adapters a server added, by name, with `LoRARegistry`'s lookups (`get`, `added`, `is_cached`,
     `next_int_id`); read from any thread, replaced on change, never mutated."""
 
     def __init__(self) -> None:
@@ -37,7 +38,7 @@ class AdapterTable:
         return list(self._added.values())
 
     def is_cached(self, lora_int_id: int) -> bool:
-        """An added adapter needs no `load_lora` before its requests: every replica holds it (or reads it again)."""
+        """An added adapter needs no `load_lora` before its requests: a replica holds it, any other reads it."""
         return lora_int_id in self._added
 
 
@@ -78,14 +79,20 @@ class QueueRoom:
         joined = reasons[0] if len(set(reasons)) == 1 else "every replica's queue is full: " + "; ".join(reasons)
         raise QueueFull(joined)
 
+    def forget(self, replica: int) -> None:
+        """`replica` was started again: nothing sent to it, nothing waiting."""
+        self.sent[replica] = self.taken[replica] = 0
+        self.waiting[replica] = Counter()
+
     def reported(self, replica: int, queue: tuple[int, Counter]) -> None:
         """`replica`'s report: the sequences it had taken in all, and those of them waiting by client."""
         self.taken[replica], self.waiting[replica] = queue
 
 
-def health(replica: int, why: str | None, stats: EngineStats, load: int) -> dict:
+def health(replica: int, why: str | None, stats: EngineStats, load: int, restarts: int) -> dict:
     """A replica's state for a server's health detail and metrics: whether it serves (else why not), its batch,
-    queue and KV pool as it last reported them, and its load as the router sees it (a dead one holds nothing)."""
+    queue and KV pool as it last reported them, its load as the router sees it (a dead one holds nothing), and how
+    many times it was started again."""
     alive = why is None
     return {
         "replica": replica,
@@ -96,4 +103,5 @@ def health(replica: int, why: str | None, stats: EngineStats, load: int) -> dict
         "kv_blocks_used": stats.kv_blocks_used if alive else 0,
         "kv_blocks_total": stats.kv_blocks_total,
         "load_tokens": load if alive else 0,
+        "restarts": restarts,
     }

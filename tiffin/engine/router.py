@@ -7,9 +7,11 @@ size and chain, the adapter's identity and the images' hashes included). A repli
 sharing a system prompt arrives before any of them is computed). The request goes to the replica holding its
 longest leading run of blocks, unless that replica's load (tokens of its requests in flight: waiting and running)
 exceeds the least loaded one's by more than `balance_threshold` tokens; without any hit, to the least loaded
-replica among those that served its adapter before (LoRA affinity), within the same bound; else to the least loaded
-one. `least_loaded` and `round_robin` ignore the cache. Ties go to the lowest replica index; a replica whose load is
-infinite (a dead one) is chosen only when every replica is.
+replica among those holding its adapter (LoRA affinity: the replica it was added on, and those sent its requests,
+which read it then), within the same bound; else to the least loaded one (which reads the adapter). `least_loaded`
+and `round_robin` ignore the cache. Ties go to the lowest replica index; a replica whose load is infinite (a dead
+one) is chosen only when every replica is. `lora_replicas` does not follow a replica's host cache: an adapter it
+evicted is read again when a request brings it back.
 
 `blocks` is exactly what the events said, as of each replica's last report (a block stored or evicted meanwhile is
 seen one step late); `inflight` is the router's own record of what it sent, each prompt's hashes until the front
@@ -34,7 +36,7 @@ class Router:
         self.block_size, self.policy, self.balance_threshold = block_size, policy, balance_threshold
         self.blocks: list[set[bytes]] = [set() for _ in range(num_replicas)]  # the hashes each replica holds
         self.inflight: list[Counter] = [Counter() for _ in range(num_replicas)]  # those of its prompts in flight
-        self.lora_replicas: dict[int, set[int]] = {}  # lora_int_id -> replicas that served it
+        self.lora_replicas: dict[int, set[int]] = {}  # lora_int_id -> replicas holding it (added or sent there)
         self._next = 0  # round_robin's
         self.routed_tokens = [0] * num_replicas  # prompt tokens routed to each replica, and those it held
         self.expected_hits = [0] * num_replicas
@@ -49,6 +51,13 @@ class Router:
                 held.difference_update(event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
                 held.clear()
+
+    def forget(self, replica: int) -> None:
+        """`replica` died: it holds nothing, serves no adapter and computes nothing (its replacement starts empty)."""
+        self.blocks[replica].clear()
+        self.inflight[replica].clear()
+        for replicas in self.lora_replicas.values():
+            replicas.discard(replica)
 
     def prompt_hashes(self, token_ids: list[int], cache_key: bytes = b"", images: tuple = ()) -> list[bytes]:
         """The hashes a replica's prefix cache would look up for this prompt (stopping short of its last token, which

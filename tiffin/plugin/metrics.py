@@ -78,6 +78,9 @@ class EngineMetrics:
         self.replica_load = replica(
             "tiffin_replica_load_tokens", "Tokens of the replica's requests in flight, as the router weighs them."
         )
+        self.replica_restarts = Counter(  # prometheus_client appends _total
+            "tiffin_replica_restarts", "Times the data-parallel replica was started again after it died.", ["replica"]
+        )
         self.kv_bytes_per_token = Gauge(  # a property of the model: the same in every worker
             "tiffin_kv_cache_bytes_per_token",
             "KV cache bytes of one token, every layer (a rank's share under tensor parallelism).",
@@ -175,6 +178,7 @@ class EngineMetrics:
             self.replica_waiting.labels(replica=r).set(h["num_waiting"])
             self.replica_kv_blocks_used.labels(replica=r).set(h["kv_blocks_used"])
             self.replica_load.labels(replica=r).set(h["load_tokens"])
+            self._advance("model", self.replica_restarts.labels(replica=r), h["restarts"])
 
     def on_embedding_stats(self, stats: EngineStats) -> None:
         """The hook of the embedding engine beside the model: its pooling counters and KV gauges of its own (the
