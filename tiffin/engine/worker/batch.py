@@ -91,8 +91,8 @@ class ModelInput(NamedTuple):
     mm: MultiModalEmbeddings | None = None  # the step's image embeddings (`multimodal.encoder`), if it has any
 
 
-def host_batch(scheduler_output: SchedulerOutput, block_size: int, pad_prefills: bool = False) -> HostBatch:
-    """`scheduler_output` flattened; with `pad_prefills`, a step with a prefill runs `padded_tokens` rows."""
+def host_batch(scheduler_output: SchedulerOutput, block_size: int, pad_rows: bool = False) -> HostBatch:
+    """`scheduler_output` flattened; with `pad_rows`, the step runs `padded_tokens` rows."""
     seqs, query_lens = scheduler_output.seqs, np.array(scheduler_output.num_scheduled_tokens)
     starts = np.array([s.num_computed_tokens for s in seqs])
     seq_lens = starts + query_lens
@@ -116,7 +116,7 @@ def host_batch(scheduler_output: SchedulerOutput, block_size: int, pad_prefills:
         query_start_loc = np.concatenate([[0], np.cumsum(np.where(single, 1, query_lens[owner]))])
         seq_lens = np.where(single, starts[owner] + _ranks(entries) + 1, seq_lens[owner])
         block_tables = block_tables[owner]
-    if pad_prefills and query_lens.max() > 1:
+    if pad_rows:
         pad = padded_tokens(len(input_ids)) - len(input_ids)
         input_ids, positions = np.pad(input_ids, (0, pad)), np.pad(positions, (0, pad))
         slots = np.pad(slots, (0, pad), constant_values=-1)
@@ -145,15 +145,31 @@ def _ranks(counts: np.ndarray) -> np.ndarray:
     return np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
-def padded_tokens(tokens: int) -> int:
-    """A prefill step's token count rounded up to one of 8 sizes per power of two (at most 1/8 more), kept as is
-    up to 64: on a CPU with AMX, oneDNN builds a kernel for each new row count of a bf16 linear and reuses it
-    after, and prompts come in every length (figures: benchmarks/README.md). The padding rows belong to no
-    sequence: slot -1, not written to the KV cache, not attended to, not sampled."""
-    if tokens <= 64:
-        return tokens
-    step = 1 << (tokens.bit_length() - 4)
-    return -(-tokens // step) * step
+def padded_tokens(rows: int) -> int:
+    """The row count a forward of `rows` token rows (or a logits pass of `rows` rows) runs at while the runner pads
+    rows (`RunnerPolicy.pad_rows`): exact up to 8, then rounded up to one of 4 sizes per power of two (at most 1/4
+    more). oneDNN builds a kernel for each new row count of a linear layer (bf16, and fp32 with weights prepacked
+    for it) and caches it, ~0.6 MiB each per distinct layer shape, and steps come in every size, so an unpadded
+    server's memory grows with the variety of its load (figures: benchmarks/README.md).
+
+    Invariant: while rows are padded, every row count a linear of the model sees is one of
+    `row_buckets(max_num_batched_tokens)`, fixed at engine start (warm-up builds the smaller ones there). Padding
+    rows belong to no sequence: slot -1 (no KV write), the base model (no adapter), outside every attention entry,
+    never sampled, pooled nor returned (their logits rows are cut before the sampler)."""
+    if rows <= 8:
+        return rows
+    step = 1 << (rows.bit_length() - 3)
+    return -(-rows // step) * step
+
+
+def row_buckets(max_rows: int) -> list[int]:
+    """Every `padded_tokens` size a forward of at most `max_rows` rows can take."""
+    return sorted({padded_tokens(n) for n in range(1, max_rows + 1)})
+
+
+def pad_indices(indices: torch.Tensor) -> torch.Tensor:
+    """`indices` (the logits rows of a step) padded to `padded_tokens` with row 0's index."""
+    return torch.nn.functional.pad(indices, (0, padded_tokens(len(indices)) - len(indices)))
 
 
 def round16(width: int) -> int:

@@ -1,11 +1,11 @@
 """Work done at start so that serving never pays a first-use cost: every Triton kernel variant compiled, and on
-CPUs with AMX every padded GEMM size built by oneDNN."""
+CPU every padded GEMM size built by oneDNN."""
 
 import numpy as np
 import torch
 
 from tiffin.engine.models.linear import Embedding, Linear
-from tiffin.engine.worker.batch import padded_tokens, synthetic_step
+from tiffin.engine.worker.batch import row_buckets, synthetic_step
 from tiffin.kernels.lora import LoRAMetadata, lora_apply
 from tiffin.kernels.quant import DENSE_MIN_TOKENS
 
@@ -77,16 +77,21 @@ def warm_up_lora(runner) -> None:
 
 
 @torch.inference_mode()
-def warm_padded_sizes(model: torch.nn.Module, dtype: torch.dtype, max_tokens: int) -> None:
-    """Run each distinct projection at every `padded_tokens` size up to min(max_tokens, 1,024) rows, so that
-    oneDNN has built their kernels before serving. Larger steps build theirs on first use, where the build costs
-    less next to the step's work."""
-    most = padded_tokens(min(max_tokens, 1024))
-    sizes = sorted({padded_tokens(n) for n in range(1, most + 1)})
+def warm_padded_sizes(model: torch.nn.Module, model_config, max_tokens: int, max_logits: int) -> None:
+    """Run each distinct projection at every `row_buckets` size up to min(max_tokens, 1,024) rows, and the logits
+    head at every size up to `max_logits` rows (a step's sampling rows), so that oneDNN has built their kernels
+    before serving and a fresh server holds them already. Larger steps (prompt logprobs among them) build theirs
+    on first use, where the build costs less next to the step's work."""
+    device, dtype = next(model.parameters()).device, model_config.dtype
     for layer in distinct_linears(model):
-        x = torch.zeros(most, layer.input_size, dtype=dtype, device=next(model.parameters()).device)
-        for m in sizes:
+        x = torch.zeros(min(max_tokens, 1024), layer.input_size, dtype=dtype, device=device)
+        for m in row_buckets(len(x)):
             layer.method.apply(layer, x[:m])
+    if model_config.task != "generate":
+        return
+    hidden = torch.zeros(min(max_logits, 1024), model_config.hidden_size, dtype=dtype, device=device)
+    for m in row_buckets(len(hidden)):
+        model.compute_logits(hidden[:m])
 
 
 def distinct_linears(model: torch.nn.Module) -> list[Linear]:
