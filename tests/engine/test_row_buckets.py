@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tiffin import LLM, LoRARequest, SamplingParams
-from tiffin.engine.worker.batch import padded_tokens, row_buckets
+from tiffin.kernels.row_buckets import padded_tokens, row_buckets
 from tiffin.quant.base import UnquantizedLinearMethod
 
 N = 72  # sequences: decode batches from 72 down to 1, one finishing a step, past the 64 rows bf16 prefills stopped at
@@ -80,7 +80,9 @@ def test_linears_see_only_bucket_rows_and_outputs_match(tiny_model, monkeypatch,
     assert torch.equal(got_kv, want_kv)  # padding rows wrote no slot
 
 
-def test_lora_steps_pad_on_the_base_model(tiny_model, tmp_path, monkeypatch):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lora_steps_pad_on_the_base_model(tiny_model, tmp_path, monkeypatch, dtype):
+    """Padding rows run on the base model; the adapters' own GEMMs: test_kernels_lora.py."""
     from lora_adapters import ADAPTERS, make_adapter
 
     path = tiny_model("llama")
@@ -90,8 +92,8 @@ def test_lora_steps_pad_on_the_base_model(tiny_model, tmp_path, monkeypatch):
         "engine": dict(enable_lora=True, max_loras=2, max_lora_rank=16),
         "requests": [None if i % 3 == 2 else loras[i % 3] for i in range(N)],  # two adapters and the base model
     }
-    want, _, steps, want_kv = _run(path, monkeypatch, pad=False, lora=lora)
-    got, padded, _, got_kv = _run(path, monkeypatch, pad=True, lora=lora)
+    want, _, steps, want_kv = _run(path, monkeypatch, pad=False, dtype=dtype, lora=lora)
+    got, padded, _, got_kv = _run(path, monkeypatch, pad=True, dtype=dtype, lora=lora)
     assert len(steps) >= 60 and padded <= set(row_buckets(MAX_TOKENS)), sorted(padded)
-    _assert_same(got, want, exact=False)
+    _assert_same(got, want, exact=dtype == "bfloat16")
     assert torch.equal(got_kv, want_kv)

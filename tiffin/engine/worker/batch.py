@@ -18,6 +18,7 @@ from tiffin.engine.models.pooler import PoolingMetadata
 from tiffin.engine.sampling_params import SamplingParams
 from tiffin.kernels import AttentionMetadata
 from tiffin.kernels.lora import LoRAMetadata
+from tiffin.kernels.row_buckets import padded_tokens
 
 
 @dataclass
@@ -143,28 +144,6 @@ def _logits_indices(scheduler_output: SchedulerOutput, query_start_loc: np.ndarr
 def _ranks(counts: np.ndarray) -> np.ndarray:
     """0, 1, ..., counts[0] - 1, 0, 1, ..., counts[1] - 1, ...: each item's place within its group."""
     return np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-
-
-def padded_tokens(rows: int) -> int:
-    """The row count a forward of `rows` token rows (or a logits pass of `rows` rows) runs at while the runner pads
-    rows (`RunnerPolicy.pad_rows`): exact up to 8, then rounded up to one of 4 sizes per power of two (at most 1/4
-    more). oneDNN builds a kernel for each new row count of a linear layer (bf16, and fp32 with weights prepacked
-    for it) and caches it, ~0.6 MiB each per distinct layer shape, and steps come in every size, so an unpadded
-    server's memory grows with the variety of its load (figures: benchmarks/README.md).
-
-    Invariant: while rows are padded, every row count a linear of the model sees is one of
-    `row_buckets(max_num_batched_tokens)`, fixed at engine start (warm-up builds the smaller ones there). Padding
-    rows belong to no sequence: slot -1 (no KV write), the base model (no adapter), outside every attention entry,
-    never sampled, pooled nor returned (their logits rows are cut before the sampler)."""
-    if rows <= 8:
-        return rows
-    step = 1 << (rows.bit_length() - 3)
-    return -(-rows // step) * step
-
-
-def row_buckets(max_rows: int) -> list[int]:
-    """Every `padded_tokens` size a forward of at most `max_rows` rows can take."""
-    return sorted({padded_tokens(n) for n in range(1, max_rows + 1)})
 
 
 def pad_indices(indices: torch.Tensor) -> torch.Tensor:

@@ -5,9 +5,10 @@ import numpy as np
 import torch
 
 from tiffin.engine.models.linear import Embedding, Linear
-from tiffin.engine.worker.batch import row_buckets, synthetic_step
+from tiffin.engine.worker.batch import synthetic_step
 from tiffin.kernels.lora import LoRAMetadata, lora_apply
 from tiffin.kernels.quant import DENSE_MIN_TOKENS
+from tiffin.kernels.row_buckets import row_buckets
 
 
 @torch.inference_mode()
