@@ -140,7 +140,8 @@ class ModelRunner(KVBlockCopies):
         if self.policy.warm_up_triton and warm_up:
             warm_up_triton(self)
         if self.policy.pad_rows and warm_up:
-            warm_padded_sizes(self.model, model_config, config.max_num_batched_tokens, self.max_decode_rows())
+            threads = [torch.get_num_threads()] if self.thread_sizer is None else self.thread_sizer.counts()
+            warm_padded_sizes(self.model, model_config, config.max_num_batched_tokens, self.max_decode_rows(), threads)
         self.decode_graphs: DecodeGraphs | None = None  # None: decode steps run unpadded
         if self.policy.capture_graphs:
             self.pad_decodes(self.decode_graph_sizes())

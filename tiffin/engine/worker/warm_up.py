@@ -1,6 +1,8 @@
 """Work done at start so that serving never pays a first-use cost: every Triton kernel variant compiled, and on
 CPU every padded GEMM size built by oneDNN."""
 
+from collections.abc import Iterable
+
 import numpy as np
 import torch
 
@@ -78,21 +80,29 @@ def warm_up_lora(runner) -> None:
 
 
 @torch.inference_mode()
-def warm_padded_sizes(model: torch.nn.Module, model_config, max_tokens: int, max_logits: int) -> None:
+def warm_padded_sizes(
+    model: torch.nn.Module, model_config, max_tokens: int, max_logits: int, threads: Iterable[int]
+) -> None:
     """Run each distinct projection at every `row_buckets` size up to min(max_tokens, 1,024) rows, and the logits
-    head at every size up to `max_logits` rows (a step's sampling rows), so that oneDNN has built their kernels
-    before serving and a fresh server holds them already. Larger steps (prompt logprobs among them) build theirs
-    on first use, where the build costs less next to the step's work."""
-    device, dtype = next(model.parameters()).device, model_config.dtype
-    for layer in distinct_linears(model):
-        x = torch.zeros(min(max_tokens, 1024), layer.input_size, dtype=dtype, device=device)
-        for m in row_buckets(len(x)):
-            layer.method.apply(layer, x[:m])
-    if model_config.task != "generate":
-        return
-    hidden = torch.zeros(min(max_logits, 1024), model_config.hidden_size, dtype=dtype, device=device)
-    for m in row_buckets(len(hidden)):
-        model.compute_logits(hidden[:m])
+    head at every size up to `max_logits` rows (a step's sampling rows), at each of the thread counts `threads`
+    (oneDNN builds a kernel per row count and thread count), so that a fresh server holds them already. Larger
+    steps (prompt logprobs among them) build theirs on first use, where the build costs less next to the step's
+    work. CPU only (`RunnerPolicy.pad_rows`); torch's thread count is left as it was."""
+    dtype, before = model_config.dtype, torch.get_num_threads()
+    inputs = [
+        (layer, torch.zeros(min(max_tokens, 1024), layer.input_size, dtype=dtype)) for layer in distinct_linears(model)
+    ]
+    hidden = torch.zeros(min(max_logits, 1024), model_config.hidden_size, dtype=dtype)
+    try:
+        for count in threads:
+            torch.set_num_threads(count)
+            for layer, x in inputs:
+                for m in row_buckets(len(x)):
+                    layer.method.apply(layer, x[:m])
+            for m in row_buckets(len(hidden)) if model_config.task == "generate" else ():
+                model.compute_logits(hidden[:m])
+    finally:
+        torch.set_num_threads(before)
 
 
 def distinct_linears(model: torch.nn.Module) -> list[Linear]:
