@@ -3,7 +3,7 @@ tools, structured outputs, two LoRA adapters and clients that leave mid-stream, 
 warm-up of the same traffic it prints the worker's RSS over time, every failure and connection reset, the longest
 gap a bystander stream saw between two events, and the KV blocks still held once the traffic ends.
 
-    python benchmarks/soak.py [--requests 10000] [--warmup 1000] [--concurrency 128]
+    python benchmarks/soak.py [--requests 10000] [--warmup 1000] [--concurrency 128] [--fp32-gemm onednn]
 
 Starts `bentoml serve tiffin.plugin.service:Tiffin` on a tiny random Llama (written here, with PEFT adapters for it)
 on a loopback port; needs the test extra (peft)."""
@@ -183,6 +183,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kinds", type=name_list(KINDS, "kind"), default=KINDS, help="the mix, comma-separated")
+    parser.add_argument(
+        "--fp32-gemm",
+        choices=("auto", "onednn", "mkl"),
+        default="auto",
+        help="TIFFIN_CPU_FP32_GEMM for the server (onednn: the path that keeps a kernel per row count)",
+    )
     args = parser.parse_args(argv)
     tmp = Path(tempfile.mkdtemp())
     base, adapters = make_tiny_model(tmp / "model", arch="llama"), tmp / "adapters"
@@ -190,7 +196,9 @@ def main(argv: list[str] | None = None) -> None:
     settings = {"model": base, "num_kv_blocks": 1024, "max_num_seqs": args.concurrency, "max_loras": 2}
     settings["embedding_model"] = "none"  # the generation engine's soak
     (tmp / "bento").mkdir()
-    with BentoServer(tmp / "bento", args=settings, env={"TIFFIN_LORA_ROOTS": str(adapters)}) as server:
+    with BentoServer(
+        tmp / "bento", args=settings, env={"TIFFIN_LORA_ROOTS": str(adapters), "TIFFIN_CPU_FP32_GEMM": args.fp32_gemm}
+    ) as server:
         server.wait("/readyz", 200, timeout=300)
         for name in ADAPTERS:
             r = server.http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(adapters / name)})

@@ -4,6 +4,8 @@ at its position, with the prompt whole or split in prefill chunks, after its blo
 request, after a preemption by recompute, under the CUDA emulation with graphs (a one-token chunk replayed from a
 decode graph), batched with requests that do not ask; logits computed only for the rows of the requests that ask."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -69,6 +71,7 @@ def test_prompt_logprobs_match_transformers(case, engine_args):
     path, prompts, want = case
     llm = LLM(str(path), dtype="float32", max_num_seqs=8, **engine_args)
     runner = llm.llm_engine.model_runner
+    runner.policy = dataclasses.replace(runner.policy, pad_rows=False)  # the real rows (padded: test_row_buckets)
     rows, compute_logits = [], runner.model.compute_logits
     runner.model.compute_logits = lambda hidden: rows.append(len(hidden)) or compute_logits(hidden)
     ks = [5, 0, 5, None, 0]

@@ -8,10 +8,12 @@ run (the launcher reads it at call time)."""
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tiffin.kernels import triton_common as tc
 from tiffin.kernels import triton_lora as tlora
 from tiffin.kernels.lora import LoRAMetadata, group_by_slot, lora_apply, lora_expand, lora_shrink
+from tiffin.kernels.row_buckets import padded_tokens
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 8e-2}
 
@@ -91,6 +93,40 @@ def test_apply_matches_per_adapter_loop(case, dtype, backend, interpreter, poiso
     tol = TOLERANCE[dtype] * (2 if dtype == torch.float16 else 1)
     torch.testing.assert_close(y.double(), y_ref, rtol=tol, atol=tol)
     assert torch.equal(y[~adapted], base_rows)
+
+
+class GemmRows(TorchDispatchMode):
+    """The row counts of every mm / bmm run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.bmm):
+            self.rows.add(args[0].shape[-2])
+        return func(*args, **(kwargs or {}))
+
+
+def test_half_precision_gemms_run_bucketed_row_counts():
+    """At bf16 oneDNN keeps a kernel per GEMM row count: the torch path's shrink, expand and apply run only
+    `padded_tokens` row counts (fp32, left to MKL, runs the real ones), with the results of the fp32 path."""
+    rows = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        rows[dtype] = set()
+        for token_slots, hidden, rank, slices, num_slots in CASES.values():
+            x, a, b, y, offsets, md = make_case(token_slots, hidden, rank, slices, num_slots, dtype)
+            _, y_ref, _ = reference(x, a, b, y, offsets, token_slots)
+            with GemmRows() as gemms:
+                h = lora_shrink(x, a, md)
+                out = lora_expand(h, b, y.clone(), offsets, md)
+                lora_apply(x, a, b, y, offsets, md)
+            rows[dtype] |= gemms.rows
+            tol = 2 * TOLERANCE[dtype]  # bf16: the shrink result rounded before expand
+            torch.testing.assert_close(out.double(), y_ref, rtol=tol, atol=tol)
+            torch.testing.assert_close(y.double(), y_ref, rtol=tol, atol=tol)
+    assert {padded_tokens(n) for n in rows[torch.bfloat16]} == rows[torch.bfloat16]
+    assert {padded_tokens(n) for n in rows[torch.float32]} != rows[torch.float32]  # e.g. the 60-token group
 
 
 @pytest.mark.parametrize("case", ["decode-mixed", "odd-sizes"])

@@ -66,10 +66,13 @@ def test_sizer_follows_a_neighbour_down_and_back_up(machine):
         pytest.skip("needs 2 CPUs in the affinity mask")
     sizer = cpu_threads.ThreadSizer(cpus, machine.stat)
     assert machine.threads[0] == cpus and sizer.enabled
+    picked = set()
     for others, want in [(0.0, cpus), (0.3, cpus), (0.7, cpus - 1), (1.0, cpus - 1), (cpus, 1), (0.0, cpus)]:
         machine.advance(cpu_threads.SIZING_INTERVAL, cpus - others if others < cpus else 1, others)
         sizer.update()
         assert (sizer.threads, machine.threads[0]) == (want, want), others
+        picked.add(sizer.threads)
+    assert picked <= set(sizer.counts()) == set(range(1, cpus + 1))  # the counts warm-up builds oneDNN kernels at
 
 
 def test_sizer_looks_only_every_interval_and_counts_no_own_time(machine):
@@ -108,4 +111,4 @@ def test_sizer_stays_within_its_ceiling_and_can_be_disabled(machine, monkeypatch
         sizer = cpu_threads.ThreadSizer(2, off.get("stat", machine.stat))
         machine.advance(1.0, 0, 2.0)
         sizer.update()
-        assert not sizer.enabled and sizer.threads == 2
+        assert not sizer.enabled and sizer.threads == 2 and list(sizer.counts()) == [2]

@@ -10,23 +10,24 @@ from tiffin.engine.worker.policy import RunnerPolicy, choose_policy
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 
 
-def policy(device=CPU, dtype=torch.bfloat16, backend="torch", amx=True, native=True, **settings) -> RunnerPolicy:
-    return choose_policy(device, dtype, backend, amx, EngineConfig(model="unused", **settings), native)
+def policy(device=CPU, dtype=torch.bfloat16, backend="torch", onednn=True, native=True, **settings) -> RunnerPolicy:
+    return choose_policy(device, dtype, backend, onednn, EngineConfig(model="unused", **settings), native)
 
 
-def test_cpu_pads_prefills_only_where_amx_builds_kernels_per_row_count():
+def test_cpu_pads_rows_wherever_onednn_keeps_kernels_per_row_count():
     assert policy() == RunnerPolicy(
         size_threads=True,
-        pad_prefills=True,
+        pad_rows=True,
         warm_up_triton=False,
         capture_graphs=False,
         int8_quantized=True,
         native_decode=True,
     )
-    assert not policy(amx=False).pad_prefills  # AMD Zen 4: the build is cheaper than the padding rows
-    assert not policy(dtype=torch.float32).pad_prefills  # MKL/oneDNN fp32 builds nothing per row count
-    assert not policy(enable_lora=True).pad_prefills  # adapters map per real token
-    assert not policy(backend="triton").pad_prefills  # the interpreter, in tests
+    assert not policy(dtype=torch.float32, onednn=False).pad_rows  # MKL's sgemm keeps nothing per row count
+    assert policy(dtype=torch.float32).pad_rows  # fp32 where oneDNN beats MKL
+    assert policy(enable_lora=True).pad_rows  # padding rows run on the base model
+    assert not policy(backend="triton").pad_rows  # the interpreter, in tests
+    assert not policy(pipeline_parallel_size=2).pad_rows  # a stage's logits are its own
 
 
 def test_tensor_parallel_ranks_keep_their_even_thread_split():
@@ -46,7 +47,7 @@ def test_tensor_parallel_ranks_keep_their_even_thread_split():
 )
 def test_cuda_warms_up_and_captures_graphs_on_triton(settings, backend, warm, graphs):
     p = policy(device=CUDA, backend=backend, **settings)
-    assert (p.warm_up_triton, p.capture_graphs, p.pad_prefills) == (warm, graphs, False)
+    assert (p.warm_up_triton, p.capture_graphs, p.pad_rows) == (warm, graphs, False)
 
 
 def test_quantized_layers_run_int8_on_cpu_unless_exact_asked_or_no_native_kernels():

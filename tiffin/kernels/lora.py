@@ -14,7 +14,9 @@ Both paths group tokens by slot (Punica's segmented GEMM, SGMV). The Triton kern
 of one slot's tokens. The torch path picks per step, from host-side sizes: when groups are of similar size
 (decode) it pads every group to the largest and runs one batched GEMM (`bmm`) over the slots, a handful of ops
 however many adapters mix; when one group dwarfs the others (a long prefill chunk beside decodes), padding
-would multiply the work, so it runs one GEMM per slot on the tokens gathered in slot order.
+would multiply the work, so it runs one GEMM per slot on the tokens gathered in slot order. At bf16/fp16 every
+GEMM's row count is a `padded_tokens` size (oneDNN keeps a kernel per row count): the padded width, and each
+group's rows on the per-slot path, padded with repeats of the group's last token whose results are never read.
 """
 
 from collections.abc import Callable
@@ -24,6 +26,7 @@ import numpy as np
 import torch
 
 from tiffin.kernels.dispatch import implements, kernel
+from tiffin.kernels.row_buckets import padded_tokens
 
 PAD_LIMIT = 2  # the torch path pads groups while that costs at most this many times the real rows
 
@@ -39,11 +42,14 @@ class LoRAMetadata:
     num_slots: int  # slots 0..num_slots-1 may be used: the kernels' grid, how far the stacks are read
     max_slot_tokens: int  # tokens of the largest group (sizes the kernels' grids)
     # torch path, host-side choices
-    groups: list[tuple[int, int, int]]  # (slot, start, end) in sorted_tokens, one per slot with tokens
+    # (slot, start, end) in sorted_tokens, one per slot with tokens; on the per-slot path at bf16/fp16, in the
+    # layout of `padded_tokens` (each group's rows padded to a bucket)
+    groups: list[tuple[int, int, int]]
     padded: bool  # pad the groups into one bmm (else one GEMM per group)
     active_slots: torch.Tensor | None = None  # [G] int64 slots of the groups; None when they are 0..G-1
     pad_width: int = 0  # rows per group in the padded layout
-    padded_tokens: torch.Tensor | None = None  # [G * pad_width] int64: group g's tokens, its last repeated
+    padded_tokens: torch.Tensor | None = None  # [G * pad_width] int64: group g's tokens, its last repeated (or
+    # on the per-slot path at bf16/fp16: each group's tokens then repeats of its last, up to its bucket)
     padded_real: torch.Tensor | None = None  # [T'] int64: the real rows of that layout, in sorted order
     pad_mask: torch.Tensor | None = None  # [G, pad_width, 1]: 1 on real rows, 0 on repeats
     token_rows: torch.Tensor | None = None  # [T] int64: each token's row in the layout; a zeroed row for base
@@ -89,25 +95,31 @@ class LoRAMetadata:
         groups = [(int(s), int(starts[s]), int(starts[s] + counts[s])) for s in active]
         max_slot_tokens = width = int(counts.max())
         padded = len(groups) * width <= PAD_LIMIT * used.size
+        bucketed = dtype != torch.float32  # oneDNN's bf16/fp16 GEMMs keep a kernel per row count
         grouped = [add(order), add(starts), add(counts)]
         layout = {}
         if padded:
             if used.size < slots.size and len(groups) * width == used.size:
                 width += 1  # base tokens need a padding row to read zeros from
-            # row j of group g holds its token min(j, count-1): a repeat of a real row, masked in expand
-            cols, n = np.arange(width)[None, :], counts[active, None]
-            real = cols < n
-            pad_rows = np.flatnonzero(~real.reshape(-1))
+            width = padded_tokens(width) if bucketed else width
+            real, gather = _layout(order, starts[active], counts[active], np.full(len(active), width))
+            pad_rows = np.flatnonzero(~real)
             rows = np.full(slots.size, pad_rows[0] if pad_rows.size else 0)  # base tokens read a zeroed row
             rows[order] = np.flatnonzero(real)
             layout = {
-                "padded_tokens": add(order[np.minimum(cols, n - 1) + starts[active, None]].reshape(-1)),
+                "padded_tokens": add(gather),
                 "padded_real": add(np.flatnonzero(real)),
-                "pad_mask": add(real[:, :, None].astype(np.float32)),
+                "pad_mask": add(real.reshape(len(active), width, 1).astype(np.float32)),
                 "token_rows": add(rows),
             }
             if not np.array_equal(active, np.arange(len(active))):
                 layout["active_slots"] = add(active)
+        elif bucketed:
+            widths = np.array([padded_tokens(int(c)) for c in counts[active]])
+            real, gather = _layout(order, starts[active], counts[active], widths)
+            layout = {"padded_tokens": add(gather), "padded_real": add(np.flatnonzero(real))}
+            ends = np.cumsum(widths)
+            groups = [(slot, int(end - w), int(end)) for (slot, _, _), w, end in zip(groups, widths, ends)]
 
         def finish(get: Callable[[int], torch.Tensor]) -> "LoRAMetadata":
             on_device = {name: get(handle) for name, handle in layout.items()}
@@ -121,6 +133,17 @@ class LoRAMetadata:
             )  # fmt: skip
 
         return finish
+
+
+def _layout(
+    order: np.ndarray, starts: np.ndarray, counts: np.ndarray, widths: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Groups (`starts`/`counts` in `order`) laid out `widths` rows each: row j of group g holds its token
+    min(j, count-1), a repeat of a real row past its count -> (which rows are real, the token of each row)."""
+    group = np.repeat(np.arange(len(widths)), widths)
+    j = np.arange(widths.sum()) - np.repeat(np.cumsum(widths) - widths, widths)
+    n = counts[group]
+    return j < n, order[starts[group] + np.minimum(j, n - 1)]
 
 
 def group_by_slot(token_slots: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -174,10 +197,11 @@ def lora_shrink_torch(x: torch.Tensor, a_stack: torch.Tensor, md: LoRAMetadata) 
     if md.padded:
         hs = _padded_shrink(x, a_stack, md).flatten(0, 1)
         return h.index_copy_(0, md.sorted_tokens, hs.index_select(0, md.padded_real))
-    xs, hs = x.index_select(0, md.sorted_tokens), h.new_empty(md.sorted_tokens.shape[0], h.shape[1])
+    rows = md.sorted_tokens if md.padded_tokens is None else md.padded_tokens
+    xs, hs = x.index_select(0, rows), h.new_empty(rows.shape[0], h.shape[1])
     for slot, start, end in md.groups:
         torch.mm(xs[start:end], a_stack[slot].T, out=hs[start:end])
-    return h.index_copy_(0, md.sorted_tokens, hs)
+    return h.index_copy_(0, md.sorted_tokens, hs if md.padded_tokens is None else hs.index_select(0, md.padded_real))
 
 
 @implements("lora_expand", "torch")
@@ -187,11 +211,13 @@ def lora_expand_torch(
     if md.padded:
         hs = h.index_select(0, md.padded_tokens).view(len(md.groups), md.pad_width, -1) * md.pad_mask
         return _padded_expand(hs, b_stack, y, slice_offsets, md)
-    r, hs = b_stack.shape[1], h.index_select(0, md.sorted_tokens)
-    ys = h.new_empty(md.sorted_tokens.shape[0], y.shape[1])
+    rows = md.sorted_tokens if md.padded_tokens is None else md.padded_tokens
+    r, hs = b_stack.shape[1], h.index_select(0, rows)
+    ys = h.new_empty(rows.shape[0], y.shape[1])
     for slot, start, end in md.groups:
         for i, (lo, hi) in enumerate(zip(slice_offsets, slice_offsets[1:])):
             ys[start:end, lo:hi] = hs[start:end, i * r : (i + 1) * r] @ b_stack[slot, :, lo:hi]
+    ys = ys if md.padded_tokens is None else ys.index_select(0, md.padded_real)
     return y.index_add_(0, md.sorted_tokens, ys.to(y.dtype))
 
 

@@ -60,14 +60,14 @@ class UnquantizedLinearMethod(LinearMethod):
         load_shard(layer, getattr(layer, name), tensor, shard, dim=0)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """On CPU, a weight whose GEMMs run through oneDNN (`_prepacks_for_onednn`) is reordered once into
+        """On CPU, a weight whose GEMMs run through oneDNN (`prepacks_for_onednn`) is reordered once into
         oneDNN's blocked layout, which a plain weight is reordered into on every call. A layer that looks rows up
         (an embedding) keeps the plain weight besides. An fp32 weight left to MKL's sgemm is stored column-major,
         so that `x @ W^T` needs no transpose (figures for both: benchmarks/README.md)."""
         w = layer.weight
         if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
             return
-        if _prepacks_for_onednn(w.dtype):
+        if prepacks_for_onednn(w.dtype):
             layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.data, None)
             if not layer.looks_up_rows:
                 w.data = torch.empty(0, dtype=w.dtype)
@@ -83,7 +83,7 @@ class UnquantizedLinearMethod(LinearMethod):
         return torch.nn.functional.embedding(ids, layer.weight)
 
 
-def _prepacks_for_onednn(dtype: torch.dtype) -> bool:
+def prepacks_for_onednn(dtype: torch.dtype) -> bool:
     """Whether plain CPU linears of `dtype` (bf16 or fp32) run through oneDNN, with weights prepacked at load.
     bf16: where oneDNN supports it. fp32: whichever of oneDNN and MKL's sgemm is faster on this CPU, timed once
     (`_onednn_sgemm_faster`), since the winner differs by CPU maker (MKL takes slower code paths on non-Intel

@@ -18,6 +18,7 @@ from tiffin.engine.models.pooler import PoolingMetadata
 from tiffin.engine.sampling_params import SamplingParams
 from tiffin.kernels import AttentionMetadata
 from tiffin.kernels.lora import LoRAMetadata
+from tiffin.kernels.row_buckets import padded_tokens
 
 
 @dataclass
@@ -91,8 +92,8 @@ class ModelInput(NamedTuple):
     mm: MultiModalEmbeddings | None = None  # the step's image embeddings (`multimodal.encoder`), if it has any
 
 
-def host_batch(scheduler_output: SchedulerOutput, block_size: int, pad_prefills: bool = False) -> HostBatch:
-    """`scheduler_output` flattened; with `pad_prefills`, a step with a prefill runs `padded_tokens` rows."""
+def host_batch(scheduler_output: SchedulerOutput, block_size: int, pad_rows: bool = False) -> HostBatch:
+    """`scheduler_output` flattened; with `pad_rows`, the step runs `padded_tokens` rows."""
     seqs, query_lens = scheduler_output.seqs, np.array(scheduler_output.num_scheduled_tokens)
     starts = np.array([s.num_computed_tokens for s in seqs])
     seq_lens = starts + query_lens
@@ -116,7 +117,7 @@ def host_batch(scheduler_output: SchedulerOutput, block_size: int, pad_prefills:
         query_start_loc = np.concatenate([[0], np.cumsum(np.where(single, 1, query_lens[owner]))])
         seq_lens = np.where(single, starts[owner] + _ranks(entries) + 1, seq_lens[owner])
         block_tables = block_tables[owner]
-    if pad_prefills and query_lens.max() > 1:
+    if pad_rows:
         pad = padded_tokens(len(input_ids)) - len(input_ids)
         input_ids, positions = np.pad(input_ids, (0, pad)), np.pad(positions, (0, pad))
         slots = np.pad(slots, (0, pad), constant_values=-1)
@@ -145,15 +146,9 @@ def _ranks(counts: np.ndarray) -> np.ndarray:
     return np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
-def padded_tokens(tokens: int) -> int:
-    """A prefill step's token count rounded up to one of 8 sizes per power of two (at most 1/8 more), kept as is
-    up to 64: on a CPU with AMX, oneDNN builds a kernel for each new row count of a bf16 linear and reuses it
-    after, and prompts come in every length (figures: benchmarks/README.md). The padding rows belong to no
-    sequence: slot -1, not written to the KV cache, not attended to, not sampled."""
-    if tokens <= 64:
-        return tokens
-    step = 1 << (tokens.bit_length() - 4)
-    return -(-tokens // step) * step
+def pad_indices(indices: torch.Tensor) -> torch.Tensor:
+    """`indices` (the logits rows of a step) padded to `padded_tokens` with row 0's index."""
+    return torch.nn.functional.pad(indices, (0, padded_tokens(len(indices)) - len(indices)))
 
 
 def round16(width: int) -> int:

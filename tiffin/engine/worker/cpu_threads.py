@@ -61,6 +61,10 @@ class ThreadSizer:
         )
         torch.set_num_threads(self.threads)
 
+    def counts(self) -> range:
+        """Every thread count `update` may pick (oneDNN builds its kernels per thread count: warm-up runs each)."""
+        return range(1, self.max_threads + 1) if self.enabled else range(self.threads, self.threads + 1)
+
     def update(self) -> None:
         if not self.enabled or time.monotonic() - self.last[0] < SIZING_INTERVAL:
             return

@@ -25,7 +25,7 @@ from tiffin.engine.multimodal.encoder import EncoderRunner, prefills_images
 from tiffin.engine.multimodal.mrope import mrope_positions
 from tiffin.engine.structured.backend import fill_bitmask
 from tiffin.engine.worker import kv_cache, pipeline_stage, tp_worker
-from tiffin.engine.worker.batch import HostBatch, ModelInput, Upload, host_batch
+from tiffin.engine.worker.batch import HostBatch, ModelInput, Upload, host_batch, pad_indices
 from tiffin.engine.worker.cpu_decode import CpuDecoder
 from tiffin.engine.worker.cpu_threads import ThreadSizer, usable_cpus
 from tiffin.engine.worker.cuda_graphs import DecodeGraphs, decode_batch_sizes
@@ -34,6 +34,7 @@ from tiffin.engine.worker.policy import choose_policy
 from tiffin.engine.worker.prompt_logprobs import prompt_logprobs
 from tiffin.engine.worker.sampler import Sampler, SamplerOutput
 from tiffin.engine.worker.warm_up import warm_padded_sizes, warm_up_triton
+from tiffin.quant.base import prepacks_for_onednn
 
 
 class StepInFlight(NamedTuple):
@@ -66,8 +67,11 @@ class ModelRunner(KVBlockCopies):
         self.config, self.model_config, self.max_model_len = config, model_config, max_model_len
         self.device = config.torch_device if group is None else group.device
         self.backend = kernels.resolve_backend(config.kernel_backend, self.device)
-        amx, native = torch.cpu._is_amx_tile_supported(), kernels.cpu_native.library() is not None
-        self.policy = choose_policy(self.device, model_config.dtype, self.backend, amx, config, native)
+        native, dtype = kernels.cpu_native.library() is not None, model_config.dtype
+        # each rank times the fp32 choice for itself, and their policies must agree (the logits' gather is collective)
+        fp32_onednn = dtype == torch.float32 and world_size(config) == 1 and prepacks_for_onednn(dtype)
+        onednn = self.device.type == "cpu" and (dtype != torch.float32 or fp32_onednn)
+        self.policy = choose_policy(self.device, dtype, self.backend, onednn, config, native)
         # a pooling model runs no decode steps to capture; a mixture of experts sizes its per-expert GEMMs on the
         # host each step (`models/moe.py`), which a graph cannot replay
         if model_config.task != "generate" or model_config.moe is not None:
@@ -150,8 +154,9 @@ class ModelRunner(KVBlockCopies):
         self.cpu_decoder = CpuDecoder.build(self.model, self.block_size) if self.policy.native_decode else None
         if self.policy.warm_up_triton and warm_up:
             warm_up_triton(self)
-        if self.policy.pad_prefills and warm_up:
-            warm_padded_sizes(self.model, model_config.dtype, config.max_num_batched_tokens)
+        if self.policy.pad_rows and warm_up:
+            threads = [torch.get_num_threads()] if self.thread_sizer is None else self.thread_sizer.counts()
+            warm_padded_sizes(self.model, model_config, config.max_num_batched_tokens, self.max_decode_rows(), threads)
         self.decode_graphs: DecodeGraphs | None = None  # None: decode steps run unpadded
         if self.policy.capture_graphs:
             self.pad_decodes(self.decode_graph_sizes())
@@ -223,14 +228,20 @@ class ModelRunner(KVBlockCopies):
             images = {} if inputs.mm is None else {"mm": inputs.mm}
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, inputs.lora, **images)
         # the same test on every rank: the logits' gather is a collective
-        samples = len(inputs.logits_indices) and self.model_config.task == "generate"
-        logits = self.model.compute_logits(hidden[inputs.logits_indices]) if samples else None
+        rows = len(inputs.logits_indices)
+        if not (rows and self.model_config.task == "generate"):
+            logits = None
+        elif self.policy.pad_rows:  # the padding rows' logits cut before anything reads them
+            logits = self.model.compute_logits(hidden[pad_indices(inputs.logits_indices)])
+            logits = None if logits is None else logits[:rows]
+        else:
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
         return logits, None if inputs.pooling is None else self.model.pool(hidden, inputs.pooling)
 
     def graphed_step(self, scheduler_output: SchedulerOutput, upload: Upload, size: int) -> torch.Tensor | None:
         """A decode-only step (verifying ones too) padded to `size` rows, its inputs in the step's upload:
         `run_graphed` here and, under tensor parallelism, on every rank."""
-        batch = self.host_batch(scheduler_output)
+        batch = host_batch(scheduler_output, self.block_size)  # `padded` pads it to the graph's size
         loras = [s.lora for s in scheduler_output.seqs]
         seq_slots = None if self.lora_slots is None else self.lora_slots.assign(loras)
         row_slots = None if seq_slots is None else np.repeat(seq_slots, batch.query_lens)
@@ -273,7 +284,9 @@ class ModelRunner(KVBlockCopies):
 
     def host_batch(self, scheduler_output: SchedulerOutput) -> HostBatch:
         """The step's host arrays; M-RoPE's positions for a model that takes them (`multimodal.mrope`)."""
-        b = host_batch(scheduler_output, self.block_size, self.policy.pad_prefills)
+        # the native decoder reads a sequence per row, and its int8 kernels keep nothing per row count
+        native = self.cpu_decoder is not None and max(scheduler_output.num_scheduled_tokens) == 1
+        b = host_batch(scheduler_output, self.block_size, self.policy.pad_rows and not native)
         if getattr(self.model, "uses_mrope", False):
             b.positions = mrope_positions(b.positions, scheduler_output, b.query_lens)
         return b
@@ -298,8 +311,11 @@ class ModelRunner(KVBlockCopies):
             pools = np.array([s.pooling_params is not None for s in scheduler_output.seqs])
             host = PoolingMetadata.host_arrays(starts[pools], b.query_lens[pools])
             pooling_parts = [upload.add(a) for a in host]
-        loras = [s.lora for s in scheduler_output.seqs]
-        lora = None if self.lora_slots is None else self.lora_slots.stage(loras, b.query_lens, upload.add)
+        lora = None
+        if self.lora_slots is not None:  # padding rows run on the base model, as a sequence of their own
+            loras = [s.lora for s in scheduler_output.seqs] + [None]
+            padding = len(b.input_ids) - int(b.query_start_loc[-1])
+            lora = self.lora_slots.stage(loras, [*b.query_lens, padding], upload.add)
         upload.send()
         input_ids, positions, slots, query_start_loc, seq_lens, block_tables, logits_indices = map(upload.get, parts)
         attn = kernels.AttentionMetadata(

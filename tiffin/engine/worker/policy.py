@@ -11,7 +11,7 @@ from tiffin.engine.config import EngineConfig
 @dataclass(frozen=True)
 class RunnerPolicy:
     size_threads: bool  # follow the CPU left to this process between steps (`ThreadSizer`)
-    pad_prefills: bool  # steps with a prefill run `padded_tokens` rows, each size's GEMMs built at start
+    pad_rows: bool  # every step and logits pass runs `padded_tokens` rows, the smaller sizes' GEMMs built at start
     warm_up_triton: bool  # launch every Triton variant a step can, before the engine reports ready
     capture_graphs: bool  # decode-only steps padded to captured sizes and replayed as CUDA graphs
     int8_quantized: bool  # quantized layers run the native int8 kernels (`cpu_quant_compute`)
@@ -19,9 +19,11 @@ class RunnerPolicy:
 
 
 def choose_policy(
-    device: torch.device, dtype: torch.dtype, backend: str, has_amx: bool, config: EngineConfig, native: bool = True
+    device: torch.device, dtype: torch.dtype, backend: str, onednn: bool, config: EngineConfig, native: bool = True
 ) -> RunnerPolicy:
-    """`native`: whether the native CPU kernels are built (a machine without a compiler runs the torch ones)."""
+    """`onednn`: whether the model's plain CPU linears of `dtype` run through oneDNN (bf16/fp16, or fp32 where it
+    beats MKL: `quant.base.prepacks_for_onednn`); `native`: whether the native CPU kernels are built (a machine
+    without a compiler runs the torch ones)."""
     cpu, single = device.type == "cpu", config.tensor_parallel_size == config.pipeline_parallel_size == 1
     int8 = cpu and backend == "torch" and native and config.cpu_quant_compute != "exact"
     return RunnerPolicy(
@@ -30,8 +32,9 @@ def choose_policy(
         native_decode=int8 and single and not config.enable_lora,
         # tensor-parallel and pipeline ranks keep their even split of the CPUs
         size_threads=cpu and single,
-        # oneDNN builds an AMX kernel per new row count of a bf16/fp16 linear; LoRA maps adapters per real token
-        pad_prefills=cpu and backend == "torch" and dtype != torch.float32 and has_amx and not config.enable_lora,
+        # oneDNN builds and keeps a kernel per new row count of a linear: memory that grows with the load's variety
+        # (a pipeline stage computes its logits in `pipeline_stage`, unpadded)
+        pad_rows=cpu and backend == "torch" and onednn and config.pipeline_parallel_size == 1,
         # the interpreter compiles nothing; tensor-parallel ranks warm up in step (their forwards are collective)
         warm_up_triton=device.type == "cuda" and backend == "triton",
         # graphs pay where launches dominate; the torch attention (and LoRA) builds per-step host tensors

@@ -1,13 +1,16 @@
 """Work done at start so that serving never pays a first-use cost: every Triton kernel variant compiled, and on
-CPUs with AMX every padded GEMM size built by oneDNN."""
+CPU every padded GEMM size built by oneDNN."""
+
+from collections.abc import Iterable
 
 import numpy as np
 import torch
 
 from tiffin.engine.models.linear import Embedding, Linear
-from tiffin.engine.worker.batch import padded_tokens, synthetic_step
+from tiffin.engine.worker.batch import synthetic_step
 from tiffin.kernels.lora import LoRAMetadata, lora_apply
 from tiffin.kernels.quant import DENSE_MIN_TOKENS
+from tiffin.kernels.row_buckets import row_buckets
 
 
 @torch.inference_mode()
@@ -77,16 +80,29 @@ def warm_up_lora(runner) -> None:
 
 
 @torch.inference_mode()
-def warm_padded_sizes(model: torch.nn.Module, dtype: torch.dtype, max_tokens: int) -> None:
-    """Run each distinct projection at every `padded_tokens` size up to min(max_tokens, 1,024) rows, so that
-    oneDNN has built their kernels before serving. Larger steps build theirs on first use, where the build costs
-    less next to the step's work."""
-    most = padded_tokens(min(max_tokens, 1024))
-    sizes = sorted({padded_tokens(n) for n in range(1, most + 1)})
-    for layer in distinct_linears(model):
-        x = torch.zeros(most, layer.input_size, dtype=dtype, device=next(model.parameters()).device)
-        for m in sizes:
-            layer.method.apply(layer, x[:m])
+def warm_padded_sizes(
+    model: torch.nn.Module, model_config, max_tokens: int, max_logits: int, threads: Iterable[int]
+) -> None:
+    """Run each distinct projection at every `row_buckets` size up to min(max_tokens, 1,024) rows, and the logits
+    head at every size up to `max_logits` rows (a step's sampling rows), at each of the thread counts `threads`
+    (oneDNN builds a kernel per row count and thread count), so that a fresh server holds them already. Larger
+    steps (prompt logprobs among them) build theirs on first use, where the build costs less next to the step's
+    work. CPU only (`RunnerPolicy.pad_rows`); torch's thread count is left as it was."""
+    dtype, before = model_config.dtype, torch.get_num_threads()
+    inputs = [
+        (layer, torch.zeros(min(max_tokens, 1024), layer.input_size, dtype=dtype)) for layer in distinct_linears(model)
+    ]
+    hidden = torch.zeros(min(max_logits, 1024), model_config.hidden_size, dtype=dtype)
+    try:
+        for count in threads:
+            torch.set_num_threads(count)
+            for layer, x in inputs:
+                for m in row_buckets(len(x)):
+                    layer.method.apply(layer, x[:m])
+            for m in row_buckets(len(hidden)) if model_config.task == "generate" else ():
+                model.compute_logits(hidden[:m])
+    finally:
+        torch.set_num_threads(before)
 
 
 def distinct_linears(model: torch.nn.Module) -> list[Linear]:
