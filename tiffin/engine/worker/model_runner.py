@@ -241,7 +241,7 @@ class ModelRunner(KVBlockCopies):
     def graphed_step(self, scheduler_output: SchedulerOutput, upload: Upload, size: int) -> torch.Tensor | None:
         """A decode-only step (verifying ones too) padded to `size` rows, its inputs in the step's upload:
         `run_graphed` here and, under tensor parallelism, on every rank."""
-        batch = host_batch(scheduler_output, self.block_size)  # `padded` pads it to the graph's size
+        batch = self.host_batch(scheduler_output, pad=False)  # `padded` pads it to the graph's size
         loras = [s.lora for s in scheduler_output.seqs]
         seq_slots = None if self.lora_slots is None else self.lora_slots.assign(loras)
         row_slots = None if seq_slots is None else np.repeat(seq_slots, batch.query_lens)
@@ -282,11 +282,12 @@ class ModelRunner(KVBlockCopies):
         if self.group is not None:
             self.group.shutdown()
 
-    def host_batch(self, scheduler_output: SchedulerOutput) -> HostBatch:
-        """The step's host arrays; M-RoPE's positions for a model that takes them (`multimodal.mrope`)."""
+    def host_batch(self, scheduler_output: SchedulerOutput, pad: bool = True) -> HostBatch:
+        """The step's host arrays, padded to a row bucket where the policy says (and `pad`); M-RoPE's positions
+        for a model that takes them (`multimodal.mrope`)."""
         # the native decoder reads a sequence per row, and its int8 kernels keep nothing per row count
         native = self.cpu_decoder is not None and max(scheduler_output.num_scheduled_tokens) == 1
-        b = host_batch(scheduler_output, self.block_size, self.policy.pad_rows and not native)
+        b = host_batch(scheduler_output, self.block_size, pad and self.policy.pad_rows and not native)
         if getattr(self.model, "uses_mrope", False):
             b.positions = mrope_positions(b.positions, scheduler_output, b.query_lens)
         return b
