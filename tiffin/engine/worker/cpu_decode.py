@@ -40,7 +40,10 @@ class _MoE(ctypes.Structure):
         ("router", _ptr),
         ("gate_up", ctypes.POINTER(_QuantLinear)),
         ("down", ctypes.POINTER(_QuantLinear)),
-        *[(name, _i64) for name in ("experts", "top_k", "intermediate", "renormalize")],
+        *[(name, _i64) for name in ("experts", "top_k", "renormalize")],
+        ("shared_gate_up", ctypes.POINTER(_QuantLinear)),
+        ("shared_down", ctypes.POINTER(_QuantLinear)),
+        ("shared_gate", _ptr),
     ]
 
 
@@ -66,7 +69,7 @@ class _Decoder(ctypes.Structure):
     _fields_ = [
         ("dtype", _i64),
         ("cache_dtype", _i64),
-        *[(name, _i64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "block_size")],
+        *[(name, _i64) for name in ("hidden", "heads", "kv_heads", "head_dim", "block_size")],
         ("num_layers", _i64),
         ("eps", ctypes.c_double),
         ("scale", ctypes.c_double),
@@ -86,30 +89,44 @@ def _linear(layer) -> _QuantLinear:
 
 
 def _moe(mlp: SparseMoE) -> _MoE:
-    experts = mlp.experts
+    experts, shared = mlp.experts, mlp.shared_expert
     gate_up = (_QuantLinear * len(experts.gate_up_proj))(*map(_linear, experts.gate_up_proj))
     down = (_QuantLinear * len(experts.down_proj))(*map(_linear, experts.down_proj))
-    router = mlp.gate.weight.contiguous()  # an fp32 weight left to MKL is stored column-major
-    moe = _MoE(router.data_ptr(), gate_up, down, len(down), mlp.top_k, down[0].in_features, mlp.renormalize)
-    moe.router_rows = router  # kept alive with the struct that points into it
+    # the router's (and shared gate's) weight as rows: fp32 ones left to MKL are stored column-major
+    rows = [x.weight.contiguous() for x in (mlp.gate, mlp.shared_expert_gate) if x is not None]
+    moe = _MoE(rows[0].data_ptr(), gate_up, down, len(down), mlp.top_k, mlp.renormalize)
+    if shared is not None:
+        moe.shared_gate_up, moe.shared_down = (
+            ctypes.pointer(_linear(x)) for x in (shared.gate_up_proj, shared.down_proj)
+        )
+        moe.shared_gate = rows[1].data_ptr()
+    moe.rows = rows  # kept alive with the struct (CpuDecoder.moes) that points into them
     return moe
 
 
+def _plain(linear: torch.nn.Module, dtype: torch.dtype) -> bool:
+    """Whether `linear` keeps a plain weight of `dtype` (a CPU prepack keeps one where it looks up rows), no adapter."""
+    weight = getattr(linear, "weight", None)
+    full = weight is not None and weight.numel() == linear.input_size * linear.output_size
+    return full and weight.dtype == dtype and getattr(linear, "adapters", None) is None
+
+
 def _mlp_linears(mlp: torch.nn.Module, dtype: torch.dtype) -> list | None:
-    """The projections of a layer's MLP the native step runs, or None where it does not run that MLP: a mixture of
-    experts other than GGUF experts kept in blocks without a shared expert, routed by a plain weight of `dtype`."""
+    """The projections of a layer's MLP the native step runs, or None where it does not run that MLP: SiLU MLPs and
+    mixtures of experts of them, GGUF experts kept in blocks, whose router and shared expert's gate are plain
+    weights of `dtype`."""
     if isinstance(mlp, MLP):
         return [mlp.gate_up_proj, mlp.down_proj] if mlp.act_and_mul is silu_and_mul else None
-    if not isinstance(mlp, SparseMoE) or not isinstance(mlp.experts, LinearExperts) or mlp.shared_expert is not None:
+    if not isinstance(mlp, SparseMoE) or not isinstance(mlp.experts, LinearExperts) or not _plain(mlp.gate, dtype):
         return None
-    router = getattr(mlp.gate, "weight", None)
-    if router is None or router.dtype != dtype or getattr(mlp.gate, "adapters", None) is not None:
-        return None
-    if router.numel() != mlp.gate.input_size * mlp.gate.output_size:  # no plain weight kept
-        return None
+    shared = []
+    if mlp.shared_expert is not None:
+        shared = _mlp_linears(mlp.shared_expert, dtype)
+        if shared is None or not _plain(mlp.shared_expert_gate, dtype):
+            return None
     if mlp.experts.act_and_mul is not silu_and_mul:
         return None
-    return [*mlp.experts.gate_up_proj, *mlp.experts.down_proj]
+    return [*mlp.experts.gate_up_proj, *mlp.experts.down_proj, *shared]
 
 
 def _levels(weights) -> int:
@@ -121,10 +138,11 @@ class CpuDecoder:
     def __init__(self, model: LlamaForCausalLM, block_size: int):
         """`model`'s layers as the native step reads them; its KV caches must be allocated already."""
         inner, attn = model.model, model.model.layers[0].self_attn
-        layers = []
+        layers, self.moes = [], []
         for layer in inner.layers:
             a, mlp = layer.self_attn, layer.mlp
-            dense = isinstance(mlp, MLP)
+            moe = None if isinstance(mlp, MLP) else _moe(mlp)
+            self.moes.append(moe)
             norms = (a.q_norm.weight, a.k_norm.weight) if a.qk_norm else (None, None)
             layers.append(
                 _DecoderLayer(
@@ -132,17 +150,16 @@ class CpuDecoder:
                     layer.post_attention_layernorm.weight.data_ptr(),
                     *map(cpu_native.data_ptr, norms),
                     *map(_linear, (a.qkv_proj, a.o_proj)),
-                    *(map(_linear, (mlp.gate_up_proj, mlp.down_proj)) if dense else [_QuantLinear()] * 2),
+                    *(map(_linear, (mlp.gate_up_proj, mlp.down_proj)) if moe is None else [_QuantLinear()] * 2),
                     a.k_cache.data_ptr(),
                     a.v_cache.data_ptr(),
                     cpu_native.data_ptr(a.k_scale),
                     cpu_native.data_ptr(a.v_scale),
-                    None if dense else ctypes.pointer(_moe(mlp)),
+                    None if moe is None else ctypes.pointer(moe),
                 )
             )
         self.layers = (_DecoderLayer * len(layers))(*layers)  # holds what its pointers point to (ctypes' _objects)
         self.model, self.rotary = model, attn.rotary  # the tensors the pointers point into stay alive
-        dense = next((layer.mlp for layer in inner.layers if isinstance(layer.mlp, MLP)), None)
         self.dtype = inner.norm.weight.dtype
         self.decoder = _Decoder(
             cpu_native.DTYPE_CODES[self.dtype],
@@ -151,7 +168,6 @@ class CpuDecoder:
             attn.num_heads,
             attn.num_kv_heads,
             attn.head_dim,
-            0 if dense is None else dense.down_proj.input_size,
             block_size,
             len(layers),
             inner.norm.eps,

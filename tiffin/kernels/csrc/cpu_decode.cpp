@@ -50,11 +50,14 @@ struct QuantLinear {  // a projection in tiffin.kernels.block_gemm's block layou
   int64_t out_features, in_features, levels;
 };
 
-struct MoE {  // models/moe.py's SparseMoE with its experts kept in blocks (LinearExperts), no shared expert
+struct MoE {  // models/moe.py's SparseMoE with its experts kept in blocks (LinearExperts)
   const void* router;  // [experts, hidden] in the model dtype
   const QuantLinear* gate_up;  // [experts], every expert's parts stored alike
   const QuantLinear* down;  // [experts]
-  int64_t experts, top_k, intermediate, renormalize;
+  int64_t experts, top_k, renormalize;
+  const QuantLinear* shared_gate_up;  // Qwen2-MoE's shared expert, or null
+  const QuantLinear* shared_down;
+  const void* shared_gate;  // its gate's weight [hidden] in the model dtype
 };
 
 struct DecoderLayer {
@@ -73,7 +76,7 @@ struct DecoderLayer {
 struct Decoder {
   int64_t dtype;  // 0 fp32, 2 bf16
   int64_t cache_dtype;  // dtype, or a quantized cache's codes (tiffin_paged_decode's codes)
-  int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size, num_layers;
+  int64_t hidden, heads, kv_heads, head_dim, block_size, num_layers;
   double eps, scale;
   const float* cos;  // [max_positions, head_dim / 2]
   const float* sin;
@@ -124,7 +127,7 @@ struct Step {
   std::vector<T> h, qkv, qk, attn, gate_up, act, out;
   std::vector<int64_t> rows;
   // a mixture of experts': routing weights [tokens, k]; then rows of (token, choice) pairs in expert order
-  std::vector<T> routed, xs, expert_gate_up, expert_act, ys;
+  std::vector<T> routed, xs, expert_gate_up, expert_act, ys, shared;
   std::vector<int64_t> chosen, at, starts;
   std::vector<const Weights*> ws;
 
@@ -174,14 +177,15 @@ struct Step {
                         0, 0.f, threads);  // the Llama family: no window, no soft-cap
   }
 
-  void mlp(const DecoderLayer& layer) {
-    const int64_t inter = d.intermediate;
-    linear(layer.gate_up, h.data(), gate_up.data());
+  void mlp(const QuantLinear& gate_up_w, const QuantLinear& down_w, T* y) {  // y = (silu(h Wg) * h Wu) Wd
+    const int64_t inter = down_w.in_features;
+    gate_up.resize(tokens * 2 * inter), act.resize(tokens * inter);
+    linear(gate_up_w, h.data(), gate_up.data());
     for (int64_t t = 0; t < tokens; ++t) {
       const T* g = &gate_up[t * 2 * inter];
       silu_and_mul(g, g + inter, &act[t * inter], inter);
     }
-    linear(layer.down, act.data(), out.data());
+    linear(down_w, act.data(), y);
   }
 
   // Each token's top_k experts (`chosen`, by falling probability; ties to the lower index, as torch.topk) and
@@ -237,9 +241,10 @@ struct Step {
   }
 
   // out = sum over each token's chosen experts e of routed * down_e(silu(gate_e h) * up_e h), each expert's rows in
-  // one grouped GEMM: only the chosen experts' weights are read, with one thread start a projection.
+  // one grouped GEMM: only the chosen experts' weights are read, with one thread start a projection; plus the
+  // shared expert's MLP times sigmoid(h Wgate) where there is one.
   void moe(const MoE& m) {
-    const int64_t k = m.top_k, pairs = tokens * k, inter = m.intermediate, hidden = d.hidden;
+    const int64_t k = m.top_k, pairs = tokens * k, inter = m.down[0].in_features, hidden = d.hidden;
     chosen.resize(pairs), routed.resize(pairs), at.resize(pairs), starts.assign(m.experts + 1, 0);
     ws.resize(m.experts), xs.resize(pairs * hidden), ys.resize(pairs * hidden);
     expert_gate_up.resize(pairs * 2 * inter), expert_act.resize(pairs * inter);
@@ -267,13 +272,21 @@ struct Step {
       }
       for (int64_t j = 0; j < hidden; ++j) out[t * hidden + j] = from_float<T>(sum[j]);
     }
+    if (m.shared_gate_up == nullptr) return;
+    shared.resize(tokens * hidden);
+    mlp(*m.shared_gate_up, *m.shared_down, shared.data());
+    for (int64_t t = 0; t < tokens; ++t) {  // out + sigmoid(gate) * shared, each op rounded to T
+      const float logit = to_float(from_float<T>(dot(&h[t * hidden], static_cast<const T*>(m.shared_gate), hidden)));
+      const float gate = to_float(from_float<T>(1.f / (1.f + std::exp(-logit))));
+      for (int64_t j = t * hidden; j < (t + 1) * hidden; ++j)
+        out[j] = from_float<T>(to_float(out[j]) + to_float(from_float<T>(gate * to_float(shared[j]))));
+    }
   }
 
   void run(T* x, const int32_t* block_tables, int64_t table_stride, const int32_t* seq_lens) {
     const int64_t q_size = d.heads * d.head_dim, kv_size = d.kv_heads * d.head_dim, hidden = d.hidden;
     h.resize(tokens * hidden), out.resize(tokens * hidden), attn.resize(tokens * q_size);
     qkv.resize(tokens * (q_size + 2 * kv_size)), qk.resize(tokens * (q_size + kv_size));
-    gate_up.resize(tokens * 2 * d.intermediate), act.resize(tokens * d.intermediate);
     rows.resize(tokens);
     for (int64_t t = 0; t < tokens; ++t) rows[t] = t;
     const int dtype = static_cast<int>(d.dtype);
@@ -287,7 +300,7 @@ struct Step {
       tiffin_rms_norm(dtype, x, hidden, layer.post_norm, h.data(), tokens, static_cast<int>(hidden),
                       static_cast<float>(d.eps), threads);
       if (layer.moe != nullptr) moe(*layer.moe);
-      else mlp(layer);
+      else mlp(layer.gate_up, layer.down, out.data());
       add(x, out.data(), tokens * hidden);
     }
   }
