@@ -158,7 +158,7 @@ class CpuDecoder:
                     None if moe is None else ctypes.pointer(moe),
                 )
             )
-        self.layers = (_DecoderLayer * len(layers))(*layers)  # holds what its pointers point to (ctypes' _objects)
+        self.layers = (_DecoderLayer * len(layers))(*layers)
         self.model, self.rotary = model, attn.rotary  # the tensors the pointers point into stay alive
         self.dtype = inner.norm.weight.dtype
         self.decoder = _Decoder(
