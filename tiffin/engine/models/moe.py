@@ -12,7 +12,9 @@ then its up rows) and `down_proj [E, H, I]` (`Experts`). Those of a GGUF file ar
 (`LinearExperts`), stored as their `LinearMethod` stores a GGUF tensor: quantized ones kept in their blocks (on
 CPU the native block GEMMs), each expert's rows a slice of the file's stacked tensor. Either way a forward sorts
 its (token, choice) pairs by expert and runs one GEMM pair per expert that has tokens (`run_experts`): a decode
-step reads its chosen experts' weights and no others'. The outputs go back to (token, choice) order and are
+step reads its chosen experts' weights and no others'. On CPU a decode step of GGUF experts kept in blocks runs
+natively instead (`worker/cpu_decode.py`): routing and a grouped GEMM over the chosen experts
+a projection, with this module's numerics. The outputs go back to (token, choice) order and are
 summed over the choices with their routing weights. DeepSeek's routing (grouped top-k,
 sigmoid scores with a correction bias, a scaling factor) is `grouped_topk`, which `deepseek.py`'s layer uses.
 
@@ -221,6 +223,7 @@ class SparseMoE(nn.Module):
         moe, hidden = config.moe, config.hidden_size
         self.top_k, self.renormalize, self.tp = moe.top_k, moe.renormalize, tp
         self.gate = linear("gate", hidden, [moe.num_experts], False)  # replicated on every rank
+        self.gate.looks_up_rows = True  # a CPU prepack keeps its plain weight: the native decode step reads it
         if config.quant_config is not None and config.quant_config.name == "gguf":
             self.experts = LinearExperts(
                 moe.num_experts, hidden, moe.intermediate_size, config.hidden_act, backend, linear
@@ -234,6 +237,7 @@ class SparseMoE(nn.Module):
             shared = prefixed(linear, "shared_expert.")
             self.shared_expert = MLP(hidden, moe.shared_expert_size, config.hidden_act, False, shared, backend)
             self.shared_expert_gate = linear("shared_expert_gate", hidden, [1], False)
+            self.shared_expert_gate.looks_up_rows = True
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's routing weights `[T, k]` (in x's dtype) and experts `[T, k]`."""

@@ -2,12 +2,15 @@
 // runs one by one (RMSNorm, the int8 GEMM of quantized projections, rotary, paged decode attention): at batch 1 a
 // step's ~400 small ops cost more in Python than their work (tiffin/engine/worker/cpu_decode.py decides when it
 // runs). Each layer: h = norm(x); q, k, v = h Wqkv (+ bias); q, k = norm_qk(q, k); q, k = rotary(q, k); K/V
-// written to their slots; a = attention(q); x += a Wo; h = norm(x); x += (silu(h Wg) * h Wu) Wd. Every result is
+// written to their slots; a = attention(q); x += a Wo; h = norm(x); x += (silu(h Wg) * h Wu) Wd, or in a mixture of
+// experts' layer the routing-weighted sum of that MLP over each token's chosen experts (`moe`). Every result is
 // rounded to the model dtype where torch rounds it.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <numeric>
 #include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -33,6 +36,9 @@ extern "C" void tiffin_write_kv(int dtype, const void* key, int64_t key_row_stri
 struct Weights;  // cpu_blocks.h
 extern "C" int tiffin_block_gemm(int dtype, const void* x, int64_t x_stride, int64_t m, int64_t k, const Weights* w,
                                  int out_dtype, void* y, int64_t y_stride, int levels, int threads);
+extern "C" int tiffin_grouped_gemm(int dtype, const void* x, int64_t x_stride, int64_t k, const Weights* const* ws,
+                                   const int64_t* starts, int64_t count, int out_dtype, void* y, int64_t y_stride,
+                                   int levels, int threads);
 
 constexpr int MAX_PARTS = 3;
 
@@ -42,6 +48,16 @@ struct QuantLinear {  // a projection in tiffin.kernels.block_gemm's block layou
   int64_t num_parts;
   const void* bias;  // model dtype, or null
   int64_t out_features, in_features, levels;
+};
+
+struct MoE {  // models/moe.py's SparseMoE with its experts kept in blocks (LinearExperts)
+  const void* router;  // [experts, hidden] in the model dtype
+  const QuantLinear* gate_up;  // [experts], every expert's parts stored alike
+  const QuantLinear* down;  // [experts]
+  int64_t experts, top_k, renormalize;
+  const QuantLinear* shared_gate_up;  // Qwen2-MoE's shared expert, or null
+  const QuantLinear* shared_down;
+  const void* shared_gate;  // its gate's weight [hidden] in the model dtype
 };
 
 struct DecoderLayer {
@@ -54,12 +70,13 @@ struct DecoderLayer {
   void* v_cache;
   void* k_scale;  // a quantized cache's scales [blocks, block_size, kv_heads], or null
   void* v_scale;
+  const MoE* moe;  // null: the dense MLP
 };
 
 struct Decoder {
   int64_t dtype;  // 0 fp32, 2 bf16
   int64_t cache_dtype;  // dtype, or a quantized cache's codes (tiffin_paged_decode's codes)
-  int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size, num_layers;
+  int64_t hidden, heads, kv_heads, head_dim, block_size, num_layers;
   double eps, scale;
   const float* cos;  // [max_positions, head_dim / 2]
   const float* sin;
@@ -109,6 +126,10 @@ struct Step {
   int threads;
   std::vector<T> h, qkv, qk, attn, gate_up, act, out;
   std::vector<int64_t> rows;
+  // a mixture of experts': routing weights [tokens, k]; then rows of (token, choice) pairs in expert order
+  std::vector<T> routed, xs, expert_gate_up, expert_act, ys, shared;
+  std::vector<int64_t> chosen, at, starts;
+  std::vector<const Weights*> ws;
 
   void linear(const QuantLinear& w, const T* x, T* y) {
     const int dtype = static_cast<int>(d.dtype);
@@ -156,21 +177,116 @@ struct Step {
                         0, 0.f, threads);  // the Llama family: no window, no soft-cap
   }
 
-  void mlp(const DecoderLayer& layer) {
-    const int64_t inter = d.intermediate;
-    linear(layer.gate_up, h.data(), gate_up.data());
+  void mlp(const QuantLinear& gate_up_w, const QuantLinear& down_w, T* y) {  // y = (silu(h Wg) * h Wu) Wd
+    const int64_t inter = down_w.in_features;
+    gate_up.resize(tokens * 2 * inter), act.resize(tokens * inter);
+    linear(gate_up_w, h.data(), gate_up.data());
     for (int64_t t = 0; t < tokens; ++t) {
       const T* g = &gate_up[t * 2 * inter];
       silu_and_mul(g, g + inter, &act[t * inter], inter);
     }
-    linear(layer.down, act.data(), out.data());
+    linear(down_w, act.data(), y);
+  }
+
+  // Each token's top_k experts (`chosen`, by falling probability; ties to the lower index, as torch.topk) and
+  // routing weights (`routed`): the router's logits rounded to T, their softmax in fp32, renormalized where the
+  // config says, rounded to T.
+  void route(const MoE& m) {
+    const int64_t experts = m.experts, k = m.top_k, hidden = d.hidden;
+    const T* router = static_cast<const T*>(m.router);
+    std::vector<float> probs(experts);
+    std::vector<int64_t> ids(experts);
+    for (int64_t t = 0; t < tokens; ++t) {
+      const T* row = &h[t * hidden];
+      float top = -INFINITY, sum = 0.f;
+      for (int64_t e = 0; e < experts; ++e) {
+        probs[e] = to_float(from_float<T>(dot(row, router + e * hidden, hidden)));
+        top = std::max(top, probs[e]);
+      }
+      for (float& p : probs) sum += p = std::exp(p - top);
+      for (float& p : probs) p /= sum;
+      std::iota(ids.begin(), ids.end(), 0);
+      std::partial_sort(ids.begin(), ids.begin() + k, ids.end(),
+                        [&](int64_t a, int64_t b) { return probs[a] > probs[b] || (probs[a] == probs[b] && a < b); });
+      float kept = 0.f;
+      for (int64_t j = 0; j < k; ++j) kept += probs[ids[j]];
+      for (int64_t j = 0; j < k; ++j) {
+        chosen[t * k + j] = ids[j];
+        routed[t * k + j] = from_float<T>(m.renormalize ? probs[ids[j]] / kept : probs[ids[j]]);
+      }
+    }
+  }
+
+  static float dot(const T* a, const T* b, int64_t n) {  // fp32 sums, 16 lanes
+    int64_t j = 0;
+    float sum = 0.f;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (; j + 16 <= n; j += 16) acc = _mm512_fmadd_ps(load16(a + j), load16(b + j), acc);
+    sum = _mm512_reduce_add_ps(acc);
+#endif
+    for (; j < n; ++j) sum += to_float(a[j]) * to_float(b[j]);
+    return sum;
+  }
+
+  // One grouped GEMM of every chosen expert's part p of `linears` on its rows of x (expert order) into y's columns.
+  void experts_gemm(const MoE& m, const QuantLinear* linears, const T* x, T* y) {
+    const QuantLinear& any = linears[0];
+    const int dtype = static_cast<int>(d.dtype);
+    for (int64_t p = 0, first = 0; p < any.num_parts; first += any.part_features[p++]) {
+      for (int64_t e = 0; e < m.experts; ++e) ws[e] = linears[e].parts[p];
+      tiffin_grouped_gemm(dtype, x, any.in_features, any.in_features, ws.data(), starts.data(), m.experts, dtype,
+                          y + first, any.out_features, static_cast<int>(any.levels), threads);
+    }
+  }
+
+  // out = sum over each token's chosen experts e of routed * down_e(silu(gate_e h) * up_e h), each expert's rows in
+  // one grouped GEMM: only the chosen experts' weights are read, with one thread start a projection; plus the
+  // shared expert's MLP times sigmoid(h Wgate) where there is one.
+  void moe(const MoE& m) {
+    const int64_t k = m.top_k, pairs = tokens * k, inter = m.down[0].in_features, hidden = d.hidden;
+    chosen.resize(pairs), routed.resize(pairs), at.resize(pairs), starts.assign(m.experts + 1, 0);
+    ws.resize(m.experts), xs.resize(pairs * hidden), ys.resize(pairs * hidden);
+    expert_gate_up.resize(pairs * 2 * inter), expert_act.resize(pairs * inter);
+    route(m);
+    for (int64_t i = 0; i < pairs; ++i) ++starts[chosen[i] + 1];
+    for (int64_t e = 0; e < m.experts; ++e) starts[e + 1] += starts[e];
+    std::vector<int64_t> next(starts.begin(), starts.end() - 1);
+    for (int64_t i = 0; i < pairs; ++i) {  // pair i = (token i / k, choice i % k) to its expert's rows, in order
+      at[i] = next[chosen[i]]++;
+      std::memcpy(&xs[at[i] * hidden], &h[i / k * hidden], hidden * sizeof(T));
+    }
+    experts_gemm(m, m.gate_up, xs.data(), expert_gate_up.data());
+    for (int64_t s = 0; s < pairs; ++s) {
+      const T* g = &expert_gate_up[s * 2 * inter];
+      silu_and_mul(g, g + inter, &expert_act[s * inter], inter);
+    }
+    experts_gemm(m, m.down, expert_act.data(), ys.data());
+    std::vector<float> sum(hidden);
+    for (int64_t t = 0; t < tokens; ++t) {  // each weighted output rounded to T, their sum in choice order once
+      std::fill(sum.begin(), sum.end(), 0.f);
+      for (int64_t i = t * k; i < (t + 1) * k; ++i) {
+        const T* y = &ys[at[i] * hidden];
+        const float w = to_float(routed[i]);
+        for (int64_t j = 0; j < hidden; ++j) sum[j] += to_float(from_float<T>(to_float(y[j]) * w));
+      }
+      for (int64_t j = 0; j < hidden; ++j) out[t * hidden + j] = from_float<T>(sum[j]);
+    }
+    if (m.shared_gate_up == nullptr) return;
+    shared.resize(tokens * hidden);
+    mlp(*m.shared_gate_up, *m.shared_down, shared.data());
+    for (int64_t t = 0; t < tokens; ++t) {  // out + sigmoid(gate) * shared, each op rounded to T
+      const float logit = to_float(from_float<T>(dot(&h[t * hidden], static_cast<const T*>(m.shared_gate), hidden)));
+      const float gate = to_float(from_float<T>(1.f / (1.f + std::exp(-logit))));
+      for (int64_t j = t * hidden; j < (t + 1) * hidden; ++j)
+        out[j] = from_float<T>(to_float(out[j]) + to_float(from_float<T>(gate * to_float(shared[j]))));
+    }
   }
 
   void run(T* x, const int32_t* block_tables, int64_t table_stride, const int32_t* seq_lens) {
     const int64_t q_size = d.heads * d.head_dim, kv_size = d.kv_heads * d.head_dim, hidden = d.hidden;
     h.resize(tokens * hidden), out.resize(tokens * hidden), attn.resize(tokens * q_size);
     qkv.resize(tokens * (q_size + 2 * kv_size)), qk.resize(tokens * (q_size + kv_size));
-    gate_up.resize(tokens * 2 * d.intermediate), act.resize(tokens * d.intermediate);
     rows.resize(tokens);
     for (int64_t t = 0; t < tokens; ++t) rows[t] = t;
     const int dtype = static_cast<int>(d.dtype);
@@ -183,7 +299,8 @@ struct Step {
       add(x, out.data(), tokens * hidden);
       tiffin_rms_norm(dtype, x, hidden, layer.post_norm, h.data(), tokens, static_cast<int>(hidden),
                       static_cast<float>(d.eps), threads);
-      mlp(layer);
+      if (layer.moe != nullptr) moe(*layer.moe);
+      else mlp(layer.gate_up, layer.down, out.data());
       add(x, out.data(), tokens * hidden);
     }
   }

@@ -173,13 +173,13 @@ __attribute__((always_inline)) inline void prefetch_block(const Weights& w, int6
 
 // Activation rows m0..m0+MC against row groups g0..g0+GR.
 template <int BITS, int KIND, int LEVELS, int MC, int GR>
-void tile(const Acts& a, int64_t m0, const Weights& w, int64_t g0, void* y, int out_dtype, int64_t y_stride) {
+void tile(const Acts& a, int64_t m0, bool lead, const Weights& w, int64_t g0, void* y, int out_dtype, int64_t y_stride) {
   constexpr int H = halves(KIND);  // integer sums a block: one a half-block where each has its scale
   static_assert(H == 1 || BITS < 8, "8-bit codes are scaled a block at a time");
   __m512 acc[GR][MC];
   for (int g = 0; g < GR; ++g)
     for (int i = 0; i < MC; ++i) acc[g][i] = _mm512_setzero_ps();
-  const bool ahead = m0 == 0 && (g0 + 2 * GR) * LANES <= w.n;  // later rows find the weights cached
+  const bool ahead = lead && (g0 + 2 * GR) * LANES <= w.n;  // later rows find the weights cached
   for (int64_t b = 0; b < a.blocks; ++b) {
     if (ahead) prefetch_block<BITS, KIND, GR>(w, g0 + GR, b, a.blocks);
     __m512i dots[H][GR][MC], rests[H][GR][MC];  // per level
@@ -218,7 +218,7 @@ void tile(const Acts& a, int64_t m0, const Weights& w, int64_t g0, void* y, int 
 }
 #else
 template <int BITS, int KIND, int LEVELS, int MC, int GR>
-void tile(const Acts& a, int64_t m0, const Weights& w, int64_t g0, void* y, int out_dtype, int64_t y_stride) {
+void tile(const Acts& a, int64_t m0, bool, const Weights& w, int64_t g0, void* y, int out_dtype, int64_t y_stride) {
   for (int64_t g = g0; g < g0 + GR; ++g) {
     for (int l = 0; l < LANES && g * LANES + l < w.n; ++l) {
       for (int i = 0; i < MC; ++i) {
@@ -246,19 +246,44 @@ void tile(const Acts& a, int64_t m0, const Weights& w, int64_t g0, void* y, int 
 #endif
 
 
-// Row groups g0..g1 against every row of activations, MC rows of them at a time.
+// Row groups g0..g1 against activation rows m0..m0+MC (`lead`: the first of the weight's rows, which prefetches).
 template <int BITS, int KIND, int LEVELS, int MC>
-void rows(const Acts& a, int64_t m0, const Weights& w, int64_t g0, int64_t g1, void* y, int out_dtype,
+void rows(const Acts& a, int64_t m0, bool lead, const Weights& w, int64_t g0, int64_t g1, void* y, int out_dtype,
           int64_t y_stride) {
   constexpr int GR = (MC <= 2 ? 4 : 2) / halves(KIND);  // half-blocks' sums take twice the registers
   int64_t g = g0;
-  for (; g + GR <= g1; g += GR) tile<BITS, KIND, LEVELS, MC, GR>(a, m0, w, g, y, out_dtype, y_stride);
-  for (; g < g1; ++g) tile<BITS, KIND, LEVELS, MC, 1>(a, m0, w, g, y, out_dtype, y_stride);
+  for (; g + GR <= g1; g += GR) tile<BITS, KIND, LEVELS, MC, GR>(a, m0, lead, w, g, y, out_dtype, y_stride);
+  for (; g < g1; ++g) tile<BITS, KIND, LEVELS, MC, 1>(a, m0, lead, w, g, y, out_dtype, y_stride);
 }
 
+// Row groups g0..g1 against activation rows m0..m1, MC rows of them at a time.
 template <int BITS, int KIND, int LEVELS>
-void gemm(const Acts& a, int64_t m, const Weights& w, void* y, int out_dtype, int64_t y_stride, int threads) {
-  constexpr int64_t GT = 4;  // row groups read together: their codes stay in L1 across the activation rows
+void row_groups(const Acts& a, int64_t m0, int64_t m1, const Weights& w, int64_t g0, int64_t g1, void* y,
+                int out_dtype, int64_t y_stride) {
+  int64_t m = m0;
+  for (; m + 4 <= m1; m += 4) rows<BITS, KIND, LEVELS, 4>(a, m, m == m0, w, g0, g1, y, out_dtype, y_stride);
+  switch (m1 - m) {
+    case 3: rows<BITS, KIND, LEVELS, 3>(a, m, m == m0, w, g0, g1, y, out_dtype, y_stride); break;
+    case 2: rows<BITS, KIND, LEVELS, 2>(a, m, m == m0, w, g0, g1, y, out_dtype, y_stride); break;
+    case 1: rows<BITS, KIND, LEVELS, 1>(a, m, m == m0, w, g0, g1, y, out_dtype, y_stride); break;
+    default: break;
+  }
+}
+
+// row_groups(args...) for w's format and `levels`, as compile-time constants (a format by_format knows).
+template <typename... Args>
+void by_levels(const Weights& w, int levels, Args&&... args) {
+  by_format(w.bits, w.kind, [&](auto bits, auto kind) {
+    constexpr int BITS = decltype(bits)::value, KIND = decltype(kind)::value;
+    if (levels == 1) row_groups<BITS, KIND, 1>(args...);
+    else row_groups<BITS, KIND, 2>(args...);
+  });
+}
+
+constexpr int64_t GT = 4;  // row groups read together: their codes stay in L1 across the activation rows
+
+void gemm(const Acts& a, int64_t m, const Weights& w, void* y, int out_dtype, int64_t y_stride, int levels,
+          int threads) {
   const int64_t groups = (w.n + LANES - 1) / LANES;
   // threads pay from ~32 KB of codes on (their start costs about a microsecond); each takes an equal share of the
   // groups (whole tasks of GT would leave one thread a task more: 5 against 4 on a 576-row projection)
@@ -266,14 +291,32 @@ void gemm(const Acts& a, int64_t m, const Weights& w, void* y, int out_dtype, in
   for (int64_t g0 = groups * omp_get_thread_num() / omp_get_num_threads(),
                end = groups * (omp_get_thread_num() + 1) / omp_get_num_threads();
        g0 < end; g0 += GT) {
-    const int64_t g1 = std::min(end, g0 + GT);
-    int64_t m0 = 0;
-    for (; m0 + 4 <= m; m0 += 4) rows<BITS, KIND, LEVELS, 4>(a, m0, w, g0, g1, y, out_dtype, y_stride);
-    switch (m - m0) {
-      case 3: rows<BITS, KIND, LEVELS, 3>(a, m0, w, g0, g1, y, out_dtype, y_stride); break;
-      case 2: rows<BITS, KIND, LEVELS, 2>(a, m0, w, g0, g1, y, out_dtype, y_stride); break;
-      case 1: rows<BITS, KIND, LEVELS, 1>(a, m0, w, g0, g1, y, out_dtype, y_stride); break;
-      default: break;
+    by_levels(w, levels, a, 0, m, w, g0, std::min(end, g0 + GT), y, out_dtype, y_stride);
+  }
+}
+
+// The experts of a grouped GEMM that one parallel region runs (the others go through tiffin_block_gemm alone):
+// row groups shared out evenly over the threads across the experts' boundaries.
+void grouped(const Acts& a, const std::vector<int64_t>& run, const Weights* const* ws, const int64_t* starts,
+             void* y, int out_dtype, int64_t y_stride, int levels, int threads) {
+  std::vector<int64_t> first(run.size() + 1, 0);  // each expert's first row group in the shared count
+  int64_t work = 0;
+  for (size_t i = 0; i < run.size(); ++i) {
+    const int64_t e = run[i];
+    first[i + 1] = first[i] + (ws[e]->n + LANES - 1) / LANES;
+    work += (starts[e + 1] - starts[e]) * (first[i + 1] - first[i]) * a.blocks;
+  }
+  const int64_t total = first.back();
+#pragma omp parallel num_threads(threads) if (work >= 128)
+  {
+    const int64_t begin = total * omp_get_thread_num() / omp_get_num_threads();
+    const int64_t end = total * (omp_get_thread_num() + 1) / omp_get_num_threads();
+    for (size_t i = 0; i < run.size(); ++i) {
+      const int64_t lo = std::max(begin, first[i]), hi = std::min(end, first[i + 1]), e = run[i];
+      const Weights& w = *ws[e];
+      for (int64_t g = lo; g < hi; g += GT)
+        by_levels(w, levels, a, starts[e], starts[e + 1], w, g - first[i], std::min(hi, g + GT) - first[i], y,
+                  out_dtype, y_stride);
     }
   }
 }
@@ -360,11 +403,35 @@ extern "C" int tiffin_block_gemm(int dtype, const void* x, int64_t x_stride, int
     tiffin_bf16_gemm(dtype, x, x_stride, m, k, *w, out_dtype, y, y_stride, threads);
     return 0;
   }
-  const Acts& a = quantize(x, dtype, x_stride, m, k, levels, threads);
-  by_format(w->bits, w->kind, [&](auto bits, auto kind) {
-    constexpr int BITS = decltype(bits)::value, KIND = decltype(kind)::value;
-    if (levels == 1) gemm<BITS, KIND, 1>(a, m, *w, y, out_dtype, y_stride, threads);
-    else gemm<BITS, KIND, 2>(a, m, *w, y, out_dtype, y_stride, threads);
-  });
+  gemm(quantize(x, dtype, x_stride, m, k, levels, threads), m, *w, y, out_dtype, y_stride, levels, threads);
+  return 0;
+}
+
+// Experts e = 0..count-1 at once (a mixture of experts' chosen ones): rows starts[e]..starts[e + 1] of y = the same
+// rows of x against ws[e], each as tiffin_block_gemm computes it alone, bit for bit. The int8 ones (decode-sized)
+// share one quantization of x and one parallel region, so a step pays no thread start per expert. Returns 0, or -1
+// (nothing written) for a format the kernels are not built for.
+extern "C" int tiffin_grouped_gemm(int dtype, const void* x, int64_t x_stride, int64_t k, const Weights* const* ws,
+                                   const int64_t* starts, int64_t count, int out_dtype, void* y, int64_t y_stride,
+                                   int levels, int threads) {
+  std::vector<int64_t> run;
+  for (int64_t e = 0; e < count; ++e) {
+    const Weights& w = *ws[e];
+    const int64_t m = starts[e + 1] - starts[e];
+    if (w.kind == FP8 ? w.bits != 8 || !tiffin_bf16_gemm_built() : !by_format(w.bits, w.kind, [](auto, auto) {}))
+      return -1;
+    const bool bf16 = levels == 2 && tiffin_bf16_gemm_built() && m >= tiffin_bf16_min_rows();
+    if (m > 0 && !(w.kind == FP8 || w8a8_runs(w, m, k) || bf16)) run.push_back(e);
+  }
+  for (int64_t e = 0; e < count; ++e) {  // before the shared quantization: these quantize on their own
+    const int64_t m = starts[e + 1] - starts[e];
+    if (m > 0 && std::find(run.begin(), run.end(), e) == run.end())
+      tiffin_block_gemm(dtype, static_cast<const char*>(x) + starts[e] * x_stride * (dtype == 0 ? 4 : 2), x_stride, m,
+                        k, ws[e], out_dtype, static_cast<char*>(y) + starts[e] * y_stride * (out_dtype == 0 ? 4 : 2),
+                        y_stride, levels, threads);
+  }
+  if (!run.empty())
+    grouped(quantize(x, dtype, x_stride, starts[count], k, levels, threads), run, ws, starts, y, out_dtype, y_stride,
+            levels, threads);
   return 0;
 }
