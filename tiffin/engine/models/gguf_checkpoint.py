@@ -149,8 +149,8 @@ class GGUFCheckpoint:
         if self.field(Keys.LLM.EXPERT_COUNT):
             self.architecture = WITH_EXPERTS.get(self.architecture, self.architecture)
         self.tensor_types = {t.name: t.qtype for t in self.header.tensors}
-        # ggml lists dims innermost first
-        self.tensor_shapes = {t.name: tuple(reversed(t.dims)) for t in self.header.tensors}
+        # ggml lists dims innermost first; llama-quantize writes a shared expert's one-output gate 1-d
+        self.tensor_shapes = {t.name: _as_matrix(t.name, tuple(reversed(t.dims))) for t in self.header.tensors}
         unsupported = sorted({t.name for t in self.tensor_types.values() if t not in TYPES})
         if unsupported:
             raise self.fail(
@@ -449,6 +449,10 @@ class GGUFCheckpoint:
             if shape != sizes:
                 wrong = [label for (size, label), got in zip(want, shape) if size != got] or [l for _, l in want]
                 raise self.fail(f"tensor {name!r} has shape {list(shape)}, not {list(sizes)} ({'; '.join(wrong)})")
+
+
+def _as_matrix(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    return (1, *shape) if name.endswith("ffn_gate_inp_shexp.weight") and len(shape) == 1 else shape
 
 
 def _undo_rope_permutation(rows: np.ndarray, heads: int) -> np.ndarray:
