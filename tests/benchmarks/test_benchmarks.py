@@ -89,6 +89,7 @@ def runs(env, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
             "batch_served.py": ["batch_served.py", "--quick"],
             "batch_loop_lag.py": ["batch_loop_lag.py", "--hostile-lines", "60000"],
             "dp_router.py": ["dp_router.py", "--model", tiny, "--quick"],
+            "row_padding.py": ["row_padding.py", *cheap, "--rounds", "1"],
         },
         env,
     )
@@ -102,6 +103,12 @@ def test_help(env):
 
 def test_every_benchmark_has_a_cheapest_run(runs):
     assert sorted({name.split()[0] for name in runs}) == SCRIPTS
+
+
+def test_row_padding(runs):
+    run = runs["row_padding.py"]
+    assert run.returncode == 0, output(run)
+    assert "padded / unpadded (medians)" in run.stdout and "requests with the same tokens: 2 of 2" in run.stdout
 
 
 def test_dp_router(runs):
