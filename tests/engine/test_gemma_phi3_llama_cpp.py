@@ -19,9 +19,9 @@ import copy
 
 import pytest
 import torch
-from references import reference_generate, spread_weights
+from references import spread_weights
 from test_dense_families import TINY, VOCAB, longrope, prompts
-from test_dense_families_llama_cpp import LLAMA_CPP, NEAR_TIE, SERVER, TOKENS, divergences, greedy_both
+from test_dense_families_llama_cpp import LLAMA_CPP, SERVER, assert_answers_as_llama_server
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tiffin.engine.models.gguf_checkpoint import GGUFCheckpoint
@@ -83,18 +83,8 @@ def converted(request, tmp_path_factory):
 @pytest.mark.parametrize("outtype", ["f32", "q8_0"])
 def test_llama_cpp_conversion_answers_as_llama_server(converted, outtype, tmp_path):
     model_type, files, hf = converted
-    batch = prompts()[:4]
-    ours, theirs = greedy_both(files[outtype], batch, tmp_path)
-    if outtype == "f32":
-        assert [o.token_ids for o in ours] == [t for t, _ in theirs]
-        assert [o.token_ids for o in ours] == [reference_generate(hf, p, TOKENS)[0] for p in batch]
-        return
-    dequantized = dequantized_model(hf, files[outtype])
-    assert [o.token_ids for o in ours] == [reference_generate(dequantized, p, TOKENS)[0] for p in batch]
-    ties = divergences(ours, theirs)
-    print(f"{model_type} Q8_0: {len(batch) - len(ties)}/{len(batch)} identical; (step, top-2 gaps) {ties}")
-    assert all(min(gaps) < NEAR_TIE for _, *gaps in ties), ties
-    assert len(ties) < len(batch)
+    dequantized = None if outtype == "f32" else dequantized_model(hf, files[outtype])
+    assert_answers_as_llama_server(model_type, files, outtype, hf, prompts()[:4], tmp_path, dequantized)
 
 
 def dequantized_model(hf: torch.nn.Module, path) -> torch.nn.Module:

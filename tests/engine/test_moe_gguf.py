@@ -23,14 +23,7 @@ import numpy as np
 import pytest
 import torch
 from references import reference_generate
-from test_dense_families_llama_cpp import (
-    LLAMA_CPP,
-    NEAR_TIE,
-    SERVER,
-    TOKENS,
-    divergences,
-    greedy_both,
-)
+from test_dense_families_llama_cpp import LLAMA_CPP, SERVER, TOKENS, assert_answers_as_llama_server
 from test_moe import ARCHS, TINY, VOCAB, prompts, randomize
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -77,17 +70,8 @@ def converted(request, tmp_path_factory):
 @pytest.mark.parametrize("outtype", ["f32", "q8_0"])
 def test_llama_cpp_conversion_answers_as_llama_server(converted, outtype, tmp_path):
     model_type, files, hf, _ = converted
-    batch = prompts()[:4]
-    ours, theirs = greedy_both(files[outtype], batch, tmp_path)
-    if outtype == "f32":
-        assert [o.token_ids for o in ours] == [t for t, _ in theirs]
-        assert [o.token_ids for o in ours] == [reference_generate(hf, p, TOKENS)[0] for p in batch]
-        return
-    dequantized = dequantized_model(hf, files[outtype])
-    assert [o.token_ids for o in ours] == [reference_generate(dequantized, p, TOKENS)[0] for p in batch]
-    ties = divergences(ours, theirs)
-    print(f"{model_type} Q8_0: {len(batch) - len(ties)}/{len(batch)} identical; (step, top-2 gaps) {ties}")
-    assert all(min(gaps) < NEAR_TIE for _, *gaps in ties), ties
+    dequantized = None if outtype == "f32" else dequantized_model(hf, files[outtype])
+    assert_answers_as_llama_server(model_type, files, outtype, hf, prompts()[:4], tmp_path, dequantized, False)
 
 
 def dequantized_model(hf: torch.nn.Module, path) -> torch.nn.Module:
