@@ -134,6 +134,18 @@ def test_batch_served(runs):
     assert run.returncode == 0 and "all checks passed" in run.stdout, output(run)
 
 
+def test_batch_served_names_a_difference_a_tie_only_where_the_batch_took_a_near_tied_token(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("batch_served", REPO / "benchmarks" / "batch_served.py")
+    batch_served = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(batch_served)
+    steps = [("The", {"The": -0.1, "A": -2.0}), (" moon", {" moon": -1.0, " sun": -1.004, " sea": -3.0})]
+    assert batch_served.tie_gap("The sun is", steps) == pytest.approx(0.004)
+    assert batch_served.tie_gap("The sea is", steps) == pytest.approx(2.0)
+    assert batch_served.tie_gap("The cat", steps) is None  # not among the live alternatives
+    assert batch_served.tie_gap("The moon", steps) is None  # the texts never part
+
+
 def test_key_fairness(runs):
     run = runs["key_fairness.py"]
     assert run.returncode == 0, output(run)
