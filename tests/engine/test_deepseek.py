@@ -18,6 +18,7 @@ import torch
 from references import reference_generate
 from safetensors.torch import load_file
 from test_moe import randomize
+from test_prompt_logprobs import assert_prompt_logprobs
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
@@ -218,12 +219,40 @@ def reference_mla(w: dict, x: torch.Tensor, theta: float = 10000.0) -> torch.Ten
     return o @ w["o_proj.weight"].T
 
 
+BLOCK = 4  # the attention tests' cache blocks: sequence i's blocks are TABLES[i], scrambled
+TABLES = torch.tensor([[5, 0, 7, 2], [3, 6, 1, 1]], dtype=torch.int32)
+# two sequences' (sequence, start, end) rows over three steps: both prompts' first 6 tokens (no cached prefix), a
+# 5-token chunk of the first over its cached prefix beside a decode row of the second, a decode row of the first
+STEPS = ([(0, 0, 6), (1, 0, 6)], [(0, 6, 11), (1, 6, 7)], [(0, 11, 12)])
+
+
+def sequences() -> list[torch.Tensor]:
+    """The hidden states of STEPS' two sequences (12 and 7 tokens)."""
+    return [torch.randn(n, TINY["hidden_size"], generator=torch.Generator().manual_seed(n)) for n in (12, 7)]
+
+
+def attend(attn, rotary, xs: list[torch.Tensor], chunks: list[tuple[int, int, int]]) -> torch.Tensor:
+    """`attn`'s output for the rows `chunks` of sequences `xs` (their hidden states), in the cache blocks of TABLES."""
+    positions = torch.cat([torch.arange(start, end) for _, start, end in chunks])
+    slots = torch.cat([TABLES[i, torch.arange(a, b) // BLOCK].long() * BLOCK + torch.arange(a, b) % BLOCK
+                       for i, a, b in chunks])  # fmt: skip
+    starts = [0]
+    for _, start, end in chunks:
+        starts.append(starts[-1] + end - start)
+    seq_lens = [end for _, _, end in chunks]
+    x = torch.cat([xs[i][start:end] for i, start, end in chunks])
+    as_tensors = torch.tensor(starts, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32)
+    longest = max(b - a for _, a, b in chunks)
+    md = AttentionMetadata(slots, *as_tensors, TABLES, starts, seq_lens, longest, max(seq_lens))
+    with torch.inference_mode():
+        return attn(x, rotary.at(positions), md, None)
+
+
 @pytest.mark.parametrize("native", [True, False], ids=["native-decode", "torch-decode"])
 def test_attention_over_the_latent_cache_equals_the_reference(checkpoints, native, monkeypatch):
     """Two sequences of 12 and 7 tokens in a 4-token-block latent cache with scrambled block tables, over three
-    steps: both prompts' first 6 tokens (no cached prefix), then a 5-token chunk of the first over its cached
-    prefix beside a decode row of the second, then a decode row of the first. Every row equals `reference_mla`
-    (decode rows with the native kernel, and on the torch path with it turned off)."""
+    steps (STEPS): prefill, a chunk over a cached prefix beside a decode row, a decode row. Every row equals
+    `reference_mla` (decode rows with the native kernel, and on the torch path with it turned off)."""
     if not native:
         monkeypatch.setattr(attention.cpu_native, "supports_cache", lambda *a: False)
     path = checkpoints["deepseek_v3"][0]
@@ -231,30 +260,76 @@ def test_attention_over_the_latent_cache_equals_the_reference(checkpoints, nativ
     attn = model.model.layers[1].self_attn
     prefix = "model.layers.1.self_attn."
     w = {k[len(prefix) :]: v.double() for k, v in load_file(path / "model.safetensors").items() if k.startswith(prefix)}
-    lens, block = [12, 7], 4
-    xs = [torch.randn(n, TINY["hidden_size"], generator=torch.Generator().manual_seed(n)) for n in lens]
-    tables = torch.tensor([[5, 0, 7, 2], [3, 6, 1, 1]], dtype=torch.int32)
-    attn.k_cache = attn.v_cache = torch.zeros(8, block, 1, attn.head_dim)
-
-    def step(chunks: list[tuple[int, int, int]]) -> torch.Tensor:  # (sequence, start, end) -> the rows' output
-        positions = torch.cat([torch.arange(start, end) for _, start, end in chunks])
-        slots = torch.cat([tables[i, torch.arange(a, b) // block].long() * block + torch.arange(a, b) % block
-                           for i, a, b in chunks])  # fmt: skip
-        starts = [0]
-        for _, start, end in chunks:
-            starts.append(starts[-1] + end - start)
-        seq_lens = [end for _, _, end in chunks]
-        x = torch.cat([xs[i][start:end] for i, start, end in chunks])
-        as_tensors = torch.tensor(starts, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32)
-        longest = max(b - a for _, a, b in chunks)
-        md = AttentionMetadata(slots, *as_tensors, tables, starts, seq_lens, longest, max(seq_lens))
-        with torch.inference_mode():
-            return attn(x, model.model.rotary.at(positions), md, None)
-
+    xs = sequences()
+    attn.k_cache = attn.v_cache = torch.zeros(8, BLOCK, 1, attn.head_dim)
     expected = [reference_mla(w, x.double(), get_model_config(path).rope_theta) for x in xs]
-    for chunks in ([(0, 0, 6), (1, 0, 6)], [(0, 6, 11), (1, 6, 7)], [(0, 11, 12)]):
-        got = step(chunks).double()
+    for chunks in STEPS:
+        got = attend(attn, model.model.rotary, xs, chunks).double()
         torch.testing.assert_close(got, torch.cat([expected[i][a:b] for i, a, b in chunks]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", list(ARCHS))
+def test_tensor_parallel_shards_sum_to_the_whole_layer(checkpoints, model_type, monkeypatch):
+    """Ranks 0 and 1 of 2 built in this process (all-reduce left out). Each holds half the heads (q_proj or q_b_proj
+    and kv_b_proj by rows, o_proj by columns) and the whole latent projection, writes the whole latent vector of
+    every token to its own cache (equal to the unsharded model's) and so spends (32 + 8) x 3 layers x 4 bytes of KV
+    a token, as unsharded; half of every expert's, the shared experts' and the dense MLP's intermediate dimension,
+    the router whole. Their attention outputs over STEPS (prefill, a chunk over a cached prefix, absorbed decode
+    rows) and their MLPs' outputs sum to the whole layer's."""
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda x, group=None: x)
+    path = checkpoints[model_type][0]
+    config = get_model_config(path)
+    tps = TensorParallel(), TensorParallel(0, 2), TensorParallel(1, 2)
+    models = [build_model(config, path, "cpu", 256, "torch", tp) for tp in tps]
+    latent = TINY["kv_lora_rank"] + TINY["qk_rope_head_dim"]
+    for tp in tps:  # the spec each rank's ModelRunner sizes its pool by
+        assert KVCacheSpec.of(config, 16, tp.kv_heads(config.num_kv_heads)).bytes_per_token == latent * 3 * 4
+    attns = [m.model.layers[1].self_attn for m in models]
+    for attn in attns:
+        attn.k_cache = attn.v_cache = torch.zeros(8, BLOCK, 1, latent)
+    assert [a.num_heads for a in attns] == [4, 2, 2]
+    whole_kv, kv = attns[0].kv_b_proj.weight, attns[2].kv_b_proj.weight
+    assert torch.equal(kv, whole_kv[len(whole_kv) // 2 :])  # heads 2 and 3: their rows of W_UK and W_UV
+    xs = sequences()
+    for chunks in STEPS:
+        whole, *ranks = (attend(a, m.model.rotary, xs, chunks) for a, m in zip(attns, models))
+        torch.testing.assert_close(ranks[0] + ranks[1], whole, rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(a.k_cache, attns[0].k_cache) for a in attns[1:])
+    x = torch.cat(xs)
+    for layer in range(2):  # the dense MLP, the experts and shared experts
+        whole, *ranks = (m.model.layers[layer].mlp(x) for m in models)
+        torch.testing.assert_close(ranks[0] + ranks[1], whole, rtol=1e-5, atol=1e-5)
+    half = models[0].model.layers[1].mlp.experts.down_proj.shape[2] // 2
+    assert models[2].model.layers[1].mlp.experts.down_proj.shape[2] == half
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.parametrize("model_type", list(ARCHS))
+def test_tensor_parallel_engine_matches_transformers(checkpoints, model_type):
+    """TP=2 worker processes (gloo on CPU), prompts chunked (32 tokens a step) into a 10-block pool too small for the
+    batch (preemption by recompute): the first run asks for the prompts' logprobs too (equal to transformers'
+    log_softmax at every position, 1e-4), the second hits the first's cached blocks; greedy 48 tokens and their
+    logprobs equal transformers' both times. Rank 0's pool holds the whole latent vector a token and layer."""
+    path, hf, expected = checkpoints[model_type]
+    with torch.inference_mode():
+        want = [hf(torch.tensor([p])).logits[0].log_softmax(-1) for p in prompts()]
+    asking = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0, prompt_logprobs=1)
+    args = dict(dtype="float32", max_num_batched_tokens=32, max_model_len=128, num_kv_blocks=10)
+    llm = LLM(str(path), tensor_parallel_size=2, distributed_timeout=60, **args)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], asking, use_tqdm=False)
+        assert_matches(outs, expected)
+        for out, prompt, w in zip(outs, prompts(), want):
+            assert_prompt_logprobs(out.prompt_logprobs, prompt, w, 1)
+        assert_matches(llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY, use_tqdm=False), expected)
+        assert llm.llm_engine.stats().prefix_cache_hits > 0 and llm.llm_engine.scheduler.num_preemptions > 0
+        runner = llm.llm_engine.model_runner
+    finally:
+        llm.shutdown()
+    latent = TINY["kv_lora_rank"] + TINY["qk_rope_head_dim"]
+    assert runner.kv_spec.bytes_per_token == latent * TINY["num_hidden_layers"] * 4
+    assert runner.model.model.layers[0].self_attn.num_heads == TINY["num_attention_heads"] // 2
 
 
 @pytest.mark.parametrize("router", [DeepseekV2TopkRouter, DeepseekV3TopkRouter])
@@ -281,8 +356,8 @@ def test_grouped_topk_equals_transformers_router(checkpoints, router):
 def test_unsupported_settings_are_refused_by_name(checkpoints):
     path = checkpoints["deepseek_v2"][0]
     config = get_model_config(path)
-    with pytest.raises(ValueError, match="DeepseekV2ForCausalLM: tensor parallelism is not supported"):
-        build_model(config, path, "cpu", 256, "torch", TensorParallel(0, 2))
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) is not divisible by tensor_parallel_size 8"):
+        build_model(config, path, "cpu", 256, "torch", TensorParallel(0, 8))
     with pytest.raises(ValueError, match="kv_cache_dtype 'int8'.*latent \\(MLA\\) KV cache"):
         LLM(str(path), dtype="float32", kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="DeepseekV2ForCausalLM: LoRA adapters are not supported"):

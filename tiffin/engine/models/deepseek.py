@@ -21,9 +21,16 @@ there), then times `routed_scaling_factor`. The `n_shared_experts` shared expert
 goes through; the first `first_k_dense_replace` layers keep a dense MLP. The router runs in fp32, as transformers
 keeps it.
 
-Not served (refused by name): tensor parallelism, a quantized KV cache (int8/fp8) or int8 host tier, LoRA,
-quantized checkpoints (`loader`: quantized experts), `moe_layer_freq` other than 1. CUDA graphs stay off (as for
-every mixture of experts) and the attention runs its torch implementation on every backend.
+Tensor parallelism, as vLLM splits MLA: each rank holds its share of the heads (q_proj or q_b_proj, and kv_b_proj,
+column-parallel by head; o_proj row-parallel), while q_a_proj, kv_a_proj_with_mqa and their norms are replicated:
+every rank computes the whole latent vector of every token and keeps the whole latent cache, which its heads all
+read (`KVCacheSpec.of`: the same bytes per token on every rank). The experts are split by their intermediate
+dimension (`moe.Experts`), the shared experts and the dense layers' MLPs as any MLP; the router is replicated.
+
+Not served (refused by name): a quantized KV cache (int8/fp8) or int8 host tier, LoRA, quantized checkpoints
+(`loader`: quantized experts), `moe_layer_freq` other than 1. CUDA graphs stay off (as for every mixture of
+experts: its per-expert GEMMs are sized on the host, and so is the latent attention's plan) and the attention runs
+its torch implementation on every backend.
 """
 
 import math
@@ -101,25 +108,28 @@ class LatentAttention(nn.Module):
     """MLA over the latent cache: `k_cache` (which is `v_cache`) `[num_blocks, block_size, 1, kv_lora_rank +
     qk_rope_head_dim]`, set by the ModelRunner."""
 
-    def __init__(self, config: ModelConfig, linear: LinearFactory, rotary: RotaryEmbedding, backend: str):
+    def __init__(
+        self, config: ModelConfig, linear: LinearFactory, rotary: RotaryEmbedding, backend: str, tp: TensorParallel
+    ):
         super().__init__()
         ds: DeepseekConfig = config.family
         hidden, heads, bias = config.hidden_size, config.num_heads, config.qkv_bias  # qkv_bias: attention_bias
-        self.num_heads, self.nope, self.rope = heads, ds.qk_nope_head_dim, ds.qk_rope_head_dim
+        self.num_heads = tp.split(heads, "num_attention_heads")  # this rank's
+        self.nope, self.rope = ds.qk_nope_head_dim, ds.qk_rope_head_dim
         self.rank = ds.kv_lora_rank
         self.v_head_dim, self.num_kv_heads, self.head_dim = ds.v_head_dim, 1, ds.kv_lora_rank + ds.qk_rope_head_dim
         q_size = heads * (self.nope + self.rope)
         if ds.q_lora_rank is None:
-            self.q_proj = linear("q_proj", hidden, [q_size], False)
+            self.q_proj = linear("q_proj", hidden, [q_size], False, "column")
         else:
             self.q_a_proj = linear("q_a_proj", hidden, [ds.q_lora_rank], bias)
             self.q_a_layernorm = RMSNorm(ds.q_lora_rank, LATENT_NORM_EPS, config.dtype)
-            self.q_b_proj = linear("q_b_proj", ds.q_lora_rank, [q_size], False)
+            self.q_b_proj = linear("q_b_proj", ds.q_lora_rank, [q_size], False, "column")
         self.kv_a_proj_with_mqa = linear("kv_a_proj_with_mqa", hidden, [self.head_dim], bias)
         self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS, config.dtype)
-        self.kv_b_proj = linear("kv_b_proj", self.rank, [heads * (self.nope + self.v_head_dim)], False)
+        self.kv_b_proj = linear("kv_b_proj", self.rank, [heads * (self.nope + self.v_head_dim)], False, "column")
         self.kv_b_proj.looks_up_rows = True  # its plain weight is read, never applied: a CPU prepack keeps it
-        self.o_proj = linear("o_proj", heads * self.v_head_dim, [hidden], bias)
+        self.o_proj = linear("o_proj", heads * self.v_head_dim, [hidden], bias, "row")
         self.rotary, self.backend, self.scale = rotary, backend, ds.softmax_scale
         self.q_pe_scale = rotary.attention_scaling**2  # YaRN's attention factor, of q_pe and k_pe, on q_pe alone
         # the rotary dims' order that turns DeepSeek's interleaved pairs into Neox halves
@@ -147,7 +157,8 @@ class LatentAttention(nn.Module):
         return self.o_proj(o.flatten(1), lora)
 
     def up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_UK `[heads, nope, rank]`, W_UV `[heads, v_head_dim, rank]`): views of `kv_b_proj`'s weight."""
+        """(W_UK `[heads, nope, rank]`, W_UV `[heads, v_head_dim, rank]`, this rank's heads): views of `kv_b_proj`'s
+        weight."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_head_dim, self.rank)
         return w[:, : self.nope], w[:, self.nope :]
 
@@ -169,7 +180,7 @@ class DeepseekMoE(nn.Module):
     def __init__(self, config: ModelConfig, linear: LinearFactory, backend: str, tp: TensorParallel):
         super().__init__()
         moe, ds, hidden = config.moe, config.family, config.hidden_size
-        self.ds, self.top_k, self.renormalize = ds, moe.top_k, moe.renormalize
+        self.ds, self.top_k, self.renormalize, self.tp = ds, moe.top_k, moe.renormalize, tp
         self.gate = Router(moe.num_experts, hidden, ds.scoring == "sigmoid")
         self.experts = Experts(
             moe.num_experts, hidden, moe.intermediate_size, config.hidden_act, config.dtype, backend, tp
@@ -191,7 +202,7 @@ class DeepseekMoE(nn.Module):
             self.renormalize,
             ds.routed_scaling_factor,
         )
-        y = self.experts(x, weights.to(x.dtype), experts)
+        y = self.tp.all_reduce(self.experts(x, weights.to(x.dtype), experts))
         return y if self.shared_experts is None else y + self.shared_experts(x, lora)
 
 
@@ -208,7 +219,7 @@ class DeepseekDecoderLayer(DecoderLayer):
     def __init__(self, config, index, linear, rotary, backend, tp, make_mlp: MLPFactory):
         nn.Module.__init__(self)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
-        self.self_attn = LatentAttention(config, prefixed(linear, "self_attn."), rotary, backend)
+        self.self_attn = LatentAttention(config, prefixed(linear, "self_attn."), rotary, backend, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
         self.mlp = make_mlp(config, index, prefixed(linear, "mlp."), backend, tp)
         self.backend, self.residual_multiplier = backend, 1.0
@@ -225,8 +236,6 @@ class DeepseekForCausalLM(LlamaForCausalLM):
     supports_lora = False
 
     def __init__(self, config: ModelConfig, max_positions: int, backend: str, linear, embedding, tp=UNSHARDED, **kw):
-        if tp.size > 1:
-            raise ValueError(f"{config.architecture}: tensor parallelism is not supported yet (the latent KV cache)")
         super().__init__(config, max_positions, backend, linear, embedding, tp, **kw)
         self.num_layers = config.num_layers
 
