@@ -6,7 +6,9 @@ attention factor both differ from 1). V3: q_a/q_b projections, sigmoid routing w
 e_score_correction_bias over 2 of 4 groups (`noaux_tc`), norm_topk_prob, one shared expert. Both: the first layer
 dense (first_k_dense_replace). Greedy 48 tokens and their logprobs equal transformers' (1e-4), with prefix-cache
 hits, chunked prefill and, on a pool too small for the batch, preemption (recompute, or swap with the host tier),
-with speculative proposals verified, and on the CUDA path under the emulation; attention over the latent cache
+with speculative proposals verified, and on the CUDA path under the emulation; at TP=2 (worker processes, and on
+the CUDA path under the emulation) with prompt logprobs too, each rank's shards summing to the whole layer and its
+KV cache holding the whole latent vector a token; attention over the latent cache
 (fresh prefill, a chunk over a cached prefix, decode rows) equals a float64 MLA written here from the checkpoint's
 tensors; the KV cache holds (kv_lora_rank + qk_rope_head_dim) x layers x dtype bytes per token; what is not served
 is refused by name."""
@@ -166,7 +168,15 @@ def test_cuda_path_under_the_emulation_matches_transformers(checkpoints, model_t
     latent attention's torch ops on device tensors); no graphs, as for every mixture of experts."""
     monkeypatch.setattr(model_runner, "warm_up_triton", lambda runner: None)
     path, _, expected = checkpoints[model_type]
-    llm = LLM(str(path), device="cuda", dtype="float32", max_num_seqs=2, max_model_len=64, num_kv_blocks=8)
+    assert_first_tokens_match(LLM(str(path), device="cuda", **EMULATED), expected)
+
+
+EMULATED = dict(dtype="float32", max_num_seqs=2, max_model_len=64, num_kv_blocks=8, max_num_batched_tokens=16)
+
+
+def assert_first_tokens_match(llm: LLM, expected) -> None:
+    """`llm`'s first 4 greedy tokens (and logprobs) after prompts 1 and 2 equal transformers' (under the emulation,
+    steps cost by their tokens)."""
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts()[1:3]], params, use_tqdm=False)
     for out, (tokens, logprobs) in zip(outs, expected[1:3]):
@@ -174,6 +184,19 @@ def test_cuda_path_under_the_emulation_matches_transformers(checkpoints, model_t
         assert got.token_ids == tokens[:4]
         got_lp = [step[t].logprob for step, t in zip(got.logprobs, got.token_ids)]
         assert max(abs(a - b) for a, b in zip(got_lp, logprobs)) < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_tensor_parallel_cuda_path_under_the_emulation_matches_transformers(checkpoints, cuda_emulation):
+    """TP=2 on the CUDA path: rank 1 a worker process under an emulation of its own (cuda:1), NCCL's all-reduces run
+    by gloo, both ranks warming up their Triton kernels together; eager, as at TP=1."""
+    path, _, expected = checkpoints["deepseek_v3"]
+    llm = LLM(str(path), device="cuda", tensor_parallel_size=2, distributed_timeout=120, **EMULATED)
+    try:
+        assert_first_tokens_match(llm, expected)
+    finally:
+        llm.shutdown()
 
 
 def test_kv_bytes_per_token_of_a_v2_lite_shape(tmp_path):
