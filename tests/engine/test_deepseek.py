@@ -298,8 +298,9 @@ def test_tensor_parallel_shards_sum_to_the_whole_layer(checkpoints, model_type, 
     every token to its own cache (equal to the unsharded model's) and so spends (32 + 8) x 3 layers x 4 bytes of KV
     a token, as unsharded; half of every expert's, the shared experts' and the dense MLP's intermediate dimension,
     the router whole. Their attention outputs over STEPS (prefill, a chunk over a cached prefix, absorbed decode
-    rows) and their MLPs' outputs sum to the whole layer's."""
-    monkeypatch.setattr(torch.distributed, "all_reduce", lambda x, group=None: x)
+    rows) and their MLPs' outputs sum to the whole layer's; an MLP, dense or MoE, all-reduces once."""
+    reduced = []
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda x, group=None: reduced.append(x.shape))
     path = checkpoints[model_type][0]
     config = get_model_config(path)
     tps = TensorParallel(), TensorParallel(0, 2), TensorParallel(1, 2)
@@ -320,8 +321,10 @@ def test_tensor_parallel_shards_sum_to_the_whole_layer(checkpoints, model_type, 
     assert all(torch.equal(a.k_cache, attns[0].k_cache) for a in attns[1:])
     x = torch.cat(xs)
     for layer in range(2):  # the dense MLP, the experts and shared experts
+        reduced.clear()
         whole, *ranks = (m.model.layers[layer].mlp(x) for m in models)
         torch.testing.assert_close(ranks[0] + ranks[1], whole, rtol=1e-5, atol=1e-5)
+        assert len(reduced) == 2  # one all-reduce a rank (of the experts' and shared experts' sum in a MoE layer)
     half = models[0].model.layers[1].mlp.experts.down_proj.shape[2] // 2
     assert models[2].model.layers[1].mlp.experts.down_proj.shape[2] == half
 

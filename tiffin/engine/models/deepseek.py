@@ -25,7 +25,8 @@ Tensor parallelism, as vLLM splits MLA: each rank holds its share of the heads (
 column-parallel by head; o_proj row-parallel), while q_a_proj, kv_a_proj_with_mqa and their norms are replicated:
 every rank computes the whole latent vector of every token and keeps the whole latent cache, which its heads all
 read (`KVCacheSpec.of`: the same bytes per token on every rank). The experts are split by their intermediate
-dimension (`moe.Experts`), the shared experts and the dense layers' MLPs as any MLP; the router is replicated.
+dimension (`moe.Experts`), the shared experts and the dense layers' MLPs as any MLP; the router is replicated. A
+MoE layer all-reduces once, the experts' and the shared experts' partial sums added first.
 
 Not served (refused by name): a quantized KV cache (int8/fp8) or int8 host tier, LoRA, quantized checkpoints
 (`loader`: quantized experts), `moe_layer_freq` other than 1. CUDA graphs stay off (as for every mixture of
@@ -189,6 +190,7 @@ class DeepseekMoE(nn.Module):
         if ds.shared_experts_size:
             shared = prefixed(linear, "shared_experts.")
             self.shared_experts = MLP(hidden, ds.shared_experts_size, config.hidden_act, False, shared, backend)
+            self.shared_experts.down_proj.reduce_results = False  # one all-reduce of the layer's sum, as vLLM's
 
     def forward(self, x: torch.Tensor, lora: LoRAMetadata | None = None) -> torch.Tensor:
         ds = self.ds
@@ -202,8 +204,8 @@ class DeepseekMoE(nn.Module):
             self.renormalize,
             ds.routed_scaling_factor,
         )
-        y = self.tp.all_reduce(self.experts(x, weights.to(x.dtype), experts))
-        return y if self.shared_experts is None else y + self.shared_experts(x, lora)
+        y = self.experts(x, weights.to(x.dtype), experts)
+        return self.tp.all_reduce(y if self.shared_experts is None else y + self.shared_experts(x, lora))
 
 
 def deepseek_mlp(config: ModelConfig, layer: int, linear: LinearFactory, backend: str, tp: TensorParallel):

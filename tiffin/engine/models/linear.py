@@ -54,6 +54,9 @@ class Linear(nn.Module):
         self.method.create_weights(self, dtype)
         self.bias = nn.Parameter(torch.empty(self.output_size, dtype=dtype), requires_grad=False) if bias else None
         self.adapters = None  # a LoRALayer (tiffin.engine.lora.slots) adds its adapters' delta to the output
+        # False: a row-parallel layer without bias returns its rank's partial sum, for its caller to add to others
+        # before one all-reduce (vLLM's reduce_results)
+        self.reduce_results = True
 
     def load(self, name: str, tensor: torch.Tensor, shard: int | None) -> None:
         """Checkpoint tensor `name` of shard `shard`; of all of them at once where the checkpoint stores the stacked
@@ -81,7 +84,7 @@ class Linear(nn.Module):
         y = self.method.apply(self, x)
         if self.adapters is not None:  # before the all-reduce: a row shard's delta is its part of the sum too
             y = self.adapters(x, y, lora)
-        if self.split == "row":
+        if self.split == "row" and self.reduce_results:
             y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
