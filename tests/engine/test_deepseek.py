@@ -331,25 +331,29 @@ def test_tensor_parallel_shards_sum_to_the_whole_layer(checkpoints, model_type, 
 
 @pytest.mark.slow
 @pytest.mark.subprocess
-@pytest.mark.parametrize("model_type", list(ARCHS))
-def test_tensor_parallel_engine_matches_transformers(checkpoints, model_type):
+@pytest.mark.parametrize("model_type, tiers", [("deepseek_v2", {}), ("deepseek_v3", TIERS)], ids=["v2", "v3-swap"])
+def test_tensor_parallel_engine_matches_transformers(checkpoints, model_type, tiers):
     """TP=2 worker processes (gloo on CPU), prompts chunked (32 tokens a step) into a 10-block pool too small for the
-    batch (preemption by recompute): the first run asks for the prompts' logprobs too (equal to transformers'
-    log_softmax at every position, 1e-4), the second hits the first's cached blocks; greedy 48 tokens and their
-    logprobs equal transformers' both times. Rank 0's pool holds the whole latent vector a token and layer."""
+    batch (V2: preempted sequences recomputed; V3: swapped out to host blocks and back, each rank its copy of the
+    latent cache, and the prefix cache's host tier): the first run asks for the prompts' logprobs too (equal to
+    transformers' log_softmax at every position, 1e-4), the second hits the first's cached blocks; greedy 48 tokens
+    and their logprobs equal transformers' both times. Rank 0's pool holds the whole latent vector a token and
+    layer."""
     path, hf, expected = checkpoints[model_type]
     with torch.inference_mode():
         want = [hf(torch.tensor([p])).logits[0].log_softmax(-1) for p in prompts()]
     asking = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0, prompt_logprobs=1)
     args = dict(dtype="float32", max_num_batched_tokens=32, max_model_len=128, num_kv_blocks=10)
-    llm = LLM(str(path), tensor_parallel_size=2, distributed_timeout=60, **args)
+    llm = LLM(str(path), tensor_parallel_size=2, distributed_timeout=60, **args, **tiers)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], asking, use_tqdm=False)
         assert_matches(outs, expected)
         for out, prompt, w in zip(outs, prompts(), want):
             assert_prompt_logprobs(out.prompt_logprobs, prompt, w, 1)
         assert_matches(llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY, use_tqdm=False), expected)
-        assert llm.llm_engine.stats().prefix_cache_hits > 0 and llm.llm_engine.scheduler.num_preemptions > 0
+        stats = llm.llm_engine.stats()
+        assert stats.prefix_cache_hits > 0 and llm.llm_engine.scheduler.num_preemptions > 0
+        assert not tiers or (stats.swapped_out_seqs > 0 and stats.swapped_in_seqs > 0 and stats.host_tier_hits > 0)
         runner = llm.llm_engine.model_runner
     finally:
         llm.shutdown()
