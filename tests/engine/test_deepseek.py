@@ -200,7 +200,8 @@ def test_tensor_parallel_cuda_path_under_the_emulation_matches_transformers(chec
 
 
 def test_kv_bytes_per_token_of_a_v2_lite_shape(tmp_path):
-    """DeepSeek-V2-Lite's config (no weights): (512 + 64) x 27 layers x 2 bytes (bf16) a token, not per-head K/V."""
+    """DeepSeek-V2-Lite's config (no weights): (512 + 64) x 27 layers x 2 bytes (bf16) a token, not per-head K/V;
+    at TP=2 on each rank too (the latent cache is whole on every rank, where per-head K/V would halve)."""
     lite = dict(TINY, hidden_size=2048, intermediate_size=10944, num_hidden_layers=27, num_attention_heads=16)
     lite |= dict(kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
     lite |= dict(n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, moe_intermediate_size=1408)
@@ -210,6 +211,8 @@ def test_kv_bytes_per_token_of_a_v2_lite_shape(tmp_path):
     spec = KVCacheSpec.of(config, 16, config.num_kv_heads)
     assert spec.bytes_per_token == (512 + 64) * 27 * 2
     assert spec.bytes_per_block == 16 * (512 + 64) * 27 * 2
+    for tp in (TensorParallel(0, 2), TensorParallel(1, 2)):  # as each rank's ModelRunner sizes its pool
+        assert KVCacheSpec.of(config, 16, tp.kv_heads(config.num_kv_heads)).bytes_per_token == (512 + 64) * 27 * 2
     with pytest.raises(ValueError, match="latent \\(MLA\\) KV cache is stored in the model's dtype only"):
         KVCacheSpec.of(config, 16, config.num_kv_heads, "int8")
 
