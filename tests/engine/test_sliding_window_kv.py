@@ -19,7 +19,7 @@ from tiffin.engine.config import EngineConfig
 from tiffin.engine.core.block_manager import BlockManager
 from tiffin.engine.core.sequence import Sequence
 from tiffin.engine.core.window_blocks import HybridBlockManager, new_block_manager
-from tiffin.engine.worker import kv_groups
+from tiffin.engine.worker import kv_groups, model_runner
 from tiffin.tiny import write_tokenizer
 
 VOCAB, WINDOW, BLOCK, CONTEXT = 512, 16, 4, 512
@@ -79,6 +79,7 @@ class Watch:
         self.bm, self.steps, schedule = engine.block_manager, [], engine.scheduler.schedule
         self.null = self.bm.window.null_block
         running = engine.scheduler.running
+        self.diverged = False  # some window table entry differs from the block table's at its place
 
         def watched(*args, **kwargs):
             out = schedule(*args, **kwargs)
@@ -89,6 +90,7 @@ class Watch:
             held = [(c, n, len(t), sum(b != self.null for b in w)) for c, n, t, w in seqs]
             tables = {b for s in running for b in s.block_table}, {b for s in running for b in s.window_table}
             distinct = len(tables[0]), len(tables[1] - {self.null})
+            self.diverged |= any(w not in (b, self.null) for s, _, t, wt in seqs for w, b in zip(wt, t))
             self.steps.append((held, self.bm.num_used_blocks, self.bm.window.num_used_blocks, distinct))
             return out
 
@@ -96,7 +98,7 @@ class Watch:
 
 
 def engine(path, **kwargs) -> LLM:
-    return LLM(str(path), dtype="float32", block_size=BLOCK, **kwargs)
+    return LLM(str(path), **(dict(dtype="float32", block_size=BLOCK) | kwargs))
 
 
 def greedy(n: int) -> SamplingParams:
@@ -256,9 +258,35 @@ def test_split_and_fallbacks():
             self.window = window
 
     layers = [Layer(WINDOW)] * 5 + [Layer(0)]
-    assert kv_groups.window_group(layers, EngineConfig(model="x"), False) == group
-    assert kv_groups.window_group([Layer(0)] * 6, EngineConfig(model="x"), False) is None  # no window: one pool
-    for settings in (dict(preemption_mode="swap"), dict(kv_offload_memory=1 << 20)):
-        assert kv_groups.window_group(layers, EngineConfig(model="x", **settings), False) is None
-    assert kv_groups.window_group(layers, EngineConfig(model="x"), True) is None  # CUDA graphs
+    assert kv_groups.window_group(layers, EngineConfig(model="x")) == group
+    assert kv_groups.window_group([Layer(0)] * 6, EngineConfig(model="x")) is None  # no window: one pool
+    ngram = dict(method="ngram", num_speculative_tokens=2)
+    for settings in (dict(preemption_mode="swap"), dict(kv_offload_memory=1 << 20), dict(speculative_config=ngram)):
+        assert kv_groups.window_group(layers, EngineConfig(model="x", **settings)) is None
     assert type(new_block_manager(8, BLOCK, True, (0, 0), None)) is BlockManager
+
+
+@pytest.mark.slow  # about 80 s of CPU: every token under the Triton interpreter
+def test_cuda_graphs_read_the_window_groups_tables(checkpoint, cuda_emulation, monkeypatch):
+    """The CUDA path under the emulation (Triton kernels under the interpreter, fp16: Triton applies windows to 16-bit
+    queries): decode steps replayed from graphs read the window group's slots and tables from the graphs' buffers.
+    The graphed engine equals the eager one token for token, logprobs within 1e-3, past the window, on pools split
+    so small that the two groups' block ids part ways."""
+    monkeypatch.setattr(model_runner, "warm_up_triton", lambda runner: None)
+    monkeypatch.setattr(model_runner, "decode_batch_sizes", lambda rows, quantized: [1, 2])
+    batch = [{"prompt_token_ids": p[:18]} for p in prompts()[2:4]]
+    settings = dict(device="cuda", dtype="float16", max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64)
+    outs = {}
+    for eager in (True, False):
+        llm = engine(checkpoint[0], enforce_eager=eager, num_kv_blocks=48, **settings)
+        runner, watch = llm.llm_engine.model_runner, Watch(llm)
+        assert (runner.num_blocks, runner.window_blocks) == (32, 2 * 6 + 2)
+        replays = cuda_emulation.replays
+        outs[eager] = [o.outputs[0] for o in llm.generate(batch, greedy(14), use_tqdm=False)]
+        assert watch.diverged and (cuda_emulation.replays > replays) != eager
+        assert_nothing_held(llm)
+    assert runner.decode_graphs.window_dummy == runner.window_blocks
+    for got, want in zip(outs[False], outs[True]):
+        assert got.token_ids == want.token_ids
+        pairs = zip(got.logprobs, want.logprobs, want.token_ids)
+        assert max(abs(g[t].logprob - w[t].logprob) for g, w, t in pairs) < 1e-3

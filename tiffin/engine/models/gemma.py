@@ -126,7 +126,9 @@ class GemmaModel(nn.Module):
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
         self.kinds = [self._kind(gemma, i) for i in range(config.num_layers)]
-        self.normalizer = config.hidden_size**0.5
+        # rounded to the dtype, as transformers does, once: a host float that a CUDA graph takes as a constant (a
+        # 0-dim host tensor made in each forward is freed once the capture ends)
+        self.normalizer = torch.tensor(config.hidden_size**0.5, dtype=config.dtype).item()
         self.backend = backend
 
     @staticmethod
@@ -135,7 +137,7 @@ class GemmaModel(nn.Module):
 
     def forward(self, input_ids, positions, attn_metadata, lora):
         x = self.embed_tokens(input_ids)
-        x = x * torch.tensor(self.normalizer, dtype=x.dtype)  # the factor rounded to the dtype, as transformers
+        x = x * self.normalizer
         rotations = {kind: rotary.at(positions) for kind, rotary in self.rotary.items()}
         # local layers read their own KV group's blocks where they keep one (`worker.kv_groups`)
         metadata = {GLOBAL: attn_metadata, LOCAL: attn_metadata.sliding or attn_metadata}

@@ -3,8 +3,9 @@ form it, how the pool's memory splits between the groups, and each group's tenso
 
 A model whose attention layers mix windows with global attention (`Attention.window` > 0 on some, 0 on others,
 one window for all: Gemma 2/3) keeps two groups unless the engine runs what does not know them yet, where it keeps
-one pool for every layer as before, saying which: tensor or pipeline parallelism, CUDA graphs, preemption by swap,
-the prefix cache's host tier, speculative decoding. A model without windows keeps one pool, unchanged.
+one pool for every layer as before, saying which: tensor or pipeline parallelism, preemption by swap, the prefix
+cache's host tier, speculative decoding. CUDA graphs take each group's tables and slots (`cuda_graphs`). A model
+without windows keeps one pool, unchanged.
 
 Memory: the pool is sized as one group of every layer (`kv_cache.num_kv_blocks`: N blocks), then split. The window
 group gets at most `window_pool_cap` blocks (a window and two blocks for each of max_num_seqs sequences, and one
@@ -29,7 +30,7 @@ class WindowGroup:
     window: int
 
 
-def window_group(layers_kv: list, config: EngineConfig, capture_graphs: bool) -> WindowGroup | None:
+def window_group(layers_kv: list, config: EngineConfig) -> WindowGroup | None:
     """The windowed layers' group, or None: one group of every layer."""
     windows = [getattr(attn, "window", 0) for attn in layers_kv]
     local = tuple(i for i, window in enumerate(windows) if window)
@@ -37,7 +38,6 @@ def window_group(layers_kv: list, config: EngineConfig, capture_graphs: bool) ->
         return None
     off = {
         "tensor or pipeline parallelism": config.tensor_parallel_size * config.pipeline_parallel_size > 1,
-        "CUDA graphs": capture_graphs,
         "preemption_mode swap": config.preemption_mode == "swap",
         "kv_offload_memory": bool(config.kv_offload_memory),
         "speculative decoding": config.speculative_config is not None,

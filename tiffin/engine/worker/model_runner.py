@@ -111,7 +111,7 @@ class ModelRunner(KVBlockCopies):
         )
         self.kv_spec = dataclasses.replace(kv_spec, num_layers=len(self.model.layers_kv()))  # a pipeline stage's
         # the sliding-window layers' KV group (None: one pool of every layer) and its pool's blocks (0: not sized)
-        self.window_group = kv_groups.window_group(self.model.layers_kv(), config, self.policy.capture_graphs)
+        self.window_group = kv_groups.window_group(self.model.layers_kv(), config)
         self.window_blocks = 0
         self.pending_offloads: list = []  # CUDA: (event, staged blocks, host pool, host ids), `finish_offloads`
         if start:
@@ -372,7 +372,9 @@ class ModelRunner(KVBlockCopies):
         if self.lora_slots is not None and self.backend != "triton":
             raise ValueError(f"padded decode steps with LoRA need the Triton kernels, not {self.backend!r}")
         max_loras = 0 if self.lora_slots is None else self.config.max_loras
-        return DecodeGraphs(sizes, self.device, self.block_size, self.num_blocks, self.max_blocks_per_seq, max_loras)
+        window = None if self.window_group is None else self.window_pool
+        args = sizes, self.device, self.block_size, self.num_blocks, self.max_blocks_per_seq, max_loras, window
+        return DecodeGraphs(*args)
 
     def allocate_kv_cache(self) -> None:
         """`kv_tensors`: every tensor of the pool, blocks on dim 2 (`KVCacheSpec.allocate`; each group's, `kv_groups`);
