@@ -215,6 +215,40 @@ def test_aborts_leave_no_block_held(checkpoint):
     assert_nothing_held(llm)
 
 
+def test_gemma3_4b_shape_at_8k_context_counts_blocks():
+    """Gemma 3 4B's shape (34 layers, every 6th global: 29 local with a window of 1024, 5 global; blocks of 16) on
+    the block managers alone: a sequence prefilled in chunks of 512 and decoded to 8192 tokens, as the scheduler
+    allocates. Each group's pool gets the memory `split_pool` gives it from one pool of all 34 layers."""
+    window, block, context, local, full, chunk = 1024, 16, 8192, 29, 5, 512
+    group = kv_groups.WindowGroup(tuple(range(local)), window)
+    config = EngineConfig(model="x", max_num_seqs=1, max_num_batched_tokens=chunk, block_size=block)
+    cap = kv_groups.window_pool_cap(group, config)
+    num_blocks, window_blocks = kv_groups.split_pool(context // block, local + full, group, cap, context // block)
+    assert (num_blocks, window_blocks) == (context // block, cap)  # one 8k sequence fits; the window pool is small
+    bm = HybridBlockManager(num_blocks, block, True, window, window_blocks)
+    seq = Sequence("a", 0, list(range(1000)), SamplingParams(), 1)
+    peak_decoding = peak = 0
+    while seq.num_tokens < context:
+        n = min(seq.num_tokens - seq.num_computed_tokens, chunk)
+        assert bm.allocate_slots(seq, n)
+        tokens = block * (bm.window.num_used_blocks * local + bm.num_used_blocks * full)
+        peak = max(peak, tokens)
+        if n == 1:
+            peak_decoding = max(peak_decoding, tokens)
+        seq.num_computed_tokens += n
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.token_ids.append(7)
+    assert bm.num_used_blocks == context // block and bm.window.num_used_blocks == window // block + 1
+    bound = (window + block) * local + context * full
+    print(
+        f"4B shape at 8k: decoding peak {peak_decoding} layer-tokens of KV, any step {peak}; bound {bound}; one pool "
+        f"{context * (local + full)}; pools of {num_blocks} + {window_blocks} blocks"
+    )
+    assert peak_decoding <= bound and peak <= bound + (chunk - 1) * local
+    bm.free_seq(seq)
+    bm.check_invariants([])
+
+
 def test_window_hits_need_the_window_before_them():
     """vLLM's rule: a hit of n blocks needs the window group's blocks that the query after them reads."""
     bm = HybridBlockManager(64, BLOCK, True, WINDOW, 64)
