@@ -17,11 +17,11 @@ from concurrent.futures import FIRST_COMPLETED, wait
 from copy import deepcopy
 
 from tiffin.engine.config import EngineConfig
-from tiffin.engine.core.block_manager import BlockManager
 from tiffin.engine.core.detokenizer import IncrementalDetokenizer
 from tiffin.engine.core.scheduler import Scheduler, SchedulerOutput
 from tiffin.engine.core.sequence import Sequence
 from tiffin.engine.core.thinking import ThinkingState
+from tiffin.engine.core.window_blocks import new_block_manager
 from tiffin.engine.distributed.group import batches_in_flight
 from tiffin.engine.errors import EngineDeadError, ParamError, QueueFull
 from tiffin.engine.input_processor import InputProcessor, PromptType
@@ -112,9 +112,9 @@ class LLMEngine(InputProcessor, SleepMode):
         )
         # an encoder's KV depends on the tokens after it: never a prefix to reuse
         prefix_caching = config.enable_prefix_caching and self.model_config.causal
-        tier_blocks, swap_blocks = self.model_runner.num_host_blocks
-        self.block_manager = BlockManager(
-            self.model_runner.num_blocks, config.block_size, prefix_caching, tier_blocks, swap_blocks
+        runner = self.model_runner
+        self.block_manager = new_block_manager(
+            runner.num_blocks, config.block_size, prefix_caching, runner.num_host_blocks, runner.kv_window
         )
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.proposer = None if spec is None else make_proposer(spec, config, self.model_runner, draft)

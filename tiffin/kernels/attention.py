@@ -34,6 +34,8 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     torch_plan: tuple | None = field(default=None, repr=False)  # the torch path's per-step work, shared by layers
+    # the sliding-window layers' own (their slots and block tables) where they keep a KV cache group of their own
+    sliding: "AttentionMetadata | None" = field(default=None, repr=False)
 
 
 @implements("write_kv", "torch")

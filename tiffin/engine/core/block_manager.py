@@ -54,6 +54,10 @@ def block_hashes(seq: Sequence, block_size: int, num_blocks: int) -> list[bytes]
 
 
 class BlockManager:
+    # where a sequence keeps its table and hashed-block count in this pool (`window_blocks` keeps a second pool's)
+    table_attr, hashed_attr = "block_table", "num_hashed_blocks"
+    null_block = -1  # a table entry that holds no block (`window_blocks`: slots left behind the window)
+
     def __init__(
         self,
         num_blocks: int,
@@ -109,7 +113,7 @@ class BlockManager:
         `num_new_tokens` more. False, changing nothing, if the pool is short."""
         num_tokens = max(seq.num_computed_tokens, len(computed_blocks) * self.block_size) + num_new_tokens
         num_blocks = self.blocks_needed(num_tokens)
-        if not self._has_room(computed_blocks, num_blocks - len(seq.block_table)):
+        if not self._has_room(computed_blocks, num_blocks - len(self.table(seq))):
             return False
         hashes = self._hashes(seq, len(computed_blocks))
         loads = {i: self.tier.lookup(hashes[i]) for i, block in enumerate(computed_blocks) if block is None}
@@ -132,22 +136,26 @@ class BlockManager:
                 if self.ref_cnt[block] == 0:
                     del self.free[block]
                 self.ref_cnt[block] += 1
-        for i in range(len(seq.block_table), num_blocks):
+        table = self.table(seq)
+        for i in range(len(table), num_blocks):
             block = hits[i] if i < len(hits) and hits[i] is not None else self._pop_free()
             if i in loads:
                 self.pending.loads.append((loads[i], block))
-            seq.block_table.append(block)
+            table.append(block)
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Give back the blocks of `seq`'s table past its first `num_tokens` slots (rejected proposals'); they
         hold no hash."""
-        keep = self.blocks_needed(num_tokens)
-        self._release(reversed(seq.block_table[keep:]))
-        del seq.block_table[keep:]
+        keep, table = self.blocks_needed(num_tokens), self.table(seq)
+        self._release(reversed(table[keep:]))
+        del table[keep:]
 
     def _release(self, blocks: Iterable[int]) -> None:
-        """Drop a reference to each block; unhashed ones freed are reused first, hashed ones last."""
+        """Drop a reference to each block (the null block aside); unhashed ones freed are reused first, hashed ones
+        last."""
         for block in blocks:
+            if block == self.null_block:
+                continue
             self.ref_cnt[block] -= 1
             if self.ref_cnt[block] == 0:
                 self.free[block] = None
@@ -157,9 +165,9 @@ class BlockManager:
     def free_seq(self, seq: Sequence) -> None:
         """Release `seq`'s blocks, tail first, so that under LRU its prefix outlives its suffix, and its swap
         blocks."""
-        self._release(reversed(seq.block_table))
-        seq.block_table = []
-        seq.num_hashed_blocks = 0
+        self._release(reversed(self.table(seq)))
+        setattr(seq, self.table_attr, [])
+        setattr(seq, self.hashed_attr, 0)
         if seq.swap_blocks:
             self.swap.released += seq.swap_blocks
             seq.swap_blocks = []
@@ -222,15 +230,17 @@ class BlockManager:
     def forget_uncomputed(self, seq: Sequence) -> None:
         """Unhash `seq`'s blocks that a step was to fill but did not (it failed): their KV is not what the
         hash says, so no later request may find them."""
-        for block in seq.block_table[seq.num_computed_tokens // self.block_size :]:
-            self._uncache(block)
+        for block in self.table(seq)[seq.num_computed_tokens // self.block_size :]:
+            if block != self.null_block:
+                self._uncache(block)
 
     def check_invariants(self, seqs: Iterable[Sequence]) -> None:
         """AssertionError unless the invariants above hold, `seqs` being every sequence that holds blocks (device
         or swap ones)."""
         seqs = list(seqs)
-        assert all(len(set(seq.block_table)) == len(seq.block_table) for seq in seqs), "a table holds a block twice"
-        held = Counter(block for seq in seqs for block in seq.block_table)
+        tables = [[block for block in self.table(seq) if block != self.null_block] for seq in seqs]
+        assert all(len(set(table)) == len(table) for table in tables), "a table holds a block twice"
+        held = Counter(block for table in tables for block in table)
         assert all(self.ref_cnt[block] == n for block, n in held.items()), "a ref count is not its block tables'"
         assert min(self.ref_cnt, default=0) >= 0 and sum(self.ref_cnt) == held.total(), "a block has stray refs"
         assert not held.keys() & self.free.keys(), "a referenced block is in the free queue"
@@ -259,21 +269,25 @@ class BlockManager:
         self.pending.offloads.append((block, host_block))
 
     def _cache_full_blocks(self, seq: Sequence, num_full_blocks: int) -> None:
-        hashes = self._hashes(seq, num_full_blocks)
-        for i in range(seq.num_hashed_blocks, num_full_blocks):
-            block = seq.block_table[i]
-            if self.block_hash[block] is None and hashes[i] not in self.cached:
+        hashes, table = self._hashes(seq, num_full_blocks), self.table(seq)
+        for i in range(getattr(seq, self.hashed_attr), num_full_blocks):
+            block = table[i]
+            if block != self.null_block and self.block_hash[block] is None and hashes[i] not in self.cached:
                 self.block_hash[block] = hashes[i]
                 self.cached[hashes[i]] = block
                 if self.events is not None:
                     self._stored(seq, hashes, i)
-        seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full_blocks)
+        setattr(seq, self.hashed_attr, max(getattr(seq, self.hashed_attr), num_full_blocks))
 
     def _stored(self, seq: Sequence, hashes: list[bytes], i: int) -> None:
         tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
         lora_id = None if seq.lora is None else seq.lora.int_id
         parent = hashes[i - 1] if i else None
         self.events.append(BlockStored([hashes[i]], parent, tokens, self.block_size, lora_id, None))
+
+    def table(self, seq: Sequence) -> list[int]:
+        """`seq`'s block table in this pool."""
+        return getattr(seq, self.table_attr)
 
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         return block_hashes(seq, self.block_size, num_blocks)

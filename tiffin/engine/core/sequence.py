@@ -59,6 +59,9 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # hash chain of full blocks, filled by the BlockManager
         self.num_hashed_blocks = 0  # leading blocks of block_table that are in the prefix cache
+        # the sliding-window layers' own table and count, where they keep a pool of their own (`core.window_blocks`)
+        self.window_table: list[int] = []
+        self.num_window_hashed_blocks = 0
         self.swap_blocks: list[int] = []  # host blocks holding its KV while swapped out
         self.lora = lora
         self.cache_key = b"" if lora is None else lora.identity  # its blocks' prefix-cache key beside the tokens

@@ -14,7 +14,8 @@ What differs from Llama, as transformers computes it:
 - Gemma 2's soft-capping of attention scores (`attn_logit_softcapping`) and of the final logits
   (`final_logit_softcapping`): `cap * tanh(x / cap)`.
 The attention ops apply windows and caps (`kernels.paged_attention`'s `window`, `softcap`), so the context is
-not capped at the window (`ModelConfig.windowed`).
+not capped at the window (`ModelConfig.windowed`); the local layers keep a KV cache group of their own, which holds
+about a window of each sequence (`core.window_blocks`, `worker.kv_groups`).
 """
 
 from dataclasses import dataclass
@@ -125,7 +126,9 @@ class GemmaModel(nn.Module):
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
         self.kinds = [self._kind(gemma, i) for i in range(config.num_layers)]
-        self.normalizer = config.hidden_size**0.5
+        # rounded to the dtype, as transformers does, once: a host float that a CUDA graph takes as a constant (a
+        # 0-dim host tensor made in each forward is freed once the capture ends)
+        self.normalizer = torch.tensor(config.hidden_size**0.5, dtype=config.dtype).item()
         self.backend = backend
 
     @staticmethod
@@ -134,11 +137,13 @@ class GemmaModel(nn.Module):
 
     def forward(self, input_ids, positions, attn_metadata, lora):
         x = self.embed_tokens(input_ids)
-        x = x * torch.tensor(self.normalizer, dtype=x.dtype)  # the factor rounded to the dtype, as transformers
+        x = x * self.normalizer
         rotations = {kind: rotary.at(positions) for kind, rotary in self.rotary.items()}
+        # local layers read their own KV group's blocks where they keep one (`worker.kv_groups`)
+        metadata = {GLOBAL: attn_metadata, LOCAL: attn_metadata.sliding or attn_metadata}
         residual = None
         for layer, kind in zip(self.layers, self.kinds):
-            x, residual = layer(x, residual, rotations[kind], attn_metadata, lora)
+            x, residual = layer(x, residual, rotations[kind], metadata[kind], lora)
         return self.norm.add_and_norm(x, residual, self.backend)[0]
 
 

@@ -36,6 +36,9 @@ class HostBatch:
     block_tables: np.ndarray  # per attention entry
     query_lens: np.ndarray  # tokens scheduled per sequence
     logits_indices: np.ndarray
+    # the sliding-window layers' slots and tables, where they keep a KV group of their own (`worker.kv_groups`)
+    window_slots: np.ndarray | None = None
+    window_tables: np.ndarray | None = None
 
 
 class Upload:
@@ -92,8 +95,12 @@ class ModelInput(NamedTuple):
     mm: MultiModalEmbeddings | None = None  # the step's image embeddings (`multimodal.encoder`), if it has any
 
 
-def host_batch(scheduler_output: SchedulerOutput, block_size: int, pad_rows: bool = False) -> HostBatch:
-    """`scheduler_output` flattened; with `pad_rows`, the step runs `padded_tokens` rows."""
+def host_batch(
+    scheduler_output: SchedulerOutput, block_size: int, pad_rows: bool = False, window_pool: int = 0
+) -> HostBatch:
+    """`scheduler_output` flattened; with `pad_rows`, the step runs `padded_tokens` rows. `window_pool` > 0: the
+    window group's blocks, whose tables and slots come too (a sequence without a window table, as synthetic ones,
+    reads its block table's ids modulo that pool)."""
     seqs, query_lens = scheduler_output.seqs, np.array(scheduler_output.num_scheduled_tokens)
     starts = np.array([s.num_computed_tokens for s in seqs])
     seq_lens = starts + query_lens
@@ -104,10 +111,12 @@ def host_batch(scheduler_output: SchedulerOutput, block_size: int, pad_rows: boo
     input_ids = np.array(
         list(chain.from_iterable(s.scheduled_token_ids(a, n) for s, a, n in zip(seqs, starts, query_lens)))
     )
-    block_tables = np.zeros((len(seqs), round16(max(len(s.block_table) for s in seqs))), dtype=np.int32)
-    for i, seq in enumerate(seqs):
-        block_tables[i, : len(seq.block_table)] = seq.block_table
-    slots = block_tables[req, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    block_tables = _tables([s.block_table for s in seqs])
+    slots = _slots(block_tables, req, positions, block_size)
+    window_tables = window_slots = None
+    if window_pool:
+        window_tables = _tables([s.window_table or [b % window_pool for b in s.block_table] for s in seqs])
+        window_slots = _slots(window_tables, req, positions, block_size)
     logits_indices = _logits_indices(scheduler_output, query_start_loc, starts)
     if any(s.spec_token_ids for s in seqs):  # one entry per query token of a verifying sequence
         verifying = np.array([bool(s.spec_token_ids) for s in seqs])
@@ -117,11 +126,27 @@ def host_batch(scheduler_output: SchedulerOutput, block_size: int, pad_rows: boo
         query_start_loc = np.concatenate([[0], np.cumsum(np.where(single, 1, query_lens[owner]))])
         seq_lens = np.where(single, starts[owner] + _ranks(entries) + 1, seq_lens[owner])
         block_tables = block_tables[owner]
+        window_tables = None if window_tables is None else window_tables[owner]
     if pad_rows:
         pad = padded_tokens(len(input_ids)) - len(input_ids)
         input_ids, positions = np.pad(input_ids, (0, pad)), np.pad(positions, (0, pad))
         slots = np.pad(slots, (0, pad), constant_values=-1)
-    return HostBatch(input_ids, positions, slots, query_start_loc, seq_lens, block_tables, query_lens, logits_indices)
+        window_slots = None if window_slots is None else np.pad(window_slots, (0, pad), constant_values=-1)
+    arrays = (input_ids, positions, slots, query_start_loc, seq_lens, block_tables, query_lens, logits_indices)
+    return HostBatch(*arrays, window_slots, window_tables)
+
+
+def _tables(tables: list[list[int]]) -> np.ndarray:
+    """The tables as rows of one array `round16` wide, zero-padded."""
+    out = np.zeros((len(tables), round16(max(map(len, tables)))), dtype=np.int32)
+    for i, table in enumerate(tables):
+        out[i, : len(table)] = table
+    return out
+
+
+def _slots(tables: np.ndarray, req: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """The cache slot of each token (token i of the batch: sequence `req[i]`'s position `positions[i]`)."""
+    return tables[req, positions // block_size].astype(np.int64) * block_size + positions % block_size
 
 
 def _logits_indices(scheduler_output: SchedulerOutput, query_start_loc: np.ndarray, starts: np.ndarray) -> np.ndarray:

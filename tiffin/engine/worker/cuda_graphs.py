@@ -10,6 +10,7 @@ attention grid depends on the batch size alone (max_seq_len is max_model_len's),
 into the dummy KV block past the pool, on the base model; their outputs are never read."""
 
 import bisect
+import dataclasses
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,6 +53,9 @@ class DecodeBuffers:
     lora_tokens: torch.Tensor | None  # [sizes[-1]] the tokens with an adapter, by slot (`group_by_slot`)
     lora_starts: torch.Tensor | None  # [max_loras]
     lora_counts: torch.Tensor | None  # [max_loras]; None: no LoRA
+    # the sliding-window layers' slots and tables where they keep a KV group of their own (`worker.kv_groups`)
+    window_slot_mapping: torch.Tensor | None = None
+    window_block_tables: torch.Tensor | None = None
 
 
 class DecodeGraphs:
@@ -66,9 +70,12 @@ class DecodeGraphs:
         dummy_block: int,
         max_blocks: int,
         max_loras: int = 0,
+        window_dummy: int | None = None,
     ):
-        """`max_loras`: the LoRA slots (0: no LoRA)."""
+        """`max_loras`: the LoRA slots (0: no LoRA). `window_dummy`: the window group's dummy block, where the
+        sliding-window layers keep a KV group of their own (None: one pool)."""
         self.sizes, self.device, self.block_size, self.dummy = sizes, device, block_size, dummy_block
+        self.window_dummy = window_dummy
         self.max_seq_len, self.max_loras = max_blocks * block_size, max_loras
         n = sizes[-1]
         ints = lambda fill, shape, dtype: torch.full(shape, fill, dtype=dtype, device=device)
@@ -84,6 +91,9 @@ class DecodeGraphs:
             lora_starts=lora(max_loras, torch.int32),
             lora_counts=lora(max_loras, torch.int32),
         )
+        if window_dummy is not None:
+            self.buffers.window_slot_mapping = ints(window_dummy * block_size, (n,), torch.int64)
+            self.buffers.window_block_tables = ints(window_dummy, (n, round16(max_blocks)), torch.int32)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def size_for(self, scheduler_output: SchedulerOutput) -> int:
@@ -114,13 +124,19 @@ class DecodeGraphs:
             if row_slots is not None:
                 token_slots[: len(row_slots)] = row_slots
             arrays += group_by_slot(token_slots, self.max_loras)
+        if self.window_dummy is not None:
+            arrays.append(padded(b.window_slots, self.window_dummy * self.block_size, np.int64))
+            arrays.append(padded(b.window_tables, self.window_dummy, np.int32))
         return arrays
 
     def write(self, parts: list[torch.Tensor]) -> None:
         """Copy `parts` (`padded`'s arrays on the device) into the leading corner of their buffers."""
         buf = self.buffers
         buffers = [buf.input_ids, buf.positions, buf.slot_mapping, buf.seq_lens, buf.block_tables]
-        buffers += [buf.lora_tokens, buf.lora_starts, buf.lora_counts]
+        if self.max_loras:
+            buffers += [buf.lora_tokens, buf.lora_starts, buf.lora_counts]
+        if self.window_dummy is not None:
+            buffers += [buf.window_slot_mapping, buf.window_block_tables]
         for buffer, part in zip(buffers, parts):
             buffer[tuple(slice(0, n) for n in part.shape)].copy_(part)
 
@@ -139,7 +155,7 @@ class DecodeGraphs:
         """Views of the buffers. max_seq_len is max_model_len's, whatever the step's contexts: the attention grid
         (KV splits) then depends on the size alone, as a graph replay needs."""
         buf = self.buffers
-        return AttentionMetadata(
+        md = AttentionMetadata(
             slot_mapping=buf.slot_mapping[:size],
             query_start_loc=buf.query_start_loc[: size + 1],
             seq_lens=buf.seq_lens[:size],
@@ -149,6 +165,10 @@ class DecodeGraphs:
             max_query_len=1,
             max_seq_len=self.max_seq_len,
         )
+        if self.window_dummy is not None:
+            windows = dict(slot_mapping=buf.window_slot_mapping[:size], block_tables=buf.window_block_tables[:size])
+            md.sliding = dataclasses.replace(md, **windows)
+        return md
 
     def lora(self, size: int) -> LoRAMetadata | None:
         """Views of the LoRA buffers (None without LoRA)."""

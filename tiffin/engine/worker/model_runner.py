@@ -24,7 +24,7 @@ from tiffin.engine.models.pooler import PoolingMetadata
 from tiffin.engine.multimodal.encoder import EncoderRunner, prefills_images
 from tiffin.engine.multimodal.mrope import mrope_positions
 from tiffin.engine.structured.backend import fill_bitmask
-from tiffin.engine.worker import kv_cache, pipeline_stage, tp_worker
+from tiffin.engine.worker import kv_cache, kv_groups, pipeline_stage, tp_worker
 from tiffin.engine.worker.batch import HostBatch, ModelInput, Upload, host_batch, pad_indices
 from tiffin.engine.worker.cpu_decode import CpuDecoder
 from tiffin.engine.worker.cpu_threads import ThreadSizer, usable_cpus
@@ -110,6 +110,9 @@ class ModelRunner(KVBlockCopies):
             model_config, self.block_size, tp.kv_heads(model_config.num_kv_heads), config.kv_cache_dtype
         )
         self.kv_spec = dataclasses.replace(kv_spec, num_layers=len(self.model.layers_kv()))  # a pipeline stage's
+        # the sliding-window layers' KV group (None: one pool of every layer) and its pool's blocks (0: not sized)
+        self.window_group = kv_groups.window_group(self.model.layers_kv(), config)
+        self.window_blocks = 0
         self.pending_offloads: list = []  # CUDA: (event, staged blocks, host pool, host ids), `finish_offloads`
         if start:
             self.start(draft=draft)
@@ -132,6 +135,11 @@ class ModelRunner(KVBlockCopies):
                 draft_bytes_per_block=0 if draft is None else draft.kv_spec.bytes_per_block,
             )
         self.num_blocks = num_blocks if group is None else group.agree_min(num_blocks)
+        if self.window_group is not None:  # that memory split between the two groups
+            cap = kv_groups.window_pool_cap(self.window_group, config)
+            most = config.max_num_seqs * self.max_blocks_per_seq
+            split = kv_groups.split_pool(self.num_blocks, self.kv_spec.num_layers, self.window_group, cap, most)
+            self.num_blocks, self.window_blocks = split
         self.build_caches()
         if draft is not None:
             draft.start(self.num_blocks)
@@ -287,7 +295,8 @@ class ModelRunner(KVBlockCopies):
         for a model that takes them (`multimodal.mrope`)."""
         # the native decoder reads a sequence per row, and its int8 kernels keep nothing per row count
         native = self.cpu_decoder is not None and max(scheduler_output.num_scheduled_tokens) == 1
-        b = host_batch(scheduler_output, self.block_size, pad and self.policy.pad_rows and not native)
+        pad = pad and self.policy.pad_rows and not native
+        b = host_batch(scheduler_output, self.block_size, pad, self.window_pool if self.window_group else 0)
         if getattr(self.model, "uses_mrope", False):
             b.positions = mrope_positions(b.positions, scheduler_output, b.query_lens)
         return b
@@ -306,6 +315,8 @@ class ModelRunner(KVBlockCopies):
             (b.block_tables, np.int32),
             (b.logits_indices, np.int64),
         )
+        if b.window_tables is not None:
+            arrays += ((b.window_slots, np.int64), (b.window_tables, np.int32))
         parts = [upload.add(a.astype(dtype, copy=False)) for a, dtype in arrays]
         pooling_parts, starts = None, np.cumsum(b.query_lens) - b.query_lens
         if scheduler_output.pooling_seqs:
@@ -318,7 +329,9 @@ class ModelRunner(KVBlockCopies):
             padding = len(b.input_ids) - int(b.query_start_loc[-1])
             lora = self.lora_slots.stage(loras, [*b.query_lens, padding], upload.add)
         upload.send()
-        input_ids, positions, slots, query_start_loc, seq_lens, block_tables, logits_indices = map(upload.get, parts)
+        input_ids, positions, slots, query_start_loc, seq_lens, block_tables, logits_indices, *window = map(
+            upload.get, parts
+        )
         attn = kernels.AttentionMetadata(
             slot_mapping=slots,
             query_start_loc=query_start_loc,
@@ -329,6 +342,8 @@ class ModelRunner(KVBlockCopies):
             max_query_len=int(np.diff(b.query_start_loc).max()),
             max_seq_len=int(b.seq_lens.max()),
         )
+        if window:
+            attn.sliding = dataclasses.replace(attn, slot_mapping=window[0], block_tables=window[1])
         pooling = None if pooling_parts is None else PoolingMetadata(*map(upload.get, pooling_parts))
         mm = None if self.encoder is None else self.encoder.step_embeddings(scheduler_output, starts)
         return ModelInput(input_ids, positions, attn, logits_indices, lora and lora(upload.get), pooling, mm)
@@ -357,12 +372,30 @@ class ModelRunner(KVBlockCopies):
         if self.lora_slots is not None and self.backend != "triton":
             raise ValueError(f"padded decode steps with LoRA need the Triton kernels, not {self.backend!r}")
         max_loras = 0 if self.lora_slots is None else self.config.max_loras
-        return DecodeGraphs(sizes, self.device, self.block_size, self.num_blocks, self.max_blocks_per_seq, max_loras)
+        window = None if self.window_group is None else self.window_pool
+        args = sizes, self.device, self.block_size, self.num_blocks, self.max_blocks_per_seq, max_loras, window
+        return DecodeGraphs(*args)
 
     def allocate_kv_cache(self) -> None:
-        """`kv_tensors`: every tensor of the pool, blocks on dim 2 (`KVCacheSpec.allocate`); `kv_cache` the first."""
-        self.kv_tensors = self.kv_spec.allocate(self.num_blocks, self.device, self.model.layers_kv())
+        """`kv_tensors`: every tensor of the pool, blocks on dim 2 (`KVCacheSpec.allocate`; each group's, `kv_groups`);
+        `kv_cache` the first."""
+        layers, group = self.model.layers_kv(), self.window_group
+        if group is None:
+            self.kv_tensors = self.kv_spec.allocate(self.num_blocks, self.device, layers)
+        else:
+            args = self.kv_spec, self.num_blocks, self.window_pool, self.device, layers, group
+            self.kv_tensors = kv_groups.allocate(*args)
         self.kv_cache = self.kv_tensors[0]
+
+    @property
+    def kv_window(self) -> tuple[int, int] | None:
+        """(the window, the window group's blocks) where the sliding-window layers keep a KV group; else None."""
+        return None if self.window_group is None else (self.window_group.window, self.window_blocks)
+
+    @property
+    def window_pool(self) -> int:
+        """The window group's blocks: as many as the global group's until `start` splits the pool (profiling)."""
+        return self.window_blocks or self.num_blocks
 
 
 def _keep_freed_memory_mapped() -> None:
