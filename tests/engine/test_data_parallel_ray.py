@@ -11,13 +11,17 @@ replica is started again in its bundle (its node) and serves. No KV block held o
 What this cannot show: a second host (tests/ray_clusters.py)."""
 
 import asyncio
+import re
 import time
 
+import msgpack
 import psutil
 import pytest
 import ray
 import torch
+import zmq
 from ray_clusters import alive_actors, loopback_cluster, node_ids, placed_groups
+from zmq.utils.monitor import recv_monitor_message
 
 from tiffin import LLM, SamplingParams
 from tiffin.engine.async_llm_engine import AsyncLLMEngine
@@ -61,13 +65,20 @@ def single(model):
 
 
 @pytest.fixture(scope="module")
-def dp_llm(cluster, model):
+def events_endpoint(tmp_path_factory) -> str:
+    return f"ipc://{tmp_path_factory.mktemp('kv')}/events"  # replica r's: with _r appended (r > 0)
+
+
+@pytest.fixture(scope="module")
+def dp_llm(cluster, model, events_endpoint):
     llm = LLM(
         model,
         num_kv_blocks=BLOCKS,
         data_parallel_size=2,
         data_parallel_backend="ray",
         distributed_timeout=60,
+        kv_events_endpoint=events_endpoint,
+        kv_events_topic="kv",
         **ENGINE,
     )
     yield llm
@@ -121,6 +132,42 @@ def test_a_shared_prefix_goes_where_its_blocks_are(dp_llm, dp):
     hits = [s.prefix_cache_hits - b for s, b in zip(dp.replica_stats, before)]
     assert sorted(hits) == [0, 4 * 40], hits
     assert not dp.requests and blocks_in_use(dp._call) == [0, 0]
+
+
+def test_each_replica_publishes_its_kv_events(dp_llm, dp, events_endpoint):
+    """Each replica's actor publishes its KV events on ZMQ (subscribed once they run): after a reset (each replica's
+    AllBlocksCleared), replaying each one's batches, read with plain msgpack as vLLM's format documents them
+    ([ts, events, data_parallel_rank]), gives its prefix cache exactly."""
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED)
+    try:
+        for endpoint in (events_endpoint, f"{events_endpoint}_1"):
+            sub.connect(endpoint)
+        for _ in range(2):
+            assert recv_monitor_message(monitor)["event"] == zmq.EVENT_CONNECTED
+        sub.disable_monitor()
+        time.sleep(0.5)  # the subscription, sent on connecting, reaches each PUB socket (ZMQ's "slow joiner")
+        assert dp.reset_prefix_cache()
+        tokens(dp_llm, prompts(6, seed=11))
+        cached = [set(dp._call(rank, "block_manager.cached.copy")) for rank in range(2)]  # after its events went out
+        held, cleared = [set(), set()], [False, False]
+        while sub.poll(1000):
+            _, _, payload = sub.recv_multipart()
+            _, events, rank = msgpack.unpackb(payload)
+            for tag, *fields in events:
+                if tag == "AllBlocksCleared":
+                    held[rank], cleared[rank] = set(), True
+                elif tag == "BlockStored":
+                    held[rank].update(fields[0])
+                else:
+                    held[rank].difference_update(fields[0])
+    finally:
+        monitor.close(0)
+        sub.close(0)
+        context.term()
+    assert cleared == [True, True] and held == cached and all(cached)
 
 
 async def settled(served, dp) -> list[EngineStats]:
@@ -199,6 +246,7 @@ def test_a_killed_replica_actor_fails_only_its_requests_and_restarts(served, dp,
         victim = routed["kill-0"].replica
         old = dp.procs[victim]
         ray.kill(old.actor)
+        killed = time.monotonic()
         while dp.dead[victim] is None:  # the engine thread saw it die: from now on nothing goes there
             await asyncio.sleep(0.01)
         during = asyncio.create_task(run(fresh[0], GREEDY, "during"))
@@ -210,6 +258,7 @@ def test_a_killed_replica_actor_fails_only_its_requests_and_restarts(served, dp,
         while not dp.replica_health()[victim]["alive"]:
             assert time.monotonic() < deadline, "the replica never rejoined"  # a hang guard, not a timing bar
             await asyncio.sleep(0.05)
+        print(f"replica {victim} rejoined {time.monotonic() - killed:.1f} s after its actor was killed")
         assert await call(victim, "block_manager.cached.copy") == {}  # taken in (an engine call does), empty
         after = await asyncio.gather(*(run(p, GREEDY) for p in fresh))
         return victim, old, routed, sent_to, results, after, used(await settled(served, dp))
@@ -217,8 +266,9 @@ def test_a_killed_replica_actor_fails_only_its_requests_and_restarts(served, dp,
     victim, old, routed, sent_to, (*results, during), after, held = asyncio.run(go())
     failed = {f"kill-{i}" for i, r in enumerate(results) if isinstance(r, EngineError)}
     assert failed == {rid for rid, r in routed.items() if r.replica == victim} and 0 < len(failed) < len(ps)
-    named = f"data-parallel replica {victim} died (its Ray actor on node {old.address} ({old.node_id[:12]}) died"
-    assert all(named in str(r) for r in results if isinstance(r, EngineError)), results
+    named = f"data-parallel replica {victim} died (its Ray actor on node {old.address} ({old.node_id[:12]}) died: "
+    assert all(re.search(re.escape(named) + r"\w+Error\)", str(r)) for r in results if isinstance(r, EngineError))
+    print(next(r for r in results if isinstance(r, EngineError)))
     assert all(r.outputs[0].token_ids == expected[i] for i, r in enumerate(results) if f"kill-{i}" not in failed)
     assert sent_to == 1 - victim and during.outputs[0].token_ids == tokens(single, fresh[:1])[0]
     new = dp.procs[victim]
