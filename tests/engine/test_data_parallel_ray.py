@@ -1,12 +1,13 @@
 """Data parallelism with `data_parallel_backend="ray"`: DP=2 over a Ray cluster of two nodes on this host, each a
-raylet at its own loopback address (127.0.0.1, where this process joins, and 127.0.0.2) with two CPUs, so that
+raylet at its own loopback address (127.0.0.1, where this process joins, and 127.0.0.2) with three CPUs, so that
 SPREAD, not a lack of room, puts the replicas on distinct nodes (asserted from each actor's node id and address).
 Greedy outputs equal one in-process engine's with the summed pool; the router's map of each replica's blocks,
 fed by its KV events over the actor's pipe, equals the replica's prefix cache, and a shared prefix goes where its
-blocks are; streaming, abort and a client's disconnect through AsyncLLMEngine; a replica's actor killed mid-run
-fails only its own requests, naming it and its node, the rest completes with one engine's tokens, and the
-replica is started again in its bundle (its node) and serves. No KV block held on any replica after each test
-(asked of the replicas). One cluster and one DP engine for the module: nodes and replicas take seconds to start.
+blocks are; each actor's ZMQ publisher replays to its replica's cache; streaming, abort and a client's disconnect
+through AsyncLLMEngine; a replica's actor killed mid-run fails only its own requests, naming it and its node, the
+rest completes with one engine's tokens, and the replica is started again in its bundle (its node) and serves.
+DP=4 (two replicas per node) gives one engine's greedy tokens too. No KV block held on any replica after each test
+(asked of the replicas). One cluster and one DP=2 engine for the module: nodes and replicas take seconds to start.
 
 What this cannot show: a second host (tests/ray_clusters.py)."""
 
@@ -30,7 +31,7 @@ from tiffin.engine.outputs import EngineStats
 
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
-NODES = {"127.0.0.1": 2, "127.0.0.2": 2}  # address: CPUs
+NODES = {"127.0.0.1": 3, "127.0.0.2": 3}  # address: CPUs (room for DP=4 beside the module's DP=2)
 BLOCK, BLOCKS = 4, 48  # per replica; the single engine gets both replicas' pools
 ENGINE = dict(block_size=BLOCK, dtype="float32", max_num_seqs=8)
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -277,6 +278,24 @@ def test_a_killed_replica_actor_fails_only_its_requests_and_restarts(served, dp,
     assert dp.replica_stats[victim].prompt_tokens > 0, "the restarted replica served nothing"
     assert dp.replica_health()[victim]["restarts"] == 1 and dp.dead == [None, None] and served.ready
     assert held == [0, 0] and len(alive_actors()) == 2
+
+
+def test_four_replicas_on_two_nodes_match_one_engine(cluster, model, single, dp_llm):
+    """DP=4 over the two nodes (SPREAD places two replicas on each), beside the module's DP=2 engine (idle): one
+    engine's greedy tokens, every replica serving, no block held after, nothing of it left after shutdown."""
+    llm = LLM(
+        model, num_kv_blocks=BLOCKS, data_parallel_size=4, data_parallel_backend="ray", distributed_timeout=60, **ENGINE
+    )
+    dp4 = llm.llm_engine
+    try:
+        assert sorted(proc.address for proc in dp4.procs) == sorted(list(NODES) * 2)
+        ps = prompts(12, seed=12)
+        assert tokens(llm, ps) == tokens(single, ps)
+        assert all(s.prompt_tokens > 0 for s in dp4.replica_stats), "a replica served nothing"
+        assert not dp4.requests and [dp4._call(rank, "stats").kv_blocks_used for rank in range(4)] == [0] * 4
+    finally:
+        llm.shutdown()
+    assert len(alive_actors()) == 2 and len(placed_groups()) == 1  # the DP=2 engine's
 
 
 def test_replicas_of_several_ranks_are_refused_by_name(model):
