@@ -8,8 +8,8 @@ in flight with an error naming its rank and node within distributed_timeout, lea
 and the engine starts again in the same process; one killed while the engine idles is reported without a step.
 One cluster for the module: a node costs seconds to start.
 
-What this cannot show: a second host (one kernel routes every loopback address; no firewall, no real network
-latency), or GPUs (CPU ranks only; the executor refuses CUDA by name)."""
+What this cannot show: a second host (tests/ray_clusters.py), or GPUs (CPU ranks only; the executor refuses CUDA by
+name)."""
 
 import asyncio
 import itertools
@@ -18,9 +18,8 @@ import time
 import psutil
 import pytest
 import ray
-import ray._private.ray_constants as ray_constants
 from distributed_runs import PARAMS, run
-from ray.cluster_utils import Cluster
+from ray_clusters import alive_actors, loopback_cluster, node_ids, placed_groups
 
 from tiffin import LLM, SamplingParams
 from tiffin.engine.async_llm_engine import AsyncLLMEngine
@@ -34,35 +33,14 @@ NODES = {"127.0.0.1": 1, "127.0.0.2": 1, "127.0.0.3": 2}  # address: CPUs
 
 @pytest.fixture(scope="module")
 def cluster():
-    """Ray's default node address is this host's routable one, and `ray.init` rewrites 127.0.0.1 to it: both kept
-    on loopback, where the raylets listen."""
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    head, *others = NODES.items()
-    nodes = Cluster(
-        initialize_head=True,
-        head_node_args={"node_ip_address": head[0], "num_cpus": head[1], "include_dashboard": False},
-    )
-    for address, cpus in others:
-        nodes.add_node(node_ip_address=address, num_cpus=cpus)
-    ray.init(address=nodes.address)
-    yield nodes
-    ray.shutdown()
-    nodes.shutdown()
-    ray_constants.ENABLE_RAY_CLUSTER = True
-
-
-def alive_actors() -> list:
-    return [a for a in ray._private.state.actors().values() if a["State"] != "DEAD"]
-
-
-def placed_groups() -> list:
-    return [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
+    with loopback_cluster(NODES) as nodes:
+        yield nodes
 
 
 def assert_placed(workers: list, size: int) -> None:
     """Every rank on another node than rank 0's, its actor at that node's address (node id and address as the actor
     read them); each node's ranks contiguous."""
-    nodes = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    nodes = node_ids()
     assert len(workers) == size - 1
     for worker in workers:
         assert worker.address != "127.0.0.1" and nodes[worker.address] == worker.node_id

@@ -225,6 +225,11 @@ class EngineConfig:
         "pool: on CUDA replica r starts at GPU r x tensor_parallel_size x pipeline_parallel_size), behind one "
         "router (router_policy); on CPU the replicas share the cores, each taking an equal part of the threads",
     )
+    data_parallel_backend: str = _setting(
+        "mp",
+        "how data-parallel replicas run: mp, processes of this host; ray, actors of a Ray cluster (ray_address), "
+        "one-CPU bundles of one placement group spread across its nodes (CPU replicas of one rank each so far)",
+    )
     router_policy: str = _setting(
         "cache_aware",
         "which replica serves a request (data_parallel_size > 1): cache_aware (the one holding the longest prefix of "
@@ -376,10 +381,9 @@ class EngineConfig:
             raise ValueError("kv_offload_memory and swap_space must be >= 0")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:<index>', got {self.device!r}")
-        if self.distributed_executor_backend not in ("mp", "ray"):
-            raise ValueError(
-                f"distributed_executor_backend must be 'mp' or 'ray', got {self.distributed_executor_backend!r}"
-            )
+        for name in ("distributed_executor_backend", "data_parallel_backend"):
+            if getattr(self, name) not in ("mp", "ray"):
+                raise ValueError(f"{name} must be 'mp' or 'ray', got {getattr(self, name)!r}")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
         if self.nnodes > 1:

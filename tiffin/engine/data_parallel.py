@@ -18,8 +18,8 @@ as one engine refuses it. An adapter a server adds is read by one replica (`add_
 `lora_registry`; any other replica reads it when the router first sends it one of its requests (LoRA affinity keeps
 them on the replicas holding it, within the balance threshold). Each replica's process:
 tiffin.engine.data_parallel_replica; a replica that dies is started again (tiffin.engine.replica_supervisor) and
-taken in empty: no blocks in the router's map, no adapter, nothing in flight. Not here: replicas across hosts
-(Ray)."""
+taken in empty: no blocks in the router's map, no adapter, nothing in flight. With `data_parallel_backend="ray"`
+the replicas are actors of a Ray cluster, across its nodes (tiffin.engine.ray_replicas), driven alike."""
 
 import dataclasses
 import functools
@@ -81,7 +81,7 @@ class DataParallelEngine(InputProcessor):
     def __init__(self, config: EngineConfig):
         n = config.data_parallel_size
         threads = max(1, torch.get_num_threads() // n) if config.torch_device.type == "cpu" else 1
-        self.replicas = Supervisor(functools.partial(_start, config, threads), n, config.data_parallel_max_restarts)
+        self.replicas = Supervisor(_starter(config, threads), n, config.data_parallel_max_restarts)
         self.conns, self.procs = self.replicas.conns, self.replicas.procs  # replica r's current pipe and process
         # stops the replicas when this object is collected or the interpreter exits (before it joins non-daemons)
         self._stop = weakref.finalize(self, self.replicas.close)
@@ -276,8 +276,8 @@ class DataParallelEngine(InputProcessor):
 
     def replica_health(self) -> list[dict]:
         """Each replica's `replica_admin.health` (any thread)."""
-        ranks = range(len(self.procs))
-        return list(map(health, ranks, self._why_dead(), self.replica_stats, self.loads, self.replicas.restarts))
+        ranks, nodes = range(len(self.procs)), [getattr(proc, "address", None) for proc in self.procs]
+        return list(map(health, ranks, self._why_dead(), self.replica_stats, self.loads, self.replicas.restarts, nodes))
 
     def stats(self) -> EngineStats:
         """The live replicas' stats summed (as of their last reports); kv_bytes_per_token is one replica's."""
@@ -341,7 +341,8 @@ class DataParallelEngine(InputProcessor):
         return set().union(*self._call_all("list_loras"))
 
     def reset_prefix_cache(self) -> bool:
-        return all(self._call_all("reset_prefix_cache"))
+        """Each replica's `BlockManager.reset_prefix_cache` (False: some replica's sequences hold blocks)."""
+        return all(self._call_all("block_manager.reset_prefix_cache"))
 
     def sleep(self, level: int = 1) -> None:
         self._call_all("sleep", level)
@@ -369,6 +370,15 @@ class DataParallelEngine(InputProcessor):
     def shutdown(self) -> None:
         """Stop every replica (also done when this object is collected, or at exit)."""
         self._stop()
+
+
+def _starter(config: EngineConfig, threads: int):
+    """What starts replica `rank` (`start(rank)`: its pipe and process, or its Ray actor)."""
+    if config.data_parallel_backend == "ray":
+        from tiffin.engine.ray_replicas import RayReplicas  # Ray is an optional dependency
+
+        return RayReplicas(config, threads, _replica_config)
+    return functools.partial(_start, config, threads)
 
 
 def _start(config: EngineConfig, threads: int, rank: int) -> tuple:

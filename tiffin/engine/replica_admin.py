@@ -89,13 +89,14 @@ class QueueRoom:
         self.taken[replica], self.waiting[replica] = queue
 
 
-def health(replica: int, why: str | None, stats: EngineStats, load: int, restarts: int) -> dict:
+def health(replica: int, why: str | None, stats: EngineStats, load: int, restarts: int, node: str | None) -> dict:
     """A replica's state for a server's health detail and metrics: whether it serves (else why not), its batch,
-    queue and KV pool as it last reported them, its load as the router sees it (a dead one holds nothing), and how
-    many times it was started again."""
+    queue and KV pool as it last reported them, its load as the router sees it (a dead one holds nothing), how
+    many times it was started again, and its node's address (a Ray replica's; None: this host's process)."""
     alive = why is None
     return {
         "replica": replica,
+        "node": node,
         "alive": alive,
         "error": why,
         "num_running": stats.num_running if alive else 0,

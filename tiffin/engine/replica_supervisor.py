@@ -1,5 +1,5 @@
-"""The processes of a data-parallel engine's replicas (tiffin.engine.data_parallel): started, watched, and started
-again when one dies.
+"""The processes of a data-parallel engine's replicas (tiffin.engine.data_parallel; or their Ray actors,
+tiffin.engine.ray_replicas, watched alike): started, watched, and started again when one dies.
 
 A watcher thread waits on the replicas' processes. When one exits (killed, crashed, or its engine failed and it
 stopped), the watcher starts a new process for that rank, at most `max_restarts` times within RESTART_WINDOW
@@ -40,8 +40,10 @@ class Started:
     info: dict
 
 
-def exit_cause(proc: BaseProcess) -> str:
-    """How `proc` ended, in words: the signal that killed it, or its exit code."""
+def exit_cause(proc) -> str:
+    """How `proc` ended, in words: the signal that killed it, or its exit code (a Ray replica: its `cause`)."""
+    if not isinstance(proc, BaseProcess):
+        return proc.cause()
     code = proc.exitcode
     if code is not None and code < 0:
         return f"killed by {signal.Signals(-code).name}"
@@ -85,9 +87,19 @@ def stop(conns: list[Connection], procs: list[BaseProcess]) -> None:
 
 class Supervisor:
     def __init__(self, start: Callable[[int], tuple[Connection, BaseProcess]], num_replicas: int, max_restarts: int):
-        """Start the replicas (`start(rank)`: its pipe and process); `started()` waits for them."""
+        """Start the replicas (`start(rank)`: its pipe and process, or a Ray replica's pipe and actor, the `start`
+        object's `close` called once every replica stopped); `started()` waits for them."""
         self._start, self.max_restarts = start, max_restarts
-        self.conns, self.procs = map(list, zip(*map(start, range(num_replicas))))
+        self.conns, self.procs = [], []
+        try:
+            for rank in range(num_replicas):
+                conn, proc = start(rank)
+                self.conns.append(conn)
+                self.procs.append(proc)
+        except BaseException:
+            stop(self.conns, self.procs)
+            self._close_start()
+            raise
         self.restarts = [0] * num_replicas  # replacements started, per rank
         self.restarting: set[int] = set()
         self.ready: dict[int, Started] = {}  # replacements the engine thread has not taken in yet
@@ -153,12 +165,14 @@ class Supervisor:
                 logger.error("data-parallel replica %d %s", rank, self.gave_up[rank])
                 break
             starts.append(time.monotonic())
-            conn, proc = self._start(rank)
+            conn = proc = None
             try:
+                conn, proc = self._start(rank)  # a Ray replica's actor may fail to start (RuntimeError)
                 info = wait_ready(conn, proc, rank, self._closing)
             except RuntimeError as e:
                 logger.warning("%s", e)
-                stop([conn], [proc])
+                if proc is not None:
+                    stop([conn], [proc])
                 self._closing.wait(RETRY_DELAY)
                 continue
             self.restarts[rank] += 1
@@ -174,3 +188,9 @@ class Supervisor:
             self._thread.join(30)
         ready = list(self.ready.values())
         stop(self.conns + [s.conn for s in ready], self.procs + [s.proc for s in ready])
+        self._close_start()
+
+    def _close_start(self) -> None:
+        """Release what `start` holds beyond the replicas (a Ray placement group)."""
+        if hasattr(self._start, "close"):
+            self._start.close()

@@ -12,7 +12,7 @@ A rank's liveness is its long-running `serve` call: an actor that dies (killed, 
 call, which the group's watcher and its diagnosis read, naming the rank and node. Stopping kills every actor and
 removes the placement group.
 
-Ray starts its workers at niceness 15; a rank takes the engine's back where the node permits it (`serve`)."""
+Ray starts its workers at niceness 15; a rank takes the engine's back where the node permits it (`take_niceness`)."""
 
 import os
 import secrets
@@ -27,26 +27,40 @@ from tiffin.engine.distributed import group
 from tiffin.engine.errors import EngineDeadError
 
 
-class RankActor:
-    """One rank's actor (`ray.remote`d in `start_workers`)."""
+def join_cluster(config) -> None:
+    """Join the Ray cluster at `ray_address` unless this process has joined one."""
+    if not ray.is_initialized():
+        ray.init(address=config.ray_address)
+
+
+def take_niceness(niceness: int) -> None:
+    """Run this thread (and the threads it starts) at the engine's `niceness`: Ray starts its workers at 15, which on
+    a busy node starves the work every step waits for (where lowering it is not permitted, Ray's stays)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, niceness)
+    except PermissionError:
+        pass
+
+
+class NodeActor:
+    """An actor the engine's process dials (a rank's, a data-parallel replica's: tiffin.engine.ray_replicas)."""
 
     def listen(self, authkey: bytes) -> tuple[str, str, int, tuple]:
-        """Open the side channel's listener at this node's address: (node id, node address, pid, listener
-        address)."""
+        """Open a listener at this node's address: (node id, node address, pid, listener address)."""
         address = ray.util.get_node_ip_address()
         self.listener = Listener((address, 0), authkey=authkey)
         return ray.get_runtime_context().get_node_id(), address, os.getpid(), self.listener.address
+
+
+class RankActor(NodeActor):
+    """One rank's actor (`ray.remote`d in `start_workers`)."""
 
     def serve(
         self, config, rank: int, rendezvous: group.Rendezvous, niceness: int, threads: int, entry, args: tuple
     ) -> None:
         """Accept rank 0's connection, then run as this rank until told to stop (`group._worker`), at the engine's
-        `niceness`: Ray starts its workers at 15, which on a busy node starves the rank every step waits for (where
-        lowering it is not permitted, the rank stays at Ray's)."""
-        try:
-            os.setpriority(os.PRIO_PROCESS, 0, niceness)  # this thread's, inherited by the threads it starts
-        except PermissionError:
-            pass
+        `niceness`."""
+        take_niceness(niceness)
         conn = self.listener.accept()
         self.listener.close()
         group._worker(config, rank, rendezvous, conn, threads, entry, args)
@@ -91,8 +105,7 @@ class RayWorker:
 def start_workers(config, threads: int, entry, args: tuple) -> tuple[list, list[RayWorker], group.Rendezvous]:
     """Rank 0: place and start ranks 1..N-1 as actors, each running `entry` as `group._worker` does; their side
     channels, workers, and the rendezvous at this node's address."""
-    if not ray.is_initialized():
-        ray.init(address=config.ray_address)
+    join_cluster(config)
     here, address = ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
     size = group.world_size(config)
     bundles = [{"CPU": 1.0} for _ in range(size)]
