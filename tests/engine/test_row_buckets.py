@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tiffin import LLM, LoRARequest, SamplingParams
+from tiffin.engine.worker.warm_up import distinct_linears
 from tiffin.kernels.row_buckets import padded_tokens, row_buckets
 from tiffin.quant.base import UnquantizedLinearMethod
 
@@ -23,6 +24,30 @@ def test_padded_tokens():
     assert all(n <= p <= n * 5 / 4 and padded_tokens(p) == p for n, p in enumerate(padded, 1))
     assert row_buckets(4096) == sorted(set(padded))
     assert len(row_buckets(4096)) == 7 + 4 * 9 + 1  # 1 to 7, 4 sizes in each power of two from 8, 4,096
+
+
+def test_warm_up_builds_every_size_a_step_can_reach(tiny_model, monkeypatch):
+    """At start, each distinct linear runs at the padded size of every step the scheduler may make (1 to
+    max_num_batched_tokens tokens, past the 1,024 rows warm-up once stopped at) and the head at that of every
+    sampling pass (1 to max_num_seqs rows), at each thread count the runner may pick: serving then builds no oneDNN
+    kernel (issue #50's soak grew ~0.6 MiB per size and shape warm-up had left to first use)."""
+    monkeypatch.setenv("TIFFIN_CPU_FP32_GEMM", "onednn")
+    seen, apply = set(), UnquantizedLinearMethod.apply
+
+    def record(method, layer, x):
+        seen.add((torch.get_num_threads(), id(layer), x.reshape(-1, x.shape[-1]).shape[0]))
+        return apply(method, layer, x)
+
+    monkeypatch.setattr(UnquantizedLinearMethod, "apply", record)
+    tokens, seqs = 2048, 24
+    runner = LLM(tiny_model("llama"), max_num_seqs=seqs, max_num_batched_tokens=tokens).llm_engine.model_runner
+    assert runner.policy.pad_rows
+    model = runner.model
+    threads = runner.thread_sizer.counts() if runner.thread_sizer else [torch.get_num_threads()]
+    head = model.model.embed_tokens if model.lm_head is None else model.lm_head
+    sizes = [(layer, tokens) for layer in distinct_linears(model)] + [(head, seqs)]
+    want = {(t, id(layer), padded_tokens(n)) for t in threads for layer, most in sizes for n in range(1, most + 1)}
+    assert want <= seen, sorted((t, n) for t, _, n in want - seen)
 
 
 def _workload():

@@ -10,7 +10,7 @@ def padded_tokens(rows: int) -> int:
 
     Invariant: while the model runner pads rows (`RunnerPolicy.pad_rows`), every forward's token rows, every logits
     pass's rows and the rows of each torch-path LoRA GEMM at bf16/fp16 (`LoRAMetadata`) are one of
-    `row_buckets(max_num_batched_tokens)`, fixed at engine start (warm-up builds the smaller ones there). Padding
+    `row_buckets(max_num_batched_tokens)`, fixed at engine start (warm-up builds them there). Padding
     rows belong to no sequence: slot -1 (no KV write), the base model (no adapter), outside every attention entry,
     never sampled, pooled nor returned (their logits and LoRA rows are cut before anything reads them)."""
     if rows <= 8:

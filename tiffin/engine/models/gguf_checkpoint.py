@@ -1,7 +1,7 @@
 """GGUF files (llama.cpp's format): the Hugging Face config their metadata implies and their tensors under
-Hugging Face names, the header read by `gguf_header`, the tensors mapped from the file and dequantized by the
-`gguf` package (the tokenizer and chat template: transformers' GGUF conversion,
-`tiffin.engine.models.source.load_tokenizer`).
+Hugging Face names, the header read by `gguf_header`, the tensors' shapes checked against the metadata by
+`gguf_shapes`, the tensors mapped from the file and dequantized by the `gguf` package (the tokenizer and chat
+template: transformers' GGUF conversion, `tiffin.engine.models.source.load_tokenizer`).
 
 Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q2_K to Q6_K, IQ4_NL and IQ4_XS tensors stay quantized (tiffin.quant.gguf) where a
 layer can hold them: the config names them in its `quantization_config`, and they come out as stored (the raw
@@ -30,7 +30,7 @@ import mmap
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import gguf
 import numpy as np
@@ -41,6 +41,7 @@ from tqdm.auto import tqdm
 
 from tiffin.engine.models.gguf_families import FAMILIES, FUSED, PLAIN
 from tiffin.engine.models.gguf_header import Array, TensorInfo, check_header
+from tiffin.engine.models.gguf_shapes import Dims, check_shapes
 from tiffin.engine.models.registry import get_architecture, gguf_architecture
 from tiffin.quant.gguf import KEPT_TYPES
 
@@ -96,23 +97,6 @@ UNNORMALIZED_TOPK = ("qwen2moe",)  # llama.cpp renormalizes the top-k routing we
 MAX_CONTEXT = 1 << 24
 MAX_INT = (1 << 31) - 1  # sizes and ids stay within torch's int32 indexing
 BLOCK = re.compile(r"blk\.(\d+)\.")
-
-
-class Dims(NamedTuple):
-    """The model dimensions a GGUF file's metadata declares, each checked against the tensors it sizes."""
-
-    vocab: int
-    hidden: int
-    ffn: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    context: int
-    experts: int = 0  # a mixture of experts: experts a layer, of `expert_ffn` each, `experts_used` a token
-    experts_used: int = 0
-    expert_ffn: int = 0
-    shared_ffn: int = 0  # Qwen2-MoE's shared expert (0: none)
 
 
 def find_gguf(path: str | Path) -> Path | None:
@@ -377,7 +361,7 @@ class GGUFCheckpoint:
         ffn = self.required(Keys.LLM.FEED_FORWARD_LENGTH)
         context = self.integer(Keys.LLM.CONTEXT_LENGTH, 2048, high=MAX_CONTEXT)
         dims = Dims(vocab, hidden, ffn, layers, heads, kv_heads, head_dim, context, *self._expert_dims(ffn))
-        self._check_shapes(dims)
+        check_shapes(self, dims)
         return dims
 
     def _expert_dims(self, ffn: int) -> tuple[int, int, int, int]:
@@ -396,59 +380,6 @@ class GGUFCheckpoint:
         if self.field(Keys.Attention.KEY_LENGTH) is not None:
             return self.key(Keys.Attention.KEY_LENGTH)
         return f"{self.key(Keys.LLM.EMBEDDING_LENGTH)} / {self.key(Keys.Attention.HEAD_COUNT)}"
-
-    def _check_shapes(self, dims: Dims) -> None:
-        """Every weight and bias has the shape `dims` implies; the refusal names the metadata behind each
-        dimension that differs."""
-        vocab = (dims.vocab, f"{self.key(Keys.LLM.VOCAB_SIZE)} = {dims.vocab}")
-        hidden = (dims.hidden, f"{self.key(Keys.LLM.EMBEDDING_LENGTH)} = {dims.hidden}")
-        ffn = (dims.ffn, f"{self.key(Keys.LLM.FEED_FORWARD_LENGTH)} = {dims.ffn}")
-        source = self.head_dim_source()
-        head = (dims.head_dim, f"{source} = {dims.head_dim}")
-        q_label = f"{self.key(Keys.Attention.HEAD_COUNT)} × {source} = {dims.heads} × {dims.head_dim}"
-        kv_label = f"{self.key(Keys.Attention.HEAD_COUNT_KV)} × {source} = {dims.kv_heads} × {dims.head_dim}"
-        q, kv = (dims.heads * dims.head_dim, q_label), (dims.kv_heads * dims.head_dim, kv_label)
-        # q/k norms per head (Qwen3), or over the whole projection (OLMo 2): the model's own shapes decide at load
-        whole = self.tensor_shapes.get("blk.0.attn_q_norm.weight") == (q[0],) != (head[0],)
-        experts = (dims.experts, f"{self.key(Keys.LLM.EXPERT_COUNT)} = {dims.experts}")
-        expert_ffn = (dims.expert_ffn, f"{self.key(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH)} = {dims.expert_ffn}")
-        shared_ffn = (dims.shared_ffn, f"{self.key(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH)} = {dims.shared_ffn}")
-        expected = {
-            "embed_tokens": (vocab, hidden),
-            "lm_head": (vocab, hidden),
-            "norm": (hidden,),
-            "input_layernorm": (hidden,),
-            "post_attention_layernorm": (hidden,),
-            "pre_feedforward_layernorm": (hidden,),
-            "post_feedforward_layernorm": (hidden,),
-            "q_proj": (q, hidden),
-            "k_proj": (kv, hidden),
-            "v_proj": (kv, hidden),
-            "o_proj": (hidden, q),
-            "q_norm": (q,) if whole else (head,),
-            "k_norm": (kv,) if whole else (head,),
-            "gate_proj": (ffn, hidden),
-            "up_proj": (ffn, hidden),
-            "down_proj": (hidden, ffn),
-            "qkv_proj": ((q[0] + 2 * kv[0], f"{q[1]}, plus 2 × {kv[1]}"), hidden),  # fused (Phi-3)
-            "gate_up_proj": ((2 * ffn[0], f"2 × {ffn[1]}"), hidden),
-            "mlp.gate": (experts, hidden),  # the router
-            "experts.gate_proj": (experts, expert_ffn, hidden),
-            "experts.up_proj": (experts, expert_ffn, hidden),
-            "experts.down_proj": (experts, hidden, expert_ffn),
-            "shared_expert.gate_proj": (shared_ffn, hidden),
-            "shared_expert.up_proj": (shared_ffn, hidden),
-            "shared_expert.down_proj": (hidden, shared_ffn),
-            "shared_expert_gate": ((1, "one output"), hidden),
-        } | self.family.shapes(self, dims, hidden)
-        for name, hf in self.hf_names.items():
-            module, _, suffix = hf.rpartition(".")
-            parent_leaf = ".".join(module.split(".")[-2:])
-            want = expected.get(parent_leaf, expected.get(module.rpartition(".")[2]))[: 1 if suffix == "bias" else None]
-            shape, sizes = self.tensor_shapes[name], tuple(size for size, _ in want)
-            if shape != sizes:
-                wrong = [label for (size, label), got in zip(want, shape) if size != got] or [l for _, l in want]
-                raise self.fail(f"tensor {name!r} has shape {list(shape)}, not {list(sizes)} ({'; '.join(wrong)})")
 
 
 def _as_matrix(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:

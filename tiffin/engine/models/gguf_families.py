@@ -47,7 +47,7 @@ class GGUFFamily:
     modules: tuple[str, ...] = ()  # layer modules beyond gguf_checkpoint's LAYER_MODULES
     optional: tuple[str, ...] = ()  # layer modules a layer may lack beyond gguf_checkpoint's
     dequantized: tuple[str, ...] = ()  # parts of the names of tensors never kept quantized
-    shapes: Callable[[Any, Any, tuple], dict] = lambda checkpoint, dims, hidden: {}  # `_check_shapes` entries
+    shapes: Callable[[Any, Any, tuple], dict] = lambda checkpoint, dims, hidden: {}  # `check_shapes` entries
     regroup: Callable[[Iterator], Iterator] = lambda weights: weights  # (name, tensor) as the model takes them
 
 

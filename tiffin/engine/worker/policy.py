@@ -11,7 +11,7 @@ from tiffin.engine.config import EngineConfig
 @dataclass(frozen=True)
 class RunnerPolicy:
     size_threads: bool  # follow the CPU left to this process between steps (`ThreadSizer`)
-    pad_rows: bool  # every step and logits pass runs `padded_tokens` rows, the smaller sizes' GEMMs built at start
+    pad_rows: bool  # every step and logits pass runs `padded_tokens` rows, every size's GEMMs built at start
     warm_up_triton: bool  # launch every Triton variant a step can, before the engine reports ready
     capture_graphs: bool  # decode-only steps padded to captured sizes and replayed as CUDA graphs
     int8_quantized: bool  # quantized layers run the native int8 kernels (`cpu_quant_compute`)

@@ -83,16 +83,15 @@ def warm_up_lora(runner) -> None:
 def warm_padded_sizes(
     model: torch.nn.Module, model_config, max_tokens: int, max_logits: int, threads: Iterable[int]
 ) -> None:
-    """Run each distinct projection at every `row_buckets` size up to min(max_tokens, 1,024) rows, and the logits
-    head at every size up to `max_logits` rows (a step's sampling rows), at each of the thread counts `threads`
-    (oneDNN builds a kernel per row count and thread count), so that a fresh server holds them already. Larger
-    steps (prompt logprobs among them) build theirs on first use, where the build costs less next to the step's
-    work. CPU only (`RunnerPolicy.pad_rows`); torch's thread count is left as it was."""
+    """Run each distinct projection at every `row_buckets(max_tokens)` size, and the logits head at every size up to
+    `max_logits` rows (a step's sampling rows), at each of the thread counts `threads` (oneDNN builds a kernel per
+    row count and thread count), so that a fresh server holds them already: left to first use, the sizes above
+    1,024 rows (steps of many prompts) kept adding ~0.6 MiB each per shape for thousands of requests (issue #50;
+    benchmarks/README.md). Prompt logprobs' logits passes, larger than `max_logits`, build theirs on first use.
+    CPU only (`RunnerPolicy.pad_rows`); torch's thread count is left as it was."""
     dtype, before = model_config.dtype, torch.get_num_threads()
-    inputs = [
-        (layer, torch.zeros(min(max_tokens, 1024), layer.input_size, dtype=dtype)) for layer in distinct_linears(model)
-    ]
-    hidden = torch.zeros(min(max_logits, 1024), model_config.hidden_size, dtype=dtype)
+    inputs = [(layer, torch.zeros(max_tokens, layer.input_size, dtype=dtype)) for layer in distinct_linears(model)]
+    hidden = torch.zeros(min(max_logits, max_tokens), model_config.hidden_size, dtype=dtype)
     try:
         for count in threads:
             torch.set_num_threads(count)
