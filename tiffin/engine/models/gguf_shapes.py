@@ -2,12 +2,9 @@
 against them before any is read, so that a file whose metadata and tensors disagree is refused naming the
 metadata behind the dimension that differs."""
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, NamedTuple
 
 from gguf import Keys
-
-if TYPE_CHECKING:
-    from tiffin.engine.models.gguf_checkpoint import GGUFCheckpoint
 
 
 class Dims(NamedTuple):
@@ -27,9 +24,9 @@ class Dims(NamedTuple):
     shared_ffn: int = 0  # Qwen2-MoE's shared expert (0: none)
 
 
-def check_shapes(checkpoint: "GGUFCheckpoint", dims: Dims) -> None:
-    """Every weight and bias has the shape `dims` implies; the refusal names the metadata behind each
-    dimension that differs."""
+def check_shapes(checkpoint: Any, dims: Dims) -> None:
+    """Every weight and bias of `checkpoint` (a `GGUFCheckpoint`, untyped here as in `gguf_families`: it imports
+    this module) has the shape `dims` implies; the refusal names the metadata behind each dimension that differs."""
     vocab = (dims.vocab, f"{checkpoint.key(Keys.LLM.VOCAB_SIZE)} = {dims.vocab}")
     hidden = (dims.hidden, f"{checkpoint.key(Keys.LLM.EMBEDDING_LENGTH)} = {dims.hidden}")
     ffn = (dims.ffn, f"{checkpoint.key(Keys.LLM.FEED_FORWARD_LENGTH)} = {dims.ffn}")
