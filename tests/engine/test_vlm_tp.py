@@ -16,6 +16,7 @@ from tests.engine.test_llava import random_image
 from tiffin import LLM, SamplingParams
 from tiffin.engine.distributed.tensor_parallel import TensorParallel
 from tiffin.engine.models.loader import build_model, get_model_config
+from tiffin.engine.models.registry import get_architecture
 
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
@@ -91,20 +92,19 @@ def test_tp2_equals_transformers(request, images, name):
 
 @pytest.mark.parametrize("name", ["llava", "idefics3", "qwen2_vl"])
 def test_other_ranks_hold_no_vision_tower(request, name, monkeypatch):
-    """Rank 1 of 2 builds the sharded language model alone and reads none of the tower's weights; rank 0 builds
-    the tower whole."""
+    """Rank 1 of 2 builds and loads the sharded language model alone (the checkpoint's tower weights skipped, not
+    read); rank 0 builds the tower whole beside its shard."""
     monkeypatch.setenv("TIFFIN_CPU_FP32_GEMM", "mkl")  # plain weights kept, not prepacked for oneDNN
-    module, path, _ = family(request, name)
+    _, path, _ = family(request, name)
     config = get_model_config(path)
-    ranks = [build_model(config, path, torch.device("cpu"), 64, "torch", TensorParallel(r, 2)) for r in (0, 1)]
-    vision = [{n for n, _ in m.named_parameters() if n.startswith(m.vision_modules)} for m in ranks]
-    assert vision[0] and not vision[1]
-    whole = build_model(config, path, torch.device("cpu"), 64, "torch")
-    for n, p in whole.named_parameters():
-        if n in vision[0]:
-            assert torch.equal(dict(ranks[0].named_parameters())[n], p), n
-    embed = [m.model.embed_tokens.weight for m in (whole, *ranks)]
-    assert torch.equal(torch.cat(embed[1:]), embed[0])
+    build = lambda *tp: dict(build_model(config, path, torch.device("cpu"), 64, "torch", *tp).named_parameters())
+    whole, rank0, rank1 = build(), build(TensorParallel(0, 2)), build(TensorParallel(1, 2))
+    vision_modules = get_architecture(config.architecture).model.vision_modules
+    vision = [{n for n in params if n.startswith(vision_modules)} for params in (whole, rank0, rank1)]
+    assert vision[0] and vision[1] == vision[0] and not vision[2]
+    assert all(torch.equal(rank0[n], whole[n]) for n in vision[0])
+    embed = "model.embed_tokens.weight"
+    assert torch.equal(torch.cat([rank0[embed], rank1[embed]]), whole[embed])
 
 
 @pytest.fixture(scope="module")

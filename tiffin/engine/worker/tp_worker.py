@@ -4,10 +4,10 @@ a `ModelRunner` of their rank (their shard of the weights, their share of the KV
 A step crosses as the wire format's values: the block copies each rank runs on its KV (`KVCopies`, as two flat
 lists; `ModelRunner.copy_blocks`, as rank 0 does), the size of the decode graph it replays (0: none), then for an
 eager step input_ids, positions, logits indices, the LoRA slot of each token (a host tensor, so on the host at
-every rank; None without adapters), the step's image embeddings (`MultiModalEmbeddings`: rank 0 alone runs the
-vision tower; their bits as int32, the wire carrying integers; None, None without images) and every AttentionMetadata
-field, and for a graphed one the logits indices and
-the graph's padded inputs; the adapters rank 0 installed this step, if any, follow as one pickled object.
+every rank; None without adapters), the step's image embeddings (`MultiModalEmbeddings`, in the model's dtype:
+rank 0 alone runs the vision tower; the rows' bits as int32, the wire carrying integers; None, None without images)
+and every AttentionMetadata field, and for a graphed one the logits indices and the graph's padded inputs; the
+adapters rank 0 installed this step, if any, follow as one pickled object.
 Between steps a `Command` (sleep, wake, weight reload: tiffin.engine.worker.sleep) runs on every rank's runner."""
 
 import dataclasses
