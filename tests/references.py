@@ -1,4 +1,5 @@
-"""Reference runs the tests compare tiffin with: transformers' greedy generation, and the event loop's longest stall
+"""Reference runs the tests compare tiffin with: transformers' greedy generation (of text and vision-language
+models), and the event loop's longest stall
 while an app answers a request."""
 
 import asyncio
@@ -17,6 +18,30 @@ def reference_generate(hf, prompt: list[int], new_tokens: int) -> tuple[list[int
     tokens = out.sequences[0, len(prompt) :].tolist()
     logprobs = [torch.log_softmax(logits[0].float(), -1)[t].item() for logits, t in zip(out.logits, tokens)]
     return tokens, logprobs
+
+
+def reference_vlm(model, inputs: dict, new_tokens: int) -> tuple[list[int], list[float], list[float]]:
+    """transformers' greedy `new_tokens` over a vision-language model's processed `inputs` (input_ids, pixel values,
+    ...), each one's logprob, and the logprob of each prompt token after the first (from one forward of the
+    prompt)."""
+    ids = inputs["input_ids"][0]
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)  # fmt: skip
+        prompt = torch.log_softmax(model(**inputs).logits[0, :-1].float(), -1)
+    tokens = out.sequences[0, len(ids) :].tolist()
+    logprobs = [torch.log_softmax(logits[0].float(), -1)[t].item() for logits, t in zip(out.logits, tokens)]
+    return tokens, logprobs, prompt[torch.arange(len(ids) - 1), ids[1:]].tolist()
+
+
+def vision_language_model(path):
+    """The transformers model of the checkpoint at `path` (its config's architecture), fp32, never stopping at EOS."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(path)
+    model = getattr(transformers, config.architectures[0]).from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model
 
 
 def max_loop_lag(app, method: str, path: str, **request) -> tuple[float, httpx.Response]:

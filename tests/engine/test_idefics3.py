@@ -8,6 +8,7 @@ split across prefill chunks; each distinct tile encoded once."""
 import numpy as np
 import pytest
 import torch
+from references import reference_vlm, vision_language_model
 
 from tests.engine.test_llava import assert_matches, generate, prompt, random_image
 from tiffin import LLM, SamplingParams
@@ -19,15 +20,18 @@ TWO = "<|bos|>User:<image>and<image>Compare the two.<end_of_utterance>\nAssistan
 TEXT = "<|bos|>User: Say something about the standard library.<end_of_utterance>\nAssistant:"
 
 
+def load_hf(path) -> tuple:
+    """transformers' model and processor (its PIL image processor) of the checkpoint at `path`."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(path)
+    assert type(processor.image_processor).__name__ == "Idefics3ImageProcessorPil"
+    return vision_language_model(path), processor
+
+
 @pytest.fixture(scope="module")
 def hf(tiny_idefics3):
-    from transformers import AutoProcessor, Idefics3ForConditionalGeneration
-
-    model = Idefics3ForConditionalGeneration.from_pretrained(tiny_idefics3, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    processor = AutoProcessor.from_pretrained(tiny_idefics3)
-    assert type(processor.image_processor).__name__ == "Idefics3ImageProcessorPil"
-    return model, processor
+    return load_hf(tiny_idefics3)
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +52,7 @@ def processed(hf, text: str, images: list) -> dict:
 
 def reference(hf, text: str, images: list) -> tuple[list[int], list[float]]:
     """transformers' greedy tokens and their logprobs over the processor's inputs."""
-    inputs = processed(hf, text, images)
-    with torch.inference_mode():
-        out = hf[0].generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True)  # fmt: skip
-    tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
-    return tokens, [torch.log_softmax(logits[0], -1)[t].item() for logits, t in zip(out.logits, tokens)]
+    return reference_vlm(hf[0], processed(hf, text, images), NEW_TOKENS)[:2]
 
 
 def as_prompt(text: str, images: list) -> dict:

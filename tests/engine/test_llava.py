@@ -9,6 +9,7 @@ import gc
 import numpy as np
 import pytest
 import torch
+from references import reference_vlm, vision_language_model
 
 from tiffin import LLM, SamplingParams
 from tiffin.engine.errors import ParamError
@@ -37,13 +38,16 @@ def checkpoint(tiny_llava):
     return tiny_llava
 
 
+def load_hf(path) -> tuple:
+    """transformers' model, tokenizer and PIL image processor of the checkpoint at `path`."""
+    from transformers import AutoTokenizer, CLIPImageProcessorPil
+
+    return vision_language_model(path), AutoTokenizer.from_pretrained(path), CLIPImageProcessorPil.from_pretrained(path)
+
+
 @pytest.fixture(scope="module")
 def hf(checkpoint):
-    from transformers import AutoTokenizer, CLIPImageProcessorPil, LlavaForConditionalGeneration
-
-    model = LlavaForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    return model, AutoTokenizer.from_pretrained(checkpoint), CLIPImageProcessorPil.from_pretrained(checkpoint)
+    return load_hf(checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -56,19 +60,19 @@ def llm(checkpoint):
     return LLM(str(checkpoint), dtype="float32")
 
 
-def reference(hf, text: str, images: list) -> tuple[list[int], list[float]]:
-    """transformers' greedy tokens and their logprobs, the prompt's placeholders expanded as LlavaProcessor does."""
+def processed(hf, text: str, images: list) -> dict:
+    """transformers' inputs: the prompt's placeholders expanded as LlavaProcessor does, the pixel values."""
     model, tokenizer, processor = hf
     image_id = model.config.image_token_id
     ids = [t for t0 in tokenizer(text)["input_ids"] for t in ([t0] * TOKENS_PER_IMAGE if t0 == image_id else [t0])]
     x = torch.tensor([ids])
     pixels = {"pixel_values": processor(images, return_tensors="pt")["pixel_values"]} if images else {}
-    with torch.inference_mode():
-        out = model.generate(x, **pixels, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS,
-                             do_sample=False, output_logits=True, return_dict_in_generate=True)  # fmt: skip
-    tokens = out.sequences[0, len(ids) :].tolist()
-    logprobs = [torch.log_softmax(logits[0], -1)[t].item() for logits, t in zip(out.logits, tokens)]
-    return tokens, logprobs
+    return {"input_ids": x, "attention_mask": torch.ones_like(x), **pixels}
+
+
+def reference(hf, text: str, images: list) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens and their logprobs."""
+    return reference_vlm(hf[0], processed(hf, text, images), NEW_TOKENS)[:2]
 
 
 def prompt(text: str, images: list) -> dict:

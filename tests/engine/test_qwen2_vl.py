@@ -8,6 +8,7 @@ prefill chunks, and after a prefix-cache hit on the text before an image."""
 import numpy as np
 import pytest
 import torch
+from references import reference_vlm, vision_language_model
 
 from tests.engine.test_llava import assert_matches, generate, random_image
 from tiffin import LLM, SamplingParams
@@ -21,13 +22,18 @@ TWO = f"<|bos|><|im_start|>user\n{IMAGE}and{IMAGE}Compare the two.<|im_end|>\n<|
 TEXT = "<|bos|><|im_start|>user\nSay something about the standard library.<|im_end|>\n<|im_start|>assistant\n"
 
 
+def load_hf(path) -> tuple:
+    """transformers' model (Qwen2-VL's or Qwen2.5-VL's), tokenizer and PIL image processor of the checkpoint at
+    `path`."""
+    from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
+
+    images = Qwen2VLImageProcessorPil.from_pretrained(path)
+    return vision_language_model(path), AutoTokenizer.from_pretrained(path), images
+
+
 @pytest.fixture(scope="module")
 def hf(tiny_qwen2_vl):
-    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
-
-    model = Qwen2VLForConditionalGeneration.from_pretrained(tiny_qwen2_vl, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    return model, AutoTokenizer.from_pretrained(tiny_qwen2_vl), Qwen2VLImageProcessorPil.from_pretrained(tiny_qwen2_vl)
+    return load_hf(tiny_qwen2_vl)
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +62,7 @@ def processed(hf, text: str, images: list) -> dict:
 
 def reference(hf, text: str, images: list) -> tuple[list[int], list[float]]:
     """transformers' greedy tokens and their logprobs over the processor's inputs."""
-    inputs = processed(hf, text, images)
-    with torch.inference_mode():
-        out = hf[0].generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True)  # fmt: skip
-    tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
-    return tokens, [torch.log_softmax(logits[0], -1)[t].item() for logits, t in zip(out.logits, tokens)]
+    return reference_vlm(hf[0], processed(hf, text, images), NEW_TOKENS)[:2]
 
 
 def as_prompt(text: str, images: list) -> dict:
@@ -173,15 +174,7 @@ def test_qwen2_5_vl_greedy_and_logprobs_match_transformers(tiny_qwen2_5_vl, imag
     """Qwen2.5-VL (RMSNorms, gated MLP, attention within windows of 2 x 2 tokens in block 0, ragged at the edges of
     9 x 7, 4 x 15 and 8 x 2 grids; the whole image in block 1): one and two images and a text-only prompt in one
     batch, image runs split across 40-token chunks."""
-    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
-
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_qwen2_5_vl, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    hf = (
-        model,
-        AutoTokenizer.from_pretrained(tiny_qwen2_5_vl),
-        Qwen2VLImageProcessorPil.from_pretrained(tiny_qwen2_5_vl),
-    )
+    hf = load_hf(tiny_qwen2_5_vl)
     cases = [(ONE, images[:1]), (TEXT, []), (TWO, images[1:3])]
     llm = LLM(tiny_qwen2_5_vl, dtype="float32", max_num_batched_tokens=40)
     got = generate(llm, [as_prompt(text, imgs) for text, imgs in cases])

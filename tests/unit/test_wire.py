@@ -3,6 +3,8 @@ tensors on the host, device tensors on the device); on CUDA (emulated) rank 0 se
 and a receiving rank reads back the header and the host-side values only. On both sides a step's device tensors
 start 16-byte aligned."""
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -122,3 +124,17 @@ def test_a_steps_uploaded_arrays_start_16_byte_aligned(emulation):
     got = [upload.get(p) for p in parts]
     assert [t.tolist() for t in got] == [[0, 1, 2], [0, 1, 2, 3, 4], [0]]
     assert [(t.data_ptr() - got[0].data_ptr()) % 16 for t in got] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_image_embeddings_cross_bit_for_bit_as_int32(device, dtype):
+    """A vision-language model's image embeddings cross as their bits viewed as int32 (`tp_worker.run`), widened
+    to int64 in the payload and back: every bit pattern (negative zero, infinities, NaN payloads) arrives as sent."""
+    rows = torch.randn(5, 8).to(dtype)
+    rows[0, :4] = torch.tensor([-0.0, float("inf"), float("-inf"), float("nan")], dtype=dtype)
+    rows.view(torch.int16 if dtype.itemsize == 2 else torch.int32)[1, 0] = -1  # a NaN of all ones
+    with CudaEmulation() if device == "cuda" else contextlib.nullcontext():
+        sent = rows.to(device)
+        got = cross(*wire.pack([sent.view(torch.int32)], torch.device(device)))[0].view(dtype)
+        assert got.shape == rows.shape and torch.equal(got.cpu().view(torch.uint8), rows.view(torch.uint8))

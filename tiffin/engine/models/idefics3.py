@@ -14,10 +14,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tiffin.engine.distributed.tensor_parallel import UNSHARDED, TensorParallel
 from tiffin.engine.models.clip import VisionConfig
 from tiffin.engine.models.config import ModelConfig
-from tiffin.engine.models.layers import EmbeddingFactory, LinearFactory
 from tiffin.engine.models.llava import VisionLanguageModel
 from tiffin.engine.models.siglip import SiglipVisionModel
 from tiffin.engine.multimodal.tiles import TileProcessor, image_prompt
@@ -99,21 +97,12 @@ class Idefics3ForConditionalGeneration(VisionLanguageModel):
 
     multimodal_config = staticmethod(Idefics3Config.from_hf)
     text_config = staticmethod(text_config)
+    vision_modules = ("vision_model", "connector")
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        max_positions: int,
-        backend: str,
-        linear: LinearFactory,
-        embedding: EmbeddingFactory,
-        tp: TensorParallel = UNSHARDED,
-    ):
-        super().__init__(config, max_positions, backend, linear, embedding, tp=tp)
+    def build_vision(self, config: ModelConfig) -> None:
         mm: Idefics3Config = config.multimodal
         self.vision_model = SiglipVisionModel(mm.vision, config.dtype)
         self.connector = Connector(mm.vision.hidden_size, config.hidden_size, mm.scale_factor, config.dtype)
-        self.ignored_weights = (*self.ignored_weights, "position_ids")
 
     def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[tiles, 3, tile, tile] -> [tiles, tokens_per_image, hidden]: what replaces each tile's placeholders."""

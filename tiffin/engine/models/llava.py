@@ -101,12 +101,34 @@ class MultiModalProjector(nn.Module):
 
 class VisionLanguageModel(LlamaForCausalLM):
     """A Llama language model reading image embeddings (`embed_images`, the subclass's) in place of the image
-    placeholders' token embeddings."""
+    placeholders' token embeddings.
 
-    def __init__(self, config: ModelConfig, *args, tp: TensorParallel = UNSHARDED):
-        if tp.size > 1:
-            raise ValueError(f"{type(self).__name__}: tensor parallelism is not supported yet")
-        super().__init__(config, *args, tp)
+    Under tensor parallelism the language model is sharded as a text model is; the vision tower and projector
+    (`build_vision`, the modules named in `vision_modules`) live on rank 0 alone, which encodes each image once (its
+    encoder cache the only one) and sends the step's embeddings with the step (`worker.tp_worker`): every rank puts
+    the same rows at the same places. The other ranks neither build the tower nor read its weights."""
+
+    vision_modules: tuple[str, ...] = ()
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_positions: int,
+        backend: str,
+        linear: LinearFactory,
+        embedding: EmbeddingFactory,
+        tp: TensorParallel = UNSHARDED,
+    ):
+        super().__init__(config, max_positions, backend, linear, embedding, tp)
+        self.ignored_weights = (*self.ignored_weights, "position_ids")
+        if tp.rank == 0:
+            self.build_vision(config)
+        else:
+            self.ignored_weights = (*self.ignored_weights, *(f"{name}." for name in self.vision_modules))
+
+    def build_vision(self, config: ModelConfig) -> None:
+        """The subclass's vision tower and projector (rank 0's only)."""
+        raise NotImplementedError
 
     def forward(self, input_ids, positions, attn_metadata, lora=None, mm: MultiModalEmbeddings | None = None):
         embeds = None
@@ -130,25 +152,17 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
 
     multimodal_config = staticmethod(LlavaConfig.from_hf)
     text_config = staticmethod(text_config)
+    vision_modules = ("vision_tower", "multi_modal_projector")
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        max_positions: int,
-        backend: str,
-        linear: LinearFactory,
-        embedding: EmbeddingFactory,
-        tp: TensorParallel = UNSHARDED,
-    ):
-        super().__init__(config, max_positions, backend, linear, embedding, tp=tp)
+    def build_vision(self, config: ModelConfig) -> None:
         mm: LlavaConfig = config.multimodal
         self.vision_tower = CLIPVisionModel(mm.vision, config.dtype, mm.feature_layer)
         self.multi_modal_projector = MultiModalProjector(
             mm.vision.hidden_size, config.hidden_size, mm.projector_act, mm.projector_bias, config.dtype
         )
         self.drop_class_token = mm.select_strategy == "default"
-        self.ignored_weights = (*self.ignored_weights, "position_ids", *(f"vision_tower.vision_model.{s}" for s in
-                                                         self.vision_tower.skipped))  # fmt: skip
+        skipped = (f"vision_tower.vision_model.{s}" for s in self.vision_tower.skipped)
+        self.ignored_weights = (*self.ignored_weights, *skipped)
 
     def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[images, 3, H, W] -> [images, tokens_per_image, hidden]: what replaces each image's placeholders."""

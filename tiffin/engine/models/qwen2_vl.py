@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tiffin.engine.distributed.tensor_parallel import UNSHARDED, TensorParallel
+from tiffin.engine.distributed.tensor_parallel import UNSHARDED
 from tiffin.engine.errors import ParamError
 from tiffin.engine.models.clip import ACTIVATIONS
 from tiffin.engine.models.config import ModelConfig
-from tiffin.engine.models.layers import EmbeddingFactory, LinearFactory, MRotaryEmbedding, RMSNorm
+from tiffin.engine.models.layers import MRotaryEmbedding, RMSNorm
 from tiffin.engine.models.linear import Linear
 from tiffin.engine.models.llava import VisionLanguageModel
 from tiffin.engine.multimodal.patches import PatchProcessor
@@ -275,18 +275,10 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
     checkpoint_prefixes = {"model.language_model.": "model.", "model.visual.": "visual."}
     multimodal_config = staticmethod(Qwen2VLConfig.from_hf)
     text_config = staticmethod(text_config)
+    vision_modules = ("visual",)
     uses_mrope = True  # the model runner's positions: `multimodal.mrope`
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        max_positions: int,
-        backend: str,
-        linear: LinearFactory,
-        embedding: EmbeddingFactory,
-        tp: TensorParallel = UNSHARDED,
-    ):
-        super().__init__(config, max_positions, backend, linear, embedding, tp=tp)
+    def build_vision(self, config: ModelConfig) -> None:
         self.visual = VisionTransformer(config.multimodal.vision, config.dtype)
 
     @staticmethod

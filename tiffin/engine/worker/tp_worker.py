@@ -4,8 +4,10 @@ a `ModelRunner` of their rank (their shard of the weights, their share of the KV
 A step crosses as the wire format's values: the block copies each rank runs on its KV (`KVCopies`, as two flat
 lists; `ModelRunner.copy_blocks`, as rank 0 does), the size of the decode graph it replays (0: none), then for an
 eager step input_ids, positions, logits indices, the LoRA slot of each token (a host tensor, so on the host at
-every rank; None without adapters) and every AttentionMetadata field, and for a graphed one the logits indices and
-the graph's padded inputs; the adapters rank 0 installed this step, if any, follow as one pickled object.
+every rank; None without adapters), the step's image embeddings (`MultiModalEmbeddings`, in the model's dtype:
+rank 0 alone runs the vision tower; the rows' bits as int32, the wire carrying integers; None, None without images)
+and every AttentionMetadata field, and for a graphed one the logits indices and the graph's padded inputs; the
+adapters rank 0 installed this step, if any, follow as one pickled object.
 Between steps a `Command` (sleep, wake, weight reload: tiffin.engine.worker.sleep) runs on every rank's runner."""
 
 import dataclasses
@@ -20,6 +22,7 @@ from tiffin.engine.distributed.group import Command, WorkerGroup
 from tiffin.engine.distributed.tensor_parallel import TensorParallel
 from tiffin.engine.lora.slots import LoRASlots
 from tiffin.engine.models.config import ModelConfig
+from tiffin.engine.models.llava import MultiModalEmbeddings
 from tiffin.engine.worker import pipeline_stage, sleep
 from tiffin.engine.worker.batch import ModelInput
 from tiffin.kernels import AttentionMetadata
@@ -54,7 +57,8 @@ def run(group: WorkerGroup, inputs: ModelInput, lora_slots: LoRASlots | None, co
     installed for them to the other ranks, then run `forward()`."""
     token_slots = None if inputs.lora is None else torch.from_numpy(inputs.lora.token_slots)
     attn = [getattr(inputs.attn, f.name) for f in dataclasses.fields(inputs.attn)]
-    values = [0, inputs.input_ids, inputs.positions, inputs.logits_indices, token_slots, *attn]
+    mm = [None, None] if inputs.mm is None else [inputs.mm.indices, inputs.mm.embeddings.contiguous().view(torch.int32)]
+    values = [0, inputs.input_ids, inputs.positions, inputs.logits_indices, token_slots, *mm, *attn]
     return _send(group, values, lora_slots, copies, forward)
 
 
@@ -89,12 +93,14 @@ def _serve_rank(group: WorkerGroup, runner_cls, config, model_config, max_model_
                 logits_indices, *padded = values
                 runner.run_graphed(size, padded, logits_indices)
             else:
-                runner.run_model(_decode(values, runner.lora_slots))
+                runner.run_model(_decode(values, runner.lora_slots, model_config.dtype))
 
     return serve
 
 
-def _decode(values: list, lora_slots: LoRASlots | None) -> ModelInput:
-    input_ids, positions, logits_indices, token_slots, *attn = values
+def _decode(values: list, lora_slots: LoRASlots | None, dtype: torch.dtype) -> ModelInput:
+    """An eager step's `ModelInput` from its values (`run`); the image embeddings back in the model's `dtype`."""
+    input_ids, positions, logits_indices, token_slots, mm_indices, mm_bits, *attn = values
     lora = None if token_slots is None else lora_slots.metadata(token_slots.numpy())
-    return ModelInput(input_ids, positions, AttentionMetadata(*attn), logits_indices, lora)
+    mm = None if mm_indices is None else MultiModalEmbeddings(mm_indices, mm_bits.view(dtype))
+    return ModelInput(input_ids, positions, AttentionMetadata(*attn), logits_indices, lora, mm=mm)
