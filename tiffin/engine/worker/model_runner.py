@@ -68,9 +68,11 @@ class ModelRunner(KVBlockCopies):
         self.device = config.torch_device if group is None else group.device
         self.backend = kernels.resolve_backend(config.kernel_backend, self.device)
         native, dtype = kernels.cpu_native.library() is not None, model_config.dtype
-        # each rank times the fp32 choice for itself, and their policies must agree (the logits' gather is collective)
-        fp32_onednn = dtype == torch.float32 and world_size(config) == 1 and prepacks_for_onednn(dtype)
-        onednn = self.device.type == "cpu" and (dtype != torch.float32 or fp32_onednn)
+        # fp32 is timed on CPU alone (`prepacks_for_onednn`) and at one rank: each rank would time the choice for
+        # itself, and their policies must agree (the logits' gather is collective)
+        onednn = self.device.type == "cpu" and (
+            dtype != torch.float32 or (world_size(config) == 1 and prepacks_for_onednn(dtype))
+        )
         self.policy = choose_policy(self.device, dtype, self.backend, onednn, config, native)
         # a pooling model runs no decode steps to capture; a mixture of experts sizes its per-expert GEMMs on the
         # host each step (`models/moe.py`), which a graph cannot replay
