@@ -1,6 +1,6 @@
 """Pipeline parallelism on the CUDA path, run on the CPU through the CUDA emulation (each worker under one of its own;
 NCCL's sends and receives run by gloo on the memory behind the devices, Triton kernels under the interpreter):
-every stage on its own device warms up, sizes its KV pool by profiling (the stages agreeing on one count) and
+every stage on its own device warms up, sizes its KV pool by profiling (PP=2; the stages agreeing on one count) and
 captures its decode graphs, a later stage's on its input buffer, which the step's receive fills; two batches in
 flight. Greedy and seeded tokens equal the single-process engine's for PP=2 (the tiny Llama) and TP=2 x PP=2 (the
 tiny Qwen3), and every stage replayed as many graphs as rank 0 did."""
@@ -22,7 +22,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 SAMPLED = [SamplingParams(temperature=1.0, top_p=0.9, seed=s, max_tokens=NEW_TOKENS, ignore_eos=True) for s in (1, 2)]
 SAMPLED.append(SamplingParams(temperature=0.8, max_tokens=NEW_TOKENS, ignore_eos=True))
 # no num_kv_blocks: each engine sizes its pool by profiling its largest step (under PP every stage at once), which
-# max_num_seqs of max_model_len caps at 16 blocks; few tokens a step (warm-up runs up to max_num_batched_tokens)
+# max_num_seqs of max_model_len caps at 12 blocks; few tokens a step (warm-up runs up to max_num_batched_tokens)
 ARGS = dict(device="cuda", dtype="float32", max_num_seqs=4, max_model_len=48, max_num_batched_tokens=17)
 
 
@@ -76,7 +76,12 @@ def test_tp2_pp2_graphed_equals_one_process(tiny_model, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with CudaEmulation(device_count=4) as emulation:
         staged_equals_one_process(
-            tiny_model("qwen3"), emulation, monkeypatch, tensor_parallel_size=2, pipeline_parallel_size=2
+            tiny_model("qwen3"),
+            emulation,
+            monkeypatch,
+            tensor_parallel_size=2,
+            pipeline_parallel_size=2,
+            num_kv_blocks=12,  # the count PP=2 profiles: its profiling, 4 ranks' forwards and captures, skipped
         )
 
 

@@ -22,6 +22,7 @@ from tiffin.engine.models.config import ModelConfig
 from tiffin.engine.sampling_params import SamplingParams
 from tiffin.engine.worker import pipeline_stage
 from tiffin.engine.worker.batch import synthetic_step
+from tiffin.engine.worker.sampler import Sampler
 from tiffin.kernels import kv_quant
 
 CPU_KV_CACHE_CAP = 4 << 30  # bytes; like vLLM's CPU backend default
@@ -257,7 +258,7 @@ def profile_memory(runner, probe: MemoryProbe, draft=None) -> MemoryProfile:
         sampled = runner.model.compute_logits(rows) if model.task == "generate" and runner.pp.last else None
         if sampled is None:  # a pooling model, a tensor-parallel rank but the first, a pipeline stage but the last
             sampled = torch.zeros(len(seqs), model.vocab_size, device=runner.device)
-        runner.sampler(sampled, seqs)
+        Sampler(runner.sampler.eos_token_ids)(sampled, seqs)  # not the engine's: its seeded stream stays unread
         del inputs, logits, rows, sampled
     probe.synchronize(runner.device)
     peak = probe.max_memory_reserved(runner.device) - reserved
