@@ -2,13 +2,16 @@
 NCCL's sends and receives run by gloo on the memory behind the devices, Triton kernels under the interpreter):
 every stage on its own device warms up, sizes its KV pool by profiling (PP=2; the stages agreeing on one count) and
 captures its decode graphs, a later stage's on its input buffer, which the step's receive fills; two batches in
-flight. Greedy and seeded tokens equal the single-process engine's for PP=2 (the tiny Llama) and TP=2 x PP=2 (the
-tiny Qwen3), and every stage replayed as many graphs as rank 0 did."""
+flight. Greedy and seeded tokens equal the single-process engine's for PP=2 (the tiny Llama, a LoRA adapter on some
+requests: each stage fills its layers' slices) and TP=2 x PP=2 (the tiny Qwen3), and every stage replayed as many
+graphs as rank 0 did."""
 
 import pytest
 import torch
+from lora_adapters import make_adapter
 
 from tiffin import LLM, SamplingParams
+from tiffin.engine.lora.request import LoRARequest
 from tiffin.engine.models.loader import get_model_config
 from tiffin.engine.worker import model_runner
 from tiffin.kernels import triton_common as tc
@@ -26,24 +29,27 @@ SAMPLED.append(SamplingParams(temperature=0.8, max_tokens=NEW_TOKENS, ignore_eos
 ARGS = dict(device="cuda", dtype="float32", max_num_seqs=4, max_model_len=48, max_num_batched_tokens=17)
 
 
-def run(llm: LLM, vocab: int) -> list[list[int]]:
-    """Greedy outputs, then seeded samples, of one batch (the sampled requests beside greedy ones)."""
+def run(llm: LLM, vocab: int, lora: LoRARequest | None = None) -> list[list[int]]:
+    """Greedy outputs, then seeded samples, of one batch (the sampled requests beside greedy ones); `lora` on every
+    other request."""
     g = torch.Generator().manual_seed(0)
     ps = [{"prompt_token_ids": torch.randint(4, vocab, (n,), generator=g).tolist()} for n in (1, 7, 23, 11)]
-    outs = llm.generate(ps + ps[: len(SAMPLED)], [GREEDY] * len(ps) + SAMPLED, use_tqdm=False)
+    ps += ps[: len(SAMPLED)]
+    loras = [lora if i % 2 else None for i in range(len(ps))]
+    outs = llm.generate(ps, [GREEDY] * 4 + SAMPLED, lora_request=loras, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
 
 
-def staged_equals_one_process(path, emulation: CudaEmulation, monkeypatch, **parallel) -> None:
+def staged_equals_one_process(path, emulation: CudaEmulation, monkeypatch, lora=None, **parallel) -> None:
     """The staged engine's tokens are the eager single-process engine's; it captured graphs on every rank and each
     replayed as many as rank 0 (itself at least one a decode step); two batches were in flight at once; serving
     launched no Triton variant on rank 0 that its warm-up did not."""
-    vocab = get_model_config(path).vocab_size
+    vocab, lora_args = get_model_config(path).vocab_size, dict(enable_lora=True, max_loras=2) if lora else {}
     with monkeypatch.context() as patched:
         patched.setattr(model_runner, "warm_up_triton", lambda runner: None)
-        want = run(LLM(str(path), enforce_eager=True, **ARGS), vocab)
+        want = run(LLM(str(path), enforce_eager=True, **lora_args, **ARGS), vocab, lora)
     with tc.recording_launches() as started:
-        llm = LLM(str(path), distributed_timeout=120, **parallel, **ARGS)
+        llm = LLM(str(path), distributed_timeout=120, **parallel, **lora_args, **ARGS)
     engine = llm.llm_engine
     overlapping, start = [], engine.model_runner.start_step
     monkeypatch.setattr(
@@ -55,7 +61,7 @@ def staged_equals_one_process(path, emulation: CudaEmulation, monkeypatch, **par
         assert runner.num_blocks == 12 and runner.kv_cache.device == torch.device("cuda", 0)
         replays = emulation.replays
         with tc.recording_launches() as served:
-            got = run(llm, vocab)
+            got = run(llm, vocab, lora)
         replays = emulation.replays - replays
     finally:
         llm.shutdown()
@@ -66,10 +72,10 @@ def staged_equals_one_process(path, emulation: CudaEmulation, monkeypatch, **par
     assert served and not served - started, sorted(served - started, key=str)[:2]
 
 
-def test_pp2_graphed_equals_one_process(tiny_model, cuda_emulation, monkeypatch):
-    staged_equals_one_process(
-        tiny_model("llama"), cuda_emulation, monkeypatch, tensor_parallel_size=1, pipeline_parallel_size=2
-    )
+def test_pp2_graphed_with_an_adapter_equals_one_process(tiny_model, cuda_emulation, monkeypatch, tmp_path):
+    path = tiny_model("llama")
+    lora = LoRARequest("a1", 1, str(make_adapter(path, tmp_path / "a1", seed=1, r=8, lora_alpha=16)))
+    staged_equals_one_process(path, cuda_emulation, monkeypatch, lora, tensor_parallel_size=1, pipeline_parallel_size=2)
 
 
 def test_tp2_pp2_graphed_equals_one_process(tiny_model, monkeypatch):

@@ -27,7 +27,7 @@ from tiffin.engine.models.registry import get_architecture
 from tiffin.engine.worker.batch import ModelInput
 
 
-def check_supported(config: EngineConfig, model_config: ModelConfig, device: torch.device) -> None:
+def check_supported(config: EngineConfig, model_config: ModelConfig) -> None:
     """ValueError naming what `pipeline_parallel_size` > 1 cannot serve with this model and these settings, before
     any worker starts."""
     size = config.pipeline_parallel_size
@@ -75,7 +75,7 @@ def _pass_on(runner, out, logits_indices: torch.Tensor, start: float) -> None:
     last, the logits of `logits_indices`' rows to rank 0. `start`: when the stage's compute began (`busy_s`)."""
     group, pp, dtype = runner.group, runner.pp, runner.model_config.dtype
     if not pp.last:
-        out = torch.stack(out).to(dtype)  # the residual may be wider than the hidden states
+        out = torch.stack(out).to(dtype)
         group.busy_s += time.perf_counter() - start
         group.isend(out, pp.next_peer)
         return
