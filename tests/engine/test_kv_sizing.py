@@ -5,6 +5,7 @@ import pytest
 
 from tiffin import LLM
 from tiffin.engine.worker.kv_cache import GiB, MemoryProbe, MemoryProfile, profile_memory
+from tiffin.engine.worker.sampler import Sampler
 
 BLOCK = 2 << 20  # bytes per KV block
 
@@ -59,29 +60,31 @@ def test_profiling_uses_only_the_blocks_it_needs_and_frees_them(tiny_model, monk
     llm = LLM(tiny_model("llama"), num_kv_blocks=64, max_model_len=100, max_num_batched_tokens=250, max_num_seqs=5)
     runner = llm.llm_engine.model_runner
     seen = {}
-    host_batch, sample = runner.host_batch, runner.sampler.__call__
+    host_batch, sample = runner.host_batch, Sampler.__call__
 
     def record_batch(sched):
         seen["lengths"] = sched.num_scheduled_tokens
         seen["tables"] = [s.block_table for s in sched.seqs]
         return host_batch(sched)
 
-    def record_sample(logits, seqs, bitmask=None):
-        seen["logits"] = tuple(logits.shape)
-        return sample(logits, seqs, bitmask)
+    def record_sample(sampler, logits, seqs, bitmask=None, inputs=None):
+        seen["logits"], seen["engine's"] = tuple(logits.shape), sampler is runner.sampler
+        return sample(sampler, logits, seqs, bitmask, inputs)
 
     compute_logits = runner.model.compute_logits
     monkeypatch.setattr(
         runner.model, "compute_logits", lambda h: seen.setdefault("lm_head", []).append(h.shape[0]) or compute_logits(h)
     )
     monkeypatch.setattr(runner, "host_batch", record_batch)
-    monkeypatch.setattr(runner, "sampler", record_sample)
+    monkeypatch.setattr(Sampler, "__call__", record_sample)
     probe = FakeProbe(runner)
     profile = profile_memory(runner, probe.memory())
     # 250 tokens as sequences of at most max_model_len (100 -> 7 blocks of 16), blocks disjoint
     assert seen["lengths"] == [100, 100, 50]
     assert seen["tables"] == [list(range(7)), list(range(7, 14)), [14, 15, 16, 17]]
     assert seen["logits"] == (5, runner.model_config.vocab_size)
+    # a sampler of its own: the engine's seeded stream (unseeded rows' draws) starts where a pool given its size would
+    assert not seen["engine's"]
     # the lm_head runs on every sequence's row, as a decode step of max_num_seqs does (from DENSE_MIN_TOKENS rows a
     # quantized one dequantizes its whole weight): the step's 3 sampled rows, then max_num_seqs
     assert seen["lm_head"] == [3, 5]

@@ -1,12 +1,15 @@
 """The NCCL side of tensor parallelism, on mocked `torch.distributed` and the CUDA emulation: which GPU each rank
 takes, how the process group is joined, and how a broken group is left (#25 defect 5)."""
 
+import datetime
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from tiffin.engine.config import EngineConfig
 from tiffin.engine.distributed import group as group_module
+from tiffin.engine.distributed import join
 from tiffin.engine.distributed.group import WorkerGroup
 from tiffin.engine.distributed.tensor_parallel import TensorParallel
 from tiffin.testing.cuda_emulation import CudaEmulation
@@ -33,27 +36,42 @@ def test_ranks_join_on_consecutive_gpus_from_the_configured_one(four_gpus, monke
     monkeypatch.setattr(
         dist, "init_process_group", lambda backend, **kw: joined.append((backend, torch.cuda.current_device(), kw))
     )
-    monkeypatch.setattr(group_module, "_store", lambda *args: None)  # no rendezvous: the group's join is mocked
+    monkeypatch.setattr(join, "_store", lambda *args: None)  # no rendezvous: the group's join is mocked
     config, rendezvous = (
         EngineConfig("m", device="cuda:1", tensor_parallel_size=2),
-        group_module.Rendezvous("127.0.0.1", 29500),
+        join.Rendezvous("127.0.0.1", 29500),
     )
     for rank in (0, 1):
-        group_module._init_group(config, rank, rendezvous)
+        join.init_group(config, rank, rendezvous)
     assert [(backend, current) for backend, current, _ in joined] == [("nccl", 1), ("nccl", 2)]
     assert [kw["device_id"] for *_, kw in joined] == [torch.device("cuda", 1), torch.device("cuda", 2)]
     assert [kw["rank"] for *_, kw in joined] == [0, 1]
     # CUDA graphs (the default) capture collectives, which cannot block the host: the watchdog's abort only
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2" and "TORCH_NCCL_BLOCKING_WAIT" not in os.environ
-    group_module._init_group(
-        EngineConfig("m", device="cuda:1", tensor_parallel_size=2, enforce_eager=True), 0, rendezvous
-    )
+    join.init_group(EngineConfig("m", device="cuda:1", tensor_parallel_size=2, enforce_eager=True), 0, rendezvous)
     assert os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "1"
-    assert [group_module.rank_device(config.torch_device, r) for r in (0, 1)] == [
+    assert [join.rank_device(config.torch_device, r) for r in (0, 1)] == [
         torch.device("cuda", 1),
         torch.device("cuda", 2),
     ]
-    assert group_module.rank_device(torch.device("cpu"), 1) == torch.device("cpu")
+    assert join.rank_device(torch.device("cpu"), 1) == torch.device("cpu")
+
+
+def test_pipeline_ranks_join_their_groups_bounded_by_the_timeout(four_gpus, monkeypatch):
+    """TP=2 x PP=2, rank 3 (stage 1's second rank) on cuda:3: each stage's tensor-parallel group, and the logits'
+    own group (rank 0 and the last stage's first rank: NCCL orders a pair's messages on one stream, and the logits
+    travel against the steps), every one bounded by distributed_timeout (the stages' groups had torch's default,
+    30 minutes, before)."""
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: None)
+    monkeypatch.setattr(join, "_store", lambda *args: None)
+    made = []
+    monkeypatch.setattr(dist, "new_group", lambda ranks, timeout: made.append((ranks, timeout)) or len(made))
+    config = EngineConfig("m", device="cuda", tensor_parallel_size=2, pipeline_parallel_size=2, distributed_timeout=7)
+    tp, pp = join.init_group(config, 3, join.Rendezvous("127.0.0.1", 29500))
+    timeout = datetime.timedelta(seconds=7)
+    assert made == [([0, 1], timeout), ([2, 3], timeout), ([0, 2], timeout)]
+    assert (tp.rank, tp.group, pp.rank, pp.logits_group) == (1, 2, 1, 3)
+    assert torch.cuda.current_device() == 3
 
 
 def test_start_refuses_ranks_past_the_last_gpu(four_gpus, monkeypatch):

@@ -181,7 +181,8 @@ class EngineConfig:
     pipeline_parallel_size: int = _setting(
         1,
         "stages the model's decoder layers are split into (contiguous layers each, the embedding on the first, the "
-        "norm and head on the last), each stage tensor_parallel_size processes: gloo processes on CPU (CUDA not yet)",
+        "norm and head on the last), each stage tensor_parallel_size processes: gloo on CPU, NCCL on CUDA (a GPU "
+        "each, consecutive from the configured one, decode graphs captured per stage)",
     )
     pipeline_layer_partition: str | None = _setting(
         None,

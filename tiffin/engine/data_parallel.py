@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 from tiffin.engine import errors
 from tiffin.engine.config import EngineConfig
 from tiffin.engine.data_parallel_replica import FRONT_ATTRS, replica_main
-from tiffin.engine.distributed.group import world_size
+from tiffin.engine.distributed.join import world_size
 from tiffin.engine.errors import EngineAsleep, EngineDeadError
 from tiffin.engine.input_processor import InputProcessor, PromptType
 from tiffin.engine.llm_engine import LLMEngine

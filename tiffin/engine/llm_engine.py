@@ -22,7 +22,7 @@ from tiffin.engine.core.scheduler import Scheduler, SchedulerOutput
 from tiffin.engine.core.sequence import Sequence
 from tiffin.engine.core.thinking import ThinkingState
 from tiffin.engine.core.window_blocks import new_block_manager
-from tiffin.engine.distributed.group import batches_in_flight
+from tiffin.engine.distributed.join import batches_in_flight
 from tiffin.engine.errors import EngineDeadError, ParamError, QueueFull
 from tiffin.engine.input_processor import InputProcessor, PromptType
 from tiffin.engine.lora.peft import parse_roots

@@ -26,7 +26,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tiffin.engine.config import EngineConfig
 from tiffin.engine.data_parallel_replica import replica_main
-from tiffin.engine.distributed.group import world_size
+from tiffin.engine.distributed.join import world_size
 from tiffin.engine.distributed.ray_executor import NodeActor, join_cluster, take_niceness
 
 CAUSE_WAIT = 2.0  # seconds to wait for Ray's word on how an actor whose connection closed ended

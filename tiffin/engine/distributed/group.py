@@ -7,8 +7,8 @@ and detokenizes. Ranks 1..N-1 are worker processes started here (`torch.multipro
 executor, `spawn`; on other nodes, `multinode`'s headless processes) or actors of a Ray cluster (the `ray` one,
 `ray_executor`); either way each runs `_worker`, then the entry point it is given, which loads its shard and
 loops: wait for the doorbell, receive the step, run the forward. torch.distributed runs the collectives: NCCL on
-CUDA, gloo on CPU, every one bounded by `distributed_timeout`. This module knows nothing of what a step holds
-(`wire` carries it).
+CUDA, gloo on CPU, every one bounded by `distributed_timeout` (`join`: how a rank joins). This module knows nothing
+of what a step holds (`wire` carries it).
 
 A per-worker connection (a pipe; over TCP with an auth key under Ray or from another node) carries what must
 not wait on a collective: the doorbell (so an idle engine never times a collective out), the KV block count agreed
@@ -22,10 +22,8 @@ Invariant: every rank runs the same step in the same order; a collective that fa
 naming the rank; shutdown (or the engine process's death, closing the pipe) ends every worker.
 """
 
-import datetime
 import os
 import pickle
-import socket
 import threading
 import weakref
 from collections import deque
@@ -39,6 +37,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tiffin.engine.distributed import wire
+from tiffin.engine.distributed.join import (
+    Rendezvous,
+    batches_in_flight,
+    free_port,
+    init_group,
+    rank_device,
+    ranks,
+    world_size,
+)
 from tiffin.engine.distributed.pipeline import UNSTAGED, PipelineParallel
 from tiffin.engine.distributed.tensor_parallel import TensorParallel
 from tiffin.engine.errors import EngineDeadError
@@ -53,15 +60,6 @@ class Command(NamedTuple):
 
     name: str
     args: tuple
-
-
-class Rendezvous(NamedTuple):
-    """Where the ranks meet: rank 0's `address` and a free `port` there; `node_address`, this rank's node's, which
-    its gloo connections bind (None: gloo's default, the address the hostname resolves to)."""
-
-    address: str
-    port: int
-    node_address: str | None = None
 
 
 class WorkerProcess(SpawnProcess):
@@ -107,7 +105,8 @@ class WorkerGroup:
         last = rank_device(device, size - 1)
         if device.type == "cuda" and torch.cuda.device_count() <= last.index:
             raise ValueError(
-                f"tensor_parallel_size {size} on {rank_device(device, 0)} needs {rank_device(device, 0)} and {last}"
+                f"{size} ranks (tensor x pipeline parallel) on {rank_device(device, 0)} need {rank_device(device, 0)}"
+                f" and {last}"
                 f"{' and the GPUs between' if size > 2 else ''}: {torch.cuda.device_count()} are visible"
             )
         if dist.is_initialized():
@@ -121,7 +120,7 @@ class WorkerGroup:
             sharing = world_size(config) if batches_in_flight(config) > 1 else config.tensor_parallel_size
             torch.set_num_threads(max(1, threads // sharing))
         conns, procs, rendezvous = (launch or spawn)(config, torch.get_num_threads(), entry, args)
-        tp, pp = _ranks(config, 0)
+        tp, pp = ranks(config, 0)
         self = cls(tp, device, config.distributed_timeout, conns, procs, pp)
         self.rendezvous = rendezvous
         self.threads = threads  # given back at shutdown
@@ -130,7 +129,7 @@ class WorkerGroup:
         try:
             for rank, conn in enumerate(conns, 1):  # imports done: the group forms within distributed_timeout
                 self._receive(conn, rank)
-            self.tp, self.pp = _init_group(config, 0, rendezvous)
+            self.tp, self.pp = init_group(config, 0, rendezvous)
         except Exception as e:
             # torch counts default groups from the start of a join: a failed one would leave this process's
             # count ahead of the next engine's fresh workers, whose joins would then never meet it
@@ -189,8 +188,9 @@ class WorkerGroup:
             header, payload = wire.pack([len(blob), *values], self.device)
             extra_part = [torch.frombuffer(bytearray(blob), dtype=torch.uint8)] if blob else []
             for part in [header, payload, *extra_part]:
+                part = part.to(self.device)
                 if self.pp.size == 1:
-                    dist.broadcast(part.to(self.device), 0)
+                    dist.broadcast(part, 0)
                 else:
                     for rank in range(1, self.size):
                         self.isend(part, rank, STEP_TAG)
@@ -208,13 +208,14 @@ class WorkerGroup:
             self.broken = self._diagnose(e)
             raise EngineDeadError(self.broken) from e
 
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
-        """Send `tensor` to rank `dst` without waiting for it to be received. Each batch's sends were received once
-        it returned, before a batch `batches_in_flight` later could start: waiting on those older than that many
-        batches' sends (at most 3 a rank per batch) costs nothing, and drops what they kept."""
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, group=None) -> None:
+        """Send `tensor` to rank `dst` (over `group`, default the whole one's) without waiting for it to be received.
+        Each batch's sends were received once it returned, before a batch `batches_in_flight` later could start:
+        waiting on those older than that many batches' sends (at most 3 a rank per batch) costs nothing, and drops
+        what they kept."""
         while len(self.sends) >= 3 * self.size * self.pp.batches_in_flight:
             self.sends.popleft()[0].wait()
-        self.sends.append((dist.isend(tensor, dst, tag=tag), tensor))
+        self.sends.append((dist.isend(tensor, dst, group=group, tag=tag), tensor))
 
     @property
     def size(self) -> int:
@@ -315,95 +316,6 @@ class WorkerGroup:
         return f"{self.kind} rank(s) {ranks} did not answer within distributed_timeout={self.timeout:g}s{cause}"
 
 
-def rank_device(device: torch.device, rank: int) -> torch.device:
-    """Rank `rank`'s device: on CUDA the rank-th GPU from the configured one (`cuda:1` with two ranks: cuda:1 and
-    cuda:2), so that rank 0 computes where the engine was told to and no two ranks share a GPU."""
-    if device.type != "cuda":
-        return device
-    return torch.device("cuda", (device.index or 0) + rank)
-
-
-def world_size(config) -> int:
-    return config.tensor_parallel_size * config.pipeline_parallel_size
-
-
-def batches_in_flight(config) -> int:
-    """Batches the engine keeps in its pipeline at once (`pipelined`): one per stage unless set."""
-    return config.pipeline_batches_in_flight or config.pipeline_parallel_size
-
-
-def _init_group(config, rank: int, rendezvous: Rendezvous) -> tuple[TensorParallel, PipelineParallel]:
-    """Join the process group as `rank`; this rank's place in it (every rank forms every stage's group)."""
-    device = rank_device(config.torch_device, rank)
-    nccl = device.type == "cuda"
-    if nccl:
-        torch.cuda.set_device(device)
-        # a failed or timed-out collective only aborts the communicators (by default NCCL's watchdog ends the
-        # process); then the next collective raises in rank 0, which names the rank at fault (`WorkerGroup.run`)
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-        if config.enforce_eager:
-            # and the collective itself raises where it waits. Not with CUDA graphs: a captured collective
-            # cannot block the host (the wait would query an event of the capture)
-            os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
-    timeout = datetime.timedelta(seconds=config.distributed_timeout)
-    dist.init_process_group(
-        "nccl" if nccl else _gloo(rendezvous.node_address),
-        store=_store(rendezvous, rank, world_size(config), timeout),
-        rank=rank,
-        world_size=world_size(config),
-        timeout=timeout,
-        device_id=device if nccl else None,  # the communicator bound to the rank's GPU from the start
-    )
-    tp = config.tensor_parallel_size
-    if config.pipeline_parallel_size == 1 or tp == 1:
-        return _ranks(config, rank)
-    groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(config.pipeline_parallel_size)]
-    return _ranks(config, rank, groups[rank // tp])
-
-
-def _store(rendezvous: Rendezvous, rank: int, size: int, timeout: datetime.timedelta) -> dist.TCPStore:
-    """The group's rendezvous store at rank 0's address, served by rank 0 on a socket bound to that address only
-    (torch's own listens on every address of the host)."""
-    fd = socket.create_server((rendezvous.address, rendezvous.port)).detach() if rank == 0 else None
-    return dist.TCPStore(rendezvous.address, rendezvous.port, size, rank == 0, timeout, master_listen_fd=fd)
-
-
-def _ranks(config, rank: int, tp_group=None) -> tuple[TensorParallel, PipelineParallel]:
-    tp, tp_rank = config.tensor_parallel_size, rank % config.tensor_parallel_size
-    partition, batches = config.pipeline_layer_partition, batches_in_flight(config)
-    pp = PipelineParallel(rank // tp, config.pipeline_parallel_size, tp, tp_rank, partition, batches)
-    return TensorParallel(tp_rank, tp, tp_group), pp
-
-
-_GLOO_BOUND = "tiffin_gloo"  # gloo bound to one address (`_gloo`), registered once per process
-_bound_address: list[str] = []
-
-
-def _gloo(node_address: str | None) -> str:
-    """The backend that runs gloo with its connections bound to `node_address`, the rank's node's: gloo's default
-    binds the address the hostname resolves to, and GLOO_SOCKET_IFNAME (obeyed when set) names only an interface,
-    not one of its addresses."""
-    if node_address is None or os.environ.get("GLOO_SOCKET_IFNAME"):
-        return "gloo"
-    if not _bound_address:
-        dist.Backend.register_backend(_GLOO_BOUND, _bound_gloo, devices=["cpu"])
-    _bound_address[:] = [node_address]
-    return _GLOO_BOUND
-
-
-def _bound_gloo(store, rank: int, size: int, timeout: datetime.timedelta) -> dist.ProcessGroupGloo:
-    options = dist.ProcessGroupGloo._Options()
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=_bound_address[0])]
-    options._timeout = timeout
-    return dist.ProcessGroupGloo(store, rank, size, options)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def spawn(
     config, threads: int, entry: Callable, args: tuple, rendezvous: Rendezvous | None = None
 ) -> tuple[list, list, Rendezvous]:
@@ -455,7 +367,7 @@ def _worker(config, rank: int, rendezvous: Rendezvous, conn, threads: int, entry
     torch.set_num_threads(threads)
     try:
         conn.send(("started",))
-        tp, pp = _init_group(config, rank, rendezvous)
+        tp, pp = init_group(config, rank, rendezvous)
         group = WorkerGroup(tp, rank_device(config.torch_device, rank), config.distributed_timeout, [conn], pp=pp)
         serve = entry(group, *args)
     except Exception as e:

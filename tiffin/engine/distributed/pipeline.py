@@ -40,7 +40,8 @@ class PipelineParallel:
     tp_size: int = 1
     tp_rank: int = 0
     partition: str | None = None  # the `pipeline_layer_partition` override
-    batches_in_flight: int = 1  # `distributed.group.batches_in_flight`
+    batches_in_flight: int = 1  # `distributed.join.batches_in_flight`
+    logits_group: object = None  # rank 0's and the last stage's first rank's group (`join.init_group`)
 
     @property
     def first(self) -> bool:
@@ -61,16 +62,14 @@ class PipelineParallel:
         """This rank's peer in the next stage, which its hidden states go to."""
         return self._peer(self.rank + 1)
 
-    def recv_prev(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """From this rank's peer in the previous stage."""
-        out = torch.empty(shape, dtype=dtype)
+    def recv_prev(self, out: torch.Tensor) -> torch.Tensor:
+        """`out`, received from this rank's peer in the previous stage."""
         dist.recv(out, self._peer(self.rank - 1))
         return out
 
-    def recv_logits(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Rank 0: a step's logits, from the last stage's rank 0."""
-        out = torch.empty(shape, dtype=dtype)
-        dist.recv(out, self._peer(self.size - 1))
+    def recv_logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Rank 0: `out`, a step's logits received from the last stage's rank 0."""
+        dist.recv(out, self._peer(self.size - 1), group=self.logits_group)
         return out
 
     def _peer(self, stage: int) -> int:

@@ -2,7 +2,9 @@
 decode row is a plain decode's token or one of a verifying sequence's (speculative decoding), each its own
 attention entry.
 Under tensor parallelism every rank captures the same sizes, its all-reduces inside the graphs; rank 0 sends each
-step's padded inputs (`padded`) and the ranks replay the same size together.
+step's padded inputs (`padded`) and the ranks replay the same size together. A pipeline stage after the first
+captures its layers on the previous stage's `(hidden, residual)` from a buffer of its own (`stage_input`), which
+the step's receive fills.
 
 Invariant: a graph's inputs live in `DecodeBuffers` and are filled in place, by the step's one upload; its
 attention grid depends on the batch size alone (max_seq_len is max_model_len's), and so do its LoRA kernels'
@@ -53,6 +55,7 @@ class DecodeBuffers:
     lora_tokens: torch.Tensor | None  # [sizes[-1]] the tokens with an adapter, by slot (`group_by_slot`)
     lora_starts: torch.Tensor | None  # [max_loras]
     lora_counts: torch.Tensor | None  # [max_loras]; None: no LoRA
+    stage_input: torch.Tensor | None  # [2 * sizes[-1] * hidden size]: a later pipeline stage's; None: the first's
     # the sliding-window layers' slots and tables where they keep a KV group of their own (`worker.kv_groups`)
     window_slot_mapping: torch.Tensor | None = None
     window_block_tables: torch.Tensor | None = None
@@ -71,12 +74,16 @@ class DecodeGraphs:
         max_blocks: int,
         max_loras: int = 0,
         window_dummy: int | None = None,
+        stage_input: tuple[int, torch.dtype] | None = None,
     ):
         """`max_loras`: the LoRA slots (0: no LoRA). `window_dummy`: the window group's dummy block, where the
-        sliding-window layers keep a KV group of their own (None: one pool)."""
+        sliding-window layers keep a KV group of their own (None: one pool). `stage_input`: the hidden size and
+        dtype of the `(hidden, residual)` a pipeline stage after the first takes (None: the model embeds the
+        tokens)."""
         self.sizes, self.device, self.block_size, self.dummy = sizes, device, block_size, dummy_block
         self.window_dummy = window_dummy
         self.max_seq_len, self.max_loras = max_blocks * block_size, max_loras
+        self.hidden_size = None if stage_input is None else stage_input[0]
         n = sizes[-1]
         ints = lambda fill, shape, dtype: torch.full(shape, fill, dtype=dtype, device=device)
         lora = lambda length, dtype: ints(0, (length,), dtype) if max_loras else None
@@ -90,11 +97,12 @@ class DecodeGraphs:
             lora_tokens=lora(n, torch.int64),
             lora_starts=lora(max_loras, torch.int32),
             lora_counts=lora(max_loras, torch.int32),
+            stage_input=None if stage_input is None else ints(0, (2 * n * stage_input[0],), stage_input[1]),
         )
         if window_dummy is not None:
             self.buffers.window_slot_mapping = ints(window_dummy * block_size, (n,), torch.int64)
             self.buffers.window_block_tables = ints(window_dummy, (n, round16(max_blocks)), torch.int32)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor | tuple]] = {}  # size -> graph, output
 
     def size_for(self, scheduler_output: SchedulerOutput) -> int:
         """The padded size of a step whose every query token is a decode row (`HostBatch`'s entries: plain
@@ -140,16 +148,25 @@ class DecodeGraphs:
         for buffer, part in zip(buffers, parts):
             buffer[tuple(slice(0, n) for n in part.shape)].copy_(part)
 
-    def run(self, size: int, model: Callable) -> torch.Tensor:
+    def run(self, size: int, model: Callable) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Replay the size's graph on the buffers (filled by `write`), or run `model` on them (the torch attention
-        then reads the step's seq_lens on the host)."""
+        then reads the step's seq_lens on the host): what the model returns (a stage before the last: its `(hidden,
+        residual)`)."""
         if size in self.graphs:
             graph, hidden = self.graphs[size]
             graph.replay()
             return hidden
         buf = self.buffers
         metadata = self.metadata(size, buf.seq_lens[:size].tolist())
-        return model(buf.input_ids[:size], buf.positions[:size], metadata, self.lora(size))
+        return model(buf.input_ids[:size], buf.positions[:size], metadata, self.lora(size), *self._staged(size))
+
+    def stage_input(self, size: int) -> torch.Tensor:
+        """The size's `(hidden, residual)` input buffer, [2, size, hidden size], contiguous: a receive fills it."""
+        return self.buffers.stage_input[: 2 * size * self.hidden_size].view(2, size, self.hidden_size)
+
+    def _staged(self, size: int) -> tuple:
+        """The model's arguments past the LoRA metadata: a later pipeline stage's input, as views of its buffer."""
+        return () if self.hidden_size is None else (self.stage_input(size).unbind(0),)
 
     def metadata(self, size: int, seq_lens: list[int]) -> AttentionMetadata:
         """Views of the buffers. max_seq_len is max_model_len's, whatever the step's contexts: the attention grid
@@ -184,11 +201,11 @@ class DecodeGraphs:
         buf, pool = self.buffers, None
         for size in reversed(self.sizes):
             attn_metadata, lora = self.metadata(size, [1] * size), self.lora(size)
-            ids, pos = buf.input_ids[:size], buf.positions[:size]
-            model(ids, pos, attn_metadata, lora)
+            args = buf.input_ids[:size], buf.positions[:size], attn_metadata, lora, *self._staged(size)
+            model(*args)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                hidden = model(ids, pos, attn_metadata, lora)
+                hidden = model(*args)
             pool = graph.pool()
             self.graphs[size] = graph, hidden

@@ -20,7 +20,9 @@ from tiffin.engine.config import EngineConfig
 from tiffin.engine.core.sequence import Sequence
 from tiffin.engine.models.config import ModelConfig
 from tiffin.engine.sampling_params import SamplingParams
+from tiffin.engine.worker import pipeline_stage
 from tiffin.engine.worker.batch import synthetic_step
+from tiffin.engine.worker.sampler import Sampler
 from tiffin.kernels import kv_quant
 
 CPU_KV_CACHE_CAP = 4 << 30  # bytes; like vLLM's CPU backend default
@@ -239,6 +241,8 @@ def profile_memory(runner, probe: MemoryProbe, draft=None) -> MemoryProfile:
         # a step holds its inputs and logits while it samples: so does this one (every rank at once: no broadcast)
         inputs = runner.prepare(scheduler_output)
         logits = runner.run_model(inputs)
+        if runner.pp.size > 1 and runner.group.rank == 0:  # the logits the last stage sent, as after a step
+            logits = pipeline_stage.receive_logits(runner, len(inputs.logits_indices))
         worst = dict(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01, logprobs=20, min_tokens=2)
         worst |= dict(repetition_penalty=1.1, frequency_penalty=0.1, presence_penalty=0.1)
         seqs = [
@@ -251,10 +255,10 @@ def profile_memory(runner, probe: MemoryProbe, draft=None) -> MemoryProfile:
         # a quantized lm_head dequantizes its whole weight there from DENSE_MIN_TOKENS rows on
         model = runner.model_config
         rows = torch.zeros(len(seqs), model.hidden_size, dtype=model.dtype, device=runner.device)
-        sampled = runner.model.compute_logits(rows) if model.task == "generate" else None
-        if sampled is None:  # a pooling model, or a tensor-parallel rank but the first
+        sampled = runner.model.compute_logits(rows) if model.task == "generate" and runner.pp.last else None
+        if sampled is None:  # a pooling model, a tensor-parallel rank but the first, a pipeline stage but the last
             sampled = torch.zeros(len(seqs), model.vocab_size, device=runner.device)
-        runner.sampler(sampled, seqs)
+        Sampler(runner.sampler.eos_token_ids)(sampled, seqs)  # not the engine's: its seeded stream stays unread
         del inputs, logits, rows, sampled
     probe.synchronize(runner.device)
     peak = probe.max_memory_reserved(runner.device) - reserved

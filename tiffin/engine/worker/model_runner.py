@@ -5,6 +5,7 @@ batch and its metadata, never requests."""
 
 import ctypes
 import dataclasses
+import functools
 import sys
 from typing import NamedTuple
 
@@ -14,7 +15,8 @@ import torch
 from tiffin import kernels
 from tiffin.engine.config import EngineConfig
 from tiffin.engine.core.scheduler import SchedulerOutput
-from tiffin.engine.distributed.group import WorkerGroup, world_size
+from tiffin.engine.distributed.group import WorkerGroup
+from tiffin.engine.distributed.join import world_size
 from tiffin.engine.distributed.pipeline import UNSTAGED
 from tiffin.engine.distributed.tensor_parallel import UNSHARDED
 from tiffin.engine.lora.slots import LoRASlots
@@ -35,6 +37,21 @@ from tiffin.engine.worker.prompt_logprobs import prompt_logprobs
 from tiffin.engine.worker.sampler import Sampler, SamplerOutput
 from tiffin.engine.worker.warm_up import warm_padded_sizes, warm_up_triton
 from tiffin.quant.base import prepacks_for_onednn
+
+
+def _on_device(method):
+    """`method` under the runner's device whichever thread calls it: Triton launches on the calling thread's current
+    device, not on its tensors' (the engine thread of `AsyncLLMEngine` is not the one that built the runner, and its
+    current device is cuda:0 whatever `device` says)."""
+
+    @functools.wraps(method)
+    def on_device(self, *args):
+        if self.device.type != "cuda":
+            return method(self, *args)
+        with torch.cuda.device(self.device):
+            return method(self, *args)
+
+    return on_device
 
 
 class StepInFlight(NamedTuple):
@@ -181,14 +198,10 @@ class ModelRunner(KVBlockCopies):
         )
 
     def execute(self, scheduler_output: SchedulerOutput) -> SamplerOutput:
-        """One step, under the runner's device whichever thread calls it: Triton launches on the calling thread's
-        current device, not on its tensors' (the engine thread of `AsyncLLMEngine` is not the one that built
-        the runner, and its current device is cuda:0 whatever `device` says)."""
-        if self.device.type != "cuda":
-            return self.finish_step(self.start_step(scheduler_output))
-        with torch.cuda.device(self.device):
-            return self.finish_step(self.start_step(scheduler_output))
+        """One step."""
+        return self.finish_step(self.start_step(scheduler_output))
 
+    @_on_device
     @torch.inference_mode()
     def start_step(self, scheduler_output: SchedulerOutput) -> "StepInFlight":
         """A step up to its logits: the forward, or under pipeline parallelism the first stage's part of it (the
@@ -216,6 +229,7 @@ class ModelRunner(KVBlockCopies):
             )
         return StepInFlight(scheduler_output, rows, bitmask, sampling, logits, pooled, num_logits)
 
+    @_on_device
     @torch.inference_mode()
     def finish_step(self, step: "StepInFlight") -> SamplerOutput:
         """Sample a step `start_step` began (under pipeline parallelism, the steps in the order they began)."""
@@ -272,6 +286,8 @@ class ModelRunner(KVBlockCopies):
         """A decode step padded to `size` (`DecodeGraphs.padded`'s arrays on the device): its graph replayed, or
         its padded inputs run eagerly where none was captured; the logits as `run_model` gives them."""
         self.decode_graphs.write(padded)
+        if self.pp.size > 1:
+            return pipeline_stage.run_graphed_stage(self, size, logits_indices)
         hidden = self.decode_graphs.run(size, self.model)
         return self.model.compute_logits(hidden[logits_indices])
 
@@ -377,8 +393,9 @@ class ModelRunner(KVBlockCopies):
             raise ValueError(f"padded decode steps with LoRA need the Triton kernels, not {self.backend!r}")
         max_loras = 0 if self.lora_slots is None else self.config.max_loras
         window = None if self.window_group is None else self.window_pool
-        args = sizes, self.device, self.block_size, self.num_blocks, self.max_blocks_per_seq, max_loras, window
-        return DecodeGraphs(*args)
+        hidden = None if self.pp.first else (self.model_config.hidden_size, self.model_config.dtype)
+        args = self.device, self.block_size, self.num_blocks, self.max_blocks_per_seq, max_loras, window, hidden
+        return DecodeGraphs(sizes, *args)
 
     def allocate_kv_cache(self) -> None:
         """`kv_tensors`: every tensor of the pool, blocks on dim 2 (`KVCacheSpec.allocate`; each group's, `kv_groups`);

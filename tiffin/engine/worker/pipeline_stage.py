@@ -5,6 +5,11 @@ sends them, float32, to rank 0, which samples. No stage waits for its sends to b
 batches in flight (`tiffin.engine.pipelined`) stage 0 runs batch k+1 while the next stage runs batch k. Each
 stage's KV pool holds its own layers' blocks; every rank agrees on one block count (`WorkerGroup.agree_min`).
 
+On CUDA each stage captures its own decode graphs (`DecodeGraphs`): a later stage's take the previous stage's
+`(hidden, residual)` from a buffer of theirs, which the step's receive fills in place; no send or receive is
+captured. What a stage sends is a fresh tensor, never a graph's output, which the next batch's replay rewrites
+while the send may still read it.
+
 What it does not serve yet is refused by name at start (`check_supported`). Speculative proposals that rank 0
 makes itself (n-gram, suffix) are served: their verifying rows are rows of the step like any other."""
 
@@ -22,14 +27,12 @@ from tiffin.engine.models.registry import get_architecture
 from tiffin.engine.worker.batch import ModelInput
 
 
-def check_supported(config: EngineConfig, model_config: ModelConfig, device: torch.device) -> None:
+def check_supported(config: EngineConfig, model_config: ModelConfig) -> None:
     """ValueError naming what `pipeline_parallel_size` > 1 cannot serve with this model and these settings, before
     any worker starts."""
     size = config.pipeline_parallel_size
     if size == 1:
         return
-    if device.type != "cpu":
-        raise ValueError(f"pipeline_parallel_size {size} runs on CPU (gloo) only so far, not on {device}")
     if model_config.task != "generate":
         raise ValueError(f"pipeline_parallel_size {size} serves models that generate, not task {model_config.task!r}")
     if model_config.moe is not None:
@@ -45,26 +48,50 @@ def check_supported(config: EngineConfig, model_config: ModelConfig, device: tor
 
 
 def run_stage(runner, inputs: ModelInput) -> tuple[None, None]:
-    """This stage's part of the step: its layers on what the previous stage sent, the result sent on, not waited
-    for (`WorkerGroup.isend`); rank 0 takes the logits later (`receive_logits`), so that it can start the next
+    """This stage's part of an eager step: its layers on what the previous stage sent, the result sent on, not
+    waited for (`WorkerGroup.isend`); rank 0 takes the logits later (`receive_logits`), so that it can start the next
     batch meanwhile."""
-    group, model, config = runner.group, runner.model, runner.model_config
-    pp = group.pp
     received = None
-    if not pp.first:
-        received = pp.recv_prev((2, len(inputs.input_ids), config.hidden_size), config.dtype).unbind(0)
-    start, rows = time.perf_counter(), len(inputs.logits_indices)
-    out = model(inputs.input_ids, inputs.positions, inputs.attn, inputs.lora, received)
+    if not runner.pp.first:
+        received = runner.pp.recv_prev(stage_input(runner, len(inputs.input_ids))).unbind(0)
+    start = time.perf_counter()
+    out = runner.model(inputs.input_ids, inputs.positions, inputs.attn, inputs.lora, received)
+    _pass_on(runner, out, inputs.logits_indices, start)
+    return None, None
+
+
+def run_graphed_stage(runner, size: int, logits_indices: torch.Tensor) -> None:
+    """This stage's part of a decode step padded to `size`, its inputs written to the graphs' buffers already: what
+    the previous stage sent received into the size's buffer, the graph replayed, the result sent on (`run_stage`)."""
+    graphs = runner.decode_graphs
+    if not runner.pp.first:
+        runner.pp.recv_prev(graphs.stage_input(size))
+    start = time.perf_counter()
+    _pass_on(runner, graphs.run(size, runner.model), logits_indices, start)
+
+
+def _pass_on(runner, out, logits_indices: torch.Tensor, start: float) -> None:
+    """Send this stage's `out` on: a stage before the last, its `(hidden, residual)` stacked to the next stage; the
+    last, the logits of `logits_indices`' rows to rank 0. `start`: when the stage's compute began (`busy_s`)."""
+    group, pp, dtype = runner.group, runner.pp, runner.model_config.dtype
     if not pp.last:
-        out = torch.stack(out).to(config.dtype)
+        out = torch.stack(out).to(dtype)
         group.busy_s += time.perf_counter() - start
         group.isend(out, pp.next_peer)
-        return None, None
-    logits = model.compute_logits(out[inputs.logits_indices]) if rows else None
+        return
+    logits = runner.model.compute_logits(out[logits_indices]) if len(logits_indices) else None
     group.busy_s += time.perf_counter() - start
     if logits is not None:  # the stage's tensor-parallel rank 0, which gathered them
-        group.isend(logits.float(), 0)
-    return None, None
+        group.isend(logits.float(), 0, group=pp.logits_group)
+
+
+def stage_input(runner, tokens: int) -> torch.Tensor | None:
+    """Room for what the previous stage sends for `tokens` tokens, `(hidden, residual)` stacked, zeros until it
+    comes (what a warm-up step runs on); None on the first stage, which embeds the tokens."""
+    if runner.pp.first:
+        return None
+    config = runner.model_config
+    return torch.zeros(2, tokens, config.hidden_size, dtype=config.dtype, device=runner.device)
 
 
 def receive_logits(runner, rows: int) -> torch.Tensor | None:
@@ -72,7 +99,8 @@ def receive_logits(runner, rows: int) -> torch.Tensor | None:
     if not rows:
         return None
     group, start = runner.group, time.perf_counter()
-    logits = group.call(lambda: group.pp.recv_logits((rows, runner.model_config.vocab_size), torch.float32))
+    out = torch.empty(rows, runner.model_config.vocab_size, dtype=torch.float32, device=runner.device)
+    logits = group.call(lambda: group.pp.recv_logits(out))
     group.wait_s += time.perf_counter() - start
     return logits
 

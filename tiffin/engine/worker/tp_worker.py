@@ -31,7 +31,7 @@ from tiffin.kernels import AttentionMetadata
 def start(config: EngineConfig, model_config: ModelConfig, max_model_len: int, device, runner_cls) -> WorkerGroup:
     """Rank 0: refuse a model the ranks cannot share, by name, before any worker starts (the layers check again);
     then start ranks 1..N-1, each building a `runner_cls` of its rank."""
-    pipeline_stage.check_supported(config, model_config, device)
+    pipeline_stage.check_supported(config, model_config)
     tp = TensorParallel(0, config.tensor_parallel_size)
     tp.split(model_config.num_heads, "num_attention_heads")
     tp.kv_heads(model_config.num_kv_heads)

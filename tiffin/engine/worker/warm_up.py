@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from tiffin.engine.models.linear import Embedding, Linear
+from tiffin.engine.worker import pipeline_stage
 from tiffin.engine.worker.batch import synthetic_step
 from tiffin.kernels.lora import LoRAMetadata, lora_apply
 from tiffin.kernels.quant import DENSE_MIN_TOKENS
@@ -21,7 +22,8 @@ def warm_up_triton(runner) -> None:
     decode-only steps, KV splits, which follow the batch size and the longest context. The steps run the model on
     the runner's own KV cache, so a quantized one (`kv_cache_dtype`) warms its quantized write and attention
     variants. With `enable_lora`, the LoRA kernels too (`warm_up_lora`). Tensor-parallel ranks run the same steps
-    (the smallest SM count of theirs), their forwards' all-reduces meeting."""
+    (the smallest SM count of theirs), their forwards' all-reduces meeting; a later pipeline stage runs its layers
+    on zeros, sent nothing."""
     # here, not at the top: a torch-backend process never imports triton
     from tiffin.kernels.triton_attention import MIN_SPLIT_TOKENS
     from tiffin.kernels.triton_common import MAX_SPLITS, num_sms
@@ -44,7 +46,9 @@ def warm_up_triton(runner) -> None:
     steps.append([(0, min(c.max_num_batched_tokens, runner.max_model_len))])
     for step in steps:
         inputs = runner.prepare(synthetic_step(step, runner.block_size, runner.num_blocks))
-        runner.model(inputs.input_ids, inputs.positions, inputs.attn)
+        received = pipeline_stage.stage_input(runner, len(inputs.input_ids))  # a later pipeline stage's input
+        staged = () if received is None else (None, received.unbind(0))
+        runner.model(inputs.input_ids, inputs.positions, inputs.attn, *staged)
     for layer in distinct_linears(runner.model):
         if hasattr(layer, "qweight"):
             x = torch.zeros(DENSE_MIN_TOKENS, layer.input_size, dtype=runner.model_config.dtype, device=runner.device)
