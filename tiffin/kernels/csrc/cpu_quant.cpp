@@ -134,6 +134,13 @@ Acts& quantize(const void* x, int dtype, int64_t row_stride, int64_t m, int64_t 
 }
 
 
+// Where a tile's prefetches go: the next tile's row groups, or after a weight's last tile the first groups of the
+// weight the thread runs next (a grouped GEMM's next expert), or nowhere (w null).
+struct Ahead {
+  const Weights* w;
+  int64_t g;
+};
+
 #if TIFFIN_VNNI
 // Quad t (and, below 8 bits, quad t + 4) of activation row i's block `q` against the row groups' codes, into
 // dots[0][.][i] (quad t + 4 into dots[H - 1]: its own half-block's where halves are scaled apart).
@@ -170,13 +177,6 @@ __attribute__((always_inline)) inline void prefetch_block(const Weights& w, int6
     }
   }
 }
-
-// Where a tile's prefetches go: the next tile's row groups, or after a weight's last tile the first groups of the
-// weight the thread runs next (a grouped GEMM's next expert), or nowhere (w null).
-struct Ahead {
-  const Weights* w;
-  int64_t g;
-};
 
 // Activation rows m0..m0+MC against row groups g0..g0+GR, prefetching `ahead`'s (only the first activation rows do).
 template <int BITS, int KIND, int LEVELS, int MC, int GR>
