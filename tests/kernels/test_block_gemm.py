@@ -127,6 +127,26 @@ def test_prompt_sized_inputs_take_bf16_dot_products_at_two_levels(bits, kind):
 
 
 @native
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prompt_sized_inputs_with_a_short_last_chunk(threads):
+    """K = 3072 is 96 AMX steps, chunks of 64 then 32: the chunk decoded during the longer one must not be fed as if
+    it were the longer (it wrote twice its blocks past its buffer: heap corruption, an abort a few calls later)."""
+    w, before = random_blocks(200, 3072, 4, seed=1, levels=2), torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for m in (16, 20, 40, 20, 16):
+            x = torch.randn(m, 3072, generator=torch.Generator().manual_seed(m))
+            want = x.bfloat16().double() @ ig.dequantize_blocks(w).bfloat16().double().T
+            got = ig.block_gemm(x, w).double()
+            tolerance = 1e-5 if ig.in_bf16(x, w) else 1e-3
+            torch.testing.assert_close(got, want, rtol=0, atol=tolerance * float(want.abs().max()))
+            garbage = [torch.empty(1000) for _ in range(50)]  # fresh allocations, where a corrupt heap aborts
+            del garbage
+    finally:
+        torch.set_num_threads(before)
+
+
+@native
 @pytest.mark.parametrize("bits, kind", FORMATS, ids=FORMAT_IDS)
 def test_native_row_lookup_is_the_dequantized_weight(bits, kind):
     w, rows = random_blocks(40, 256, bits, seed=5, kind=kind), torch.tensor([0, 17, 39, 17])

@@ -134,6 +134,13 @@ Acts& quantize(const void* x, int dtype, int64_t row_stride, int64_t m, int64_t 
 }
 
 
+// Where a tile's prefetches go: the next tile's row groups, or after a weight's last tile the first groups of the
+// weight the thread runs next (a grouped GEMM's next expert), or nowhere (w null).
+struct Ahead {
+  const Weights* w;
+  int64_t g;
+};
+
 #if TIFFIN_VNNI
 // Quad t (and, below 8 bits, quad t + 4) of activation row i's block `q` against the row groups' codes, into
 // dots[0][.][i] (quad t + 4 into dots[H - 1]: its own half-block's where halves are scaled apart).
@@ -171,17 +178,17 @@ __attribute__((always_inline)) inline void prefetch_block(const Weights& w, int6
   }
 }
 
-// Activation rows m0..m0+MC against row groups g0..g0+GR.
+// Activation rows m0..m0+MC against row groups g0..g0+GR, prefetching `ahead`'s (only the first activation rows do).
 template <int BITS, int KIND, int LEVELS, int MC, int GR>
-void tile(const Acts& a, int64_t m0, bool lead, const Weights& w, int64_t g0, void* y, int out_dtype, int64_t y_stride) {
+void tile(const Acts& a, int64_t m0, Ahead ahead, const Weights& w, int64_t g0, void* y, int out_dtype,
+          int64_t y_stride) {
   constexpr int H = halves(KIND);  // integer sums a block: one a half-block where each has its scale
   static_assert(H == 1 || BITS < 8, "8-bit codes are scaled a block at a time");
   __m512 acc[GR][MC];
   for (int g = 0; g < GR; ++g)
     for (int i = 0; i < MC; ++i) acc[g][i] = _mm512_setzero_ps();
-  const bool ahead = lead && (g0 + 2 * GR) * LANES <= w.n;  // later rows find the weights cached
   for (int64_t b = 0; b < a.blocks; ++b) {
-    if (ahead) prefetch_block<BITS, KIND, GR>(w, g0 + GR, b, a.blocks);
+    if (ahead.w != nullptr) prefetch_block<BITS, KIND, GR>(*ahead.w, ahead.g, b, a.blocks);
     __m512i dots[H][GR][MC], rests[H][GR][MC];  // per level
     for (int h = 0; h < H; ++h)
       for (int g = 0; g < GR; ++g)
@@ -218,7 +225,7 @@ void tile(const Acts& a, int64_t m0, bool lead, const Weights& w, int64_t g0, vo
 }
 #else
 template <int BITS, int KIND, int LEVELS, int MC, int GR>
-void tile(const Acts& a, int64_t m0, bool, const Weights& w, int64_t g0, void* y, int out_dtype, int64_t y_stride) {
+void tile(const Acts& a, int64_t m0, Ahead, const Weights& w, int64_t g0, void* y, int out_dtype, int64_t y_stride) {
   for (int64_t g = g0; g < g0 + GR; ++g) {
     for (int l = 0; l < LANES && g * LANES + l < w.n; ++l) {
       for (int i = 0; i < MC; ++i) {
@@ -246,26 +253,32 @@ void tile(const Acts& a, int64_t m0, bool, const Weights& w, int64_t g0, void* y
 #endif
 
 
-// Row groups g0..g1 against activation rows m0..m0+MC (`lead`: the first of the weight's rows, which prefetches).
+// Row groups g0..g1 against activation rows m0..m0+MC (`lead`: the first of the weight's rows, which prefetches;
+// `then`: where the weight's last tile prefetches).
 template <int BITS, int KIND, int LEVELS, int MC>
 void rows(const Acts& a, int64_t m0, bool lead, const Weights& w, int64_t g0, int64_t g1, void* y, int out_dtype,
-          int64_t y_stride) {
+          int64_t y_stride, Ahead then) {
   constexpr int GR = (MC <= 2 ? 4 : 2) / halves(KIND);  // half-blocks' sums take twice the registers
+  auto ahead = [&](int64_t g, int64_t gr) {  // the next gr groups, whole ones: later rows find them cached
+    if (!lead) return Ahead{nullptr, 0};
+    if ((g + 2 * gr) * LANES <= w.n) return Ahead{&w, g + gr};
+    return then.w != nullptr && (then.g + gr) * LANES <= then.w->n ? then : Ahead{nullptr, 0};
+  };
   int64_t g = g0;
-  for (; g + GR <= g1; g += GR) tile<BITS, KIND, LEVELS, MC, GR>(a, m0, lead, w, g, y, out_dtype, y_stride);
-  for (; g < g1; ++g) tile<BITS, KIND, LEVELS, MC, 1>(a, m0, lead, w, g, y, out_dtype, y_stride);
+  for (; g + GR <= g1; g += GR) tile<BITS, KIND, LEVELS, MC, GR>(a, m0, ahead(g, GR), w, g, y, out_dtype, y_stride);
+  for (; g < g1; ++g) tile<BITS, KIND, LEVELS, MC, 1>(a, m0, ahead(g, 1), w, g, y, out_dtype, y_stride);
 }
 
 // Row groups g0..g1 against activation rows m0..m1, MC rows of them at a time.
 template <int BITS, int KIND, int LEVELS>
 void row_groups(const Acts& a, int64_t m0, int64_t m1, const Weights& w, int64_t g0, int64_t g1, void* y,
-                int out_dtype, int64_t y_stride) {
+                int out_dtype, int64_t y_stride, Ahead then) {
   int64_t m = m0;
-  for (; m + 4 <= m1; m += 4) rows<BITS, KIND, LEVELS, 4>(a, m, m == m0, w, g0, g1, y, out_dtype, y_stride);
+  for (; m + 4 <= m1; m += 4) rows<BITS, KIND, LEVELS, 4>(a, m, m == m0, w, g0, g1, y, out_dtype, y_stride, then);
   switch (m1 - m) {
-    case 3: rows<BITS, KIND, LEVELS, 3>(a, m, m == m0, w, g0, g1, y, out_dtype, y_stride); break;
-    case 2: rows<BITS, KIND, LEVELS, 2>(a, m, m == m0, w, g0, g1, y, out_dtype, y_stride); break;
-    case 1: rows<BITS, KIND, LEVELS, 1>(a, m, m == m0, w, g0, g1, y, out_dtype, y_stride); break;
+    case 3: rows<BITS, KIND, LEVELS, 3>(a, m, m == m0, w, g0, g1, y, out_dtype, y_stride, then); break;
+    case 2: rows<BITS, KIND, LEVELS, 2>(a, m, m == m0, w, g0, g1, y, out_dtype, y_stride, then); break;
+    case 1: rows<BITS, KIND, LEVELS, 1>(a, m, m == m0, w, g0, g1, y, out_dtype, y_stride, then); break;
     default: break;
   }
 }
@@ -291,7 +304,7 @@ void gemm(const Acts& a, int64_t m, const Weights& w, void* y, int out_dtype, in
   for (int64_t g0 = groups * omp_get_thread_num() / omp_get_num_threads(),
                end = groups * (omp_get_thread_num() + 1) / omp_get_num_threads();
        g0 < end; g0 += GT) {
-    by_levels(w, levels, a, 0, m, w, g0, std::min(end, g0 + GT), y, out_dtype, y_stride);
+    by_levels(w, levels, a, 0, m, w, g0, std::min(end, g0 + GT), y, out_dtype, y_stride, Ahead{nullptr, 0});
   }
 }
 
@@ -314,9 +327,13 @@ void grouped(const Acts& a, const std::vector<int64_t>& run, const Weights* cons
     for (size_t i = 0; i < run.size(); ++i) {
       const int64_t lo = std::max(begin, first[i]), hi = std::min(end, first[i + 1]), e = run[i];
       const Weights& w = *ws[e];
+      // an expert's last tile asks for the next one's first rows: without, each expert this thread runs starts
+      // with its weights still in memory (a MoE decode step reads 8 of 64 experts, out of the caches)
+      const bool next = i + 1 < run.size() && first[i + 1] < end;
+      const Ahead then{next ? ws[run[i + 1]] : nullptr, 0};
       for (int64_t g = lo; g < hi; g += GT)
         by_levels(w, levels, a, starts[e], starts[e + 1], w, g - first[i], std::min(hi, g + GT) - first[i], y,
-                  out_dtype, y_stride);
+                  out_dtype, y_stride, then);
     }
   }
 }

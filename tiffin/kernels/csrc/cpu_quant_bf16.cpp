@@ -340,9 +340,10 @@ void amx_groups(const uint32_t* xt, int64_t xs, int64_t m, int64_t steps, const 
   auto half = [&](int64_t item) { return base + item % 2 * hs * TILE; };
   const int64_t chunks = (steps + chunk - 1) / chunk, items = (g1 - g0 + 1) / 2 * chunks;
   const int64_t calls = (tiles + 1) / 2;  // feed() calls a step
-  auto decoder = [&](int64_t item) {
-    const int64_t g = g0 + item / chunks * 2, s0 = item % chunks * chunk, len = std::min(chunk, steps - s0);
-    return Decoder<BITS, KIND>{w, steps, g, std::min<int64_t>(2, g1 - g), s0, len, half(item), gs, calls * len};
+  auto length = [&](int64_t item) { return std::min(chunk, steps - item % chunks * chunk); };
+  auto decoder = [&](int64_t item) {  // fed a step of the item before it: a last chunk may be shorter than its own
+    const int64_t g = g0 + item / chunks * 2, s0 = item % chunks * chunk, fed = item ? length(item - 1) : 1;
+    return Decoder<BITS, KIND>{w, steps, g, std::min<int64_t>(2, g1 - g), s0, length(item), half(item), gs, calls * fed};
   };
   decoder(0).finish();
   for (int64_t item = 0; item < items; ++item) {
