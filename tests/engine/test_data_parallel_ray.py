@@ -19,9 +19,9 @@ import msgpack
 import psutil
 import pytest
 import ray
-import torch
 import zmq
 from ray_clusters import alive_actors, loopback_cluster, node_ids, placed_groups
+from test_data_parallel import GREEDY, prompts, tokens
 from zmq.utils.monitor import recv_monitor_message
 
 from tiffin import LLM, SamplingParams
@@ -34,17 +34,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 NODES = {"127.0.0.1": 3, "127.0.0.2": 3}  # address: CPUs (room for DP=4 beside the module's DP=2)
 BLOCK, BLOCKS = 4, 48  # per replica; the single engine gets both replicas' pools
 ENGINE = dict(block_size=BLOCK, dtype="float32", max_num_seqs=8)
-GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
-
-
-def prompts(n: int, seed: int, lens=(1, 7, 13, 23, 31, 41)) -> list[dict]:
-    g = torch.Generator().manual_seed(seed)
-    return [{"prompt_token_ids": torch.randint(4, 2000, (length,), generator=g).tolist()} for length in lens * n][:n]
-
-
-def tokens(llm: LLM, ps: list, params: SamplingParams = GREEDY) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
 
 
 @pytest.fixture(scope="module")
