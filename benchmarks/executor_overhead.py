@@ -37,7 +37,9 @@ def main() -> None:
     args = ap.parse_args()
     import ray
 
-    ray.init(num_cpus=args.tp, include_dashboard=False)
+    # a cluster of its own: without an address `ray.init` joins the host's latest cluster (another process's test
+    # cluster, busy with its own actors), and refuses `num_cpus` there
+    ray.init(address="local", num_cpus=args.tp, include_dashboard=False)
     path = str(make_tiny_model(tempfile.mkdtemp(), arch="llama"))
     times = {"mp": [], "ray": []}
     for _ in range(args.rounds):

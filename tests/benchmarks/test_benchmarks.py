@@ -28,7 +28,7 @@ def run_side_by_side(commands: dict[str, list[str]], env: dict[str, str]) -> dic
 
     def run(argv: list[str]) -> subprocess.CompletedProcess:
         cmd = [sys.executable, f"benchmarks/{argv[0]}", *argv[1:]]
-        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
     with ThreadPoolExecutor(len(commands)) as pool:
         return dict(zip(commands, pool.map(run, commands.values())))
