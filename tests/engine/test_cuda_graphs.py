@@ -15,7 +15,7 @@ from lora_adapters import ADAPTERS, make_adapter
 from transformers import AutoModelForCausalLM
 
 from tiffin import LLM, AsyncLLMEngine, LoRARequest, SamplingParams
-from tiffin.engine.worker import cuda_graphs, kv_cache, model_runner
+from tiffin.engine.worker import cuda_graphs, graphed_decode, kv_cache, model_runner
 from tiffin.kernels import triton_common as tc
 from tiffin.kernels import triton_quant
 from tiffin.kernels.quant import DENSE_MIN_TOKENS
@@ -73,9 +73,9 @@ def no_warm_up(monkeypatch):
 def keep_graph_sizes(monkeypatch, keep: set[int]) -> None:
     """Decode graphs captured only for the sizes of `decode_batch_sizes` in `keep` (and its largest): each size
     captured costs two forwards of that many rows under the interpreter (the sizing's capture and the engine's)."""
-    sizes = model_runner.decode_batch_sizes
+    sizes = graphed_decode.decode_batch_sizes
     monkeypatch.setattr(
-        model_runner,
+        graphed_decode,
         "decode_batch_sizes",
         lambda n, quantized: [s for s in sizes(n, quantized) if s in keep or s == sizes(n, quantized)[-1]],
     )

@@ -19,7 +19,7 @@ from tiffin.engine.config import EngineConfig
 from tiffin.engine.core.block_manager import BlockManager
 from tiffin.engine.core.sequence import Sequence
 from tiffin.engine.core.window_blocks import HybridBlockManager, new_block_manager
-from tiffin.engine.worker import kv_groups, model_runner
+from tiffin.engine.worker import graphed_decode, kv_groups, model_runner
 from tiffin.tiny import write_tokenizer
 
 VOCAB, WINDOW, BLOCK, CONTEXT = 512, 16, 4, 512
@@ -307,7 +307,7 @@ def test_cuda_graphs_read_the_window_groups_tables(checkpoint, cuda_emulation, m
     The graphed engine equals the eager one token for token, logprobs within 1e-3, past the window, on pools split
     so small that the two groups' block ids part ways."""
     monkeypatch.setattr(model_runner, "warm_up_triton", lambda runner: None)
-    monkeypatch.setattr(model_runner, "decode_batch_sizes", lambda rows, quantized: [1, 2])
+    monkeypatch.setattr(graphed_decode, "decode_batch_sizes", lambda rows, quantized: [1, 2])
     batch = [{"prompt_token_ids": p[:18]} for p in prompts()[2:4]]
     settings = dict(device="cuda", dtype="float16", max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64)
     outs = {}

@@ -30,17 +30,17 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 from tiffin.engine import tokenize_pool
+from tiffin.engine.async_pooling import AsyncPooling
 from tiffin.engine.config import EngineConfig
 from tiffin.engine.data_parallel import make_engine
 from tiffin.engine.errors import EngineAsleep, EngineError, EngineStalled, ParamError
 from tiffin.engine.input_processor import PromptType, TokenizedPrompt
 from tiffin.engine.llm_engine import LLMEngine
 from tiffin.engine.lora.request import LoRARequest
-from tiffin.engine.outputs import EngineStats, PoolingRequestOutput, RequestOutput
+from tiffin.engine.outputs import EngineStats, RequestOutput
 from tiffin.engine.pooling_params import PoolingParams
 from tiffin.engine.request_stream import RequestStream
 from tiffin.engine.sampling_params import SamplingParams
-from tiffin.engine.scoring import cosine_scores, score_pairs
 from tiffin.engine.sleep_mode import AsyncSleepMode
 from tiffin.engine.structured.backend import compile_error
 from tiffin.engine.structured.params import StructuredOutputsParams
@@ -61,7 +61,7 @@ class _Active:
     loop: asyncio.AbstractEventLoop
 
 
-class AsyncLLMEngine(AsyncSleepMode, StallHandling):
+class AsyncLLMEngine(AsyncPooling, AsyncSleepMode, StallHandling):
     """`await add_request(...)` or `async for out in generate(...)`; `stats()` for monitoring. `on_stats`
     is called in the engine thread with `LLMEngine.stats()` after every step and every inbox batch; `on_step_age`
     with the seconds the step in progress has run (0 when idle) about every second, in the watchdog's thread."""
@@ -182,46 +182,6 @@ class AsyncLLMEngine(AsyncSleepMode, StallHandling):
         """`LLMEngine.tokenize` on the engine's tokenizing threads (tokenizers release the GIL): steps and the event
         loop go on."""
         return await self.tokenizing.run(self.engine.tokenize, prompt, pooling, fit_context)
-
-    async def encode(
-        self, prompt: PromptType, pooling_params: PoolingParams | None = None, request_id: str | None = None
-    ) -> PoolingRequestOutput:
-        """Pool one prompt (the model's task by default): its finished output. Refused as `add_request` refuses;
-        EngineError when the engine failed it. Cancelling the call aborts the request."""
-        params = pooling_params or PoolingParams(self.engine.pooling_task)
-        stream = await self.add_request(request_id or uuid.uuid4().hex, prompt, params)
-        try:
-            async for out in stream:
-                if out.finished:
-                    return out
-        finally:
-            stream.close()
-        raise EngineError(f"request {stream.request_id} ended without a result")
-
-    async def score(
-        self, text_1: str | list[str], text_2: str | list[str], truncate_prompt_tokens: int | None = None
-    ) -> list[float]:
-        """`LLM.score`'s scores of the pairs, all requests at once: the first failure cancels (aborts) the rest."""
-        pairs = score_pairs(text_1, text_2)
-        params = PoolingParams(self.engine.pooling_task, truncate_prompt_tokens=truncate_prompt_tokens)
-        if self.task == "classify":
-            prompts = [await self.tokenizing.run(self.engine.tokenize_pair, a, b, params) for a, b in pairs]
-            return [o.outputs.score for o in await self._encode_all(prompts, params)]
-        firsts, seconds = zip(*pairs)
-        unique = list(dict.fromkeys([*firsts, *seconds]))  # one text against many: embedded once
-        embedded = dict(zip(unique, await self._encode_all(unique, params)))
-        outputs = cosine_scores(
-            list(map(str, range(len(pairs)))), [embedded[a] for a in firsts], [embedded[b] for b in seconds]
-        )
-        return [o.outputs.score for o in outputs]
-
-    async def _encode_all(self, prompts: list[PromptType], params: PoolingParams) -> list[PoolingRequestOutput]:
-        try:
-            async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(self.encode(p, params)) for p in prompts]
-        except ExceptionGroup as failed:  # the first failure, as a single call would raise it
-            raise failed.exceptions[0] from None
-        return [t.result() for t in tasks]
 
     async def render_chat(
         self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs

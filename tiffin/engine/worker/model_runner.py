@@ -30,7 +30,8 @@ from tiffin.engine.worker import kv_cache, kv_groups, pipeline_stage, tp_worker
 from tiffin.engine.worker.batch import HostBatch, ModelInput, Upload, host_batch, pad_indices
 from tiffin.engine.worker.cpu_decode import CpuDecoder
 from tiffin.engine.worker.cpu_threads import ThreadSizer, usable_cpus
-from tiffin.engine.worker.cuda_graphs import DecodeGraphs, decode_batch_sizes
+from tiffin.engine.worker.cuda_graphs import DecodeGraphs
+from tiffin.engine.worker.graphed_decode import GraphedDecode
 from tiffin.engine.worker.kv_copies import KVBlockCopies
 from tiffin.engine.worker.policy import choose_policy
 from tiffin.engine.worker.prompt_logprobs import prompt_logprobs
@@ -67,7 +68,7 @@ class StepInFlight(NamedTuple):
     num_logits: int
 
 
-class ModelRunner(KVBlockCopies):
+class ModelRunner(KVBlockCopies, GraphedDecode):
     def __init__(
         self,
         config: EngineConfig,
@@ -264,33 +265,6 @@ class ModelRunner(KVBlockCopies):
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
         return logits, None if inputs.pooling is None else self.model.pool(hidden, inputs.pooling)
 
-    def graphed_step(self, scheduler_output: SchedulerOutput, upload: Upload, size: int) -> torch.Tensor | None:
-        """A decode-only step (verifying ones too) padded to `size` rows, its inputs in the step's upload:
-        `run_graphed` here and, under tensor parallelism, on every rank."""
-        batch = self.host_batch(scheduler_output, pad=False)  # `padded` pads it to the graph's size
-        loras = [s.lora for s in scheduler_output.seqs]
-        seq_slots = None if self.lora_slots is None else self.lora_slots.assign(loras)
-        row_slots = None if seq_slots is None else np.repeat(seq_slots, batch.query_lens)
-        parts = [upload.add(a) for a in self.decode_graphs.padded(size, batch, row_slots)]
-        indices = upload.add(batch.logits_indices.astype(np.int64))
-        upload.send()
-        padded, logits_indices = [upload.get(p) for p in parts], upload.get(indices)
-        forward = lambda: self.run_graphed(size, padded, logits_indices)
-        if self.group is None:
-            return forward()
-        copies = scheduler_output.copies
-        return tp_worker.run_graphed(self.group, size, padded, logits_indices, self.lora_slots, copies, forward)
-
-    @torch.inference_mode()
-    def run_graphed(self, size: int, padded: list[torch.Tensor], logits_indices: torch.Tensor) -> torch.Tensor | None:
-        """A decode step padded to `size` (`DecodeGraphs.padded`'s arrays on the device): its graph replayed, or
-        its padded inputs run eagerly where none was captured; the logits as `run_model` gives them."""
-        self.decode_graphs.write(padded)
-        if self.pp.size > 1:
-            return pipeline_stage.run_graphed_stage(self, size, logits_indices)
-        hidden = self.decode_graphs.run(size, self.model)
-        return self.model.compute_logits(hidden[logits_indices])
-
     def finish_pooling(self, pooled: torch.Tensor, seqs: list) -> list[list[float]]:
         """Each pooling sequence's result as its params ask: an embedding cut to its `dimensions`, then normalized
         (by default as the model was trained); a classifier's scores as they are."""
@@ -367,35 +341,6 @@ class ModelRunner(KVBlockCopies):
         pooling = None if pooling_parts is None else PoolingMetadata(*map(upload.get, pooling_parts))
         mm = None if self.encoder is None else self.encoder.step_embeddings(scheduler_output, starts)
         return ModelInput(input_ids, positions, attn, logits_indices, lora and lora(upload.get), pooling, mm)
-
-    def max_decode_rows(self) -> int:
-        """The most rows a decode step computes and samples: a row a sequence, or with speculation one per
-        proposal and one more."""
-        spec = self.config.speculative_config
-        return self.config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
-
-    def decode_graph_sizes(self) -> list[int]:
-        """The row counts decode steps are padded to and captured at (a quantized model's stay on its fused
-        GEMMs)."""
-        return decode_batch_sizes(self.max_decode_rows(), self.model_config.quant_config is not None)
-
-    def pad_decodes(self, sizes: list[int]) -> None:
-        """Pad decode-only steps of up to `sizes[-1]` sequences to the next of `sizes` (`DecodeGraphs`); on
-        CUDA, capture one graph per size."""
-        self.decode_graphs = self.new_decode_graphs(sizes)
-        if self.device.type == "cuda":
-            self.decode_graphs.capture(self.model)
-
-    def new_decode_graphs(self, sizes: list[int]) -> DecodeGraphs:
-        """Buffers for decode steps padded to `sizes`, LoRA's too with adapters (whose graphed metadata only the
-        Triton kernels take)."""
-        if self.lora_slots is not None and self.backend != "triton":
-            raise ValueError(f"padded decode steps with LoRA need the Triton kernels, not {self.backend!r}")
-        max_loras = 0 if self.lora_slots is None else self.config.max_loras
-        window = None if self.window_group is None else self.window_pool
-        hidden = None if self.pp.first else (self.model_config.hidden_size, self.model_config.dtype)
-        args = self.device, self.block_size, self.num_blocks, self.max_blocks_per_seq, max_loras, window, hidden
-        return DecodeGraphs(sizes, *args)
 
     def allocate_kv_cache(self) -> None:
         """`kv_tensors`: every tensor of the pool, blocks on dim 2 (`KVCacheSpec.allocate`; each group's, `kv_groups`);
