@@ -40,6 +40,7 @@ LAYERS = [
         "request vocabulary",
         [
             "tiffin.engine.config",
+            "tiffin.engine.speculative_config",
             "tiffin.engine.errors",
             "tiffin.engine.kv_events",
             "tiffin.engine.sampling_params",

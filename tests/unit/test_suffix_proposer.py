@@ -2,11 +2,11 @@ import random
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 
-from tiffin.engine.config import SpeculativeConfig
 from tiffin.engine.core.sequence import Sequence
 from tiffin.engine.llm import LLM
 from tiffin.engine.sampling_params import SamplingParams
 from tiffin.engine.spec_decode.suffix import ContextTrie, SuffixProposer
+from tiffin.engine.speculative_config import SpeculativeConfig
 
 
 def proposer(

@@ -7,8 +7,9 @@ token (`[len(spec_token_ids), vocab]`, on the target's device), so that verifica
 
 from typing import Protocol
 
-from tiffin.engine.config import EngineConfig, SpeculativeConfig
+from tiffin.engine.config import EngineConfig
 from tiffin.engine.core.sequence import Sequence
+from tiffin.engine.speculative_config import SpeculativeConfig
 from tiffin.engine.worker.model_runner import ModelRunner
 
 

@@ -18,13 +18,14 @@ import os
 import torch
 
 from tiffin import kernels
-from tiffin.engine.config import EngineConfig, SpeculativeConfig
+from tiffin.engine.config import EngineConfig
 from tiffin.engine.core.block_manager import BlockManager
 from tiffin.engine.core.scheduler import SchedulerOutput
 from tiffin.engine.core.sequence import Sequence
 from tiffin.engine.models.config import ModelConfig
 from tiffin.engine.models.loader import get_model_config
 from tiffin.engine.models.source import resolve_model_path
+from tiffin.engine.speculative_config import SpeculativeConfig
 from tiffin.engine.worker.batch import Upload
 from tiffin.engine.worker.model_runner import ModelRunner
 from tiffin.engine.worker.sampler import _GREEDY_EPS, Sampler, sampling_probs

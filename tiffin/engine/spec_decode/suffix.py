@@ -6,8 +6,8 @@ ending a sequence is one walk from the root, and counting a new token is one wal
 leaf that remembers where it was seen and matches longer contexts against those tokens: the tries grow with how
 much text repeats, not with text times depth."""
 
-from tiffin.engine.config import SpeculativeConfig
 from tiffin.engine.core.sequence import Sequence
+from tiffin.engine.speculative_config import SpeculativeConfig
 
 
 class _Node:
