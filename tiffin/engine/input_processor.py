@@ -94,6 +94,9 @@ class InputProcessor:
             right = self.tokenizer.truncation_side == "right"
             token_ids = token_ids[:keep] if right else token_ids[-keep:]
             token_types = token_types and (token_types[:keep] if right else token_types[-keep:])
+        text_prompt = getattr(self.model_config.multimodal, "text_prompt", None)  # a dual encoder's text rule
+        if text_prompt is not None and not images:
+            token_ids = text_prompt(list(token_ids))
         vocab = self.model_config.vocab_size
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids):
             raise ParamError("prompt", f"prompt token ids must be integers in [0, {vocab})")
@@ -172,7 +175,7 @@ class InputProcessor:
         if params.task not in self.supported_tasks:
             tasks = " and ".join(map(repr, self.supported_tasks))
             raise ParamError("task", f"this model serves {tasks} requests, not {params.task!r}")
-        size = self.model_config.hidden_size
+        size = getattr(self.model_config.multimodal, "embedding_size", None) or self.model_config.hidden_size
         if params.dimensions is not None and params.dimensions > size:
             raise ParamError("dimensions", f"dimensions must be at most the model's {size}, got {params.dimensions}")
 
