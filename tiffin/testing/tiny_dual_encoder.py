@@ -24,7 +24,7 @@ def tiny_tokenizer():
 
 
 def make_tiny_dual_encoder(
-    path: str | pathlib.Path, kind: str = "clip", seed: int = 0, max_text_tokens: int = 24, legacy_eos: bool = False
+    path: str | pathlib.Path, kind: str = "clip", seed: int = 0, max_text_tokens: int = 64, legacy_eos: bool = False
 ) -> pathlib.Path:
     """`kind`: "clip" or "siglip"; `max_text_tokens`: the text tower's positions (SigLIP pads to them);
     `legacy_eos`: CLIP's text config says `eos_token_id` 2, as the hub's first CLIP checkpoints do (transformers

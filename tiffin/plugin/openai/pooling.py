@@ -40,6 +40,7 @@ TASKS = {"generate": ("generate",), "embed": ("embed", "score"), "classify": ("c
 _INPUT_PARAMS = {"prompt", "prompt_token_ids"}
 SCORE_FIELDS = ("text_1", "text_2")  # the request fields of the texts scored, first and second
 RERANK_FIELDS = ("query", "documents")
+_MESSAGES_RENAMES = {"multi_modal_data": "messages"}
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,13 @@ class _Pair:
 
     text_1: str
     text_2: str
+
+
+@dataclass(frozen=True)
+class _Messages:
+    """A conversation embedded as one input (`InputProcessor.tokenize_messages`)."""
+
+    messages: list
 
 
 class PoolingServing:
@@ -69,8 +77,12 @@ class PoolingServing:
         return {"object": "list", "data": [model_card(self)]}
 
     async def embeddings(self, req: EmbeddingRequest, raw: Request) -> Response:
-        inputs, params = req.inputs(), req.params()
-        outputs = await unless_disconnected(raw, self.encode(inputs, params, "input"))
+        params = req.params()
+        if req.messages is None:
+            pooled = self.encode(req.inputs(), params, "input")
+        else:  # one conversation, one embedding; an image's refusal names the messages it came in
+            pooled = self._pool([("messages", "messages", _Messages(req.messages))], params, _MESSAGES_RENAMES)
+        outputs = await unless_disconnected(raw, pooled)
         encode = _base64 if req.encoding_format == "base64" else list
         tokens = sum(len(o.prompt_token_ids) for o in outputs)
         return await json_response(
@@ -164,6 +176,8 @@ class PoolingServing:
                 try:
                     if isinstance(prompt, _Pair):  # with its token types
                         prompts.append(engine.tokenize_pair(prompt.text_1, prompt.text_2, params))
+                    elif isinstance(prompt, _Messages):
+                        prompts.append(engine.tokenize_messages(prompt.messages, params))
                     else:
                         prompts.append(engine.tokenize(prompt, params))
                 except ValueError as e:
