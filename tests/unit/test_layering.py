@@ -52,6 +52,7 @@ LAYERS = [
             "tiffin.engine.multimodal.image",
             "tiffin.engine.multimodal.tiles",
             "tiffin.engine.multimodal.patches",
+            "tiffin.engine.multimodal.fixed_size",
             "tiffin.engine.multimodal.inputs",
         ],
     ),

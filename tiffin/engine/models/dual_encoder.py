@@ -102,7 +102,7 @@ class DualEncoderConfig:
         if any(t not in special for t in token_ids):
             raise ParamError(
                 "multi_modal_data",
-                f"a {name} model embeds a text or an image, not both: give the image with an empty prompt",
+                f"a {name} model embeds a text or an image, not both (an image comes with an empty prompt)",
             )
         pixels = prompts[0][1][0]
         return [self.image_token_id], (ImageInput(0, 1, image_hash(pixels), pixels),)

@@ -40,7 +40,6 @@ TASKS = {"generate": ("generate",), "embed": ("embed", "score"), "classify": ("c
 _INPUT_PARAMS = {"prompt", "prompt_token_ids"}
 SCORE_FIELDS = ("text_1", "text_2")  # the request fields of the texts scored, first and second
 RERANK_FIELDS = ("query", "documents")
-_MESSAGES_RENAMES = {"multi_modal_data": "messages"}
 
 
 @dataclass(frozen=True)
@@ -80,8 +79,8 @@ class PoolingServing:
         params = req.params()
         if req.messages is None:
             pooled = self.encode(req.inputs(), params, "input")
-        else:  # one conversation, one embedding; an image's refusal names the messages it came in
-            pooled = self._pool([("messages", "messages", _Messages(req.messages))], params, _MESSAGES_RENAMES)
+        else:  # one conversation, one embedding
+            pooled = self._pool([("messages", "messages", _Messages(req.messages))], params)
         outputs = await unless_disconnected(raw, pooled)
         encode = _base64 if req.encoding_format == "base64" else list
         tokens = sum(len(o.prompt_token_ids) for o in outputs)
