@@ -179,6 +179,32 @@ def test_refusals_name_the_problem(llm, kind):
     )
 
 
+@pytest.fixture(scope="module")
+def cpu_outputs(llm) -> torch.Tensor:
+    """The CPU engine's embeddings of the CUDA test's inputs, computed before any emulation starts."""
+    return embeddings(llm.embed([TEXTS[0], image_prompt(IMAGES[0]), TEXTS[1]], use_tqdm=False))
+
+
+def test_cuda_path_equals_cpu_and_profiles_a_step_of_images(checkpoint, cpu_outputs, cuda_emulation, monkeypatch):
+    """The CUDA path (emulated on the CPU, Triton's paged attention under the interpreter: CLIP's causal, SigLIP's
+    not) gives the CPU path's embeddings; the memory profile's step runs the tower on max_num_seqs images (each
+    sequence holds one), in one forward."""
+    from tiffin.engine.models.dual_encoder import DualEncoderModel
+    from tiffin.engine.worker import model_runner
+
+    monkeypatch.setattr(model_runner, "warm_up_triton", lambda runner: None)
+    encoded, forward = [], DualEncoderModel.forward
+    monkeypatch.setattr(
+        DualEncoderModel, "forward", lambda m, *a, mm=None, **k: encoded.append(mm) or forward(m, *a, mm=mm, **k)
+    )
+    kwargs = dict(device="cuda", dtype="float32", max_num_batched_tokens=128, max_num_seqs=3, enforce_eager=True,
+                  gpu_memory_utilization=0.008)  # fmt: skip
+    cuda = LLM(checkpoint, **kwargs)
+    assert [len(mm.indices) for mm in encoded if mm is not None] == [3]  # the profile's step
+    got = embeddings(cuda.embed([TEXTS[0], image_prompt(IMAGES[0]), TEXTS[1]], use_tqdm=False))
+    assert torch.allclose(got, cpu_outputs, atol=TOL)
+
+
 def test_an_image_to_a_text_only_embedding_model_is_refused(tmp_path):
     from tiffin.tiny_bert import make_tiny_bert
 

@@ -1,15 +1,17 @@
 """Tiny random CLIP and SigLIP checkpoints written with transformers (`make_tiny_dual_encoder`): towers of
-transformers' own test sizes (hidden 32, 2 layers, 4 heads, intermediate 37, 30 px images of 2 px patches), random
-throughout (LayerNorms and biases too, `tiny_llava._init`); a byte-level `CLIPTokenizer` with no merges (one token
-per character, `<|startoftext|>` and `<|endoftext|>` the last ids; the SigLIP checkpoint uses it too: SigLIP's own is
-sentencepiece's), and the PIL image processor's config. Same arguments give the same weights."""
+transformers' own test sizes (hidden 32, 2 layers, intermediate 37, 4 heads but the text tower's 2, 30 px images of
+2 px patches), random throughout (LayerNorms and biases too, `tiny_llava._init`); a byte-level `CLIPTokenizer` with
+no merges (one token per character, `<|startoftext|>` and `<|endoftext|>` the last ids; the SigLIP checkpoint uses
+it too: SigLIP's own is sentencepiece's), and the PIL image processor's config. Same arguments give the same
+weights."""
 
 import pathlib
 
 from tiffin.testing.tiny_llava import _init
 
-TEXT = {"hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 2, "num_attention_heads": 4}
-VISION = {**TEXT, "image_size": 30, "patch_size": 2}
+TOWER = {"hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 2}
+VISION = {**TOWER, "num_attention_heads": 4, "image_size": 30, "patch_size": 2}
+TEXT = {**TOWER, "num_attention_heads": 2}  # heads of 16: the smallest the Triton paged attention takes
 PROJECTION_DIM = 24  # CLIP's, unlike its towers' widths; SigLIP's text head projects into the vision width
 
 

@@ -55,6 +55,7 @@ class DualEncoderConfig:
     processor: ImageProcessor | FixedSizeProcessor
     image_token_id: int = 0  # the one placeholder of an image's prompt (any id: the row is replaced)
     tokens_per_image: int = 1
+    max_images_per_prompt: int = 1
 
     @classmethod
     def from_hf(cls, raw: dict, path: str | Path, kind: str) -> "DualEncoderConfig":
@@ -78,7 +79,7 @@ class DualEncoderConfig:
             vision,
             size,
             act,
-            text.get("eos_token_id") if text.get("eos_token_id") is not None else 2,
+            text["eos_token_id"],
             text.get("pad_token_id") or 0,
             text["max_position_embeddings"],
             processor,
@@ -116,9 +117,6 @@ class DualEncoderConfig:
             return token_ids + [self.pad_token_id] * (self.max_text_tokens - len(token_ids))
         eos = max(token_ids) if self.eos_token_id == 2 else self.eos_token_id
         return token_ids[: token_ids.index(eos) + 1] if eos in token_ids else token_ids[:1]
-
-    def profile_pixels(self) -> torch.Tensor:
-        return torch.zeros(3, *self.processor.crop_size)
 
 
 def text_config(raw: dict) -> dict:
