@@ -194,7 +194,6 @@ class DualEncoderModel(nn.Module):
     ignored_weights = ("position_ids", "logit_scale", "logit_bias")
     text_config = staticmethod(text_config)
     causal_text = True
-    supports_lora = False
 
     def __init__(
         self,
