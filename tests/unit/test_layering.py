@@ -53,6 +53,7 @@ LAYERS = [
             "tiffin.engine.multimodal.image",
             "tiffin.engine.multimodal.tiles",
             "tiffin.engine.multimodal.patches",
+            "tiffin.engine.multimodal.fixed_size",
             "tiffin.engine.multimodal.inputs",
         ],
     ),

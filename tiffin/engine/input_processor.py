@@ -8,6 +8,7 @@ from copy import deepcopy
 from typing import NamedTuple
 
 from tiffin.engine.chat import ChatSettings, render_chat
+from tiffin.engine.chat import _contents as chat_contents  # the chat path's part checks and image decoding
 from tiffin.engine.errors import ParamError
 from tiffin.engine.multimodal.inputs import ImageInput, prompt_images
 from tiffin.engine.pooling_params import PoolingParams
@@ -94,6 +95,9 @@ class InputProcessor:
             right = self.tokenizer.truncation_side == "right"
             token_ids = token_ids[:keep] if right else token_ids[-keep:]
             token_types = token_types and (token_types[:keep] if right else token_types[-keep:])
+        text_prompt = getattr(self.model_config.multimodal, "text_prompt", None)  # a dual encoder's text rule
+        if text_prompt is not None and not images:
+            token_ids = text_prompt(list(token_ids))
         vocab = self.model_config.vocab_size
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids):
             raise ParamError("prompt", f"prompt token ids must be integers in [0, {vocab})")
@@ -110,6 +114,27 @@ class InputProcessor:
                 f"max_num_batched_tokens={self.config.max_num_batched_tokens}",
             )
         return TokenizedPrompt(text, list(token_ids), token_types, images)
+
+    def tokenize_messages(self, messages: list, pooling: PoolingParams) -> TokenizedPrompt:
+        """vLLM's chat-style embedding input (`messages` on /v1/embeddings) as one prompt to pool: the text parts
+        (and string contents) joined by newlines, the image parts decoded and checked as chat images are; no chat
+        template is applied, so a text embeds as the same text given as a prompt does. Thread-safe; ParamError
+        naming `messages`."""
+        if not isinstance(messages, list) or not messages:
+            raise ParamError("messages", "messages must be a non-empty list of messages")
+        images, texts = [], []
+        for i, message in enumerate(chat_contents(messages, True, self.image_limits, images)):
+            content = message.get("content") if isinstance(message, dict) else None
+            if not isinstance(content, (str, list)):
+                raise ParamError("messages", f"messages[{i}]: a message needs 'content', a string or a list of parts")
+            texts += [content] if isinstance(content, str) else [p["text"] for p in content if p["type"] == "text"]
+        prompt = {"prompt": "\n".join(texts), **({"multi_modal_data": {"image": images}} if images else {})}
+        try:
+            return self.tokenize(prompt, pooling)
+        except ParamError as e:
+            if e.param != "multi_modal_data":
+                raise
+            raise ParamError("messages", str(e)) from None
 
     def tokenize_pair(self, text_1: str, text_2: str, pooling: PoolingParams | None = None) -> TokenizedPrompt:
         """A sentence pair as a cross-encoder reads it ([CLS] a [SEP] b [SEP] for BERT, with token types), checked as
@@ -172,7 +197,7 @@ class InputProcessor:
         if params.task not in self.supported_tasks:
             tasks = " and ".join(map(repr, self.supported_tasks))
             raise ParamError("task", f"this model serves {tasks} requests, not {params.task!r}")
-        size = self.model_config.hidden_size
+        size = getattr(self.model_config.multimodal, "embedding_size", None) or self.model_config.hidden_size
         if params.dimensions is not None and params.dimensions > size:
             raise ParamError("dimensions", f"dimensions must be at most the model's {size}, got {params.dimensions}")
 

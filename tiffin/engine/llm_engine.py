@@ -162,13 +162,12 @@ class LLMEngine(InputProcessor, SleepMode):
         n = 1 if pooling else params.n
         self._check_queue_room(n, client)
         lora = None if lora_request is None else self._loras().resolve(lora_request)
-        if pooling and images:
+        if pooling and images and self.task == "generate":  # a dual encoder (CLIP, SigLIP) pools its images
             raise ParamError("multi_modal_data", "images are served in generation requests only")
         if pooling:
             seq_ids = token_ids if token_types is None else with_token_types(token_ids, token_types)
-            seq = Sequence(
-                request_id, 0, seq_ids, _POOLING_SAMPLING, max_tokens, lora=lora, pooling_params=pooling, client=client
-            )
+            pooled = {"pooling_params": pooling, "client": client, "images": images}
+            seq = Sequence(request_id, 0, seq_ids, _POOLING_SAMPLING, max_tokens, lora=lora, **pooled)
             self.scheduler.add(seq)
             self.requests[request_id] = Request(request_id, text, token_ids, [seq])
             self.num_pooling_requests += 1

@@ -8,6 +8,7 @@ from torch import nn
 
 from tiffin.engine.models.bert import BertForSequenceClassification, BertModel
 from tiffin.engine.models.deepseek import DeepseekForCausalLM
+from tiffin.engine.models.dual_encoder import CLIPEmbeddingModel, SiglipEmbeddingModel
 from tiffin.engine.models.gemma import GemmaForCausalLM
 from tiffin.engine.models.idefics3 import Idefics3ForConditionalGeneration
 from tiffin.engine.models.llama import LlamaForCausalLM
@@ -77,6 +78,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "XLMRobertaModel": Architecture(
         BertModel, task="embed", causal=False, pooling_type="cls", positions_after_padding=True
     ),
+    # text and image embeddings in one space (models/dual_encoder.py): CLIP's text tower is causal, SigLIP's not
+    "CLIPModel": Architecture(CLIPEmbeddingModel, task="embed"),
+    "SiglipModel": Architecture(SiglipEmbeddingModel, task="embed", causal=False),
 }
 
 

@@ -53,13 +53,16 @@ class EncoderRunner:
         self.cache = EncoderCache(self.max_bytes)
         self.num_encoded = 0  # images run through the tower
 
-    def add_profile_images(self, scheduler_output: SchedulerOutput, tokens_per_image: int, pixels: torch.Tensor):
+    def add_profile_images(
+        self, scheduler_output: SchedulerOutput, tokens_per_image: int, pixels: torch.Tensor, most: int | None = None
+    ):
         """Give the memory profile's synthetic sequences as many distinct images as their scheduled tokens hold
-        placeholders of (at least one), so that its step also runs the tower on the most images a step may
-        encode."""
+        placeholders of (at least one), at most `most` in all (a dual encoder's step holds one per sequence), so
+        that its step also runs the tower on the most images a step may encode."""
         count = 0
         for seq, n in zip(scheduler_output.seqs, scheduler_output.num_scheduled_tokens):
             offsets = range(0, max(n - tokens_per_image, 0) + 1, tokens_per_image)
+            offsets = offsets if most is None else offsets[: most - count]
             length = min(tokens_per_image, n)  # a step shorter than one image still encodes one
             seq.images = tuple(ImageInput(o, length, (count + i).to_bytes(8), pixels) for i, o in enumerate(offsets))
             count += len(offsets)

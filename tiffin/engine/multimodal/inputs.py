@@ -117,6 +117,8 @@ def prompt_images(
             raise ParamError("multi_modal_data", f"{where}: a PIL image is needed, got {type(image).__name__}")
         check_pixels(image.size, limits.max_image_pixels, where)
     prompts = [config.image_prompt(image, tokenizer) for image in images]
+    if hasattr(config, "place_images"):  # a dual encoder (CLIP, SigLIP): a text or an image, no placeholders
+        return config.place_images(token_ids, prompts, tokenizer)
     # a model whose images vary in size (Qwen2-VL) counts each one's tokens; the others take `tokens_per_image`
     image_tokens = getattr(config, "image_tokens", lambda pixels: config.tokens_per_image)
     return expand_placeholders(token_ids, prompts, config.image_token_id, image_tokens)

@@ -232,7 +232,10 @@ def profile_memory(runner, probe: MemoryProbe, draft=None) -> MemoryProfile:
     if encoder is not None:
         profile = getattr(vision, "profile_pixels", None)  # the largest image, where images vary in size
         pixels = torch.zeros(3, *vision.processor.crop_size) if profile is None else profile()
-        encoder.add_profile_images(scheduler_output, vision.tokens_per_image, pixels)
+        per_prompt = getattr(vision, "max_images_per_prompt", None)  # a dual encoder's one: a step's are its seqs'
+        encoder.add_profile_images(
+            scheduler_output, vision.tokens_per_image, pixels, per_prompt and per_prompt * c.max_num_seqs
+        )
     probe.empty_cache()
     runner.allocate_kv_cache()
     reserved = probe.memory_reserved(runner.device)

@@ -50,6 +50,13 @@ class _Pair:
     text_2: str
 
 
+@dataclass(frozen=True)
+class _Messages:
+    """A conversation embedded as one input (`InputProcessor.tokenize_messages`)."""
+
+    messages: list
+
+
 class PoolingServing:
     """The pooling endpoints of one engine."""
 
@@ -69,8 +76,12 @@ class PoolingServing:
         return {"object": "list", "data": [model_card(self)]}
 
     async def embeddings(self, req: EmbeddingRequest, raw: Request) -> Response:
-        inputs, params = req.inputs(), req.params()
-        outputs = await unless_disconnected(raw, self.encode(inputs, params, "input"))
+        params = req.params()
+        if req.messages is None:
+            pooled = self.encode(req.inputs(), params, "input")
+        else:  # one conversation, one embedding
+            pooled = self._pool([("messages", "messages", _Messages(req.messages))], params)
+        outputs = await unless_disconnected(raw, pooled)
         encode = _base64 if req.encoding_format == "base64" else list
         tokens = sum(len(o.prompt_token_ids) for o in outputs)
         return await json_response(
@@ -164,6 +175,8 @@ class PoolingServing:
                 try:
                     if isinstance(prompt, _Pair):  # with its token types
                         prompts.append(engine.tokenize_pair(prompt.text_1, prompt.text_2, params))
+                    elif isinstance(prompt, _Messages):
+                        prompts.append(engine.tokenize_messages(prompt.messages, params))
                     else:
                         prompts.append(engine.tokenize(prompt, params))
                 except ValueError as e:

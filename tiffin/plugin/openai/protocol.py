@@ -271,11 +271,23 @@ def _bounded(items: list, field: str) -> list:
 
 
 class EmbeddingRequest(PoolingRequest):
-    input: Text | list[Text] | list[Int] | list[list[Int]]
+    """OpenAI's `input`, or vLLM's chat-style `messages` (one conversation, one embedding: the way images reach
+    CLIP and SigLIP), one of them."""
+
+    input: Text | list[Text] | list[Int] | list[list[Int]] | None = None
+    messages: list[dict[str, Any]] | None = None
     encoding_format: Literal["float", "base64"] | None = None  # base64: little-endian float32, as OpenAI sends it
     dimensions: Int | None = None
     user: Name | None = None
     normalize: Bool | None = None  # vLLM's; None: as the model was trained
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.input is None) == (self.messages is None):
+            raise APIError(
+                400, "give 'input' (texts or token ids) or 'messages' (a conversation), one of them", param="input"
+            )
+        return self
 
     def inputs(self) -> list[str] | list[list[int]]:
         """The texts or token-id lists to embed: a text, a list of texts, one token-id list or a list of them."""
