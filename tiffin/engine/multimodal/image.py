@@ -27,9 +27,11 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 def decode_image(data: bytes, max_pixels: int, where: str = "image"):
-    """The PIL image `data` encodes (PNG, JPEG, WebP, or a GIF's first frame), fully decoded; ParamError naming
-    `where` for an unsupported or corrupt file, or one declaring more than `max_pixels` pixels."""
-    from PIL import Image, UnidentifiedImageError
+    """The PIL image `data` encodes (PNG, JPEG, WebP, or an animated file's first frame), fully decoded and turned
+    upright by its EXIF orientation tag as transformers' `load_image` does (a file from a phone camera as its viewer
+    shows it); ParamError naming `where` for an unsupported or corrupt file, or one declaring more than `max_pixels`
+    pixels."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
 
     try:
         with warnings.catch_warnings():  # our limit decides, below
@@ -43,7 +45,8 @@ def decode_image(data: bytes, max_pixels: int, where: str = "image"):
         raise _refusal(where, f"{where}: cannot be decoded: {e}") from None
     check_pixels(image.size, max_pixels, where)
     try:
-        image.load()  # a GIF stays on its first frame
+        image.load()  # an animated file stays on its first frame
+        ImageOps.exif_transpose(image, in_place=True)  # as the sender's viewer shows it
     except (OSError, ValueError, SyntaxError, EOFError) as e:  # truncated or corrupt data
         raise _refusal(where, f"{where}: cannot be decoded ({image.format}): {e}") from None
     return image
