@@ -130,7 +130,7 @@ def test_hostile_images_are_400s_while_an_image_chat_runs(api, direct):
         (messages("https://example.com/cat.png"), "allowed_media_domains"),
         (messages(*[data_url(png)] * 3), "limit_mm_per_prompt=2"),
     ]
-    worst = {c.name: c for c in hostile_images(frames=2)}  # a 500, a 1.4 s parse, an unnamed error before
+    worst = {c.name: c for c in hostile_images(frames=2)}  # unnamed, a 500, a 1.4 s parse before
     for name in ("PNG tRNS longer than its palette", "PNG eXIf PIL cannot parse", "PNG eXIf of 65535 entries (768 KB)"):
         cases.append((messages(data_url(worst[name].data)), *worst[name].words))
 
