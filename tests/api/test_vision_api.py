@@ -163,6 +163,12 @@ def test_an_image_to_a_text_only_model_is_a_400_naming_the_part(openai_app):
     with openai_app(num_kv_blocks=64) as text_api, TestClient(text_api.app) as client:
         url = data_url(encoded(random_image(3, (8, 8)), "PNG"))
         refused(chat(client, messages(url)), "messages[0].content[0]", "'image_url'", "reads images")
+        assert [c["input_modalities"] for c in client.get("/models").json()["data"]] == [["text"]]
+
+
+def test_models_list_the_image_modality(api):
+    with TestClient(api.app) as client:
+        assert [c["input_modalities"] for c in client.get("/models").json()["data"]] == [["text", "image"]]
 
 
 def image_item(*urls: str, question: str = QUESTION) -> dict:
