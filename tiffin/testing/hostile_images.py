@@ -69,7 +69,7 @@ def hostile_images(frames: int = 3000) -> list[HostileImage]:
     pal_idat = zlib.compress(b"".join(b"\x00" + bytes(range(64)) for _ in range(64)))
     two_colors = chunk(b"PLTE", bytes([0, 0, 0, 255, 255, 255]))
     unreadable_exif = exif_ifd([(0x0112, 3, 1, 6), (0x80E3, 1, 9, 38)], bytes(9))  # 9 bytes where PIL wants an int
-    ztxt = chunk(b"zTXt", b"Comment\x00\x00" + zlib.compress(b"a" * (64 << 20), 9))
+    ztxt = chunk(b"zTXt", b"Comment\x00\x00" + zlib.compress(b"a" * (8 << 20), 9))  # 8x PIL's MAX_TEXT_CHUNK
     refused = "max_image_pixels"
     return [
         HostileImage(
@@ -118,7 +118,7 @@ def hostile_images(frames: int = 3000) -> list[HostileImage]:
         HostileImage("TIFF", encoded(small, "TIFF"), "image/tiff", ("not an image in a supported format",)),
         HostileImage("PNG declared image/jpeg", png_ok, "image/jpeg", ("declares image/jpeg but holds PNG",)),
         HostileImage("WebP declared image/gif", webp_ok, "image/gif", ("declares image/gif but holds WEBP",)),
-        HostileImage("PNG zTXt bomb (64 MB of text)", with_chunk(png_ok, ztxt), "image/png", ("cannot be decoded",)),
+        HostileImage("PNG zTXt bomb (8 MB of text)", with_chunk(png_ok, ztxt), "image/png", ("cannot be decoded",)),
         HostileImage("PNG zTXt bomb after IDAT", with_chunk(png_ok, ztxt, True), "image/png", ("cannot be decoded",)),
         HostileImage(
             "PNG eXIf of 65535 entries (768 KB)",
