@@ -2,8 +2,8 @@
 `image_url` part with a `data:` URL (PNG, JPEG, WebP, a GIF's first frame), a Response's `input_image` and a Messages
 base64 `image` block give the tokens the engine gives for the same decoded image called directly; hostile images
 (truncated, a 30000x30000 declared size, an unsupported or wrongly declared format, bad base64, too many images, a
-remote URL, malformed parts and blocks) are 400s naming the problem, and the engine serves the next request as
-before."""
+remote URL, malformed parts and blocks, a palette PIL cannot convert, EXIF too large or unparsable) are 400s naming
+the problem, and the engine serves the next request as before."""
 
 import asyncio
 import base64
@@ -21,6 +21,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from tests.engine.test_llava import random_image  # noqa: E402
 from tiffin import LLM, SamplingParams  # noqa: E402
+from tiffin.testing.hostile_images import hostile_images  # noqa: E402
 
 QUESTION = "What is in the picture?"
 
@@ -129,6 +130,9 @@ def test_hostile_images_are_400s_while_an_image_chat_runs(api, direct):
         (messages("https://example.com/cat.png"), "allowed_media_domains"),
         (messages(*[data_url(png)] * 3), "limit_mm_per_prompt=2"),
     ]
+    worst = {c.name: c for c in hostile_images(frames=2)}  # unnamed, a 500, a 1.4 s parse before
+    for name in ("PNG tRNS longer than its palette", "PNG eXIf PIL cannot parse", "PNG eXIf of 65535 entries (768 KB)"):
+        cases.append((messages(data_url(worst[name].data)), *worst[name].words))
 
     async def run():
         transport = httpx.ASGITransport(app=api.app)
@@ -159,6 +163,12 @@ def test_an_image_to_a_text_only_model_is_a_400_naming_the_part(openai_app):
     with openai_app(num_kv_blocks=64) as text_api, TestClient(text_api.app) as client:
         url = data_url(encoded(random_image(3, (8, 8)), "PNG"))
         refused(chat(client, messages(url)), "messages[0].content[0]", "'image_url'", "reads images")
+        assert [c["input_modalities"] for c in client.get("/models").json()["data"]] == [["text"]]
+
+
+def test_models_list_the_image_modality(api):
+    with TestClient(api.app) as client:
+        assert [c["input_modalities"] for c in client.get("/models").json()["data"]] == [["text", "image"]]
 
 
 def image_item(*urls: str, question: str = QUESTION) -> dict:

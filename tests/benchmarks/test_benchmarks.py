@@ -66,6 +66,7 @@ def runs(env, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
             + ["--user-len", "8", "--output-len", "2", "--gen-n", "3", "--gen-prompt-len", "8", "16"]
             + ["--gen-output-len", "24", "--swap-pool-blocks", "3"],
             "hostile.py": ["hostile.py", "--rounds", "1"],
+            "hostile_images.py": ["hostile_images.py", "--repeat", "1", "--frames", "50"],  # a tiny LLaVA served
             "soak.py": ["soak.py", "--requests", "40", "--warmup", "16", "--concurrency", "4"],
             "attention.py": ["attention.py", "--quick"],
             "embeddings.py": ["embeddings.py", "--quick"],  # all-MiniLM-L6-v2 from PyPI, once
@@ -195,6 +196,14 @@ def test_hostile(runs):
     run = runs["hostile.py"]
     assert run.returncode == 0, output(run)
     for line in ("20 MB body: 413", "8 MB prompt: 400", "8 MB chat: 400", "worker RSS after"):
+        assert line in run.stdout, output(run)
+
+
+def test_hostile_images(runs):
+    run = runs["hostile_images.py"]
+    assert run.returncode == 0, output(run)
+    assert "x 1: 0 x 5xx, 0 answered otherwise than expected" in run.stdout, output(run)
+    for line in ("| PNG 50000x50000, 1-bit (a few KB) | 0 | 400 | 400 |", "| GIF of 50 frames |", "worker RSS before"):
         assert line in run.stdout, output(run)
 
 

@@ -13,6 +13,7 @@ from references import reference_vlm, vision_language_model
 
 from tiffin import LLM, SamplingParams
 from tiffin.engine.errors import ParamError
+from tiffin.testing.images import random_image
 
 PIL = pytest.importorskip("PIL.Image")
 NEW_TOKENS = 32
@@ -20,17 +21,6 @@ TOKENS_PER_IMAGE = 16  # 56 px, 14 px patches
 ONE = "USER: <image>\nWhat is shown here? ASSISTANT:"
 TWO = "USER: <image>\nand <image>\nCompare the two. ASSISTANT:"
 TEXT = "USER: Say something about the standard library. ASSISTANT:"
-
-
-def random_image(seed: int, size: tuple[int, int], mode: str = "RGB"):
-    rng = np.random.default_rng(seed)
-    w, h = size
-    bands = {"RGB": 3, "RGBA": 4, "L": 1, "LA": 2, "P": 1}[mode]
-    pixels = rng.integers(0, 256, (h, w, bands), dtype=np.uint8)
-    # smooth gradients plus noise: closer to a photo than white noise, so resampling does real work
-    pixels = (pixels // 4 + (np.arange(w)[None, :, None] * 3 + np.arange(h)[:, None, None]) % 192).astype(np.uint8)
-    image = PIL.fromarray(pixels[..., 0] if bands == 1 else pixels, "L" if bands == 1 else mode)
-    return image.convert("P") if mode == "P" else image
 
 
 @pytest.fixture(scope="module")

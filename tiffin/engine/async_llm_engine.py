@@ -79,6 +79,7 @@ class AsyncLLMEngine(AsyncPooling, AsyncSleepMode, StallHandling):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.input_modalities = ("text", "image") if engine.image_limits else ("text",)
         self.task, self.supported_tasks = engine.task, engine.supported_tasks
         self.lora_registry = engine.lora_registry  # its lookups are safe from any thread
         self._on_stats = on_stats

@@ -11,7 +11,8 @@ Invariants:
   string, joined by newlines as vLLM joins them; a template that loops over a message's content gets the parts.
   Image parts (`{"type": "image_url", "image_url": {"url": "data:..."}}`) reach a model that reads images as
   `{"type": "image"}` parts where the template loops over content (it writes the image placeholder there), each
-  decoded within `ImageLimits` (`multimodal.image`); a text-only model refuses them, naming the part. Any other
+  decoded within `ImageLimits` (`multimodal.image`; an http(s) URL fetched first, only from a host of
+  `allowed_media_domains`: `multimodal.fetch`); a text-only model refuses them, naming the part. Any other
   part is refused, naming its type.
 - Every refusal is a ParamError naming `messages`."""
 
@@ -23,7 +24,8 @@ from jinja2 import nodes
 
 from tiffin.engine.chat_sandbox import TemplateLimit, bounded, install
 from tiffin.engine.errors import ParamError
-from tiffin.engine.multimodal.image import decode_data_url
+from tiffin.engine.multimodal.fetch import fetch_image
+from tiffin.engine.multimodal.image import decode_data_url, decode_image
 from tiffin.engine.multimodal.inputs import ImageLimits
 
 if TYPE_CHECKING:  # transformers is imported where a tokenizer is loaded
@@ -120,7 +122,8 @@ def _part(part, where: str, limits: ImageLimits | None, images: list) -> dict:
 
 
 def _image(value, where: str, limits: ImageLimits | None, count: int):
-    """The image an `image_url` part names: a `data:` URL decoded; http(s) URLs refused by name."""
+    """The image an `image_url` part names: a `data:` URL, or an http(s) URL on a host of `allowed_media_domains`
+    (`multimodal.fetch`), decoded."""
     if limits is None:
         raise ParamError("messages", f"{where}: content part type 'image_url' needs a model that reads images")
     url = value.get("url") if isinstance(value, dict) else value
@@ -129,8 +132,6 @@ def _image(value, where: str, limits: ImageLimits | None, count: int):
     if count >= limits.limit_mm_per_prompt:
         raise ParamError("messages", f"{where}: more images than limit_mm_per_prompt={limits.limit_mm_per_prompt}")
     if url.startswith(("http://", "https://")):
-        host = url.split("/")[2].rpartition("@")[2].partition(":")[0].lower()
-        if host not in limits.allowed_media_domains:
-            raise ParamError("messages", f"{where}: image URLs of {host!r} are refused: not in allowed_media_domains")
-        raise ParamError("messages", f"{where}: fetching image URLs is not supported yet; send a data: URL")
+        data = fetch_image(url, limits.allowed_media_domains, limits.max_image_bytes, where)
+        return decode_image(data, limits.max_image_pixels, where)
     return decode_data_url(url, limits.max_image_pixels, limits.max_image_bytes, where)

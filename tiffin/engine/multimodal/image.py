@@ -21,15 +21,20 @@ import torch
 from tiffin.engine.errors import ParamError
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")  # what `decode_image` opens; GIF: its first frame
+MAX_EXIF_BYTES = 65535  # a JPEG's APP1 segment holds at most this: no camera writes more
 MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG", "image/webp": "WEBP", "image/gif": "GIF"}
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
-def decode_image(data: bytes, max_pixels: int, where: str = "image"):
-    """The PIL image `data` encodes (PNG, JPEG, WebP, or a GIF's first frame), fully decoded; ParamError naming
-    `where` for an unsupported or corrupt file, or one declaring more than `max_pixels` pixels."""
-    from PIL import Image, UnidentifiedImageError
+def decode_image(data: bytes, max_pixels: int, where: str = "image", declared: str | None = None):
+    """The RGB PIL image `data` encodes (PNG, JPEG, WebP, or an animated file's first frame), fully decoded, turned
+    upright by its EXIF orientation tag as transformers' `load_image` does (a phone's photo as its viewer shows it)
+    and converted to RGB as every processor's first step does (`to_rgb`). ParamError naming `where` for an unsupported
+    or corrupt file, one declaring more than `max_pixels` pixels, one of another format than the media type
+    `declared` names (of MEDIA_TYPES; others are not checked), EXIF past MAX_EXIF_BYTES or that PIL cannot parse, or a
+    palette PIL cannot convert; each before the pixels are decoded where its header tells."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
 
     try:
         with warnings.catch_warnings():  # our limit decides, below
@@ -41,12 +46,24 @@ def decode_image(data: bytes, max_pixels: int, where: str = "image"):
         raise _refusal(where, f"{where}: more pixels than max_image_pixels={max_pixels} allows ({e})") from None
     except (OSError, ValueError) as e:
         raise _refusal(where, f"{where}: cannot be decoded: {e}") from None
+    if MEDIA_TYPES.get(declared, image.format) != image.format:
+        raise _refusal(where, f"{where}: the data URL declares {declared} but holds {image.format} data")
     check_pixels(image.size, max_pixels, where)
     try:
-        image.load()  # a GIF stays on its first frame
+        image.load()  # an animated file stays on its first frame
     except (OSError, ValueError, SyntaxError, EOFError) as e:  # truncated or corrupt data
         raise _refusal(where, f"{where}: cannot be decoded ({image.format}): {e}") from None
-    return image
+    exif = len(image.info.get("exif") or b"") + len(image.info.get("Raw profile type exif") or "") // 2
+    if exif > MAX_EXIF_BYTES:  # PIL parses EXIF in Python: a PNG's or WebP's of megabytes takes seconds
+        raise _refusal(where, f"{where}: {exif} bytes of EXIF data, more than the {MAX_EXIF_BYTES} a JPEG may hold")
+    try:
+        ImageOps.exif_transpose(image, in_place=True)
+    except Exception as e:  # noqa: BLE001 (PIL's EXIF parser raises struct.error, KeyError... on hostile data)
+        raise _refusal(where, f"{where}: its EXIF data cannot be read: {type(e).__name__}: {e}") from None
+    try:
+        return to_rgb(image)
+    except (OSError, ValueError) as e:  # a tRNS chunk longer than the palette, ...
+        raise _refusal(where, f"{where}: cannot be converted to RGB ({image.mode}): {e}") from None
 
 
 def check_pixels(size: tuple[int, int], max_pixels: int, where: str) -> None:
@@ -58,8 +75,8 @@ def check_pixels(size: tuple[int, int], max_pixels: int, where: str) -> None:
 
 
 def decode_data_url(url: str, max_pixels: int, max_bytes: int, where: str):
-    """The image of a `data:image/...;base64,` URL (`decode_image`); ParamError naming `where` otherwise, and for
-    data of another format than a media type of `MEDIA_TYPES` declares."""
+    """The image of a `data:image/...;base64,` URL (`decode_image`, checked against the media type it declares);
+    ParamError naming `where` otherwise."""
     head, comma, payload = url.partition(",")
     if not comma or not head.startswith("data:") or not head.endswith(";base64"):
         raise _refusal(where, f"{where}: a data URL must be 'data:<media type>;base64,<data>'")
@@ -69,11 +86,7 @@ def decode_data_url(url: str, max_pixels: int, max_bytes: int, where: str):
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise _refusal(where, f"{where}: the data URL's payload is not valid base64") from None
-    image = decode_image(data, max_pixels, where)
-    declared = head.removeprefix("data:").removesuffix(";base64").lower()
-    if MEDIA_TYPES.get(declared, image.format) != image.format:
-        raise _refusal(where, f"{where}: the data URL declares {declared} but holds {image.format} data")
-    return image
+    return decode_image(data, max_pixels, where, head.removeprefix("data:").removesuffix(";base64").lower())
 
 
 def _refusal(where: str, message: str) -> ParamError:

@@ -287,7 +287,8 @@ def _constraining_field(req: SamplingRequest) -> str | None:
 
 
 def model_card(serving) -> dict:
-    """OpenAI's model object for a serving's base model, with the context length and tasks it serves."""
+    """OpenAI's model object for a serving's base model, with the context length, the tasks it serves and what its
+    inputs may hold (`input_modalities`, OpenRouter's name: `["text", "image"]` for a vision-language model)."""
     return {
         "id": serving.model_name,
         "object": "model",
@@ -295,6 +296,7 @@ def model_card(serving) -> dict:
         "owned_by": "tiffin",
         "max_model_len": serving.engine.max_model_len,
         "tasks": list(serving.tasks),
+        "input_modalities": list(serving.engine.input_modalities),
     }
 
 
