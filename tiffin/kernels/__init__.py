@@ -12,6 +12,7 @@ __all__ = [
     "AttentionMetadata",
     "add_rms_norm",
     "argmax",
+    "fused_moe",
     "gelu_and_mul",
     "mla_attention",
     "paged_attention",
@@ -116,3 +117,4 @@ def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
 
 from tiffin.kernels import mla  # noqa: E402, F401  (registers mla_attention's torch implementation)
 from tiffin.kernels.fused import add_rms_norm, gelu_and_mul, rotary_write_kv  # noqa: E402  (its references import the above)
+from tiffin.kernels.fused_moe import fused_moe  # noqa: E402

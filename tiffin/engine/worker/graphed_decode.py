@@ -2,13 +2,32 @@
 graph captured per count on CUDA (the same padded inputs run eagerly elsewhere), replayed on every rank under
 tensor parallelism and per stage under pipeline parallelism."""
 
+import logging
+
 import numpy as np
 import torch
 
 from tiffin.engine.core.scheduler import SchedulerOutput
+from tiffin.engine.models.config import ModelConfig
 from tiffin.engine.worker import pipeline_stage, tp_worker
 from tiffin.engine.worker.batch import Upload
 from tiffin.engine.worker.cuda_graphs import DecodeGraphs, decode_batch_sizes
+
+logger = logging.getLogger("tiffin.graphs")
+
+
+def graph_refusal(model_config: ModelConfig) -> str | None:
+    """Why this model's decode steps are not captured in CUDA graphs (they run eagerly), None where they are. A
+    mixture of experts' stacked experts run the fused MoE kernel, sized by the step's tokens alone; what still
+    reads device data on the host each step is refused by name."""
+    arch = model_config.architecture
+    if model_config.task != "generate":
+        return "a pooling model runs no decode steps"
+    if model_config.kv_latent_dim:
+        return f"{arch}: the latent attention's decode plan (kernels/mla.py) is built on the host each step"
+    if model_config.moe is not None and model_config.quant_config is not None:
+        return f"{arch}: GGUF experts run one expert at a time, their token counts read on the host each step"
+    return None
 
 
 class GraphedDecode:
