@@ -1,19 +1,23 @@
 """Mixtures of experts decoded from CUDA graphs under the CUDA emulation (Triton kernels interpreted): the stacked
-experts run `kernels.fused_moe`, whose sort by expert stays on the device, so decode steps are captured and
-replayed (models/moe.py, worker/graphed_decode.py).
+experts run `kernels.fused_moe`, whose sort by expert stays on the device, and DeepSeek's decode rows the Triton
+latent decode, which reads the contexts' lengths on the device, so decode steps are captured and replayed
+(models/moe.py, models/deepseek.py, worker/graphed_decode.py).
 
-- Qwen3-MoE, Mixtral and Qwen2-MoE (a gated shared expert, a dense layer) on tiny random fp32 checkpoints written
-  by transformers (test_moe's): greedy tokens and logprobs of decode steps replayed from graphs equal transformers'
-  (1e-4), and (Qwen3-MoE) the same engine's run eagerly.
+- Qwen3-MoE, Mixtral, Qwen2-MoE (a gated shared expert, a dense layer), DeepSeek-V2 and -V3 (test_deepseek's
+  configs: grouped top-k, shared experts, YaRN, q_lora) on tiny random fp32 checkpoints written by transformers:
+  greedy tokens and logprobs of decode steps replayed from graphs equal transformers' (1e-4), and (Qwen3-MoE,
+  DeepSeek-V3) the same engine's run eagerly.
 - A host read in the graphed path fails the capture: with the experts' torch path (one read of the counts a
   layer) in place of the Triton one, building the engine raises.
 - What still reads the host each step keeps its decode eager, refused by name: GGUF experts (one expert at a time)
-  and DeepSeek's latent attention (its decode plan).
+  and an fp32 latent wider than the Triton decode takes.
 """
 
 import dataclasses
+import json
 
 import pytest
+import test_deepseek
 import torch
 from references import reference_generate
 from test_moe import ARCHS, TINY, VOCAB, prompts, randomize
@@ -28,7 +32,11 @@ from tiffin.quant.gguf import GGUFConfig
 from tiffin.testing.cuda_emulation import EmulatedCudaError
 from tiffin.tiny import write_tokenizer
 
-MAX_TOKENS = (5, 3)  # the batch decodes 2 rows, then 1: both graph sizes replayed
+# model_type -> its config (transformers' keywords)
+CONFIGS = {t: TINY | extra for t, extra in ARCHS.items()}
+CONFIGS |= {t: test_deepseek.TINY | extra for t, extra in test_deepseek.ARCHS.items()}
+EAGER_TOO = ("qwen3_moe", "deepseek_v3")  # eager runs the same kernels: two architectures show it (each costs seconds)
+MAX_TOKENS = (5, 3)  # the batch decodes 2 rows, then 1 (padded to 2)
 ENGINE = dict(device="cuda", dtype="float32", max_num_seqs=2, max_model_len=64, num_kv_blocks=8)
 
 
@@ -40,10 +48,14 @@ def batch() -> list[list[int]]:
 def checkpoints(tmp_path_factory):
     """model_type -> (checkpoint path, transformers' greedy (tokens, logprobs) for `batch()`)."""
     out = {}
-    for model_type, extra in ARCHS.items():
+    for model_type, config in CONFIGS.items():
         path = tmp_path_factory.mktemp(model_type)
-        hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **TINY, **extra), dtype=torch.float32)
+        hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config), dtype=torch.float32)
         randomize(hf.eval())
+        g = torch.Generator().manual_seed(1)
+        for name, buffer in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's, a buffer: `randomize` leaves it zero
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=g))
         hf.save_pretrained(path)
         write_tokenizer(path, VOCAB, model_type.startswith("qwen"), TINY["max_position_embeddings"])
         hf.generation_config.eos_token_id = None
@@ -53,7 +65,9 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture
 def no_warm_up(monkeypatch):
+    """No warm-up, one graph (of 2 rows: the batch's last steps pad 1 row to it); each forward costs seconds."""
     monkeypatch.setattr(model_runner, "warm_up_triton", lambda runner: None)
+    monkeypatch.setattr(graphed_decode, "decode_batch_sizes", lambda rows, quantized: [2])
 
 
 def generate(llm: LLM) -> list[tuple[list[int], list[float]]]:
@@ -69,17 +83,21 @@ def assert_matches(got, expected) -> None:
         assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < 1e-4
 
 
-@pytest.mark.parametrize("model_type", list(ARCHS))
+@pytest.mark.parametrize("model_type", list(CONFIGS))
 def test_graphed_decode_equals_eager_and_transformers(checkpoints, model_type, cuda_emulation, no_warm_up):
     path, expected = checkpoints[model_type]
     llm = LLM(str(path), **ENGINE)
-    assert sorted(llm.llm_engine.model_runner.decode_graphs.graphs) == [1, 2]
+    assert sorted(llm.llm_engine.model_runner.decode_graphs.graphs) == [2]
     replays = cuda_emulation.replays
     graphed = generate(llm)
     assert cuda_emulation.replays - replays == max(MAX_TOKENS) - 1  # every decode step from a graph
-    assert "_moe_gemm_kernel" in cuda_emulation.launches
+    graph_kernels = {
+        k for graph, _ in llm.llm_engine.model_runner.decode_graphs.graphs.values() for k in graph.kernels()
+    }
+    assert "_moe_gemm_kernel" in graph_kernels
+    assert ("_mla_decode_kernel" in graph_kernels) == model_type.startswith("deepseek")
     assert_matches(graphed, expected)
-    if model_type == "qwen3_moe":  # eager runs the same kernels: one architecture shows it (each costs seconds)
+    if model_type in EAGER_TOO:
         assert_matches(generate(LLM(str(path), enforce_eager=True, **ENGINE)), graphed)
 
 
@@ -95,8 +113,11 @@ def test_what_reads_the_host_each_step_is_refused_by_name(checkpoints, tmp_path)
     assert graphed_decode.graph_refusal(config) is None
     gguf = dataclasses.replace(config, quant_config=GGUFConfig(kept={}))
     assert "Qwen3MoeForCausalLM: GGUF experts run one expert at a time" in graphed_decode.graph_refusal(gguf)
-    deepseek = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8)
-    config = AutoConfig.for_model("deepseek_v2", architectures=["DeepseekV2ForCausalLM"], **TINY, **deepseek)
-    config.save_pretrained(tmp_path)
-    refusal = graphed_decode.graph_refusal(get_model_config(tmp_path))
-    assert refusal.startswith("DeepseekV2ForCausalLM: the latent attention's decode plan")
+    path = checkpoints["deepseek_v3"][0]
+    assert graphed_decode.graph_refusal(get_model_config(path)) is None  # fp32, rank 32
+    raw = json.loads((path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(raw | dict(kv_lora_rank=512, qk_rope_head_dim=64)))
+    wide = get_model_config(tmp_path)
+    refusal = "DeepseekV3ForCausalLM: a float32 latent of rank 512 > 128 decodes by the torch plan"
+    assert graphed_decode.graph_refusal(wide).startswith(refusal)
+    assert graphed_decode.graph_refusal(dataclasses.replace(wide, dtype=torch.bfloat16)) is None

@@ -68,7 +68,8 @@ def mla_attention(
 ) -> torch.Tensor:
     """DeepSeek's multi-head latent attention over a latent cache `[num_blocks, block_size, 1, rank + rope]`:
     `q_nope [T, H, nope]`, `q_pe [T, H, rope]` -> `[T, H, v_dim]` (kernels/mla.py: layout, and which rows attend
-    absorbed); `w_uk [H, nope, rank]`, `w_uv [H, v_dim, rank]` the up-projections. Torch on every backend so far."""
+    absorbed); `w_uk [H, nope, rank]`, `w_uv [H, v_dim, rank]` the up-projections. Triton: decode-only steps
+    (triton_mla.py)."""
     return kernel("mla_attention", backend)(q_nope, q_pe, cache, md, scale, w_uk, w_uv, fresh_latent)
 
 

@@ -12,6 +12,7 @@ from tiffin.engine.models.config import ModelConfig
 from tiffin.engine.worker import pipeline_stage, tp_worker
 from tiffin.engine.worker.batch import Upload
 from tiffin.engine.worker.cuda_graphs import DecodeGraphs, decode_batch_sizes
+from tiffin.kernels.mla import MAX_FP32_RANK, decodes_on_triton
 
 logger = logging.getLogger("tiffin.graphs")
 
@@ -23,8 +24,9 @@ def graph_refusal(model_config: ModelConfig) -> str | None:
     arch = model_config.architecture
     if model_config.task != "generate":
         return "a pooling model runs no decode steps"
-    if model_config.kv_latent_dim:
-        return f"{arch}: the latent attention's decode plan (kernels/mla.py) is built on the host each step"
+    if model_config.kv_latent_dim and not decodes_on_triton(model_config.family.kv_lora_rank, model_config.dtype):
+        rank = model_config.family.kv_lora_rank
+        return f"{arch}: a float32 latent of rank {rank} > {MAX_FP32_RANK} decodes by the torch plan, built on the host"
     if model_config.moe is not None and model_config.quant_config is not None:
         return f"{arch}: GGUF experts run one expert at a time, their token counts read on the host each step"
     return None
