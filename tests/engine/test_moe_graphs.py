@@ -111,10 +111,12 @@ def test_a_host_read_in_the_experts_fails_the_capture(checkpoints, cuda_emulatio
 def test_what_reads_the_host_each_step_is_refused_by_name(checkpoints, tmp_path):
     config = get_model_config(checkpoints["qwen3_moe"][0])
     assert graphed_decode.graph_refusal(config) is None
-    gguf = dataclasses.replace(config, quant_config=GGUFConfig(kept={}))
-    assert "Qwen3MoeForCausalLM: GGUF experts run one expert at a time" in graphed_decode.graph_refusal(gguf)
+    gguf = dataclasses.replace(config, quant_config=GGUFConfig(kept={}))  # a GGUF file's: a layer per expert
+    assert graphed_decode.graph_refusal(gguf).startswith("Qwen3MoeForCausalLM: GGUF experts run one expert at a time")
     path = checkpoints["deepseek_v3"][0]
-    assert graphed_decode.graph_refusal(get_model_config(path)) is None  # fp32, rank 32
+    config = get_model_config(path)
+    assert graphed_decode.graph_refusal(config) is None  # fp32, rank 32
+    assert graphed_decode.graph_refusal(dataclasses.replace(config, quant_config=GGUFConfig(kept={}))) is None
     raw = json.loads((path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(raw | dict(kv_lora_rank=512, qk_rope_head_dim=64)))
     wide = get_model_config(tmp_path)

@@ -32,7 +32,7 @@ def moe_tile(num_pairs: int, num_experts: int, dtype: torch.dtype) -> tc.Tile:
     return tc.Tile(block_m, 64, 64 if block_m < 64 else 32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # one binary for every token count of a tile (warm-up covers it)
 def _moe_gemm_kernel(
     a_ptr,
     b_ptr,

@@ -189,6 +189,11 @@ class LinearExperts(nn.Module):
         return [f"{stacked}.{e}.{n}" for e, layer in enumerate(layers) for n, _ in layer.named_parameters()]
 
 
+def per_expert_layers(config: ModelConfig) -> bool:
+    """Whether `SparseMoE` holds its experts as a layer each (a GGUF file's: `LinearExperts`), not stacked."""
+    return config.quant_config is not None and config.quant_config.name == "gguf"
+
+
 class SparseMoE(nn.Module):
     """Router, experts and (Qwen2-MoE) the gated shared expert of one layer."""
 
@@ -198,7 +203,7 @@ class SparseMoE(nn.Module):
         self.top_k, self.renormalize, self.tp = moe.top_k, moe.renormalize, tp
         self.gate = linear("gate", hidden, [moe.num_experts], False)  # replicated on every rank
         self.gate.looks_up_rows = True  # a CPU prepack keeps its plain weight: the native decode step reads it
-        if config.quant_config is not None and config.quant_config.name == "gguf":
+        if per_expert_layers(config):
             self.experts = LinearExperts(
                 moe.num_experts, hidden, moe.intermediate_size, config.hidden_act, backend, linear
             )

@@ -95,7 +95,6 @@ class ModelRunner(KVBlockCopies, GraphedDecode):
         refusal = graph_refusal(model_config)
         if refusal is not None and self.policy.capture_graphs:
             graphed_decode.logger.info("no CUDA graphs: %s", refusal)
-        if refusal is not None:
             self.policy = dataclasses.replace(self.policy, capture_graphs=False)
         if group is None and world_size(config) > 1:
             group = tp_worker.start(config, model_config, max_model_len, self.device, ModelRunner)
