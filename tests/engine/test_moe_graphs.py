@@ -7,6 +7,8 @@ latent decode, which reads the contexts' lengths on the device, so decode steps 
   configs: grouped top-k, shared experts, YaRN, q_lora) on tiny random fp32 checkpoints written by transformers:
   greedy tokens and logprobs of decode steps replayed from graphs equal transformers' (1e-4), and (Qwen3-MoE,
   DeepSeek-V3) the same engine's run eagerly.
+- (slow) Qwen2-MoE at TP=2: both ranks replay their graphs, all-reduces inside, and equal transformers; warm-up
+  launched every Triton variant serving does.
 - A host read in the graphed path fails the capture: with the experts' torch path (one read of the counts a
   layer) in place of the Triton one, building the engine raises.
 - What still reads the host each step keeps its decode eager, refused by name: GGUF experts (one expert at a time)
@@ -27,6 +29,7 @@ from tiffin import LLM, SamplingParams
 from tiffin.engine.models.loader import get_model_config
 from tiffin.engine.worker import graphed_decode, model_runner
 from tiffin.kernels import dispatch
+from tiffin.kernels import triton_common as tc
 from tiffin.kernels.fused_moe import fused_moe_torch
 from tiffin.quant.gguf import GGUFConfig
 from tiffin.testing.cuda_emulation import EmulatedCudaError
@@ -123,3 +126,25 @@ def test_what_reads_the_host_each_step_is_refused_by_name(checkpoints, tmp_path)
     refusal = "DeepseekV3ForCausalLM: a float32 latent of rank 512 > 128 decodes by the torch plan"
     assert graphed_decode.graph_refusal(wide).startswith(refusal)
     assert graphed_decode.graph_refusal(dataclasses.replace(wide, dtype=torch.bfloat16)) is None
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_tensor_parallel_graphed_decode_equals_transformers(checkpoints, cuda_emulation):
+    """TP=2 (rank 1 a worker process under an emulation of its own, NCCL's all-reduces run by gloo): each rank's
+    half of every expert in its graphs, the experts' and the shared expert's sums all-reduced inside; rank 1 replays
+    every graph rank 0 does; serving launches no Triton variant that start-up (warm-up) did not."""
+    path, expected = checkpoints["qwen2_moe"]
+    with tc.recording_launches() as started:
+        llm = LLM(str(path), tensor_parallel_size=2, distributed_timeout=120, **ENGINE)
+    try:
+        assert sorted(llm.llm_engine.model_runner.decode_graphs.graphs) == [1, 2]
+        with tc.recording_launches() as served:
+            got = generate(llm)
+        replays = cuda_emulation.replays
+    finally:
+        llm.shutdown()
+    assert_matches(got, expected)
+    assert replays >= max(MAX_TOKENS) - 1 and cuda_emulation.worker_replays() == {1: replays}
+    assert any(variant[0].endswith("_moe_gemm_kernel") for variant in served)
+    assert not served - started, sorted(served - started, key=str)[:2]
