@@ -3,12 +3,11 @@ experts run `kernels.fused_moe`, whose sort by expert stays on the device, and D
 latent decode, which reads the contexts' lengths on the device, so decode steps are captured and replayed
 (models/moe.py, models/deepseek.py, worker/graphed_decode.py).
 
-- Qwen3-MoE, Mixtral, Qwen2-MoE (a gated shared expert, a dense layer), DeepSeek-V2 and -V3 (test_deepseek's
-  configs: grouped top-k, shared experts, YaRN, q_lora) on tiny random fp32 checkpoints written by transformers:
-  greedy tokens and logprobs of decode steps replayed from graphs equal transformers' (1e-4), and (Qwen3-MoE,
-  DeepSeek-V3) the same engine's run eagerly.
-- (slow) Qwen2-MoE at TP=2: both ranks replay their graphs, all-reduces inside, and equal transformers; warm-up
-  launched every Triton variant serving does.
+- Qwen3-MoE, Mixtral, DeepSeek-V2 and -V3 (test_deepseek's configs: grouped top-k, shared experts, YaRN, q_lora)
+  on tiny random fp32 checkpoints written by transformers: greedy tokens and logprobs of decode steps replayed from
+  graphs equal transformers' (1e-4), and (Qwen3-MoE, DeepSeek-V3) the same engine's run eagerly.
+- (slow) Qwen2-MoE (a gated shared expert, a dense layer) at TP=2: both ranks replay their graphs, all-reduces
+  inside, and equal transformers; warm-up launched every Triton variant serving does.
 - A host read in the graphed path fails the capture: with the experts' torch path (one read of the counts a
   layer) in place of the Triton one, building the engine raises.
 - What still reads the host each step keeps its decode eager, refused by name: GGUF experts (one expert at a time)
@@ -86,7 +85,7 @@ def assert_matches(got, expected) -> None:
         assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < 1e-4
 
 
-@pytest.mark.parametrize("model_type", list(CONFIGS))
+@pytest.mark.parametrize("model_type", [t for t in CONFIGS if t != "qwen2_moe"])  # Qwen2-MoE's: at TP=2 below
 def test_graphed_decode_equals_eager_and_transformers(checkpoints, model_type, cuda_emulation, no_warm_up):
     path, expected = checkpoints[model_type]
     llm = LLM(str(path), **ENGINE)
