@@ -164,8 +164,9 @@ def test_speculative_verification_matches_transformers(checkpoints):
 
 @pytest.mark.parametrize("model_type", list(ARCHS))
 def test_cuda_path_under_the_emulation_matches_transformers(checkpoints, model_type, cuda_emulation, monkeypatch):
-    """The CUDA path on CPU (`cuda_emulation`: the norms and activations of the Triton backend interpreted, the
-    latent attention's torch ops on device tensors); no graphs, as for every mixture of experts."""
+    """The CUDA path on CPU (`cuda_emulation`: the norms, activations, fused experts and latent decode of the
+    Triton backend interpreted, the prefills' latent attention torch ops on device tensors), decode steps replayed
+    from CUDA graphs (test_moe_graphs)."""
     monkeypatch.setattr(model_runner, "warm_up_triton", lambda runner: None)
     path, _, expected = checkpoints[model_type]
     assert_first_tokens_match(LLM(str(path), device="cuda", **EMULATED), expected)
@@ -190,7 +191,7 @@ def assert_first_tokens_match(llm: LLM, expected) -> None:
 @pytest.mark.subprocess
 def test_tensor_parallel_cuda_path_under_the_emulation_matches_transformers(checkpoints, cuda_emulation):
     """TP=2 on the CUDA path: rank 1 a worker process under an emulation of its own (cuda:1), NCCL's all-reduces run
-    by gloo, both ranks warming up their Triton kernels together; eager, as at TP=1."""
+    by gloo, both ranks warming up their Triton kernels together; decode steps from graphs, as at TP=1."""
     path, _, expected = checkpoints["deepseek_v3"]
     llm = LLM(str(path), device="cuda", tensor_parallel_size=2, distributed_timeout=120, **EMULATED)
     try:

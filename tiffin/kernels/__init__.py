@@ -12,6 +12,7 @@ __all__ = [
     "AttentionMetadata",
     "add_rms_norm",
     "argmax",
+    "fused_moe",
     "gelu_and_mul",
     "mla_attention",
     "paged_attention",
@@ -67,7 +68,8 @@ def mla_attention(
 ) -> torch.Tensor:
     """DeepSeek's multi-head latent attention over a latent cache `[num_blocks, block_size, 1, rank + rope]`:
     `q_nope [T, H, nope]`, `q_pe [T, H, rope]` -> `[T, H, v_dim]` (kernels/mla.py: layout, and which rows attend
-    absorbed); `w_uk [H, nope, rank]`, `w_uv [H, v_dim, rank]` the up-projections. Torch on every backend so far."""
+    absorbed); `w_uk [H, nope, rank]`, `w_uv [H, v_dim, rank]` the up-projections. Triton: decode-only steps
+    (triton_mla.py)."""
     return kernel("mla_attention", backend)(q_nope, q_pe, cache, md, scale, w_uk, w_uv, fresh_latent)
 
 
@@ -116,3 +118,4 @@ def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
 
 from tiffin.kernels import mla  # noqa: E402, F401  (registers mla_attention's torch implementation)
 from tiffin.kernels.fused import add_rms_norm, gelu_and_mul, rotary_write_kv  # noqa: E402  (its references import the above)
+from tiffin.kernels.fused_moe import fused_moe  # noqa: E402

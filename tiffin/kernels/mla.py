@@ -11,6 +11,10 @@ numbers a key, never expand the context. Prefill spans (several query tokens) ex
 per-head keys and values, as transformers does, and run SDPA: absorbed, each query token would cost rank + rope
 multiply-adds per key and head where the expanded keys cost nope + rope (512 + 64 against 128 + 64 in
 DeepSeek-V3), which the expansion, once per key and not per query, repays on a prompt of more than a few tokens.
+
+This torch implementation plans its steps on the host (`attention._plan`: the rows' context lengths); the Triton
+backend runs decode-only steps in one kernel that reads them on the device (triton_mla.py), so CUDA graphs capture
+them, and its steps with a prefill here.
 """
 
 from dataclasses import replace
@@ -21,6 +25,14 @@ import torch.nn.functional as F
 from tiffin.kernels import cpu_native
 from tiffin.kernels.attention import AttentionMetadata, _decode_groups, _gather, _plan
 from tiffin.kernels.dispatch import implements
+
+MAX_FP32_RANK = 128  # the Triton decode's widest fp32 latent (`decodes_on_triton`)
+
+
+def decodes_on_triton(rank: int, dtype: torch.dtype) -> bool:
+    """Whether the Triton decode (triton_mla.py) takes a latent of `rank` in `dtype`: fp32 latents past
+    MAX_FP32_RANK spill registers (3xTF32 dots triple their operands), so their steps run the torch plan, eagerly."""
+    return dtype != torch.float32 or rank <= MAX_FP32_RANK
 
 
 @implements("mla_attention", "torch")

@@ -29,9 +29,10 @@ dimension (`moe.Experts`), the shared experts and the dense layers' MLPs as any 
 MoE layer all-reduces once, the experts' and the shared experts' partial sums added first.
 
 Not served (refused by name): a quantized KV cache (int8/fp8) or int8 host tier, LoRA, quantized checkpoints
-(`loader`: quantized experts), `moe_layer_freq` other than 1. CUDA graphs stay off (as for every mixture of
-experts: its per-expert GEMMs are sized on the host, and so is the latent attention's plan) and the attention runs
-its torch implementation on every backend.
+(`loader`: quantized experts), `moe_layer_freq` other than 1. On the Triton backend the experts run the fused MoE
+kernel and decode-only steps the latent attention's Triton decode (`kernels/triton_mla.py`), neither reading the
+host, so decode steps are captured in CUDA graphs (not an fp32 latent of rank > 128: `graphed_decode.graph_refusal`);
+steps with a prefill attend by the torch implementation.
 """
 
 import math
@@ -152,9 +153,9 @@ class LatentAttention(nn.Module):
         q_pe = pe[:, : self.num_heads] * self.q_pe_scale if self.q_pe_scale != 1.0 else pe[:, : self.num_heads]
         latent = torch.cat([self.kv_a_layernorm(c, self.backend), pe[:, self.num_heads]], dim=-1)[:, None]
         kernels.write_kv(latent, latent, self.k_cache, self.v_cache, attn_metadata.slot_mapping)
-        o = kernels.mla_attention(
-            q[..., : self.nope], q_pe, self.k_cache, attn_metadata, self.scale, *self.up_projections(), latent
-        )
+        w_uk, w_uv = self.up_projections()
+        args = q[..., : self.nope], q_pe, self.k_cache, attn_metadata, self.scale, w_uk, w_uv, latent
+        o = kernels.mla_attention(*args, backend=self.backend)
         return self.o_proj(o.flatten(1), lora)
 
     def up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:

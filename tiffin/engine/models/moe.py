@@ -8,30 +8,31 @@ those experts' outputs, plus, in Qwen2-MoE, a shared expert (a dense MLP every t
 `sigmoid(shared_expert_gate(x))`.
 
 Experts from a Hugging Face checkpoint are stacked per layer, `gate_up_proj [E, 2I, H]` (each expert's gate rows,
-then its up rows) and `down_proj [E, H, I]` (`Experts`). Those of a GGUF file are each expert's pair of `Linear`s
+then its up rows) and `down_proj [E, H, I]` (`Experts`), and run by `kernels.fused_moe`: on CPU (torch) its
+(token, choice) pairs sorted by expert and one GEMM pair per expert that has tokens (`run_experts`, which reads
+the experts' counts on the host), on the Triton backend one sorted, padded grouped GEMM pair sized by the number of
+tokens alone (no host read: CUDA graphs capture it). Those of a GGUF file are each expert's pair of `Linear`s
 (`LinearExperts`), stored as their `LinearMethod` stores a GGUF tensor: quantized ones kept in their blocks (on
-CPU the native block GEMMs), each expert's rows a slice of the file's stacked tensor. Either way a forward sorts
-its (token, choice) pairs by expert and runs one GEMM pair per expert that has tokens (`run_experts`): a decode
-step reads its chosen experts' weights and no others'. On CPU a decode step of GGUF experts kept in blocks runs
-natively instead (`worker/cpu_decode.py`): routing and a grouped GEMM over the chosen experts
-a projection, with this module's numerics. The outputs go back to (token, choice) order and are
-summed over the choices with their routing weights. DeepSeek's routing (grouped top-k,
-sigmoid scores with a correction bias, a scaling factor) is `grouped_topk`, which `deepseek.py`'s layer uses.
+CPU the native block GEMMs), each expert's rows a slice of the file's stacked tensor, run by `run_experts` on
+every device (so no CUDA graphs for them: `graphed_decode.graph_refusal`). Either way a decode step reads its
+chosen experts' weights and no others'. On CPU a decode step of GGUF experts kept in blocks runs natively
+instead (`worker/cpu_decode.py`): routing and a grouped GEMM over the chosen experts a projection, with this
+module's numerics. DeepSeek's routing (grouped top-k, sigmoid scores with a correction bias, a scaling factor) is
+`grouped_topk`, which `deepseek.py`'s layer uses.
 
 Tensor parallelism splits each expert's intermediate dimension, as the dense MLP's column (gate/up) and row
 (down) split does; the router is replicated; the experts' partial outputs are all-reduced.
 """
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
-from torch.nn import functional as F
 
+from tiffin import kernels
 from tiffin.engine.distributed.tensor_parallel import TensorParallel
 from tiffin.engine.models.config import ModelConfig
 from tiffin.engine.models.layers import ACTIVATIONS, MLP, LinearFactory, prefixed
 from tiffin.engine.models.llama import LlamaForCausalLM, dense_mlp
+from tiffin.kernels.fused_moe import run_experts
 from tiffin.kernels.lora import LoRAMetadata
 from tiffin.quant.base import materialize, param, rank_slice
 
@@ -44,31 +45,6 @@ EXPERT_SHARDS = {
     "w3": ("gate_up_proj", 1),
     "w2": ("down_proj", None),
 }
-
-
-def run_experts(
-    x: torch.Tensor,
-    weights: torch.Tensor,
-    experts: torch.Tensor,
-    num_experts: int,
-    expert: Callable[[int, torch.Tensor], torch.Tensor],
-) -> torch.Tensor:
-    """`x [T, H]`, each token's `experts [T, k]` and their routing `weights [T, k]` -> `sum_k weights[t, k] *
-    expert(experts[t, k], x[t])` `[T, H]`, calling `expert(e, rows)` once per expert chosen, on all its rows."""
-    top_k = experts.shape[1]
-    flat = experts.flatten()
-    order = flat.argsort(stable=True)  # the (token, choice) pairs grouped by expert
-    counts = torch.bincount(flat, minlength=num_experts).tolist()  # the layer's one host sync
-    xs = x[order // top_k]
-    ys = torch.empty_like(xs)
-    start = 0
-    for e, n in enumerate(counts):
-        if n:
-            ys[start : start + n] = expert(e, xs[start : start + n])
-            start += n
-    # back to (token, choice) order: a scatter of distinct rows, deterministic where index_add_'s atomics are not
-    ys = torch.empty_like(ys).index_copy_(0, order, ys).view(-1, top_k, ys.shape[-1])
-    return (ys * weights[..., None]).sum(1)
 
 
 class Experts(nn.Module):
@@ -95,11 +71,9 @@ class Experts(nn.Module):
         self.unloaded |= {("down_proj", e, None) for e in range(num_experts)}
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """This rank's part of the experts' weighted sum (`run_experts`)."""
-        return run_experts(x, weights, experts, self.gate_up_proj.shape[0], self.expert)
-
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.act_and_mul(F.linear(x, self.gate_up_proj[e]), self.backend), self.down_proj[e])
+        """This rank's part of the experts' weighted sum (`kernels.fused_moe`)."""
+        act_and_mul = lambda h: self.act_and_mul(h, self.backend)
+        return kernels.fused_moe(x, self.gate_up_proj, self.down_proj, weights, experts, act_and_mul, self.backend)
 
     def load(self, name: str, tensor) -> list[str]:
         """Place checkpoint tensor `experts.{name}`: one expert's (`{e}.gate_proj.weight`, ...) or, fused as
@@ -215,6 +189,11 @@ class LinearExperts(nn.Module):
         return [f"{stacked}.{e}.{n}" for e, layer in enumerate(layers) for n, _ in layer.named_parameters()]
 
 
+def per_expert_layers(config: ModelConfig) -> bool:
+    """Whether `SparseMoE` holds its experts as a layer each (a GGUF file's: `LinearExperts`), not stacked."""
+    return config.quant_config is not None and config.quant_config.name == "gguf"
+
+
 class SparseMoE(nn.Module):
     """Router, experts and (Qwen2-MoE) the gated shared expert of one layer."""
 
@@ -224,7 +203,7 @@ class SparseMoE(nn.Module):
         self.top_k, self.renormalize, self.tp = moe.top_k, moe.renormalize, tp
         self.gate = linear("gate", hidden, [moe.num_experts], False)  # replicated on every rank
         self.gate.looks_up_rows = True  # a CPU prepack keeps its plain weight: the native decode step reads it
-        if config.quant_config is not None and config.quant_config.name == "gguf":
+        if per_expert_layers(config):
             self.experts = LinearExperts(
                 moe.num_experts, hidden, moe.intermediate_size, config.hidden_act, backend, linear
             )

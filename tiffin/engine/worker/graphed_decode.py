@@ -2,13 +2,36 @@
 graph captured per count on CUDA (the same padded inputs run eagerly elsewhere), replayed on every rank under
 tensor parallelism and per stage under pipeline parallelism."""
 
+import logging
+
 import numpy as np
 import torch
 
 from tiffin.engine.core.scheduler import SchedulerOutput
+from tiffin.engine.models.config import ModelConfig
+from tiffin.engine.models.moe import MoEForCausalLM, per_expert_layers
+from tiffin.engine.models.registry import get_architecture
 from tiffin.engine.worker import pipeline_stage, tp_worker
 from tiffin.engine.worker.batch import Upload
 from tiffin.engine.worker.cuda_graphs import DecodeGraphs, decode_batch_sizes
+from tiffin.kernels.mla import MAX_FP32_RANK, decodes_on_triton
+
+logger = logging.getLogger("tiffin.graphs")
+
+
+def graph_refusal(model_config: ModelConfig) -> str | None:
+    """Why the model's decode steps are not captured in CUDA graphs (they run eagerly), None where they are. A
+    mixture of experts' stacked experts run the fused MoE kernel, sized by the step's tokens alone, and DeepSeek's
+    decode rows the Triton latent decode; what still reads device data on the host each step is refused by name."""
+    arch = model_config.architecture
+    if model_config.task != "generate":
+        return "a pooling model runs no decode steps"
+    if model_config.kv_latent_dim and not decodes_on_triton(model_config.family.kv_lora_rank, model_config.dtype):
+        rank = model_config.family.kv_lora_rank
+        return f"{arch}: a float32 latent of rank {rank} > {MAX_FP32_RANK} decodes by the torch plan, built on the host"
+    if issubclass(get_architecture(arch).model, MoEForCausalLM) and per_expert_layers(model_config):
+        return f"{arch}: GGUF experts run one expert at a time, their token counts read on the host each step"
+    return None
 
 
 class GraphedDecode:

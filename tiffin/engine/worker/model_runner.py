@@ -26,12 +26,12 @@ from tiffin.engine.models.pooler import PoolingMetadata
 from tiffin.engine.multimodal.encoder import EncoderRunner, prefills_images
 from tiffin.engine.multimodal.mrope import mrope_positions
 from tiffin.engine.structured.backend import fill_bitmask
-from tiffin.engine.worker import kv_cache, kv_groups, pipeline_stage, tp_worker
+from tiffin.engine.worker import graphed_decode, kv_cache, kv_groups, pipeline_stage, tp_worker
 from tiffin.engine.worker.batch import HostBatch, ModelInput, Upload, host_batch, pad_indices
 from tiffin.engine.worker.cpu_decode import CpuDecoder
 from tiffin.engine.worker.cpu_threads import ThreadSizer, usable_cpus
 from tiffin.engine.worker.cuda_graphs import DecodeGraphs
-from tiffin.engine.worker.graphed_decode import GraphedDecode
+from tiffin.engine.worker.graphed_decode import GraphedDecode, graph_refusal
 from tiffin.engine.worker.kv_copies import KVBlockCopies
 from tiffin.engine.worker.policy import choose_policy
 from tiffin.engine.worker.prompt_logprobs import prompt_logprobs
@@ -92,9 +92,9 @@ class ModelRunner(KVBlockCopies, GraphedDecode):
             dtype != torch.float32 or (world_size(config) == 1 and prepacks_for_onednn(dtype))
         )
         self.policy = choose_policy(self.device, dtype, self.backend, onednn, config, native)
-        # a pooling model runs no decode steps to capture; a mixture of experts sizes its per-expert GEMMs on the
-        # host each step (`models/moe.py`), which a graph cannot replay
-        if model_config.task != "generate" or model_config.moe is not None:
+        refusal = graph_refusal(model_config)
+        if refusal is not None and self.policy.capture_graphs:
+            graphed_decode.logger.info("no CUDA graphs: %s", refusal)
             self.policy = dataclasses.replace(self.policy, capture_graphs=False)
         if group is None and world_size(config) > 1:
             group = tp_worker.start(config, model_config, max_model_len, self.device, ModelRunner)
