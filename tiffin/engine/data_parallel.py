@@ -3,11 +3,13 @@
 an `LLMEngine` for `LLM` and `AsyncLLMEngine`.
 
 The front tokenizes and checks each request (`InputProcessor`, the replicas' limits), lets the `Router` pick a
-replica, sends the request there and streams that replica's outputs back; `step()` returns whatever outputs the
-replicas reported since the last call (each replica steps on its own, continuously). An abort goes to the replica
-holding the request; its final output comes back with a later `step()`. Each replica reports, with its outputs, the
-KV events of its block pool (tiffin.engine.kv_events), which keep the router's map of its blocks, and publishes them
-on its own ZMQ socket when `kv_events_endpoint` is set (the port moved up by its rank).
+replica by the load the request would see on each (tiffin.engine.replica_work: under priorities or fair share, the
+work it could not overtake there; each replica's scheduler then applies both), sends the request there and streams
+that replica's outputs back; `step()` returns whatever outputs the replicas reported since the last call (each
+replica steps on its own, continuously). An abort goes to the replica holding the request; its final output comes
+back with a later `step()`. Each replica reports, with its outputs, the KV events of its block pool
+(tiffin.engine.kv_events), which keep the router's map of its blocks, and publishes them on its own ZMQ socket when
+`kv_events_endpoint` is set (the port moved up by its rank).
 
 Invariants: a request lives in exactly one replica from `add_request` until its finished output has come back;
 a replica's load is the tokens (prompt and outputs so far, each of its n samples) of its requests in flight, as the
@@ -168,7 +170,7 @@ class DataParallelEngine(InputProcessor):
 
     @property
     def loads(self) -> list[int]:
-        """Each replica's load: the tokens of its requests in flight."""
+        """Each replica's load: the tokens of its requests in flight (any thread)."""
         return self.work.totals
 
     def _reap(self) -> None:

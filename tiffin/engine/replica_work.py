@@ -20,7 +20,8 @@ over the replicas once one replica's share is taken.
 
 The record is the front's own: a request counts from its routing until its finished output, as waiting until its
 first output, then as running (a replica's later preemption of it is not seen). Invariant: for each replica and
-group (client, priority, started), `tokens` and `seqs` are the sums over that group's requests in flight there."""
+group (client, priority, started), `tokens` and `seqs` are the sums over that group's requests in flight there, and
+`totals` the sum of its `tokens`."""
 
 from collections import Counter
 from collections.abc import Sequence as Seq
@@ -34,16 +35,13 @@ class ReplicaWork:
         self.by_priority, self.fair_share, self.max_num_seqs = by_priority, fair_share, max_num_seqs
         self.tokens: list[Counter[Group]] = [Counter() for _ in range(num_replicas)]
         self.seqs: list[Counter[Group]] = [Counter() for _ in range(num_replicas)]
-
-    @property
-    def totals(self) -> list[int]:
-        """Each replica's tokens in flight (its load as `fcfs` sees it)."""
-        return [sum(tokens.values()) for tokens in self.tokens]
+        self.totals = [0] * num_replicas  # each replica's tokens in flight: its load as `fcfs` sees it (any thread)
 
     def add(self, replica: int, group: Group, tokens: int, seqs: int) -> None:
         """Count (or, negative, take away) `tokens` and `seqs` of `group` on `replica`."""
         self.tokens[replica][group] += tokens
         self.seqs[replica][group] += seqs
+        self.totals[replica] += tokens
         if not self.seqs[replica][group]:
             del self.seqs[replica][group], self.tokens[replica][group]
 
@@ -51,6 +49,7 @@ class ReplicaWork:
         """`replica` died: nothing of it is in flight any more."""
         self.tokens[replica].clear()
         self.seqs[replica].clear()
+        self.totals[replica] = 0
 
     def view(self, client: str | None, priority: int, tokens: int, usable: Seq[bool]) -> list[float]:
         """The load a request of `client` at `priority` with `tokens` would see on each replica (infinite on one not
@@ -63,24 +62,24 @@ class ReplicaWork:
 
     def _ahead(self, replica: int, client: str | None, priority: int, tokens: int) -> tuple[bool, int]:
         """Whether `replica` would seat the request at its next step, and the tokens it could not overtake there."""
-        before = lambda g: not self.by_priority or g[1] <= priority  # (client, priority, started): not overtaken
+        before = lambda level: not self.by_priority or level <= priority  # a priority it does not overtake
         seqs, toks = self.seqs[replica], self.tokens[replica]
         running = Counter()  # seats held, by client
         waiting = Counter()  # sequences waiting that would be seated before it, by client
         for (c, p, started), n in seqs.items():
             if started:
                 running[c] += n
-            elif before((c, p, started)) or (self.fair_share and c != client):
+            elif before(p) or (self.fair_share and c != client):
                 waiting[c] += n
         free = self.max_num_seqs - sum(running.values())
         if not self.fair_share:
-            return free > sum(waiting.values()), sum(t for g, t in toks.items() if before(g)) + tokens
+            return free > sum(waiting.values()), sum(t for g, t in toks.items() if before(g[1])) + tokens
         own_seats, own_waiting = running[client], waiting.pop(client, 0)
         level = own_seats + own_waiting  # its seats once its own earlier sequences have theirs
         # each other key is seated before it until it holds one seat more (its earlier arrival breaks the tie)
         ahead_of_it = own_waiting + sum(min(n, max(0, level - running[c] + 1)) for c, n in waiting.items())
         newcomer = level == 0 and max(running.values(), default=0) >= 2
-        own = sum(t for g, t in toks.items() if g[0] == client and before(g)) + tokens
+        own = sum(t for g, t in toks.items() if g[0] == client and before(g[1])) + tokens
         others = Counter()
         for g, t in toks.items():
             if g[0] != client:
