@@ -16,7 +16,7 @@ from tiffin import LLM, SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
-BLOCKS = 80  # per replica: four low-priority requests of 104 tokens (26 blocks each) do not fit together
+BLOCKS = 80  # per replica: three low-priority requests running on beside an urgent one run out of blocks
 ENGINE = dict(
     block_size=4,
     dtype="float32",
@@ -61,7 +61,8 @@ def no_blocks_held_after(dp):
 
 
 class StepLog:
-    """Each replica's steps as the front received them: (sequences taken in all, {request id: output tokens})."""
+    """Each replica's steps as the front received them: (sequences taken in all, {request id: output tokens} of
+    the unfinished ones, the ids that finished)."""
 
     def __init__(self, dp, monkeypatch):
         self.dp, self.steps = dp, [[] for _ in dp.conns]
@@ -69,8 +70,8 @@ class StepLog:
 
         def logged(rank: int, message: tuple):
             if message[0] == "step":
-                got = {o.request_id: len(o.outputs[0].token_ids) for o in message[1] if o.outputs}
-                self.steps[rank].append((message[5][0], got))
+                got = {o.request_id: len(o.outputs[0].token_ids) for o in message[1] if not o.finished}
+                self.steps[rank].append((message[5][0], got, {o.request_id for o in message[1] if o.finished}))
             return apply(rank, message)
 
         monkeypatch.setattr(dp, "_apply", logged)
@@ -95,16 +96,21 @@ class StepLog:
 
     def taken(self, rank: int, rid: str) -> int:
         """The step of replica `rank` that came first after it took `rid`."""
-        return next(i for i, (taken, _) in enumerate(self.steps[rank]) if taken >= self.sent[rid])
+        return next(i for i, (taken, _, _) in enumerate(self.steps[rank]) if taken >= self.sent[rid])
 
     def ran(self, rank: int, rid: str) -> list[int]:
-        """The steps of replica `rank` in which `rid` got tokens."""
-        return [i for i, (_, got) in enumerate(self.steps[rank]) if rid in got]
+        """The steps of replica `rank` in which `rid` got tokens (its last one aside)."""
+        return [i for i, (_, got, _) in enumerate(self.steps[rank]) if rid in got]
 
     def admitted(self, rank: int, step: int) -> set[str]:
         """The requests that got tokens at `step` but not at the step before: admitted, or resumed."""
         before = self.steps[rank][step - 1][1] if step else {}
         return set(self.steps[rank][step][1]) - set(before)
+
+    def preempted(self, rank: int, step: int) -> set[str]:
+        """The requests that got tokens at the step before `step` and none at `step`, without finishing."""
+        _, got, finished = self.steps[rank][step]
+        return set(self.steps[rank][step - 1][1]) - set(got) - finished
 
 
 def test_one_keys_flood_does_not_hold_another_keys_requests_on_any_replica(dp, single, monkeypatch):
@@ -136,21 +142,24 @@ def test_a_high_priority_request_goes_where_it_overtakes_and_is_never_preempted(
         prompts[rid], params[rid] = prompt, p
         return log.add(rid, prompt, p)
 
-    lows = [add(f"low{i}", system + tokens(4, 400 + i), greedy(40, priority=5)) for i in range(4)]
+    # sharing 8 tokens of prompt: the cache keeps them together; low0 leaves its seat first
+    low = lambda i, max_tokens: add(f"low{i}", system[:8] + tokens(56, 400 + i), greedy(max_tokens, priority=5))
+    lows = [low(i, 8 if i == 0 else 96) for i in range(4)]
     log.step_until(lambda: log.started(*(f"low{i}" for i in range(4))))  # one replica's seats, all of them
     mids = [add(f"mid{i}", [7, 8, 9, 10] + tokens(4, 500 + i), greedy(24)) for i in range(4)]
-    waiting = [add(f"low{i}", system + tokens(4, 400 + i), greedy(40, priority=5)) for i in (4, 5)]
+    waiting = [low(i, 40) for i in (4, 5)]
     (x,), (y,) = set(lows), set(mids)
     assert x != y and waiting == [x, x]  # lows on x (the cache keeps them there), the mids on y
     # x holds more tokens, y more of the urgent request's own priority: x is where it waits behind nothing
     assert dp.loads[x] > dp.loads[y]
-    assert add("urgent", tokens(8, 600), greedy(8)) == x
+    assert add("urgent", tokens(8, 600), greedy(40)) == x
     log.step_until(lambda: not dp.has_unfinished_requests())
     ran, taken = log.ran(x, "urgent"), log.taken(x, "urgent")
     overtaken = set().union(*(log.admitted(x, s) for s in range(taken, ran[0])))
     assert not overtaken, overtaken  # no lower-priority request admitted or resumed while it waited
-    assert ran == list(range(ran[0], ran[0] + 8)), ran  # a token every step from its first: never preempted
-    assert dp.replica_stats[x].num_preemptions > 0  # while lower-priority ones were
+    assert ran == list(range(ran[0], ran[0] + 39)), ran  # a token every step from its first: never preempted
+    preempted = set().union(*(log.preempted(x, s) for s in ran[1:]))
+    assert preempted and preempted <= {f"low{i}" for i in range(6)}, preempted  # lower-priority ones were
     rids = list(prompts)
     reference = single.generate([{"prompt_token_ids": prompts[r]} for r in rids], [params[r] for r in rids], False)
     assert [log.outputs[rid] for rid in rids] == [out.outputs[0].token_ids for out in reference]
