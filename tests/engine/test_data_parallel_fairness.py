@@ -136,14 +136,14 @@ def test_one_keys_flood_does_not_hold_another_keys_requests_on_any_replica(dp, s
 
 
 def test_a_high_priority_request_goes_where_it_overtakes_and_is_never_preempted(dp, single, monkeypatch):
-    log, system, prompts, params = StepLog(dp, monkeypatch), tokens(60, 300), {}, {}
+    log, shared, prompts, params = StepLog(dp, monkeypatch), tokens(8, 300), {}, {}
 
     def add(rid: str, prompt: list[int], p: SamplingParams) -> int:
         prompts[rid], params[rid] = prompt, p
         return log.add(rid, prompt, p)
 
     # sharing 8 tokens of prompt: the cache keeps them together; low0 leaves its seat first
-    low = lambda i, max_tokens: add(f"low{i}", system[:8] + tokens(56, 400 + i), greedy(max_tokens, priority=5))
+    low = lambda i, max_tokens: add(f"low{i}", shared + tokens(56, 400 + i), greedy(max_tokens, priority=5))
     lows = [low(i, 8 if i == 0 else 96) for i in range(4)]
     log.step_until(lambda: log.started(*(f"low{i}" for i in range(4))))  # one replica's seats, all of them
     mids = [add(f"mid{i}", [7, 8, 9, 10] + tokens(4, 500 + i), greedy(24)) for i in range(4)]
