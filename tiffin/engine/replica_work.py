@@ -19,7 +19,8 @@ request waiting for a seat that another replica would give it at once; a key's c
 over the replicas once one replica's share is taken.
 
 The record is the front's own: a request counts from its routing until its finished output, as waiting until its
-first output, then as running (a replica's later preemption of it is not seen). Invariant: for each replica and
+first output, then as running with all its `n` sequences (a replica's later preemption of it, or samples of it
+still waiting for seats, are not seen). Invariant: for each replica and
 group (client, priority, started), `tokens` and `seqs` are the sums over that group's requests in flight there, and
 `totals` the sum of its `tokens`."""
 
