@@ -3,11 +3,13 @@
 an `LLMEngine` for `LLM` and `AsyncLLMEngine`.
 
 The front tokenizes and checks each request (`InputProcessor`, the replicas' limits), lets the `Router` pick a
-replica, sends the request there and streams that replica's outputs back; `step()` returns whatever outputs the
-replicas reported since the last call (each replica steps on its own, continuously). An abort goes to the replica
-holding the request; its final output comes back with a later `step()`. Each replica reports, with its outputs, the
-KV events of its block pool (tiffin.engine.kv_events), which keep the router's map of its blocks, and publishes them
-on its own ZMQ socket when `kv_events_endpoint` is set (the port moved up by its rank).
+replica by the load the request would see on each (tiffin.engine.replica_work: under priorities or fair share, the
+work it could not overtake there; each replica's scheduler then applies both), sends the request there and streams
+that replica's outputs back; `step()` returns whatever outputs the replicas reported since the last call (each
+replica steps on its own, continuously). An abort goes to the replica holding the request; its final output comes
+back with a later `step()`. Each replica reports, with its outputs, the KV events of its block pool
+(tiffin.engine.kv_events), which keep the router's map of its blocks, and publishes them on its own ZMQ socket when
+`kv_events_endpoint` is set (the port moved up by its rank).
 
 Invariants: a request lives in exactly one replica from `add_request` until its finished output has come back;
 a replica's load is the tokens (prompt and outputs so far, each of its n samples) of its requests in flight, as the
@@ -46,6 +48,7 @@ from tiffin.engine.outputs import EngineStats, PoolingRequestOutput, RequestOutp
 from tiffin.engine.pooling_params import PoolingParams
 from tiffin.engine.replica_admin import AdapterTable, QueueRoom, health
 from tiffin.engine.replica_supervisor import Supervisor, exit_cause
+from tiffin.engine.replica_work import Group, ReplicaWork
 from tiffin.engine.router import Router
 from tiffin.engine.sampling_params import SamplingParams
 
@@ -65,6 +68,8 @@ class _Routed:
     replica: int
     tokens: int  # its load on the replica
     hashes: list[bytes]  # its prompt's blocks, as the router hashed them
+    group: Group  # how the replica's scheduler orders it (client, priority), and whether it started
+    seqs: int
 
 
 def make_engine(config: EngineConfig) -> "LLMEngine | DataParallelEngine":
@@ -104,7 +109,8 @@ class DataParallelEngine(InputProcessor):
         self._grammar_backend, self._grammar_backend_lock = None, threading.Lock()
         self.router = Router(n, config.block_size, config.router_policy, config.router_balance_threshold)
         self.requests: dict[str, _Routed] = {}
-        self.loads = [0] * n
+        by_priority = config.scheduling_policy == "priority"
+        self.work = ReplicaWork(n, by_priority, config.fair_share, config.max_num_seqs)
         self.replica_stats = [info["stats"] for info in infos]
         self.sleep_level = 0
         self._lora_keys: dict[int, bytes] = {}  # lora_int_id -> identity, as the replicas resolved it
@@ -139,7 +145,11 @@ class DataParallelEngine(InputProcessor):
         lora_id = None if lora_request is None else lora_request.lora_int_id
         key = b"" if lora_id is None else self._lora_keys.get(lora_id)
         hashes = [] if key is None else self.router.prompt_hashes(prompt.token_ids, key, prompt.images)
-        replica = self.router.route(hashes, self._loads(full), lora_id)
+        priority = getattr(params, "priority", 0)
+        usable = [dead is None and not no_room for dead, no_room in zip(self.dead, full)]
+        tokens = len(prompt.token_ids) * n
+        loads = self.work.view(client, priority, tokens, usable)
+        replica = self.router.route(hashes, loads, lora_id, self.loads)
         if self.dead[replica] is not None:
             raise EngineDeadError(f"no data-parallel replica serves: {'; '.join(self._why_dead())}")
         # an adapter the replica does not hold is read there now: wait for its answer, to raise a refusal here
@@ -155,13 +165,13 @@ class DataParallelEngine(InputProcessor):
                 if self.dead[replica] is None:
                     self.router.finished(replica, hashes)
                 raise
-        tokens = len(prompt.token_ids) * n
-        self.requests[request_id] = _Routed(replica, tokens, hashes)
-        self.loads[replica] += tokens
+        routed = self.requests[request_id] = _Routed(replica, tokens, hashes, (client, priority, False), n)
+        self.work.add(replica, routed.group, tokens, n)
 
-    def _loads(self, full: list) -> list[float]:
-        """The router's view: a dead replica, or one whose queue is `full`, infinitely loaded."""
-        return [float("inf") if dead or no_room else load for load, dead, no_room in zip(self.loads, self.dead, full)]
+    @property
+    def loads(self) -> list[int]:
+        """Each replica's load: the tokens of its requests in flight (any thread)."""
+        return self.work.totals
 
     def _reap(self) -> None:
         """Take in what each replica whose process exited (its pipe not yet read to the end) left, failing its
@@ -222,14 +232,14 @@ class DataParallelEngine(InputProcessor):
         routed = self.requests.get(out.request_id)
         if routed is None:
             return
+        self.work.add(routed.replica, routed.group, -routed.tokens, -routed.seqs)
         if out.finished:
-            self.loads[routed.replica] -= routed.tokens
             self.router.finished(routed.replica, routed.hashes)
             del self.requests[out.request_id]
             return
-        tokens = sum(len(out.prompt_token_ids) + len(o.token_ids) for o in out.outputs)
-        self.loads[routed.replica] += tokens - routed.tokens
-        routed.tokens = tokens
+        routed.tokens = sum(len(out.prompt_token_ids) + len(o.token_ids) for o in out.outputs)
+        routed.group = (*routed.group[:2], True)  # its first output: it runs
+        self.work.add(routed.replica, routed.group, routed.tokens, routed.seqs)
 
     def _replica_died(self, rank: int, why: str) -> list[RequestOutput]:
         """Fail `rank`'s requests in flight, naming it; the router sends it nothing more and forgets its blocks."""
@@ -237,7 +247,7 @@ class DataParallelEngine(InputProcessor):
         lost = [rid for rid, routed in self.requests.items() if routed.replica == rank]
         for rid in lost:
             del self.requests[rid]
-        self.loads[rank] = 0
+        self.work.clear(rank)
         self.router.forget(rank)
         return [RequestOutput(rid, None, [], finished=True, error=why) for rid in lost]
 

@@ -5,13 +5,16 @@ prompt blocks are hashed as the replicas' prefix caches hash them (`block_manage
 size and chain, the adapter's identity and the images' hashes included). A replica holds a block if its KV events
 (tiffin.engine.kv_events) say so, or if a prompt routed to it and still in flight has it (a burst of requests
 sharing a system prompt arrives before any of them is computed). The request goes to the replica holding its
-longest leading run of blocks, unless that replica's load (tokens of its requests in flight: waiting and running)
-exceeds the least loaded one's by more than `balance_threshold` tokens; without any hit, to the least loaded
+longest leading run of blocks, unless that replica's load (tokens of its requests in flight, waiting and running;
+under priorities or fair share, those the request could not overtake there: tiffin.engine.replica_work) exceeds the
+least loaded one's by more than `balance_threshold` tokens; without any hit, to the least loaded
 replica among those holding its adapter (LoRA affinity: the replica it was added on, and those sent its requests,
 which read it then), within the same bound; else to the least loaded one (which reads the adapter). `least_loaded`
-and `round_robin` ignore the cache. Ties go to the lowest replica index; a replica whose load is infinite (a dead
-one) is chosen only when every replica is. `lora_replicas` does not follow a replica's host cache: an adapter it
-evicted is read again when a request brings it back.
+and `round_robin` ignore the cache. Equal loads go to the replica with the lower tie-break (the front's: the smaller
+total load), then the lowest index; a replica whose load is infinite (dead, its queue full, or, under priorities or
+fair share, one that would not seat the request at once while another would) is chosen only when every replica is.
+`lora_replicas` does not follow a replica's host cache: an adapter it evicted is read again when a request brings it
+back.
 
 `blocks` is exactly what the events said, as of each replica's last report (a block stored or evicted meanwhile is
 seen one step late); `inflight` is the router's own record of what it sent, each prompt's hashes until the front
@@ -66,10 +69,13 @@ class Router:
         seq.cache_key = cache_key
         return block_hashes(seq, self.block_size, (len(token_ids) - 1) // self.block_size)
 
-    def route(self, hashes: list[bytes], loads: Seq[int], lora_id: int | None = None) -> int:
+    def route(
+        self, hashes: list[bytes], loads: Seq[float], lora_id: int | None = None, tiebreak: Seq[int] | None = None
+    ) -> int:
         """The replica for a request with prompt block `hashes` (`prompt_hashes`), given each replica's load in
-        tokens; records the choice (LoRA affinity, expected hits)."""
-        replica = self._choose(hashes, loads, lora_id)
+        tokens as this request sees it (tiffin.engine.replica_work), equal loads going to the lower `tiebreak` (the
+        replicas' total loads); records the choice (LoRA affinity, expected hits)."""
+        replica = self._choose(hashes, loads, lora_id, tiebreak or [0] * len(loads))
         if lora_id is not None:
             self.lora_replicas.setdefault(lora_id, set()).add(replica)
         self.routed_tokens[replica] += len(hashes) * self.block_size
@@ -92,9 +98,9 @@ class Router:
             n += 1
         return n
 
-    def _choose(self, hashes: list[bytes], loads: Seq[int], lora_id: int | None) -> int:
+    def _choose(self, hashes: list[bytes], loads: Seq[float], lora_id: int | None, tiebreak: Seq[int]) -> int:
         replicas = range(len(self.blocks))
-        least = min(replicas, key=lambda r: loads[r])
+        least = min(replicas, key=lambda r: (loads[r], tiebreak[r]))
         if self.policy == "round_robin":
             for _ in replicas:
                 replica, self._next = self._next, (self._next + 1) % len(self.blocks)
@@ -104,8 +110,8 @@ class Router:
         if self.policy == "least_loaded":
             return least
         hits = [self.hit_blocks(r, hashes) for r in replicas]
-        best = max(replicas, key=lambda r: (hits[r], -loads[r]))
+        best = max(replicas, key=lambda r: (hits[r], -loads[r], -tiebreak[r]))
         if hits[best] == 0:
             served = self.lora_replicas.get(lora_id, ()) if lora_id is not None else ()
-            best = min(served, key=lambda r: (loads[r], r), default=least)
+            best = min(served, key=lambda r: (loads[r], tiebreak[r], r), default=least)
         return best if loads[best] - loads[least] <= self.balance_threshold else least
