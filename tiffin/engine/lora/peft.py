@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from tiffin.engine.lora.request import LoRAModel, LoRARequest
+from tiffin.engine.models.layers import rename_prefix
 from tiffin.engine.models.linear import Linear
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -98,7 +99,7 @@ def load_lora_model(
     except Exception as e:
         raise ValueError(f"{WEIGHTS_FILE} is not a valid safetensors file: {e}") from None
     pairs = _lora_pairs(tensors)
-    names = {module: _model_name(module, prefixes or {}) for module in pairs}
+    names = {module: rename_prefix(module, prefixes or {}) for module in pairs}
     ignored = sorted(module for module, ours in names.items() if ours.startswith(skipped))
     targets = {m: _our_layer(m, names[m], layers, stacked_modules) for m in sorted(pairs) if m not in ignored}
     _refuse_other_tensors(tensors)
@@ -240,13 +241,6 @@ def _what(key: str) -> str:
     if re.search(r"\.lora_[AB]\.bias$", key):
         return _UNSUPPORTED_TENSORS[2]
     return _UNSUPPORTED_TENSORS[3]
-
-
-def _model_name(module: str, prefixes: dict[str, str]) -> str:
-    """Checkpoint module name `module` as the model names it: its first matching prefix replaced (as the loader
-    renames weights)."""
-    old = next((p for p in prefixes if module.startswith(p)), None)
-    return module if old is None else prefixes[old] + module[len(old) :]
 
 
 def _our_layer(

@@ -91,7 +91,7 @@ class LoRASlots:
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         # CPU GEMMs this small run several times faster in fp32 than in bf16/fp16: keep adapters in fp32 there
         self.dtype, self.device = torch.float32 if device.type == "cpu" else dtype, device
-        self.skipped = tuple(f"{name}." for name in getattr(model, "vision_modules", ()))
+        self.skipped = getattr(model, "vision_prefixes", ())  # a vision-language model's tower and projector
         self.layers = language_layers(model, self.skipped)
         self.stacked_modules = dict(model.stacked_modules)
         self.prefixes = dict(getattr(model, "checkpoint_prefixes", {}))

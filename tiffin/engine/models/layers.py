@@ -227,3 +227,10 @@ class MLP(nn.Module):
 def prefixed(factory: LinearFactory | EmbeddingFactory, prefix: str) -> LinearFactory | EmbeddingFactory:
     """`factory` for the layers of a submodule: their checkpoint names start with `prefix`."""
     return lambda name, *args: factory(prefix + name, *args)
+
+
+def rename_prefix(key: str, prefixes: dict[str, str]) -> str:
+    """Checkpoint name `key` (a weight's or a module's) as the model names it: its first prefix in `prefixes` (a
+    model's `checkpoint_prefixes`: the checkpoint's -> the model's) replaced."""
+    old = next((p for p in prefixes if key.startswith(p)), None)
+    return key if old is None else prefixes[old] + key[len(old) :]
