@@ -2,15 +2,20 @@
 which embeds each step's images with its tokens and sends hidden states on as any first stage does; M-RoPE's [3, T]
 positions reach both stages with the step. LLaVA and Qwen2-VL (its image runs split across prefill chunks) give
 transformers' greedy 32 tokens, their logprobs and the prompt's logprobs (fp32, 1e-4) with one and two images beside
-a text-only request in one batch; no KV block stays in use and no worker is left. The second stage builds no tower and
+a text-only request and an image request with a LoRA adapter (PEFT's) in one batch; no KV block stays in use and no
+worker is left. The second stage builds no tower and
 reads none of its weights."""
 
 import pytest
 import torch
+from lora_adapters import make_adapter
+from peft import PeftModel
+from references import reference_vlm
 
 from tests.engine.test_llava import random_image
-from tests.engine.test_vlm_tp import assert_as_expected, expected, family
-from tiffin import LLM
+from tests.engine.test_vlm_lora import ADAPTERS, assert_equal, outputs
+from tests.engine.test_vlm_tp import NEW_TOKENS, as_prompt, family
+from tiffin import LLM, LoRARequest
 from tiffin.engine.distributed.pipeline import PipelineParallel
 from tiffin.engine.models import loader
 from tiffin.engine.models.layers import rename_prefix
@@ -27,17 +32,25 @@ def images():
 
 
 @pytest.mark.parametrize("name", ["llava", "qwen2_vl"])
-def test_pp2_equals_transformers(request, images, name):
-    """One image, a text-only prompt and two images of other sizes in one batch over two stages."""
+def test_pp2_equals_transformers(request, images, name, tmp_path):
+    """One image, a text-only prompt, two images of other sizes and an image prompt with a LoRA adapter (PEFT's on
+    transformers' model: each stage holds its layers' part) in one batch over two stages."""
     module, path, engine_args = family(request, name)
-    cases = [(module.ONE, images[:1]), (module.TEXT, []), (module.TWO, images[1:])]
-    want = expected(module, path, cases)
-    llm = LLM(path, dtype="float32", pipeline_parallel_size=2, distributed_timeout=60, **engine_args)
+    cases = [(module.ONE, images[:1]), (module.TEXT, []), (module.TWO, images[1:]), (module.ONE, images[1:2])]
+    hf = module.load_hf(path)
+    want = [reference_vlm(hf[0], module.processed(hf, text, imgs), NEW_TOKENS) for text, imgs in cases[:3]]
+    adapter = make_adapter(path, tmp_path / "lm", seed=0, model=hf[0], **ADAPTERS["lm"])
+    peft = PeftModel.from_pretrained(hf[0], str(adapter)).eval()
+    want.append(reference_vlm(peft, module.processed(hf, *cases[3]), NEW_TOKENS))
+    kwargs = dict(dtype="float32", pipeline_parallel_size=2, distributed_timeout=60, enable_lora=True, max_loras=1)
+    llm = LLM(path, **kwargs, **engine_args)
     try:
         runner = llm.llm_engine.model_runner
         workers = runner.group.procs
         assert runner.encoder is not None and runner.model.holds_vision
-        assert_as_expected(llm, module, cases, want)
+        prompts = [as_prompt(module, text, imgs) for text, imgs in cases]
+        assert_equal(outputs(llm, prompts, [None] * 3 + [LoRARequest("lm", 1, str(adapter))]), want)
+        assert llm.llm_engine.stats().kv_blocks_used == 0
     finally:
         llm.shutdown()
     assert workers and not any(p.is_alive() for p in workers)

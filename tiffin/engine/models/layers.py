@@ -128,7 +128,9 @@ class MRotaryEmbedding(RotaryEmbedding):
         super().__init__(head_dim, max_positions, theta, scaling)
         if len(section) != 3 or sum(section) != head_dim // 2:
             raise ValueError(f"mrope_section {list(section)} must be 3 runs summing to head_dim / 2 = {head_dim // 2}")
-        self.register_buffer("axis", torch.repeat_interleave(torch.arange(3), torch.tensor(section)), persistent=False)
+        # the output's size given: a model built on the meta device (the whole model rank 0 checks adapters on)
+        axis = torch.repeat_interleave(torch.arange(3), torch.tensor(section), output_size=head_dim // 2)
+        self.register_buffer("axis", axis, persistent=False)
 
     def at(self, positions: torch.Tensor) -> "Rotation":
         if positions.ndim == 1:
