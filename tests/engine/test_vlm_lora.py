@@ -30,7 +30,7 @@ FAMILIES = {
     "qwen2_vl": (test_qwen2_vl, "tiny_qwen2_vl", {"max_num_batched_tokens": 40}, ["qkv", "fc1", "mlp.0"]),
 }
 ADAPTERS = {  # name -> LoraConfig kwargs, the tower's targets added to "mixed"'s
-    "lm": dict(r=8, lora_alpha=16, target_modules=rf".*language_model.*\.({'|'.join(LANGUAGE)})"),
+    "lm": dict(r=8, lora_alpha=16, target_modules=rf".*(language_model|text_model)\..*\.({'|'.join(LANGUAGE)})"),
     "mixed": dict(r=4, lora_alpha=6, use_rslora=True, target_modules=["q_proj", "v_proj", "down_proj"]),
 }
 TOWER_PREFIXES = {"llava": ("model.vision_tower.", "model.multi_modal_projector."), "qwen2_vl": ("model.visual.",)}
