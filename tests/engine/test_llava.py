@@ -235,8 +235,3 @@ def test_gpu_memory_profile_runs_the_tower_and_counts_the_encoder_cache(checkpoi
         del engine
         gc.collect()  # its pool's emulated device memory freed before the next engine measures what is free
     assert blocks[0] - blocks[64 << 20] == pytest.approx((64 << 20) / per_block, abs=2)
-
-
-def test_lora_on_a_vision_model_is_refused_by_name(checkpoint):
-    with pytest.raises(ValueError, match="LoRA adapters on a vision-language model are not supported yet"):
-        LLM(str(checkpoint), dtype="float32", enable_lora=True)

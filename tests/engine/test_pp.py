@@ -344,11 +344,6 @@ def test_refusals_name_the_setting(tiny_model, args, error):
     assert psutil.Process().children(recursive=True) == before  # refused before any worker started
 
 
-def test_a_vision_model_is_refused_by_name(tiny_llava):
-    with pytest.raises(ValueError, match="does not serve a vision-language model"):
-        LLM(tiny_llava, pipeline_parallel_size=2)
-
-
 def test_partition_override_gives_each_stage_its_layers():
     stages = [PipelineParallel(i, 3, partition="1,1,3").layers(5) for i in range(3)]
     assert stages == [range(0, 1), range(1, 2), range(2, 5)]

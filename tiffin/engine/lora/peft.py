@@ -1,8 +1,11 @@
 """Reading PEFT LoRA directories: path confinement inside `lora_roots`, parsing and checking an adapter against
-the base model's layers. Everything it cannot serve exactly is refused by name."""
+the base model's layers. Everything it cannot serve exactly is refused by name, but for one case vLLM ignores too:
+on a vision-language model LoRA applies to the language model alone, and an adapter's modules in the vision tower
+or projector are left out with a warning naming them (an adapter with no other module is refused)."""
 
 import hashlib
 import json
+import logging
 import math
 import os
 import re
@@ -12,6 +15,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from tiffin.engine.lora.request import LoRAModel, LoRARequest
+from tiffin.engine.models.layers import rename_prefix
 from tiffin.engine.models.linear import Linear
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -32,6 +36,7 @@ UNSUPPORTED = {
     "kasa_config": "KaSA",
     "monteclora_config": "MonteCLoRA",
 }
+logger = logging.getLogger(__name__)
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<kind>[AB])\.weight$")
 
 
@@ -71,10 +76,14 @@ def load_lora_model(
     max_rank: int,
     dtype: torch.dtype,
     roots: list[Path] | None = None,
+    prefixes: dict[str, str] | None = None,
+    skipped: tuple[str, ...] = (),
 ) -> LoRAModel:
     """Read and check a PEFT LoRA directory (inside `roots`, if given) against the base model's `layers` (our
-    module name -> Linear). ValueError naming the problem for anything it cannot serve exactly. Touches no
-    engine state."""
+    module name -> Linear). `prefixes`: the model's `checkpoint_prefixes` (a checkpoint's module name prefix ->
+    ours), which name an adapter's modules as they name weights; `skipped`: prefixes of our module names that
+    LoRA leaves alone (a vision tower's), whose modules in the adapter are ignored with a warning. ValueError
+    naming the problem for anything else it cannot serve exactly. Touches no engine state."""
     path = Path(request.lora_path).expanduser()
     try:
         resolved = path.resolve(strict=True) if roots is None else confine(path, roots)
@@ -90,10 +99,17 @@ def load_lora_model(
     except Exception as e:
         raise ValueError(f"{WEIGHTS_FILE} is not a valid safetensors file: {e}") from None
     pairs = _lora_pairs(tensors)
-    targets = {module: _our_layer(module, layers, stacked_modules) for module in sorted(pairs)}
+    names = {module: rename_prefix(module, prefixes or {}) for module in pairs}
+    ignored = sorted(module for module, ours in names.items() if ours.startswith(skipped))
+    targets = {m: _our_layer(m, names[m], layers, stacked_modules) for m in sorted(pairs) if m not in ignored}
     _refuse_other_tensors(tensors)
     if not pairs:
         raise ValueError(f"{WEIGHTS_FILE} holds no lora_A/lora_B weights")
+    if not targets:
+        raise ValueError(
+            f"LoRA adapter {request.lora_name!r} targets only the vision tower or projector ({ignored[0]}, ...); "
+            "LoRA applies to the language model of a vision-language model"
+        )
     out: dict[str, list] = {}
     for module, (ours, slices) in targets.items():
         a, b = pairs[module]
@@ -111,6 +127,12 @@ def load_lora_model(
             if entry[i] is not None:
                 raise ValueError(f"{module} sets a slice of {ours} that another tensor of the adapter sets too")
             entry[i] = (a, piece.contiguous())
+    if ignored:
+        logger.warning(
+            "LoRA adapter %r: %d modules in the vision tower or projector ignored (LoRA applies to the language "
+            "model of a vision-language model): %s",
+            request.lora_name, len(ignored), ", ".join(ignored[:4]) + (", ..." if len(ignored) > 4 else ""),
+        )  # fmt: skip
     identity = hashlib.sha256(config_bytes + b"\0" + weights_bytes).digest()
     return LoRAModel(
         request.lora_name, request.lora_int_id, str(path), identity, out, (directory.st_dev, directory.st_ino)
@@ -221,9 +243,11 @@ def _what(key: str) -> str:
     return _UNSUPPORTED_TENSORS[3]
 
 
-def _our_layer(module: str, layers: dict[str, Linear], stacked: dict[str, tuple[str, int]]) -> tuple[str, list[int]]:
-    """Our layer and the slices of it that checkpoint module `module` covers."""
-    parent, _, leaf = module.rpartition(".")
+def _our_layer(
+    module: str, name: str, layers: dict[str, Linear], stacked: dict[str, tuple[str, int]]
+) -> tuple[str, list[int]]:
+    """Our layer and the slices of it that checkpoint module `module` (`name` in the model) covers."""
+    parent, _, leaf = name.rpartition(".")
     if ".experts." in module or ".block_sparse_moe." in module:
         raise ValueError(
             f"LoRA on {module}: adapters on a mixture of experts' experts or router are not supported yet "
@@ -235,7 +259,7 @@ def _our_layer(module: str, layers: dict[str, Linear], stacked: dict[str, tuple[
         fused, shard = stacked[leaf]
         ours, slices = f"{parent}.{fused}", [shard]
     else:
-        ours, slices = module, None
+        ours, slices = name, None
     if ours not in layers:
         raise ValueError(f"the adapter has weights for {module}, which the base model does not have")
     return ours, slices or list(range(len(layers[ours].output_sizes)))

@@ -11,6 +11,9 @@ layer's B by output rows, a row-parallel layer's A by input columns; the row sha
 Rank 0 decides the slots; the other ranks install what it sends with the step (`pop_installs` / `install`).
 Pipeline parallelism: each stage's slots hold its layers' part of each adapter; rank 0 checks an adapter against
 every stage's layers (`check_layers`) and keeps it whole, so each install it sends reaches every stage.
+
+A vision-language model's adapters apply to its language model only (vLLM's rule): the vision tower and projector
+(the model's `vision_modules`) hold no slots, and an adapter's modules there are ignored (`load_lora_model`).
 """
 
 from collections import OrderedDict
@@ -88,19 +91,25 @@ class LoRASlots:
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         # CPU GEMMs this small run several times faster in fp32 than in bf16/fp16: keep adapters in fp32 there
         self.dtype, self.device = torch.float32 if device.type == "cpu" else dtype, device
-        self.layers = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+        self.skipped = getattr(model, "vision_prefixes", ())  # a vision-language model's tower and projector
+        self.layers = language_layers(model, self.skipped)
         self.stacked_modules = dict(model.stacked_modules)
+        self.prefixes = dict(getattr(model, "checkpoint_prefixes", {}))
         for linear in self.layers.values():
             linear.adapters = LoRALayer(linear, max_loras, max_lora_rank, self.dtype, device, backend)
         self.slots: list[LoRAModel | None] = [None] * max_loras
         self.slot_lru: OrderedDict[int, None] = OrderedDict.fromkeys(range(max_loras))  # least recent first
-        self.sharded, self.check_layers = sharded, check_layers or self.layers
+        self.sharded = sharded
+        self.check_layers = self.layers if check_layers is None else language_layers(check_layers, self.skipped)
         self.installs: list[tuple[int, dict]] = []  # sharded: (slot, adapter layers) installed since last taken
 
     def load(self, request: LoRARequest, roots: list[Path] | None = None) -> LoRAModel:
         """Parse and check an adapter (inside `roots`, if given) against these layers, in the slots' dtype; reads
         no mutable state, so any thread may call it."""
-        return load_lora_model(request, self.check_layers, self.stacked_modules, self.max_lora_rank, self.dtype, roots)
+        layers, stacked = self.check_layers, self.stacked_modules
+        return load_lora_model(
+            request, layers, stacked, self.max_lora_rank, self.dtype, roots, self.prefixes, self.skipped
+        )
 
     def stage(
         self, loras: list[LoRAModel | None], num_tokens: np.ndarray, add: Callable[[np.ndarray], int]
@@ -154,3 +163,10 @@ class LoRASlots:
     def _fill(self, slot: int, layers: dict) -> None:
         for name, linear in self.layers.items():
             linear.adapters.set_slot(slot, layers.get(name))
+
+
+def language_layers(model: torch.nn.Module | dict[str, Linear], skipped: tuple[str, ...]) -> dict[str, Linear]:
+    """The `Linear` layers of `model` (or of a name -> layer map) that adapters apply to: those whose names start
+    with none of `skipped` (a vision tower's)."""
+    named = model.items() if isinstance(model, dict) else model.named_modules()
+    return {name: m for name, m in named if isinstance(m, Linear) and not name.startswith(skipped)}

@@ -128,7 +128,9 @@ class MRotaryEmbedding(RotaryEmbedding):
         super().__init__(head_dim, max_positions, theta, scaling)
         if len(section) != 3 or sum(section) != head_dim // 2:
             raise ValueError(f"mrope_section {list(section)} must be 3 runs summing to head_dim / 2 = {head_dim // 2}")
-        self.register_buffer("axis", torch.repeat_interleave(torch.arange(3), torch.tensor(section)), persistent=False)
+        # the output's size given: a model built on the meta device (the whole model rank 0 checks adapters on)
+        axis = torch.repeat_interleave(torch.arange(3), torch.tensor(section), output_size=head_dim // 2)
+        self.register_buffer("axis", axis, persistent=False)
 
     def at(self, positions: torch.Tensor) -> "Rotation":
         if positions.ndim == 1:
@@ -227,3 +229,10 @@ class MLP(nn.Module):
 def prefixed(factory: LinearFactory | EmbeddingFactory, prefix: str) -> LinearFactory | EmbeddingFactory:
     """`factory` for the layers of a submodule: their checkpoint names start with `prefix`."""
     return lambda name, *args: factory(prefix + name, *args)
+
+
+def rename_prefix(key: str, prefixes: dict[str, str]) -> str:
+    """Checkpoint name `key` (a weight's or a module's) as the model names it: its first prefix in `prefixes` (a
+    model's `checkpoint_prefixes`: the checkpoint's -> the model's) replaced."""
+    old = next((p for p in prefixes if key.startswith(p)), None)
+    return key if old is None else prefixes[old] + key[len(old) :]

@@ -14,10 +14,11 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from tiffin.engine.distributed.pipeline import UNSTAGED, PipelineParallel
 from tiffin.engine.distributed.tensor_parallel import UNSHARDED, TensorParallel
 from tiffin.engine.models.clip import ACTIVATIONS, CLIPVisionModel, VisionConfig
 from tiffin.engine.models.config import ModelConfig
-from tiffin.engine.models.layers import EmbeddingFactory, LinearFactory
+from tiffin.engine.models.layers import EmbeddingFactory, LinearFactory, rename_prefix
 from tiffin.engine.models.llama import LlamaForCausalLM
 from tiffin.engine.multimodal.image import ImageProcessor
 
@@ -106,7 +107,9 @@ class VisionLanguageModel(LlamaForCausalLM):
     Under tensor parallelism the language model is sharded as a text model is; the vision tower and projector
     (`build_vision`, the modules named in `vision_modules`) live on rank 0 alone, which encodes each image once (its
     encoder cache the only one) and sends the step's embeddings with the step (`worker.tp_worker`): every rank puts
-    the same rows at the same places. The other ranks neither build the tower nor read its weights."""
+    the same rows at the same places. The other ranks neither build the tower nor read its weights. Under pipeline
+    parallelism rank 0 is the first stage's: it embeds the images with the tokens, and the later stages, which
+    receive the step's embeddings too, take the first stage's hidden states as they do under a text model."""
 
     vision_modules: tuple[str, ...] = ()
 
@@ -118,24 +121,35 @@ class VisionLanguageModel(LlamaForCausalLM):
         linear: LinearFactory,
         embedding: EmbeddingFactory,
         tp: TensorParallel = UNSHARDED,
+        pp: PipelineParallel = UNSTAGED,
     ):
-        super().__init__(config, max_positions, backend, linear, embedding, tp)
+        super().__init__(config, max_positions, backend, linear, embedding, tp, pp)
         self.ignored_weights = (*self.ignored_weights, "position_ids")
-        if tp.rank == 0:
+        self.vision_prefixes = tuple(f"{name}." for name in self.vision_modules)
+        self.holds_vision = tp.rank == 0 and pp.first
+        if self.holds_vision:  # the other ranks skip the tower's weights unread (`skips_weight`)
             self.build_vision(config)
-        else:
-            self.ignored_weights = (*self.ignored_weights, *(f"{name}." for name in self.vision_modules))
 
     def build_vision(self, config: ModelConfig) -> None:
         """The subclass's vision tower and projector (rank 0's only)."""
         raise NotImplementedError
 
-    def forward(self, input_ids, positions, attn_metadata, lora=None, mm: MultiModalEmbeddings | None = None):
+    def skips_weight(self, name: str) -> bool:
+        """Whether checkpoint weight `name` is not this rank's to read: the tower's and projector's but on rank 0,
+        another pipeline stage's."""
+        name = rename_prefix(name, self.checkpoint_prefixes)
+        return not self.holds_vision if name.startswith(self.vision_prefixes) else super().skips_weight(name)
+
+    def forward(
+        self, input_ids, positions, attn_metadata, lora=None, intermediate=None, mm: MultiModalEmbeddings | None = None
+    ):
+        """`mm`: the step's image embeddings, which the first stage's input embeddings take (a later stage's input
+        is `intermediate`, the previous stage's)."""
         embeds = None
-        if mm is not None:
+        if mm is not None and self.model.first:
             embeds = self.model.embed_tokens(input_ids)
             embeds[mm.indices] = mm.embeddings.to(embeds.dtype)
-        return self.model(input_ids, positions, attn_metadata, lora, inputs_embeds=embeds)
+        return self.model(input_ids, positions, attn_metadata, lora, intermediate, inputs_embeds=embeds)
 
 
 class LlavaForConditionalGeneration(VisionLanguageModel):

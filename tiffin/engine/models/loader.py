@@ -17,6 +17,7 @@ from tiffin.engine.distributed.pipeline import UNSTAGED, PipelineParallel
 from tiffin.engine.distributed.tensor_parallel import UNSHARDED, TensorParallel
 from tiffin.engine.models.config import ModelConfig
 from tiffin.engine.models.gguf_checkpoint import find_gguf, open_gguf
+from tiffin.engine.models.layers import rename_prefix
 from tiffin.engine.models.linear import Embedding, Linear
 from tiffin.engine.models.pooler import PoolerConfig
 from tiffin.engine.models.registry import get_architecture, resolve_task
@@ -191,9 +192,7 @@ def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tens
     for key, tensor in weights:
         for old, new in renames.items():
             key = key.replace(old, new)
-        old = next((p for p in prefixes if key.startswith(p)), None)
-        key = key if old is None else prefixes[old] + key[len(old) :]
-        expected.difference_update(_load_tensor(model, params, key, tensor))
+        expected.difference_update(_load_tensor(model, params, rename_prefix(key, prefixes), tensor))
     missing = sorted(expected)
     if missing:
         raise ValueError(f"checkpoint at {path} lacks weights for: {', '.join(missing[:8])}")

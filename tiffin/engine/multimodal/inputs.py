@@ -38,12 +38,9 @@ class ImageLimits:
 
     @classmethod
     def of(cls, config: EngineConfig, multimodal) -> "ImageLimits | None":
-        """The limits of an engine serving a model of `multimodal` (its image config; None: text only, no limits);
-        ValueError for what a vision-language model cannot be served with yet."""
+        """The limits of an engine serving a model of `multimodal` (its image config; None: text only, no limits)."""
         if multimodal is None:
             return None
-        if config.enable_lora:
-            raise ValueError("LoRA adapters on a vision-language model are not supported yet")
         allowed = tuple(filter(None, (config.allowed_media_domains or "").split(",")))
         return cls(config.limit_mm_per_prompt, config.max_image_pixels, config.max_image_bytes, allowed)
 

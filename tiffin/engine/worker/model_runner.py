@@ -123,8 +123,9 @@ class ModelRunner(KVBlockCopies, GraphedDecode):
             self.lora_slots = LoRASlots(self.model, *lora_args, group is not None, whole)
         self.sampler = Sampler(eos_token_ids, config.seed)
         multimodal = model_config.multimodal is not None
-        # under tensor parallelism rank 0 alone encodes images (`VisionLanguageModel`) and sends the embeddings
-        encodes = multimodal and tp.rank == 0
+        # under tensor or pipeline parallelism rank 0 alone encodes images (`VisionLanguageModel`) and sends the
+        # embeddings
+        encodes = multimodal and tp.rank == 0 and self.pp.first
         self.encoder = EncoderRunner(self.model, config.encoder_cache_bytes, self.device) if encodes else None
         self.cpu_decoder: CpuDecoder | None = None  # built after sizing; the profiling step runs without it
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)

@@ -37,8 +37,6 @@ def check_supported(config: EngineConfig, model_config: ModelConfig) -> None:
         raise ValueError(f"pipeline_parallel_size {size} serves models that generate, not task {model_config.task!r}")
     if model_config.moe is not None:
         raise ValueError(f"pipeline_parallel_size {size} does not serve a mixture of experts yet")
-    if model_config.multimodal is not None:
-        raise ValueError(f"pipeline_parallel_size {size} does not serve a vision-language model yet")
     if not issubclass(get_architecture(model_config.architecture).model, LlamaForCausalLM):  # the staged model
         raise ValueError(f"pipeline_parallel_size {size} does not serve {model_config.architecture} yet")
     spec = config.speculative_config
@@ -55,7 +53,8 @@ def run_stage(runner, inputs: ModelInput) -> tuple[None, None]:
     if not runner.pp.first:
         received = runner.pp.recv_prev(stage_input(runner, len(inputs.input_ids))).unbind(0)
     start = time.perf_counter()
-    out = runner.model(inputs.input_ids, inputs.positions, inputs.attn, inputs.lora, received)
+    images = {} if inputs.mm is None else {"mm": inputs.mm}  # a vision-language model's: the first stage's input
+    out = runner.model(inputs.input_ids, inputs.positions, inputs.attn, inputs.lora, received, **images)
     _pass_on(runner, out, inputs.logits_indices, start)
     return None, None
 
