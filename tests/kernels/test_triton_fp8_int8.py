@@ -419,3 +419,24 @@ def test_block_fp8_static_activation_scheme():
     dynamic = FP8Config.from_config({"quant_method": "fp8", "activation_scheme": "dynamic"}, "test")
     method = dynamic.linear_method("model.layers.0.mlp.down_proj", "triton")
     assert "input_scale" not in method.needed and "input_scale" in method.ignored
+
+
+def test_asymmetric_w8a8_activations_load(checkpoints, tmp_path):
+    """A W8A8 checkpoint whose activations are asymmetric (`input_activations.symmetric: false`) marks its layers
+    for zero points a token (the Triton INT8 GEMM's); symmetric ones do not."""
+    import json
+    import shutil
+
+    from tiffin.engine.models.linear import Linear
+    from tiffin.engine.models.loader import build_model, get_model_config
+
+    path = shutil.copytree(checkpoints["w8a8-int"], tmp_path / "asym")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["input_activations"]["symmetric"] = False
+    (path / "config.json").write_text(json.dumps(config))
+    for source, zeros in [(checkpoints["w8a8-int"], False), (path, True)]:
+        model_config = get_model_config(source)
+        model_config.dtype = torch.float32
+        model = build_model(model_config, source, torch.device("cpu"), 64, "torch", quant_backend="torch")
+        blocks = [m.blocks for m in model.modules() if isinstance(m, Linear) and getattr(m, "blocks", None)]
+        assert len(blocks) == 4 and all(b.per_token and b.input_zero_points == zeros for b in blocks)
