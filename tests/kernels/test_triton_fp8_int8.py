@@ -6,8 +6,8 @@ fp16 out (its bf16 dots are wrong; the quantizer reads bf16 correctly):
 - the quantizer's codes and scales bit for bit torch's (`reference`'s; int8 symmetric: the CPU W8A8 path's own
   `quantize_tokens`), zero rows, saturating static scales and rows longer than one of its steps included;
 - each GEMM against `reference` (its arithmetic in torch: integer or float64 products, the epilogue's fp32 products):
-  INT8 bit for bit (unsplit), FP8 to fp32 summation order; M = 1, 3, 17, split-K, N and K not multiples of the tile;
-  weight scales a tensor, a channel and 128 x 128 (64 x 64) blocks, K ragged against the blocks;
+  INT8 bit for bit (unsplit), FP8 to fp32 summation order; M = 1, 3, 17, 70 (each tile), split-K, N and K not
+  multiples of the tile; weight scales a tensor, a channel and 128 x 128 (64 x 64) blocks, K ragged against them;
 - mutations fail: a scale changed, a block's scales transposed, a block-scaled weight read as a scale a row;
 - `format_gemm`'s dispatch: FP8 decodes to x's dtype before sm_89 and dots e4m3 from there, W8A8 always int8.
 What only a GPU can confirm: speed, and the hardware's e4m3 dot (products are exact, so only the fp32 summation
@@ -28,7 +28,7 @@ from tiffin.kernels import triton_w8a8 as W8A8
 from tiffin.kernels.block_layout import scale_run
 from tiffin.quant.fp8 import quantize_rows as fp8_rows
 
-ROWS = (1, 3, 17)
+ROWS = (1, 3, 17, 70)  # 70: the prefill tile
 TOLERANCE = {torch.float32: 2e-6, torch.float16: 1e-3}  # relative to the output's largest: fp32 sums, x's dtype out
 
 
