@@ -1,8 +1,10 @@
 """compressed-tensors checkpoints of a tiny Llama, written by the package itself: each linear's scales and zero
 points from its `calculate_qparams` over the weight's min / max at the scheme's granularity, the tensors from the
-format's own compressor, the config from its `QuantizationConfig`. The reference is the compressor's
-`decompress` of what was written (compressed-tensors' dequantization) with the scales in float32, so that the
-dequantized weights are exact (in the checkpoint's bf16 they would be rounded), put into a plain checkpoint."""
+format's own compressor, the config from its `QuantizationConfig`; static activation scales (FP8's `input_scale`)
+from each linear's largest input magnitude over a calibration batch run by transformers (llm-compressor's minmax).
+The reference is the compressor's `decompress` of what was written (compressed-tensors' dequantization) with the
+scales in float32, so that the dequantized weights are exact (in the checkpoint's bf16 they would be rounded), put
+into a plain checkpoint."""
 
 import json
 import shutil
@@ -48,6 +50,24 @@ def _qparams(weight: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
     return scale.to(weight.dtype), zero
 
 
+def _calibrated_amax(base: Path, tokens: int = 64) -> dict[str, torch.Tensor]:
+    """Each quantized linear's largest input magnitude over `tokens` random tokens, by module name."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    amax, hooks = {}, []
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in QUANTIZED:
+            record = lambda mod, args, name=name: amax.__setitem__(name, args[0].abs().amax())
+            hooks.append(module.register_forward_pre_hook(record))
+    ids = torch.randint(4, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        model(ids)
+    for hook in hooks:
+        hook.remove()
+    return amax
+
+
 def write_compressed(base: Path, out: Path, name: str) -> Path:
     """`base` (a plain tiny checkpoint) quantized in scheme `name` into `out`, its dequantized twin in
     `out / "reference"`."""
@@ -57,6 +77,8 @@ def write_compressed(base: Path, out: Path, name: str) -> Path:
     compressor = BaseCompressor.load_from_registry(fmt)
     state = load_file(base / "model.safetensors")
     written, reference = {}, dict(state)
+    acts = scheme.input_activations
+    static = _calibrated_amax(base) if acts is not None and acts.dynamic is False else {}
     for key, weight in state.items():
         module = key.removesuffix(".weight")
         if not key.endswith(".weight") or module.rsplit(".", 1)[-1] not in QUANTIZED:
@@ -66,6 +88,8 @@ def write_compressed(base: Path, out: Path, name: str) -> Path:
         local = {"weight": weight, "weight_scale": scale, "weight_zero_point": zero}
         compressed = compressor.compress(local, scheme)
         written.update({f"{module}.{k}": v.contiguous() for k, v in compressed.items()})
+        if module in static:  # e4m3's largest value at the calibration's largest input
+            written[f"{module}.input_scale"] = (static[module] / 448).reshape(1).to(weight.dtype)
         exact = {**compressed, "weight_scale": compressed["weight_scale"].float()}
         reference[key] = compressor.decompress(exact, scheme)["weight"].float()
     for target in (out, out / "reference"):

@@ -99,8 +99,20 @@ def dequantized_gemm(x: torch.Tensor, w: BlockWeights | StackedBlocks, backend: 
 
 
 @implements("dequantized_block_gemm", "torch")
+@implements("format_block_gemm", "torch")
 def dequantized_gemm_torch(x: torch.Tensor, w: BlockWeights) -> torch.Tensor:
     return torch.nn.functional.linear(x, dequantize_blocks(w).to(x.dtype))
+
+
+def format_gemm(x: torch.Tensor, w: BlockWeights | StackedBlocks, backend: str = "torch") -> torch.Tensor:
+    """`x [M, K]` @ the weight -> `[M, N]` on a kernel backend, computed as the format means it where the backend
+    can: the Triton backend quantizes activations for W8A8 weights (int8 per token) and, from sm_89, for FP8 weights
+    (e4m3 per token, or the checkpoint's static scale), `triton_w8a8`; every other weight, and the torch backend,
+    compute `dequantized_gemm`'s product."""
+    if x.dim() != 2 or x.shape[1] != w.in_features:
+        raise ValueError(f"format_gemm: x must be [M, {w.in_features}], got {tuple(x.shape)}")
+    outputs = [kernel("format_block_gemm", backend)(x, part) for part in parts(w)]
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
 
 def native_weights(w: BlockWeights) -> "cpu_native.NativeWeights":

@@ -26,6 +26,7 @@ GGUF's fp16 d and integer sub-scales multiply out exactly in fp32, and so does `
 gguf-py dequantizes, bit for bit.
 """
 
+import dataclasses
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -77,6 +78,12 @@ class BlockWeights:
     # W8A8 (`pack_codes`' per_token): activations quantized to int8 per token (row), as the format means them,
     # from `cpu_native.w8a8_min_rows()` rows on (`in_per_token`); 8-bit BLOCKS with one d a row and m = -128 d only
     per_token: bool = False
+    # FP8: inputs along a row that share each scale (`scale_run`: the row's K for a scale a row or tensor, 128 for
+    # 128 x 128 blocks), and a static activation scale (float32 `[1]`, a checkpoint's `input_scale`) or None (per
+    # token, dynamic): what the Triton FP8 GEMM needs (triton_w8a8); the CPU kernels read neither
+    scale_inputs: int = BLOCK
+    input_scale: torch.Tensor | None = None
+    input_zero_points: bool = False  # W8A8 on GPU: asymmetric int8 activations, a zero point a token (triton_w8a8)
     native: object = field(default=None, repr=False)  # the kernels' view (cpu_native.NativeWeights), made once
 
     def __post_init__(self):
@@ -90,10 +97,9 @@ class BlockWeights:
     def to(self, device: torch.device) -> "BlockWeights":
         if self.codes.device == device:
             return self
-        moved = (t.to(device) for t in (self.codes, self.scales, self.offsets))
-        return BlockWeights(
-            *moved, self.bits, self.in_features, self.out_features, self.levels, self.kind, self.per_token
-        )
+        moved = {name: getattr(self, name).to(device) for name in ("codes", "scales", "offsets")}
+        static = None if self.input_scale is None else self.input_scale.to(device)
+        return dataclasses.replace(self, **moved, input_scale=static, native=None)
 
     @property
     def sub_block(self) -> int:
@@ -253,7 +259,22 @@ def pack_fp8(codes: torch.Tensor, scales: torch.Tensor) -> BlockWeights:
     registers = _registers(_quads(codes.view(torch.uint8), 8))
     groups = registers.shape[0]
     d = _interleave(scales.float()).reshape(groups, -1).contiguous()
-    return BlockWeights(registers.view(groups, -1), d, d.new_empty(0), 8, k, n, 2, FP8)
+    w = BlockWeights(registers.view(groups, -1), d, d.new_empty(0), 8, k, n, 2, FP8)
+    w.scale_inputs = scale_run(scales)
+    return w
+
+
+def scale_run(scales: torch.Tensor) -> int:
+    """Inputs along a row that share each scale of per-block scales `[N, K / 32]`: K where each row has one, else
+    the longest run of 32 * 2^i inputs, from multiples of it, over which no row's scale changes."""
+    blocks = scales.shape[1]
+    if torch.equal(scales, scales[:, :1].expand_as(scales)):
+        return blocks * BLOCK
+    run = 1
+    starts = lambda run: torch.arange(blocks, device=scales.device) // run * run  # each block's run's first
+    while 2 * run < blocks and torch.equal(scales, scales[:, starts(2 * run)]):
+        run *= 2
+    return run * BLOCK
 
 
 def stack_groups(chunks: Iterable[BlockWeights], rows: int) -> BlockWeights:

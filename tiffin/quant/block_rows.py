@@ -9,13 +9,14 @@ inputs, 128 x 128 block) is that, repeated. A layer stores nothing until its las
 them all at once; a shard's raw tensors are held only until it is complete.
 """
 
+import dataclasses
 from abc import abstractmethod
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from tiffin.kernels.block_gemm import BLOCK, FP8, block_gemm, dequantize_blocks, dequantized_gemm, pack_codes, pack_fp8
+from tiffin.kernels.block_gemm import BLOCK, FP8, block_gemm, dequantize_blocks, format_gemm, pack_codes, pack_fp8
 from tiffin.quant.base import INT8_BACKENDS, LinearMethod, keep_blocks, materialize, rank_slice, return_freed_memory
 
 
@@ -30,6 +31,8 @@ class Rows:
     bits: int
     kind: int = 0
     per_token: bool = False  # W8A8: activations int8 per token (`BlockWeights.per_token`)
+    zero_points: bool = False  # W8A8 activations with a zero point a token (`BlockWeights.input_zero_points`)
+    input_scale: torch.Tensor | None = None  # FP8: a static activation scale (`BlockWeights.input_scale`)
 
 
 class BlockRowsLinearMethod(LinearMethod):
@@ -79,8 +82,8 @@ class BlockRowsLinearMethod(LinearMethod):
         tp = layer.tp
         part = lambda t, size: None if t is None else rank_slice(t, dim, size, tp.rank, tp.size).contiguous()
         factors = local if dim == 0 else local // BLOCK
-        return Rows(
-            part(rows.codes, local), part(rows.d, factors), part(rows.m, factors), rows.bits, rows.kind, rows.per_token
+        return dataclasses.replace(
+            rows, codes=part(rows.codes, local), d=part(rows.d, factors), m=part(rows.m, factors)
         )
 
     def _store(self, layer: nn.Module) -> None:
@@ -91,9 +94,12 @@ class BlockRowsLinearMethod(LinearMethod):
         codes, d, first = cat("codes"), cat("d"), shards[0]
         if first.kind == FP8:
             blocks = pack_fp8(codes, d)
+            if first.input_scale is not None:  # the shards' input is one: the largest scale covers each
+                blocks.input_scale = torch.stack([s.input_scale.float().reshape(()) for s in shards]).amax().view(1)
         else:
             levels = INT8_BACKENDS.get(self.backend, 1)
             blocks = pack_codes(codes, d, cat("m"), first.bits, levels, first.per_token)
+            blocks.input_zero_points = first.zero_points
         keep_blocks(layer, blocks.to(layer.weight_device), ())
         return_freed_memory()
 
@@ -108,8 +114,8 @@ class BlockRowsLinearMethod(LinearMethod):
         x2 = x.reshape(-1, layer.input_size)
         if self.backend in INT8_BACKENDS:
             y = block_gemm(x2, layer.blocks)
-        else:  # the weight as the format dequantizes it, in x's dtype
-            y = dequantized_gemm(x2, layer.blocks, self.backend)
+        else:  # on GPUs W8A8 and FP8 quantize activations (`format_gemm`), the rest decode the weight to x's dtype
+            y = format_gemm(x2, layer.blocks, self.backend)
         return y.view(*x.shape[:-1], layer.output_size)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:

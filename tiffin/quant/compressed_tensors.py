@@ -8,8 +8,11 @@ has its activations quantized to int8 per token, dynamically, as the format mean
 `input_scale` is not read: per token is finer), from `cpu_native.w8a8_min_rows()` rows on, in `native` and `int8`
 alike (`BlockWeights.per_token`: the W8A8 GEMM, AMX-INT8 tiles where the CPU has them); fewer rows, and other
 integer W8A8 weights (groups, zero points), take the int8 kernels per block of 32 inputs (15 bits with `native`,
-8 with `int8`). An FP8 checkpoint's activations stay in
-the model's dtype (weight-only FP8: CPUs have no FP8 arithmetic, and the Triton GEMM decodes the weight to bf16).
+8 with `int8`). On CUDA (`block_gemm.format_gemm`) W8A8
+activations are int8 per token at every size, with a zero point a token where the checkpoint's activations are
+asymmetric. An FP8 checkpoint's activations stay in the model's dtype on CPUs (weight-only FP8: no FP8 arithmetic)
+and GPUs before sm_89 (the Triton GEMM decodes the weight); from sm_89 they are e4m3, per token or, where the
+checkpoint's are static, of its `input_scale` (the largest of a fused layer's shards').
 
 Dequantization follows compressed-tensors' `dequantize`: `w = (q - z) * s`. The blocks hold integer weights' scales
 in fp16: for symmetric weights with bf16 or fp16 scales (llm-compressor writes them in the model's dtype) they give
@@ -54,6 +57,8 @@ class WeightScheme:
     strategy: str
     block: tuple[int, int] | None
     int8_activations: bool = False  # input_activations int8 (W8A8)
+    static_activations: bool = False  # FP8 activations of a checkpoint's `input_scale` (not dynamic)
+    activation_zero_points: bool = False  # W8A8 activations asymmetric: a zero point a token
 
     @property
     def per_token(self) -> bool:
@@ -67,8 +72,11 @@ class WeightScheme:
         w, acts = group.get("weights") or {}, group.get("input_activations")
         fmt = group.get("format") or default_format
         int8_acts = bool(acts) and acts.get("type", "int") == "int" and acts.get("num_bits") == 8
+        static = bool(acts) and acts.get("type") == "float" and acts.get("dynamic") is False
+        zero_points = int8_acts and acts.get("symmetric") is False
         scheme = cls(fmt, w.get("type", "int"), w.get("num_bits"), w.get("symmetric", True), w.get("strategy"),
-                     tuple(w["block_structure"]) if w.get("block_structure") else None, int8_acts)  # fmt: skip
+                     tuple(w["block_structure"]) if w.get("block_structure") else None, int8_acts, static,
+                     zero_points)  # fmt: skip
         problems = []
         if fmt not in FORMATS:
             problems.append(f"format {fmt!r}")
@@ -141,8 +149,9 @@ class CompressedTensorsLinearMethod(BlockRowsLinearMethod):
         self.scheme = scheme
         weight = "weight_packed" if scheme.format == "pack-quantized" else "weight"
         zero = () if scheme.symmetric else ("weight_zero_point",)
-        self.needed = (weight, "weight_scale", *zero)
-        self.ignored = ("weight_shape", "input_scale", "input_zero_point")
+        static = ("input_scale",) if scheme.static_activations else ()
+        self.needed = (weight, "weight_scale", *zero, *static)
+        self.ignored = ("weight_shape", "input_zero_point", *(("input_scale",) if not static else ()))
 
     def rows(self, tensors: dict[str, torch.Tensor], k: int) -> Rows:
         s = self.scheme
@@ -155,13 +164,14 @@ class CompressedTensorsLinearMethod(BlockRowsLinearMethod):
             raise ValueError(f"a quantized weight of shape {tuple(codes.shape)} does not fit the layer's {k} inputs")
         d = per_block(tensors["weight_scale"], n, k, s.block if s.strategy == "block" else None)
         if s.type == "float":
-            return Rows(codes.view(torch.uint8), d, None, 8, FP8)
+            return Rows(codes.view(torch.uint8), d, None, 8, FP8, input_scale=tensors.get("input_scale"))
         _check_fp16(tensors["weight_scale"])
         if s.format != "pack-quantized":  # int8 codes, unsigned as the blocks hold them
             codes = (codes.to(torch.int16) + 128).to(torch.uint8)
         middle = 1 << (s.bits - 1)
         if s.per_token:  # m = -128 d of d as the blocks hold it (fp16), exactly: what the W8A8 GEMM assumes
-            return Rows(codes.to(torch.uint8), d, -middle * d.to(torch.float16).float(), s.bits, per_token=True)
+            m = -middle * d.to(torch.float16).float()
+            return Rows(codes.to(torch.uint8), d, m, s.bits, per_token=True, zero_points=s.activation_zero_points)
         if s.symmetric:
             zero = torch.full_like(d, middle)
         else:

@@ -1,8 +1,9 @@
 """FP8 weights (e4m3): checkpoints whose `quant_method` is `fp8` (DeepSeek-V3 / Qwen3-FP8: `weight_block_size`
 [128, 128] with a `weight_scale_inv` a block; without it, a `weight_scale` a tensor), and bf16 / fp16 / fp32
 checkpoints quantized as they load (`quantization="fp8"`: a scale per output channel, `quantize_rows`). Stored in
-the block layout's FP8 kind (`tiffin.quant.block_rows`); activations stay in the model's dtype (weight-only FP8, as
-`tiffin.quant.compressed_tensors` explains).
+the block layout's FP8 kind (`tiffin.quant.block_rows`); activations stay in the model's dtype on CPUs and GPUs before
+sm_89 (weight-only FP8), and from sm_89 are e4m3 per token, or of the checkpoint's `input_scale` where its
+`activation_scheme` is static (as `tiffin.quant.compressed_tensors` explains).
 """
 
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ class FP8Config(QuantizationConfig):
     block: tuple[int, int] | None  # (rows, inputs) a weight scale covers; None: one scale a tensor
     ignore: tuple[str, ...]  # modules left unquantized: any whose name contains one of these
     online: bool = False  # quantize a plain checkpoint's weights as they load, a scale per output channel
+    static: bool = False  # activation_scheme "static": an `input_scale` a layer (GPUs from sm_89 read it)
 
     name = "fp8"
     description = (
@@ -43,7 +45,8 @@ class FP8Config(QuantizationConfig):
             problems.append(f"weight blocks of {block}")
         refuse(source, "FP8", problems)
         ignore = settings.get("modules_to_not_convert") or settings.get("ignored_layers") or ()
-        return cls(tuple(block) if block else None, tuple(ignore))
+        static = str(settings.get("activation_scheme", "dynamic")).lower() == "static"
+        return cls(tuple(block) if block else None, tuple(ignore), static=static)
 
     @classmethod
     def at_load(cls) -> "FP8Config":
@@ -63,7 +66,10 @@ class FP8LinearMethod(BlockRowsLinearMethod):
             self.needed = ("weight",)
         else:
             self.needed = ("weight", "weight_scale_inv" if config.block else "weight_scale")
-            self.ignored = ("input_scale",)
+            if config.static:
+                self.needed += ("input_scale",)
+            else:
+                self.ignored = ("input_scale",)
 
     def rows(self, tensors: dict[str, torch.Tensor], k: int) -> Rows:
         weight = tensors["weight"]
@@ -74,7 +80,8 @@ class FP8LinearMethod(BlockRowsLinearMethod):
         if weight.dtype != torch.float8_e4m3fn or weight.shape[1] != k:
             raise ValueError(f"an FP8 layer takes a float8_e4m3fn weight of {k} inputs, got {weight.dtype} "
                              f"{list(weight.shape)}")  # fmt: skip
-        return Rows(weight.view(torch.uint8), per_block(scale, weight.shape[0], k, self.config.block), None, 8, FP8)
+        d = per_block(scale, weight.shape[0], k, self.config.block)
+        return Rows(weight.view(torch.uint8), d, None, 8, FP8, input_scale=tensors.get("input_scale"))
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

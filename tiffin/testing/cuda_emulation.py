@@ -167,7 +167,8 @@ class CudaEmulation:
         self._patches = stack = contextlib.ExitStack()
         emu = self
         # device tensors cached by (size, device) outlive an emulation; the next one would see them as host memory
-        for cached in (kv_quant._hadamard, kv_quant._signs, triton_lora._offsets):
+        # and an arch read under another emulation's capability would stay
+        for cached in (kv_quant._hadamard, kv_quant._signs, triton_lora._offsets, triton_common.arch):
             cached.cache_clear()
             stack.callback(cached.cache_clear)
 
