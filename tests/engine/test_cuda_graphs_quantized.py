@@ -49,8 +49,12 @@ def test_graphed_decode_equals_eager_gguf(cuda_emulation, no_warm_up, tmp_path, 
 @pytest.mark.slow
 def test_graphed_decode_equals_eager_gguf_k_quants(cuda_emulation, no_warm_up, tmp_path):
     """The block layout's Triton GEMM, captured and replayed: one layer of K_QUANT_MIX's (Q4_K, Q5_K and Q6_K, both
-    super-block kinds; Q5_0 beside Q5_1; q/k and v, gate and up of different types) and its Q6_K embedding."""
-    hf = make_tiny_model(tmp_path / "tiny", vocab_size=512, num_hidden_layers=1, **K_SHAPES)
+    super-block kinds; Q5_0 beside Q5_1; q/k and v, gate and up of different types) and its Q6_K embedding. An
+    intermediate size of one super-block (256, not K_SHAPES' 512), at 4/5 of the CPU: gate, up and down, the GEMMs
+    it shapes, have 8 or more output tiles either way, so split K as with 512 (not at all); decoding a second
+    super-block, which graphed and eager share, is test_block_gemm's (the Triton kernel at K=512)."""
+    shapes = K_SHAPES | dict(intermediate_size=256)
+    hf = make_tiny_model(tmp_path / "tiny", vocab_size=512, num_hidden_layers=1, **shapes)
     types = {name: qtype for name, qtype in K_QUANT_MIX.items() if not name.startswith("blk.1.")}
     graphed_equals_eager(write_gguf(hf, tmp_path / "mixed.gguf", QType.Q4_K, types=types), cuda_emulation)
 
