@@ -161,6 +161,15 @@ def interpreter():
 
 
 @pytest.fixture
+def no_warm_up(monkeypatch):
+    """The model runner starts without `warm_up_triton`: warm-up launches every kernel variant, seconds under the
+    interpreter, which a test of something else need not pay (test_warm_up checks warm-up itself)."""
+    from tiffin.engine.worker import model_runner
+
+    monkeypatch.setattr(model_runner, "warm_up_triton", lambda runner: None)
+
+
+@pytest.fixture
 def cuda_emulation(monkeypatch):
     """CUDA emulated on the CPU (`tiffin.testing.cuda_emulation`), Triton kernels under the interpreter: engines
     built with `device="cuda"` take their CUDA paths (graphs, warm-up, pinned uploads) on CPU tensors."""

@@ -3,6 +3,7 @@ so that a broken benchmark fails here. tiffin alone: vLLM is not installed, so a
 refused, saying it is absent. The scripts of each test run side by side, to keep the wall time short."""
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -96,10 +97,35 @@ def runs(env, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     )
 
 
+# each script's `--help` as `python benchmarks/<name> --help` runs it, all in one fresh interpreter: its imports
+# (torch's ~2 s of CPU) paid once, not once a script; each script's own process is the `runs` fixture's
+HELPS = """
+import contextlib, io, json, runpy, sys
+sys.path.insert(0, "benchmarks")
+results = {}
+for name in sys.argv[1:]:
+    sys.argv, out, err = [name, "--help"], io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            runpy.run_path(f"benchmarks/{name}", run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    except BaseException as e:
+        code = repr(e)
+    results[name] = (code, out.getvalue(), err.getvalue())
+print(json.dumps(results))
+"""
+
+
 def test_help(env):
-    helps = run_side_by_side({name: [name, "--help"] for name in SCRIPTS}, env)
-    for name, run in helps.items():
-        assert run.returncode == 0 and "usage:" in run.stdout, f"{name} --help: {output(run)}"
+    cmd = [sys.executable, "-c", HELPS, *SCRIPTS]
+    run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, output(run)
+    helps = json.loads(run.stdout.splitlines()[-1])
+    assert sorted(helps) == SCRIPTS
+    for name, (code, stdout, stderr) in helps.items():
+        assert code == 0 and "usage:" in stdout, f"{name} --help: exit {code}\n{stdout[-3000:]}\n{stderr[-5000:]}"
 
 
 def test_every_benchmark_has_a_cheapest_run(runs):

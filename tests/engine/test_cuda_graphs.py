@@ -1,57 +1,21 @@
 """The engine's CUDA path run on the CPU through the CUDA emulation (`tiffin.testing.cuda_emulation`, Triton
 kernels under the interpreter): decode steps replayed from captured graphs give the tokens (and logprobs) of the
-same engine run eagerly, for each architecture, quantization and batch shape; the defects the emulation found,
-each pinned by a test. fp32 and fp16 only: the interpreter computes bf16 dots wrongly."""
+same engine run eagerly, for each architecture, with adapters and speculation; the defects the emulation found,
+each pinned by a test. Quantized weights and KV caches: test_cuda_graphs_quantized (a module of their own, so that
+xdist's loadscope can run the two halves side by side). fp32 and fp16 only: the interpreter computes bf16 dots
+wrongly."""
 
 import asyncio
-from pathlib import Path
 
 import pytest
 import torch
-from compressed_checkpoints import write_compressed
-from gguf import GGMLQuantizationType as QType
-from gguf_files import K_QUANT_MIX, K_SHAPES, write_gguf
+from graph_runs import PROMPTS, assert_same, build, generate, graphed_equals_eager
 from lora_adapters import ADAPTERS, make_adapter
 from transformers import AutoModelForCausalLM
 
 from tiffin import LLM, AsyncLLMEngine, LoRARequest, SamplingParams
-from tiffin.engine.worker import cuda_graphs, graphed_decode, kv_cache, model_runner
-from tiffin.kernels import triton_common as tc
-from tiffin.kernels import triton_quant
-from tiffin.kernels.quant import DENSE_MIN_TOKENS
+from tiffin.engine.worker import graphed_decode, kv_cache, model_runner
 from tiffin.testing.cuda_emulation import CudaEmulation
-from tiffin.tiny import make_tiny_model
-
-QUANT = Path(__file__).parents[1] / "fixtures" / "quant"
-# 7, 16, 4 and 5 tokens (the tiny llama's): rows of distinct positions, the second's decodes in its second KV block;
-# short, as a prefill costs by the token under the interpreter
-PROMPTS = ["Hi tiffin", "The quick brown fox jumps", "1 2 3", "Once upon"]
-
-
-def generate(llm: LLM, lora_request: list | None = None) -> list:
-    """One batch that shrinks as its requests end (decode batches of 4, 3, 2, 1: padded and exact graph sizes):
-    greedy with logprobs, greedy, and seeded samples -> (tokens, logprobs) per request."""
-    params = [
-        SamplingParams(temperature=0, max_tokens=5, logprobs=2, ignore_eos=True),
-        SamplingParams(temperature=0.9, top_p=0.9, max_tokens=4, seed=1, ignore_eos=True),
-        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
-        SamplingParams(temperature=1.0, max_tokens=2, seed=2, ignore_eos=True),
-    ]
-    outs = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=lora_request)
-    return [(c.token_ids, c.logprobs) for o in outs for c in o.outputs]
-
-
-def assert_same(got: list, want: list) -> None:
-    for (got_ids, got_lp), (want_ids, want_lp) in zip(got, want, strict=True):
-        assert got_ids == want_ids
-        for g, w in zip(got_lp or [], want_lp or [], strict=True):
-            assert g.keys() == w.keys()
-            assert [g[t].logprob for t in g] == pytest.approx([w[t].logprob for t in w], abs=1e-3)
-
-
-def build(path, eager: bool, **kwargs) -> LLM:
-    kwargs = dict(device="cuda", dtype="float32", num_kv_blocks=64, max_num_seqs=4, max_model_len=96) | kwargs
-    return LLM(str(path), enforce_eager=eager, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +28,6 @@ def llama_eager(tiny_model) -> list:
         return generate(build(tiny_model("llama"), eager=True))
 
 
-@pytest.fixture
-def no_warm_up(monkeypatch):
-    """Warm-up launches every kernel variant (one test keeps it): seconds under the interpreter, for nothing here."""
-    monkeypatch.setattr(model_runner, "warm_up_triton", lambda runner: None)
-
-
 def keep_graph_sizes(monkeypatch, keep: set[int]) -> None:
     """Decode graphs captured only for the sizes of `decode_batch_sizes` in `keep` (and its largest): each size
     captured costs two forwards of that many rows under the interpreter (the sizing's capture and the engine's)."""
@@ -79,17 +37,6 @@ def keep_graph_sizes(monkeypatch, keep: set[int]) -> None:
         "decode_batch_sizes",
         lambda n, quantized: [s for s in sizes(n, quantized) if s in keep or s == sizes(n, quantized)[-1]],
     )
-
-
-def graphed_equals_eager(path, emu, **kwargs) -> None:
-    want = generate(build(path, eager=True, **kwargs))
-    llm = build(path, eager=False, **kwargs)
-    graphs = llm.llm_engine.model_runner.decode_graphs
-    assert graphs is not None and sorted(graphs.graphs) == graphs.sizes == [1, 2, 4]
-    replays = emu.replays
-    got = generate(llm)
-    assert emu.replays - replays == 4  # every decode step ran from a graph
-    assert_same(got, want)
 
 
 def test_graphed_decode_equals_eager_llama(tiny_model, cuda_emulation, llama_eager):
@@ -162,81 +109,6 @@ def test_an_eager_lora_step_uploads_once(tiny_model, cuda_emulation, no_warm_up,
     cuda_emulation.reset_counts()
     engine.step()
     assert len(cuda_emulation.uploads) == 1 and cuda_emulation.uploads[0].endswith("pinned"), cuda_emulation.uploads
-
-
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", pytest.param("fp8_e4m3", marks=pytest.mark.slow)])
-def test_graphed_decode_equals_eager_quantized_kv_cache(tiny_model, cuda_emulation, no_warm_up, kv_cache_dtype):
-    """Quantized KV caches (#28): the graphs replay the Triton kernels that write codes and scales (keys rotated
-    after rope, in the fused rotary kernel) and read them back, through the scale tensors the layers held at
-    capture."""
-    with tc.recording_launches() as launched:
-        graphed_equals_eager(tiny_model("llama"), cuda_emulation, dtype="float16", kv_cache_dtype=kv_cache_dtype)
-    quantized = {name for name, kwargs, _ in launched if dict(kwargs).get("KV_CODES") or dict(kwargs).get("CODES")}
-    assert quantized == {"_paged_attention_kernel", "_rotary_write_kv_kernel"}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["awq-g64", "gptq-4bit-g64-actorder-sym"])
-def test_graphed_decode_equals_eager_quantized(cuda_emulation, no_warm_up, name):
-    graphed_equals_eager(QUANT / name, cuda_emulation, dtype="float16")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q8_0], ids=["Q4_0", "Q8_0"])
-def test_graphed_decode_equals_eager_gguf(cuda_emulation, no_warm_up, tmp_path, qtype):
-    # a vocabulary of 512: the quantized lm_head's GEMM launches a quarter of the tiny model's programs
-    path = write_gguf(make_tiny_model(tmp_path / "tiny", vocab_size=512), tmp_path / f"{qtype.name}.gguf", qtype)
-    graphed_equals_eager(path, cuda_emulation)
-
-
-@pytest.mark.slow
-def test_graphed_decode_equals_eager_gguf_k_quants(cuda_emulation, no_warm_up, tmp_path):
-    """The block layout's Triton GEMM, captured and replayed: one layer of K_QUANT_MIX's (Q4_K, Q5_K and Q6_K, both
-    super-block kinds; Q5_0 beside Q5_1; q/k and v, gate and up of different types) and its Q6_K embedding."""
-    hf = make_tiny_model(tmp_path / "tiny", vocab_size=512, num_hidden_layers=1, **K_SHAPES)
-    types = {name: qtype for name, qtype in K_QUANT_MIX.items() if not name.startswith("blk.1.")}
-    graphed_equals_eager(write_gguf(hf, tmp_path / "mixed.gguf", QType.Q4_K, types=types), cuda_emulation)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["w4a16-asym-channel", "w8a8-int", "fp8-block", "fp8 at load"])
-def test_graphed_decode_equals_eager_compressed_tensors_and_fp8(cuda_emulation, no_warm_up, tmp_path, name):
-    """compressed-tensors' integer weights (zero points) and FP8 weights (a compressed-tensors block checkpoint,
-    `quantization="fp8"`) in the block layout's Triton GEMM, captured and replayed."""
-    hf = make_tiny_model(tmp_path / "tiny", vocab_size=512, num_hidden_layers=1, hidden_size=128, intermediate_size=192)
-    if name == "fp8 at load":
-        graphed_equals_eager(hf, cuda_emulation, quantization="fp8")
-    else:
-        graphed_equals_eager(write_compressed(hf, tmp_path / name, name), cuda_emulation)
-
-
-@pytest.mark.slow
-def test_quantized_graphs_stop_below_the_dense_path(cuda_emulation, no_warm_up, monkeypatch):
-    """A quantized model captures no size from DENSE_MIN_TOKENS on: there its GEMMs dequantize whole weights (a
-    GGUF lm_head's is gigabytes), which a graph would keep in its pool. With DENSE_MIN_TOKENS at 8 here (256 in
-    serving: the same code path, 32 times fewer rows under the interpreter), max_num_seqs=8 captures 1, 2 and 4;
-    the decode step of 8 sequences runs eagerly, unpadded, through the one-pass dequantize, and gives the eager
-    engine's tokens. Before, size DENSE_MIN_TOKENS was captured with the torch dequantizers inside (and failed to
-    start once: `torch.tensor(AWQ_NIBBLE, device=...)`, a pageable upload, inside the capture)."""
-    assert DENSE_MIN_TOKENS == 256
-    dense = 8
-    monkeypatch.setattr(cuda_graphs, "DENSE_MIN_TOKENS", dense)
-    monkeypatch.setattr(triton_quant, "DENSE_MIN_TOKENS", dense)
-    kwargs = dict(max_num_seqs=dense)  # fp32: the dense and fused GEMMs agree to rounding
-    params = SamplingParams(temperature=0, max_tokens=2, logprobs=2, ignore_eos=True)
-    prompts = PROMPTS + ["a"] * (dense - len(PROMPTS))
-    run = lambda llm: [
-        (c.token_ids, c.logprobs) for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs
-    ]
-    want = run(build(QUANT / "awq-g64", eager=True, **kwargs))
-    llm = build(QUANT / "awq-g64", eager=False, **kwargs)
-    graphs = llm.llm_engine.model_runner.decode_graphs
-    assert sorted(graphs.graphs) == graphs.sizes == [1, 2, 4]
-    replays = cuda_emulation.replays
-    with tc.recording_launches() as launched:
-        assert_same(run(llm), want)
-    assert cuda_emulation.replays == replays
-    assert "_dequantize_kernel" in {name for name, _, _ in launched}
 
 
 def test_engine_thread_launches_on_the_engine_device(tiny_model, cuda_emulation, no_warm_up, llama_eager):

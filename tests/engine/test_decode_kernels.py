@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from tiffin import LLM
-from tiffin.engine.worker import model_runner
 from tiffin.engine.worker.cuda_graphs import DecodeGraphs
 
 QUANT = Path(__file__).parents[1] / "fixtures" / "quant"
@@ -40,11 +39,6 @@ def decode_layer_kernels(path, emu, size: int = 1, kv_cache_dtype: str = "auto")
     graph, _ = graphs.graphs[size]
     start, end = marks
     return graph.kernels()[start:end]
-
-
-@pytest.fixture
-def no_warm_up(monkeypatch):
-    monkeypatch.setattr(model_runner, "warm_up_triton", lambda runner: None)
 
 
 @pytest.mark.parametrize("model", ["llama", "qwen3", "awq"])
