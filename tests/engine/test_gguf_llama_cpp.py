@@ -21,6 +21,7 @@ import pytest
 from tiffin import LLM, SamplingParams
 from tiffin.cache import default_cache_dir
 from tiffin.engine.models.gguf_checkpoint import open_gguf
+from tiffin.engine.models.source import load_tokenizer
 from tiffin.smollm2 import MEMBER
 from tiffin.testing.llama_cpp import peer_env, run_peer
 from tiffin.testing.servers import Server, free_port
@@ -113,3 +114,19 @@ def test_requantized_smollm2_answers_as_llama_cpp(name, tmp_path):
         f"{path.name}: {same}/{len(CHAT) + len(PLAIN)} prompts identical; (token, top-2 gaps tiffin, llama.cpp) {ties}"
     )
     assert all(min(gaps) < NEAR_TIE for _, *gaps in ties), ties
+
+
+def test_smollm2_tokenizes_as_llama_cpp(tmp_path):
+    """The file's `smollm` pre-tokenizer (digits split off first), which transformers' conversion drops: tiffin's
+    ids are llama-server's on text with whitespace before digits, as in indented code and tables."""
+    source = next((s for s in SOURCES if s.exists()), None)
+    if source is None or not (LLAMA_CPP / "llama-server").exists():
+        pytest.skip(f"no llama-server at {LLAMA_CPP} or no SmolLM2 GGUF ({', '.join(map(str, SOURCES))})")
+    text = "def f(a=2):\n    return (2,)\n\n>>> f(1)\n   12 345\t6\n  7.5e-3  x1 0x1F\n日本 2024年 €9,99  \n\n"
+    ours = load_tokenizer(str(source)).encode(text, add_special_tokens=False)
+    command = [str(LLAMA_CPP / "llama-server"), "-m", str(source), "-t", "1", "-np", "1", "-c", "256"]
+    port = free_port()
+    with Server([*command, "--port", str(port)], port, tmp_path / "llama-server.log", env=peer_env()) as server:
+        server.wait("/health")
+        theirs = server.http.post("/tokenize", json={"content": text, "add_special": False}).json()["tokens"]
+    assert ours == theirs
