@@ -5,7 +5,8 @@ greedy tokens (the native kernels, the default) are llama-server's, up to a step
 tokens are within NEAR_TIE nats (how many prompts match throughout is printed: 0-3 of 5 here, at 32 tokens). The
 margin is wide because llama.cpp quantizes activations to 8 bits (per 32 inputs, per 256 against K-quants and
 IQ4_XS), tiffin to 15: on the K-quant files of benchmarks/README.md the two engines part at gaps up to 0.44 nats
-(llama.cpp's) where tiffin and transformers (the file's exact model) agree.
+(llama.cpp's) where tiffin and transformers (the file's exact model) agree. And the SmolLM2 file's tokenizer (its
+`smollm` pre-tokenizer) gives llama-server's ids.
 
 Skipped, saying why, without llama.cpp (~/.cache/tiffin-peers/llama.cpp/build/bin, or $TIFFIN_LLAMA_CPP: see
 ../shared/bench/setup-llamacpp.sh) or a SmolLM2 GGUF to requantize (/work/models/smol-Q6_K.gguf, else the Q4_1 of
