@@ -68,10 +68,12 @@ def write_gguf(
     arch: str | None = None,
     big_endian: bool = False,
     types: dict[str, QType] | None = None,
+    pre: str | None = None,
     **raw_tensors,
 ) -> Path:
     """The checkpoint at `hf_dir` as a GGUF with every 2-D weight in `qtype` (norms stay F32), or in `types[name]`
-    (gguf names) where given. `arch` overrides the architecture written; `raw_tensors` (gguf name -> (uint8 array,
+    (gguf names) where given. `arch` overrides the architecture written, `pre` is llama.cpp's pre-tokenizer named
+    (tokenizer.ggml.pre); `raw_tensors` (gguf name -> (uint8 array,
     type)) are added as they are."""
     types = types or {}
     hf_dir, out = Path(hf_dir), Path(out)
@@ -98,6 +100,8 @@ def write_gguf(
             w.add_float32(key.format(arch=arch), config[name])
     w.add_vocab_size(config["vocab_size"])
     _add_tokenizer(w, hf_dir)
+    if pre is not None:
+        w.add_tokenizer_pre(pre)
     name_map = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), layers)
     for name, data in load_file(hf_dir / "model.safetensors").items():
         data = data.astype(np.float32)

@@ -5,7 +5,8 @@ greedy tokens (the native kernels, the default) are llama-server's, up to a step
 tokens are within NEAR_TIE nats (how many prompts match throughout is printed: 0-3 of 5 here, at 32 tokens). The
 margin is wide because llama.cpp quantizes activations to 8 bits (per 32 inputs, per 256 against K-quants and
 IQ4_XS), tiffin to 15: on the K-quant files of benchmarks/README.md the two engines part at gaps up to 0.44 nats
-(llama.cpp's) where tiffin and transformers (the file's exact model) agree.
+(llama.cpp's) where tiffin and transformers (the file's exact model) agree. And the SmolLM2 file's tokenizer (its
+`smollm` pre-tokenizer) gives llama-server's ids.
 
 Skipped, saying why, without llama.cpp (~/.cache/tiffin-peers/llama.cpp/build/bin, or $TIFFIN_LLAMA_CPP: see
 ../shared/bench/setup-llamacpp.sh) or a SmolLM2 GGUF to requantize (/work/models/smol-Q6_K.gguf, else the Q4_1 of
@@ -21,6 +22,7 @@ import pytest
 from tiffin import LLM, SamplingParams
 from tiffin.cache import default_cache_dir
 from tiffin.engine.models.gguf_checkpoint import open_gguf
+from tiffin.engine.models.source import load_tokenizer
 from tiffin.smollm2 import MEMBER
 from tiffin.testing.llama_cpp import peer_env, run_peer
 from tiffin.testing.servers import Server, free_port
@@ -113,3 +115,19 @@ def test_requantized_smollm2_answers_as_llama_cpp(name, tmp_path):
         f"{path.name}: {same}/{len(CHAT) + len(PLAIN)} prompts identical; (token, top-2 gaps tiffin, llama.cpp) {ties}"
     )
     assert all(min(gaps) < NEAR_TIE for _, *gaps in ties), ties
+
+
+def test_smollm2_tokenizes_as_llama_cpp(tmp_path):
+    """The file's `smollm` pre-tokenizer (digits split off first), which transformers' conversion drops: tiffin's
+    ids are llama-server's on text with whitespace before digits, as in indented code and tables."""
+    source = next((s for s in SOURCES if s.exists()), None)
+    if source is None or not (LLAMA_CPP / "llama-server").exists():
+        pytest.skip(f"no llama-server at {LLAMA_CPP} or no SmolLM2 GGUF ({', '.join(map(str, SOURCES))})")
+    text = "def f(a=2):\n    return (2,)\n\n>>> f(1)\n   12 345\t6\n  7.5e-3  x1 0x1F\n日本 2024年 €9,99  \n\n"
+    ours = load_tokenizer(str(source)).encode(text, add_special_tokens=False)
+    command = [str(LLAMA_CPP / "llama-server"), "-m", str(source), "-t", "1", "-np", "1", "-c", "256"]
+    port = free_port()
+    with Server([*command, "--port", str(port)], port, tmp_path / "llama-server.log", env=peer_env()) as server:
+        server.wait("/health")
+        theirs = server.http.post("/tokenize", json={"content": text, "add_special": False}).json()["tokens"]
+    assert ours == theirs

@@ -117,3 +117,16 @@ def test_a_damaged_copy_is_converted_again_and_replaced(gguf_path, cache, conver
     conversions.refuse = True
     assert_same(load_tokenizer(str(gguf_path)), converted)
     assert conversions == ["tiny.gguf"] * 2
+
+
+def test_a_digit_splitting_pre_tokenizer_is_kept(gguf_path, tiny_model, tmp_path, cache, conversions):
+    """llama.cpp's `smollm` pre-tokenizer (SmolLM's own: each digit a word, then GPT-2's regex), which transformers'
+    conversion drops: whitespace before a digit stays one word, as llama.cpp tokenizes it; a file naming no
+    pre-tokenizer keeps GPT-2's regex."""
+    words = lambda tok: [w for w, _ in tok.backend_tokenizer.pre_tokenizer.pre_tokenize_str("x\n   2 10")]
+    smollm = write_gguf(tiny_model("llama"), tmp_path / "smollm.gguf", QType.F32, pre="smollm")
+    assert words(load_tokenizer(str(smollm))) == ["x", "ĊĠĠĠ", "2", "Ġ", "1", "0"]
+    conversions.refuse = True
+    assert words(load_tokenizer(str(smollm))) == ["x", "ĊĠĠĠ", "2", "Ġ", "1", "0"]  # the saved copy
+    conversions.refuse = False
+    assert words(load_tokenizer(str(gguf_path))) == ["x", "ĊĠĠ", "Ġ2", "Ġ10"]

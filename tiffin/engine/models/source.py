@@ -32,6 +32,12 @@ HUB_FILES = [
 ]
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 METADATA_BYTES = 16 << 20  # how much of a GGUF file its tokenizer's cache key reads
+# llama.cpp's pre-tokenizers (`tokenizer.ggml.pre`) that split every digit off before GPT-2's regex, as these models'
+# own tokenizers do (Digits then ByteLevel); transformers' conversion knows none of them and keeps GPT-2's regex
+# alone, which tokenizes whitespace before a digit otherwise ("\n   2": "\n  ", " ", "2" for "\n   ", "2").
+DIGIT_SPLIT_PRE = {"smollm", "refact", "command-r", "codeshell", "exaone", "minerva-7b", "mellum2"}
+# what a cached conversion was made by, beside transformers' version: bumped when tiffin's own changes
+CONVERSION = "2"
 
 
 def resolve_model_path(model: str, revision: str | None = None) -> str:
@@ -78,21 +84,34 @@ def load_tokenizer(path: str):
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except ValueError:  # an architecture transformers reads no config of (granite, smollm3): the tokenizer alone
         tokenizer = PreTrainedTokenizerFast.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    _split_digits(tokenizer, gguf)
     _save_atomically(tokenizer, cached)
     return tokenizer
+
+
+def _split_digits(tokenizer, gguf: Path) -> None:
+    """The file's pre-tokenizer where it is one of DIGIT_SPLIT_PRE: each digit its own word, then GPT-2's."""
+    from tokenizers import pre_tokenizers
+
+    from tiffin.engine.models.gguf_checkpoint import open_gguf
+
+    if open_gguf(gguf).field("tokenizer.ggml.pre") in DIGIT_SPLIT_PRE:
+        tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        )
 
 
 def _gguf_tokenizer_key(gguf: Path) -> str:
     """What a GGUF's converted tokenizer is cached under: the file's size and first bytes, where a GGUF keeps its
     metadata, the vocabulary, merges and chat template among it (a few MB for the largest vocabularies), without
-    reading all its gigabytes; and the transformers version, since another may convert differently. Copies of a
-    file share the entry; a test's fresh temporary copy of the same model finds it too."""
+    reading all its gigabytes; and the transformers version and CONVERSION, since another may convert differently.
+    Copies of a file share the entry; a test's fresh temporary copy of the same model finds it too."""
     import transformers
 
     with open(gguf, "rb") as f:
         head = f.read(METADATA_BYTES)
     size = gguf.stat().st_size
-    return hashlib.sha256(f"{size}\0{transformers.__version__}\0".encode() + head).hexdigest()[:32]
+    return hashlib.sha256(f"{size}\0{transformers.__version__}\0{CONVERSION}\0".encode() + head).hexdigest()[:32]
 
 
 def _save_atomically(tokenizer, directory: Path) -> None:
