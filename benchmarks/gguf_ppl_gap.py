@@ -9,7 +9,7 @@ with llama.cpp's lossy steps switched on one at a time:
   the block sum `s = fp16(d * sum(q))` the weight's minimum multiplies) against Q4_1 / Q5_1;
 - `act+kv16`: and K (after RoPE) and V rounded to f16, as llama.cpp's flash attention casts them.
 
-    python benchmarks/gguf_ppl_gap.py --llama-cpp DIR --text TEXT FILE.gguf [--configs plain,act,act+kv16]
+    python benchmarks/gguf_ppl_gap.py [--llama-cpp DIR] --text TEXT FILE.gguf [--configs plain,act,act+kv16]
 
 The text: a file (gguf_parity.py's, for one). Per-token differences between two 8-bit runs are large (the rounding
 of 8-bit activations flips with any nudge of their inputs): compare perplexities, not tokens.
@@ -116,12 +116,13 @@ class Reference:
 
 def llama_cpp_run(binary: Path, gguf: Path, text: Path, ctx: int, threads: int) -> tuple[float, list[int], np.ndarray]:
     """llama-perplexity's perplexity, its token ids and the NLL `[chunks, ctx - 1 - ctx/2]` of each token it scored
-    (its log-probs file stores them in 16 bits over the 16 nats below the best: 2.4e-4 nats)."""
+    (its log-probs file stores them in 16 bits over the 16 nats below the best: 2.4e-4 nats; the perplexity the
+    same, from the file, where its printed estimate is lost)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "logits.bin"
         command = [binary, "-m", gguf, "-f", text, "-c", ctx, "-b", ctx, "-t", threads, "--kl-divergence-base", out]
         done = subprocess.run([str(c) for c in command], capture_output=True, text=True, check=True, env=peer_env())
-        ppl = float(re.search(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr)[1])
+        found = re.search(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr)
         head = np.fromfile(out, np.int32, 3, offset=8)
         n_ctx, vocab, chunks = (int(v) for v in head)
         tokens = np.fromfile(out, np.int32, chunks * n_ctx, offset=20)
@@ -133,6 +134,8 @@ def llama_cpp_run(binary: Path, gguf: Path, text: Path, ctx: int, threads: int) 
             scale, low = np.ascontiguousarray(data[c, :, :4]).view(np.float32).T
             nll[c] = -(scale * data[c, np.arange(scored), 4 + targets[c]] + low)
         del data
+    # llama.cpp logs from a thread of its own, whose last lines a busy machine can lose at exit: then the file's
+    ppl = float(found[1]) if found else math.exp(nll.mean())
     return ppl, tokens.tolist(), nll
 
 
@@ -149,15 +152,16 @@ def chunk_nll(logits_of, tokens: list[int], ctx: int) -> np.ndarray:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("gguf", type=Path)
-    ap.add_argument("--llama-cpp", type=Path, required=True, help="the folder of llama-perplexity")
+    ap.add_argument("--llama-cpp", type=Path, default=Path.home() / ".cache/tiffin-peers/llama.cpp")
     ap.add_argument("--text", type=Path, required=True)
     ap.add_argument("--configs", default="plain,act,act+kv16")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    their_ppl, tokens, theirs = llama_cpp_run(
-        args.llama_cpp / "llama-perplexity", args.gguf, args.text, args.ctx, args.threads
-    )
+    binary = args.llama_cpp / "build/bin/llama-perplexity"
+    if not binary.exists():
+        ap.error(f"no llama.cpp at {args.llama_cpp} (build/bin/llama-perplexity)")
+    their_ppl, tokens, theirs = llama_cpp_run(binary, args.gguf, args.text, args.ctx, args.threads)
     model, rows = Reference(args.gguf), []
     ppl = lambda nll: math.exp(nll.mean())
     for config in args.configs.split(","):

@@ -53,6 +53,8 @@ def runs(env, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     tiny = str(make_tiny_model(tmp / "tiny"))
     gguf = str(write_gguf(tiny, tmp / "tiny.gguf", QType.Q4_0))
     cheap = ["--n", "2", "--prompt-len", "8:16", "--output-len", "4:8"]
+    text = tmp / "text.txt"  # two 64-token chunks and more of the tiny tokenizer's tokens
+    text.write_text(" ".join(f"The {i} quick brown foxes jumped over {i * 7} lazy dogs." for i in range(40)))
     return run_side_by_side(
         {
             "throughput.py": ["throughput.py", tiny, "--peers", "tiffin,hf-cb,hf-static", *cheap, "--loras", "2"]
@@ -78,6 +80,8 @@ def runs(env, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
             "mixed_load.py": ["mixed_load.py", "--model", "tiffin-tiny-llama", "--embedding-model", "tiffin-tiny-bert"]
             + ["--quick", "--embedding-tokens", "8:32"],
             "gguf_parity.py": ["gguf_parity.py", gguf, "--ppl-tokens", "300", "--ctx", "64", "--tokens", "3"],
+            # llama.cpp's llama-perplexity on the file (absent: refused, saying so)
+            "gguf_ppl_gap.py": ["gguf_ppl_gap.py", gguf, "--text", str(text), "--ctx", "64", "--configs", "plain,act"],
             "quantized.py": ["quantized.py", "--gguf", gguf, "--rounds", "1", "--decode-tokens", "4"]
             + ["--prompt-tokens", "16", "--weight-formats", "--hf-dir", tiny, "--n", "2", "--ppl-tokens", "64"],
             # built from random weights, written by llama.cpp's converter (absent: refused, saying so)
@@ -306,6 +310,14 @@ def test_gguf_parity(runs):
     run = runs["gguf_parity.py"]
     assert run.returncode == 0, output(run)
     assert "\n| tiny.gguf | " in run.stdout and "greedy = transformers" in run.stdout, output(run)
+
+
+def test_gguf_ppl_gap(runs):
+    run = runs["gguf_ppl_gap.py"]
+    if run.returncode and "no llama.cpp at" in run.stderr:
+        pytest.skip(run.stderr.strip().splitlines()[-1])
+    assert run.returncode == 0, output(run)
+    assert "\n| plain | " in run.stdout and "\n| act | " in run.stdout, output(run)
 
 
 def test_moe(runs):
