@@ -1,9 +1,9 @@
 """Reference runs the tests compare tiffin with: transformers' greedy generation (of text and vision-language
-models), and the event loop's longest stall
-while an app answers a request."""
+models), and which work ran on the event loop
+while an app answered a request."""
 
 import asyncio
-import time
+import threading
 
 import httpx
 import torch
@@ -44,28 +44,39 @@ def vision_language_model(path):
     return model
 
 
-def max_loop_lag(app, method: str, path: str, **request) -> tuple[float, httpx.Response]:
-    """The longest the event loop went unanswered while `app` served one request, and its response."""
+def work_on_the_loop(app, method: str, path: str, watched: list[tuple[object, str]], **request):
+    """Which of the `watched` callables (an object and an attribute name) ran on the event loop's thread while `app`
+    served one request, and its response. Which thread did the work, not how long the loop stalled: a stall's
+    length is the machine's load as much as the code's."""
+    on_loop, loop_thread = [], threading.get_ident()
 
-    async def run():
-        lag, stop = 0.0, asyncio.Event()
+    def watch(owner, name):
+        original = getattr(owner, name)
 
-        async def ticker():
-            nonlocal lag
-            while not stop.is_set():
-                before = time.monotonic()
-                await asyncio.sleep(0.01)
-                lag = max(lag, time.monotonic() - before - 0.01)
+        def call(*args, **kwargs):
+            if threading.get_ident() == loop_thread:
+                on_loop.append(name)
+            return original(*args, **kwargs)
 
-        tick = asyncio.create_task(ticker())
-        await asyncio.sleep(0.05)
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
-            r = await c.request(method, path, **request)
-        stop.set()
-        await tick
-        return lag, r
+        return call
 
-    return asyncio.run(run())
+    saved = [(owner, name, owner.__dict__.get(name, _ABSENT)) for owner, name in watched]
+    for owner, name in watched:
+        setattr(owner, name, watch(owner, name))
+    try:
+
+        async def run():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
+                return await c.request(method, path, **request)
+
+        response = asyncio.run(run())
+    finally:
+        for owner, name, value in saved:
+            delattr(owner, name) if value is _ABSENT else setattr(owner, name, value)
+    return sorted(set(on_loop)), response
+
+
+_ABSENT = object()
 
 
 def spread_weights(model: torch.nn.Module, norm_mean: float, embed_power: float, output_gain: float) -> None:
