@@ -119,11 +119,18 @@ def test_prompt_sized_inputs_take_bf16_dot_products_at_two_levels(bits, kind):
     small, large = torch.randn(rows - 1, 1536), torch.randn(rows + 19, 1536)
     assert ig.in_bf16(large, w2) == (cpu_native.bf16_min_rows() is not None)
     assert not ig.in_bf16(small, w2) and not ig.in_bf16(large, w1)
-    # bf16 operands, sums in float64: the bf16 path differs by fp32 roundings only
-    want = large.bfloat16().double() @ ig.dequantize_blocks(w2).bfloat16().double().T
-    got = ig.block_gemm(large, w2).double()
-    tolerance = 1e-5 if ig.in_bf16(large, w2) else 1e-3  # without the CPU's bf16: 15-bit activations
-    torch.testing.assert_close(got, want, rtol=0, atol=tolerance * float(want.abs().max()))
+    assert_kernel_arithmetic(large, w2)
+
+
+def assert_kernel_arithmetic(x: torch.Tensor, w) -> None:
+    """`block_gemm(x, w)` against its arithmetic in float64: bf16 operands where it takes bf16 dot products (fp32
+    roundings apart), else the integer dot products of 15-bit activations (`block_gemm_reference`, fp32)."""
+    if ig.in_bf16(x, w):
+        want = x.bfloat16().double() @ ig.dequantize_blocks(w).bfloat16().double().T
+    else:  # a CPU without AVX-512 BF16
+        want = ig.block_gemm_reference(x, w).double()
+    got = ig.block_gemm(x, w).double()
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
 
 
 @native
@@ -136,10 +143,7 @@ def test_prompt_sized_inputs_with_a_short_last_chunk(threads):
         torch.set_num_threads(threads)
         for m in (16, 20, 40, 20, 16):
             x = torch.randn(m, 3072, generator=torch.Generator().manual_seed(m))
-            want = x.bfloat16().double() @ ig.dequantize_blocks(w).bfloat16().double().T
-            got = ig.block_gemm(x, w).double()
-            tolerance = 1e-5 if ig.in_bf16(x, w) else 1e-3
-            torch.testing.assert_close(got, want, rtol=0, atol=tolerance * float(want.abs().max()))
+            assert_kernel_arithmetic(x, w)
             garbage = [torch.empty(1000) for _ in range(50)]  # fresh allocations, where a corrupt heap aborts
             del garbage
     finally:
