@@ -1,7 +1,8 @@
 """Quantized CPU linears on the bf16 path (`block_gemm` at two activation levels from `cpu_native.bf16_min_rows()`
 rows; FP8 at every size) against torch's oneDNN bf16 linear on the same shapes. Weights of 8-bit and 4-bit BLOCKS,
-Q4_K-like SUPER_MINS and FP8, bf16 activations; each cell `median (min)` ms of --reps calls, the formats' calls
-alternated, then each format's time over oneDNN's (medians).
+Q4_K-like SUPER_MINS and FP8, bf16 activations (fp32 on a CPU without a bf16 GEMM: AVX2 only, where the peer is
+torch's fp32 linear); each cell `median (min)` ms of --reps calls, the formats' calls alternated, then each format's
+time over the dense one's (medians).
 
     python benchmarks/block_gemm.py [--rows 16,64,256,512] [--shapes 576x1536,1536x576,2048x2048,8960x1536]
                                     [--formats q8,q4,q4k,fp8] [--reps 30] [--threads 2] [--clock wall|thread]
@@ -60,24 +61,35 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     clock = time.thread_time if a.clock == "thread" else time.perf_counter
     amx = cpu_native.library() is not None and cpu_native.library().tiffin_bf16_gemm_built() == 2
-    print(f"tiffin {'AMX tiles' if amx else 'AVX-512 BF16'}, bf16 from {cpu_native.bf16_min_rows()} rows; "
+    path = "AMX tiles" if amx else "AVX-512 BF16" if cpu_native.bf16_min_rows() else "integer dot products"
+    dense = "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "fp32"  # an AVX2-only CPU: no bf16 GEMM
+    print(f"tiffin {path}, bf16 from {cpu_native.bf16_min_rows()} rows; "
           f"{a.threads} threads; {a.clock} clock, median (min) of {a.reps} ms; "
           f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', '-')}\n")  # fmt: skip
-    print("| N x K | M | " + " | ".join([*formats, "oneDNN bf16", *(f"{f} / bf16" for f in formats)]) + " |")
+    print("| N x K | M | " + " | ".join([*formats, f"torch {dense}", *(f"{f} / {dense}" for f in formats)]) + " |")
     print("|---" * (3 + 2 * len(formats)) + "|")
     for shape in a.shapes.split(","):
         n, k = map(int, shape.split("x"))
         weights = {f: make(f, n, k) for f in formats}
-        packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k).bfloat16(), None)
+        dense_weight = torch.randn(n, k)
+        if dense == "bf16":
+            dense_weight = torch.ops.mkldnn._reorder_linear_weight(dense_weight.bfloat16(), None)
         for m in map(int, a.rows.split(",")):
-            print(f"| {n}x{k} | {m} | " + " | ".join(row(weights, packed, m, k, a.reps, clock)) + " |", flush=True)
+            cells = row(weights, dense_weight, m, k, a.reps, clock)
+            print(f"| {n}x{k} | {m} | " + " | ".join(cells) + " |", flush=True)
 
 
-def row(weights: dict, packed: torch.Tensor, m: int, k: int, reps: int, clock) -> list[str]:
-    """One table row's cells: each format's and oneDNN's `median (min)` ms, then each format over oneDNN."""
-    x = torch.randn(m, k).bfloat16()
+def row(weights: dict, dense_weight: torch.Tensor, m: int, k: int, reps: int, clock) -> list[str]:
+    """One table row's cells: each format's and torch's dense linear's `median (min)` ms (oneDNN's prepacked bf16
+    where the CPU has a bf16 GEMM, else fp32 activations and weights), then each format over the dense one."""
+    bf16 = dense_weight.dtype != torch.float32
+    x = torch.randn(m, k).to(torch.bfloat16 if bf16 else torch.float32)
     calls = {f: (lambda w=w: bg.block_gemm(x, w)) for f, w in weights.items() if w is not None}
-    calls["bf16"] = lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    calls["dense"] = (
+        (lambda: torch.ops.mkldnn._linear_pointwise(x, dense_weight, None, "none", [], ""))
+        if bf16
+        else (lambda: torch.nn.functional.linear(x, dense_weight))
+    )
     for call in calls.values():  # warm: the library built, buffers grown
         for _ in range(3):
             call()
@@ -89,8 +101,8 @@ def row(weights: dict, packed: torch.Tensor, m: int, k: int, reps: int, clock) -
             times[name].append(clock() - start)
     med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     cell = lambda f: f"{med[f]:.3f} ({min(times[f]) * 1e3:.3f})" if f in med else "-"  # noqa: E731
-    ratio = lambda f: f"{med[f] / med['bf16']:.2f}" if f in med else "-"  # noqa: E731
-    return [cell(f) for f in weights] + [cell("bf16")] + [ratio(f) for f in weights]
+    ratio = lambda f: f"{med[f] / med['dense']:.2f}" if f in med else "-"  # noqa: E731
+    return [cell(f) for f in weights] + [cell("dense")] + [ratio(f) for f in weights]
 
 
 if __name__ == "__main__":
