@@ -1,11 +1,11 @@
 """Reference runs the tests compare tiffin with: transformers' greedy generation (of text and vision-language
-models), and which work ran on the event loop
-while an app answered a request."""
+models), and which work ran on the event loop while an app answered a request."""
 
 import asyncio
 import threading
 
 import httpx
+import pytest
 import torch
 
 
@@ -48,35 +48,25 @@ def work_on_the_loop(app, method: str, path: str, watched: list[tuple[object, st
     """Which of the `watched` callables (an object and an attribute name) ran on the event loop's thread while `app`
     served one request, and its response. Which thread did the work, not how long the loop stalled: a stall's
     length is the machine's load as much as the code's."""
-    on_loop, loop_thread = [], threading.get_ident()
+    on_loop, loop_thread = set(), threading.get_ident()
 
-    def watch(owner, name):
-        original = getattr(owner, name)
-
+    def watch(name, original):
         def call(*args, **kwargs):
             if threading.get_ident() == loop_thread:
-                on_loop.append(name)
+                on_loop.add(name)
             return original(*args, **kwargs)
 
         return call
 
-    saved = [(owner, name, owner.__dict__.get(name, _ABSENT)) for owner, name in watched]
-    for owner, name in watched:
-        setattr(owner, name, watch(owner, name))
-    try:
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
+            return await c.request(method, path, **request)
 
-        async def run():
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
-                return await c.request(method, path, **request)
-
+    with pytest.MonkeyPatch.context() as patch:
+        for owner, name in watched:
+            patch.setattr(owner, name, watch(name, getattr(owner, name)))
         response = asyncio.run(run())
-    finally:
-        for owner, name, value in saved:
-            delattr(owner, name) if value is _ABSENT else setattr(owner, name, value)
-    return sorted(set(on_loop)), response
-
-
-_ABSENT = object()
+    return sorted(on_loop), response
 
 
 def spread_weights(model: torch.nn.Module, norm_mean: float, embed_power: float, output_gain: float) -> None:
