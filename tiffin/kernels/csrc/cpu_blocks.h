@@ -10,6 +10,10 @@
 #include <immintrin.h>
 #define TIFFIN_VNNI 1
 #endif
+#if !TIFFIN_VNNI && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define TIFFIN_AVX2 1  // cpu_quant_avx2.h's tile
+#endif
 #if TIFFIN_VNNI && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "cpu_blocks.h"
+#include "cpu_quant_avx2.h"
 
 namespace {
 
@@ -33,6 +34,7 @@ struct Acts {  // one call's quantized activations, reused by the thread across 
   std::vector<float> dx;   // [M, blocks]: the step of the activation's integer, 127 q + q2 with two levels
   std::vector<float> sx;   // [M, blocks]: dx * the sum of that integer
   std::vector<float> sxh;  // [M, blocks, 2]: the same per half-block
+  std::vector<int32_t> isum;  // [M, blocks, 2]: the sum of that integer a half-block
   int64_t k = 0, blocks = 0;
 };
 
@@ -55,7 +57,7 @@ inline __m512i round_codes(__m512 v) {
 // At the block's 32 inputs the scalar arithmetic below, 16 lanes at a time: the decode step quantizes the input of
 // every projection on the calling thread, while the others wait.
 void quantize_row(const void* x, int dtype, int64_t k, int levels, int8_t* q, int8_t* q2, float* dx, float* sx,
-                  float* sxh) {
+                  float* sxh, int32_t* isum) {
   for (int64_t b = 0; b < k / QK; ++b) {
     const __m512 vals[2] = {load_fp32x16(x, dtype, b * QK), load_fp32x16(x, dtype, b * QK + 16)};
     // max_ps returns its second operand where the first is NaN: NaN inputs are skipped, as by std::max
@@ -79,11 +81,12 @@ void quantize_row(const void* x, int dtype, int64_t k, int levels, int8_t* q, in
     dx[b] = levels == 1 ? d : d2;
     sx[b] = dx[b] * static_cast<float>(sums[0] + sums[1]);
     sxh[2 * b] = dx[b] * static_cast<float>(sums[0]), sxh[2 * b + 1] = dx[b] * static_cast<float>(sums[1]);
+    isum[2 * b] = sums[0], isum[2 * b + 1] = sums[1];
   }
 }
 #else
 void quantize_row(const void* x, int dtype, int64_t k, int levels, int8_t* q, int8_t* q2, float* dx, float* sx,
-                  float* sxh) {
+                  float* sxh, int32_t* isum) {
   float vals[QK];
   for (int64_t b = 0; b < k / QK; ++b) {
     float amax = 0.f;
@@ -109,6 +112,7 @@ void quantize_row(const void* x, int dtype, int64_t k, int levels, int8_t* q, in
     dx[b] = levels == 1 ? d : d2;
     sx[b] = dx[b] * static_cast<float>(sums[0] + sums[1]);
     sxh[2 * b] = dx[b] * static_cast<float>(sums[0]), sxh[2 * b + 1] = dx[b] * static_cast<float>(sums[1]);
+    isum[2 * b] = sums[0], isum[2 * b + 1] = sums[1];
   }
 }
 #endif
@@ -122,13 +126,14 @@ Acts& quantize(const void* x, int dtype, int64_t row_stride, int64_t m, int64_t 
   a.dx.resize(m * a.blocks);
   a.sx.resize(m * a.blocks);
   a.sxh.resize(m * a.blocks * 2);
+  a.isum.resize(m * a.blocks * 2);
   const int elem = dtype == 0 ? 4 : 2;
 #pragma omp parallel for num_threads(threads) if (m * k >= (1 << 16))
   for (int64_t r = 0; r < m; ++r) {
     const void* row = static_cast<const char*>(x) + r * row_stride * elem;
     int8_t* q2 = levels == 2 ? &a.q2[r * k] : nullptr;
     quantize_row(row, dtype, k, levels, &a.q[r * k], q2, &a.dx[r * a.blocks], &a.sx[r * a.blocks],
-                 &a.sxh[r * a.blocks * 2]);
+                 &a.sxh[r * a.blocks * 2], &a.isum[r * a.blocks * 2]);
   }
   return a;
 }
@@ -223,8 +228,15 @@ void tile(const Acts& a, int64_t m0, Ahead ahead, const Weights& w, int64_t g0, 
     for (int i = 0; i < MC; ++i) store_outputs(acc[g][i], y, out_dtype, (m0 + i) * y_stride + n0, lanes);
   }
 }
+#elif TIFFIN_AVX2
+template <int BITS, int KIND, int LEVELS, int MC, int GR>
+void tile(const Acts& a, int64_t m0, Ahead, const Weights& w, int64_t g0, void* y, int out_dtype, int64_t y_stride) {
+  for (int64_t g = g0; g < g0 + GR; ++g)
+    for (int half = 0; half < 2 && g * LANES + 8 * half < w.n; ++half)
+      avx2_tile<BITS, KIND, LEVELS, MC>(a, m0, w, g, half, y, out_dtype, y_stride);
+}
 #else
-// The VNNI tile's arithmetic for any CPU (AVX2 without VNNI: the compiler vectorizes over the 16 lanes): a block's
+// The VNNI tile's arithmetic for any other CPU (ARM, x86 without AVX2; the compiler vectorizes over the 16 lanes): a block's
 // codes and factors decoded once for all MC activation rows, each row's integer dot products summed in int32 lanes,
 // each half-block scaled by the same fp32 expression, in block order.
 template <int BITS, int KIND, int LEVELS, int MC, int GR>
@@ -400,8 +412,10 @@ extern "C" const char* tiffin_quant_kernels() {
     case 1: return "AVX-512 VNNI integer dot products; AVX-512 BF16 for prompt-sized steps";
     default: return "AVX-512 VNNI integer dot products";
   }
+#elif TIFFIN_AVX2
+  return "AVX2 integer dot products (no AVX-512 VNNI on this CPU)";
 #else
-  return "portable C++ (no AVX-512 VNNI on this CPU: several times slower)";
+  return "portable C++ (no AVX-512 VNNI nor AVX2 on this CPU: several times slower)";
 #endif
 }
 

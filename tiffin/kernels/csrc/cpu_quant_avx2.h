@@ -1,0 +1,173 @@
+// cpu_quant.cpp's integer tile for x86 CPUs with AVX2 but no AVX-512 VNNI (AMD Zen 2/3, Intel before Ice Lake),
+// llama.cpp's AVX2 scheme on tiffin's layout: a 256-bit register holds 8 of a group's 16 rows (bytes 32 half ..
+// 32 half + 31 of each 64-byte register of codes), `vpmaddubsw` multiplies u8 codes by s8 activations and sums
+// adjacent pairs into int16 lanes, and `vpmaddwd` by ones widens those to one int32 a row and quad, as `vpdpbusd`
+// does in one step.
+//
+// int16 holds a pair only below 2 * 127 * 129: codes up to 129 are multiplied as they are, and int16 lanes gather
+// as many pair sums as stay below 2^15 before widening (a whole block of 4-bit codes). Wider codes (8 bits, the
+// codebook kinds' values + 128) are taken less 128, as signed s in -128..127 of magnitude at most 128, multiplied
+// as |s| (unsigned) by the activation with s's sign, and the block's dot product gets back 128 * sum(qx): exact
+// integers either way, the fp32 scaling is the VNNI tile's.
+#pragma once
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+#include "cpu_blocks.h"
+
+#if TIFFIN_AVX2
+namespace {
+
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline __m256i bytes32(int v) { return _mm256_set1_epi8(static_cast<char>(v)); }
+
+// f(integral_constant<int, 0>) .. f(integral_constant<int, N - 1>), in order: a loop whose index is a constant
+template <typename F, int... I>
+inline void unroll_each(F&& f, std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, I>{}), ...);
+}
+template <int N, typename F>
+inline void unroll(F&& f) {
+  unroll_each(f, std::make_integer_sequence<int, N>{});
+}
+
+// cpu_blocks.h's load_quads for the 8 lanes at `block` (a block's codes, 32 bytes into them for lanes 8..15).
+template <int BITS, int KIND>
+inline void load_quads8(const uint8_t* block, int t, __m256i& lo, __m256i& hi) {
+  if constexpr (BITS == 8) {
+    lo = load32(block + t * 64);
+    return;
+  }
+  constexpr int L = low_bits(BITS);
+  const __m256i v = load32(block + (t % L) * 64), mask = bytes32((1 << L) - 1);
+  const int shift = L == 4 ? 0 : 2 * (t / 2);  // 2-bit fields: quad t's at 2 (t / 2), quad t + 4's 4 bits above
+  lo = _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(shift)), mask);
+  hi = _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(shift + 4)), mask);
+  for (int p = 0; p < BITS - L; ++p) {  // a set plane bit adds 1 << (L + p) to its code
+    const __m256i plane = load32(block + 64 * L + p * 64), bit = bytes32(1 << (L + p));
+    const __m256i in_lo = bytes32(1 << t), in_hi = bytes32(16 << t);
+    lo = _mm256_add_epi8(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(plane, in_lo), in_lo), bit));
+    hi = _mm256_add_epi8(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(plane, in_hi), in_hi), bit));
+  }
+  if constexpr (codebook(KIND)) {
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(IQ4_UNSIGNED)));
+    lo = _mm256_shuffle_epi8(table, lo), hi = _mm256_shuffle_epi8(table, hi);
+  }
+}
+
+inline __m256 fp16x8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+template <bool SIGNED>
+inline __m256 bytes_x8(const uint8_t* p) {
+  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(SIGNED ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
+}
+
+// cpu_blocks.h's `factors` for lanes lane0..lane0+7.
+template <int BITS, int KIND>
+inline void factors8(const Weights& w, int64_t blocks, int64_t g, int64_t b, int h, int lane0, __m256& d, __m256& m) {
+  if constexpr (KIND == BLOCKS || KIND == CODEBOOK) {
+    const int64_t at = (g * blocks + b) * LANES + lane0;
+    d = fp16x8(w.scales + at);
+    m = KIND == BLOCKS ? fp16x8(w.offsets + at) : _mm256_mul_ps(d, _mm256_set1_ps(-128.f));
+    return;
+  }
+  const int64_t super_at = (g * (blocks / SUPER) + b / SUPER) * LANES + lane0;
+  const uint8_t* sub = sub_scales(w, BITS, KIND, blocks, g, b) + lane0;
+  if constexpr (KIND == SUPER_MINS) {
+    d = _mm256_mul_ps(fp16x8(w.scales + super_at), bytes_x8<false>(sub + (b % SUPER) * LANES));
+    m = _mm256_mul_ps(fp16x8(w.offsets + super_at), bytes_x8<false>(sub + 128 + (b % SUPER) * LANES));
+  } else if constexpr (KIND == SUPER_MINS16) {  // sc | mn << 4
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + (2 * (b % SUPER) + h) * LANES));
+    const __m256i both = _mm256_cvtepu8_epi32(bytes);
+    d = _mm256_mul_ps(fp16x8(w.scales + super_at), _mm256_cvtepi32_ps(_mm256_and_si256(both, _mm256_set1_epi32(15))));
+    m = _mm256_mul_ps(fp16x8(w.offsets + super_at), _mm256_cvtepi32_ps(_mm256_srli_epi32(both, 4)));
+  } else {
+    const int entry = KIND == SUPER_CODEBOOK ? b % SUPER : 2 * (b % SUPER) + h;
+    d = _mm256_mul_ps(fp16x8(w.scales + super_at), bytes_x8<true>(sub + entry * LANES));
+    m = _mm256_mul_ps(d, _mm256_set1_ps(-static_cast<float>(KIND == SUPER_CODEBOOK ? 128 : 1 << (BITS - 1))));
+  }
+}
+
+// Activation rows m0..m0+MC against lanes 8 half .. 8 half + 7 of row group g: `Acts` is cpu_quant.cpp's.
+template <int BITS, int KIND, int LEVELS, int MC, typename Acts>
+void avx2_tile(const Acts& a, int64_t m0, const Weights& w, int64_t g, int half, void* y, int out_dtype,
+               int64_t y_stride) {
+  constexpr int H = halves(KIND), T = BITS == 8 ? 8 : 4;  // quads t: t and t + 4 below 8 bits
+  constexpr bool WIDE = BITS == 8 || codebook(KIND);
+  constexpr int TOP = WIDE ? 128 : (1 << BITS) - 1;  // the largest unsigned factor of a product
+  constexpr int PER_T = H == 1 && BITS < 8 ? 2 : 1;  // pair sums a quad step adds to each int16 lane
+  constexpr int GATHER = 32767 / (2 * 127 * TOP) / PER_T;  // quad steps int16 lanes hold (0: widen each product)
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MC];
+  for (int i = 0; i < MC; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const uint8_t* codes = block_codes(w, BITS, KIND, a.blocks, g, b) + 32 * half;
+    __m256i dots[LEVELS][H][MC], pairs[LEVELS][H][MC];
+    for (int l = 0; l < LEVELS; ++l)
+      for (int h = 0; h < H; ++h)
+        for (int i = 0; i < MC; ++i) dots[l][h][i] = pairs[l][h][i] = _mm256_setzero_si256();
+    unroll<T>([&](auto step) {
+      constexpr int t = decltype(step)::value;
+      __m256i lo, hi;
+      load_quads8<BITS, KIND>(codes, t, lo, hi);
+      if constexpr (WIDE) lo = _mm256_xor_si256(lo, bytes32(0x80)), hi = _mm256_xor_si256(hi, bytes32(0x80));
+      const __m256i abs_lo = WIDE ? _mm256_abs_epi8(lo) : lo, abs_hi = WIDE ? _mm256_abs_epi8(hi) : hi;
+      auto add = [&](int l, int h, int i, const __m256i& codes_abs, const __m256i& codes_signed, const int8_t* quad) {
+        int32_t four;
+        std::memcpy(&four, quad, 4);
+        __m256i act = _mm256_set1_epi32(four);
+        if constexpr (WIDE) act = _mm256_sign_epi8(act, codes_signed);
+        const __m256i p = _mm256_maddubs_epi16(codes_abs, act);
+        if constexpr (GATHER == 0) dots[l][h][i] = _mm256_add_epi32(dots[l][h][i], _mm256_madd_epi16(p, ones));
+        else pairs[l][h][i] = _mm256_add_epi16(pairs[l][h][i], p);
+      };
+      for (int i = 0; i < MC; ++i) {
+        for (int l = 0; l < LEVELS; ++l) {
+          const int8_t* q = (l == 0 ? a.q.data() : a.q2.data()) + (m0 + i) * a.k + b * QK;
+          add(l, 0, i, abs_lo, lo, q + 4 * t);
+          if constexpr (BITS < 8) add(l, H - 1, i, abs_hi, hi, q + 4 * (t + 4));
+        }
+      }
+      if constexpr (GATHER > 0 && ((t + 1) % GATHER == 0 || t == T - 1)) {
+        for (int l = 0; l < LEVELS; ++l)
+          for (int h = 0; h < H; ++h)
+            for (int i = 0; i < MC; ++i) {
+              dots[l][h][i] = _mm256_add_epi32(dots[l][h][i], _mm256_madd_epi16(pairs[l][h][i], ones));
+              pairs[l][h][i] = _mm256_setzero_si256();
+            }
+      }
+    });
+    for (int h = 0; h < H; ++h) {
+      __m256 d, m;
+      factors8<BITS, KIND>(w, a.blocks, g, b, h, 8 * half, d, m);
+      for (int i = 0; i < MC; ++i) {
+        const int64_t row = (m0 + i) * a.blocks + b;
+        __m256i dot = dots[0][h][i];
+        if constexpr (LEVELS == 2)  // 127 q1 + q2: (x << 7) - x + rest
+          dot = _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(dot, 7), dot), dots[1][h][i]);
+        if constexpr (WIDE)  // (s + 128) x = s x + 128 x, a block's (WIDE kinds scale blocks whole)
+          dot = _mm256_add_epi32(dot, _mm256_set1_epi32(128 * (a.isum[2 * row] + a.isum[2 * row + 1])));
+        const float sx = H == 2 ? a.sxh[2 * row + h] : a.sx[row];
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(a.dx[row])), acc[i]);
+        acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx), acc[i]);
+      }
+    }
+  }
+  const int64_t n0 = g * LANES + 8 * half, lanes = std::min<int64_t>(8, w.n - n0);
+  for (int i = 0; i < MC; ++i) {
+    const int64_t at = (m0 + i) * y_stride + n0;
+    if (out_dtype == 0 && lanes == 8) {
+      _mm256_storeu_ps(static_cast<float*>(y) + at, acc[i]);
+      continue;
+    }
+    alignas(32) float out[8];
+    _mm256_store_ps(out, acc[i]);
+    for (int l = 0; l < lanes; ++l) store_value(y, out_dtype, at + l, out[l]);
+  }
+}
+
+}  // namespace
+#endif
