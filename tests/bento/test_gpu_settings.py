@@ -27,6 +27,19 @@ def test_auto_dtype_downcasts_fp32_only_on_cuda(monkeypatch):
     assert resolve_dtype("float32", torch.bfloat16, cuda1) == torch.float32  # an explicit dtype wins
 
 
+def test_auto_dtype_runs_16_bit_checkpoints_in_fp32_on_a_cpu_without_their_gemm(monkeypatch):
+    from tiffin.engine.models import config
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(config, "cpu_gemm_native", lambda dtype: dtype != torch.bfloat16)  # AVX-512 FP16, no BF16
+    assert resolve_dtype("auto", torch.bfloat16, cpu) == torch.float32
+    assert resolve_dtype("auto", torch.float16, cpu) == torch.float16
+    assert resolve_dtype("bfloat16", torch.bfloat16, cpu) == torch.bfloat16  # an explicit dtype wins
+    monkeypatch.setattr(config, "cpu_gemm_native", lambda dtype: True)
+    assert resolve_dtype("auto", torch.bfloat16, cpu) == torch.bfloat16
+    assert config.cpu_gemm_native(torch.float32)
+
+
 def test_device_index_is_kept():
     assert EngineConfig("m", device="cuda:1").torch_device == torch.device("cuda", 1)
     assert EngineConfig("m", device="cpu").torch_device == torch.device("cpu")

@@ -31,7 +31,11 @@ class EngineConfig:
     )
     revision: str | None = _setting(None, "hub revision (branch, tag or commit) of a hub id; default: main")
     tokenizer: str | None = _setting(None, "tokenizer directory; default: the model's")
-    dtype: str = _setting("auto", "float32, bfloat16 or float16; auto: the checkpoint's (fp32 ones in bf16 on CUDA)")
+    dtype: str = _setting(
+        "auto",
+        "float32, bfloat16 or float16; auto: the checkpoint's (fp32 ones in bf16 on CUDA, 16-bit ones in fp32 on a"
+        " CPU without a GEMM of their type)",
+    )
     device: str = _setting("auto", "cpu, cuda or cuda:<index>; auto: cuda when available")
     block_size: int = _setting(16, "tokens per KV cache block")
     num_kv_blocks: int | None = _setting(None, "KV cache blocks; default: what kv_cache_memory holds")

@@ -20,7 +20,7 @@ from tiffin.engine.distributed.join import world_size
 from tiffin.engine.distributed.pipeline import UNSTAGED
 from tiffin.engine.distributed.tensor_parallel import UNSHARDED
 from tiffin.engine.lora.slots import LoRASlots
-from tiffin.engine.models.config import ModelConfig
+from tiffin.engine.models.config import ModelConfig, cpu_gemm_native
 from tiffin.engine.models.loader import build_model
 from tiffin.engine.models.pooler import PoolingMetadata
 from tiffin.engine.multimodal.encoder import EncoderRunner, prefills_images
@@ -87,9 +87,10 @@ class ModelRunner(KVBlockCopies, GraphedDecode):
         self.backend = kernels.resolve_backend(config.kernel_backend, self.device)
         native, dtype = kernels.cpu_native.library() is not None, model_config.dtype
         # fp32 is timed on CPU alone (`prepacks_for_onednn`) and at one rank: each rank would time the choice for
-        # itself, and their policies must agree (the logits' gather is collective)
+        # itself, and their policies must agree (the logits' gather is collective); 16-bit types where the CPU has
+        # their GEMM (else torch's fallback, which builds nothing per size)
         onednn = self.device.type == "cpu" and (
-            dtype != torch.float32 or (world_size(config) == 1 and prepacks_for_onednn(dtype))
+            cpu_gemm_native(dtype) if dtype != torch.float32 else world_size(config) == 1 and prepacks_for_onednn(dtype)
         )
         self.policy = choose_policy(self.device, dtype, self.backend, onednn, config, native)
         refusal = graph_refusal(model_config)
