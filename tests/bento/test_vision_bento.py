@@ -61,3 +61,34 @@ def test_openai_and_anthropic_clients_images_give_the_offline_tokens(server, tin
         model=name, max_tokens=12, messages=[{"role": "user", "content": content}], extra_body={"temperature": 0}
     )
     assert message.content[0].text == offline(tiny_llava, decoded[1:], 12, ignore_eos=False)
+
+
+def test_typed_generate_takes_uploaded_images(server, tiny_llava, tmp_path):
+    """`bentoml.SyncHTTPClient`'s `generate` with image files (multipart uploads) gives the offline tokens; a URL
+    string, a corrupt file and more images than placeholders are 400s naming the problem, the text-only JSON request
+    still served."""
+    import bentoml
+    import httpx
+
+    images = [random_image(23, (50, 70)), random_image(24, (90, 30))]
+    files = [tmp_path / "a.png", tmp_path / "b.jpg"]
+    for image, path in zip(images, files):
+        image.save(path)
+    prompt = "USER: <image>\n<image>\n" + QUESTION + "\nASSISTANT:"
+    with bentoml.SyncHTTPClient(server.url, timeout=120) as client:
+        text = client.generate(prompt=prompt, images=files, max_tokens=12, temperature=0, ignore_eos=True)
+        decoded = [PIL.open(path).convert("RGB") for path in files]
+        assert text == offline(tiny_llava, decoded, 12, ignore_eos=True)
+        with pytest.raises(bentoml.exceptions.BentoMLException, match="placeholder"):
+            client.generate(prompt="USER: <image>\nHi\nASSISTANT:", images=files, max_tokens=2)
+
+    def post(files: list, **fields) -> httpx.Response:
+        data = {"prompt": '"USER: <image>\\nHi\\nASSISTANT:"', "max_tokens": "2", **fields}
+        return httpx.post(server.url + "/generate", data=data, files=files, timeout=60)
+
+    url = post([("images", (None, "https://example.com/cat.png"))])  # a part with no filename: a string
+    assert url.status_code == 400 and "URLs are not fetched" in url.text
+    corrupt = post([("images", ("cat.png", b"\x89PNG\r\n\x1a\n" + b"\0" * 40, "image/png"))])
+    assert corrupt.status_code == 400 and "image[0]" in corrupt.text, corrupt.text
+    plain = httpx.post(server.url + "/generate", json={"prompt": "USER: Hi\nASSISTANT:", "max_tokens": 2}, timeout=60)
+    assert plain.status_code == 200, plain.text

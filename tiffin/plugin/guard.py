@@ -18,6 +18,8 @@
 - Liveness: while `failure()` names why the service is dead (an engine failed or stalled), /livez answers 503 with
   that reason in OpenAI's error shape, where BentoML's own answer says only that `__is_alive__` is false.
 - Memory: after a request with a large body, freed memory goes back to the OS (see `_release_memory`).
+
+`UploadsOnly`, behind it, keeps BentoML from fetching URLs for the typed APIs' file fields.
 """
 
 import asyncio
@@ -150,6 +152,59 @@ class Guard:
             if not refused:
                 raise
         return received
+
+
+class UploadsOnly:
+    """The typed APIs' file fields (`fields`: route -> field) take uploaded files only. BentoML fetches a file field
+    sent as a string as a URL, from any public host with no bound on time or size; tiffin fetches images only from
+    `allowed_media_domains` (the /v1 routes), so such a field is a 400 here. The multipart body, bounded by the
+    Guard in front, is read whole to look, then replayed to the app."""
+
+    def __init__(self, app, fields: dict[str, str]):
+        self.app, self.fields = app, fields
+
+    async def __call__(self, scope, receive, send) -> None:
+        field = self.fields.get(scope["path"]) if scope["type"] == "http" else None
+        if field is None or not dict(scope["headers"]).get(b"content-type", b"").startswith(b"multipart/"):
+            return await self.app(scope, receive, send)
+        chunks, message = [], {"more_body": True}
+        while message.get("more_body"):
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+        body = b"".join(chunks)
+        if await _strings_in(scope, body, field):
+            message = f"{field}: upload image files (multipart parts with a filename); URLs are not fetched here"
+            return await _error(send, 400, message, "invalid_file")
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+async def _strings_in(scope, body: bytes, field: str) -> bool:
+    """Whether the multipart `body` gives `field` a value that is not a file."""
+    from starlette.datastructures import UploadFile
+    from starlette.requests import Request
+
+    async def once():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    try:
+        form = await Request(scope, once).form()
+    except Exception:  # noqa: BLE001 (a malformed body: the app answers it as it would)
+        return False
+    try:
+        return any(not isinstance(value, UploadFile) for value in form.getlist(field))
+    finally:
+        await form.close()
 
 
 @functools.cache

@@ -53,7 +53,7 @@ from tiffin.engine.errors import EngineAsleep, QueueFull
 from tiffin.engine.pooling_params import PoolingParams
 from tiffin.engine.sampling_params import SamplingParams
 from tiffin.plugin import http_server
-from tiffin.plugin.guard import Guard
+from tiffin.plugin.guard import Guard, UploadsOnly
 from tiffin.plugin.metrics import engine_metrics, own_prometheus_dir
 from tiffin.plugin.model_store import bento_model, is_hub_id, resolve_embedding_model, resolve_model
 from tiffin.plugin.openai import structured
@@ -71,11 +71,16 @@ logger = logging.getLogger("tiffin.service")
 own_prometheus_dir()  # before `bentoml serve` empties BentoML's shared directory, which another server may be using
 
 
-class GenerateRequest(BaseModel):
+class GenerateRequest(bentoml.IODescriptor):
     """The request of the typed APIs: a prompt and how to sample its completion. Its numbers and booleans are
-    strict, as the /v1 routes' are: a string or a boolean is never run as a number (BentoML answers 400)."""
+    strict, as the /v1 routes' are: a string or a boolean is never run as a number (BentoML answers 400). A
+    vision-language model's `images` go where the prompt holds the model's image placeholder, one each (vLLM's
+    offline prompt: LLaVA's `<image>`): image files uploaded (multipart; BentoML's client sends paths and PIL images
+    opened from files), decoded and checked by the engine as the /v1 routes' images are. Files, not `PIL.Image`
+    fields: BentoML opens those with PIL itself, and a corrupt file there is a 500."""
 
     prompt: str
+    images: list[Path] = Field(default_factory=list)
     max_tokens: Int = 128
     temperature: Float = 1.0
     top_p: Float = 1.0
@@ -90,7 +95,8 @@ class GenerateRequest(BaseModel):
     def sampling_params(self) -> SamplingParams:
         try:
             so = None if self.structured_outputs is None else structured.from_fields(self.structured_outputs)
-            return SamplingParams(**self.model_dump(exclude={"prompt", "structured_outputs"}), structured_outputs=so)
+            fields = self.model_dump(exclude={"prompt", "images", "structured_outputs"})
+            return SamplingParams(**fields, structured_outputs=so)
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
 
@@ -322,7 +328,7 @@ class Tiffin:
                 raise InvalidArgument(str(e)) from None
         engine = self._route("generate", "/generate").engine
         try:
-            stream = await engine.add_request(f"gen-{uuid.uuid4().hex}", request.prompt, params)
+            stream = await engine.add_request(f"gen-{uuid.uuid4().hex}", _prompt(request), params)
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
         except QueueFull as e:
@@ -366,6 +372,13 @@ class Tiffin:
         return ranked(req.documents, scores, req.top_n, documents=True)
 
 
+def _prompt(request: GenerateRequest) -> str | dict:
+    """The engine's prompt; with images, their files' bytes (BentoML's temporary copies of the uploads)."""
+    if not request.images:
+        return request.prompt
+    return {"prompt": request.prompt, "multi_modal_data": {"image": [path.read_bytes() for path in request.images]}}
+
+
 def _bentoml_error(e: ValueError | APIError) -> BentoMLException:
     """A refusal of the OpenAI layer (or of PoolingParams) in BentoML's shape, with its status."""
     if not isinstance(e, APIError):
@@ -390,3 +403,4 @@ Tiffin.add_asgi_middleware(
     min_user_priority=settings.min_user_priority,
     body_limits={"/v1/files": settings.batch_max_file_bytes + MULTIPART_SLACK},  # uploads: the file limit
 )
+Tiffin.add_asgi_middleware(UploadsOnly, fields={"/generate": "images", "/generate_stream": "images"})

@@ -16,7 +16,7 @@ import torch
 
 from tiffin.engine.config import EngineConfig
 from tiffin.engine.errors import ParamError
-from tiffin.engine.multimodal.image import check_pixels
+from tiffin.engine.multimodal.image import check_pixels, decode_image
 
 
 @dataclass(frozen=True, eq=False)
@@ -89,10 +89,21 @@ def images_key(images: tuple[ImageInput, ...], start: int, end: int) -> bytes:
     return b"".join(image.hash for image in images if image.offset < end and start < image.offset + image.length)
 
 
+def decode_file(data: bytes, limits: ImageLimits, where: str):
+    """The image an uploaded file holds (`decode_image`), refused past `max_image_bytes` before it is opened."""
+    if len(data) > limits.max_image_bytes:
+        raise ParamError(
+            "multi_modal_data",
+            f"{where}: the image's {len(data)} bytes exceed max_image_bytes={limits.max_image_bytes}",
+        )
+    return decode_image(data, limits.max_image_pixels, where)
+
+
 def prompt_images(
     token_ids: list[int], data, config, limits: ImageLimits, tokenizer
 ) -> tuple[list[int], tuple[ImageInput, ...]]:
-    """A prompt's `multi_modal_data` (vLLM's `{"image": a PIL image or a list of them}`) preprocessed, the prompt's
+    """A prompt's `multi_modal_data` (vLLM's `{"image": a PIL image or a list of them}`; an image file's bytes too,
+    decoded within `limits` as an API's images are) preprocessed, the prompt's
     placeholders expanded (`expand_placeholders`); `config`: the model's image config (`LlavaConfig`,
     `Idefics3Config`; None: a text-only model), whose `image_prompt` writes each image's ids with `tokenizer`.
     ParamError naming the setting or the problem."""
@@ -110,6 +121,8 @@ def prompt_images(
         )
     for i, image in enumerate(images):
         where = f"multi_modal_data.image[{i}]"
+        if isinstance(image, bytes):
+            images[i] = image = decode_file(image, limits, where)
         if not isinstance(image, Image.Image):
             raise ParamError("multi_modal_data", f"{where}: a PIL image is needed, got {type(image).__name__}")
         check_pixels(image.size, limits.max_image_pixels, where)
