@@ -103,6 +103,7 @@ def runs(env, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
             "executor_overhead.py": ["executor_overhead.py", "--steps", "4", "--rounds", "1", "--batch", "2"],
             "batch_loop_lag.py": ["batch_loop_lag.py", "--hostile-lines", "60000"],
             "row_padding.py": ["row_padding.py", *cheap, "--rounds", "1"],
+            "vision.py": ["vision.py", "--quick"],  # a tiny LLaVA against transformers
         },
         env,
     )
@@ -344,3 +345,10 @@ def test_quantized(runs):
     for weights in ("bf16", "awq 4-bit, group 64", "gptq 4-bit, group 64", "w8a8 int8 (compressed-tensors)",
                     "fp8, 128x128 blocks", "fp8, quantization='fp8'"):  # fmt: skip
         assert f"\n| {weights} |" in run.stdout, output(run)
+
+
+def test_vision(runs):
+    run = runs["vision.py"]
+    assert run.returncode == 0 and "\n| transformers (batch 1) | " in run.stdout, output(run)
+    assert "greedy tokens equal to transformers': 4 of 4 requests" in run.stdout, output(run)
+    assert "encoder: 2 images through the tower for 4 image requests" in run.stdout, output(run)
