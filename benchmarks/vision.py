@@ -1,8 +1,8 @@
 """Image chat against transformers on the same tiny random LLaVA checkpoint (`tiffin.testing.tiny_llava`), in one
 process, fp32, and the encoder cache's hit rate on a workload that repeats images.
 
-W: `--requests` prompts "USER: <question>\\n<image> ASSISTANT:" (the image after text that varies: the encoder
-  cache, not the prefix cache, finds it again), each with one of `--distinct` random images of
+W: `--requests` prompts "USER: <i>. <question>\\n<image> ASSISTANT:" (the image after text of its own: the
+  encoder cache, not the prefix cache, finds it again), each with one of `--distinct` random images of
 varied sizes (request i: image i mod distinct, question i mod 4), greedy, `--new-tokens` tokens each (ignore_eos).
 - TTFT: one request alone, an image neither peer has seen, `max_tokens=1`, preprocessing included (tiffin: the
   engine's decoding of a PIL image, its processor, tower and prefill; transformers: CLIPImageProcessorPil and
@@ -44,7 +44,9 @@ QUICK = dict(requests=4, distinct=2, new_tokens=4, ttft_runs=1, image_size=56)
 def workload(args) -> list[tuple[str, object]]:
     images = [random_image(100 + i, (args.image_size + 37 * i % 90, args.image_size + 53 * i % 70))
               for i in range(args.distinct)]  # fmt: skip
-    return [(f"USER: {QUESTIONS[i % 4]}\n<image> ASSISTANT:", images[i % args.distinct]) for i in range(args.requests)]
+    return [
+        (f"USER: {i}. {QUESTIONS[i % 4]}\n<image> ASSISTANT:", images[i % args.distinct]) for i in range(args.requests)
+    ]
 
 
 def hf_peer(path: Path):
@@ -96,8 +98,8 @@ def main() -> int:
     def tiffin_one(text, image, params):
         return llm.generate({"prompt": text, "multi_modal_data": {"image": image}}, params, use_tqdm=False)
 
-    tiffin_one(*w[0], greedy), hf(*w[0], 2)  # warm-up
-    fresh = [random_image(900 + i, (args.image_size + 11 * i, args.image_size)) for i in range(2 * args.ttft_runs)]
+    fresh = [random_image(900 + i, (args.image_size + 11 * i, args.image_size)) for i in range(2 * args.ttft_runs + 1)]
+    tiffin_one("USER: warm-up\n<image> ASSISTANT:", fresh[-1], greedy), hf("USER: <image>", fresh[-1], 2)
     ttft = {
         "tiffin": statistics.median(timed(tiffin_one, w[i][0], fresh[i], first)[1] for i in range(args.ttft_runs)),
         "transformers": statistics.median(

@@ -3,7 +3,8 @@
 images, the pixel shuffle equal to transformers' connector's, prompt ids equal to `Idefics3Processor`'s (tile markers,
 global image, image-token runs), greedy tokens and their logprobs equal to transformers' `generate` with one and two
 images of different sizes and aspect ratios, mixed with text-only requests in one batch, also with image-token runs
-split across prefill chunks; each distinct tile encoded once."""
+split across prefill chunks, and after a prefix-cache hit on the text before an image; each distinct tile encoded
+once."""
 
 import numpy as np
 import pytest
@@ -132,6 +133,22 @@ def test_each_distinct_tile_is_encoded_once(tiny_idefics3, images):
     flat = PIL.new("RGB", (64, 64), (10, 200, 30))
     generate(llm, [as_prompt(ONE, [flat])])
     assert encoder.num_encoded == 10 + 1
+
+
+def test_prefix_hit_on_the_text_before_an_image(llm, hf, images):
+    """The same text before different images: the second request finds the text's full blocks in the prefix cache,
+    none past the first image placeholder, and answers as transformers does."""
+    text = "<|bos|>User: a b c d e f g h i j k l m n o p q r s t<image>What is it?<end_of_utterance>\nAssistant:"
+    first, second = (as_prompt(text, [image]) for image in images[:2])
+    offset = llm.llm_engine.tokenize(first).images[0].offset
+    assert offset > 16
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    outs = [*llm.generate([first], params, use_tqdm=False), *llm.generate([second], params, use_tqdm=False)]
+    assert 16 <= outs[1].num_cached_tokens <= offset and outs[1].num_cached_tokens % 16 == 0
+    for out, image in zip(outs, images[:2]):
+        c = out.outputs[0]
+        assert_matches((c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]),
+                       reference(hf, text, [image]))  # fmt: skip
 
 
 def test_chat_template_places_the_image(llm, hf, images):
