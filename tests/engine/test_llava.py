@@ -106,9 +106,9 @@ def test_greedy_and_logprobs_match_transformers_mixed_with_text(checkpoint, hf, 
     assert llm.llm_engine.stats().kv_blocks_used == 0
 
 
-def test_same_text_different_images_share_only_the_text_before_them(llm, images):
+def test_same_text_different_images_share_only_the_text_before_them(llm, hf, images):
     """After a request, the same text over another image hits the prefix cache on the full block of text before the
-    image only, and answers differently; over the same image, it hits the image's blocks too."""
+    image only, and answers differently, as transformers does; over the same image, it hits the image's blocks too."""
     text = "USER: " + "a b c d e f g h i j k l m n o p q r " + "<image>\nWhat is it? ASSISTANT:"
     first, second, again = (prompt(text, [image]) for image in (images[0], images[1], images[0]))
     offset = llm.llm_engine.tokenize(first).images[0].offset
@@ -119,6 +119,7 @@ def test_same_text_different_images_share_only_the_text_before_them(llm, images)
     assert cached[0].num_cached_tokens == 16  # the text block only
     assert cached[1].num_cached_tokens >= offset + TOKENS_PER_IMAGE  # the same image: its blocks too
     assert cached[0].outputs[0].token_ids != outs[0][0] == cached[1].outputs[0].token_ids
+    assert list(cached[0].outputs[0].token_ids) == reference(hf, text, images[1:2])[0]
 
 
 def test_block_hashes_differ_over_different_images(llm, images):
