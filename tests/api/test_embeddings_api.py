@@ -151,7 +151,8 @@ def test_the_openai_client_gets_floats_base64_and_dimensions(http, client, engin
     _, embed, _ = engines
     floats = client.embeddings.create(model="tiny-bert", input=TEXTS, encoding_format="float")
     decoded = client.embeddings.create(model="tiny-bert", input=TEXTS)  # the client asks for base64 and decodes it
-    assert [d.embedding for d in decoded.data] == [d.embedding for d in floats.data]
+    # two requests of 4 inputs: each step batches them as the scheduler finds them, which moves the last bits
+    assert close([d.embedding for d in decoded.data], [d.embedding for d in floats.data])
     raw = http.post("/embeddings", json={"input": TEXTS[0], "encoding_format": "base64"}).json()["data"][0]
     blob = base64.b64decode(raw["embedding"])  # little-endian float32
     assert list(struct.unpack(f"<{len(blob) // 4}f", blob)) == embed_alone(embed, [TEXTS[0]])[0]
