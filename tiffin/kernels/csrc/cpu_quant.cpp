@@ -40,48 +40,71 @@ struct Acts {  // one call's quantized activations, reused by the thread across 
 
 // Per block: d = max|x| / 127, q = nearest-even(x * (1 / d)) (0 where d is 0); with two levels then, for the rest
 // r = x - q d (one rounding), d2 = d / 127 and q2 = nearest-even(r * (1 / d2)).
-#if TIFFIN_VNNI
-// 16 inputs from x[at] as fp32 (each type converts exactly).
-inline __m512 load_fp32x16(const void* x, int dtype, int64_t at) {
-  if (dtype == 0) return _mm512_loadu_ps(static_cast<const float*>(x) + at);
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(x) + at));
-  if (dtype == 1) return _mm512_cvtph_ps(h);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#if TIFFIN_VNNI || TIFFIN_AVX2
+// 8 inputs from x[at] as fp32 (each type converts exactly).
+inline __m256 load_fp32x8(const void* x, int dtype, int64_t at) {
+  if (dtype == 0) return _mm256_loadu_ps(static_cast<const float*>(x) + at);
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(x) + at));
+  if (dtype == 1) return _mm256_cvtph_ps(h);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
 // nearest-even(v), clamped to +-127 (the rounding mode is the default one, as std::nearbyint's)
-inline __m512i round_codes(__m512 v) {
-  return _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+inline __m256i round_codes(__m256 v) {
+  return _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(v), _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
 }
 
-// At the block's 32 inputs the scalar arithmetic below, 16 lanes at a time: the decode step quantizes the input of
+inline int32_t sum_lanes(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+}
+
+inline float max_lanes(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+// A block's 32 codes (8 a register, |code| <= 127) as bytes in input order: the packs interleave 4-byte runs.
+inline void store_codes(int8_t* q, const __m256i (&v)[4]) {
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+  const __m256i in_order = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), in_order);
+}
+
+// At the block's 32 inputs the scalar arithmetic below, 8 lanes at a time: the decode step quantizes the input of
 // every projection on the calling thread, while the others wait.
 void quantize_row(const void* x, int dtype, int64_t k, int levels, int8_t* q, int8_t* q2, float* dx, float* sx,
                   float* sxh, int32_t* isum) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
   for (int64_t b = 0; b < k / QK; ++b) {
-    const __m512 vals[2] = {load_fp32x16(x, dtype, b * QK), load_fp32x16(x, dtype, b * QK + 16)};
-    // max_ps returns its second operand where the first is NaN: NaN inputs are skipped, as by std::max
-    const float amax = _mm512_reduce_max_ps(
-        _mm512_max_ps(_mm512_abs_ps(vals[1]), _mm512_max_ps(_mm512_abs_ps(vals[0]), _mm512_setzero_ps())));
-    const float d = amax / 127.f, d2 = d / 127.f;
+    __m256 vals[4], amax = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {  // max_ps returns its second operand where the first is NaN: skipped, as std::max
+      vals[j] = load_fp32x8(x, dtype, b * QK + 8 * j);
+      amax = _mm256_max_ps(_mm256_andnot_ps(sign, vals[j]), amax);
+    }
+    const float d = max_lanes(amax) / 127.f, d2 = d / 127.f;
     const float id = d != 0.f ? 1.f / d : 0.f, id2 = d2 != 0.f ? 1.f / d2 : 0.f;
-    int sums[2];
-    for (int h = 0; h < 2; ++h) {
-      const __m512i v = round_codes(_mm512_mul_ps(vals[h], _mm512_set1_ps(id)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * QK + 16 * h), _mm512_cvtepi32_epi8(v));
+    __m256i codes[4], rests[4], sums[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int j = 0; j < 4; ++j) {
+      codes[j] = round_codes(_mm256_mul_ps(vals[j], _mm256_set1_ps(id)));
       if (levels == 1) {
-        sums[h] = _mm512_reduce_add_epi32(v);
+        sums[j / 2] = _mm256_add_epi32(sums[j / 2], codes[j]);
         continue;
       }
-      const __m512 rest = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(d), vals[h]);
-      const __m512i v2 = round_codes(_mm512_mul_ps(rest, _mm512_set1_ps(id2)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q2 + b * QK + 16 * h), _mm512_cvtepi32_epi8(v2));
-      sums[h] = _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_mullo_epi32(v, _mm512_set1_epi32(127)), v2));
+      const __m256 rest = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(codes[j]), _mm256_set1_ps(d), vals[j]);
+      rests[j] = round_codes(_mm256_mul_ps(rest, _mm256_set1_ps(id2)));
+      const __m256i both = _mm256_add_epi32(_mm256_mullo_epi32(codes[j], _mm256_set1_epi32(127)), rests[j]);
+      sums[j / 2] = _mm256_add_epi32(sums[j / 2], both);
     }
+    store_codes(q + b * QK, codes);
+    if (levels == 2) store_codes(q2 + b * QK, rests);
+    const int32_t low = sum_lanes(sums[0]), high = sum_lanes(sums[1]);
     dx[b] = levels == 1 ? d : d2;
-    sx[b] = dx[b] * static_cast<float>(sums[0] + sums[1]);
-    sxh[2 * b] = dx[b] * static_cast<float>(sums[0]), sxh[2 * b + 1] = dx[b] * static_cast<float>(sums[1]);
-    isum[2 * b] = sums[0], isum[2 * b + 1] = sums[1];
+    sx[b] = dx[b] * static_cast<float>(low + high);
+    sxh[2 * b] = dx[b] * static_cast<float>(low), sxh[2 * b + 1] = dx[b] * static_cast<float>(high);
+    isum[2 * b] = low, isum[2 * b + 1] = high;
   }
 }
 #else
