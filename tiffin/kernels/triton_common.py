@@ -101,11 +101,23 @@ def recording_launches():
         _launched = outer
 
 
+_patched_for_launch: set = set()  # the helpers whose call has patched triton.language in this launch
+
+
 @functools.cache
 def _interpreted(fn):
-    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.interpreter import InterpretedFunction, _patch_lang
 
-    return InterpretedFunction(fn)
+    class Interpreted(InterpretedFunction):
+        def __call__(self, *args, **kwargs):
+            """A helper's call from a kernel: the interpreter's own patches the language its module sees (a scan of
+            the whole language) at every call; once a launch is enough, as nothing restores it until the end."""
+            if self.fn not in _patched_for_launch:
+                _patch_lang(self.fn)
+                _patched_for_launch.add(self.fn)
+            return self.rewrite()(*args, **kwargs)
+
+    return Interpreted(fn)
 
 
 @contextlib.contextmanager
@@ -128,6 +140,7 @@ def _interpreting(fn):
     try:
         yield
     finally:
+        _patched_for_launch.clear()
         for ns, before in zip(namespaces, saved):
             ns.update(before)
 
