@@ -264,6 +264,41 @@ def test_served_engine(checkpoints, references):
     asyncio.run(main())
 
 
+def test_reset_prefix_cache(checkpoints):
+    """A prompt run again hits its cached blocks; after reset_prefix_cache it hits none and answers the same. With a
+    request holding blocks the reset is refused (False) and the cache kept; the served engine's waits for the
+    request in flight, then empties it."""
+    prompt = " ".join(PROMPTS * 6)
+    llm = LLM(str(checkpoints[0]), **ENGINE)
+    try:
+        first, again = (llm.generate(prompt, GREEDY, use_tqdm=False)[0] for _ in range(2))
+        assert first.num_cached_tokens == 0 < again.num_cached_tokens
+        llm.llm_engine.add_request("holding", PROMPTS[0], GREEDY)
+        llm.llm_engine.step()
+        assert not llm.reset_prefix_cache()
+        llm.llm_engine.abort_request("holding")
+        assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].num_cached_tokens == again.num_cached_tokens
+        assert llm.reset_prefix_cache()
+        after = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+        assert after.num_cached_tokens == 0 and after.outputs[0].token_ids == first.outputs[0].token_ids
+    finally:
+        llm.shutdown()
+
+    async def served():
+        engine = AsyncLLMEngine.from_engine_args(str(checkpoints[0]), **ENGINE)
+        try:
+            await _collect(engine, prompt)
+            long = asyncio.create_task(_collect(engine, PROMPTS[0], SamplingParams(max_tokens=40, ignore_eos=True)))
+            await asyncio.sleep(0.05)
+            assert await engine.reset_prefix_cache() and long.done()
+            outs = [out async for out in engine.generate(prompt, GREEDY)]
+            assert outs[-1].num_cached_tokens == 0
+        finally:
+            engine.shutdown()
+
+    asyncio.run(served())
+
+
 def test_shutdown_fails_what_waits_for_a_sleep(checkpoints):
     async def main():
         engine = AsyncLLMEngine.from_engine_args(str(checkpoints[0]), **ENGINE)

@@ -49,6 +49,10 @@ class LLM:
     def is_sleeping(self) -> bool:
         return self.llm_engine.is_sleeping()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (False, changing nothing, while requests hold blocks)."""
+        return self.llm_engine.reset_prefix_cache()
+
     def update_weights(self, path: str) -> None:
         """Serve the weights of the checkpoint at `path`, which must match the served one's architecture and shapes
         (checked first: a mismatch raises ValueError and the old weights stay)."""

@@ -10,6 +10,7 @@
   ValueError naming the differences while the old weights serve on. It needs an idle engine unless
   `abort_in_flight` (the async engine finishes the requests in flight first instead). The prefix cache is emptied;
   LoRA adapters are kept: they apply to any base of these shapes. A level-2 wake reads the new checkpoint.
+- `reset_prefix_cache()` empties the prefix cache alone (vLLM's), on an idle engine (the async one waits for it).
 - A draft model (speculative decoding) is not covered: both refuse it by name.
 """
 
@@ -58,6 +59,11 @@ class SleepMode:
 
     def is_sleeping(self) -> bool:
         return self.sleep_level > 0
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (vLLM's name), as sleeping and new weights do: False, changing nothing,
+        while requests hold blocks."""
+        return self.block_manager.reset_prefix_cache()
 
     def check_awake(self) -> None:
         if self.sleep_level:
@@ -139,6 +145,10 @@ class AsyncSleepMode:
     def is_sleeping(self) -> bool:
         return self.engine.is_sleeping()
 
+    async def reset_prefix_cache(self) -> bool:
+        """`LLMEngine.reset_prefix_cache` once the requests in flight finished (so it succeeds)."""
+        return await self._exclusive("reset_prefix_cache", ())
+
     async def update_weights(self, path: str, abort_in_flight: bool = False) -> None:
         """`LLMEngine.update_weights` once the requests in flight finished (`abort_in_flight`: aborted at once). The
         checkpoint is checked first, off the engine thread: a mismatch raises ValueError holding nothing up."""
@@ -146,12 +156,12 @@ class AsyncSleepMode:
         await asyncio.to_thread(self.engine.check_checkpoint, str(path))
         await self._exclusive("update_weights", (str(path),), abort_in_flight)
 
-    async def _exclusive(self, method: str, args: tuple, abort: bool = False) -> None:
+    async def _exclusive(self, method: str, args: tuple, abort: bool = False):
         self._check_running()
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         self._post(("exclusive", method, args, loop, done, abort))
-        await done
+        return await done
 
     async def _await_awake(self, deadline: float) -> None:
         """While the engine sleeps by `sleep`, wait for `wake_up` until `deadline` (time.monotonic), then refuse."""
