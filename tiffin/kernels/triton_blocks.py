@@ -253,7 +253,7 @@ def block_gemm_launch(
     m, k = x.shape
     if k != w.in_features or x.dtype not in tc.DTYPES:
         raise ValueError(f"block gemm: x must be [M, {w.in_features}] of {tc.DTYPES}, got {x.dtype} {tuple(x.shape)}")
-    tile = block_tile(m, x.dtype, w.kind)
+    tile = tc.emulated_width(block_tile(m, x.dtype, w.kind), w.out_features)
     grid_mn = (triton.cdiv(m, tile.block_m), triton.cdiv(w.out_features, tile.block_n))
     k_per_split, partial = tc.split_k(out, k, BLOCK, grid_mn[0] * grid_mn[1], splits)
     counters = tc.tile_counters(out.device, grid_mn[0] * grid_mn[1]) if partial is not None else out

@@ -111,7 +111,7 @@ def fused_moe_triton(x, w13, w2, weights, experts, act_and_mul: ActAndMul) -> to
         raise ValueError("fused_moe: x's rows must be contiguous")
     (num_tokens, top_k), num_experts = experts.shape, w13.shape[0]
     num_pairs, device = num_tokens * top_k, x.device
-    tile = moe_tile(num_pairs, num_experts, x.dtype)
+    tile = tc.emulated_width(moe_tile(num_pairs, num_experts, x.dtype), max(w13.shape[1], w2.shape[1]))
     sorted_pairs, block_expert = align_by_expert(experts, num_experts, tile.block_m)
     gate_up = tc.empty((num_pairs, w13.shape[1]), x.dtype, device)
     moe_gemm_launch(x, w13, gate_up, sorted_pairs, block_expert, num_pairs, top_k, None, tile)(device)

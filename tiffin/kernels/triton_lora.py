@@ -182,7 +182,7 @@ def shrink_launch(
     """The launch, which writes `out`, and with split-K the fp32 `[splits, T, N]` partials it sums there itself
     (scratch, returned for tests); `splits` defaults to the dispatcher's choice."""
     k, n = x.shape[1], a_stack.shape[1]
-    tile = shrink_tile(md.max_slot_tokens, n, x.dtype)
+    tile = tc.emulated_width(shrink_tile(md.max_slot_tokens, n, x.dtype), n)
     tiles = triton.cdiv(md.max_slot_tokens, tile.block_m) * triton.cdiv(n, tile.block_n)
     k_per_split, partial = tc.split_k(out, k, tile.block_k, tiles * md.num_slots, splits)
     if partial is not None and out.stride() != partial.stride()[1:]:
@@ -238,7 +238,7 @@ def expand_launch(h, b_stack, y, slice_offsets: list[int], offsets: torch.Tensor
     """`offsets`: `slice_offsets` as an int32 device tensor (the kernel reads each slice's output range)."""
     r = b_stack.shape[1]
     max_slice = max(b - a for a, b in zip(slice_offsets, slice_offsets[1:]))
-    tile = expand_tile(md.max_slot_tokens, r, h.dtype)
+    tile = tc.emulated_width(expand_tile(md.max_slot_tokens, r, h.dtype), max_slice)
     tiles = triton.cdiv(md.max_slot_tokens, tile.block_m) * triton.cdiv(max_slice, tile.block_n)
     return tc.Launch(
         _lora_expand_kernel,

@@ -182,7 +182,7 @@ def quant_gemm_launch(
     n, groups = scales.shape if gguf else scales.shape[::-1]
     check_quant_launch(x.dtype, qweight, qzeros, scales, mins, perm, awq, gguf, bits, k, n, groups)
     group_size = k // groups
-    tile = quant_tile(m, group_size, x.dtype, tc.arch(x.device) if arch is None else arch)
+    tile = tc.emulated_width(quant_tile(m, group_size, x.dtype, tc.arch(x.device) if arch is None else arch), n)
     if gguf and x.dtype == torch.float32:  # its nibble addressing takes a few more registers: 2 stages spill
         tile = dataclasses.replace(tile, num_stages=1)
     grid_mn = (triton.cdiv(m, tile.block_m), triton.cdiv(n, tile.block_n))

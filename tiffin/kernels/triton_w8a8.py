@@ -223,7 +223,7 @@ def w8a8_gemm_launch(
     partials (scratch, returned for tests)."""
     _check(codes, zeros, w)
     m, k = codes.shape
-    tile = w8a8_tile(m, w, zeros is not None)
+    tile = tc.emulated_width(w8a8_tile(m, w, zeros is not None), w.out_features)
     grid_mn = (triton.cdiv(m, tile.block_m), triton.cdiv(w.out_features, tile.block_n))
     k_per_split, partial = tc.split_k(out, k, tile.block_k, grid_mn[0] * grid_mn[1], splits)
     counters = tc.tile_counters(out.device, grid_mn[0] * grid_mn[1]) if partial is not None else out

@@ -229,6 +229,7 @@ class CudaEmulation:
         patch(triton_common.Launch, "__call__", launch)
         # split-K tile counters are kept per device: ones from before this emulation are untagged host memory
         patch(triton_common, "_TILE_COUNTERS", {})
+        patch(triton_common, "EMULATED_WIDTH", 512)
 
         # tensor parallelism: NCCL's collectives run by gloo on the memory behind the devices, and the worker
         # processes of a group under an emulation of their own (`worker_replays`)
