@@ -151,10 +151,13 @@ def test_tensor_parallel_shards_sum_to_the_whole_layer(checkpoints, model_type, 
 
 
 def test_lora_off_the_experts_matches_peft_and_on_them_is_refused(checkpoints, tmp_path):
-    """PEFT targets attention, the shared expert and the dense layer's MLP (transformers' fused experts are no
-    modules it could target); an adapter with weights for an expert is refused by name."""
+    """PEFT targets attention, the shared expert and the dense layer's MLP; an adapter with weights for an expert is
+    refused by name. The MLP targets are named by their parents: PEFT 0.22 reads a bare `gate_proj` as the fused
+    experts' too (and refuses it without `up_proj`)."""
     path, hf = checkpoints["qwen2_moe"]
-    targets = ["q_proj", "v_proj", "gate_proj", "down_proj"]
+    targets = ["q_proj", "v_proj"] + [
+        f"{parent}.{proj}" for parent in ("mlp", "shared_expert") for proj in ("gate_proj", "down_proj")
+    ]
     adapter = make_adapter(path, tmp_path / "a", seed=1, model=hf, r=4, lora_alpha=8, target_modules=targets)
     weights = load_file(adapter / "adapter_model.safetensors")
     assert any("shared_expert.gate_proj" in k for k in weights) and not any(".experts." in k for k in weights)
