@@ -28,7 +28,8 @@ storage). Ops that only make views are not recorded (their outputs alias their i
 replayed too, which a real graph would not do: they recompute what they computed, so results do not change. Not
 modelled: streams (work runs when issued), the pool's reuse of memory freed within a capture (a graph here holds
 every intermediate, so graph memory reads higher than on a GPU), bf16 (the interpreter's bf16 dots are wrong: test
-in fp32/fp16).
+in fp32/fp16). GEMMs launch tiles as wide as their outputs (up to 512 columns, `triton_common.EMULATED_WIDTH`): the
+interpreter's time goes by program, not by element; the kernel tests check the tiles a GPU launches.
 
 Tensor parallelism: `init_process_group("nccl")` joins with gloo (the collectives then run on the memory behind
 the devices), and the worker processes a group starts run under an emulation of their own (the same settings),
