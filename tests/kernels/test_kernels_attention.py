@@ -419,7 +419,7 @@ def test_compile_check_every_arch_class():
         capture_output=True,
         text=True,
         env=env,
-        timeout=1500,
+        timeout=3000,
     )
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
