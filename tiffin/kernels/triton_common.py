@@ -58,7 +58,7 @@ def emulated_width(tile: Tile, n: int) -> Tile:
     """`tile`, or under the CUDA emulation one spanning `n` output columns (at most EMULATED_WIDTH)."""
     if not EMULATED_WIDTH or tile.block_n >= n:
         return tile
-    return dataclasses.replace(tile, block_n=max(tile.block_n, min(EMULATED_WIDTH, triton.next_power_of_2(n))))
+    return dataclasses.replace(tile, block_n=min(EMULATED_WIDTH, triton.next_power_of_2(n)))
 
 
 @dataclass
