@@ -33,24 +33,39 @@ inline void unroll(F&& f) {
   unroll_each(f, std::make_integer_sequence<int, N>{});
 }
 
-// cpu_blocks.h's load_quads for the 8 lanes at `block` (a block's codes, 32 bytes into them for lanes 8..15).
-template <int BITS, int KIND>
-inline void load_quads8(const uint8_t* block, int t, __m256i& lo, __m256i& hi) {
+// v's 16-bit lanes shifted left by S (right by -S where S < 0; S = 0: v).
+template <int S>
+inline __m256i shift16(const __m256i& v) {
+  if constexpr (S > 0) return _mm256_slli_epi16(v, S);
+  else if constexpr (S < 0) return _mm256_srli_epi16(v, -S);
+  else return v;
+}
+
+// Bit FROM of each byte of v at bit TO, the byte's other bits cleared. The bits a shift carries across a byte
+// boundary land below TO (left) or above it (right): the mask drops them.
+template <int FROM, int TO>
+inline __m256i move_bit(const __m256i& v) {
+  return _mm256_and_si256(shift16<TO - FROM>(v), bytes32(1 << TO));
+}
+
+// cpu_blocks.h's load_quads for the 8 lanes at `block` (a block's codes, 32 bytes into them for lanes 8..15):
+// quad T's codes in lo, quad T + 4's in hi (below 8 bits).
+template <int BITS, int KIND, int T>
+inline void load_quads8(const uint8_t* block, __m256i& lo, __m256i& hi) {
   if constexpr (BITS == 8) {
-    lo = load32(block + t * 64);
+    lo = load32(block + T * 64);
     return;
   }
-  constexpr int L = low_bits(BITS);
-  const __m256i v = load32(block + (t % L) * 64), mask = bytes32((1 << L) - 1);
-  const int shift = L == 4 ? 0 : 2 * (t / 2);  // 2-bit fields: quad t's at 2 (t / 2), quad t + 4's 4 bits above
-  lo = _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(shift)), mask);
-  hi = _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(shift + 4)), mask);
-  for (int p = 0; p < BITS - L; ++p) {  // a set plane bit adds 1 << (L + p) to its code
-    const __m256i plane = load32(block + 64 * L + p * 64), bit = bytes32(1 << (L + p));
-    const __m256i in_lo = bytes32(1 << t), in_hi = bytes32(16 << t);
-    lo = _mm256_add_epi8(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(plane, in_lo), in_lo), bit));
-    hi = _mm256_add_epi8(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(plane, in_hi), in_hi), bit));
-  }
+  constexpr int L = low_bits(BITS), SHIFT = L == 4 ? 0 : 2 * (T / 2);  // 2-bit fields: quad T's at 2 (T / 2)
+  const __m256i v = load32(block + (T % L) * 64), mask = bytes32((1 << L) - 1);
+  lo = _mm256_and_si256(shift16<-SHIFT>(v), mask);
+  hi = _mm256_and_si256(shift16<-SHIFT - 4>(v), mask);
+  unroll<BITS - L>([&](auto plane) {  // plane p holds bit L + p of quad q's codes at bit q of each byte
+    constexpr int P = decltype(plane)::value;
+    const __m256i bits = load32(block + 64 * (L + P));
+    lo = _mm256_or_si256(lo, move_bit<T, L + P>(bits));
+    hi = _mm256_or_si256(hi, move_bit<T + 4, L + P>(bits));
+  });
   if constexpr (codebook(KIND)) {
     const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(IQ4_UNSIGNED)));
     lo = _mm256_shuffle_epi8(table, lo), hi = _mm256_shuffle_epi8(table, hi);
@@ -112,7 +127,7 @@ void avx2_tile(const Acts& a, int64_t m0, const Weights& w, int64_t g, int half,
     unroll<T>([&](auto step) {
       constexpr int t = decltype(step)::value;
       __m256i lo, hi;
-      load_quads8<BITS, KIND>(codes, t, lo, hi);
+      load_quads8<BITS, KIND, t>(codes, lo, hi);
       if constexpr (WIDE) lo = _mm256_xor_si256(lo, bytes32(0x80)), hi = _mm256_xor_si256(hi, bytes32(0x80));
       const __m256i abs_lo = WIDE ? _mm256_abs_epi8(lo) : lo, abs_hi = WIDE ? _mm256_abs_epi8(hi) : hi;
       auto add = [&](int l, int h, int i, const __m256i& codes_abs, const __m256i& codes_signed, const int8_t* quad) {
