@@ -35,6 +35,7 @@ struct Acts {  // one call's quantized activations, reused by the thread across 
   std::vector<float> sx;   // [M, blocks]: dx * the sum of that integer
   std::vector<float> sxh;  // [M, blocks, 2]: the same per half-block
   std::vector<int32_t> isum;  // [M, blocks, 2]: the sum of that integer a half-block
+  std::vector<int16_t> wide;  // [M, K]: that integer at two levels (AVX2's 8-bit tile)
   int64_t k = 0, blocks = 0;
 };
 
@@ -158,6 +159,10 @@ Acts& quantize(const void* x, int dtype, int64_t row_stride, int64_t m, int64_t 
     quantize_row(row, dtype, k, levels, &a.q[r * k], q2, &a.dx[r * a.blocks], &a.sx[r * a.blocks],
                  &a.sxh[r * a.blocks * 2], &a.isum[r * a.blocks * 2]);
   }
+#if TIFFIN_AVX2
+  a.wide.resize(levels == 2 ? m * k : 0);
+  for (int64_t i = 0; i < static_cast<int64_t>(a.wide.size()); ++i) a.wide[i] = 127 * a.q[i] + a.q2[i];
+#endif
   return a;
 }
 
@@ -256,7 +261,8 @@ template <int BITS, int KIND, int LEVELS, int MC, int GR>
 void tile(const Acts& a, int64_t m0, Ahead, const Weights& w, int64_t g0, void* y, int out_dtype, int64_t y_stride) {
   for (int64_t g = g0; g < g0 + GR; ++g)
     for (int half = 0; half < 2 && g * LANES + 8 * half < w.n; ++half)
-      avx2_tile<BITS, KIND, LEVELS, MC>(a, m0, w, g, half, y, out_dtype, y_stride);
+      if constexpr (BITS == 8 && KIND == BLOCKS && LEVELS == 2) avx2_bytes_tile<MC>(a, m0, w, g, half, y, out_dtype, y_stride);
+      else avx2_tile<BITS, KIND, LEVELS, MC>(a, m0, w, g, half, y, out_dtype, y_stride);
 }
 #else
 // The VNNI tile's arithmetic for any other CPU (ARM, x86 without AVX2; the compiler vectorizes over the 16 lanes): a block's

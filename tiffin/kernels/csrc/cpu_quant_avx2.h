@@ -106,6 +106,23 @@ inline void factors8(const Weights& w, int64_t blocks, int64_t g, int64_t b, int
   }
 }
 
+// acc[i]: activation row m0 + i's outputs at lanes 8 half .. 8 half + 7 of row group g.
+template <int MC>
+inline void store8(const __m256 (&acc)[MC], int64_t m0, const Weights& w, int64_t g, int half, void* y, int out_dtype,
+                   int64_t y_stride) {
+  const int64_t n0 = g * LANES + 8 * half, lanes = std::min<int64_t>(8, w.n - n0);
+  for (int i = 0; i < MC; ++i) {
+    const int64_t at = (m0 + i) * y_stride + n0;
+    if (out_dtype == 0 && lanes == 8) {
+      _mm256_storeu_ps(static_cast<float*>(y) + at, acc[i]);
+      continue;
+    }
+    alignas(32) float out[8];
+    _mm256_store_ps(out, acc[i]);
+    for (int l = 0; l < lanes; ++l) store_value(y, out_dtype, at + l, out[l]);
+  }
+}
+
 // Activation rows m0..m0+MC against lanes 8 half .. 8 half + 7 of row group g: `Acts` is cpu_quant.cpp's.
 template <int BITS, int KIND, int LEVELS, int MC, typename Acts>
 void avx2_tile(const Acts& a, int64_t m0, const Weights& w, int64_t g, int half, void* y, int out_dtype,
@@ -171,17 +188,46 @@ void avx2_tile(const Acts& a, int64_t m0, const Weights& w, int64_t g, int half,
       }
     }
   }
-  const int64_t n0 = g * LANES + 8 * half, lanes = std::min<int64_t>(8, w.n - n0);
-  for (int i = 0; i < MC; ++i) {
-    const int64_t at = (m0 + i) * y_stride + n0;
-    if (out_dtype == 0 && lanes == 8) {
-      _mm256_storeu_ps(static_cast<float*>(y) + at, acc[i]);
-      continue;
+  store8(acc, m0, w, g, half, y, out_dtype, y_stride);
+}
+
+// avx2_tile for 8-bit codes (KIND BLOCKS) at two levels: codes widened to int16 as they load and multiplied by the
+// activation's whole integer (`Acts::wide`: 127 q + q2, |x| <= 16256) in `vpmaddwd`, whose int32 pair sums hold
+// 255 x 16256 twice: one product, not one a level, and no sign trick (in cache 11-25% faster on an AVX2 EPYC;
+// at one level the byte tile's single `vpmaddubsw` stays ahead). A register's 32 bytes are 8 rows' 4 codes;
+// widened, 4 rows each, whose two pair sums a row the block's end adds (`vphaddd`) and puts back in row order.
+template <int MC, typename Acts>
+void avx2_bytes_tile(const Acts& a, int64_t m0, const Weights& w, int64_t g, int half, void* y, int out_dtype,
+                     int64_t y_stride) {
+  __m256 acc[MC];
+  for (int i = 0; i < MC; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const uint8_t* codes = block_codes(w, 8, BLOCKS, a.blocks, g, b) + 32 * half;
+    __m256i rows03[MC], rows47[MC];
+    for (int i = 0; i < MC; ++i) rows03[i] = rows47[i] = _mm256_setzero_si256();
+    unroll<8>([&](auto step) {
+      constexpr int t = decltype(step)::value;
+      const __m128i* at = reinterpret_cast<const __m128i*>(codes + t * 64);
+      const __m256i c03 = _mm256_cvtepu8_epi16(_mm_loadu_si128(at)), c47 = _mm256_cvtepu8_epi16(_mm_loadu_si128(at + 1));
+      for (int i = 0; i < MC; ++i) {
+        int64_t four;
+        std::memcpy(&four, &a.wide[(m0 + i) * a.k + b * QK + 4 * t], 8);
+        const __m256i x = _mm256_set1_epi64x(four);
+        rows03[i] = _mm256_add_epi32(rows03[i], _mm256_madd_epi16(c03, x));
+        rows47[i] = _mm256_add_epi32(rows47[i], _mm256_madd_epi16(c47, x));
+      }
+    });
+    __m256 d, m;
+    factors8<8, BLOCKS>(w, a.blocks, g, b, 0, 8 * half, d, m);
+    for (int i = 0; i < MC; ++i) {
+      const int64_t row = (m0 + i) * a.blocks + b;
+      // 128-bit lanes: [r0 r1 r4 r5] [r2 r3 r6 r7] -> r0..r7
+      const __m256i dot = _mm256_permute4x64_epi64(_mm256_hadd_epi32(rows03[i], rows47[i]), 0xD8);
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(a.dx[row])), acc[i]);
+      acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.sx[row]), acc[i]);
     }
-    alignas(32) float out[8];
-    _mm256_store_ps(out, acc[i]);
-    for (int l = 0; l < lanes; ++l) store_value(y, out_dtype, at + l, out[l]);
   }
+  store8(acc, m0, w, g, half, y, out_dtype, y_stride);
 }
 
 }  // namespace
