@@ -8,7 +8,8 @@
 // as many pair sums as stay below 2^15 before widening (a whole block of 4-bit codes). Wider codes (8 bits, the
 // codebook kinds' values + 128) are taken less 128, as signed s in -128..127 of magnitude at most 128, multiplied
 // as |s| (unsigned) by the activation with s's sign, and the block's dot product gets back 128 * sum(qx): exact
-// integers either way, the fp32 scaling is the VNNI tile's.
+// integers either way, the fp32 scaling is the VNNI tile's. 8-bit codes at two activation levels take
+// `avx2_bytes_tile` instead (int16 products of the whole activation).
 #pragma once
 #include <algorithm>
 #include <cstdint>
