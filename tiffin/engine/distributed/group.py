@@ -25,6 +25,7 @@ naming the rank; shutdown (or the engine process's death, closing the pipe) ends
 import os
 import pickle
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -51,6 +52,9 @@ from tiffin.engine.distributed.tensor_parallel import TensorParallel
 from tiffin.engine.errors import EngineDeadError
 
 START_TIMEOUT = 600.0  # seconds a worker may take to load its shard
+# seconds a failed step waits for a worker's death to show: a peer that closed the connection may still be exiting
+# (beside a busy suite on 2 cores, reaping a SIGKILLed worker took over the 1 s once given)
+DEATH_GRACE = 3.0
 STEP_TAG = 1  # point-to-point messages of a step's values (hidden states and logits: tag 0)
 
 
@@ -306,9 +310,11 @@ class WorkerGroup:
             torch.set_num_threads(self.threads)
 
     def _diagnose(self, error: BaseException | None) -> str:
-        for proc in self.procs:  # a peer that closed the connection may still be exiting
-            proc.join(1)
-        dead = [f"rank {r} {death}" for r, p in enumerate(self.procs, 1) if (death := p.death())]
+        deadline = time.monotonic() + DEATH_GRACE
+        while not (dead := [f"rank {r} {death}" for r, p in enumerate(self.procs, 1) if (death := p.death())]):
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
         cause = "" if error is None else f": {type(error).__name__}: {error}"
         if dead:
             return f"{self.kind} worker {', '.join(dead)}{cause}"
