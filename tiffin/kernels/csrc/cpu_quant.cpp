@@ -77,7 +77,7 @@ inline void store_codes(int8_t* q, const __m256i (&v)[4]) {
 // At the block's 32 inputs the scalar arithmetic below, 8 lanes at a time: the decode step quantizes the input of
 // every projection on the calling thread, while the others wait.
 void quantize_row(const void* x, int dtype, int64_t k, int levels, int8_t* q, int8_t* q2, float* dx, float* sx,
-                  float* sxh, int32_t* isum) {
+                  float* sxh, int32_t* isum, int16_t* wide) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   for (int64_t b = 0; b < k / QK; ++b) {
     __m256 vals[4], amax = _mm256_setzero_ps();
@@ -98,6 +98,9 @@ void quantize_row(const void* x, int dtype, int64_t k, int levels, int8_t* q, in
       rests[j] = round_codes(_mm256_mul_ps(rest, _mm256_set1_ps(id2)));
       const __m256i both = _mm256_add_epi32(_mm256_mullo_epi32(codes[j], _mm256_set1_epi32(127)), rests[j]);
       sums[j / 2] = _mm256_add_epi32(sums[j / 2], both);
+      if (wide != nullptr)  // |both| <= 16256: the packs do not saturate
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(wide + b * QK + 8 * j),
+                         _mm_packs_epi32(_mm256_castsi256_si128(both), _mm256_extracti128_si256(both, 1)));
     }
     store_codes(q + b * QK, codes);
     if (levels == 2) store_codes(q2 + b * QK, rests);
@@ -110,7 +113,7 @@ void quantize_row(const void* x, int dtype, int64_t k, int levels, int8_t* q, in
 }
 #else
 void quantize_row(const void* x, int dtype, int64_t k, int levels, int8_t* q, int8_t* q2, float* dx, float* sx,
-                  float* sxh, int32_t* isum) {
+                  float* sxh, int32_t* isum, int16_t* wide) {
   float vals[QK];
   for (int64_t b = 0; b < k / QK; ++b) {
     float amax = 0.f;
@@ -132,6 +135,7 @@ void quantize_row(const void* x, int dtype, int64_t k, int levels, int8_t* q, in
       const int v2 = std::min(127, std::max(-127, static_cast<int>(std::nearbyint(rest * id2))));
       q2[b * QK + j] = static_cast<int8_t>(v2);
       sums[j / 16] += 127 * v + v2;
+      if (wide != nullptr) wide[b * QK + j] = static_cast<int16_t>(127 * v + v2);
     }
     dx[b] = levels == 1 ? d : d2;
     sx[b] = dx[b] * static_cast<float>(sums[0] + sums[1]);
@@ -151,18 +155,18 @@ Acts& quantize(const void* x, int dtype, int64_t row_stride, int64_t m, int64_t 
   a.sx.resize(m * a.blocks);
   a.sxh.resize(m * a.blocks * 2);
   a.isum.resize(m * a.blocks * 2);
+#if TIFFIN_AVX2
+  a.wide.resize(levels == 2 ? m * k : 0);  // only AVX2's 8-bit tile reads it
+#endif
   const int elem = dtype == 0 ? 4 : 2;
 #pragma omp parallel for num_threads(threads) if (m * k >= (1 << 16))
   for (int64_t r = 0; r < m; ++r) {
     const void* row = static_cast<const char*>(x) + r * row_stride * elem;
     int8_t* q2 = levels == 2 ? &a.q2[r * k] : nullptr;
+    int16_t* wide = a.wide.empty() ? nullptr : &a.wide[r * k];
     quantize_row(row, dtype, k, levels, &a.q[r * k], q2, &a.dx[r * a.blocks], &a.sx[r * a.blocks],
-                 &a.sxh[r * a.blocks * 2], &a.isum[r * a.blocks * 2]);
+                 &a.sxh[r * a.blocks * 2], &a.isum[r * a.blocks * 2], wide);
   }
-#if TIFFIN_AVX2
-  a.wide.resize(levels == 2 ? m * k : 0);
-  for (int64_t i = 0; i < static_cast<int64_t>(a.wide.size()); ++i) a.wide[i] = 127 * a.q[i] + a.q2[i];
-#endif
   return a;
 }
 
