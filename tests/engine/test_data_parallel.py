@@ -115,6 +115,10 @@ def test_a_shared_prefix_goes_where_its_blocks_are(dp_llm, dp):
         tokens(llm, [{"prompt_token_ids": system + [7 + i] * 9}])
     hits = [s.prefix_cache_hits - b for s, b in zip(dp.replica_stats, before)]
     assert sorted(hits) == [0, 4 * 40], hits  # every request found its 10 blocks of the system prompt
+    assert llm.reset_prefix_cache()  # every replica's cache emptied: the prompt again finds nothing
+    before = [s.prefix_cache_hits for s in dp.replica_stats]
+    tokens(llm, [{"prompt_token_ids": system + [5, 6]}])
+    assert [s.prefix_cache_hits for s in dp.replica_stats] == before
 
 
 def test_adapters_match_and_stay_with_their_blocks(single, dp_llm, dp, model, tmp_path):

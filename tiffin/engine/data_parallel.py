@@ -351,8 +351,8 @@ class DataParallelEngine(InputProcessor):
         return set().union(*self._call_all("list_loras"))
 
     def reset_prefix_cache(self) -> bool:
-        """Each replica's `BlockManager.reset_prefix_cache` (False: some replica's sequences hold blocks)."""
-        return all(self._call_all("block_manager.reset_prefix_cache"))
+        """Each replica's `reset_prefix_cache` (False: some replica's sequences hold blocks)."""
+        return all(self._call_all("reset_prefix_cache"))
 
     def sleep(self, level: int = 1) -> None:
         self._call_all("sleep", level)
