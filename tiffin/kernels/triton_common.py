@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 from triton import knobs
+from triton.runtime.interpreter import InterpretedFunction, _patch_lang
 
 from tiffin.kernels import kv_quant
 
@@ -118,20 +119,19 @@ def recording_launches():
 _patched_for_launch: set = set()  # the helpers whose call has patched triton.language in this launch
 
 
-@functools.cache
-def _interpreted(fn):
-    from triton.runtime.interpreter import InterpretedFunction, _patch_lang
+class _InterpretedHelper(InterpretedFunction):
+    """A @triton.jit function run by the interpreter, as a kernel or as a helper a kernel calls."""
 
-    class Interpreted(InterpretedFunction):
-        def __call__(self, *args, **kwargs):
-            """A helper's call from a kernel: the interpreter's own patches the language its module sees (a scan of
-            the whole language) at every call; once a launch is enough, as nothing restores it until the end."""
-            if self.fn not in _patched_for_launch:
-                _patch_lang(self.fn)
-                _patched_for_launch.add(self.fn)
-            return self.rewrite()(*args, **kwargs)
+    def __call__(self, *args, **kwargs):
+        """A helper's call from a kernel: the interpreter's own patches the language its module sees (a scan of the
+        whole language) at every call; once a launch is enough, as nothing restores it until the end."""
+        if self.fn not in _patched_for_launch:
+            _patch_lang(self.fn)
+            _patched_for_launch.add(self.fn)
+        return self.rewrite()(*args, **kwargs)
 
-    return Interpreted(fn)
+
+_interpreted = functools.cache(_InterpretedHelper)  # one per function: its rewritten code is cached on it
 
 
 @functools.lru_cache(maxsize=1)
