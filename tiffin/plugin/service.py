@@ -33,6 +33,7 @@ served by a Bento of its own:
 Torch and the engine are imported inside the loader thread, so `bentoml build` imports this module quickly.
 """
 
+import asyncio
 import functools
 import gc
 import logging
@@ -328,7 +329,7 @@ class Tiffin:
                 raise InvalidArgument(str(e)) from None
         engine = self._route("generate", "/generate").engine
         try:
-            stream = await engine.add_request(f"gen-{uuid.uuid4().hex}", _prompt(request), params)
+            stream = await engine.add_request(f"gen-{uuid.uuid4().hex}", await _prompt(request), params)
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
         except QueueFull as e:
@@ -372,11 +373,13 @@ class Tiffin:
         return ranked(req.documents, scores, req.top_n, documents=True)
 
 
-def _prompt(request: GenerateRequest) -> str | dict:
-    """The engine's prompt; with images, their files' bytes (BentoML's temporary copies of the uploads)."""
+async def _prompt(request: GenerateRequest) -> str | dict:
+    """The engine's prompt; with images, their files' bytes (BentoML's temporary copies of the uploads, read off the
+    event loop: up to `max_request_body` of disk reads)."""
     if not request.images:
         return request.prompt
-    return {"prompt": request.prompt, "multi_modal_data": {"image": [path.read_bytes() for path in request.images]}}
+    images = await asyncio.to_thread(lambda: [path.read_bytes() for path in request.images])
+    return {"prompt": request.prompt, "multi_modal_data": {"image": images}}
 
 
 def _bentoml_error(e: ValueError | APIError) -> BentoMLException:
