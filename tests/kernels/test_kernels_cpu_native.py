@@ -1,7 +1,11 @@
 """The native CPU kernels (kernels/csrc) against plain torch references, and the torch fallback without a
 compiler. Paged decode attention is also checked beside the other CPU decode paths in test_kernels_attention."""
 
+import ctypes
 import logging
+import platform
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -143,3 +147,66 @@ def test_prefill_attention_matches_float64(dtype, n_q, n_k, causal, heads, kv_he
     assert out.dtype == dtype and out.shape == q.shape
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < tolerance
+
+
+@pytest.fixture(scope="module")
+def avx2_library(tmp_path_factory):
+    """The paged decode built for x86-64-v3 (AVX2 and FMA, no AVX-512): its 8-lane task, whatever this CPU runs."""
+    if platform.machine() != "x86_64" or shutil.which("g++") is None:
+        pytest.skip("x86-64 with g++ only")
+    built = tmp_path_factory.mktemp("avx2") / "paged_decode.so"
+    source = next(s for s in cpu_native.SOURCES if s.name == "cpu_paged_decode.cpp")
+    flags = ["-O1", "-march=x86-64-v3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+    subprocess.run(["g++", *flags, str(source), "-o", str(built)], check=True)
+    lib = ctypes.CDLL(str(built))
+    lib.tiffin_paged_decode.argtypes, lib.tiffin_paged_decode.restype = cpu_native._DECODE_ARGS, None
+    return lib
+
+
+def paged(keys: list[torch.Tensor], values: list[torch.Tensor], block_size: int, gen: torch.Generator) -> tuple:
+    """Each sequence's `[len, kv_heads, d]` key and value rows in blocks placed at random in two caches -> (K cache,
+    V cache, block tables)."""
+    per_seq = [-(-len(k) // block_size) for k in keys]
+    order = torch.randperm(sum(per_seq), generator=gen).int()
+    tables = torch.zeros(len(keys), max(per_seq), dtype=torch.int32)
+    k_cache, v_cache = (torch.zeros(sum(per_seq) * block_size, *keys[0].shape[1:], dtype=keys[0].dtype) for _ in "kv")
+    for i, (k, v) in enumerate(zip(keys, values)):
+        tables[i, : per_seq[i]] = order[sum(per_seq[:i]) : sum(per_seq[: i + 1])]
+        t = torch.arange(len(k))
+        slots = tables[i, t // block_size].long() * block_size + t % block_size
+        k_cache[slots], v_cache[slots] = k, v
+    return k_cache.unflatten(0, (-1, block_size)), v_cache.unflatten(0, (-1, block_size)), tables
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,window,softcap",
+    [(9, 3, 64, 0, 0.0), (4, 4, 128, 0, 0.0), (8, 2, 128, 50, 0.0), (9, 3, 64, 0, 30.0)],
+)
+def test_avx2_paged_decode_matches_float64(
+    avx2_library, monkeypatch, dtype, heads, kv_heads, head_dim, window, softcap
+):
+    """Lengths off the 8-token tile (1, 7, 8, 37, 300), one sequence (a task per KV head) and twelve (a task per
+    sequence), blocks anywhere in the cache, a sliding window, soft-capping: within the dtype's rounding of the
+    float64 reference."""
+    gen = torch.Generator().manual_seed(heads + head_dim + window)
+    monkeypatch.setattr(cpu_native, "library", lambda: avx2_library)
+    for lens in ([300], [1, 7, 8, 37, 300, 16, 9, 64, 130, 2, 8, 45]):
+        keys, values = ([torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype) for n in lens] for _ in range(2))
+        k_cache, v_cache, tables = paged(keys, values, 16, gen)
+        query = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
+        out = torch.empty_like(query)
+        rows, scale = torch.arange(len(lens)), head_dim**-0.5
+        seq_lens = torch.tensor(lens, dtype=torch.int32)
+        cpu_native.paged_decode(
+            query, out, k_cache, v_cache, None, None, tables, seq_lens, rows, rows, scale, window, softcap
+        )
+        for i, n in enumerate(lens):
+            seen = slice(n - window if 0 < window < n else 0, n)
+            k, v = (x[seen].double().repeat_interleave(heads // kv_heads, 1) for x in (keys[i], values[i]))
+            scores = torch.einsum("hd,khd->hk", query[i].double(), k) * scale
+            if softcap:
+                scores = softcap * torch.tanh(scores / softcap)
+            want = torch.einsum("hk,khd->hd", torch.softmax(scores, -1), v)
+            tol = 1e-5 if dtype == torch.float32 else 1e-2
+            torch.testing.assert_close(out[i].double(), want, rtol=tol, atol=tol, msg=f"sequence {i} of length {n}")

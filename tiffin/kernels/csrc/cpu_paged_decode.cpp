@@ -13,6 +13,7 @@
 #endif
 
 #include "cpu_math.h"
+#include "cpu_paged_decode_avx2.h"
 #include "cpu_types.h"
 
 namespace {
@@ -35,6 +36,23 @@ inline void softmax_rows(float* scores, float* denom, int rows, int len) {
       sum = _mm512_mask_add_ps(sum, tail(t), sum, e);
     }
     denom[r] = 1.f / _mm512_reduce_add_ps(sum);
+#elif defined(__AVX2__) && defined(__FMA__)
+    const int whole = len / 8 * 8;
+    __m256 vmax = _mm256_set1_ps(sr[0]);
+    for (int t = 0; t < whole; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(sr + t));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    float max = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    for (int t = whole; t < len; ++t) max = sr[t] > max ? sr[t] : max;
+    __m256 sum = _mm256_setzero_ps();
+    for (int t = 0; t < whole; t += 8) {
+      const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(sr + t), _mm256_set1_ps(max)));
+      _mm256_storeu_ps(sr + t, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    float total = sum8(sum);
+    for (int t = whole; t < len; ++t) total += sr[t] = exp_nonpositive(sr[t] - max);
+    denom[r] = 1.f / total;
 #else
     float max = sr[0];
 #pragma omp simd reduction(max : max)
@@ -338,6 +356,28 @@ void decode_task_avx512(const T* q, T* out, const C* k_cache, const C* v_cache, 
 }
 #endif
 
+#if TIFFIN_AVX2_DECODE
+// decode_task on 8 lanes (cpu_paged_decode_avx2.h), for head_dim D 64 or 128 and a cache in the model's dtype.
+template <int D, typename T>
+void decode_task_avx2(const T* q, T* out, const T* k_cache, const T* v_cache, const int32_t* block_table, int len,
+                      int kv_first, int kv_end, int group, int num_kv_heads, int block_size, float scale, int lo,
+                      float softcap, std::vector<float>& buf, std::vector<int64_t>& offsets) {
+  const int heads = (kv_end - kv_first) * group;  // query heads of this task, from query head kv_first * group
+  q += kv_first * group * D;
+  out += kv_first * group * D;
+  token_offsets(offsets, block_table, block_size, lo, len, static_cast<int64_t>(num_kv_heads) * D);
+  buf.resize(static_cast<size_t>(heads) * (D + len + 1));
+  float* qf = buf.data();
+  float* scores = qf + heads * D;
+  float* denom = scores + heads * len;
+  for (int i = 0; i < heads * D; ++i) qf[i] = to_float(q[i]) * scale;
+  scores8<D>(qf, k_cache + kv_first * D, offsets.data(), len, heads, group, kv_end - kv_first, scores);
+  soft_cap(scores, static_cast<int64_t>(heads) * len, softcap);
+  softmax_rows(scores, denom, heads, len);
+  weigh_values8<D>(out, v_cache + kv_first * D, offsets.data(), scores, denom, len, heads, group);
+}
+#endif
+
 template <typename T, typename C>
 void decode(const void* query, int64_t query_row_stride, void* out, int64_t out_row_stride, const void* k_cache,
             const void* v_cache, const void* k_scale, const void* v_scale, const int32_t* block_tables,
@@ -370,6 +410,15 @@ void decode(const void* query, int64_t query_row_stride, void* out, int64_t out_
             buf, offsets);
         continue;
       }
+#endif
+#if TIFFIN_AVX2_DECODE
+      if constexpr (std::is_same_v<T, C>)
+        if (head_dim == 64 || head_dim == 128) {
+          auto run = head_dim == 64 ? decode_task_avx2<64, T> : decode_task_avx2<128, T>;
+          run(q, o, kc, vc, table, len, kv_first, kv_end, group, num_kv_heads, block_size, scale, lo, softcap, buf,
+              offsets);
+          continue;
+        }
 #endif
       decode_task(q, o, kc, vc, ks, vs, table, len, kv_first, kv_end, group, num_kv_heads, head_dim, block_size,
                   scale, lo, softcap, buf, offsets);
