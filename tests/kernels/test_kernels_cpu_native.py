@@ -1,11 +1,7 @@
 """The native CPU kernels (kernels/csrc) against plain torch references, and the torch fallback without a
 compiler. Paged decode attention is also checked beside the other CPU decode paths in test_kernels_attention."""
 
-import ctypes
 import logging
-import platform
-import shutil
-import subprocess
 
 import pytest
 import torch
@@ -147,20 +143,6 @@ def test_prefill_attention_matches_float64(dtype, n_q, n_k, causal, heads, kv_he
     assert out.dtype == dtype and out.shape == q.shape
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < tolerance
-
-
-@pytest.fixture(scope="module")
-def avx2_library(tmp_path_factory):
-    """The paged decode built for x86-64-v3 (AVX2 and FMA, no AVX-512): its 8-lane task, whatever this CPU runs."""
-    if platform.machine() != "x86_64" or shutil.which("g++") is None:
-        pytest.skip("x86-64 with g++ only")
-    built = tmp_path_factory.mktemp("avx2") / "paged_decode.so"
-    source = next(s for s in cpu_native.SOURCES if s.name == "cpu_paged_decode.cpp")
-    flags = ["-O1", "-march=x86-64-v3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-    subprocess.run(["g++", *flags, str(source), "-o", str(built)], check=True)
-    lib = ctypes.CDLL(str(built))
-    lib.tiffin_paged_decode.argtypes, lib.tiffin_paged_decode.restype = cpu_native._DECODE_ARGS, None
-    return lib
 
 
 def paged(keys: list[torch.Tensor], values: list[torch.Tensor], block_size: int, gen: torch.Generator) -> tuple:

@@ -152,6 +152,25 @@ def test_native_decode_reads_quantized_blocks_as_their_values(dtype, cache_dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("cache_dtype", CODES, ids=CODE_IDS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_avx2_decode_reads_quantized_blocks_as_their_values(avx2_library, monkeypatch, dtype, cache_dtype, head_dim):
+    """The 8-lane task of CPUs without AVX-512 (built for x86-64-v3) on codes, its tiles of 8 tokens and tails (1, 7,
+    8, 17, ...), against this machine's kernel on the dequantized cache."""
+    lens = [1, 7, 8, 17, 40, 100]
+    query, codes, scales, plain, md = _decode_case(cache_dtype, dtype, head_dim, lens)
+    out, ref = torch.empty_like(query), torch.empty_like(query)
+    rows = torch.arange(len(lens))
+    cpu_native.paged_decode(
+        kv_quant.rotate(query).to(dtype), ref, *plain, None, None, md.block_tables, md.seq_lens, rows, rows, 0.125
+    )
+    monkeypatch.setattr(cpu_native, "library", lambda: avx2_library)
+    cpu_native.paged_decode(query, out, *codes, *scales, md.block_tables, md.seq_lens, rows, rows, 0.125)
+    tolerance = dict(rtol=1e-5, atol=QUERY_ERROR[cache_dtype]) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out, ref, **tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("cache_dtype", [None, *CODES], ids=["model-dtype", *CODE_IDS])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_native_prefill_reads_the_cache_in_place(dtype, cache_dtype, head_dim):

@@ -357,23 +357,32 @@ void decode_task_avx512(const T* q, T* out, const C* k_cache, const C* v_cache, 
 #endif
 
 #if TIFFIN_AVX2_DECODE
-// decode_task on 8 lanes (cpu_paged_decode_avx2.h), for head_dim D 64 or 128 and a cache in the model's dtype.
-template <int D, typename T>
-void decode_task_avx2(const T* q, T* out, const T* k_cache, const T* v_cache, const int32_t* block_table, int len,
-                      int kv_first, int kv_end, int group, int num_kv_heads, int block_size, float scale, int lo,
-                      float softcap, std::vector<float>& buf, std::vector<int64_t>& offsets) {
-  const int heads = (kv_end - kv_first) * group;  // query heads of this task, from query head kv_first * group
+// decode_task on 8 lanes (cpu_paged_decode_avx2.h), for head_dim D 64 or 128.
+template <int D, typename T, typename C>
+void decode_task_avx2(const T* q, T* out, const C* k_cache, const C* v_cache, const bf16* k_scale,
+                      const bf16* v_scale, const int32_t* block_table, int len, int kv_first, int kv_end, int group,
+                      int num_kv_heads, int block_size, float scale, int lo, float softcap, std::vector<float>& buf,
+                      std::vector<int64_t>& offsets) {
+  const int heads = (kv_end - kv_first) * group, kv_heads = kv_end - kv_first;  // query heads from kv_first * group
   q += kv_first * group * D;
   out += kv_first * group * D;
   token_offsets(offsets, block_table, block_size, lo, len, static_cast<int64_t>(num_kv_heads) * D);
-  buf.resize(static_cast<size_t>(heads) * (D + len + 1));
+  buf.resize(static_cast<size_t>(heads) * (D + len + 1) + 2 * kv_heads * len);
   float* qf = buf.data();
   float* scores = qf + heads * D;
   float* denom = scores + heads * len;
+  float* ks = denom + heads;
+  float* vs = ks + kv_heads * len;
   for (int i = 0; i < heads * D; ++i) qf[i] = to_float(q[i]) * scale;
-  scores8<D>(qf, k_cache + kv_first * D, offsets.data(), len, heads, group, kv_end - kv_first, scores);
+  if constexpr (is_code<C>) {  // keys are stored rotated
+    token_scales(ks, vs, k_scale, v_scale, block_table, block_size, lo, len, kv_first, kv_heads, num_kv_heads);
+    for (int hq = 0; hq < heads; ++hq) hadamard(qf + hq * D, D);
+  }
+  scores8<D>(qf, k_cache + kv_first * D, offsets.data(), len, heads, group, kv_heads, is_code<C> ? ks : nullptr,
+             scores);
   soft_cap(scores, static_cast<int64_t>(heads) * len, softcap);
   softmax_rows(scores, denom, heads, len);
+  if constexpr (is_code<C>) weigh_by_scales(scores, vs, heads, group, len);
   weigh_values8<D>(out, v_cache + kv_first * D, offsets.data(), scores, denom, len, heads, group);
 }
 #endif
@@ -412,13 +421,12 @@ void decode(const void* query, int64_t query_row_stride, void* out, int64_t out_
       }
 #endif
 #if TIFFIN_AVX2_DECODE
-      if constexpr (std::is_same_v<T, C>)
-        if (head_dim == 64 || head_dim == 128) {
-          auto run = head_dim == 64 ? decode_task_avx2<64, T> : decode_task_avx2<128, T>;
-          run(q, o, kc, vc, table, len, kv_first, kv_end, group, num_kv_heads, block_size, scale, lo, softcap, buf,
-              offsets);
-          continue;
-        }
+      if (head_dim == 64 || head_dim == 128) {
+        auto run = head_dim == 64 ? decode_task_avx2<64, T, C> : decode_task_avx2<128, T, C>;
+        run(q, o, kc, vc, ks, vs, table, len, kv_first, kv_end, group, num_kv_heads, block_size, scale, lo, softcap,
+            buf, offsets);
+        continue;
+      }
 #endif
       decode_task(q, o, kc, vc, ks, vs, table, len, kv_first, kv_end, group, num_kv_heads, head_dim, block_size,
                   scale, lo, softcap, buf, offsets);

@@ -1,6 +1,5 @@
 // cpu_paged_decode.cpp's vectorized decode task on 8 lanes, for x86 CPUs with AVX2 but no AVX-512 (AMD Zen 2/3,
-// Intel before Ice Lake): head_dim 64 or 128, a cache in the model's dtype (a quantized cache keeps the generic
-// loop). Scores 8 tokens at a time for every query head of the task, each dot product kept as 8 partial sums and
+// Intel before Ice Lake): head_dim 64 or 128, a cache in the model's dtype or quantized (int8, fp8 codes). Scores 8 tokens at a time for every query head of the task, each dot product kept as 8 partial sums and
 // the 8 reduced together, the next tiles' K rows prefetched (blocks lie anywhere in memory); then P·V a query head
 // and 64 dims at a time, the accumulators in registers. The generic loop reduces each dot product alone and keeps
 // P·V's sums in memory.
@@ -19,6 +18,19 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const bf16* p) {
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline __m128i load8_bytes(const void* p) {
+  return _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const i8* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 load8(const e5m2* p) { return _mm256_cvtph_ps(_mm_slli_epi16(load8_bytes(p), 8)); }  // an fp16's top
+inline __m256 load8(const e4m3* p) {  // as an fp16 (sign, then exponent and mantissa shifted in): 2^-8 of its value
+  const __m128i b = load8_bytes(p);
+  const __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
+  const __m128i rest = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7);
+  return _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(sign, rest)), _mm256_set1_ps(256.f));
 }
 
 // Lane i of the result: the sum of v[i]'s 8 lanes.
@@ -44,11 +56,12 @@ inline void prefetch_rows(const C* cache, const int64_t* offsets, int from, int 
     for (int l = 0; l < bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(cache + offsets[j]) + l, static_cast<decltype(_MM_HINT_T0)>(HINT));
 }
 
-// scores[hq * len + t] = qf[hq] · K[t] of head hq / group, for the task's `heads` query heads (q pre-scaled, fp32).
-// `offsets` are element offsets of each token's row of `kv_heads` heads in `k_cache`.
+// scores[hq * len + t] = qf[hq] · K[t] of head hq / group, for the task's `heads` query heads (q pre-scaled, fp32),
+// times the token's K scale ks[(hq / group) * len + t] where `ks` is given (a quantized cache). `offsets` are element
+// offsets of each token's row of `kv_heads` heads in `k_cache`.
 template <int D, typename C>
 void scores8(const float* qf, const C* k_cache, const int64_t* offsets, int len, int heads, int group, int kv_heads,
-             float* scores) {
+             const float* ks, float* scores) {
   const int row_bytes = kv_heads * D * static_cast<int>(sizeof(C));
   int t = 0;
   for (; t + 8 <= len; t += 8) {  // the next tile's rows to L1, the one after to L2 (L1 tracks few misses at once)
@@ -58,11 +71,15 @@ void scores8(const float* qf, const C* k_cache, const int64_t* offsets, int len,
       const C* k = k_cache + (hq / group) * D;
       __m256 part[8];
       for (int j = 0; j < 8; ++j) part[j] = dot8<D>(qf + hq * D, k + offsets[t + j]);
-      _mm256_storeu_ps(scores + hq * len + t, sum_each8(part));
+      const __m256 s8 = sum_each8(part);
+      _mm256_storeu_ps(scores + hq * len + t, ks ? _mm256_mul_ps(s8, _mm256_loadu_ps(ks + (hq / group) * len + t)) : s8);
     }
   }
   for (; t < len; ++t)
-    for (int hq = 0; hq < heads; ++hq) scores[hq * len + t] = sum8(dot8<D>(qf + hq * D, k_cache + (hq / group) * D + offsets[t]));
+    for (int hq = 0; hq < heads; ++hq) {
+      const float s = sum8(dot8<D>(qf + hq * D, k_cache + (hq / group) * D + offsets[t]));
+      scores[hq * len + t] = ks ? s * ks[(hq / group) * len + t] : s;
+    }
 }
 
 // out[hq] = sum_t probs[hq * len + t] V[t] of head hq / group, times denom[hq], rounded to T: 64 dims at a time, their
