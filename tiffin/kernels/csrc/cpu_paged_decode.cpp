@@ -1,7 +1,8 @@
 // Paged attention for one-token queries (decode), read through the block table in place: the torch path gathers
 // each sequence's blocks into a contiguous copy first, tripling the memory traffic of an op bound by it. Tasks are
-// a sequence's query heads sharing some KV heads; on AVX-512 (head_dim 64 or 128) a vectorized task scores 16
-// tokens at a time, elsewhere the generic loop runs. Built with the other kernels by tiffin/kernels/cpu_native.py.
+// a sequence's query heads sharing some KV heads; for head_dim 64 or 128 a vectorized task scores 16 tokens at a
+// time on AVX-512 (cpu_paged_decode_avx512.h) or 8 on AVX2 (cpu_paged_decode_avx2.h), elsewhere the generic loop.
+// Built with the other kernels by tiffin/kernels/cpu_native.py.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -18,7 +19,6 @@
 #include "cpu_types.h"
 
 namespace {
-
 
 // Each of `rows` rows of `len` scores becomes e^(score - its max); denom[row] = 1 / the row's sum.
 inline void softmax_rows(float* scores, float* denom, int rows, int len) {
