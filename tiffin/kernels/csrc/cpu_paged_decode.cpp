@@ -269,6 +269,15 @@ void decode_task_avx2(const T* q, T* out, const C* k_cache, const C* v_cache, co
 }
 #endif
 
+// The vectorized task this CPU runs for head_dim D (64 or 128), where it has one.
+#if defined(__AVX512F__)
+template <int D, typename T, typename C>
+constexpr auto vector_task = decode_task_avx512<D, T, C>;
+#elif TIFFIN_AVX2_DECODE
+template <int D, typename T, typename C>
+constexpr auto vector_task = decode_task_avx2<D, T, C>;
+#endif
+
 template <typename T, typename C>
 void decode(const void* query, int64_t query_row_stride, void* out, int64_t out_row_stride, const void* k_cache,
             const void* v_cache, const void* k_scale, const void* v_scale, const int32_t* block_tables,
@@ -294,17 +303,9 @@ void decode(const void* query, int64_t query_row_stride, void* out, int64_t out_
       const int32_t* table = block_tables + seqs[i] * block_table_stride;
       const int group = num_heads / num_kv_heads, seq_len = seq_lens[seqs[i]], kv_end = kv_first + kv_per_task;
       const int lo = window > 0 && seq_len > window ? seq_len - window : 0, len = seq_len - lo;  // keys it sees
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || TIFFIN_AVX2_DECODE
       if (head_dim == 64 || head_dim == 128) {
-        auto run = head_dim == 64 ? decode_task_avx512<64, T, C> : decode_task_avx512<128, T, C>;
-        run(q, o, kc, vc, ks, vs, table, len, kv_first, kv_end, group, num_kv_heads, block_size, scale, lo, softcap,
-            buf, offsets);
-        continue;
-      }
-#endif
-#if TIFFIN_AVX2_DECODE
-      if (head_dim == 64 || head_dim == 128) {
-        auto run = head_dim == 64 ? decode_task_avx2<64, T, C> : decode_task_avx2<128, T, C>;
+        auto run = head_dim == 64 ? vector_task<64, T, C> : vector_task<128, T, C>;
         run(q, o, kc, vc, ks, vs, table, len, kv_first, kv_end, group, num_kv_heads, block_size, scale, lo, softcap,
             buf, offsets);
         continue;
